@@ -1,0 +1,38 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from agents import api as agents_api
+from approvals import api as approvals_api
+from budgets import api as budgets_api
+from runs import api as runs_api
+from tenants import api as tenants_api
+
+v1 = [
+    path("auth/token", tenants_api.TokenCreateApi.as_view()),
+    path("agents", agents_api.AgentListApi.as_view()),
+    path("agents/<slug:name>/versions", agents_api.VersionListApi.as_view()),
+    path("agents/<slug:name>/versions/<int:number>", agents_api.VersionDetailApi.as_view()),
+    path("agents/<slug:name>/aliases/<slug:alias>", agents_api.AliasApi.as_view()),
+    path("runs", runs_api.RunListApi.as_view()),
+    path("runs/<str:run_id>", runs_api.RunDetailApi.as_view()),
+    path("runs/<str:run_id>/steps", runs_api.RunStepsApi.as_view()),
+    path("runs/<str:run_id>/events", runs_api.RunEventsApi.as_view()),
+    path("runs/<str:run_id>/cancel", runs_api.RunCancelApi.as_view()),
+    path("runs/<str:run_id>/steps/<int:seq>/resolve", runs_api.StepResolveApi.as_view()),
+    path("approvals", approvals_api.ApprovalListApi.as_view()),
+    path("approvals/<str:approval_id>", approvals_api.ApprovalDetailApi.as_view()),
+    path("approvals/<str:approval_id>/approve", approvals_api.ApprovalApproveApi.as_view()),
+    path("approvals/<str:approval_id>/deny", approvals_api.ApprovalDenyApi.as_view()),
+    path("usage", budgets_api.UsageApi.as_view()),
+    path("reservations", budgets_api.ReservationListApi.as_view()),
+    path("reservations/<str:reservation_id>/reconcile", budgets_api.ReservationReconcileApi.as_view()),
+    path("reservations/<str:reservation_id>/write-off", budgets_api.ReservationWriteOffApi.as_view()),
+    path("schema", SpectacularAPIView.as_view(), name="schema"),
+    path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+]
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("v1/", include(v1)),
+]

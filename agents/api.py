@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agentplatform.api import require_tenant
+from agentplatform.errors import Forbidden, NotFound
+from agents import selectors, services
+from agents.models import AgentDefinition, AgentVersion
+
+
+class VersionOutput(serializers.ModelSerializer):
+    agent = serializers.CharField(source="agent.name")
+    aliases = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AgentVersion
+        fields = ["agent", "number", "content_hash", "spec", "aliases", "created_at"]
+
+    def get_aliases(self, version) -> list[str]:
+        return sorted(a.name for a in version.aliases.all())
+
+
+class AgentOutput(serializers.ModelSerializer):
+    aliases = serializers.SerializerMethodField()
+    latest_version = serializers.SerializerMethodField()
+
+    class Meta:
+        model = AgentDefinition
+        fields = ["name", "aliases", "latest_version", "created_at"]
+
+    def get_aliases(self, agent) -> dict[str, int]:
+        return {a.name: a.version.number for a in agent.aliases.select_related("version")}
+
+    def get_latest_version(self, agent) -> int | None:
+        latest = agent.versions.order_by("-number").first()
+        return latest.number if latest else None
+
+
+def _require_editor(user) -> None:
+    require_tenant(user)
+    if not user.is_staff:
+        raise Forbidden("only tenant staff may change agents", code="not_staff")
+
+
+class AgentListApi(APIView):
+    @extend_schema(responses=AgentOutput(many=True))
+    def get(self, request):
+        require_tenant(request.user)
+        agents = AgentDefinition.objects.filter(tenant_id=request.user.tenant_id).order_by("name")
+        return Response(AgentOutput(agents, many=True).data)
+
+
+class VersionListApi(APIView):
+    class InputSerializer(serializers.Serializer):
+        spec = serializers.JSONField()
+
+    @extend_schema(responses=VersionOutput(many=True))
+    def get(self, request, name: str):
+        require_tenant(request.user)
+        versions = selectors.versions_of(tenant=request.user.tenant, agent=name).prefetch_related("aliases")
+        return Response(VersionOutput(versions, many=True).data)
+
+    @extend_schema(request=InputSerializer, responses={201: VersionOutput, 200: VersionOutput})
+    def post(self, request, name: str):
+        """Validate and store a new immutable version. Posting the latest spec again returns it (200)."""
+        _require_editor(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        version, created = services.create_version(tenant=request.user.tenant, agent=name,
+                                                   spec=data.validated_data["spec"], user=request.user)
+        return Response(VersionOutput(version).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+class VersionDetailApi(APIView):
+    @extend_schema(responses=VersionOutput)
+    def get(self, request, name: str, number: int):
+        require_tenant(request.user)
+        version = selectors.versions_of(tenant=request.user.tenant, agent=name).filter(number=number).first()
+        if version is None:
+            raise NotFound(f"version {number} of agent {name}")
+        return Response(VersionOutput(version).data)
+
+
+class AliasApi(APIView):
+    class InputSerializer(serializers.Serializer):
+        version = serializers.IntegerField(min_value=1)
+
+    @extend_schema(request=InputSerializer, responses=VersionOutput)
+    def put(self, request, name: str, alias: str):
+        """Point an alias (prod, canary, …) at a version. Running runs keep the version they pinned."""
+        _require_editor(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        moved = services.move_alias(tenant=request.user.tenant, agent=name, alias=alias,
+                                    version=data.validated_data["version"])
+        return Response(VersionOutput(moved.version).data)

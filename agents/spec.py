@@ -1,0 +1,85 @@
+"""Validation of an agent version's spec against its tenant. Errors name the field path."""
+from __future__ import annotations
+
+from approvals.policy import PolicyError, parse_policy
+from runs.services import DEFAULT_LIMITS, LIMIT_CAPS
+
+LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
+CONTEXT_KEYS = {"compact_after_tokens", "keep_recent_results", "compact_batch"}
+KNOWN_KEYS = {"model", "instructions", "tools", "limits", "context", "approval_overrides", "loop",
+              "on_approval_expired", "max_visible_tools", "description"}
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def validate_spec(spec, tenant) -> dict[str, list[str]]:
+    from llm.models import ModelEndpoint
+    from tools.models import Tool
+
+    errors: dict[str, list[str]] = {}
+
+    def add(path: str, message: str) -> None:
+        errors.setdefault(path, []).append(message)
+
+    if not isinstance(spec, dict):
+        return {"spec": ["must be an object"]}
+    for key in sorted(set(spec) - KNOWN_KEYS):
+        add(key, "unknown field")
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        add("model", "required: the name of a model endpoint")
+    elif not ModelEndpoint.objects.filter(tenant=tenant, name=model).exists():
+        add("model", f"no model endpoint named {model!r} in this tenant")
+    instructions = spec.get("instructions")
+    if not isinstance(instructions, str) or not instructions.strip():
+        add("instructions", "required: non-empty text")
+    tools = spec.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        add("tools", "must be a list of tool names")
+        tools = []
+    else:
+        known = set(Tool.objects.filter(tenant=tenant, name__in=tools).values_list("name", flat=True))
+        for i, name in enumerate(tools):
+            if name not in known:
+                add(f"tools[{i}]", f"no tool named {name!r} in this tenant")
+        if len(set(tools)) != len(tools):
+            add("tools", "lists a tool twice")
+    limits = spec.get("limits", {})
+    if not isinstance(limits, dict):
+        add("limits", "must be an object")
+    else:
+        for key, value in limits.items():
+            if key not in DEFAULT_LIMITS:
+                add(f"limits.{key}", f"unknown limit; one of {', '.join(sorted(DEFAULT_LIMITS))}")
+            elif not _positive_int(value):
+                add(f"limits.{key}", "must be a positive integer")
+            elif value > getattr(tenant, LIMIT_CAPS[key]):
+                add(f"limits.{key}", f"{value} is above the tenant cap of {getattr(tenant, LIMIT_CAPS[key])}")
+    overrides = spec.get("approval_overrides", {})
+    if not isinstance(overrides, dict):
+        add("approval_overrides", "must be an object of tool name to policy")
+    else:
+        for name, policy in overrides.items():
+            if name not in tools:
+                add(f"approval_overrides.{name}", "tool is not in this agent's tools")
+            try:
+                parse_policy(str(policy))
+            except PolicyError as exc:
+                add(f"approval_overrides.{name}", str(exc))
+    for section, keys in (("loop", LOOP_KEYS), ("context", CONTEXT_KEYS)):
+        value = spec.get(section, {})
+        if not isinstance(value, dict):
+            add(section, "must be an object")
+            continue
+        for key, item in value.items():
+            if key not in keys:
+                add(f"{section}.{key}", f"unknown setting; one of {', '.join(sorted(keys))}")
+            elif not _positive_int(item):
+                add(f"{section}.{key}", "must be a positive integer")
+    if spec.get("on_approval_expired", "tell_model") not in ("tell_model", "stop"):
+        add("on_approval_expired", "must be one of tell_model, stop")
+    if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
+        add("max_visible_tools", "must be a positive integer")
+    return errors

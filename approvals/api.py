@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agentplatform.api import paginate, require_tenant
+from approvals import selectors, services
+from approvals.models import Approval, ApprovalStatus
+
+
+class ApprovalOutput(serializers.ModelSerializer):
+    tool = serializers.CharField(source="tool.name")
+    run = serializers.UUIDField(source="run_id")
+    step_seq = serializers.IntegerField(source="step.seq")
+    requested_by = serializers.CharField(source="requested_by.username")
+    decided_by = serializers.CharField(source="decided_by.username", allow_null=True, default=None)
+
+    class Meta:
+        model = Approval
+        fields = ["id", "status", "tool", "run", "step_seq", "arguments", "reason", "policy", "digest",
+                  "requested_by", "decided_by", "decision_reason", "void_reason", "created_at", "expires_at",
+                  "decided_at", "consumed_at"]
+
+
+class ApprovalListApi(APIView):
+    @extend_schema(parameters=[OpenApiParameter("status", enum=ApprovalStatus.values), OpenApiParameter("tool"),
+                               OpenApiParameter("run")], responses=ApprovalOutput(many=True))
+    def get(self, request):
+        require_tenant(request.user)
+        q = request.query_params
+        approvals = selectors.approvals_for(request.user, status=q.get("status"), tool=q.get("tool"), run=q.get("run"))
+        return paginate(self, request, approvals, ApprovalOutput)
+
+
+class ApprovalDetailApi(APIView):
+    @extend_schema(responses=ApprovalOutput)
+    def get(self, request, approval_id):
+        require_tenant(request.user)
+        return Response(ApprovalOutput(selectors.get_approval(request.user, approval_id)).data)
+
+
+class _DecisionApi(APIView):
+    approve = True
+
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(allow_blank=True, required=False, default="")
+
+    @extend_schema(request=InputSerializer, responses=ApprovalOutput)
+    def post(self, request, approval_id):
+        require_tenant(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        approval = services.decide(approval_id=approval_id, user=request.user, approve=self.approve,
+                                   reason=data.validated_data["reason"])
+        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(pk=approval.pk)
+        return Response(ApprovalOutput(approval).data)
+
+
+class ApprovalApproveApi(_DecisionApi):
+    """Approve one exact call. The requester may not approve their own request."""
+    approve = True
+
+
+class ApprovalDenyApi(_DecisionApi):
+    """Deny a call; the model is told and may explain or choose another path."""
+    approve = False

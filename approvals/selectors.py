@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import uuid
+
+from guardian.shortcuts import get_objects_for_user
+
+from agentplatform.errors import NotFound
+from approvals.models import Approval
+from tools.models import Tool
+
+
+def approvable_tools(user):
+    return get_objects_for_user(user, "tools.approve_tool", klass=Tool.objects.filter(tenant_id=user.tenant_id),
+                                with_superuser=False, accept_global_perms=False)
+
+
+def approvals_for(user, *, status: str | None = None, tool: str | None = None, run: str | None = None):
+    """Approvals in the caller's tenant for tools on which the caller holds approve_tool."""
+    approvals = Approval.objects.filter(tenant_id=user.tenant_id, tool__in=approvable_tools(user)) \
+        .select_related("tool", "requested_by", "decided_by", "step", "run")
+    if status:
+        approvals = approvals.filter(status=status)
+    if tool:
+        approvals = approvals.filter(tool__name=tool)
+    if run:
+        approvals = approvals.filter(run_id=run)
+    return approvals.order_by("created_at")
+
+
+def get_approval(user, approval_id) -> Approval:
+    try:
+        return approvals_for(user).get(pk=uuid.UUID(str(approval_id)))
+    except (Approval.DoesNotExist, ValueError):
+        raise NotFound("approval") from None

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class BudgetAccount(models.Model):
+    """limit, reserved, spent and held in micro-units; moved only by conditional F() updates."""
+
+    class Scope(models.TextChoices):
+        RUN = "run"
+        TENANT_DAY = "tenant_day"
+        USER_DAY = "user_day"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="budget_accounts")
+    scope = models.CharField(max_length=12, choices=Scope.choices)
+    run = models.OneToOneField("runs.Run", null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="budget")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+                             related_name="+")
+    day = models.DateField(null=True, blank=True)
+    limit_micros = models.BigIntegerField()
+    reserved_micros = models.BigIntegerField(default=0)
+    spent_micros = models.BigIntegerField(default=0)
+    held_micros = models.BigIntegerField(default=0)
+    overage_micros = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(reserved_micros__gte=0), name="budget_reserved_gte_0"),
+            models.CheckConstraint(condition=Q(spent_micros__gte=0), name="budget_spent_gte_0"),
+            models.CheckConstraint(condition=Q(held_micros__gte=0), name="budget_held_gte_0"),
+            models.UniqueConstraint(fields=["tenant", "day"], condition=Q(scope="tenant_day"),
+                                    name="uniq_tenant_day_account"),
+            models.UniqueConstraint(fields=["tenant", "user", "day"], condition=Q(scope="user_day"),
+                                    name="uniq_user_day_account"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.day or self.run_id}"
+
+    @property
+    def remaining_micros(self) -> int:
+        return self.limit_micros - self.reserved_micros - self.spent_micros - self.held_micros
+
+
+class Reservation(models.Model):
+    class Status(models.TextChoices):
+        OPEN = "open"
+        SETTLED = "settled"
+        RELEASED = "released"
+        HELD = "held"
+        RECONCILED = "reconciled"
+        WRITTEN_OFF = "written_off"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey("runs.Run", null=True, blank=True, on_delete=models.CASCADE,
+                            related_name="reservations")
+    step = models.ForeignKey("runs.Step", null=True, blank=True, on_delete=models.SET_NULL,
+                             related_name="reservations")
+    # Fixed lock order: day account, user-day account, run account.
+    day_account = models.ForeignKey(BudgetAccount, on_delete=models.PROTECT, related_name="+")
+    user_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.PROTECT,
+                                     related_name="+")
+    run_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.PROTECT,
+                                    related_name="+")
+    purpose = models.CharField(max_length=20)     # "model" | "tool"
+    day = models.DateField()
+    amount_micros = models.BigIntegerField()
+    actual_micros = models.BigIntegerField(null=True, blank=True)
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.OPEN, db_index=True)
+    overage = models.BooleanField(default=False)
+    note = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    closed_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                  related_name="+")
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    def accounts(self) -> list[int]:
+        return [pk for pk in (self.day_account_id, self.user_account_id, self.run_account_id) if pk]
+
+
+class LedgerEntry(models.Model):
+    """Append-only audit of every movement on an account."""
+
+    class Kind(models.TextChoices):
+        RESERVE = "reserve"
+        SETTLE = "settle"
+        RELEASE = "release"
+        HOLD = "hold"
+        RECONCILE = "reconcile"
+        WRITE_OFF = "write_off"
+        OVERAGE = "overage"
+
+    account = models.ForeignKey(BudgetAccount, on_delete=models.CASCADE, related_name="entries")
+    reservation = models.ForeignKey(Reservation, null=True, blank=True, on_delete=models.CASCADE,
+                                    related_name="entries")
+    kind = models.CharField(max_length=12, choices=Kind.choices)
+    amount_micros = models.BigIntegerField()
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    note = models.TextField(blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from django.db.models import Count, Q, Sum
+
+from agentplatform.errors import NotFound
+from budgets.models import BudgetAccount, Reservation
+from budgets.services import local_day
+
+
+def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
+    since = local_day(tenant) - dt.timedelta(days=days - 1)
+    return list(BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
+                .order_by("day"))
+
+
+def per_agent(tenant, *, days: int = 30) -> list[dict]:
+    since = local_day(tenant) - dt.timedelta(days=days - 1)
+    rows = (Reservation.objects.filter(tenant=tenant, day__gte=since, run__isnull=False)
+            .values("run__agent__name")
+            .annotate(spent=Sum("actual_micros", filter=Q(status__in=["settled", "reconciled"])),
+                      held=Sum("amount_micros", filter=Q(status="held")),
+                      reserved=Sum("amount_micros", filter=Q(status="open")),
+                      runs=Count("run", distinct=True))
+            .order_by("run__agent__name"))
+    return [{"agent": r["run__agent__name"], "spent_micros": r["spent"] or 0, "held_micros": r["held"] or 0,
+             "reserved_micros": r["reserved"] or 0, "runs": r["runs"]} for r in rows]
+
+
+def top_runs(tenant, *, days: int = 30, limit: int = 10):
+    from runs.models import Run
+
+    since = local_day(tenant) - dt.timedelta(days=days - 1)
+    return (Run.objects.filter(tenant=tenant, created_at__date__gte=since, budget__isnull=False)
+            .select_related("budget", "agent", "created_by").order_by("-budget__spent_micros")[:limit])
+
+
+def reservations_for(user, *, status: str | None = None):
+    reservations = Reservation.objects.filter(tenant_id=user.tenant_id).select_related("run", "step")
+    return reservations.filter(status=status) if status else reservations
+
+
+def get_reservation(user, reservation_id) -> Reservation:
+    try:
+        return reservations_for(user).get(pk=uuid.UUID(str(reservation_id)))
+    except (Reservation.DoesNotExist, ValueError):
+        raise NotFound("reservation") from None

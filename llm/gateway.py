@@ -1,0 +1,141 @@
+"""The model gateway: builds the context, prices calls, and calls the provider.
+
+The request prefix (instructions, then tools sorted by name) is byte-stable across the steps of
+a run so provider prompt caches hit; history grows at the end only, and old tool results are
+compacted in batches so the cached prefix is invalidated once per batch, not every step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from decimal import Decimal
+
+from llm.models import ModelEndpoint
+from llm.tokens import estimate_input_tokens, estimate_text
+from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
+from runs.models import OBSERVED, StepKind, StepStatus
+
+COMPACT_DEFAULTS = {"compact_after_tokens": 12_000, "keep_recent_results": 6, "compact_batch": 8}
+
+_providers: dict[tuple, object] = {}
+_providers_lock = threading.Lock()
+
+
+def _input_text(value) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def build_messages(run, steps) -> list[Message]:
+    messages = [Message(role="user", content=_input_text(run.input))]
+    for step in steps:
+        if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
+            calls = [ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
+                     for c in step.result.get("tool_calls", [])]
+            messages.append(Message(role="assistant", content=step.result.get("text", ""), tool_calls=calls))
+        elif step.kind == StepKind.TOOL and step.status in OBSERVED:
+            is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
+                (step.result or {}).get("is_error"))
+            messages.append(Message(role="tool", content=step.observation, tool_call_id=step.call_id,
+                                    is_error=is_error))
+    return messages
+
+
+def compact(messages: list[Message], policy: dict) -> list[Message]:
+    """Replace old tool results by a stub once history is long, a batch of results at a time."""
+    policy = {**COMPACT_DEFAULTS, **(policy or {})}
+    tool_positions = [i for i, m in enumerate(messages) if m.role == "tool"]
+    history = sum(estimate_text(m.content) for m in messages)
+    if history <= policy["compact_after_tokens"]:
+        return messages
+    compactable = max(len(tool_positions) - policy["keep_recent_results"], 0)
+    compactable -= compactable % policy["compact_batch"]   # move the boundary in whole batches
+    compacted = list(messages)
+    for i in tool_positions[:compactable]:
+        original = messages[i]
+        if len(original.content) > 200:
+            compacted[i] = Message(role="tool", tool_call_id=original.tool_call_id, is_error=original.is_error,
+                                   content=original.content[:160] + f"… [compacted: {len(original.content)} "
+                                   "chars; the full result is stored]")
+    return compacted
+
+
+def build_request(run, steps, tools: list[ToolSpec]) -> ModelRequest:
+    version = run.version
+    spec = version.spec
+    endpoint = version.model_endpoint
+    messages = compact(build_messages(run, steps), spec.get("context", {}))
+    return ModelRequest(model=endpoint.model, instructions=spec["instructions"], messages=messages,
+                        tools=sorted(tools, key=lambda t: t.name),
+                        max_output_tokens=run.limits["max_output_tokens"],
+                        timeout_seconds=endpoint.timeout_seconds)
+
+
+def _micros(tokens: int, price_per_million: Decimal) -> Decimal:
+    # Prices are per million tokens in currency units; micros are millionths of a unit.
+    return Decimal(tokens) * price_per_million
+
+
+def estimate_cost_micros(endpoint: ModelEndpoint, request: ModelRequest) -> int:
+    """Worst case: every input token uncached (or written to cache), every output token used."""
+    input_price = max(endpoint.price_input, endpoint.price_cache_write)
+    cost = _micros(estimate_input_tokens(request), input_price) + _micros(request.max_output_tokens,
+                                                                           endpoint.price_output)
+    return math.ceil(cost)
+
+
+def cost_micros(endpoint: ModelEndpoint, usage: Usage) -> int:
+    cost = (_micros(usage.input_tokens, endpoint.price_input)
+            + _micros(usage.cached_input_tokens, endpoint.price_cached_input)
+            + _micros(usage.cache_write_tokens, endpoint.price_cache_write)
+            + _micros(usage.output_tokens, endpoint.price_output))
+    return math.ceil(cost)
+
+
+def prefix_hash(request: ModelRequest) -> str:
+    prefix = json.dumps([request.instructions, [[t.name, t.description, t.input_schema] for t in request.tools]],
+                        sort_keys=True)
+    return hashlib.sha256(prefix.encode()).hexdigest()[:16]
+
+
+def request_summary(request: ModelRequest) -> dict:
+    """What the step stores about its request: enough to audit, nothing secret."""
+    return {"model": request.model, "messages": len(request.messages), "tools": [t.name for t in request.tools],
+            "max_output_tokens": request.max_output_tokens,
+            "estimated_input_tokens": estimate_input_tokens(request), "prefix_hash": prefix_hash(request)}
+
+
+def _provider(endpoint: ModelEndpoint):
+    from llm.providers.scripted import ScriptedProvider
+
+    if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
+        return ScriptedProvider(endpoint.config)
+    api_key = endpoint.secret.reveal() if endpoint.secret_id else None
+    key = (endpoint.kind, endpoint.base_url, endpoint.model, hashlib.sha256((api_key or "").encode()).hexdigest())
+    with _providers_lock:
+        provider = _providers.get(key)
+        if provider is None:
+            if endpoint.kind == ModelEndpoint.Kind.OPENAI:
+                from llm.providers.openai import OpenAIProvider
+                provider = OpenAIProvider(endpoint.base_url, api_key, endpoint.model)
+            else:
+                from llm.providers.anthropic import AnthropicProvider
+                provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)
+            _providers[key] = provider
+    return provider
+
+
+def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
+    """Call the provider once (the engine owns retries). Secrets never leave in errors."""
+    from tenants.crypto import redact
+
+    provider = _provider(endpoint)
+    try:
+        return provider.complete(request)
+    except ProviderError as exc:
+        secret = [endpoint.secret.reveal()] if endpoint.secret_id else []
+        raise ProviderError(redact(str(exc), secret), retryable=exc.retryable, sent=exc.sent,
+                            status=exc.status, retry_after=exc.retry_after) from None

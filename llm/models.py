@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db import models
+
+
+class ModelEndpoint(models.Model):
+    """A provider endpoint with its prices, in budget currency per million tokens."""
+
+    class Kind(models.TextChoices):
+        OPENAI = "openai"
+        ANTHROPIC = "anthropic"
+        SCRIPTED = "scripted"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="model_endpoints")
+    name = models.SlugField(max_length=100)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    base_url = models.URLField(blank=True)
+    model = models.CharField(max_length=200, blank=True)
+    secret = models.ForeignKey("tenants.Secret", null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="+")
+    price_input = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
+    price_cached_input = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
+    price_cache_write = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
+    price_output = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
+    timeout_seconds = models.FloatField(default=60.0)
+    # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
+    config = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name")]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind})"

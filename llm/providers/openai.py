@@ -1,0 +1,132 @@
+"""OpenAI-compatible Chat Completions client (OpenAI, vLLM, llama.cpp, Ollama, LiteLLM...).
+
+Output limit: only `max_completion_tokens` is sent by default. OpenAI rejects `max_tokens`
+for reasoning models and deprecated it elsewhere, and sending both is rejected too; vLLM,
+llama.cpp and LiteLLM accept `max_completion_tokens`. Pass max_tokens_param="max_tokens" for
+older servers that only know the legacy name.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llm.providers.http import make_client, post_json
+from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
+
+PROVIDER = "openai"
+
+
+class OpenAIProvider:
+    def __init__(self, base_url: str, api_key: str | None, model: str, *,
+                 max_tokens_param: str = "max_completion_tokens"):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_tokens_param = max_tokens_param
+        self._api_key = api_key
+        self._client = make_client()
+
+    def __repr__(self) -> str:  # keep the key out of logs and tracebacks
+        return f"OpenAIProvider(base_url={self.base_url!r}, model={self.model!r})"
+
+    def close(self) -> None:
+        self._client.close()
+
+    def complete(self, request: ModelRequest) -> ModelReply:
+        data = post_json(self._client, f"{self.base_url}/chat/completions", headers=self._headers(),
+                         body=self.build_body(request), timeout_seconds=request.timeout_seconds,
+                         provider=PROVIDER, secret=self._api_key)
+        return parse_reply(data)
+
+    def build_body(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            # The request may pin a model; otherwise the provider's configured one is used.
+            "model": request.model or self.model,
+            "messages": build_messages(request.instructions, request.messages),
+            self.max_tokens_param: request.max_output_tokens,
+        }
+        if request.tools:
+            body["tools"] = [tool_to_wire(tool) for tool in request.tools]
+        return body
+
+    def _headers(self) -> dict[str, str]:
+        # Local servers often run without a key; an empty Bearer header confuses some of them.
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+
+def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
+    return {"type": "function",
+            "function": {"name": tool.name, "description": tool.description,
+                         "parameters": tool.input_schema}}
+
+
+def build_messages(instructions: str, messages: list[Message]) -> list[dict[str, Any]]:
+    wire: list[dict[str, Any]] = []
+    if instructions:
+        wire.append({"role": "system", "content": instructions})
+    wire.extend(message_to_wire(message) for message in messages)
+    return wire
+
+
+def message_to_wire(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        content = f"ERROR: {message.content}" if message.is_error else message.content
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": content}
+    if message.role == "assistant" and message.tool_calls:
+        return {"role": "assistant",
+                # null (not "") is the canonical "no text" for a tool-calling turn
+                "content": message.content or None,
+                "tool_calls": [call_to_wire(call) for call in message.tool_calls]}
+    if message.role in ("user", "assistant"):
+        return {"role": message.role, "content": message.content}
+    raise ValueError(f"unknown message role {message.role!r}")
+
+
+def call_to_wire(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+def parse_reply(data: dict[str, Any]) -> ModelReply:
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+        calls = [parse_call(raw) for raw in message.get("tool_calls") or []]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ProviderError(f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
+                            retryable=False, sent=True, status=200) from None
+    return ModelReply(text=message.get("content") or "", tool_calls=calls,
+                      usage=parse_usage(data.get("usage")),
+                      stop_reason=choice.get("finish_reason") or "")
+
+
+def parse_call(raw: dict[str, Any]) -> ToolCall:
+    function = raw["function"]
+    return ToolCall(id=raw["id"], name=function["name"],
+                    arguments=parse_arguments(function.get("arguments")))
+
+
+def parse_arguments(raw: Any) -> dict:
+    """Arguments are a JSON string written by the model, so they can be broken.
+
+    Broken arguments are kept as {"_raw": text} rather than raising: the platform then denies
+    the call with a schema error the model can read and fix on its next turn.
+    """
+    if isinstance(raw, dict):  # some compatible servers already decode it
+        return raw
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return {}  # some servers send "" for a call with no arguments
+    try:
+        parsed = json.loads(raw)
+    except (TypeError, ValueError):
+        return {"_raw": str(raw)}
+    return parsed if isinstance(parsed, dict) else {"_raw": raw}
+
+
+def parse_usage(raw: Any) -> Usage:
+    if not isinstance(raw, dict):
+        return Usage()
+    prompt = raw.get("prompt_tokens") or 0
+    details = raw.get("prompt_tokens_details") or {}
+    cached = min(details.get("cached_tokens") or 0, prompt)
+    return Usage(input_tokens=prompt - cached, cached_input_tokens=cached,
+                 output_tokens=raw.get("completion_tokens") or 0)

@@ -1,0 +1,82 @@
+"""Provider-neutral shapes that cross the model gateway."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as offered to the model: name, description, JSON schema of its arguments."""
+
+    name: str
+    description: str
+    input_schema: dict
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict
+
+
+@dataclass
+class Message:
+    """One conversation turn.
+
+    role is "user", "assistant" or "tool". An assistant message may carry tool_calls;
+    a tool message answers exactly one call (tool_call_id) and may be an error.
+    System instructions travel separately in ModelRequest.instructions.
+    """
+
+    role: str
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str = ""
+    is_error: bool = False
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    model: str
+    instructions: str
+    messages: list[Message]
+    tools: list[ToolSpec]
+    max_output_tokens: int
+    timeout_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int = 0          # uncached input tokens
+    cached_input_tokens: int = 0   # input tokens read from the provider's prompt cache
+    cache_write_tokens: int = 0    # input tokens written to the prompt cache (Anthropic)
+    output_tokens: int = 0
+
+    @property
+    def total_input(self) -> int:
+        return self.input_tokens + self.cached_input_tokens + self.cache_write_tokens
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    text: str
+    tool_calls: list[ToolCall]
+    usage: Usage
+    stop_reason: str = ""
+
+
+class ProviderError(Exception):
+    """A model provider call failed.
+
+    retryable: 429, 5xx, timeouts, connection resets. permanent: other 4xx.
+    sent: the request may have reached the provider (so it may have been charged).
+    """
+
+    def __init__(self, message: str, *, retryable: bool, sent: bool, status: int | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.retryable = retryable
+        self.sent = sent
+        self.status = status
+        self.retry_after = retry_after

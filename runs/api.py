@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agentplatform.api import BudgetSerializer, paginate, require_tenant
+from runs import resolution, selectors, services
+from runs.models import Run, RunEvent, RunStatus, Step
+
+
+class RunOutput(serializers.ModelSerializer):
+    agent = serializers.CharField(source="agent.name")
+    version = serializers.IntegerField(source="version.number")
+    created_by = serializers.CharField(source="created_by.username")
+    budget = BudgetSerializer(allow_null=True)
+
+    class Meta:
+        model = Run
+        fields = ["id", "agent", "version", "status", "stop_reason", "error", "final_output", "input", "metadata",
+                  "limits", "created_by", "cancel_requested", "step_count", "tool_call_count", "model_call_count",
+                  "budget", "created_at", "started_at", "finished_at", "deadline_at", "resume_at"]
+
+
+class StepOutput(serializers.ModelSerializer):
+    tool = serializers.CharField(source="tool_name")
+    duration_ms = serializers.IntegerField(allow_null=True)
+
+    class Meta:
+        model = Step
+        fields = ["seq", "kind", "status", "tool", "parent_seq", "arguments", "idempotency_key", "request", "result",
+                  "observation", "error", "usage", "cost_micros", "reserved_micros", "attempts",
+                  "replayed_from_seq", "created_at", "started_at", "finished_at", "duration_ms"]
+
+
+class EventOutput(serializers.ModelSerializer):
+    actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
+
+    class Meta:
+        model = RunEvent
+        fields = ["id", "at", "kind", "step_seq", "actor", "message", "data"]
+
+
+class RunListApi(APIView):
+    class InputSerializer(serializers.Serializer):
+        agent = serializers.SlugField()
+        alias = serializers.SlugField(required=False)
+        version = serializers.IntegerField(required=False, min_value=1)
+        input = serializers.JSONField()
+        metadata = serializers.DictField(required=False, default=dict)
+
+        def validate(self, attrs):
+            if "alias" in attrs and "version" in attrs:
+                raise serializers.ValidationError({"version": ["give alias or version, not both"]})
+            return attrs
+
+    @extend_schema(parameters=[OpenApiParameter("status", enum=RunStatus.values), OpenApiParameter("agent"),
+                               OpenApiParameter("created_by")], responses=RunOutput(many=True))
+    def get(self, request):
+        require_tenant(request.user)
+        runs = selectors.runs_for(request.user, status=request.query_params.get("status"),
+                                  agent=request.query_params.get("agent"),
+                                  created_by=request.query_params.get("created_by"))
+        return paginate(self, request, runs, RunOutput)
+
+    @extend_schema(request=InputSerializer, responses={201: RunOutput, 200: RunOutput},
+                   parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)])
+    def post(self, request):
+        """Start a run as the caller. The same Idempotency-Key and body replay the same run (200)."""
+        require_tenant(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key") or None
+        if key is not None and len(key) > 200:
+            raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
+        run, created = services.start_run(user=request.user, idempotency_key=key, **data.validated_data)
+        run = selectors.get_run(request.user, run.pk)
+        return Response(RunOutput(run).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+class RunDetailApi(APIView):
+    @extend_schema(responses=RunOutput)
+    def get(self, request, run_id):
+        require_tenant(request.user)
+        return Response(RunOutput(selectors.get_run(request.user, run_id)).data)
+
+
+class RunStepsApi(APIView):
+    @extend_schema(responses=StepOutput(many=True))
+    def get(self, request, run_id):
+        require_tenant(request.user)
+        run = selectors.get_run(request.user, run_id)
+        return Response(StepOutput(selectors.steps_of(run), many=True).data)
+
+
+class RunEventsApi(APIView):
+    @extend_schema(parameters=[OpenApiParameter("after", int, description="only events with a larger id")],
+                   responses=EventOutput(many=True))
+    def get(self, request, run_id):
+        require_tenant(request.user)
+        run = selectors.get_run(request.user, run_id)
+        after = request.query_params.get("after")
+        if after is not None and not after.isdigit():
+            raise serializers.ValidationError({"after": ["must be an event id"]})
+        return Response(EventOutput(selectors.events_of(run, after=int(after) if after else None), many=True).data)
+
+
+class RunCancelApi(APIView):
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+    @extend_schema(request=InputSerializer, responses=RunOutput)
+    def post(self, request, run_id):
+        """Cancel a run. No model or tool call starts after this answers."""
+        require_tenant(request.user)
+        run = selectors.get_run(request.user, run_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        services.cancel_run(run_id=run.pk, actor=request.user, reason=data.validated_data["reason"])
+        return Response(RunOutput(selectors.get_run(request.user, run_id)).data)
+
+
+class StepResolveApi(APIView):
+    class InputSerializer(serializers.Serializer):
+        outcome = serializers.ChoiceField(choices=resolution.OUTCOMES)
+        reason = serializers.CharField()
+        result = serializers.JSONField(required=False, default=None)
+        override = serializers.BooleanField(required=False, default=False)
+
+    @extend_schema(request=InputSerializer, responses=StepOutput)
+    def post(self, request, run_id, seq: int):
+        """Resolve a tool step whose outcome is unknown (needs approve_tool on the tool)."""
+        require_tenant(request.user)
+        run = selectors.get_run(request.user, run_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        step = resolution.resolve_step(run_id=run.pk, seq=seq, user=request.user, **data.validated_data)
+        return Response(StepOutput(step).data)

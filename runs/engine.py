@@ -1,0 +1,611 @@
+"""The run loop: claim, act, record — at most one step per Celery task (DESIGN.md section 3).
+
+    claim   short transaction, run row locked: take the lease, decide the next step from the
+            durable step log (never from the message), apply decisions that need no network
+            (denials, approvals requested, replays, stops).
+    reserve budget, in its own transaction (budget rows are never locked together with a run).
+    mark    short transaction, run row locked: check the lease and the cancel flag, commit the
+            step as `dispatching` (with its idempotency key) before anything is sent.
+    act     no transaction and no database connection held: call the model or the tool.
+    settle  budget, in its own transaction.
+    record  short transaction, run row locked: write the outcome only if the lease token still
+            matches; a fenced-out worker only adds a late-attempt event.
+    continue enqueue the next task on commit, or park the run.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import uuid
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.utils import timezone
+
+from budgets import services as budgets
+from budgets.models import BudgetAccount
+from runs import heartbeat
+from runs.models import (OBSERVED, READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus,
+                         StopReason)
+from runs.services import (bump_counters, end_run, enqueue, lease_seconds_for, lock_run,
+                           record_event, transition_run, transition_step)
+from tools.models import EffectClass
+from tools.types import ToolFailed, ToolOutcomeUnknown, ToolResult
+
+log = logging.getLogger(__name__)
+MAX_MODEL_FAILURES = 5
+
+
+@dataclass
+class Plan:
+    run_id: uuid.UUID
+    token: uuid.UUID
+    kind: str                         # "model" | "tool" | "recover_model"
+    lease_seconds: int
+    step_id: int | None = None
+    reservation_id: uuid.UUID | None = None
+    reconcile_first: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    kind: str                         # "succeeded" | "failed" | "unknown"
+    result: ToolResult | None = None
+    error: str = ""
+    retry_after: float | None = None
+    reconciled: bool = False
+
+
+def advance(run_id) -> None:
+    """Perform at most one step of the run. Safe to call any number of times, concurrently."""
+    plan = _claim(run_id)
+    if plan is None:
+        return
+    if plan.kind == "recover_model":
+        _recover_model(plan)
+    elif plan.kind == "model":
+        _do_model(plan)
+    else:
+        _do_tool(plan)
+
+
+# --- claim -----------------------------------------------------------------------------------
+
+def _claim(run_id) -> Plan | None:
+    with transaction.atomic():
+        try:
+            run = lock_run(run_id)
+        except Run.DoesNotExist:
+            return None
+        now = timezone.now()
+        if run.is_terminal or run.status in WAITING:
+            return None
+        if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
+            return None
+        if run.lease_token is not None:
+            record_event(run.pk, "lease_expired", "previous worker's lease expired; taking over",
+                         expired_at=run.lease_expires_at.isoformat())
+            Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
+            run.lease_token = None
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+            return None
+        if run.deadline_at and now >= run.deadline_at:
+            end_run(run, RunStatus.STOPPED, reason=StopReason.DEADLINE, message="stopped: deadline passed")
+            return None
+        if run.status == RunStatus.QUEUED:
+            transition_run(run, RunStatus.RUNNING, started_at=now)
+        return _decide(run, list(run.steps.select_related("tool", "tool__server")), now)
+
+
+def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
+    inflight = next((s for s in steps if s.status == StepStatus.DISPATCHING), None)
+    if inflight is not None:
+        return _plan_recovery(run, inflight, now)
+    if any(s.kind == StepKind.TOOL and s.status == StepStatus.OUTCOME_UNKNOWN for s in steps):
+        transition_run(run, RunStatus.NEEDS_ATTENTION, message="waiting for a person to resolve an unknown outcome")
+        return None
+    if any(s.status == StepStatus.AWAITING_APPROVAL for s in steps):
+        transition_run(run, RunStatus.WAITING_APPROVAL, message="waiting for approval")
+        return None
+    ready = next((s for s in steps if s.kind == StepKind.TOOL and s.status in READY), None)
+    if ready is not None:
+        return _plan_tool(run, ready, steps, now)
+    last_model = next((s for s in reversed(steps) if s.kind == StepKind.MODEL
+                       and s.status == StepStatus.SUCCEEDED), None)
+    if last_model is not None and not last_model.result.get("tool_calls"):
+        end_run(run, RunStatus.SUCCEEDED, message="succeeded")
+        return None
+    return _plan_model(run, steps)
+
+
+def _take_lease(run: Run, seconds: int) -> uuid.UUID:
+    token = uuid.uuid4()
+    Run.objects.filter(pk=run.pk).update(
+        lease_token=token, lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds))
+    return token
+
+
+def _continue(run: Run, *, countdown: float | None = None) -> None:
+    Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
+    enqueue(run.pk, countdown=countdown)
+
+
+def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
+    from llm import gateway as model_gateway
+    from tools import gateway as tool_gateway
+
+    if run.step_count >= run.limits["max_steps"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
+        return None
+    failures = 0
+    for step in reversed(steps):
+        if step.kind != StepKind.MODEL:
+            break
+        if step.status in (StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN):
+            failures += 1
+    if failures >= MAX_MODEL_FAILURES:
+        end_run(run, RunStatus.FAILED, error=f"model call failed {failures} times in a row",
+                message="failed: model unavailable")
+        return None
+    offered = tool_gateway.offered_tools(run)
+    request = model_gateway.build_request(run, steps, offered)
+    endpoint = run.version.model_endpoint
+    estimate = model_gateway.estimate_cost_micros(endpoint, request)
+    lease = lease_seconds_for(endpoint.timeout_seconds)
+    token = _take_lease(run, lease)
+    return Plan(run.pk, token, "model", lease,
+                extra={"request": request, "estimate": estimate, "endpoint_id": endpoint.pk,
+                       "seq": (steps[-1].seq if steps else 0) + 1})
+
+
+def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
+    from approvals import services as approvals
+    from tools import gateway as tool_gateway
+
+    if step.tool_name == tool_gateway.SEARCH_TOOLS:
+        tool_gateway.run_search_tools(run, step)
+        _continue(run)
+        return None
+    denial = tool_gateway.check_dispatch(run, step)
+    if denial:
+        if step.status == StepStatus.APPROVED:
+            approvals.void_for_step(step, reason=denial)
+        _deny(step, denial)
+        _continue(run)
+        return None
+    prior = next((s for s in steps if s.seq < step.seq and s.kind == StepKind.TOOL
+                  and s.tool_id == step.tool_id and s.args_digest == step.args_digest
+                  and s.status in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED)), None)
+    if prior is not None:
+        _replay(run, step, prior, steps)
+        return None
+    if step.status == StepStatus.PROPOSED:
+        decision = approvals.decision_for(run, step.tool, step.arguments)
+        if decision.required:
+            approvals.request_approval(run=run, step=step, decision=decision)
+            transition_step(step, StepStatus.AWAITING_APPROVAL, message=f"step {step.seq} {step.tool_name}: "
+                            f"approval required ({decision.reason})")
+            transition_run(run, RunStatus.WAITING_APPROVAL, message=f"waiting for approval of {step.tool_name}")
+            return None
+    elif step.status == StepStatus.APPROVED:
+        problem = approvals.verify_for_dispatch(step)
+        if problem:
+            approvals.void_for_step(step, reason=problem)
+            _deny(step, problem)
+            _continue(run)
+            return None
+    if run.tool_call_count >= run.limits["max_tool_calls"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_TOOL_CALLS, message="stopped: max tool calls")
+        return None
+    if run.step_count >= run.limits["max_steps"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
+        return None
+    lease = lease_seconds_for(step.tool.timeout_seconds)
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk)
+
+
+def _deny(step: Step, reason: str) -> None:
+    transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+                    error=reason, observation=f"ERROR: call denied by the platform: {reason}",
+                    finished_at=timezone.now())
+
+
+def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:
+    """An identical call already succeeded in this run: answer from the record, call nothing."""
+    from runs import loops
+
+    note = (f"[platform] This exact call was already made at step {prior.seq}; "
+            f"returning the recorded result without calling the tool again.")
+    transition_step(step, StepStatus.SUCCEEDED, message=f"step {step.seq} {step.tool_name}: replayed from "
+                    f"step {prior.seq}", result=prior.result, observation=f"{prior.observation}\n{note}",
+                    replayed_from_seq=prior.seq, finished_at=timezone.now())
+    if not loops.check(run, steps, step):
+        _continue(run)
+
+
+def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
+    """A step was left `dispatching`: a scheduled retry, or a worker that died or stalled."""
+    if step.next_attempt_at is not None and step.next_attempt_at > now:
+        _continue(run, countdown=(step.next_attempt_at - now).total_seconds())
+        return None
+    crashed = step.next_attempt_at is None
+    if crashed:
+        step.crashes += 1
+        Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
+        if step.crashes >= settings.MAX_STEP_CRASHES:
+            record_event(run.pk, "recovery", f"step {step.seq} crashed its worker {step.crashes} times",
+                         step_seq=step.seq, action="fail_run")
+            transition_step(step, StepStatus.FAILED if step.kind == StepKind.MODEL else StepStatus.OUTCOME_UNKNOWN,
+                            error=f"worker died {step.crashes} times during this step")
+            end_run(run, RunStatus.FAILED, error=f"step {step.seq} crashed its worker {step.crashes} times",
+                    message="failed: poison step")
+            return None
+    if step.kind == StepKind.MODEL:
+        record_event(run.pk, "recovery", f"model step {step.seq} lost with its worker: its reservation is "
+                     "held and the call is made again", step_seq=step.seq, action="hold_and_retry")
+        lease = lease_seconds_for(5)
+        return Plan(run.pk, _take_lease(run, lease), "recover_model", lease, step_id=step.pk)
+    tool = step.tool
+    effect = tool.effect_class
+    found = "found in dispatching after its worker was lost" if crashed else "retry due"
+    if effect == EffectClass.UNSAFE:
+        _mark_unknown(run, step, f"step {step.seq} {step.tool_name} {found}; unsafe tool: never retried "
+                      "automatically")
+        return None
+    if step.attempts >= tool.max_attempts:
+        if effect == EffectClass.READ_ONLY:
+            transition_step(step, StepStatus.FAILED, error=f"gave up after {step.attempts} attempts",
+                            observation=f"ERROR: {step.tool_name} did not answer after {step.attempts} attempts",
+                            finished_at=now)
+            _continue(run)
+        else:
+            _mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {step.attempts} attempts, outcome "
+                          "still unknown")
+        return None
+    action = {EffectClass.READ_ONLY: "retry", EffectClass.IDEMPOTENT: "retry with the same key",
+              EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen"}[effect]
+    record_event(run.pk, "recovery", f"step {step.seq} {step.tool_name} {found}: {action}",
+                 step_seq=step.seq, action=action, effect_class=effect, attempts=step.attempts)
+    lease = lease_seconds_for(tool.timeout_seconds)
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
+                reconcile_first=effect == EffectClass.RECONCILABLE)
+
+
+def _mark_unknown(run: Run, step: Step, message: str) -> None:
+    transition_step(step, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
+                    next_attempt_at=None)
+    transition_run(run, RunStatus.NEEDS_ATTENTION, message="needs attention: " + message)
+
+
+# --- reserve and mark ------------------------------------------------------------------------
+
+def _reserve(plan: Plan, *, amount: int, purpose: str) -> bool:
+    run = Run.objects.select_related("tenant", "created_by").get(pk=plan.run_id)
+    try:
+        reservation = budgets.reserve(tenant=run.tenant, run=run, user=run.created_by,
+                                      amount_micros=amount, purpose=purpose)
+    except budgets.BudgetExceeded as exc:
+        _record_budget_refusal(plan, exc)
+        return False
+    plan.reservation_id = reservation.pk
+    return True
+
+
+def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        if run.lease_token != plan.token:
+            return
+        record_event(run.pk, "budget", f"refused: {exc.message}", decision="refused", scope=exc.scope)
+        if exc.scope == BudgetAccount.Scope.RUN:
+            end_run(run, RunStatus.STOPPED, reason=StopReason.BUDGET_EXHAUSTED, error=exc.message,
+                    message="stopped: run budget exhausted")
+        elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
+            resume = budgets.next_local_midnight(run.tenant)
+            transition_run(run, RunStatus.WAITING_BUDGET, message=f"paused until {resume.isoformat()}: "
+                           f"{exc.scope} budget spent", resume_at=resume, lease_token=None, lease_expires_at=None)
+        else:
+            end_run(run, RunStatus.STOPPED, reason=StopReason.TENANT_BUDGET_EXHAUSTED, error=exc.message,
+                    message=f"stopped: {exc.scope} budget exhausted")
+
+
+def _fenced(run: Run, plan: Plan) -> bool:
+    return run.lease_token == plan.token
+
+
+def _mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
+    """Commit the step as dispatching before the call, or give up if fenced out or cancelled."""
+    from approvals import services as approvals
+
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        if not _fenced(run, plan):
+            return None
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
+            return None
+        now = timezone.now()
+        if new_step is not None:
+            step = Step.objects.create(run=run, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
+                                       reserved_micros=new_step.pop("reserved"), **new_step)
+            record_event(run.pk, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
+                         to=StepStatus.DISPATCHING, step_kind=StepKind.MODEL)
+            bump_counters(run, step_count=1, model_call_count=1)
+        else:
+            step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
+            first = step.status != StepStatus.DISPATCHING
+            if step.status == StepStatus.APPROVED and not approvals.consume(step):
+                _deny(step, "approval was already used or withdrawn")
+                _continue(run)
+                return None
+            transition_step(step, StepStatus.DISPATCHING, attempts=step.attempts + 1, next_attempt_at=None,
+                            started_at=step.started_at or now,
+                            message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
+                                    f"key {step.idempotency_key})")
+            if first:
+                bump_counters(run, step_count=1, tool_call_count=1)
+        from budgets.models import Reservation
+        Reservation.objects.filter(pk=plan.reservation_id).update(step=step)
+    # The call that follows may take long: hold no database connection while it runs.
+    connection.close()
+    heartbeat.track(plan.run_id, plan.token, plan.lease_seconds)
+    return step
+
+
+# --- model steps -----------------------------------------------------------------------------
+
+def _do_model(plan: Plan) -> None:
+    from llm import gateway as model_gateway
+    from llm.models import ModelEndpoint
+    from llm.types import ProviderError
+
+    request = plan.extra["request"]
+    estimate = plan.extra["estimate"]
+    if not _reserve(plan, amount=estimate, purpose="model"):
+        return
+    step = _mark_dispatching(plan, new_step={
+        "seq": plan.extra["seq"], "kind": StepKind.MODEL, "reserved": estimate,
+        "request": model_gateway.request_summary(request)})
+    if step is None:
+        budgets.release(plan.reservation_id, note="call not made")
+        return
+    endpoint = ModelEndpoint.objects.select_related("secret").get(pk=plan.extra["endpoint_id"])
+    try:
+        reply = model_gateway.call_model(endpoint, request)
+    except ProviderError as exc:
+        heartbeat.untrack(plan.run_id)
+        close_old_connections()
+        _record_model_failure(plan, step, exc)
+        return
+    finally:
+        heartbeat.untrack(plan.run_id)
+    close_old_connections()
+    cost = model_gateway.cost_micros(endpoint, reply.usage)
+    budgets.settle(plan.reservation_id, actual_micros=cost)
+    _record_model(plan, step, reply, cost, estimate)
+
+
+def _record_model_failure(plan: Plan, step: Step, exc) -> None:
+    lost = exc.sent and exc.status is None
+    if lost:
+        budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
+    else:
+        budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
+        message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
+        if not _fenced(run, plan):
+            record_event(run.pk, "late_attempt", message, step_seq=step.seq)
+            return
+        transition_step(step, status, message=message, error=str(exc), finished_at=timezone.now())
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif not exc.retryable:
+            end_run(run, RunStatus.FAILED, error=f"model provider refused the request: {exc}",
+                    message="failed: model request refused")
+        else:
+            _continue(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
+
+
+def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> None:
+    from tools import gateway as tool_gateway
+
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        if not _fenced(run, plan):
+            record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost",
+                         step_seq=step.seq, cost_micros=cost)
+            return
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
+        usage = {"input_tokens": reply.usage.input_tokens, "cached_input_tokens": reply.usage.cached_input_tokens,
+                 "cache_write_tokens": reply.usage.cache_write_tokens, "output_tokens": reply.usage.output_tokens}
+        transition_step(step, StepStatus.SUCCEEDED, result={"text": reply.text, "tool_calls": calls},
+                        usage=usage, cost_micros=cost, finished_at=timezone.now(),
+                        observation=reply.text,
+                        message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros")
+        _budget_event(run, step, reserved=estimate, settled=cost)
+        seq = step.seq
+        for call in calls:
+            seq += 1
+            tool_gateway.propose(run=run, seq=seq, parent_seq=step.seq, call=call)
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif not calls:
+            end_run(run, RunStatus.SUCCEEDED, message="succeeded")
+            Run.objects.filter(pk=run.pk).update(final_output=reply.text)
+        else:
+            _continue(run)
+
+
+def _budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:
+    account = BudgetAccount.objects.get(run=run)
+    record_event(run.pk, "budget", f"step {step.seq}: reserved {reserved}, settled {settled}, "
+                 f"run remaining {account.remaining_micros} micros", step_seq=step.seq, reserved=reserved,
+                 settled=settled, spent=account.spent_micros, held=account.held_micros,
+                 remaining=account.remaining_micros, limit=account.limit_micros)
+
+
+def _recover_model(plan: Plan) -> None:
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(step_id=plan.step_id, status=Reservation.Status.OPEN) \
+            .values_list("pk", flat=True):
+        budgets.hold(reservation_id, note="model call lost with its worker")
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        if not _fenced(run, plan):
+            return
+        step = Step.objects.get(pk=plan.step_id)
+        transition_step(step, StepStatus.OUTCOME_UNKNOWN, error="worker lost during the call; charge held",
+                        finished_at=timezone.now())
+        _continue(run)
+
+
+# --- tool steps ------------------------------------------------------------------------------
+
+def _do_tool(plan: Plan) -> None:
+    from tools import gateway as tool_gateway
+
+    step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
+    if plan.reconcile_first:
+        found = _reconcile(plan, step)
+        if found is not None:
+            _record_tool(plan, step, found)
+            return
+    if not _reserve(plan, amount=step.tool.price_micros, purpose="tool"):
+        return
+    dispatched = _mark_dispatching(plan, step=step)
+    if dispatched is None:
+        budgets.release(plan.reservation_id, note="call not made")
+        return
+    try:
+        outcome = _call_tool(dispatched)
+    finally:
+        heartbeat.untrack(plan.run_id)
+        close_old_connections()
+    if outcome.kind == "unknown":
+        budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
+    elif outcome.kind == "failed":
+        budgets.release(plan.reservation_id, note="tool call provably not made")
+    else:
+        budgets.settle(plan.reservation_id, actual_micros=step.tool.price_micros)
+    _record_tool(plan, dispatched, outcome)
+
+
+def _call_tool(step: Step) -> ToolOutcome:
+    from tools import gateway as tool_gateway
+
+    try:
+        result = tool_gateway.dispatch(step)
+    except ToolFailed as exc:
+        return ToolOutcome("failed", error=str(exc))
+    except ToolOutcomeUnknown as exc:
+        return ToolOutcome("unknown", error=str(exc), retry_after=exc.retry_after)
+    return ToolOutcome("succeeded", result=result)
+
+
+def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
+    """Ask a reconcilable provider whether key K happened; None means it provably did not."""
+    from tools import gateway as tool_gateway
+
+    try:
+        result = tool_gateway.lookup_status(step)
+    except (ToolFailed, ToolOutcomeUnknown) as exc:
+        with transaction.atomic():
+            run = lock_run(plan.run_id)
+            if _fenced(run, plan):
+                record_event(run.pk, "recovery", f"status lookup for step {step.seq} failed: {exc}",
+                             step_seq=step.seq)
+        return ToolOutcome("unknown", error=f"status lookup failed: {exc}")
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        if _fenced(run, plan):
+            record_event(run.pk, "recovery", f"status lookup for step {step.seq}: "
+                         f"{'found, not retrying' if result else 'not found, retrying'}", step_seq=step.seq,
+                         found=result is not None)
+    if result is None:
+        return None
+    return ToolOutcome("succeeded", result=result, reconciled=True)
+
+
+def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome) -> None:
+    from runs import loops
+    from tools import gateway as tool_gateway
+
+    now = timezone.now()
+    with transaction.atomic():
+        run = lock_run(plan.run_id)
+        step = Step.objects.select_related("tool").get(pk=step.pk)
+        if not _fenced(run, plan):
+            _late_tool_attempt(run, step, outcome)
+            return
+        if outcome.kind == "succeeded":
+            stored, observation = tool_gateway.shape_result(run, step, outcome.result)
+            transition_step(step, StepStatus.SUCCEEDED, result=stored, observation=observation,
+                            cost_micros=step.tool.price_micros, finished_at=now, error="",
+                            message=f"step {step.seq} {step.tool_name}: "
+                                    f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
+                                    f"{' (found by status lookup)' if outcome.reconciled else ''}")
+            _budget_event(run, step, reserved=step.tool.price_micros, settled=step.tool.price_micros)
+            steps = list(run.steps.all())
+            if run.cancel_requested:
+                end_run(run, RunStatus.CANCELLED, message="cancelled")
+            elif not loops.check(run, steps, step):
+                _continue(run)
+        elif outcome.kind == "failed":
+            error = tool_gateway.redact_text(run, outcome.error)
+            transition_step(step, StepStatus.FAILED, error=error, observation=f"ERROR: {error}", finished_at=now,
+                            message=f"step {step.seq} {step.tool_name} failed: {error}")
+            if run.cancel_requested:
+                end_run(run, RunStatus.CANCELLED, message="cancelled")
+            else:
+                _continue(run)
+        else:
+            _record_unknown(run, step, outcome)
+
+
+def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    from tools import gateway as tool_gateway
+
+    tool = step.tool
+    error = tool_gateway.redact_text(run, outcome.error)
+    if tool.effect_class == EffectClass.UNSAFE or step.attempts >= tool.max_attempts:
+        if tool.effect_class == EffectClass.READ_ONLY:
+            transition_step(step, StepStatus.FAILED, error=error, finished_at=timezone.now(),
+                            observation=f"ERROR: {step.tool_name} did not answer: {error}")
+            _continue(run)
+            return
+        _mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown ({error})")
+        return
+    delay = outcome.retry_after if outcome.retry_after is not None else \
+        tool.backoff_seconds * 2 ** (step.attempts - 1) * random.uniform(0.5, 1.0)
+    retry_at = timezone.now() + dt.timedelta(seconds=delay)
+    Step.objects.filter(pk=step.pk).update(next_attempt_at=retry_at, error=error)
+    record_event(run.pk, "retry_scheduled", f"step {step.seq} {step.tool_name}: outcome unknown ({error}); "
+                 f"retry in {delay:.1f}s", step_seq=step.seq, effect_class=tool.effect_class)
+    if run.cancel_requested:
+        _mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown and run cancelled")
+        return
+    _continue(run, countdown=delay)
+
+
+def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    """A fenced-out worker may only leave a record — unless it proves an unknown step succeeded."""
+    record_event(run.pk, "late_attempt", f"step {step.seq} {step.tool_name}: result from a worker that lost "
+                 f"its lease ({outcome.kind})", step_seq=step.seq, outcome=outcome.kind)
+    if outcome.kind == "succeeded" and step.status == StepStatus.OUTCOME_UNKNOWN:
+        from tools import gateway as tool_gateway
+
+        stored, observation = tool_gateway.shape_result(run, step, outcome.result)
+        transition_step(step, StepStatus.RESOLVED_SUCCEEDED, result=stored, observation=observation,
+                        finished_at=timezone.now(),
+                        message=f"step {step.seq} resolved automatically: the late result proves it succeeded")
+        if run.status == RunStatus.NEEDS_ATTENTION and not run.steps.filter(
+                status=StepStatus.OUTCOME_UNKNOWN, kind=StepKind.TOOL).exists():
+            transition_run(run, RunStatus.RUNNING, message="resumed: unknown outcome resolved by a late result")
+            enqueue(run.pk)

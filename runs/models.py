@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING_APPROVAL = "waiting_approval"
+    WAITING_BUDGET = "waiting_budget"
+    NEEDS_ATTENTION = "needs_attention"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    STOPPED = "stopped"
+
+
+TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
+WAITING = {RunStatus.WAITING_APPROVAL, RunStatus.WAITING_BUDGET, RunStatus.NEEDS_ATTENTION}
+_END = {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
+
+RUN_TRANSITIONS: dict[str, set[str]] = {
+    RunStatus.QUEUED: {RunStatus.RUNNING} | _END,
+    RunStatus.RUNNING: WAITING | TERMINAL,
+    RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING} | _END,
+    RunStatus.WAITING_BUDGET: {RunStatus.RUNNING} | _END,
+    RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING} | _END,
+    RunStatus.SUCCEEDED: set(),
+    RunStatus.FAILED: set(),
+    RunStatus.CANCELLED: set(),
+    RunStatus.STOPPED: set(),
+}
+
+
+class StopReason(models.TextChoices):
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    TENANT_BUDGET_EXHAUSTED = "tenant_budget_exhausted"
+    MAX_STEPS = "max_steps"
+    MAX_TOOL_CALLS = "max_tool_calls"
+    DEADLINE = "deadline"
+    LOOP_DETECTED = "loop_detected"
+    APPROVAL_EXPIRED = "approval_expired"
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="runs")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT,
+                                   related_name="runs")
+    agent = models.ForeignKey("agents.AgentDefinition", on_delete=models.PROTECT, related_name="runs")
+    version = models.ForeignKey("agents.AgentVersion", on_delete=models.PROTECT, related_name="runs")
+    input = models.JSONField()
+    metadata = models.JSONField(default=dict, blank=True)
+    limits = models.JSONField(default=dict)   # snapshot at admission, capped by the tenant
+    status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.QUEUED,
+                              db_index=True)
+    stop_reason = models.CharField(max_length=32, choices=StopReason.choices, blank=True)
+    error = models.TextField(blank=True)
+    final_output = models.TextField(blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    lease_token = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    step_count = models.PositiveIntegerField(default=0)
+    tool_call_count = models.PositiveIntegerField(default=0)
+    model_call_count = models.PositiveIntegerField(default=0)
+    loop_warnings = models.PositiveIntegerField(default=0)
+    revealed_tools = models.JSONField(default=list, blank=True)   # found through search_tools
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    request_hash = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget: next local day
+    last_enqueued_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "created_by", "idempotency_key"],
+                                    condition=models.Q(idempotency_key__isnull=False),
+                                    name="uniq_run_idempotency_key"),
+        ]
+        indexes = [models.Index(fields=["tenant", "status"]), models.Index(fields=["status", "lease_expires_at"])]
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class StepKind(models.TextChoices):
+    MODEL = "model"
+    TOOL = "tool"
+
+
+class StepStatus(models.TextChoices):
+    PROPOSED = "proposed"
+    DENIED = "denied"
+    AWAITING_APPROVAL = "awaiting_approval"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    DISPATCHING = "dispatching"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    RESOLVED_SUCCEEDED = "resolved_succeeded"
+    RESOLVED_FAILED = "resolved_failed"
+    RETRIED = "retried"
+    SKIPPED = "skipped"
+
+
+# Statuses whose observation the model can be given.
+OBSERVED = {StepStatus.DENIED, StepStatus.REJECTED, StepStatus.EXPIRED, StepStatus.SUCCEEDED,
+            StepStatus.FAILED, StepStatus.RESOLVED_SUCCEEDED, StepStatus.RESOLVED_FAILED,
+            StepStatus.SKIPPED}
+# Tool steps the engine may dispatch next.
+READY = {StepStatus.PROPOSED, StepStatus.APPROVED, StepStatus.RETRIED}
+
+STEP_TRANSITIONS: dict[str, set[str]] = {
+    StepStatus.PROPOSED: {StepStatus.DENIED, StepStatus.AWAITING_APPROVAL, StepStatus.DISPATCHING,
+                          StepStatus.SUCCEEDED, StepStatus.SKIPPED},
+    StepStatus.AWAITING_APPROVAL: {StepStatus.APPROVED, StepStatus.REJECTED, StepStatus.EXPIRED,
+                                   StepStatus.SKIPPED},
+    StepStatus.APPROVED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
+    StepStatus.DISPATCHING: {StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN,
+                             StepStatus.DISPATCHING},
+    StepStatus.OUTCOME_UNKNOWN: {StepStatus.RESOLVED_SUCCEEDED, StepStatus.RESOLVED_FAILED,
+                                 StepStatus.RETRIED},
+    StepStatus.RETRIED: {StepStatus.DISPATCHING, StepStatus.SKIPPED},
+}
+
+
+class Step(models.Model):
+    """One model call or one tool call. (run, seq) is unique: a second claim cannot add a twin."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=8, choices=StepKind.choices)
+    status = models.CharField(max_length=20, choices=StepStatus.choices)
+    parent_seq = models.PositiveIntegerField(null=True, blank=True)   # tool step: model step that proposed it
+    tool = models.ForeignKey("tools.Tool", null=True, blank=True, on_delete=models.PROTECT,
+                             related_name="steps")
+    tool_name = models.CharField(max_length=200, blank=True)
+    call_id = models.CharField(max_length=200, blank=True)
+    arguments = models.JSONField(null=True, blank=True)
+    args_digest = models.CharField(max_length=64, blank=True)
+    idempotency_key = models.CharField(max_length=200, blank=True)
+    request = models.JSONField(null=True, blank=True)      # redacted
+    result = models.JSONField(null=True, blank=True)       # redacted, full
+    observation = models.TextField(blank=True)             # what the model is given
+    error = models.TextField(blank=True)
+    usage = models.JSONField(null=True, blank=True)
+    cost_micros = models.BigIntegerField(default=0)
+    reserved_micros = models.BigIntegerField(default=0)
+    attempts = models.PositiveIntegerField(default=0)
+    crashes = models.PositiveIntegerField(default=0)   # attempts that ended with no recorded outcome
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    replayed_from_seq = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_step_seq")]
+        ordering = ["run", "seq"]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.kind} {self.tool_name}"
+
+    @property
+    def duration_ms(self) -> int | None:
+        if self.started_at and self.finished_at:
+            return int((self.finished_at - self.started_at).total_seconds() * 1000)
+        return None
+
+
+class RunEvent(models.Model):
+    """Append-only timeline of everything that happened to a run."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=40)
+    step_seq = models.PositiveIntegerField(null=True, blank=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="+")
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["run", "id"])]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

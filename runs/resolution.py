@@ -1,0 +1,56 @@
+"""People resolve unknown outcomes: it happened (with a result), it did not, or retry."""
+from __future__ import annotations
+
+import json
+
+from django.db import transaction
+from django.utils import timezone
+
+from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus
+from runs.services import enqueue, lock_run, record_event, transition_run, transition_step
+from tools.models import EffectClass
+
+OUTCOMES = ("succeeded", "failed", "retry")
+
+
+def resolve_step(*, run_id, seq: int, user, outcome: str, reason: str, result=None,
+                 override: bool = False) -> Step:
+    from approvals.services import can_approve
+
+    if outcome not in OUTCOMES:
+        raise DomainError("unknown outcome", fields={"outcome": [f"must be one of {', '.join(OUTCOMES)}"]})
+    if not reason:
+        raise DomainError("a reason is required", fields={"reason": ["This field is required."]})
+    with transaction.atomic():
+        run = lock_run(run_id)
+        step = Step.objects.select_for_update().select_related("tool").filter(run=run, seq=seq).first()
+        if step is None or step.kind != StepKind.TOOL:
+            raise NotFound(f"tool step {seq}")
+        if not can_approve(user, step.tool):
+            raise Forbidden(f"resolving needs approve_tool on {step.tool_name}", code="not_an_approver")
+        if step.status != StepStatus.OUTCOME_UNKNOWN:
+            raise Conflict(f"step {seq} is {step.status}, not outcome_unknown", code="step_not_unknown")
+        if outcome == "retry" and step.tool.effect_class == EffectClass.UNSAFE and not override:
+            raise DomainError(f"{step.tool_name} is unsafe: retrying may repeat its effect; pass override=true "
+                              "to retry anyway", code="retry_not_allowed", status=409)
+        now = timezone.now()
+        if outcome == "succeeded":
+            text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+            transition_step(step, StepStatus.RESOLVED_SUCCEEDED, actor=user, finished_at=now,
+                            result={"text": text, "structured": result if not isinstance(result, str) else None,
+                                    "is_error": False, "resolved_by": user.username},
+                            observation=text or "(the call succeeded; no result was recorded)")
+        elif outcome == "failed":
+            transition_step(step, StepStatus.RESOLVED_FAILED, actor=user, finished_at=now,
+                            observation="ERROR: the call did not take effect (confirmed by a supervisor).")
+        else:
+            transition_step(step, StepStatus.RETRIED, actor=user, next_attempt_at=None)
+        record_event(run.pk, "resolved", f"step {seq} {step.tool_name} resolved as {outcome} by {user.username}: "
+                     f"{reason}" + (" (override of the unsafe-retry rule)" if override else ""),
+                     step_seq=seq, actor=user, outcome=outcome, reason=reason, override=override)
+        if run.status == RunStatus.NEEDS_ATTENTION and not Step.objects.filter(
+                run=run, kind=StepKind.TOOL, status=StepStatus.OUTCOME_UNKNOWN).exists():
+            transition_run(run, RunStatus.RUNNING, actor=user, message="resumed: unknown outcome resolved")
+            enqueue(run.pk)
+    return step

@@ -1,0 +1,87 @@
+"""Periodic recovery (Celery beat): every run either progresses, waits for a person, or ends.
+
+Each recovery writes a RunEvent saying what was found and what was done.
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from runs.models import TERMINAL, Run, RunStatus, StopReason
+from runs.services import end_run, enqueue, lock_run, record_event, transition_run
+
+BATCH = 500
+
+
+def sweep(now: dt.datetime | None = None) -> dict[str, int]:
+    from approvals.services import expire_due
+
+    now = now or timezone.now()
+    return {
+        "expired_leases": _requeue_expired_leases(now),
+        "lost_messages": _requeue_lost_messages(now),
+        "deadlines": _stop_past_deadline(now),
+        "budget_resumed": _resume_budget_waits(now),
+        "approvals_expired": expire_due(now=now),
+    }
+
+
+def _requeue_expired_leases(now: dt.datetime) -> int:
+    ids = list(Run.objects.filter(status=RunStatus.RUNNING, lease_expires_at__lt=now)
+               .values_list("pk", flat=True)[:BATCH])
+    for run_id in ids:
+        with transaction.atomic():
+            record_event(run_id, "recovery", "lease expired: the worker died or stalled; re-enqueued",
+                         action="requeue", found="expired_lease")
+            enqueue(run_id)
+    return len(ids)
+
+
+def _requeue_lost_messages(now: dt.datetime) -> int:
+    """Runs that should have a message in the broker but were not touched for too long."""
+    stale = now - dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
+    ids = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING], lease_token__isnull=True)
+               .filter(Q(last_enqueued_at__lt=stale) | Q(last_enqueued_at__isnull=True))
+               .values_list("pk", flat=True)[:BATCH])
+    for run_id in ids:
+        with transaction.atomic():
+            record_event(run_id, "recovery", f"no progress for {settings.QUEUED_TOO_LONG_SECONDS}s "
+                         "(message lost or queue backed up); re-enqueued", action="requeue", found="lost_message")
+            enqueue(run_id)
+    return len(ids)
+
+
+def _stop_past_deadline(now: dt.datetime) -> int:
+    count = 0
+    for run_id in Run.objects.exclude(status__in=TERMINAL).filter(deadline_at__lt=now) \
+            .values_list("pk", flat=True)[:BATCH]:
+        with transaction.atomic():
+            run = lock_run(run_id)
+            if run.is_terminal:
+                continue
+            if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
+                Run.objects.filter(pk=run.pk).update(cancel_requested=True)  # the holder stops it
+                record_event(run.pk, "recovery", "deadline passed during a call; the run stops after it",
+                             action="stop_after_call", found="deadline")
+                continue
+            end_run(run, RunStatus.STOPPED, reason=StopReason.DEADLINE, message="stopped: deadline passed (sweeper)")
+            count += 1
+    return count
+
+
+def _resume_budget_waits(now: dt.datetime) -> int:
+    count = 0
+    for run_id in Run.objects.filter(status=RunStatus.WAITING_BUDGET, resume_at__lte=now) \
+            .values_list("pk", flat=True)[:BATCH]:
+        with transaction.atomic():
+            run = lock_run(run_id)
+            if run.status != RunStatus.WAITING_BUDGET:
+                continue
+            transition_run(run, RunStatus.RUNNING, message="resumed: a new budget day began", resume_at=None)
+            enqueue(run.pk)
+            count += 1
+    return count

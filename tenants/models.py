@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import zoneinfo
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractUser, Group
+from django.core.exceptions import ValidationError
+from django.db import models
+
+
+def validate_time_zone(value: str) -> None:
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValidationError(f"unknown time zone {value!r}") from None
+
+
+class Tenant(models.Model):
+    """Isolation boundary. Money is in micro-units of the budget currency (1 USD = 1,000,000)."""
+
+    class OnBudgetExhausted(models.TextChoices):
+        STOP = "stop"
+        PAUSE = "pause"
+
+    slug = models.SlugField(unique=True)
+    name = models.CharField(max_length=200)
+    time_zone = models.CharField(max_length=64, default="UTC", validators=[validate_time_zone])
+    daily_budget_micros = models.BigIntegerField(default=50_000_000)
+    user_daily_budget_micros = models.BigIntegerField(null=True, blank=True)
+    on_budget_exhausted = models.CharField(max_length=8, choices=OnBudgetExhausted.choices,
+                                           default=OnBudgetExhausted.STOP)
+    max_active_runs = models.PositiveIntegerField(default=100)
+    max_starts_per_minute = models.PositiveIntegerField(default=60)  # per user
+    approval_ttl_seconds = models.PositiveIntegerField(default=24 * 3600)
+    # Caps on what an agent version may ask for; runs are never unbounded.
+    max_steps_cap = models.PositiveIntegerField(default=100)
+    max_tool_calls_cap = models.PositiveIntegerField(default=50)
+    max_wall_seconds_cap = models.PositiveIntegerField(default=3 * 24 * 3600)
+    max_output_tokens_cap = models.PositiveIntegerField(default=8192)
+    max_cost_micros_cap = models.BigIntegerField(default=10_000_000)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+    @property
+    def zone(self) -> zoneinfo.ZoneInfo:
+        return zoneinfo.ZoneInfo(self.time_zone)
+
+
+class User(AbstractUser):
+    """A user belongs to one tenant; platform operators (superusers) may have none."""
+
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="users")
+
+
+class TenantGroup(models.Model):
+    """Ties a Django auth group to one tenant (group names are unique platform-wide)."""
+
+    group = models.OneToOneField(Group, on_delete=models.CASCADE, related_name="tenant_link")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="groups")
+    name = models.CharField(max_length=100)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_tenant_group")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+
+class Secret(models.Model):
+    """Encrypted at rest; referenced by name; decrypted only inside a gateway call."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="secrets")
+    name = models.CharField(max_length=100)
+    ciphertext = models.TextField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_secret_name")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+    def set_value(self, plaintext: str) -> None:
+        from tenants.crypto import encrypt
+        self.ciphertext = encrypt(plaintext, settings.SECRET_ENCRYPTION_KEYS)
+
+    def reveal(self) -> str:
+        from tenants.crypto import decrypt
+        return decrypt(self.ciphertext, settings.SECRET_ENCRYPTION_KEYS)

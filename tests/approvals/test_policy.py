@@ -1,0 +1,488 @@
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+
+import pytest
+
+from approvals.policy import (
+    MAX_DEPTH,
+    MAX_LENGTH,
+    Decision,
+    PolicyError,
+    canonical,
+    parse_policy,
+    stricter,
+)
+
+DISPUTE = 'amount > 5000 or currency != "INR"'
+
+
+def required(policy: str, arguments: dict) -> bool:
+    return parse_policy(policy).evaluate(arguments).required
+
+
+# --------------------------------------------------------------------------
+# The dispute rule from the product spec
+
+
+def test_dispute_rule_fires_on_large_amount_and_reason_names_the_value() -> None:
+    decision = parse_policy(DISPUTE).evaluate({"amount": 12499, "currency": "INR"})
+    assert decision == Decision(True, "amount > 5000 (amount = 12499)")
+    assert "12499" in decision.reason
+
+
+def test_dispute_rule_small_inr_needs_no_approval() -> None:
+    decision = parse_policy(DISPUTE).evaluate({"amount": 3000, "currency": "INR"})
+    assert decision.required is False
+    assert "amount <= 5000 (amount = 3000)" in decision.reason
+
+
+def test_dispute_rule_fires_on_foreign_currency() -> None:
+    decision = parse_policy(DISPUTE).evaluate({"amount": 3000, "currency": "USD"})
+    assert decision.required is True
+    assert decision.reason == "currency != 'INR' (currency = 'USD')"
+
+
+def test_dispute_rule_reports_every_firing_part() -> None:
+    decision = parse_policy(DISPUTE).evaluate({"amount": 9000, "currency": "USD"})
+    assert decision.required
+    assert "amount = 9000" in decision.reason and "currency = 'USD'" in decision.reason
+
+
+# --------------------------------------------------------------------------
+# Evaluation
+
+
+@pytest.mark.parametrize(
+    ("policy", "arguments", "expected"),
+    [
+        ("amount == 5000", {"amount": 5000}, True),
+        ("amount == 5000", {"amount": 5000.0}, True),
+        ("amount == 5000", {"amount": Decimal("5000.00")}, True),
+        ("amount != 5000", {"amount": 5000}, False),
+        ("amount < 10", {"amount": 9}, True),
+        ("amount < 10", {"amount": 10}, False),
+        ("amount <= 10", {"amount": 10}, True),
+        ("amount > 10", {"amount": 10}, False),
+        ("amount >= 10", {"amount": 10}, True),
+        ("amount >= -5", {"amount": -5}, True),
+        ("amount < -5.5", {"amount": -6}, True),
+        # Decimal semantics: no float surprises.
+        ("total == 0.3", {"total": 0.1 + 0.2 - 0.00000000000000004}, True),
+        ("total > 0.1", {"total": Decimal("0.1000000000000000000001")}, True),
+        ("total == 1.10", {"total": Decimal("1.1")}, True),
+        ("5000 < amount", {"amount": 5001}, True),
+        ("amount > limit", {"amount": 5, "limit": 4}, True),
+        ("amount > limit", {"amount": 4, "limit": 4}, False),
+        ('currency == "INR"', {"currency": "INR"}, True),
+        ("currency == 'INR'", {"currency": "inr"}, False),
+        ('name < "b"', {"name": "apple"}, True),
+        ('currency in ["INR", "USD"]', {"currency": "USD"}, True),
+        ('currency in ["INR", "USD"]', {"currency": "EUR"}, False),
+        ('currency not in ["INR", "USD"]', {"currency": "EUR"}, True),
+        ("code in [1, 2, 3]", {"code": 2}, True),
+        ("code in []", {"code": 2}, False),
+        ('"admin" in user.roles', {"user": {"roles": ["viewer", "admin"]}}, True),
+        ('"admin" in user.roles', {"user": {"roles": ["viewer"]}}, False),
+        ("refund == true", {"refund": True}, True),
+        ("refund == true", {"refund": False}, False),
+        ("refund != false", {"refund": True}, True),
+        ("coupon == null", {"coupon": None}, True),
+        ("coupon != null", {"coupon": "SAVE10"}, True),
+        ("coupon == null", {"coupon": "SAVE10"}, False),
+        ("customer.tier == 'gold'", {"customer": {"tier": "gold"}}, True),
+        ("items[0].price > 100", {"items": [{"price": 150}]}, True),
+        ("items[1].price > 100", {"items": [{"price": 150}, {"price": 50}]}, False),
+        ("matrix[1][0] == 3", {"matrix": [[1, 2], [3, 4]]}, True),
+        ("tags == ['a', 'b']", {"tags": ["a", "b"]}, True),
+        ("tags != ['a', 'b']", {"tags": ["a"]}, True),
+        ("a > 1 and b > 1", {"a": 2, "b": 2}, True),
+        ("a > 1 and b > 1", {"a": 2, "b": 0}, False),
+        ("a > 1 or b > 1", {"a": 0, "b": 0}, False),
+        ("not a > 1", {"a": 0}, True),
+        ("not (a > 1 or b > 1)", {"a": 0, "b": 0}, True),
+        ("not not a > 1", {"a": 2}, True),
+        # and binds tighter than or
+        ("a == 1 or b == 1 and c == 1", {"a": 1, "b": 0, "c": 0}, True),
+        ("(a == 1 or b == 1) and c == 1", {"a": 1, "b": 0, "c": 0}, False),
+        # keyword-like names are fine after a dot
+        ("meta.in == 1", {"meta": {"in": 1}}, True),
+    ],
+)
+def test_evaluate(policy: str, arguments: dict, expected: bool) -> None:
+    assert required(policy, arguments) is expected
+
+
+def test_always_and_never() -> None:
+    assert parse_policy("always").evaluate({}) == Decision(True, "policy: always")
+    assert parse_policy("  never ").evaluate({"amount": 10**9}).required is False
+
+
+# --------------------------------------------------------------------------
+# Fail safe: odd arguments never skip an approval
+
+
+@pytest.mark.parametrize(
+    ("policy", "arguments", "reason"),
+    [
+        ("amount > 5000", {}, "amount is missing"),
+        ("amount > 5000", {"amount": "abc"}, "amount: cannot compare 'abc' with 5000"),
+        ("amount > 5000", {"amount": "12499"}, "amount: cannot compare '12499' with 5000"),
+        ("amount > 5000", {"amount": True}, "amount: cannot compare true with 5000"),
+        ("amount > 5000", {"amount": None}, "amount: cannot compare null with 5000"),
+        ("amount > 5000", {"amount": float("nan")}, None),
+        ("amount > 5000", {"amount": [1]}, None),
+        ("amount > 5000", {"amount": {"value": 1}}, "amount: cannot compare an object with 5000"),
+        ('currency != "INR"', {"currency": 5}, "currency: cannot compare 5 with 'INR'"),
+        ('currency == "INR"', {"currency": ["INR"]}, None),
+        ("flag == true", {"flag": 1}, "flag: cannot compare 1 with true"),
+        ('currency in ["INR", "USD"]', {"currency": 1}, None),
+        ('"admin" in roles', {"roles": "admin"}, None),
+        ("customer.tier == 'gold'", {"customer": "gold"}, "customer.tier is missing"),
+        ("items[3].price > 1", {"items": [{"price": 5}]}, "items[3].price is missing"),
+        ("items[0].price > 1", {"items": "abc"}, "items[0].price is missing"),
+        ("amount == null", {}, "amount is missing"),
+        # Negation must not turn "unknown" into "no approval needed".
+        ("not amount > 5000", {}, "amount is missing"),
+        ("not amount > 5000", {"amount": "abc"}, None),
+        ("not (amount > 5000 and currency == 'INR')", {"currency": "INR"}, "amount is missing"),
+        ("amount < 100 or currency != 'INR'", {"amount": "x", "currency": "INR"}, None),
+        ("amount > 5000 and currency == 'INR'", {"currency": "INR"}, "amount is missing"),
+    ],
+)
+def test_missing_or_mismatched_arguments_require_approval(
+    policy: str, arguments: dict, reason: str | None
+) -> None:
+    decision = parse_policy(policy).evaluate(arguments)
+    assert decision.required is True
+    if reason is not None:
+        assert decision.reason == reason
+
+
+def test_unknown_part_does_not_matter_when_the_rest_decides() -> None:
+    # "unknown and false" is false whatever the missing value would be.
+    assert required("amount > 5000 and currency == 'USD'", {"currency": "INR"}) is False
+    # "unknown or true" is true, and the reason is the known firing part.
+    decision = parse_policy("amount > 5000 or currency == 'USD'").evaluate({"currency": "USD"})
+    assert decision == Decision(True, "currency == 'USD' (currency = 'USD')")
+
+
+def test_arguments_that_are_not_a_mapping_require_approval() -> None:
+    assert parse_policy("amount > 1").evaluate(None).required  # type: ignore[arg-type]
+    assert parse_policy("amount > 1").evaluate(["amount"]).required  # type: ignore[arg-type]
+
+
+def test_objects_are_never_inspected_through_attributes() -> None:
+    class Sneaky:
+        amount = 10**9
+
+    assert parse_policy("obj.amount > 1").evaluate({"obj": Sneaky()}).reason == "obj.amount is missing"
+    assert parse_policy("x.__class__ == 'a'").evaluate({"x": "s"}).reason == "x.__class__ is missing"
+
+
+def test_reason_for_negation_states_what_holds() -> None:
+    decision = parse_policy("not (amount > 5000 and currency == 'INR')").evaluate(
+        {"amount": 10, "currency": "INR"}
+    )
+    assert decision == Decision(True, "amount <= 5000 (amount = 10)")
+
+
+def test_reason_shows_both_fields() -> None:
+    decision = parse_policy("amount > limit").evaluate({"amount": 7, "limit": 5})
+    assert decision.reason == "amount > limit (amount = 7, limit = 5)"
+
+
+def test_long_values_are_clipped_in_reasons() -> None:
+    decision = parse_policy("note != 'ok'").evaluate({"note": "x" * 500})
+    assert decision.required and len(decision.reason) < 150
+
+
+# --------------------------------------------------------------------------
+# Parse errors
+
+
+@pytest.mark.parametrize(
+    ("text", "position", "message"),
+    [
+        ("amount >", 8, "unexpected end of policy at position 8"),
+        ("amount > 5000 and", 17, "unexpected end of policy at position 17"),
+        ("(amount > 1", 11, "expected ')' at position 11"),
+        ("amount >> 3", 8, "unexpected token '>' at position 8"),
+        ('currency == "INR', 12, "unterminated string at position 12"),
+        ("currency == 'INR", 12, "unterminated string at position 12"),
+        ("(amount > 5000))", 15, "unexpected token ')' at position 15"),
+        ("amount > 5000 )", 14, "unexpected token ')' at position 14"),
+        ("amount = 5", 7, None),
+        ("amount", 6, "unexpected end of policy at position 6"),
+        ("amount 5", 7, "unexpected token '5' at position 7"),
+        ("and amount > 1", 0, "unexpected token 'and' at position 0"),
+        ("amount > 5000 or or x > 1", 17, None),
+        ("amount > 5abc", 9, None),
+        ("amount > 1e3", 9, None),
+        ("amount $ 3", 7, None),
+        ("items[-1] > 1", 6, None),
+        ("items[x] > 1", 6, None),
+        ("items[0 > 1", 8, None),
+        ("a.5 > 1", 2, None),
+        ("a > [1, 2", 9, None),
+        ("a in 5", 5, None),
+        ("a < [1]", 4, None),
+        ("[1] in a", 0, None),
+        ("always or a > 1", 7, None),
+        ("a > 1 or never", 9, None),
+        ("a > 'x\\q'", 6, None),
+        ("", 0, "empty policy at position 0"),
+        ("   ", 3, None),
+        ("a > 1 a > 2", 6, None),
+        ("a not b", 6, None),
+        ("a == b == c", 7, None),
+        ("a > 0or b > 1", 4, None),
+    ],
+)
+def test_parse_errors(text: str, position: int, message: str | None) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_policy(text)
+    assert info.value.position == position, str(info.value)
+    assert str(info.value).endswith(f"at position {position}")
+    if message is not None:
+        assert str(info.value) == message
+
+
+def test_policy_error_is_a_value_error() -> None:
+    assert issubclass(PolicyError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os')",
+        "__import__('os').system('echo hi')",
+        "eval('1')",
+        "open('/etc/passwd')",
+        "amount.__class__.__bases__",
+        "lambda: 1",
+        "amount > 1; import os",
+        "amount > 1 if True else 0",
+        "[x for x in ()]",
+        "amount > 5000 or exec('x')",
+        "{'a': 1}",
+        "f'{amount}'",
+        "amount + 1 > 2",
+        "amount > `ls`",
+    ],
+)
+def test_no_code_execution(text: str) -> None:
+    with pytest.raises(PolicyError):
+        parse_policy(text)
+
+
+def test_non_string_input_is_rejected() -> None:
+    with pytest.raises(PolicyError):
+        parse_policy(None)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------
+# Bounds
+
+
+def test_length_limit() -> None:
+    ok = "a > 1" + " " * (MAX_LENGTH - 5)
+    assert parse_policy(ok).text == "a > 1"
+    with pytest.raises(PolicyError) as info:
+        parse_policy(ok + " ")
+    assert info.value.position == MAX_LENGTH
+
+
+def test_length_limit_applies_after_normalisation() -> None:
+    # Canonical text is what gets stored, so it must parse again.
+    compact = " or ".join(f"a>{i}" for i in range(100, 300))
+    assert len(compact) <= MAX_LENGTH
+    with pytest.raises(PolicyError):
+        parse_policy(compact)
+
+
+def test_depth_limit_parentheses() -> None:
+    assert parse_policy("(" * MAX_DEPTH + "a > 1" + ")" * MAX_DEPTH).text == "a > 1"
+    with pytest.raises(PolicyError) as info:
+        parse_policy("(" * (MAX_DEPTH + 1) + "a > 1" + ")" * (MAX_DEPTH + 1))
+    assert info.value.position == MAX_DEPTH
+
+
+def test_depth_limit_not() -> None:
+    assert parse_policy("not " * MAX_DEPTH + "a > 1").evaluate({"a": 2}).required is True
+    with pytest.raises(PolicyError):
+        parse_policy("not " * (MAX_DEPTH + 1) + "a > 1")
+
+
+def test_hostile_nesting_is_a_policy_error_not_a_crash() -> None:
+    with pytest.raises(PolicyError):
+        parse_policy("(" * 1990)
+    with pytest.raises(PolicyError):
+        parse_policy("not " * 499 + "a>1")
+
+
+# --------------------------------------------------------------------------
+# Canonical text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (DISPUTE, "amount > 5000 or currency != 'INR'"),
+        ("amount>5000 or\n\tcurrency!='INR'", "amount > 5000 or currency != 'INR'"),
+        ("((a > 1))", "a > 1"),
+        ("(a > 1 or b > 1) or c > 1", "a > 1 or b > 1 or c > 1"),
+        ("a > 1 and (b > 1 and c > 1)", "a > 1 and b > 1 and c > 1"),
+        ("(a > 1 and b > 1) or c > 1", "a > 1 and b > 1 or c > 1"),
+        ("(a > 1 or b > 1) and c > 1", "(a > 1 or b > 1) and c > 1"),
+        ("not (a > 1)", "not a > 1"),
+        ("not (a > 1 or b > 1)", "not (a > 1 or b > 1)"),
+        ("a > 1 or a > 1", "a > 1"),
+        ("a == true or a == 1", "a == true or a == 1"),
+        ('x in ["a",  "b",]', "x in ['a', 'b']"),
+        ("x not in []", "x not in []"),
+        ('s == "it\'s \\"q\\"\\n"', "s == 'it\\'s \"q\"\\n'"),
+        ("items [ 0 ] . price>1.50", "items[0].price > 1.50"),
+        ("v == -0.5", "v == -0.5"),
+        ("  always ", "always"),
+        ("never", "never"),
+    ],
+)
+def test_canonical(text: str, expected: str) -> None:
+    assert canonical(text) == expected
+    assert canonical(expected) == expected
+    assert canonical(parse_policy(text)) == expected
+
+
+def test_canonical_preserves_meaning() -> None:
+    for text, arguments in _policy_argument_pairs():
+        original = parse_policy(text).evaluate(arguments)
+        assert parse_policy(canonical(text)).evaluate(arguments) == original
+
+
+# --------------------------------------------------------------------------
+# stricter(): an override can tighten, never loosen
+
+POLICIES = [
+    "always",
+    "never",
+    DISPUTE,
+    "amount > 1000",
+    "amount <= 10",
+    "currency == 'USD'",
+    "currency in ['USD', 'EUR'] and amount > 100",
+    "not amount > 50",
+    "not (amount > 50 or currency == 'INR')",
+    "customer.tier != 'gold'",
+    "items[0].price >= 99.99",
+]
+
+ARGUMENTS = [
+    {},
+    {"amount": 0, "currency": "INR"},
+    {"amount": 10, "currency": "INR"},
+    {"amount": 75, "currency": "EUR"},
+    {"amount": 500, "currency": "USD"},
+    {"amount": 2000, "currency": "INR"},
+    {"amount": 12499, "currency": "INR", "customer": {"tier": "gold"}},
+    {"amount": "lots", "currency": "INR"},
+    {"amount": 3000, "currency": None},
+    {"amount": 5, "customer": {"tier": "silver"}, "items": [{"price": 100}]},
+    {"amount": 5, "currency": "INR", "customer": {"tier": "gold"}, "items": [{"price": 1}]},
+]
+
+
+def _policy_argument_pairs() -> list[tuple[str, dict]]:
+    return [(policy, arguments) for policy in POLICIES for arguments in ARGUMENTS]
+
+
+@pytest.mark.parametrize("base", POLICIES)
+@pytest.mark.parametrize("override", [None, "", *POLICIES])
+def test_stricter_never_loosens(base: str, override: str | None) -> None:
+    effective = parse_policy(stricter(base, override))
+    for arguments in ARGUMENTS:
+        base_required = required(base, arguments)
+        override_required = bool(override) and required(override, arguments)
+        assert effective.evaluate(arguments).required == (base_required or override_required), arguments
+
+
+@pytest.mark.parametrize("base", POLICIES)
+def test_stricter_identities(base: str) -> None:
+    assert stricter(base, None) == canonical(base)
+    assert stricter(base, "never") == canonical(base)
+    assert stricter(base, "always") == "always"
+    assert stricter(base, base) == canonical(base)
+    assert stricter("never", base) == canonical(base)
+    # The result is itself canonical, so it is safe to digest and to re-apply.
+    result = stricter(base, DISPUTE)
+    assert canonical(result) == result
+    assert stricter(result, DISPUTE) == result
+
+
+def test_stricter_combines_with_or() -> None:
+    assert stricter("amount > 5000", "currency in ['USD']") == "amount > 5000 or currency in ['USD']"
+    assert stricter("a > 1 or b > 1", "a > 1 and c > 1") == "a > 1 or b > 1 or a > 1 and c > 1"
+
+
+def test_stricter_rejects_invalid_override() -> None:
+    with pytest.raises(PolicyError):
+        stricter("amount > 1", "amount >")
+    with pytest.raises(PolicyError):
+        stricter("amount >", None)
+
+
+def test_stricter_refuses_results_that_would_be_too_long() -> None:
+    half = " or ".join(f"a > {i}" for i in range(150))
+    other = " or ".join(f"b > {i}" for i in range(150))
+    assert len(half) <= MAX_LENGTH and len(other) <= MAX_LENGTH
+    with pytest.raises(PolicyError):
+        stricter(half, other)
+
+
+def _random_operand(rng: random.Random) -> str:
+    return rng.choice(["amount", "currency", "customer.tier", "items[0].price", "5000", "'INR'", "true", "null"])
+
+
+def _random_comparison(rng: random.Random) -> str:
+    if rng.random() < 0.2:
+        container = rng.choice(["[1, 5000]", "['INR', 'USD']", "[]"])
+        return f"{_random_operand(rng)} {rng.choice(['in', 'not in'])} {container}"
+    return f"{_random_operand(rng)} {rng.choice(['==', '!=', '<', '<=', '>', '>='])} {_random_operand(rng)}"
+
+
+def _random_expression(rng: random.Random, depth: int = 0) -> str:
+    roll = rng.random()
+    if depth > 3 or roll < 0.35:
+        return _random_comparison(rng)
+    if roll < 0.5:
+        return f"not {_random_expression(rng, depth + 1)}"
+    joiner = rng.choice([" and ", " or "])
+    parts = [_random_expression(rng, depth + 1) for _ in range(rng.randint(2, 3))]
+    return "(" + joiner.join(parts) + ")"
+
+
+RANDOM_ARGUMENTS = [
+    {},
+    {"amount": 5000, "currency": "INR"},
+    {"amount": 7000.5, "currency": "USD", "customer": {"tier": "gold"}, "items": [{"price": 5000}]},
+    {"amount": "5000", "currency": 1, "customer": None, "items": []},
+    {"amount": None, "currency": "INR", "customer": {"tier": True}, "items": [{"price": "x"}]},
+]
+
+
+def test_random_expressions_stricter_and_canonical() -> None:
+    # A hand-rolled property test (hypothesis is not installed).
+    rng = random.Random(20240501)
+    for _ in range(300):
+        base_text, override_text = _random_expression(rng), _random_expression(rng)
+        base, override = parse_policy(base_text), parse_policy(override_text)
+        normalised = parse_policy(base.text)
+        assert normalised.text == base.text
+        effective = parse_policy(stricter(base_text, override_text))
+        for arguments in RANDOM_ARGUMENTS:
+            base_decision = base.evaluate(arguments)
+            assert normalised.evaluate(arguments) == base_decision
+            expected = base_decision.required or override.evaluate(arguments).required
+            assert effective.evaluate(arguments).required == expected
+            assert base_decision.reason  # every decision explains itself

@@ -1,0 +1,63 @@
+"""Test setup: real PostgreSQL and Redis (the Makefile points DATABASE_URL and the broker at them)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from runs.models import TERMINAL, WAITING, Run
+from tests import factories
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_real_services():
+    engine = settings.DATABASES["default"]["ENGINE"]
+    if os.environ.get("CI") or os.environ.get("REQUIRE_POSTGRES", "1") == "1":
+        assert "postgresql" in engine, f"tests must run on PostgreSQL, not {engine}: use `make test`"
+
+
+@pytest.fixture(autouse=True)
+def _purge_broker():
+    """Unit tests drive runs in-process; drop the messages their commits sent to the broker."""
+    yield
+    if settings.CELERY_BROKER_URL.startswith("redis"):
+        import redis
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).flushdb()
+
+
+@pytest.fixture
+def tenant(db):
+    return factories.make_tenant()
+
+
+@pytest.fixture
+def asha(tenant):
+    return factories.make_user(tenant, "asha")
+
+
+@pytest.fixture
+def ravi(tenant):
+    return factories.make_user(tenant, "ravi", staff=True)
+
+
+@pytest.fixture
+def builtins(tenant):
+    return factories.make_builtin_tools(tenant)
+
+
+def drive(run_id, *, max_tasks: int = 200) -> Run:
+    """Run the engine in-process until the run ends or waits (what a worker would do)."""
+    from runs.engine import advance
+
+    for _ in range(max_tasks):
+        advance(run_id)
+        run = Run.objects.get(pk=run_id)
+        if run.status in TERMINAL or run.status in WAITING:
+            return run
+        step = run.steps.filter(next_attempt_at__isnull=False).order_by("-seq").first()
+        if step and step.next_attempt_at > timezone.now():
+            time.sleep(min((step.next_attempt_at - timezone.now()).total_seconds(), 5) + 0.01)
+    raise AssertionError(f"run {run_id} did not settle after {max_tasks} tasks: {run.status}")

@@ -1,0 +1,66 @@
+"""Builders for test data: a tenant with an agent user, a supervisor and builtin tools."""
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.contrib.auth.models import Group
+from guardian.shortcuts import assign_perm
+
+from agents.models import Alias
+from agents.services import create_version
+from llm.models import ModelEndpoint
+from tenants.models import Tenant, TenantGroup, User
+from tools.catalog import refresh
+from tools.models import Tool, ToolServer
+
+
+def make_tenant(slug: str = "acme", **fields) -> Tenant:
+    return Tenant.objects.create(slug=slug, name=slug.title(), **fields)
+
+
+def make_user(tenant: Tenant, username: str, *, staff: bool = False, password: str = "pw") -> User:
+    user = User.objects.create_user(username=username, password=password, tenant=tenant, is_staff=staff)
+    return user
+
+
+def make_group(tenant: Tenant, name: str) -> Group:
+    group = Group.objects.create(name=f"{tenant.slug}:{name}")
+    TenantGroup.objects.create(group=group, tenant=tenant, name=name)
+    return group
+
+
+def make_endpoint(tenant: Tenant, *, name: str = "scripted", kind: str = "scripted", config: dict | None = None,
+                  base_url: str = "", secret=None, **fields) -> ModelEndpoint:
+    prices = {"price_input": Decimal("3"), "price_cached_input": Decimal("0.3"),
+              "price_cache_write": Decimal("3.75"), "price_output": Decimal("15")}
+    prices.update(fields)
+    return ModelEndpoint.objects.create(tenant=tenant, name=name, kind=kind, base_url=base_url, model="test-model",
+                                        config=config or {}, secret=secret, **prices)
+
+
+def make_builtin_tools(tenant: Tenant, *, effect: str = "read_only", **fields) -> dict[str, Tool]:
+    server = ToolServer.objects.create(tenant=tenant, name="platform", kind=ToolServer.Kind.BUILTIN)
+    refresh(server)
+    Tool.objects.filter(server=server).update(enabled=True, effect_class=effect, **fields)
+    return {t.remote_name: t for t in Tool.objects.filter(server=server)}
+
+
+def grant(tool: Tool, *, use=(), approve=()) -> None:
+    for who in use:
+        assign_perm("tools.use_tool", who, tool)
+    for who in approve:
+        assign_perm("tools.approve_tool", who, tool)
+
+
+def make_agent(tenant: Tenant, *, name: str = "agent", tools=(), turns=(), endpoint: ModelEndpoint | None = None,
+               alias: str = "prod", **spec_fields):
+    endpoint = endpoint or ModelEndpoint.objects.filter(tenant=tenant).first() or make_endpoint(
+        tenant, config={"turns": list(turns)})
+    if turns and endpoint.kind == "scripted":
+        endpoint.config = {**endpoint.config, "turns": list(turns)}
+        endpoint.save()
+    spec = {"model": endpoint.name, "instructions": "You help bank support agents.",
+            "tools": [t.name if isinstance(t, Tool) else t for t in tools], **spec_fields}
+    version, _ = create_version(tenant=tenant, agent=name, spec=spec)
+    Alias.objects.update_or_create(agent=version.agent, name=alias, defaults={"version": version})
+    return version

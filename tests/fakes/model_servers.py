@@ -1,0 +1,555 @@
+"""Fake OpenAI-compatible and Anthropic model servers for tests and benchmarks.
+
+They validate request shapes strictly (400 with the provider's error body, like the real APIs)
+so client bugs surface here instead of in production, and they report usage the way the real
+APIs do, including prompt-cache hits, so budget accounting can be tested end to end.
+
+Token counts are approximate on purpose: len(json)/4. The cacheable prefix is the system
+prompt plus tools (Anthropic: only up to a cache_control breakpoint); a prefix seen before
+(same model) is reported as cached. Real caches have minimum sizes; these do not.
+
+    fake = FakeOpenAI(tool_turns=2)
+    base_url = fake.start()
+    fake.queue({"text": "hi"}, {"fault": "429", "retry_after": 2})
+    ...
+    fake.stop()
+
+Replies: {"text": "...", "tool_calls": [{"name": ..., "arguments": {...}}]}. Faults:
+{"fault": "429", "retry_after": 2} (any status code works, e.g. "500", "529"),
+{"fault": "timeout", "seconds": 5} (answers after sleeping: received and charged),
+{"fault": "bad_request"}. With an empty queue the server plays an agent: it calls the first
+offered tool with {"i": n} until the request holds `tool_turns` tool results, then says "done".
+
+    python -m tests.fakes.model_servers --kind openai --port 8001 --latency-ms 200 --tool-turns 12
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import re
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+HOST = "127.0.0.1"
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_STATUS_TYPES = {429: "rate_limit_error", 529: "overloaded_error", 401: "authentication_error"}
+
+
+class BadRequest(Exception):
+    """A malformed request: becomes a 400 with the provider's error body."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise BadRequest(message)
+
+
+def is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def approx_tokens(value: Any) -> int:
+    return max(1, len(json.dumps(value)) // 4)
+
+
+class FakeModelServer:
+    """Shared machinery; subclasses speak one wire protocol."""
+
+    path = ""
+    url_suffix = ""
+
+    def __init__(self, *, tool_turns: int = 0, latency_ms: int = 0, api_key: str | None = None):
+        self.tool_turns = tool_turns
+        self.latency_ms = latency_ms
+        self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
+        self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
+        self.replies: list[dict[str, Any]] = []  # charged replies, even if the client gave up
+        self.base_url = ""
+        self._queue: deque[dict[str, Any]] = deque()
+        self._seen_prefixes: set[str] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = Starlette(routes=[Route(self.path, self._handle, methods=["POST"])])
+
+    # --- Python API -------------------------------------------------------------------------
+
+    def queue(self, *replies: dict[str, Any]) -> None:
+        with self._lock:
+            self._queue.extend(replies)
+
+    def start(self) -> str:
+        """Serve on a free 127.0.0.1 port from a daemon thread; returns the base URL."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))  # binding here (not in uvicorn) avoids a free-port race
+        self._server = uvicorn.Server(self._config())
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        daemon=True, name=f"{type(self).__name__}-server")
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{type(self).__name__} failed to start")
+            time.sleep(0.01)
+        self.base_url = f"http://{HOST}:{sock.getsockname()[1]}{self.url_suffix}"
+        return self.base_url
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+        self._server = self._thread = None
+
+    def serve_forever(self, port: int) -> None:
+        config = self._config()
+        config.port = port
+        self._server = uvicorn.Server(config)
+        self._server.run()
+
+    def _config(self) -> uvicorn.Config:
+        return uvicorn.Config(self.app, host=HOST, log_level="warning", access_log=False,
+                              lifespan="off", backlog=2048, timeout_graceful_shutdown=1)
+
+    # --- request handling -------------------------------------------------------------------
+
+    async def _handle(self, request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return self.error(400, "invalid_request_error", "request body is not valid JSON")
+        with self._lock:
+            self.requests.append(body)
+            self.request_headers.append(dict(request.headers))
+        if self.latency_ms:
+            await asyncio.sleep(self.latency_ms / 1000)
+        auth_problem = self.check_auth(request.headers)
+        if auth_problem:
+            return self.error(401, "authentication_error", auth_problem)
+        try:
+            self.validate(body, request.headers)
+        except BadRequest as exc:
+            return self.error(400, "invalid_request_error", str(exc))
+        reply = self._next_reply(body)
+        fault = str(reply.get("fault", ""))
+        if fault == "timeout":
+            await asyncio.sleep(float(reply.get("seconds", 5)))
+            reply = self.auto_reply(body)
+        elif fault == "bad_request":
+            return self.error(400, "invalid_request_error", "fake: queued bad_request fault")
+        elif fault:
+            return self._status_fault(int(fault), reply.get("retry_after"))
+        payload = self.render(body, reply, self._next_id())
+        with self._lock:
+            self.replies.append(payload)
+        return JSONResponse(payload)
+
+    def _next_reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self._queue:
+                return self._queue.popleft()
+        return self.auto_reply(body)
+
+    def auto_reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        results = self.count_tool_results(body)
+        tools = self.tool_names(body)
+        if results < self.tool_turns and tools:
+            return {"text": "", "tool_calls": [{"name": tools[0], "arguments": {"i": results}}]}
+        return {"text": "done"}
+
+    def _status_fault(self, status: int, retry_after: Any) -> JSONResponse:
+        kind = _STATUS_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        response = self.error(status, kind, f"fake: queued {status} fault")
+        if retry_after is not None:
+            response.headers["retry-after"] = str(retry_after)
+        return response
+
+    def _next_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def cache_lookup(self, model: str, prefix: Any) -> bool:
+        """Remember the prefix; True when it was already cached."""
+        key = json.dumps([model, prefix], sort_keys=True)
+        with self._lock:
+            seen = key in self._seen_prefixes
+            self._seen_prefixes.add(key)
+        return seen
+
+    # --- protocol hooks ---------------------------------------------------------------------
+
+    def check_auth(self, headers: Any) -> str | None:
+        raise NotImplementedError
+
+    def validate(self, body: Any, headers: Any) -> None:
+        raise NotImplementedError
+
+    def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def error(self, status: int, kind: str, message: str) -> JSONResponse:
+        raise NotImplementedError
+
+    def count_tool_results(self, body: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def tool_names(self, body: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+
+# --- OpenAI Chat Completions ------------------------------------------------------------------
+
+_OPENAI_KEYS = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls",
+                "max_completion_tokens", "max_tokens", "temperature", "top_p", "stream", "stop",
+                "seed", "user", "n", "response_format", "metadata", "store"}
+
+
+class FakeOpenAI(FakeModelServer):
+    path = "/v1/chat/completions"
+    url_suffix = "/v1"
+
+    def check_auth(self, headers: Any) -> str | None:
+        if self.api_key is None:
+            return None
+        given = headers.get("authorization", "").removeprefix("Bearer ")
+        return None if given == self.api_key else f"Incorrect API key provided: {given}."
+
+    def error(self, status: int, kind: str, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                            status_code=status)
+
+    def validate(self, body: Any, headers: Any) -> None:
+        require(isinstance(body, dict), "request body must be a JSON object")
+        unknown = sorted(set(body) - _OPENAI_KEYS)
+        require(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown)}")
+        require(isinstance(body.get("model"), str) and body["model"] != "", "model is required")
+        require(not ("max_tokens" in body and "max_completion_tokens" in body),
+                "max_tokens and max_completion_tokens cannot both be set")
+        for key in ("max_tokens", "max_completion_tokens"):
+            require(key not in body or is_positive_int(body[key]), f"{key} must be a positive integer")
+        require(not body.get("stream"), "fake: streaming is not supported")
+        if "tools" in body:
+            validate_openai_tools(body["tools"])
+        validate_openai_messages(body.get("messages"))
+
+    def count_tool_results(self, body: dict[str, Any]) -> int:
+        return sum(1 for message in body["messages"] if message["role"] == "tool")
+
+    def tool_names(self, body: dict[str, Any]) -> list[str]:
+        return [tool["function"]["name"] for tool in body.get("tools", [])]
+
+    def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
+        calls = [{"id": f"call_{reply_id}_{index}", "type": "function",
+                  "function": {"name": call["name"], "arguments": openai_arguments(call.get("arguments", {}))}}
+                 for index, call in enumerate(reply.get("tool_calls", []))]
+        message: dict[str, Any] = {"role": "assistant", "content": reply.get("text") or None}
+        if calls:
+            message["tool_calls"] = calls
+        prompt = approx_tokens(body)
+        system = list(itertools.takewhile(lambda m: m["role"] == "system", body["messages"]))
+        prefix = {"system": system, "tools": body.get("tools")}
+        cached = min(approx_tokens(prefix), prompt) if self.cache_lookup(body["model"], prefix) else 0
+        completion = approx_tokens([message["content"], calls])
+        return {
+            "id": f"chatcmpl-fake-{reply_id}", "object": "chat.completion", "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": cached}},
+        }
+
+
+def openai_arguments(arguments: Any) -> str:
+    # A queued string is sent verbatim so tests can simulate a model writing broken JSON.
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def validate_openai_tools(tools: Any) -> None:
+    require(isinstance(tools, list) and len(tools) > 0, "tools: expected a non-empty array")
+    names = set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        require(isinstance(tool, dict) and tool.get("type") == "function", f"{where}.type must be 'function'")
+        function = tool.get("function")
+        require(isinstance(function, dict), f"{where}.function is required")
+        require(set(function) <= {"name", "description", "parameters", "strict"},
+                f"{where}.function has unknown fields")
+        name = function.get("name")
+        require(isinstance(name, str) and bool(TOOL_NAME.match(name)), f"{where}.function.name is invalid")
+        require(name not in names, f"{where}: duplicate tool name {name!r}")
+        names.add(name)
+        require(isinstance(function.get("description", ""), str), f"{where}.function.description must be a string")
+        parameters = function.get("parameters", {"type": "object"})
+        require(isinstance(parameters, dict) and parameters.get("type") == "object",
+                f"{where}.function.parameters must be a JSON schema of type 'object'")
+
+
+def validate_openai_messages(messages: Any) -> None:
+    require(isinstance(messages, list) and len(messages) > 0, "messages: expected a non-empty array")
+    pending: list[str] = []  # calls of the last assistant turn still awaiting a tool message
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        require(isinstance(message, dict), f"{where} must be an object")
+        role = message.get("role")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            require(call_id in pending, f"{where}: messages with role 'tool' must be a response to a "
+                                        f"preceding message with 'tool_calls' (tool_call_id {call_id!r})")
+            require(isinstance(message.get("content"), str), f"{where}.content must be a string")
+            pending.remove(call_id)
+            continue
+        require(not pending, f"{where}: an assistant message with 'tool_calls' must be followed by tool "
+                             f"messages responding to each 'tool_call_id'; missing {pending}")
+        if role in ("system", "user"):
+            require(set(message) <= {"role", "content", "name"}, f"{where} has unknown fields")
+            require(isinstance(message.get("content"), str), f"{where}.content must be a string")
+        elif role == "assistant":
+            pending = validate_openai_assistant(message, where)
+        else:
+            raise BadRequest(f"{where}.role {role!r} is invalid")
+    require(not pending, f"the last assistant message has unanswered tool_calls {pending}")
+
+
+def validate_openai_assistant(message: dict[str, Any], where: str) -> list[str]:
+    require(set(message) <= {"role", "content", "tool_calls", "name"}, f"{where} has unknown fields")
+    content = message.get("content")
+    calls = message.get("tool_calls", [])
+    require(content is None or isinstance(content, str), f"{where}.content must be a string or null")
+    require(isinstance(calls, list), f"{where}.tool_calls must be an array")
+    require(content is not None or len(calls) > 0, f"{where}: content is required without tool_calls")
+    ids = []
+    for index, call in enumerate(calls):
+        at = f"{where}.tool_calls[{index}]"
+        require(isinstance(call, dict) and call.get("type") == "function", f"{at}.type must be 'function'")
+        require(isinstance(call.get("id"), str) and call["id"] != "", f"{at}.id is required")
+        function = call.get("function")
+        require(isinstance(function, dict) and isinstance(function.get("name"), str), f"{at}.function.name is required")
+        require(isinstance(function.get("arguments"), str), f"{at}.function.arguments must be a JSON string")
+        ids.append(call["id"])
+    require(len(set(ids)) == len(ids), f"{where}: duplicate tool call ids")
+    return ids
+
+
+# --- Anthropic Messages -----------------------------------------------------------------------
+
+_ANTHROPIC_KEYS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature",
+                   "top_p", "top_k", "stop_sequences", "stream", "metadata"}
+ANTHROPIC_VERSION = "2023-06-01"
+MAX_CACHE_BREAKPOINTS = 4
+
+
+class FakeAnthropic(FakeModelServer):
+    path = "/v1/messages"
+
+    def check_auth(self, headers: Any) -> str | None:
+        given = headers.get("x-api-key")
+        if not given:
+            return "x-api-key header is required"
+        return None if self.api_key is None or given == self.api_key else "invalid x-api-key"
+
+    def error(self, status: int, kind: str, message: str) -> JSONResponse:
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+
+    def validate(self, body: Any, headers: Any) -> None:
+        require(headers.get("anthropic-version") == ANTHROPIC_VERSION,
+                f"anthropic-version header must be {ANTHROPIC_VERSION}")
+        require(isinstance(body, dict), "request body must be a JSON object")
+        unknown = sorted(set(body) - _ANTHROPIC_KEYS)
+        require(not unknown, f"{', '.join(unknown)}: Extra inputs are not permitted")
+        require(isinstance(body.get("model"), str) and body["model"] != "", "model: Field required")
+        require(is_positive_int(body.get("max_tokens")), "max_tokens: Field required (positive integer)")
+        require(not body.get("stream"), "fake: streaming is not supported")
+        breakpoints = validate_anthropic_system(body.get("system", ""))
+        if "tools" in body:
+            breakpoints += validate_anthropic_tools(body["tools"])
+        breakpoints += validate_anthropic_messages(body.get("messages"))
+        require(breakpoints <= MAX_CACHE_BREAKPOINTS,
+                f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {breakpoints}.")
+
+    def count_tool_results(self, body: dict[str, Any]) -> int:
+        return sum(1 for message in body["messages"] if isinstance(message["content"], list)
+                   for block in message["content"] if block["type"] == "tool_result")
+
+    def tool_names(self, body: dict[str, Any]) -> list[str]:
+        return [tool["name"] for tool in body.get("tools", [])]
+
+    def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if reply.get("text"):
+            content.append({"type": "text", "text": reply["text"]})
+        content.extend({"type": "tool_use", "id": f"toolu_{reply_id}_{index}", "name": call["name"],
+                        "input": anthropic_input(call.get("arguments", {}))}
+                       for index, call in enumerate(reply.get("tool_calls", [])))
+        usage = self._usage(body)
+        usage["output_tokens"] = approx_tokens(content)
+        return {"id": f"msg_fake_{reply_id}", "type": "message", "role": "assistant", "model": body["model"],
+                "content": content, "stop_reason": "tool_use" if reply.get("tool_calls") else "end_turn",
+                "stop_sequence": None, "usage": usage}
+
+    def _usage(self, body: dict[str, Any]) -> dict[str, int]:
+        prompt = approx_tokens(body)
+        prefix = anthropic_cached_prefix(body)
+        if prefix is None:
+            return {"input_tokens": prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        size = min(approx_tokens(prefix), prompt)
+        hit = self.cache_lookup(body["model"], prefix)
+        return {"input_tokens": prompt - size, "cache_creation_input_tokens": 0 if hit else size,
+                "cache_read_input_tokens": size if hit else 0}
+
+
+def anthropic_input(arguments: Any) -> dict[str, Any]:
+    return json.loads(arguments) if isinstance(arguments, str) else arguments
+
+
+def anthropic_cached_prefix(body: dict[str, Any]) -> Any:
+    """What the cache covers: tools render before system, up to the last breakpoint."""
+    system, tools = body.get("system"), body.get("tools", [])
+    if isinstance(system, list) and any("cache_control" in block for block in system):
+        return {"tools": tools, "system": system}
+    if any("cache_control" in tool for tool in tools):
+        return {"tools": tools}
+    return None
+
+
+def validate_cache_control(block: dict[str, Any], where: str) -> int:
+    if "cache_control" not in block:
+        return 0
+    require(block["cache_control"] in ({"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
+                                       {"type": "ephemeral", "ttl": "1h"}),
+            f"{where}.cache_control: invalid value")
+    return 1
+
+
+def validate_text_block(block: Any, where: str) -> int:
+    require(isinstance(block, dict) and block.get("type") == "text", f"{where}.type must be 'text'")
+    require(set(block) <= {"type", "text", "cache_control"}, f"{where}: Extra inputs are not permitted")
+    require(isinstance(block.get("text"), str) and block["text"] != "", f"{where}: text content blocks must be non-empty")
+    return validate_cache_control(block, where)
+
+
+def validate_anthropic_system(system: Any) -> int:
+    if isinstance(system, str):
+        return 0
+    require(isinstance(system, list), "system: Input should be a valid string or list")
+    return sum(validate_text_block(block, f"system.{index}") for index, block in enumerate(system))
+
+
+def validate_anthropic_tools(tools: Any) -> int:
+    require(isinstance(tools, list), "tools: Input should be a valid list")
+    names, breakpoints = set(), 0
+    for index, tool in enumerate(tools):
+        where = f"tools.{index}"
+        require(isinstance(tool, dict), f"{where}: Input should be an object")
+        require(set(tool) <= {"name", "description", "input_schema", "cache_control"},
+                f"{where}: Extra inputs are not permitted")
+        name = tool.get("name")
+        require(isinstance(name, str) and bool(TOOL_NAME.match(name)), f"{where}.name: invalid tool name")
+        require(name not in names, f"tools: Tool names must be unique ({name})")
+        names.add(name)
+        require(isinstance(tool.get("description", ""), str), f"{where}.description must be a string")
+        schema = tool.get("input_schema")
+        require(isinstance(schema, dict) and schema.get("type") == "object",
+                f"{where}.input_schema: type must be 'object'")
+        breakpoints += validate_cache_control(tool, where)
+    return breakpoints
+
+
+def validate_anthropic_messages(messages: Any) -> int:
+    require(isinstance(messages, list) and len(messages) > 0, "messages: at least one message is required")
+    breakpoints = 0
+    open_calls: list[str] = []  # tool_use ids of the previous assistant turn
+    for index, message in enumerate(messages):
+        where = f"messages.{index}"
+        require(isinstance(message, dict) and set(message) == {"role", "content"},
+                f"{where}: a message needs exactly 'role' and 'content'")
+        expected = "user" if index % 2 == 0 else "assistant"
+        require(message["role"] == expected, f"{where}.role: roles must alternate, starting with 'user'")
+        blocks = message["content"]
+        if isinstance(blocks, str):
+            require(blocks != "", f"{where}: content must be non-empty")
+            blocks = [{"type": "text", "text": blocks}]
+        require(isinstance(blocks, list) and len(blocks) > 0, f"{where}.content must be a non-empty list")
+        breakpoints += sum(validate_content_block(block, message["role"], f"{where}.content.{i}")
+                           for i, block in enumerate(blocks))
+        if message["role"] == "user":
+            check_tool_results(blocks, open_calls, where)
+            open_calls = []
+        else:
+            open_calls = [block["id"] for block in blocks if block["type"] == "tool_use"]
+    return breakpoints
+
+
+def validate_content_block(block: Any, role: str, where: str) -> int:
+    require(isinstance(block, dict), f"{where}: Input should be an object")
+    kind = block.get("type")
+    if kind == "text":
+        return validate_text_block(block, where)
+    if kind == "tool_use":
+        require(role == "assistant", f"{where}: tool_use blocks are only allowed in assistant messages")
+        require(set(block) <= {"type", "id", "name", "input", "cache_control"}, f"{where}: Extra inputs are not permitted")
+        require(isinstance(block.get("id"), str) and block["id"] != "", f"{where}.id: Field required")
+        require(isinstance(block.get("name"), str) and block["name"] != "", f"{where}.name: Field required")
+        require(isinstance(block.get("input"), dict), f"{where}.input: Input should be an object")
+        return validate_cache_control(block, where)
+    if kind == "tool_result":
+        require(role == "user", f"{where}: tool_result blocks are only allowed in user messages")
+        require(set(block) <= {"type", "tool_use_id", "content", "is_error", "cache_control"},
+                f"{where}: Extra inputs are not permitted")
+        require(isinstance(block.get("tool_use_id"), str), f"{where}.tool_use_id: Field required")
+        content = block.get("content", "")
+        if isinstance(content, list):
+            for i, inner in enumerate(content):
+                validate_text_block(inner, f"{where}.content.{i}")
+        else:
+            require(isinstance(content, str), f"{where}.content: Input should be a string or list")
+        require(isinstance(block.get("is_error", False), bool), f"{where}.is_error: Input should be a boolean")
+        return validate_cache_control(block, where)
+    raise BadRequest(f"{where}.type: unsupported block type {kind!r}")
+
+
+def check_tool_results(blocks: list[dict[str, Any]], open_calls: list[str], where: str) -> None:
+    """Mirror the API: every tool_use is answered in the very next user message, results first."""
+    answered = [block["tool_use_id"] for block in blocks if block["type"] == "tool_result"]
+    unexpected = [call_id for call_id in answered if call_id not in open_calls]
+    require(not unexpected, f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {unexpected}. "
+                            "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
+    missing = [call_id for call_id in open_calls if call_id not in answered]
+    require(not missing, f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                         f"{missing}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.")
+    require(len(set(answered)) == len(answered), f"{where}: duplicate tool_result for one tool_use")
+    kinds = [block["type"] for block in blocks]
+    require(kinds[:len(answered)] == ["tool_result"] * len(answered),
+            f"{where}: tool_result blocks must come first in the message content")
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Run a fake model server in the foreground (127.0.0.1).")
+    parser.add_argument("--kind", choices=["openai", "anthropic"], required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--latency-ms", type=int, default=0)
+    parser.add_argument("--tool-turns", type=int, default=0)
+    args = parser.parse_args(argv)
+    fake_class = FakeOpenAI if args.kind == "openai" else FakeAnthropic
+    fake = fake_class(tool_turns=args.tool_turns, latency_ms=args.latency_ms)
+    print(f"fake {args.kind} server on http://{HOST}:{args.port}{fake.url_suffix}", flush=True)
+    fake.serve_forever(args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""The tool gateway: the model proposes, the gateway decides (DESIGN.md section 7).
+
+Every check reads fresh rows: the user, the tool, and object permissions through a new
+guardian query each time (guardian's ObjectPermissionChecker caches per object and also gives
+superusers everything, so it is never used here).
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from guardian.shortcuts import get_objects_for_user
+
+from llm.types import ToolSpec
+from runs.models import Run, Step, StepKind, StepStatus
+from runs.services import digest, record_event, transition_step
+from tenants.crypto import redact, redact_obj
+from tenants.models import Secret
+from tools import relevance
+from tools.builtin import BUILTINS
+from tools.models import Tool, ToolServer
+from tools.types import (IDEMPOTENCY_HEADER, McpServerConfig, ToolFailed, ToolOutcomeUnknown,
+                         ToolResult)
+
+SEARCH_TOOLS = "search_tools"
+SEARCH_TOOLS_SPEC = ToolSpec(
+    name=SEARCH_TOOLS,
+    description="Find more tools you are allowed to use. Describe the task; matching tools are added to your list.",
+    input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})
+SEARCH_REVEAL = 5
+
+
+# --- what the model sees -----------------------------------------------------------------------
+
+def _fresh_user(run: Run):
+    return get_user_model().objects.get(pk=run.created_by_id)
+
+
+def permitted_tools(run: Run) -> list[Tool]:
+    """Allowlist ∩ tools the user holds use_tool on right now ∩ enabled and not quarantined."""
+    user = _fresh_user(run)
+    if not user.is_active:
+        return []
+    candidates = Tool.objects.filter(tenant_id=run.tenant_id, name__in=run.version.spec.get("tools", []),
+                                     enabled=True, quarantined=False)
+    return list(get_objects_for_user(user, "tools.use_tool", klass=candidates, with_superuser=False,
+                                     accept_global_perms=False).order_by("name"))
+
+
+def _spec(tool: Tool) -> ToolSpec:
+    return ToolSpec(name=tool.name, description=tool.description, input_schema=tool.input_schema)
+
+
+def offered_tools(run: Run, steps=()) -> list[ToolSpec]:
+    """Sorted by name so the request prefix stays byte-stable between steps."""
+    tools = permitted_tools(run)
+    limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
+    if len(tools) <= limit:
+        return [_spec(t) for t in tools]
+    recent = " ".join(s.observation[:500] for s in list(steps)[-3:])
+    query = json.dumps(run.input, ensure_ascii=False) + " " + recent
+    by_name = {t.name: t for t in tools}
+    ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
+    chosen = [n for n in run.revealed_tools if n in by_name]
+    chosen += [n for n in ranked if n not in chosen][:max(limit - 1 - len(chosen), 0)]
+    return sorted([_spec(by_name[n]) for n in chosen], key=lambda s: s.name) + [SEARCH_TOOLS_SPEC]
+
+
+def run_search_tools(run: Run, step: Step) -> None:
+    """Built-in search_tools: reveal more tools, only from the permitted set."""
+    query = str((step.arguments or {}).get("query", ""))
+    tools = permitted_tools(run)
+    ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
+    found = [n for n in ranked if n not in run.revealed_tools][:SEARCH_REVEAL]
+    Run.objects.filter(pk=run.pk).update(revealed_tools=run.revealed_tools + found)
+    by_name = {t.name: t for t in tools}
+    text = "\n".join(f"- {n}: {by_name[n].description}" for n in found) or "no further tools match"
+    transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "revealed": found},
+                    observation=f"Tools added to your list:\n{text}" if found else text)
+
+
+# --- proposals and checks at dispatch -----------------------------------------------------------
+
+def idempotency_key(run: Run, seq: int) -> str:
+    """Stable for the step: the same on every attempt, never derived from the attempt."""
+    return f"{run.tenant.slug}:{run.pk}:{seq}"
+
+
+def propose(*, run: Run, seq: int, parent_seq: int, call: dict) -> Step:
+    name = call["name"]
+    tool = None if name == SEARCH_TOOLS else Tool.objects.filter(tenant_id=run.tenant_id, name=name).first()
+    arguments = call.get("arguments") if isinstance(call.get("arguments"), dict) else {"_raw": call.get("arguments")}
+    step = Step.objects.create(run=run, seq=seq, kind=StepKind.TOOL, status=StepStatus.PROPOSED,
+                               parent_seq=parent_seq, tool=tool, tool_name=name, call_id=call["id"],
+                               arguments=arguments, args_digest=digest(arguments),
+                               idempotency_key=idempotency_key(run, seq))
+    record_event(run.pk, "step", f"step {seq} proposed: {name}", step_seq=seq, to=StepStatus.PROPOSED,
+                 step_kind=StepKind.TOOL, tool=name)
+    return step
+
+
+def has_use_tool(user, tool: Tool) -> bool:
+    return get_objects_for_user(user, "tools.use_tool", klass=Tool.objects.filter(pk=tool.pk),
+                                with_superuser=False, accept_global_perms=False).exists()
+
+
+def check_dispatch(run: Run, step: Step) -> str | None:
+    """Return why the call must not be sent, or None. Reads everything fresh."""
+    user = _fresh_user(run)
+    if not user.is_active:
+        return f"user {user.username} is deactivated"
+    if step.tool_id is None:
+        return f"unknown tool {step.tool_name!r}"
+    tool = Tool.objects.get(pk=step.tool_id)
+    if not tool.enabled:
+        return f"tool {tool.name} is disabled"
+    if tool.quarantined:
+        return f"tool {tool.name} is quarantined: {tool.quarantine_reason}"
+    if tool.name not in run.version.spec.get("tools", []):
+        return f"tool {tool.name} is not in this agent's allowlist"
+    if not has_use_tool(user, tool):
+        return f"user {user.username} may not use {tool.name}"
+    offered = Step.objects.filter(run=run, seq=step.parent_seq).values_list("request", flat=True).first() or {}
+    if tool.name not in offered.get("tools", []) and tool.name not in Run.objects.get(pk=run.pk).revealed_tools:
+        return f"tool {tool.name} was not offered on this call"
+    try:
+        jsonschema.validate(step.arguments, tool.input_schema or {"type": "object"})
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(arguments)"
+        return f"arguments invalid at {where}: {exc.message}"
+    except jsonschema.SchemaError as exc:
+        return f"tool schema is invalid: {exc.message}"
+    return None
+
+
+# --- calling -----------------------------------------------------------------------------------
+
+def _secret_header(server: ToolServer) -> dict:
+    if not server.secret_id:
+        return {}
+    value = Secret.objects.get(pk=server.secret_id).reveal()
+    return {server.auth_header or "Authorization": f"{server.auth_scheme} {value}".strip()}
+
+
+def mcp_config(server: ToolServer) -> McpServerConfig:
+    return McpServerConfig(transport=server.transport or ToolServer.Transport.STREAMABLE_HTTP, url=server.url,
+                           command=tuple(server.command or ()), headers=_secret_header(server))
+
+
+def dispatch(step: Step) -> ToolResult:
+    """Send the call. Raises ToolFailed (provably not done) or ToolOutcomeUnknown."""
+    tool = step.tool
+    server = tool.server
+    if server.kind == ToolServer.Kind.BUILTIN:
+        builtin = BUILTINS.get(tool.remote_name)
+        if builtin is None:
+            raise ToolFailed(f"no builtin tool {tool.remote_name}")
+        return builtin.run(step.arguments)
+    if server.kind == ToolServer.Kind.HTTP:
+        return _http_call(server, tool, step)
+    from tools import mcp_client
+    return mcp_client.call_tool(mcp_config(server), tool.remote_name, step.arguments,
+                                idempotency_key=step.idempotency_key, timeout=tool.timeout_seconds)
+
+
+def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
+    url = tool.http_url or f"{server.url.rstrip('/')}/{tool.remote_name}"
+    headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server)}
+    try:
+        response = httpx.post(url, json=step.arguments, headers=headers,
+                              timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)))
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ToolFailed(f"could not connect to {server.name}: {type(exc).__name__}") from None
+    except httpx.HTTPError as exc:
+        raise ToolOutcomeUnknown(f"{type(exc).__name__} after sending to {server.name}") from None
+    if response.status_code >= 500:
+        raise ToolOutcomeUnknown(f"{server.name} answered {response.status_code}",
+                                 retry_after=_retry_after(response))
+    if response.status_code >= 400:
+        raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
+    return _http_result(response)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+
+
+def _http_result(response: httpx.Response) -> ToolResult:
+    try:
+        body = response.json()
+    except ValueError:
+        return ToolResult(text=response.text)
+    return ToolResult(text=json.dumps(body, ensure_ascii=False), structured=body)
+
+
+def lookup_status(step: Step) -> ToolResult | None:
+    """Ask a reconcilable provider whether the call with this key happened. None: it did not."""
+    tool = step.tool
+    server = tool.server
+    if server.kind == ToolServer.Kind.HTTP:
+        url = (tool.status_url or f"{server.url.rstrip('/')}/status/{{key}}").replace("{key}", step.idempotency_key)
+        try:
+            response = httpx.get(url, headers=_secret_header(server), timeout=tool.timeout_seconds)
+        except httpx.HTTPError as exc:
+            raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
+        if response.status_code >= 400:
+            raise ToolOutcomeUnknown(f"status lookup answered {response.status_code}")
+        body = response.json()
+    elif server.kind == ToolServer.Kind.MCP and server.status_tool:
+        from tools import mcp_client
+        answer = mcp_client.call_tool(mcp_config(server), server.status_tool,
+                                      {"idempotency_key": step.idempotency_key},
+                                      idempotency_key=f"{step.idempotency_key}:status", timeout=tool.timeout_seconds)
+        body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
+    else:
+        raise ToolOutcomeUnknown(f"{tool.name} has no status lookup configured")
+    if not body.get("found"):
+        return None
+    result = body.get("result")
+    return ToolResult(text=json.dumps(result, ensure_ascii=False), structured=result)
+
+
+# --- results -----------------------------------------------------------------------------------
+
+def known_secrets(tenant_id) -> list[str]:
+    return [s.reveal() for s in Secret.objects.filter(tenant_id=tenant_id)]
+
+
+def redact_text(run: Run, text: str) -> str:
+    return redact(text, known_secrets(run.tenant_id))
+
+
+def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
+    """Redact, store in full, and give the model a capped view with a clear marker."""
+    secrets = known_secrets(run.tenant_id)
+    text = redact(result.text, secrets)
+    stored = {"text": text, "structured": redact_obj(result.structured, secrets), "is_error": result.is_error}
+    limit = settings.TOOL_RESULT_MODEL_CHARS
+    observation = text
+    if len(text) > limit:
+        observation = (text[:limit] + f"\n[truncated by the platform: showing {limit} of {len(text)} characters; "
+                       "the full result is stored]")
+    if result.is_error:
+        observation = f"ERROR: {observation}"
+    return stored, observation

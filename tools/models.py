@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from django.db import models
+
+
+class EffectClass(models.TextChoices):
+    READ_ONLY = "read_only"
+    IDEMPOTENT = "idempotent"
+    RECONCILABLE = "reconcilable"
+    UNSAFE = "unsafe"
+
+
+class ToolServer(models.Model):
+    class Kind(models.TextChoices):
+        MCP = "mcp"
+        HTTP = "http"
+        BUILTIN = "builtin"
+
+    class Transport(models.TextChoices):
+        STREAMABLE_HTTP = "streamable_http"
+        STDIO = "stdio"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tool_servers")
+    name = models.SlugField(max_length=50)   # prefix of its tools' names: "<name>.<tool>"
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    transport = models.CharField(max_length=16, choices=Transport.choices, blank=True)
+    url = models.CharField(max_length=500, blank=True)
+    command = models.JSONField(default=list, blank=True)
+    secret = models.ForeignKey("tenants.Secret", null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="+")
+    auth_header = models.CharField(max_length=100, default="Authorization", blank=True)
+    auth_scheme = models.CharField(max_length=20, default="Bearer", blank=True)
+    status_tool = models.CharField(max_length=200, blank=True)   # MCP: reconciliation lookup
+    last_synced_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_server_name")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Tool(models.Model):
+    """A tool under tenant control. Discovered tools start disabled; hints grant nothing."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tools")
+    server = models.ForeignKey(ToolServer, on_delete=models.CASCADE, related_name="tools")
+    name = models.CharField(max_length=200)          # "<server>.<remote_name>", what the model sees
+    remote_name = models.CharField(max_length=200)
+    description = models.TextField(blank=True)
+    input_schema = models.JSONField(default=dict, blank=True)
+    schema_hash = models.CharField(max_length=64, blank=True)
+    annotations = models.JSONField(default=dict, blank=True)   # provider hints, display only
+    enabled = models.BooleanField(default=False)
+    quarantined = models.BooleanField(default=False)
+    quarantine_reason = models.TextField(blank=True)
+    effect_class = models.CharField(max_length=16, choices=EffectClass.choices,
+                                    default=EffectClass.UNSAFE)
+    approval_policy = models.TextField(default="never")
+    policy_version = models.PositiveIntegerField(default=1)
+    approval_ttl_seconds = models.PositiveIntegerField(null=True, blank=True)
+    timeout_seconds = models.FloatField(default=30.0)
+    price_micros = models.BigIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=3)
+    backoff_seconds = models.FloatField(default=1.0)
+    http_url = models.CharField(max_length=500, blank=True)     # http tools: POST target
+    status_url = models.CharField(max_length=500, blank=True)   # http reconcilable: GET {key}
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_tool_name")]
+        permissions = [("use_tool", "Use tool"), ("approve_tool", "Approve calls of tool")]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def offerable(self) -> bool:
+        return self.enabled and not self.quarantined

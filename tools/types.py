@@ -1,0 +1,50 @@
+"""Shapes that cross the tool gateway, independent of the transport (MCP, HTTP, builtin)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The key under which the step's idempotency key travels in MCP `_meta` (and the HTTP header name).
+IDEMPOTENCY_META_KEY = "io.agentplatform/idempotency-key"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+@dataclass(frozen=True)
+class RemoteTool:
+    """A tool as a server describes it (untrusted: annotations are hints only)."""
+
+    name: str
+    description: str
+    input_schema: dict
+    annotations: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """Normalised result: text for the model, structured content when the server gave one."""
+
+    text: str
+    structured: dict | list | None = None
+    is_error: bool = False
+
+
+@dataclass(frozen=True)
+class McpServerConfig:
+    transport: str                       # "streamable_http" | "stdio"
+    url: str = ""                        # streamable_http
+    command: tuple[str, ...] = ()        # stdio: argv
+    env: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)   # already-decrypted auth headers
+
+
+class ToolFailed(Exception):
+    """The call provably did not take effect (refused before sending, 4xx validation, MCP
+    protocol error on a rejected request), or the tool itself reported a failure."""
+
+
+class ToolOutcomeUnknown(Exception):
+    """The request may have reached the provider and its outcome is unknown
+    (timeout after sending, connection reset, 5xx, lost session)."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
