@@ -61,3 +61,29 @@ def drive(run_id, *, max_tasks: int = 200) -> Run:
         if step and step.next_attempt_at > timezone.now():
             time.sleep(min((step.next_attempt_at - timezone.now()).total_seconds(), 5) + 0.01)
     raise AssertionError(f"run {run_id} did not settle after {max_tasks} tasks: {run.status}")
+
+
+@pytest.fixture
+def bank():
+    from tests.servers import BankServer
+
+    server = BankServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def workers(transactional_db):
+    """Start real Celery worker processes on demand; all are stopped after the test."""
+    from tests.servers import Worker
+
+    started: list[Worker] = []
+
+    def start(name: str = "w1", **kwargs) -> Worker:
+        worker = Worker(name, **kwargs).start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

@@ -64,3 +64,28 @@ def make_agent(tenant: Tenant, *, name: str = "agent", tools=(), turns=(), endpo
     version, _ = create_version(tenant=tenant, agent=name, spec=spec)
     Alias.objects.update_or_create(agent=version.agent, name=alias, defaults={"version": version})
     return version
+
+
+BANK_SETTINGS = {
+    "lookup_transaction": {"effect_class": "read_only"},
+    "search_tickets": {"effect_class": "read_only"},
+    "issue_refund": {"effect_class": "idempotent", "approval_policy": "amount > 5000 or currency != 'INR'"},
+    "send_customer_email": {"effect_class": "unsafe"},
+    "transfer_funds": {"effect_class": "unsafe", "approval_policy": "always"},
+    "refund_status": {"effect_class": "read_only"},
+    "search": {"effect_class": "read_only"},
+}
+
+
+def make_bank_tools(tenant: Tenant, url: str, *, name: str = "bank", **server_fields) -> dict[str, Tool]:
+    """The example bank MCP server's tools, discovered, then enabled with the story's settings."""
+    server = ToolServer.objects.create(tenant=tenant, name=name, kind=ToolServer.Kind.MCP,
+                                       transport=ToolServer.Transport.STREAMABLE_HTTP, url=url,
+                                       status_tool="refund_status", **server_fields)
+    refresh(server)
+    tools = {t.remote_name: t for t in Tool.objects.filter(server=server)}
+    for remote, settings in BANK_SETTINGS.items():
+        Tool.objects.filter(pk=tools[remote].pk).update(enabled=True, timeout_seconds=10, price_micros=1000,
+                                                        **settings)
+        tools[remote].refresh_from_db()
+    return tools

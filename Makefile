@@ -1,0 +1,35 @@
+# make demo   – set up and run the dispute story on embedded defaults (SQLite, in-process broker)
+# make test   – set up and run the whole suite on PostgreSQL + Redis (started if not running)
+# make serve  – production shape: PostgreSQL, Redis broker, gunicorn, celery worker + beat, flower
+# make bench  – benchmarks under bench/ (PostgreSQL + Redis)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
+TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: setup demo test services serve bench chaos
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) manage.py demo
+
+services:
+	bash scripts/ensure_services.sh
+
+test: setup services
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) -m pytest -q -p no:cacheprovider
+
+serve: setup
+	bash scripts/serve.sh
+
+bench: setup services
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/run_all.py
+
+chaos: setup services
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/chaos.py
