@@ -4,6 +4,8 @@ AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS and DATABA
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import dj_database_url
@@ -16,6 +18,9 @@ VAR_DIR = Path(env_str("AGENTPLATFORM_VAR_DIR", str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 PRODUCTION = env_str("AGENTPLATFORM_ENV", "dev") == "production"
+# Several test sessions may share one PostgreSQL and one Redis: each gets its own test
+# database and its own queue so they never consume each other's messages.
+TESTING = "pytest" in sys.modules
 
 
 def _dev_file_secret(name: str, make) -> str:
@@ -114,7 +119,8 @@ def _database() -> dict:
             db["OPTIONS"] = {"pool": {"min_size": 1, "max_size": pool_max, "timeout": 30}}
         else:
             db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
-    db.setdefault("TEST", {})["NAME"] = env_str("TEST_DATABASE_NAME", None)
+    if TESTING and db["ENGINE"] != "django.db.backends.sqlite3":
+        db["TEST"] = {"NAME": env_str("TEST_DATABASE_NAME") or f"test_{db['NAME']}_{os.getpid()}"}
     return db
 
 
@@ -163,7 +169,7 @@ CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 360)
 # Longer than the longest step (hard limit above), so Redis never redelivers a live task.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-CELERY_TASK_DEFAULT_QUEUE = "runs"
+CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE") or (f"runs-test-{os.getpid()}" if TESTING else "runs")
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},

@@ -25,7 +25,7 @@ def _purge_broker():
     yield
     if settings.CELERY_BROKER_URL.startswith("redis"):
         import redis
-        redis.Redis.from_url(settings.CELERY_BROKER_URL).flushdb()
+        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(settings.CELERY_TASK_DEFAULT_QUEUE)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ def database_url() -> str:
 def process_env(**extra: str) -> dict:
     env = dict(os.environ)
     env.update(DATABASE_URL=database_url(), CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
-               PYTHONUNBUFFERED="1", **extra)
+               CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE, PYTHONUNBUFFERED="1", **extra)
     return env
 
 
@@ -36,7 +36,7 @@ class Worker:
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"worker-{name}-", suffix=".log", delete=False)
         self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", pool,
-                     "-c", str(concurrency), "-Q", "runs", "-n", f"{name}@%h", "--loglevel", "INFO",
+                     "-c", str(concurrency), "-Q", settings.CELERY_TASK_DEFAULT_QUEUE, "-n", f"{name}@%h", "--loglevel", "INFO",
                      "--without-gossip", "--without-mingle"]
         self.env = process_env(**(env or {}))
         self.proc: subprocess.Popen | None = None

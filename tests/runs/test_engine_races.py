@@ -1,0 +1,121 @@
+"""Races, redeliveries, stale workers and cancellation against real PostgreSQL."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from runs import engine
+from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
+from runs.services import cancel_run, start_run
+from tests import factories
+from tests.conftest import drive
+from tests.servers import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _email_agent(tenant, asha, bank):
+    tools = factories.make_bank_tools(tenant, bank.mcp_url)
+    email = tools["send_customer_email"]
+    factories.grant(email, use=[asha])
+    factories.make_agent(tenant, tools=[email], turns=[
+        {"tool_calls": [{"name": email.name, "arguments": {"to": "c@example.com", "subject": "s", "body": "b"}}]},
+        {"text": "sent"}])
+    return email
+
+
+def test_it_executes_each_step_once_when_eight_workers_race_on_one_run(tenant, asha, bank):
+    _email_agent(tenant, asha, bank)
+    run, _ = start_run(user=asha, agent="agent", input={"q": 1})
+    barrier = threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        try:
+            for _ in range(40):
+                engine.advance(run.pk)
+                if Run.objects.get(pk=run.pk).is_terminal:
+                    return
+                time.sleep(0.01)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    run.refresh_from_db()
+    assert run.status == RunStatus.SUCCEEDED
+    assert len(bank.effects("send_customer_email")) == 1
+    steps = list(Step.objects.filter(run=run).order_by("seq"))
+    assert [s.kind for s in steps] == ["model", "tool", "model"]
+    assert all(s.attempts == 1 for s in steps)
+
+
+def test_it_treats_a_redelivered_message_as_a_no_op(tenant, asha, builtins):
+    factories.grant(builtins["echo"], use=[asha])
+    factories.make_agent(tenant, tools=[builtins["echo"]], turns=[
+        {"tool_calls": [{"name": builtins["echo"].name, "arguments": {"x": 1}}]}, {"text": "ok"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    plan = engine._claim(run.pk)          # a worker holds the lease for the first model call
+    assert plan is not None
+    before = (Step.objects.count(), RunEvent.objects.filter(run=run).count())
+    engine.advance(run.pk)                # the same message delivered again
+    assert (Step.objects.count(), RunEvent.objects.filter(run=run).count()) == before
+    engine._do_model(plan)
+    run = drive(run.pk)
+    assert run.status == RunStatus.SUCCEEDED
+    events = RunEvent.objects.filter(run=run).count()
+    engine.advance(run.pk)                # redelivered after the end
+    assert RunEvent.objects.filter(run=run).count() == events
+    assert Step.objects.filter(run=run).count() == 3
+
+
+def test_it_fences_out_a_stale_worker_whose_lease_was_taken_over(tenant, asha, builtins):
+    sleep = builtins["sleep"]
+    factories.grant(sleep, use=[asha])
+    factories.make_agent(tenant, tools=[sleep], turns=[
+        {"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 2}}]}, {"text": "ok"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    engine.advance(run.pk)                # model step proposes the tool call
+    stale = threading.Thread(target=lambda: (engine.advance(run.pk), connection.close()))
+    stale.start()
+    wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=10)
+    time.sleep(1.2)                        # let the stale worker's heartbeat tick once
+    Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
+    engine.advance(run.pk)                 # the new owner takes over and re-runs the read-only call
+    stale.join(30)
+    step = Step.objects.get(run=run, seq=2)
+    assert step.status == StepStatus.SUCCEEDED
+    assert step.attempts == 2
+    late = RunEvent.objects.filter(run=run, kind="late_attempt")
+    assert late.count() == 1 and late.first().step_seq == 2
+    assert drive(run.pk).status == RunStatus.SUCCEEDED
+
+
+def test_it_starts_no_call_after_a_cancel_during_a_long_tool_call(tenant, asha, builtins, workers):
+    sleep = builtins["sleep"]
+    factories.grant(sleep, use=[asha])
+    factories.make_agent(tenant, tools=[sleep], turns=[
+        {"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 3}}]}, {"text": "never said"}])
+    workers("w1")
+    run, _ = start_run(user=asha, agent="agent", input={})
+    wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=30)
+    cancel_run(run_id=run.pk, actor=asha, reason="customer withdrew")
+    run = wait_for(lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=30)
+    assert run.status == RunStatus.CANCELLED
+    assert Step.objects.filter(run=run, kind="model").count() == 1
+    assert Step.objects.get(run=run, seq=2).status == StepStatus.SUCCEEDED  # the call in flight finished
+
+
+def test_it_cancels_a_queued_run_before_any_call(tenant, asha, builtins):
+    factories.make_agent(tenant, tools=[], turns=[{"text": "hi"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    cancel_run(run_id=run.pk, actor=asha)
+    run = drive(run.pk)
+    assert run.status == RunStatus.CANCELLED
+    assert not Step.objects.filter(run=run).exists()
