@@ -4,9 +4,10 @@ import datetime as dt
 import uuid
 
 from django.db.models import Count, Q, Sum
+from django.db.models.functions import Coalesce
 
 from agentplatform.errors import NotFound
-from budgets.models import BudgetAccount, Reservation
+from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.services import local_day
 
 
@@ -47,3 +48,31 @@ def get_reservation(user, reservation_id) -> Reservation:
         return reservations_for(user).get(pk=uuid.UUID(str(reservation_id)))
     except (Reservation.DoesNotExist, ValueError):
         raise NotFound("reservation") from None
+
+
+def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
+    """Recompute the account's balances from its ledger; {field: (balance, ledger)} where they differ.
+
+    Entry kinds move balances like this: reserve +reserved; settle +spent; hold reserved -> held;
+    release, settle and reconcile close a reservation (what closed = settle/reconcile + release -
+    overage); write_off clears a hold. A reservation's status says which balance its closing
+    entries came out of (reconciled and written_off: held; settled and released: reserved).
+    """
+    K = LedgerEntry.Kind
+    from_held = Q(reservation__status__in=[Reservation.Status.RECONCILED, Reservation.Status.WRITTEN_OFF])
+
+    def total(*kinds, extra=Q()):
+        return Coalesce(Sum("amount_micros", filter=Q(kind__in=kinds) & extra), 0)
+
+    sums = account.entries.aggregate(
+        reserve=total(K.RESERVE), settle=total(K.SETTLE), reconcile=total(K.RECONCILE),
+        release=total(K.RELEASE), overage=total(K.OVERAGE), write_off=total(K.WRITE_OFF), hold=total(K.HOLD),
+        held_closed=total(K.RECONCILE, K.RELEASE, K.WRITE_OFF, extra=from_held),
+        held_overage=total(K.OVERAGE, extra=from_held))
+    held = sums["hold"] - sums["held_closed"] + sums["held_overage"]
+    open_total = (sums["reserve"] - sums["settle"] - sums["reconcile"] - sums["release"] - sums["write_off"]
+                  + sums["overage"])
+    expected = {"spent_micros": sums["settle"] + sums["reconcile"], "overage_micros": sums["overage"],
+                "held_micros": held, "reserved_micros": open_total - held}
+    return {name: (getattr(account, name), value) for name, value in expected.items()
+            if getattr(account, name) != value}

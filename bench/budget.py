@@ -1,0 +1,248 @@
+"""Budget reservations under contention: reserve+settle pairs on one hot tenant-day account.
+
+    DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/budget.py
+
+DATABASE_URL only says where PostgreSQL is: the benchmark creates its own database
+`bench_budget_<pid>`, migrates it, and drops it at the end; no other database is touched.
+
+Each client is a thread with its own database connection, acting for its own run: a pair is
+budgets.services.reserve (tenant day + run account) followed by settle with an actual cost a
+little below the reservation, exactly what the engine does around every model or tool call.
+
+Scenarios:
+  1 client / 64 clients   pairs per second over BENCH_SECONDS (10) each, p50/p99 pair latency
+  limit race              64 clients reserve against a day with room for BENCH_RACE_ROOM (500)
+                          reservations: successes must equal the room, spent must stay <= limit
+  step overhead           one uncontended run: reserve+settle vs an empty transaction
+
+After each scenario the accounts are checked: no negative balance, spent <= limit, nothing
+left reserved, and the ledger (budgets.selectors.ledger_mismatches) agrees with every balance.
+
+Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_RACE_ROOM (500).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
+CLIENTS = int(os.environ.get("BENCH_CLIENTS", 64))
+RACE_ROOM = int(os.environ.get("BENCH_RACE_ROOM", 500))
+AMOUNT = 10_000          # micros reserved per call
+TAG = f"bench_budget_{os.getpid()}"
+
+BASE_URL = os.environ.get("DATABASE_URL", "")
+if not BASE_URL.startswith("postgres"):
+    sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
+
+
+def with_database(url: str, name: str) -> str:
+    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
+
+
+def admin(sql: str) -> None:
+    """CREATE/DROP DATABASE run on a connection to the server's maintenance database."""
+    import psycopg
+
+    with psycopg.connect(with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1),
+                         autocommit=True) as conn:
+        conn.execute(sql)
+
+
+os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+os.environ["CELERY_BROKER_URL"] = "memory://"   # start_run enqueues; nothing consumes here
+os.environ.pop("DB_POOL_MAX", None)             # one plain connection per client thread
+os.environ.setdefault("LOG_LEVEL", "ERROR")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
+
+
+# --- setup -------------------------------------------------------------------------------------
+
+def make_runs(count: int, *, daily_budget: int):
+    from agents.services import create_version
+    from llm.models import ModelEndpoint
+    from runs.services import start_run
+    from tenants.models import Tenant, User
+
+    slug = f"t{time.monotonic_ns()}"
+    tenant = Tenant.objects.create(slug=slug, name=slug, daily_budget_micros=daily_budget,
+                                   max_active_runs=10_000, max_starts_per_minute=10_000,
+                                   max_cost_micros_cap=10**15)
+    user = User.objects.create_user(username=f"{slug}-user", password="pw", tenant=tenant)
+    ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted")
+    create_version(tenant=tenant, agent="bench", spec={
+        "model": "scripted", "instructions": "bench", "limits": {"max_cost_micros": 10**14}})
+    return tenant, [start_run(user=user, agent="bench", version=1, input={"i": i})[0] for i in range(count)]
+
+
+# --- clients -----------------------------------------------------------------------------------
+
+class Client(threading.Thread):
+    """Reserve+settle pairs in a loop until told to stop (or until refused, in a race)."""
+
+    def __init__(self, tenant, run, stop: threading.Event, *, until_refused: bool = False):
+        super().__init__(daemon=True)
+        self.tenant, self.agent_run, self.stop_event, self.until_refused = tenant, run, stop, until_refused
+        self.latencies: list[float] = []
+        self.refused = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:  # noqa: D102 (threading API)
+        from django.db import connection
+
+        from budgets import services as budgets
+
+        try:
+            n = 0
+            while not self.stop_event.is_set():
+                started = time.perf_counter()
+                try:
+                    reservation = budgets.reserve(tenant=self.tenant, run=self.agent_run, amount_micros=AMOUNT,
+                                                  purpose="model")
+                except budgets.BudgetExceeded:
+                    self.refused += 1
+                    if self.until_refused:
+                        return
+                    continue
+                actual = AMOUNT if self.until_refused else AMOUNT - 1 - n % 1000
+                budgets.settle(reservation.pk, actual_micros=actual)
+                self.latencies.append(time.perf_counter() - started)
+                n += 1
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+        finally:
+            connection.close()
+
+
+def drive(tenant, runs, seconds: float | None, *, until_refused: bool = False) -> tuple[float, list[Client]]:
+    stop = threading.Event()
+    clients = [Client(tenant, run, stop, until_refused=until_refused) for run in runs]
+    # Open every connection first so the timed window measures pairs, not connects.
+    from django.db import connection
+    connection.ensure_connection()
+    started = time.perf_counter()
+    for client in clients:
+        client.start()
+    if seconds is not None:
+        time.sleep(seconds)
+        stop.set()
+    for client in clients:
+        client.join()
+    elapsed = time.perf_counter() - started
+    for client in clients:
+        if client.error:
+            raise client.error
+    return elapsed, clients
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+def check_accounts(tenant) -> dict:
+    from budgets.models import BudgetAccount, Reservation
+    from budgets.selectors import ledger_mismatches
+
+    accounts = list(BudgetAccount.objects.filter(tenant=tenant))
+    for a in accounts:
+        assert min(a.reserved_micros, a.spent_micros, a.held_micros) >= 0, f"negative balance on {a}"
+        assert a.reserved_micros == 0, f"{a} still has {a.reserved_micros} reserved"
+        assert a.spent_micros <= a.limit_micros, f"{a} overspent: {a.spent_micros} > {a.limit_micros}"
+        problems = ledger_mismatches(a)
+        assert not problems, f"ledger of {a} disagrees: {problems}"
+    assert not Reservation.objects.filter(tenant=tenant, status="open").exists()
+    day = next(a for a in accounts if a.scope == "tenant_day")
+    return {"spent": day.spent_micros, "limit": day.limit_micros}
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+def throughput(clients_n: int) -> dict:
+    tenant, runs = make_runs(clients_n, daily_budget=10**15)
+    elapsed, clients = drive(tenant, runs, SECONDS)
+    latencies = sorted(x for c in clients for x in c.latencies)
+    check_accounts(tenant)
+    return {"clients": clients_n, "pairs": len(latencies), "pairs_s": len(latencies) / elapsed,
+            "p50_ms": 1000 * latencies[len(latencies) // 2],
+            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
+
+
+def limit_race() -> dict:
+    tenant, runs = make_runs(CLIENTS, daily_budget=RACE_ROOM * AMOUNT)
+    elapsed, clients = drive(tenant, runs, None, until_refused=True)
+    totals = check_accounts(tenant)
+    granted = sum(len(c.latencies) for c in clients)
+    assert granted == RACE_ROOM, f"granted {granted} reservations for room {RACE_ROOM}"
+    assert totals["spent"] == totals["limit"]
+    return {"room": RACE_ROOM, "granted": granted, "refused": sum(c.refused for c in clients),
+            "spent": totals["spent"], "limit": totals["limit"], "seconds": elapsed}
+
+
+def step_overhead(repeats: int = 500) -> dict:
+    from django.db import connection, transaction
+
+    from budgets import services as budgets
+
+    tenant, (run,) = make_runs(1, daily_budget=10**15)
+
+    def noop() -> None:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+
+    def pair() -> None:
+        reservation = budgets.reserve(tenant=tenant, run=run, amount_micros=AMOUNT, purpose="model")
+        budgets.settle(reservation.pk, actual_micros=AMOUNT - 1)
+
+    def mean_ms(fn) -> float:
+        for _ in range(20):  # warm up: connection, first-day account, statement caches
+            fn()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1000 * (time.perf_counter() - started) / repeats
+
+    noop_ms, pair_ms = mean_ms(noop), mean_ms(pair)
+    check_accounts(tenant)
+    return {"noop_ms": noop_ms, "pair_ms": pair_ms, "added_ms": pair_ms - noop_ms}
+
+
+def main() -> None:
+    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+    admin(f'CREATE DATABASE "{TAG}"')
+    try:
+        import django
+        from django.core.management import call_command
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+        print(f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run\n")
+        rows = [throughput(1), throughput(CLIENTS)]
+        print(f"{'clients':>8} {'pairs':>8} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        for row in rows:
+            print(f"{row['clients']:>8} {row['pairs']:>8} {row['pairs_s']:>9.0f} {row['p50_ms']:>8.2f} "
+                  f"{row['p99_ms']:>8.2f}")
+        race = limit_race()
+        print(f"\nlimit race: {CLIENTS} clients, room for {race['room']} reservations: granted {race['granted']}, "
+              f"refused {race['refused']}, spent {race['spent']} of {race['limit']} micros "
+              f"({race['seconds']:.2f}s)")
+        overhead = step_overhead()
+        print(f"\nper-step cost of budgeting (one uncontended run, mean of 500):")
+        print(f"{'empty transaction':>24} {overhead['noop_ms']:>7.3f} ms")
+        print(f"{'reserve + settle':>24} {overhead['pair_ms']:>7.3f} ms")
+        print(f"{'added per step':>24} {overhead['added_ms']:>7.3f} ms")
+        print(f"\nchecks passed: no negative balance, spent <= limit, nothing left reserved, ledger = balances")
+    finally:
+        from django.db import connections
+        connections.close_all()
+        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Failure recovery with real processes: workers are killed, stalled and cut off from their
+broker or database, and every test counts the effects at the bank server's ledger.
+
+Workers get short leases (tool timeout + LEASE_MARGIN_SECONDS) so a lost worker is noticed
+within seconds; the tests play Celery beat by calling the sweeper themselves.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from urllib.parse import urlparse
+
+import pytest
+from django.conf import settings
+from django.db import close_old_connections, connection
+from django.db.utils import InterfaceError, OperationalError
+from rest_framework.test import APIClient
+
+from runs import sweeper
+from runs.models import Run, RunEvent, Step
+from tests import factories
+from tests.servers import wait_for
+from tools.models import Tool, ToolServer
+
+# Worker environment: a tool with timeout T holds a lease of T + 1 seconds.
+FAST_LEASES = {"LEASE_MARGIN_SECONDS": "1", "QUEUED_TOO_LONG_SECONDS": "3"}
+
+
+def client_for(user) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(user)
+    return client
+
+
+def db_retry(read, *, timeout: float = 60):
+    """Read through a database restart: a broken connection is closed and the read retried."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return read()
+        except (OperationalError, InterfaceError):
+            if time.monotonic() > deadline:
+                raise
+            connection.close()
+            time.sleep(0.5)
+
+
+def run_of(run_id) -> Run:
+    return db_retry(lambda: Run.objects.get(pk=run_id))
+
+
+def step_of(run_id, seq: int) -> Step:
+    return db_retry(lambda: Step.objects.get(run_id=run_id, seq=seq))
+
+
+def sweep_until(predicate, *, timeout: float = 60, what: str = "condition"):
+    """Play Celery beat: sweep every 0.3 s until predicate() is truthy."""
+    def tick():
+        db_retry(sweeper.sweep)
+        return db_retry(predicate)
+    return wait_for(tick, timeout=timeout, interval=0.3, what=what)
+
+
+def until_status(run_id, *statuses: str, timeout: float = 60):
+    return sweep_until(lambda: (r := Run.objects.get(pk=run_id)).status in statuses and r,
+                       timeout=timeout, what=f"run {run_id} in {statuses}")
+
+
+def until_dispatching(run_id, seq: int, *, attempt: int = 1, timeout: float = 30) -> Step:
+    return wait_for(lambda: Step.objects.filter(run_id=run_id, seq=seq, status="dispatching",
+                                                attempts=attempt).first(),
+                    timeout=timeout, what=f"step {seq} dispatching (attempt {attempt})")
+
+
+def events(run_id, kind: str | None = None) -> list[RunEvent]:
+    found = RunEvent.objects.filter(run_id=run_id).order_by("id")
+    return list(found.filter(kind=kind) if kind else found)
+
+
+def http_bank_tool(tenant, bank, remote: str, *, effect: str, server_name: str = "bankhttp",
+                   status: bool = False, **fields) -> Tool:
+    """One of the bank's tools through its plain HTTP adapter (declared, as tenants do for http)."""
+    server, _ = ToolServer.objects.get_or_create(tenant=tenant, name=server_name,
+                                                 defaults={"kind": ToolServer.Kind.HTTP, "url": f"{bank.url}/http"})
+    values = {"enabled": True, "effect_class": effect, "timeout_seconds": 5, "price_micros": 1000,
+              "input_schema": {"type": "object"}, "backoff_seconds": 0.5, **fields}
+    if status:
+        values["status_url"] = f"{bank.url}/http/status/{{key}}"
+    return Tool.objects.create(tenant=tenant, server=server, name=f"{server_name}__{remote}", remote_name=remote,
+                               **values)
+
+
+def single_call_agent(tenant, user, tool: Tool, arguments: dict, *, final: str = "done", **spec):
+    """An agent that makes one tool call, then answers `final`."""
+    factories.grant(tool, use=[user])
+    return factories.make_agent(tenant, tools=[tool], turns=[
+        {"tool_calls": [{"name": tool.name, "arguments": arguments}]}, {"text": final}], **spec)
+
+
+EMAIL = {"to": "c@example.com", "subject": "Your refund", "body": "Refunded."}
+REFUND = {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"}   # below the approval rule
+
+
+@pytest.fixture
+def supervisor(tenant):
+    return factories.make_user(tenant, "meera", staff=True)
+
+
+# --- infrastructure restarts -------------------------------------------------------------------
+
+def broker_port() -> int:
+    return urlparse(settings.CELERY_BROKER_URL).port or 6379
+
+
+def restart_redis() -> None:
+    """A real Redis restart with nothing persisted: every queued message is gone."""
+    port = str(broker_port())
+    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], check=False, capture_output=True)
+    wait_for(lambda: subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).returncode != 0,
+             timeout=10, what="redis down")
+    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", port,
+                    "--save", "", "--appendonly", "no"], check=True, capture_output=True)
+    wait_for(lambda: subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).stdout.strip()
+             == b"PONG", timeout=10, what="redis up")
+
+
+def restart_postgres() -> None:
+    """Restart the PostgreSQL cluster that serves the test database (found by its port)."""
+    port = str(connection.settings_dict["PORT"] or 5432)
+    clusters = subprocess.run(["pg_lsclusters", "-h"], check=True, capture_output=True, text=True).stdout
+    version, name = next(line.split()[:2] for line in clusters.splitlines() if line.split()[2] == port)
+    connection.close()
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart"], check=True,
+                   capture_output=True)
+    close_old_connections()
+    connection.close()
