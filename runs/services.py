@@ -11,7 +11,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, NotFound
-from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, Run, RunEvent,
+from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepStatus)
 
 DEFAULT_LIMITS = {
@@ -67,6 +67,8 @@ def transition_run(run: Run, to: str, *, message: str = "", actor=None, event_da
     now = timezone.now()
     if to in TERMINAL:
         fields.setdefault("finished_at", now)
+    if to in TERMINAL or to in WAITING:
+        # Nobody works on a run that waits or has ended: the next claim must not find a lease.
         fields.update(lease_token=None, lease_expires_at=None)
     if not Run.objects.filter(pk=run.pk, status=old).update(status=to, **fields):
         raise IllegalTransition("run", old, to)

@@ -1028,17 +1028,22 @@ def _current_grants(tool: Tool) -> dict[GrantKey, tuple]:
 def _apply_agent(item: Item, ctx: _Context) -> None:
     definition, created = AgentDefinition.objects.get_or_create(tenant=ctx.tenant, name=item.key)
     ctx.report.record("agents", item.key, "created" if created else "unchanged")
+    before = len(ctx.problems)
     for j, spec in enumerate(item.values.get("versions", [])):
         _apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
+    if len(ctx.problems) > before:
+        return   # the numbers the aliases name may belong to the versions that failed
     for alias, number in item.values.get("aliases", {}).items():
         _apply_alias(definition, alias, number, f"{item.path}.aliases.{alias}", ctx)
 
 
 def _apply_version(definition: AgentDefinition, spec: dict, path: str, ctx: _Context) -> None:
-    errors = _spec_errors(spec, ctx)
+    errors = validate_spec(spec, ctx.tenant)
     if errors:
-        for key, message in errors:
-            ctx.problems.add(path if key == "spec" else f"{path}.{key}", message)
+        for key, messages in errors.items():
+            if not _reported_elsewhere(spec, key, ctx):
+                for message in messages:
+                    ctx.problems.add(path if key == "spec" else f"{path}.{key}", message)
         return
     # Any earlier version with this content counts, not only the latest as in create_version,
     # so that re-applying [v1, v2] does not store v1 again as v3.
@@ -1050,17 +1055,12 @@ def _apply_version(definition: AgentDefinition, spec: dict, path: str, ctx: _Con
     ctx.report.record("versions", f"{definition.name} v{version.number}", "created")
 
 
-def _spec_errors(spec: dict, ctx: _Context) -> list[tuple[str, str]]:
-    errors = [(key, message) for key, messages in validate_spec(spec, ctx.tenant).items() for message in messages]
-    tools = spec.get("tools") if isinstance(spec.get("tools"), list) else []
-
-    def reported_elsewhere(key: str) -> bool:
-        if key == "model":
-            return ctx.plan.is_dropped("model_endpoints", str(spec.get("model")))
-        match = re.fullmatch(r"tools\[(\d+)\]", key)
-        return bool(match) and ctx.plan.is_dropped("tools", str(tools[int(match.group(1))]))
-
-    return [(key, message) for key, message in errors if not reported_elsewhere(key)]
+def _reported_elsewhere(spec: dict, key: str, ctx: _Context) -> bool:
+    """A spec naming an endpoint or tool that was left out for its own errors."""
+    if key == "model":
+        return ctx.plan.is_dropped("model_endpoints", str(spec.get("model")))
+    match = re.fullmatch(r"tools\[(\d+)\]", key)
+    return bool(match) and ctx.plan.is_dropped("tools", str(spec["tools"][int(match.group(1))]))
 
 
 def _apply_alias(definition: AgentDefinition, alias: str, number: int, path: str, ctx: _Context) -> None:

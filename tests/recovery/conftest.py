@@ -77,12 +77,12 @@ def events(run_id, kind: str | None = None) -> list[RunEvent]:
     return list(found.filter(kind=kind) if kind else found)
 
 
-def http_bank_tool(tenant, bank, remote: str, *, effect: str, server_name: str = "bankhttp",
+def http_bank_tool(tenant, bank, remote: str, *, effect_class: str, server_name: str = "bankhttp",
                    status: bool = False, **fields) -> Tool:
     """One of the bank's tools through its plain HTTP adapter (declared, as tenants do for http)."""
     server, _ = ToolServer.objects.get_or_create(tenant=tenant, name=server_name,
                                                  defaults={"kind": ToolServer.Kind.HTTP, "url": f"{bank.url}/http"})
-    values = {"enabled": True, "effect_class": effect, "timeout_seconds": 5, "price_micros": 1000,
+    values = {"enabled": True, "effect_class": effect_class, "timeout_seconds": 5, "price_micros": 1000,
               "input_schema": {"type": "object"}, "backoff_seconds": 0.5, **fields}
     if status:
         values["status_url"] = f"{bank.url}/http/status/{{key}}"

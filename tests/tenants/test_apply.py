@@ -448,3 +448,12 @@ def test_an_unreachable_server_is_an_error_at_its_url():
     assert [path for path, _ in errors] == ["tool_servers[2].url"]
     assert errors[0][1].startswith("cannot list the server's tools")
     assert not Tenant.objects.filter(slug=SLUG).exists()
+
+
+def test_it_does_not_repeat_an_error_through_the_references_to_the_bad_item():
+    data = config()
+    data["model_endpoints"][0]["kind"] = "gpt"
+
+    errors = rejected(data)
+
+    assert errors == [("model_endpoints[0].kind", "must be one of openai, anthropic, scripted")]
