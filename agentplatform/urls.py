@@ -1,4 +1,4 @@
-from django.contrib import admin
+from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin.site` below is ours
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 

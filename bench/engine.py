@@ -105,7 +105,7 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile(prefix=f"{TAG}-worker-", suffix=".log", delete=False)
         self.args = [sys.executable, "-m", "celery", "-A", "bench.worker_app", "worker", "-P", POOL,
                      "-c", str(CONCURRENCY), "-Q", TAG, "-n", f"{TAG}@%h", "-I", "bench.noop_tasks",
-                     "--loglevel", "WARNING", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+                     "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"), "--without-gossip", "--without-mingle", "--without-heartbeat"]
         self.env = dict(os.environ, DATABASE_URL=BENCH_URL, BENCH_QUEUE=TAG, PYTHONUNBUFFERED="1")
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
@@ -285,8 +285,7 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
     runs = Run.objects.filter(pk__in=ids)
     while runs.exclude(status__in=TERMINAL).exists():
         if time.monotonic() > deadline:
-            counts = dict(runs.values_list("status").annotate(n=Max("step_count")))
-            raise RuntimeError(f"engine: runs not finished in {TIMEOUT}s: {counts}")
+            raise RuntimeError(f"engine: runs not finished in {TIMEOUT}s: {stuck_report(runs)}")
         time.sleep(0.05)
     rss = sampler.peak()
     bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
@@ -297,6 +296,21 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
     if steps != RUNS * STEPS:
         raise RuntimeError(f"engine: {steps} succeeded steps, expected {RUNS * STEPS}")
     return {"steps": steps, "seconds": end - start, "rss": rss, "created": created}
+
+
+def stuck_report(runs) -> str:
+    import redis
+    from django.conf import settings
+    from django.db.models import Count
+    from django.utils import timezone
+
+    now = timezone.now()
+    r = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    by_status = dict(runs.values_list("status").annotate(n=Count("pk")).order_by())
+    leased = runs.filter(lease_token__isnull=False, lease_expires_at__gt=now).count()
+    expired = runs.filter(lease_token__isnull=False, lease_expires_at__lte=now).count()
+    return (f"runs by status {by_status}; leased {leased}, lease expired {expired}; queue length "
+            f"{r.llen(TAG)}, unacked {r.hlen('unacked')}")
 
 
 def queries_per_step(user, agent: str) -> dict:

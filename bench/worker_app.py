@@ -13,3 +13,7 @@ __all__ = ["app"]
 
 if os.environ.get("BENCH_QUEUE"):
     app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
+
+if os.environ.get("BENCH_SWITCH_INTERVAL"):
+    import sys
+    sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))

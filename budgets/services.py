@@ -1,20 +1,36 @@
 """Budget ledger: reserve before every call, settle after, hold what is unknown.
 
 Rules (DESIGN.md section 6):
-- Balances move only through conditional UPDATEs with F() expressions; PostgreSQL re-checks the
-  WHERE clause on the newest row version after waiting for the row lock, so two reservations
-  can never both pass a check that only one of them fits.
-- Accounts are touched in one fixed order (tenant day, user day, run) and always in their own
-  short transaction, never while a run row is locked, so budget and run locks cannot deadlock.
+- Balances move only in one UPDATE per operation (`_MOVE`) that first locks the reservation's
+  accounts in one fixed order (tenant day, user day, run) and, for a reservation, adds only
+  where `spent + reserved + held + amount <= limit`. PostgreSQL re-checks that condition on
+  the newest row version after waiting for the lock, so two reservations can never both pass a
+  check that only one of them fits. If any account has no room, nothing moves.
+- Budget work always runs in its own short transaction, never while a run row is locked, so
+  budget and run locks cannot deadlock.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
   recovering worker cannot both settle or both hold it.
+- Every movement writes LedgerEntry rows; budgets.selectors.ledger_mismatches recomputes the
+  balances from them.
+
+The tenant-day row is the hottest row of the platform (every call of every run of a tenant
+updates it), so the locked phase is kept to one statement and the commit: the reservation and
+its ledger rows are inserted before the accounts are locked, and reserve/settle/hold commit with
+`synchronous_commit = off`, so the row lock is released without waiting for the WAL flush.
+That is safe because PostgreSQL flushes WAL in order: the caller's next synchronous commit (the
+engine commits the step as `dispatching` before it calls anything, and records the outcome
+after settle/hold) makes the budget change durable too. A database crash inside that window
+loses the budget change together with everything after it: a lost reservation had no call
+made against it yet; a lost settle or hold leaves an open reservation on a `dispatching` step,
+which recovery holds. release, reconcile and write_off are rare and commit synchronously.
 """
 from __future__ import annotations
 
 import datetime as dt
+from contextlib import contextmanager
 
-from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from agentplatform.errors import DomainError
@@ -23,6 +39,22 @@ from budgets.models import BudgetAccount, LedgerEntry, Reservation
 Scope = BudgetAccount.Scope
 Status = Reservation.Status
 Kind = LedgerEntry.Kind
+LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
+
+_ACCOUNTS = BudgetAccount._meta.db_table
+# One statement: lock the accounts in the given order, then move every balance by its delta;
+# with within_limit, only accounts with room for `reserved` move (the caller rolls back a partial).
+_MOVE = f"""
+UPDATE {_ACCOUNTS} AS a
+   SET reserved_micros = a.reserved_micros + %(reserved)s, spent_micros = a.spent_micros + %(spent)s,
+       held_micros = a.held_micros + %(held)s, overage_micros = a.overage_micros + %(overage)s
+  FROM (SELECT id FROM {_ACCOUNTS} WHERE id = ANY(%(ids)s::bigint[])
+        ORDER BY array_position(%(ids)s::bigint[], id) FOR NO KEY UPDATE) AS locked
+ WHERE a.id = locked.id
+   AND (NOT %(within_limit)s
+        OR a.limit_micros >= a.reserved_micros + a.spent_micros + a.held_micros + %(reserved)s)
+RETURNING a.id
+"""
 
 
 class BudgetExceeded(DomainError):
@@ -32,8 +64,13 @@ class BudgetExceeded(DomainError):
         self.scope = scope
 
 
+def clock() -> dt.datetime:
+    """The budget clock: what "today" means for tenant-day accounts (tests move it)."""
+    return timezone.now()
+
+
 def local_day(tenant, now: dt.datetime | None = None) -> dt.date:
-    return (now or timezone.now()).astimezone(tenant.zone).date()
+    return (now or clock()).astimezone(tenant.zone).date()
 
 
 def next_local_midnight(tenant, now: dt.datetime | None = None) -> dt.datetime:
@@ -61,13 +98,40 @@ def create_run_account(*, run, limit_micros: int) -> BudgetAccount:
                                         limit_micros=limit_micros)
 
 
-def _take(account: BudgetAccount, amount: int) -> None:
-    fits = F("reserved_micros") + F("spent_micros") + F("held_micros") + amount
-    updated = BudgetAccount.objects.filter(pk=account.pk, limit_micros__gte=fits).update(
-        reserved_micros=F("reserved_micros") + amount)
-    if not updated:
-        account.refresh_from_db()
-        raise BudgetExceeded(account.scope, amount, account.remaining_micros)
+def _accounts_for(tenant, *, day: dt.date, user, run) -> list[BudgetAccount]:
+    """The accounts a reservation draws on, in lock order; day accounts are made on first use."""
+    with_user = user is not None and tenant.user_daily_budget_micros is not None
+    wanted = Q(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
+    if with_user:
+        wanted |= Q(tenant=tenant, scope=Scope.USER_DAY, day=day, user=user)
+    if run is not None:
+        wanted |= Q(run=run)
+    found = {account.scope: account for account in BudgetAccount.objects.filter(wanted)}
+    if Scope.TENANT_DAY not in found:
+        found[Scope.TENANT_DAY] = tenant_day_account(tenant, day)
+    if with_user and Scope.USER_DAY not in found:
+        found[Scope.USER_DAY] = _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
+    if run is not None and Scope.RUN not in found:
+        raise BudgetAccount.DoesNotExist(f"run {run.pk} has no budget account")
+    return [found[scope] for scope in LOCK_ORDER if scope in found]
+
+
+@contextmanager
+def _budget_transaction(*, durable: bool):
+    owns = not connection.in_atomic_block
+    with transaction.atomic():
+        if owns and not durable:  # never change how a caller's own transaction commits
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        yield
+
+
+def _move(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0, overage: int = 0,
+          within_limit: bool = False) -> set[int]:
+    with connection.cursor() as cursor:
+        cursor.execute(_MOVE, {"ids": account_ids, "reserved": reserved, "spent": spent, "held": held,
+                               "overage": overage, "within_limit": within_limit})
+        return {row[0] for row in cursor.fetchall()}
 
 
 def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
@@ -76,89 +140,98 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
     if amount_micros < 0:
         raise ValueError("amount must not be negative")
     day = local_day(tenant, now)
-    day_account = tenant_day_account(tenant, day)
-    user_account = None
-    if user is not None and tenant.user_daily_budget_micros is not None:
-        user_account = _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
-    run_account = BudgetAccount.objects.get(run=run) if run is not None else None
-    accounts = [a for a in (day_account, user_account, run_account) if a is not None]
-    with transaction.atomic():
-        for account in accounts:
-            _take(account, amount_micros)
-        reservation = Reservation.objects.create(
-            tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
-            day_account=day_account, user_account=user_account, run_account=run_account, note=note)
+    accounts = _accounts_for(tenant, day=day, user=user, run=run)
+    by_scope = {a.scope: a for a in accounts}
+    user_account, run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
+    reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
+                              day_account=by_scope[Scope.TENANT_DAY], user_account=user_account,
+                              run_account=run_account, note=note)
+    with _budget_transaction(durable=False):
+        reservation.save(force_insert=True)
         LedgerEntry.objects.bulk_create([
             LedgerEntry(account=a, reservation=reservation, kind=Kind.RESERVE, amount_micros=amount_micros)
             for a in accounts])
+        moved = _move([a.pk for a in accounts], reserved=amount_micros, within_limit=True)
+        short = next((a for a in accounts if a.pk not in moved), None)
+        if short is not None:
+            transaction.set_rollback(True)
+    if short is not None:
+        short.refresh_from_db()
+        raise BudgetExceeded(short.scope, amount_micros, short.remaining_micros)
     return reservation
 
 
-def _close(reservation_id, *, from_status: str, to_status: str, actual: int | None,
-           moves: dict, entries: list[tuple[str, int]], actor=None, note: str = "") -> bool:
+def _load(reservation_id) -> Reservation:
+    return Reservation.objects.only("amount_micros", "day_account_id", "user_account_id", "run_account_id") \
+        .get(pk=reservation_id)
+
+
+def _close(reservation: Reservation, *, from_status: str, to_status: str, actual: int | None,
+           moves: dict[str, int], entries: list[tuple[str, int]], actor=None, note: str = "",
+           durable: bool = True) -> bool:
     """Close a reservation once; move balances on all its accounts in lock order."""
-    with transaction.atomic():
-        updated = Reservation.objects.filter(pk=reservation_id, status=from_status).update(
+    overage = moves.get("overage", 0)
+    with _budget_transaction(durable=durable):
+        updated = Reservation.objects.filter(pk=reservation.pk, status=from_status).update(
             status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
-            overage=bool(actual is not None and moves.get("overage_micros")))
+            overage=overage > 0)
         if not updated:
             return False
-        reservation = Reservation.objects.get(pk=reservation_id)
-        for account_id in reservation.accounts():
-            BudgetAccount.objects.filter(pk=account_id).update(
-                **{field: F(field) + delta for field, delta in moves.items() if delta})
+        accounts = reservation.accounts()
         LedgerEntry.objects.bulk_create([
             LedgerEntry(account_id=account_id, reservation=reservation, kind=kind, amount_micros=amount,
                         actor=actor, note=note)
-            for account_id in reservation.accounts() for kind, amount in entries if amount])
+            for account_id in accounts for kind, amount in entries if amount])
+        _move(accounts, **moves)
     return True
-
-
-def _amount(reservation_id) -> int:
-    return Reservation.objects.values_list("amount_micros", flat=True).get(pk=reservation_id)
 
 
 def settle(reservation_id, *, actual_micros: int, note: str = "") -> bool:
     """Record the actual cost and release the rest. An overage is recorded and flagged."""
-    amount = _amount(reservation_id)
+    reservation = _load(reservation_id)
+    amount = reservation.amount_micros
     overage = max(actual_micros - amount, 0)
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.SETTLED, actual=actual_micros,
-                  moves={"reserved_micros": -amount, "spent_micros": actual_micros,
-                         "overage_micros": overage},
+    return _close(reservation, from_status=Status.OPEN, to_status=Status.SETTLED, actual=actual_micros,
+                  moves={"reserved": -amount, "spent": actual_micros, "overage": overage},
                   entries=[(Kind.SETTLE, actual_micros), (Kind.RELEASE, max(amount - actual_micros, 0)),
-                           (Kind.OVERAGE, overage)], note=note)
+                           (Kind.OVERAGE, overage)], note=note, durable=False)
 
 
 def release(reservation_id, *, note: str = "") -> bool:
     """The call was provably not made: give the whole reservation back."""
-    amount = _amount(reservation_id)
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
-                  moves={"reserved_micros": -amount}, entries=[(Kind.RELEASE, amount)], note=note)
+    reservation = _load(reservation_id)
+    amount = reservation.amount_micros
+    return _close(reservation, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
+                  moves={"reserved": -amount}, entries=[(Kind.RELEASE, amount)], note=note)
 
 
 def hold(reservation_id, *, note: str = "") -> bool:
     """The call may have been charged and we cannot know: keep the money out of reach."""
-    amount = _amount(reservation_id)
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.HELD, actual=None,
-                  moves={"reserved_micros": -amount, "held_micros": amount},
-                  entries=[(Kind.HOLD, amount)], note=note)
+    reservation = _load(reservation_id)
+    amount = reservation.amount_micros
+    return _close(reservation, from_status=Status.OPEN, to_status=Status.HELD, actual=None,
+                  moves={"reserved": -amount, "held": amount}, entries=[(Kind.HOLD, amount)], note=note,
+                  durable=False)
 
 
 def reconcile(reservation_id, *, actual_micros: int, actor, note: str) -> bool:
     """Clear a hold with the provider's actual usage for the lost call."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
-    amount = _amount(reservation_id)
+    reservation = _load(reservation_id)
+    amount = reservation.amount_micros
     overage = max(actual_micros - amount, 0)
-    return _close(reservation_id, from_status=Status.HELD, to_status=Status.RECONCILED, actual=actual_micros,
-                  moves={"held_micros": -amount, "spent_micros": actual_micros, "overage_micros": overage},
-                  entries=[(Kind.RECONCILE, actual_micros), (Kind.OVERAGE, overage)], actor=actor, note=note)
+    return _close(reservation, from_status=Status.HELD, to_status=Status.RECONCILED, actual=actual_micros,
+                  moves={"held": -amount, "spent": actual_micros, "overage": overage},
+                  entries=[(Kind.RECONCILE, actual_micros), (Kind.RELEASE, max(amount - actual_micros, 0)),
+                           (Kind.OVERAGE, overage)], actor=actor, note=note)
 
 
 def write_off(reservation_id, *, actor, note: str) -> bool:
     """Clear a hold without provider usage: nothing is counted as spent; the reason is kept."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
-    amount = _amount(reservation_id)
-    return _close(reservation_id, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, actual=0,
-                  moves={"held_micros": -amount}, entries=[(Kind.WRITE_OFF, amount)], actor=actor, note=note)
+    reservation = _load(reservation_id)
+    amount = reservation.amount_micros
+    return _close(reservation, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, actual=0,
+                  moves={"held": -amount}, entries=[(Kind.WRITE_OFF, amount)], actor=actor, note=note)

@@ -234,6 +234,9 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
         return None
     crashed = step.next_attempt_at is None
     if crashed:
+        # The lost attempt may have been charged: hold its reservation once this claim commits
+        # (budget rows are never locked while the run row is).
+        transaction.on_commit(lambda: _hold_lost_reservations(step.pk))
         step.crashes += 1
         Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
         if step.crashes >= settings.MAX_STEP_CRASHES:
@@ -273,6 +276,14 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
     lease = lease_seconds_for(tool.timeout_seconds)
     return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
                 reconcile_first=effect == EffectClass.RECONCILABLE)
+
+
+def _hold_lost_reservations(step_id: int) -> None:
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN) \
+            .values_list("pk", flat=True):
+        budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
 
 
 def _mark_unknown(run: Run, step: Step, message: str) -> None:
@@ -421,12 +432,13 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> No
             record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost",
                          step_seq=step.seq, cost_micros=cost)
             return
-        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
+        # Known secrets are redacted from what the model said before it is stored or acted on.
+        text, calls = tool_gateway.redact_reply(run, reply)
         usage = {"input_tokens": reply.usage.input_tokens, "cached_input_tokens": reply.usage.cached_input_tokens,
                  "cache_write_tokens": reply.usage.cache_write_tokens, "output_tokens": reply.usage.output_tokens}
-        transition_step(step, StepStatus.SUCCEEDED, result={"text": reply.text, "tool_calls": calls},
+        transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "tool_calls": calls},
                         usage=usage, cost_micros=cost, finished_at=timezone.now(),
-                        observation=reply.text,
+                        observation=text,
                         message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros")
         _budget_event(run, step, reserved=estimate, settled=cost)
         seq = step.seq
@@ -437,7 +449,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> No
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not calls:
             end_run(run, RunStatus.SUCCEEDED, message="succeeded")
-            Run.objects.filter(pk=run.pk).update(final_output=reply.text)
+            Run.objects.filter(pk=run.pk).update(final_output=text)
         else:
             _continue(run)
 

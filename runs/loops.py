@@ -1,58 +1,115 @@
-"""No-progress detection: one platform warning to the model, then `loop_detected`."""
+"""No-progress detection: one platform warning to the model, then `loop_detected`.
+
+Patterns, each with a limit from the version's spec (`loop`, defaults below):
+- the same call (tool and canonical arguments) made `max_repeats` times in the run;
+- `max_empty_results` empty results in a row (an empty text, or a result whose collections are
+  all empty, like {"tickets": []});
+- two different calls alternating (A B A B ...) for `alternation_cycles` cycles.
+
+The call that reaches a limit stops the run. The call just before it gets one platform warning
+appended to its observation, so the model reads it on its next turn and can change course. A
+run is warned once. So a model that keeps repeating an empty search costs at most `limit`
+tool calls (identical ones are replayed from the record by the engine, not sent again) and
+`limit` model calls.
+"""
 from __future__ import annotations
 
-from runs.models import Run, Step, StepKind, StepStatus, StopReason, RunStatus
+import json
+
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.services import bump_counters, end_run, record_event
 
 DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
 WARNING = ("[platform] You are not making progress ({pattern}). Do not repeat this call; change your "
            "approach or give your final answer.")
+FINISHED = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.DENIED)
 
 
 def _thresholds(run: Run) -> dict:
     return {**DEFAULTS, **(run.version.spec.get("loop") or {})}
 
 
+def _is_empty_value(value) -> bool:
+    if isinstance(value, list):
+        return not value
+    if isinstance(value, dict):
+        collections = [v for v in value.values() if isinstance(v, (list, dict))]
+        return not value or (bool(collections) and all(_is_empty_value(v) for v in collections))
+    return False
+
+
 def _is_empty(step: Step) -> bool:
-    text = (step.result or {}).get("text", "") if isinstance(step.result, dict) else ""
-    return text.strip().lower() in EMPTY
+    result = step.result if isinstance(step.result, dict) else {}
+    text = str(result.get("text") or "")
+    if text.strip().lower() in EMPTY:
+        return True
+    structured = result.get("structured")
+    if structured is None:
+        try:
+            structured = json.loads(text)
+        except ValueError:
+            return False
+    return _is_empty_value(structured)
 
 
-def detect(run: Run, steps: list[Step]) -> str | None:
+def _key(step: Step) -> str:
+    return f"{step.tool_id}:{step.tool_name}:{step.args_digest}"
+
+
+def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
+    """(description, count so far, limit) of each no-progress pattern the tool calls show."""
     limits = _thresholds(run)
-    calls = [s for s in steps if s.kind == StepKind.TOOL and s.status in
-             (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.DENIED)]
+    calls = [s for s in steps if s.kind == StepKind.TOOL and s.status in FINISHED]
     if not calls:
-        return None
+        return []
     last = calls[-1]
-    repeats = sum(1 for s in calls if s.tool_id == last.tool_id and s.args_digest == last.args_digest)
-    if repeats >= limits["max_repeats"]:
-        return f"the same call {last.tool_name} was made {repeats} times"
-    cycles = limits["alternation_cycles"]
-    tail = [s.args_digest + str(s.tool_id) for s in calls[-2 * cycles:]]
-    if len(tail) == 2 * cycles and tail[0] != tail[1] and all(
-            tail[i] == tail[i % 2] for i in range(len(tail))):
-        return "alternating between the same two calls"
-    empties = calls[-limits["max_empty_results"]:]
-    if len(empties) == limits["max_empty_results"] and all(
-            s.status == StepStatus.SUCCEEDED and _is_empty(s) for s in empties):
-        return f"{len(empties)} empty results in a row"
+    repeats = sum(1 for s in calls if _key(s) == _key(last))
+    found = [(f"the same call {last.tool_name} was made {repeats} times", repeats, limits["max_repeats"])]
+    empties = 0
+    for s in reversed(calls):
+        if not (s.status == StepStatus.SUCCEEDED and _is_empty(s)):
+            break
+        empties += 1
+    found.append((f"{empties} empty results in a row", empties, limits["max_empty_results"]))
+    keys = [_key(s) for s in calls]
+    alternating = 0
+    if len(keys) >= 3 and keys[-1] != keys[-2]:
+        alternating = 2
+        while alternating < len(keys) and keys[-alternating - 1] == keys[-alternating + 1]:
+            alternating += 1
+    if alternating >= 3:
+        found.append(("alternating between the same two calls", alternating, 2 * limits["alternation_cycles"]))
+    return found
+
+
+def detect(run: Run, steps: list[Step]) -> tuple[str, str] | None:
+    """("stop" | "warn", pattern) when a limit is reached or is one call away, else None."""
+    found = patterns(run, steps)
+    for description, count, limit in found:
+        if count >= limit:
+            return "stop", description
+    for description, count, limit in found:
+        if limit > 1 and count == limit - 1:
+            return "warn", description
     return None
 
 
 def check(run: Run, steps: list[Step], step: Step) -> bool:
-    """After a tool step: warn once, stop the second time. True when the run was stopped."""
-    pattern = detect(run, steps)
-    if pattern is None:
+    """After a tool step: warn once when a limit is one call away, stop at it. True when stopped."""
+    verdict = detect(run, steps)
+    if verdict is None:
         return False
+    level, pattern = verdict
+    if level == "stop":
+        end_run(run, RunStatus.STOPPED, reason=StopReason.LOOP_DETECTED, error=pattern,
+                message=f"stopped: loop detected ({pattern})")
+        return True
     if run.loop_warnings == 0:
         warning = WARNING.format(pattern=pattern)
         Step.objects.filter(pk=step.pk).update(observation=f"{step.observation}\n{warning}")
+        step.observation = f"{step.observation}\n{warning}"
         bump_counters(run, loop_warnings=1)
         record_event(run.pk, "loop_warning", f"no progress: {pattern}; the model was told to change approach",
                      step_seq=step.seq, pattern=pattern)
-        return False
-    end_run(run, RunStatus.STOPPED, reason=StopReason.LOOP_DETECTED, error=pattern,
-            message=f"stopped: loop detected ({pattern})")
-    return True
+    return False

@@ -24,7 +24,7 @@ def resolve_step(*, run_id, seq: int, user, outcome: str, reason: str, result=No
         raise DomainError("a reason is required", fields={"reason": ["This field is required."]})
     with transaction.atomic():
         run = lock_run(run_id)
-        step = Step.objects.select_for_update().select_related("tool").filter(run=run, seq=seq).first()
+        step = Step.objects.select_for_update(of=("self",)).select_related("tool").filter(run=run, seq=seq).first()
         if step is None or step.kind != StepKind.TOOL:
             raise NotFound(f"tool step {seq}")
         if not can_approve(user, step.tool):

@@ -34,7 +34,7 @@ from django.db.models import F
 from guardian.shortcuts import assign_perm, remove_perm
 from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
 
-from agents.models import AgentDefinition, AgentVersion, Alias
+from agents.models import AgentDefinition, Alias
 from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from approvals.policy import PolicyError, canonical, parse_policy
@@ -95,9 +95,17 @@ class ApplyReport:
     def changed(self) -> bool:
         return any(outcome != "unchanged" for kind in KINDS for outcome in self.outcomes[kind].values())
 
+    @property
+    def state(self) -> str:
+        return "dry run, nothing written" if self.dry_run else ("applied" if self.changed else "unchanged")
+
+    def __str__(self) -> str:
+        totals = {name: sum(self.counts(kind)[name] for kind in KINDS)
+                  for name in ("created", "updated", "unchanged", "removed")}
+        return f"tenant {self.tenant}: {self.state} ({', '.join(f'{n} {v}' for n, v in totals.items())})"
+
     def render(self) -> str:
-        state = "dry run, nothing written" if self.dry_run else ("applied" if self.changed else "unchanged")
-        lines = [f"tenant {self.tenant}: {state}",
+        lines = [f"tenant {self.tenant}: {self.state}",
                  f"{'kind':<16}{'created':>8}{'updated':>8}{'unchanged':>10}{'removed':>8}"]
         for kind in KINDS:
             c = self.counts(kind)
@@ -119,6 +127,18 @@ class Problems:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def in_file_order(self) -> list[tuple[str, str]]:
+        """Errors come from three phases; readers expect them in the order of the file."""
+        order = ["tenant", *SECTIONS]
+
+        def position(entry: tuple[str, str]) -> tuple[int, int]:
+            match = re.match(r"([a-z_]+)(?:\[(\d+)\])?", entry[0])
+            if match is None or match.group(1) not in order:
+                return (-1, 0)
+            return (order.index(match.group(1)), int(match.group(2) or 0))
+
+        return sorted(self.items, key=position)
 
 
 @dataclass
@@ -616,12 +636,13 @@ def discover(plan: Plan, problems: Problems) -> dict[str, list[RemoteTool]]:
 
 
 def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list[RemoteTool] | None:
-    from tools import mcp_client
+    from tools import mcp_client   # the MCP SDK is only needed here, as in tools.catalog
 
     existing = ToolServer.objects.filter(tenant__slug=slug, name=item.key).select_related("secret").first()
     secret_name = item.values.get("secret", existing.secret.name if existing and existing.secret else None)
-    secret = _secret_plaintext(secret_name, plan, slug)
-    if secret is False:
+    try:
+        secret = _secret_plaintext(secret_name, plan, slug)
+    except LookupError:
         if not plan.is_dropped("secrets", secret_name):
             problems.add(f"{item.path}.secret", f"no secret named {secret_name!r}")
         return None
@@ -635,14 +656,16 @@ def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list
         return None
 
 
-def _secret_plaintext(name: str | None, plan: Plan, slug: str) -> str | None | bool:
-    """The value the secret will have once applied: from this file, else as stored; False if none."""
+def _secret_plaintext(name: str | None, plan: Plan, slug: str) -> str | None:
+    """The value the secret will have once applied: from this file, else as stored."""
     if name is None:
         return None
     if name in plan.secret_values:
         return plan.secret_values[name]
     stored = Secret.objects.filter(tenant__slug=slug, name=name).first()
-    return stored.reveal() if stored else False
+    if stored is None:
+        raise LookupError(name)
+    return stored.reveal()
 
 
 def server_config(values: dict, existing: ToolServer | None, secret: str | None) -> McpServerConfig:
@@ -782,30 +805,40 @@ def _apply_user(item: Item, ctx: _Context) -> None:
     names = values.pop("groups", None)
     groups = None if names is None else _tenant_groups(names, f"{item.path}.groups", ctx)
     user = User.objects.filter(username=item.key).first()
-    if user is not None and user.tenant_id != ctx.tenant.pk:
+    foreign = user is not None and user.tenant_id != ctx.tenant.pk
+    if foreign:
         ctx.problems.add(f"{item.path}.username", "this username belongs to another tenant or to an operator")
-    if (names is not None and groups is None) or (user is not None and user.tenant_id != ctx.tenant.pk):
+    if foreign or (names is not None and groups is None):
         ctx.skip("users", item)
         return
     if user is None:
-        user = User(username=item.key, tenant=ctx.tenant, **values)
-        if password:
-            user.set_password(password)
-        else:
-            user.set_unusable_password()
-        user.save()
-        changed, outcome = [], "created"
+        user, changed = _create_user(item.key, values, password, ctx.tenant), None
     else:
-        changed = _assign(user, values)
-        if password and not user.check_password(password):
-            user.set_password(password)
-            user.save(update_fields=["password"])
-            changed.append("password")
-        outcome = "updated" if changed else "unchanged"
-    if groups is not None and _set_memberships(user, groups, ctx.tenant):
+        changed = _update_user(user, values, password)
+    if groups is not None and _set_memberships(user, groups, ctx.tenant) and changed is not None:
         changed.append("groups")
-        outcome = "updated" if outcome == "unchanged" else outcome
-    ctx.report.record("users", item.key, outcome, changed if outcome == "updated" else ())
+    outcome = "created" if changed is None else ("updated" if changed else "unchanged")
+    ctx.report.record("users", item.key, outcome, changed or ())
+
+
+def _create_user(username: str, values: dict, password: str | None, tenant: Tenant) -> User:
+    user = User(username=username, tenant=tenant, **values)
+    if password:
+        user.set_password(password)
+    else:
+        user.set_unusable_password()
+    user.save()
+    return user
+
+
+def _update_user(user: User, values: dict, password: str | None) -> list[str]:
+    changed = _assign(user, values)
+    # Hashes are salted: only a password that no longer matches is hashed again.
+    if password and not user.check_password(password):
+        user.set_password(password)
+        user.save(update_fields=["password"])
+        changed.append("password")
+    return changed
 
 
 def _set_memberships(user: User, groups: list[Group], tenant: Tenant) -> bool:
@@ -966,15 +999,15 @@ def _apply_grant(item: Item, ctx: _Context) -> None:
     if wanted is None:
         return
     current = _current_grants(tool)
-    for key in wanted.keys() - current.keys():
+    for key in sorted(wanted.keys() - current.keys()):
         perm, holder, label = wanted[key]
         assign_perm(f"tools.{perm}", holder, tool)
         ctx.report.record("grants", f"{tool.name} {perm} {label}", "created")
-    for key in current.keys() - wanted.keys():
+    for key in sorted(current.keys() - wanted.keys()):
         perm, holder, label = current[key]
         remove_perm(f"tools.{perm}", holder, tool)
         ctx.report.record("grants", f"{tool.name} {perm} {label}", "removed")
-    for key in wanted.keys() & current.keys():
+    for key in sorted(wanted.keys() & current.keys()):
         perm, _, label = wanted[key]
         ctx.report.record("grants", f"{tool.name} {perm} {label}", "unchanged")
 
@@ -1028,31 +1061,31 @@ def _current_grants(tool: Tool) -> dict[GrantKey, tuple]:
 def _apply_agent(item: Item, ctx: _Context) -> None:
     definition, created = AgentDefinition.objects.get_or_create(tenant=ctx.tenant, name=item.key)
     ctx.report.record("agents", item.key, "created" if created else "unchanged")
-    before = len(ctx.problems)
-    for j, spec in enumerate(item.values.get("versions", [])):
-        _apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
-    if len(ctx.problems) > before:
+    stored = [_apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
+              for j, spec in enumerate(item.values.get("versions", []))]
+    if not all(stored):
         return   # the numbers the aliases name may belong to the versions that failed
     for alias, number in item.values.get("aliases", {}).items():
         _apply_alias(definition, alias, number, f"{item.path}.aliases.{alias}", ctx)
 
 
-def _apply_version(definition: AgentDefinition, spec: dict, path: str, ctx: _Context) -> None:
+def _apply_version(definition: AgentDefinition, spec: dict, path: str, ctx: _Context) -> bool:
     errors = validate_spec(spec, ctx.tenant)
     if errors:
         for key, messages in errors.items():
             if not _reported_elsewhere(spec, key, ctx):
                 for message in messages:
                     ctx.problems.add(path if key == "spec" else f"{path}.{key}", message)
-        return
+        return False
     # Any earlier version with this content counts, not only the latest as in create_version,
     # so that re-applying [v1, v2] does not store v1 again as v3.
     existing = definition.versions.filter(content_hash=digest(spec)).order_by("number").first()
     if existing is not None:
         ctx.report.record("versions", f"{definition.name} v{existing.number}", "unchanged")
-        return
+        return True
     version, _ = create_version(tenant=ctx.tenant, agent=definition.name, spec=spec)
     ctx.report.record("versions", f"{definition.name} v{version.number}", "created")
+    return True
 
 
 def _reported_elsewhere(spec: dict, key: str, ctx: _Context) -> bool:
@@ -1100,11 +1133,11 @@ def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     plan = parse(expand_env(data, problems), problems)
     remote = discover(plan, problems)
     if plan.tenant is None:
-        raise ConfigError(problems.items)
+        raise ConfigError(problems.in_file_order())
     with transaction.atomic():
         report = write(plan, remote, problems)
         if problems:
-            raise ConfigError(problems.items)
+            raise ConfigError(problems.in_file_order())
         if dry_run:
             transaction.set_rollback(True)
     report.dry_run = dry_run

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.utils import timezone
 
+from tenants.crypto import redact, redact_obj
 from tools.builtin import BUILTINS
 from tools.models import EffectClass, Tool, ToolServer
 from tools.types import RemoteTool
@@ -46,8 +47,15 @@ def fetch_remote(server: ToolServer) -> list[RemoteTool]:
 
 
 def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
+    from tools.gateway import known_secrets
+
     report = SyncReport()
     existing = {t.remote_name: t for t in Tool.objects.filter(server=server)}
+    # Descriptions and schemas go to the model verbatim; a server could echo the credential we
+    # send it into them.
+    secrets = known_secrets(server.tenant_id)
+    remote = [RemoteTool(r.name, redact(r.description, secrets), redact_obj(r.input_schema, secrets),
+                         r.annotations) for r in remote]
     for item in remote:
         digest = schema_hash(item.description, item.input_schema)
         tool = existing.get(item.name)

@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 from guardian.shortcuts import get_objects_for_user
 
 from llm.types import ToolSpec
@@ -42,7 +43,7 @@ def _fresh_user(run: Run):
 def permitted_tools(run: Run) -> list[Tool]:
     """Allowlist ∩ tools the user holds use_tool on right now ∩ enabled and not quarantined."""
     user = _fresh_user(run)
-    if not user.is_active:
+    if not user.is_active or user.tenant_id != run.tenant_id:
         return []
     candidates = Tool.objects.filter(tenant_id=run.tenant_id, name__in=run.version.spec.get("tools", []),
                                      enabled=True, quarantined=False)
@@ -71,6 +72,12 @@ def offered_tools(run: Run, steps=()) -> list[ToolSpec]:
 
 def run_search_tools(run: Run, step: Step) -> None:
     """Built-in search_tools: reveal more tools, only from the permitted set."""
+    if SEARCH_TOOLS not in _offered_on(step):
+        reason = f"tool {SEARCH_TOOLS} was not offered on this call"
+        transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {SEARCH_TOOLS} denied: {reason}",
+                        error=reason, observation=f"ERROR: call denied by the platform: {reason}",
+                        finished_at=timezone.now())
+        return
     query = str((step.arguments or {}).get("query", ""))
     tools = permitted_tools(run)
     ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
@@ -79,7 +86,8 @@ def run_search_tools(run: Run, step: Step) -> None:
     by_name = {t.name: t for t in tools}
     text = "\n".join(f"- {n}: {by_name[n].description}" for n in found) or "no further tools match"
     transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "revealed": found},
-                    observation=f"Tools added to your list:\n{text}" if found else text)
+                    observation=f"Tools added to your list:\n{text}" if found else text,
+                    finished_at=timezone.now())
 
 
 # --- proposals and checks at dispatch -----------------------------------------------------------
@@ -107,11 +115,19 @@ def has_use_tool(user, tool: Tool) -> bool:
                                 with_superuser=False, accept_global_perms=False).exists()
 
 
+def _offered_on(step: Step) -> list[str]:
+    """Names of the tools the model was shown on the call that proposed this step."""
+    request = Step.objects.filter(run_id=step.run_id, seq=step.parent_seq).values_list("request", flat=True).first()
+    return (request or {}).get("tools", [])
+
+
 def check_dispatch(run: Run, step: Step) -> str | None:
     """Return why the call must not be sent, or None. Reads everything fresh."""
     user = _fresh_user(run)
     if not user.is_active:
         return f"user {user.username} is deactivated"
+    if user.tenant_id != run.tenant_id:
+        return f"user {user.username} no longer belongs to this tenant"
     if step.tool_id is None:
         return f"unknown tool {step.tool_name!r}"
     tool = Tool.objects.get(pk=step.tool_id)
@@ -123,8 +139,7 @@ def check_dispatch(run: Run, step: Step) -> str | None:
         return f"tool {tool.name} is not in this agent's allowlist"
     if not has_use_tool(user, tool):
         return f"user {user.username} may not use {tool.name}"
-    offered = Step.objects.filter(run=run, seq=step.parent_seq).values_list("request", flat=True).first() or {}
-    if tool.name not in offered.get("tools", []) and tool.name not in Run.objects.get(pk=run.pk).revealed_tools:
+    if tool.name not in _offered_on(step) and tool.name not in Run.objects.get(pk=run.pk).revealed_tools:
         return f"tool {tool.name} was not offered on this call"
     try:
         jsonschema.validate(step.arguments, tool.input_schema or {"type": "object"})
@@ -234,6 +249,17 @@ def known_secrets(tenant_id) -> list[str]:
 
 def redact_text(run: Run, text: str) -> str:
     return redact(text, known_secrets(run.tenant_id))
+
+
+def redact_reply(run: Run, reply) -> tuple[str, list[dict]]:
+    """The model's text and tool calls with known secrets redacted, before they are stored or sent.
+
+    A model that got hold of a secret (pasted into a ticket, say) could otherwise copy it into a
+    step record or smuggle it out in a tool call's arguments.
+    """
+    secrets = known_secrets(run.tenant_id)
+    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
+    return redact(reply.text, secrets), redact_obj(calls, secrets)
 
 
 def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:

@@ -1,6 +1,7 @@
 """Fixtures for the tool gateway tests: the bank MCP server's tools, a recording model server."""
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from runs.engine import advance
@@ -9,6 +10,23 @@ from tests import factories
 from tests.fakes.model_servers import FakeAnthropic
 
 MODEL_KEY = "sk-ant-model-key-7f3e9a1c"
+
+
+@pytest.fixture(scope="module")
+def shared_bank():
+    """One bank server process per module (starting one costs seconds); tests reset its ledger."""
+    from tests.servers import BankServer
+
+    server = BankServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bank(shared_bank):
+    httpx.post(f"{shared_bank.url}/ledger/reset", timeout=10).raise_for_status()
+    httpx.post(f"{shared_bank.url}/faults/reset", timeout=10).raise_for_status()
+    return shared_bank
 
 
 @pytest.fixture

@@ -137,6 +137,7 @@ def test_it_retries_a_reconcilable_call_exactly_once_when_the_provider_has_no_re
     run = until_status(run.pk, "succeeded", "failed", "needs_attention", timeout=40)
     assert run.status == "succeeded", run.error
     step = step_of(run.pk, 2)
+    for e in events(run.pk): print(e.at.time(), e.kind, e.message, e.data)
     assert (step.status, step.attempts, step.crashes) == ("succeeded", 2, 1)
     lookups = [e for e in events(run.pk, "recovery") if "status lookup" in e.message]
     assert [e.data["found"] for e in lookups] == [False]

@@ -135,7 +135,7 @@ def test_it_reports_every_bad_field_and_writes_nothing():
     data["tools"][1]["approval"] = "amount >"
     data["grants"][0]["use"][1] = "group:nobody"
     data["agents"][0]["versions"][1]["tools"] = ["platform__clock", "crm__nothing"]
-    data["agents"][0]["aliases"] = {"prod": 9}
+    data["agents"].append({"name": "other", "versions": [spec()], "aliases": {"prod": 9}})
     before = snapshot()
 
     errors = rejected(data)
@@ -147,7 +147,7 @@ def test_it_reports_every_bad_field_and_writes_nothing():
         ("tools[1].approval", "unexpected end of policy at position 8"),
         ("grants[0].use[1]", "no group named 'nobody'"),
         ("agents[0].versions[1].tools[1]", "no tool named 'crm__nothing' in this tenant"),
-        ("agents[0].aliases.prod", "agent 'helper' has no version 9"),
+        ("agents[1].aliases.prod", "agent 'other' has no version 9"),
     }, errors
     # tools[1] was left out for its bad rule: the references to it are not reported again.
     assert not [path for path, _ in errors if path.startswith("grants[1]")]
@@ -457,3 +457,7 @@ def test_it_does_not_repeat_an_error_through_the_references_to_the_bad_item():
     errors = rejected(data)
 
     assert errors == [("model_endpoints[0].kind", "must be one of openai, anthropic, scripted")]
+
+
+def test_the_report_has_a_one_line_summary():
+    assert str(apply_config(config())) == "tenant acme-test: applied (created 23, updated 0, unchanged 0, removed 0)"

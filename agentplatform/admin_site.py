@@ -1,0 +1,234 @@
+"""The admin for supervisors and operators: one site, every page scoped to the user's tenant.
+
+Staff users with a tenant see and change only their tenant's rows (another tenant's object URL
+answers 404); superusers without a tenant (platform operators) see everything. Django's default
+`admin.site` is not used because the apps that register on it (auth groups, API tokens) would
+list every tenant's rows.
+
+Admin code only displays and forwards: writes go through the apps' services.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from decimal import Decimal
+
+from django.contrib import admin
+from django.http import Http404
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+from django.utils.timesince import timesince, timeuntil
+
+# The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
+# missing here shows no rows to tenant users: tenant data must not leak because someone forgot
+# to declare how to scope it.
+TENANT_PATHS = {
+    "tenants.tenant": "pk",
+    "tenants.user": "tenant",
+    "tenants.secret": "tenant",
+    "tenants.tenantgroup": "tenant",
+    "auth.group": "tenant_link__tenant",
+    "auth.permission": None,
+    "agents.agentdefinition": "tenant",
+    "agents.agentversion": "agent__tenant",
+    "agents.alias": "agent__tenant",
+    "llm.modelendpoint": "tenant",
+    "tools.toolserver": "tenant",
+    "tools.tool": "tenant",
+    "runs.run": "tenant",
+    "runs.step": "run__tenant",
+    "runs.runevent": "run__tenant",
+    "approvals.approval": "tenant",
+    "budgets.budgetaccount": "tenant",
+    "budgets.reservation": "tenant",
+    "budgets.ledgerentry": "account__tenant",
+}
+
+
+def is_operator(user) -> bool:
+    return user.is_superuser and user.tenant_id is None
+
+
+def scope(queryset, user):
+    """The rows of `queryset` that `user` may see in the admin."""
+    label = queryset.model._meta.label_lower
+    if is_operator(user) or (label in TENANT_PATHS and TENANT_PATHS[label] is None):
+        return queryset
+    path = TENANT_PATHS.get(label)
+    if user.tenant_id is None or path is None:
+        return queryset.none()
+    return queryset.filter(**{path: user.tenant_id})
+
+
+class TenantScopedAdmin(admin.ModelAdmin):
+    """Rows, foreign-key choices and object URLs limited to the user's tenant.
+
+    Changes save only the fields the form changed, so an admin edit does not overwrite what a
+    worker or a service wrote meanwhile. Foreign-key list filters must be
+    RelatedOnlyFieldListFilter: the plain one lists every tenant's rows.
+    """
+
+    def get_queryset(self, request):
+        return scope(super().get_queryset(request), request.user)
+
+    def get_object(self, request, object_id, from_field=None):
+        # Django redirects to the index for a missing object; another tenant's row must be a 404.
+        obj = super().get_object(request, object_id, from_field)
+        if obj is None:
+            raise Http404(f"no {self.opts.verbose_name} with this id")
+        return obj
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        field = super().formfield_for_foreignkey(db_field, request, **kwargs)
+        if field is not None and hasattr(field, "queryset"):
+            field.queryset = scope(field.queryset, request.user)
+        return field
+
+    def formfield_for_manytomany(self, db_field, request, **kwargs):
+        field = super().formfield_for_manytomany(db_field, request, **kwargs)
+        if field is not None and hasattr(field, "queryset"):
+            field.queryset = scope(field.queryset, request.user)
+        return field
+
+    def get_changeform_initial_data(self, request):
+        # The tenant stays a form field (choices: the user's tenant only) so that uniqueness per
+        # tenant is validated by the form instead of failing in the database.
+        initial = super().get_changeform_initial_data(request)
+        if request.user.tenant_id and any(f.name == "tenant" for f in self.opts.concrete_fields):
+            initial.setdefault("tenant", request.user.tenant_id)
+        return initial
+
+    def save_model(self, request, obj, form, change):
+        if not change:
+            obj.save()
+            return
+        concrete = {f.name for f in self.opts.concrete_fields}
+        changed = [name for name in form.changed_data if name in concrete]
+        if changed:
+            stamps = [f.name for f in self.opts.concrete_fields if getattr(f, "auto_now", False)]
+            obj.save(update_fields=changed + stamps)
+
+
+def status_filter(choices, *, default: str, field: str = "status"):
+    """A status list filter that starts on `default` (e.g. pending) and offers "all"."""
+
+    class StatusFilter(admin.SimpleListFilter):
+        title = field
+        parameter_name = field
+
+        def lookups(self, request, model_admin):
+            return [*choices, ("all", "All")]
+
+        def queryset(self, request, queryset):
+            value = self.value() or default
+            return queryset if value == "all" else queryset.filter(**{field: value})
+
+        def choices(self, changelist):
+            current = self.value() or default
+            for value, label in self.lookup_choices:
+                yield {"selected": current == value, "display": label,
+                       "query_string": changelist.get_query_string({self.parameter_name: value})}
+
+    return StatusFilter
+
+
+# --- display helpers ---------------------------------------------------------------------------
+
+# Argument names whose values are money: supervisors must not miss them.
+MONEY_WORDS = ("amount", "currency", "price", "total", "fee")
+
+
+def _value_text(value, limit: int | None) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+    if limit and len(text) > limit:
+        return text[:limit] + "…"
+    return text
+
+
+def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
+    """Tool-call arguments as `key: value` lines, money values in bold."""
+    if not isinstance(arguments, dict):
+        return format_html('<div class="arguments"><code>{}</code></div>', _value_text(arguments, limit))
+    if not arguments:
+        return format_html('<div class="arguments quiet">{}</div>', "(no arguments)")
+    rows = []
+    for key, value in arguments.items():
+        text = _value_text(value, limit)
+        if any(word in str(key).lower() for word in MONEY_WORDS):
+            text = format_html('<strong class="amount">{}</strong>', text)
+        rows.append((key, text))
+    return format_html('<div class="arguments">{}</div>',
+                       format_html_join("", '<div><span class="arg-key">{}</span>: {}</div>', rows))
+
+
+def money(micros: int | None) -> str:
+    """Micro-units as currency units (1,000,000 micros = 1 unit of the budget currency)."""
+    if micros is None:
+        return "—"
+    whole, _, fraction = f"{Decimal(micros).scaleb(-6):,.6f}".rstrip("0").partition(".")
+    return f"{whole}.{fraction.ljust(2, '0')}"
+
+
+def age(since: dt.datetime | None) -> str:
+    return timesince(since, timezone.now(), depth=2) if since else "—"
+
+
+def time_left(until: dt.datetime | None) -> str:
+    if until is None:
+        return "—"
+    if until <= timezone.now():
+        return "expired"
+    return timeuntil(until, timezone.now(), depth=2)
+
+
+def duration(ms: int | None) -> str:
+    if ms is None:
+        return "—"
+    return f"{ms} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
+def admin_link(obj, text=None) -> SafeString:
+    url = reverse(f"admin:{obj._meta.app_label}_{obj._meta.model_name}_change", args=[obj.pk])
+    return format_html('<a href="{}">{}</a>', url, text if text is not None else obj)
+
+
+# --- the site ----------------------------------------------------------------------------------
+
+class PlatformAdminSite(admin.AdminSite):
+    site_header = "Agent platform"
+    site_title = "Agent platform admin"
+    index_title = "Supervision and operations"
+    index_template = "admin/platform/index.html"
+
+    def each_context(self, request):
+        context = super().each_context(request)
+        user = getattr(request, "user", None)
+        if user is not None and user.is_active and user.is_staff:
+            context["platform_nav"] = [("Inbox", reverse("admin:approvals_approval_changelist")),
+                                       ("Runs", reverse("admin:runs_run_changelist"))]
+            if user.tenant_id:
+                context["platform_nav"].append(("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id])))
+        return context
+
+    def index(self, request, extra_context=None):
+        return super().index(request, {**(extra_context or {}), "desk": self._desk(request.user)})
+
+    def _desk(self, user) -> dict:
+        """What a supervisor starts the day with: pending approvals, stuck runs, usage."""
+        from approvals.models import ApprovalStatus
+        from approvals.selectors import approvals_for
+        from runs.models import RunStatus
+        from runs.selectors import runs_for
+
+        if user.tenant_id is None:
+            return {}
+        return {
+            "pending": approvals_for(user, status=ApprovalStatus.PENDING).count(),
+            "attention": runs_for(user, status=RunStatus.NEEDS_ATTENTION).count(),
+            "usage_url": reverse("admin:tenants_tenant_usage", args=[user.tenant_id]),
+        }
+
+
+site = PlatformAdminSite(name="admin")

@@ -1,0 +1,176 @@
+"""The supervisor inbox: pending calls on tools the user may approve, decided one by one or in bulk."""
+from __future__ import annotations
+
+import datetime as dt
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils import timezone
+
+from agentplatform.admin_site import (TenantScopedAdmin, admin_link, age, arguments_html, site, status_filter,
+                                      time_left)
+from agentplatform.errors import DomainError
+from approvals.models import Approval, ApprovalStatus
+from approvals.selectors import approvable_tools, approvals_for
+from approvals.services import decide
+from runs.admin import conversation
+
+
+class AgeFilter(admin.SimpleListFilter):
+    title = "age"
+    parameter_name = "age"
+    BANDS = {"lt1h": (None, 1), "1to8h": (1, 8), "gt8h": (8, None)}   # (at least, under) hours
+
+    def lookups(self, request, model_admin):
+        return [("lt1h", "less than 1 hour"), ("1to8h", "1 to 8 hours"), ("gt8h", "more than 8 hours")]
+
+    def queryset(self, request, queryset):
+        if self.value() not in self.BANDS:
+            return queryset
+        at_least, under = self.BANDS[self.value()]
+        now = timezone.now()
+        if at_least is not None:
+            queryset = queryset.filter(created_at__lte=now - dt.timedelta(hours=at_least))
+        if under is not None:
+            queryset = queryset.filter(created_at__gt=now - dt.timedelta(hours=under))
+        return queryset
+
+
+class ReasonForm(forms.Form):
+    reason = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+                             help_text="Recorded with the decision and, for a denial, told to the model.")
+
+
+@admin.register(Approval, site=site)
+class ApprovalAdmin(TenantScopedAdmin):
+    list_display = ["tool_link", "call_arguments", "reason", "requested_by", "waiting", "left", "run_link", "status"]
+    list_display_links = None
+    list_filter = [status_filter(ApprovalStatus.choices, default=ApprovalStatus.PENDING),
+                   ("tool", admin.RelatedOnlyFieldListFilter), AgeFilter]
+    list_select_related = ["tool", "requested_by", "run"]
+    ordering = ["created_at"]
+    actions = ["approve_selected", "deny_selected"]
+
+    def get_queryset(self, request):
+        if request.user.tenant_id is None:
+            return super().get_queryset(request)   # operators: every tenant's, read-only
+        return approvals_for(request.user)
+
+    # Deciding is the only write, and it goes through approvals.services.decide.
+    def has_view_permission(self, request, obj=None):
+        user = request.user
+        return user.is_superuser or (user.tenant_id is not None and approvable_tools(user).exists())
+
+    def has_module_permission(self, request):
+        return self.has_view_permission(request)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def has_decide_permission(self, request, obj=None):
+        return request.user.tenant_id is not None and self.has_view_permission(request)
+
+    # --- columns ---
+
+    @admin.display(description="tool", ordering="tool__name")
+    def tool_link(self, approval):
+        return admin_link(approval, approval.tool.name)
+
+    # Column methods must not share a name with a model field: Django would show the field instead.
+    @admin.display(description="arguments")
+    def call_arguments(self, approval):
+        return arguments_html(approval.arguments, limit=120)
+
+    @admin.display(description="age", ordering="created_at")
+    def waiting(self, approval):
+        return age(approval.created_at)
+
+    @admin.display(description="time left", ordering="expires_at")
+    def left(self, approval):
+        return time_left(approval.expires_at) if approval.status == ApprovalStatus.PENDING else "—"
+
+    @admin.display(description="run")
+    def run_link(self, approval):
+        return admin_link(approval.run, str(approval.run_id)[:8])
+
+    # --- deciding ---
+
+    def _decide(self, request, approval, *, approve: bool, reason: str) -> bool:
+        try:
+            decide(approval_id=approval.pk, user=request.user, approve=approve, reason=reason)
+        except DomainError as exc:
+            messages.error(request, f"{approval.tool.name} for run {str(approval.run_id)[:8]}: {exc.message}")
+            return False
+        return True
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        """One approval: the call, why it needs approval, the run's conversation, approve/deny."""
+        approval = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, approval):
+            raise PermissionDenied
+        form = ReasonForm(request.POST or None)
+        if request.method == "POST":
+            if not self.has_decide_permission(request, approval):
+                raise PermissionDenied
+            approve = "_approve" in request.POST
+            if form.is_valid() and self._decide(request, approval, approve=approve,
+                                                reason=form.cleaned_data["reason"]):
+                messages.success(request, f"{'approved' if approve else 'denied'}: {approval.tool.name} "
+                                          f"for run {str(approval.run_id)[:8]}")
+                return redirect(self._inbox_url(request))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts, "title": f"Approve {approval.tool.name}?", "approval": approval,
+            "arguments": arguments_html(approval.arguments), "age": age(approval.created_at),
+            "time_left": time_left(approval.expires_at), "form": form, "inbox_url": self._inbox_url(request),
+            "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
+            "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
+        }
+        return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
+
+    def _inbox_url(self, request) -> str:
+        url = reverse("admin:approvals_approval_changelist")
+        filters = request.GET.get("_changelist_filters")
+        return f"{url}?{filters}" if filters else url
+
+    @admin.action(description="Approve selected calls…", permissions=["decide"])
+    def approve_selected(self, request, queryset):
+        return self._decide_in_bulk(request, queryset, approve=True)
+
+    @admin.action(description="Deny selected calls…", permissions=["decide"])
+    def deny_selected(self, request, queryset):
+        return self._decide_in_bulk(request, queryset, approve=False)
+
+    def _decide_in_bulk(self, request, queryset, *, approve: bool):
+        """First call: a confirmation page asking for the reason. Second call: decide each one."""
+        form = ReasonForm(request.POST if "confirm" in request.POST else None)
+        approvals = list(queryset)
+        if form.is_bound and form.is_valid():
+            decided = [a for a in approvals
+                       if self._decide(request, a, approve=approve, reason=form.cleaned_data["reason"])]
+            if decided:
+                messages.success(request, f"{'approved' if approve else 'denied'} {len(decided)} call(s)")
+            gone = len(request.POST.getlist(ACTION_CHECKBOX_NAME)) - len(approvals)
+            if gone > 0:
+                messages.warning(request, f"{gone} selected call(s) left this list meanwhile (decided or expired)")
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts, "title": f"{'Approve' if approve else 'Deny'} {len(approvals)} call(s)?",
+            "approvals": [(a, arguments_html(a.arguments, limit=120)) for a in approvals],
+            "approve": approve, "form": form, "action": "approve_selected" if approve else "deny_selected",
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/approvals/approval/decide_selected.html", context)

@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.views.decorators.http import require_POST
+
+from agentplatform.admin_site import TenantScopedAdmin, admin_link, arguments_html, duration, money, site
+from agentplatform.errors import DomainError
+from approvals.services import can_approve
+from budgets.models import BudgetAccount
+from runs.models import TERMINAL, Run, RunStatus, StepKind, StepStatus
+from runs.resolution import OUTCOMES, resolve_step
+from runs.selectors import events_of, steps_of
+from runs.services import cancel_run
+from tools.models import EffectClass
+
+
+def conversation(run: Run, *, highlight_seq: int | None = None) -> list[dict]:
+    """The run so far as the model saw it: input, the model's messages and tool results, in order."""
+    first = run.input if isinstance(run.input, str) else arguments_html(run.input)
+    entries = [{"role": "user", "label": "input", "body": first}]
+    for step in steps_of(run):
+        if step.kind == StepKind.MODEL:
+            result = step.result or {}
+            entries.append({"role": "assistant", "seq": step.seq, "label": f"model (step {step.seq})",
+                            "body": result.get("text") or "", "status": step.status,
+                            "calls": [(call["name"], arguments_html(call.get("arguments")))
+                                      for call in result.get("tool_calls", [])]})
+        else:
+            entries.append({"role": "tool", "seq": step.seq, "label": f"{step.tool_name} (step {step.seq})",
+                            "body": step.observation or step.error, "status": step.status,
+                            "current": step.seq == highlight_seq})
+    return entries
+
+
+class ResolveForm(forms.Form):
+    outcome = forms.ChoiceField(choices=[(o, o) for o in OUTCOMES], widget=forms.RadioSelect)
+    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
+    result = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
+                             help_text="For “succeeded”: what the tool did (shown to the model).")
+    override = forms.BooleanField(required=False, label="Retry anyway: I accept the effect may happen twice")
+
+
+@admin.register(Run, site=site)
+class RunAdmin(TenantScopedAdmin):
+    """Runs are started through the API; here they are watched, cancelled and unblocked."""
+
+    list_display = ["short_id", "agent", "version_number", "status", "created_by", "created_at", "spent"]
+    list_filter = ["status", ("agent", admin.RelatedOnlyFieldListFilter)]
+    list_select_related = ["agent", "version", "created_by", "budget"]
+    search_fields = ["created_by__username"]
+    date_hierarchy = "created_at"
+    actions = ["cancel_selected"]
+
+    @admin.display(description="run", ordering="created_at")
+    def short_id(self, run):
+        return str(run.pk)[:8]
+
+    @admin.display(description="version", ordering="version__number")
+    def version_number(self, run):
+        return run.version.number
+
+    @admin.display(description="spent", ordering="budget__spent_micros")
+    def spent(self, run):
+        budget = getattr(run, "budget", None)
+        return money(budget.spent_micros) if budget else "—"
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def has_cancel_permission(self, request, obj=None):
+        return request.user.has_perm("runs.change_run")
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [
+            path("<path:object_id>/cancel/", view(require_POST(self.cancel_view)), name="runs_run_cancel"),
+            path("<path:object_id>/steps/<int:seq>/resolve/", view(require_POST(self.resolve_view)),
+                 name="runs_run_resolve"),
+            *super().get_urls(),
+        ]
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        run = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, run):
+            raise PermissionDenied
+        steps = list(steps_of(run))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts, "title": f"Run {run.pk}", "run": run,
+            "budget": self._budget(run),
+            "steps": [self._step_row(request, step) for step in steps],
+            "events": events_of(run),
+            "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
+            "auto_refresh": run.status in (RunStatus.QUEUED, RunStatus.RUNNING),
+            "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
+        }
+        return TemplateResponse(request, "admin/runs/run/detail.html", context)
+
+    def _budget(self, run) -> dict | None:
+        account = BudgetAccount.objects.filter(run=run).first()
+        if account is None:
+            return None
+        return {name: money(getattr(account, f"{name}_micros"))
+                for name in ("limit", "reserved", "spent", "held", "remaining")}
+
+    def _step_row(self, request, step) -> dict:
+        row = {"step": step, "cost": money(step.cost_micros), "duration": duration(step.duration_ms),
+               "arguments": arguments_html(step.arguments, limit=200) if step.kind == StepKind.TOOL else ""}
+        if step.status == StepStatus.OUTCOME_UNKNOWN and step.tool and can_approve(request.user, step.tool):
+            row["resolve_form"] = ResolveForm(prefix=f"s{step.seq}")
+            row["unsafe"] = step.tool.effect_class == EffectClass.UNSAFE
+        return row
+
+    def cancel_view(self, request, object_id):
+        run = self.get_object(request, unquote(object_id))
+        if not self.has_cancel_permission(request, run):
+            raise PermissionDenied
+        self._cancel(request, run, reason=request.POST.get("reason", ""))
+        return redirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+    def _cancel(self, request, run, *, reason: str) -> None:
+        try:
+            cancel_run(run_id=run.pk, actor=request.user, reason=reason or "cancelled in the admin")
+        except DomainError as exc:
+            messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
+            return
+        messages.success(request, f"run {str(run.pk)[:8]}: cancel requested; no new call starts from now on")
+
+    @admin.action(description="Cancel selected runs", permissions=["cancel"])
+    def cancel_selected(self, request, queryset):
+        for run in queryset.exclude(status__in=TERMINAL):
+            self._cancel(request, run, reason="cancelled in bulk in the admin")
+
+    def resolve_view(self, request, object_id, seq):
+        """Say what happened to a call whose outcome is unknown (needs approve_tool on its tool)."""
+        run = self.get_object(request, unquote(object_id))
+        form = ResolveForm(request.POST, prefix=f"s{seq}")
+        if not form.is_valid():
+            errors = "; ".join(f"{name}: {' '.join(errs)}" for name, errs in form.errors.items())
+            messages.error(request, f"step {seq} not resolved: {errors}")
+        else:
+            data = form.cleaned_data
+            try:
+                resolve_step(run_id=run.pk, seq=seq, user=request.user, outcome=data["outcome"],
+                             reason=data["reason"], result=data["result"] if data["outcome"] == "succeeded" else None,
+                             override=data["override"])
+            except DomainError as exc:
+                messages.error(request, f"step {seq} not resolved: {exc.message}")
+            else:
+                messages.success(request, f"step {seq} resolved as {data['outcome']}")
+        return redirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+
+def run_link(run) -> str:
+    return admin_link(run, f"{str(run.pk)[:8]} · {run.status}")
+

@@ -1,0 +1,132 @@
+"""The run page: status, budget, steps and events; cancelling; resolving unknown outcomes."""
+from __future__ import annotations
+
+import pytest
+
+from approvals.models import ApprovalStatus
+from approvals.services import decide
+from runs.engine import advance
+from runs.models import Run, RunStatus, Step, StepStatus
+from runs.services import start_run
+from tests.admin.helpers import make_supervisor, park_on_approval
+from tests.conftest import drive
+from tools.models import Tool
+
+RUNS = "/admin/runs/run/"
+
+
+def run_url(run_id, suffix: str = "change/") -> str:
+    return f"{RUNS}{run_id}/{suffix}"
+
+
+def messages_of(response) -> list[str]:
+    return [str(m) for m in response.context["messages"]]
+
+
+@pytest.fixture
+def unknown_step(acme) -> Step:
+    """An unsafe echo call whose worker died after committing `dispatching`: outcome unknown."""
+    echo = acme.tools["echo"]
+    Tool.objects.filter(pk=echo.pk).update(approval_policy="never", effect_class="unsafe")
+    run, _ = start_run(user=acme.asha, agent="refunder", input={"case": "lost"})
+    advance(run.pk)   # the model step proposes the echo call
+    step = Step.objects.get(run=run, seq=2)
+    # What a worker leaves behind when it dies right after marking the step dispatching.
+    Step.objects.filter(pk=step.pk).update(status=StepStatus.DISPATCHING, attempts=1)
+    advance(run.pk)
+    step.refresh_from_db()
+    assert step.status == StepStatus.OUTCOME_UNKNOWN
+    assert Run.objects.get(pk=run.pk).status == RunStatus.NEEDS_ATTENTION
+    return step
+
+
+def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    run = drive(approval.run_id)
+
+    response = as_ravi.get(run_url(run.pk))
+
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert '<td class="status-badge" id="run-status">succeeded</td>' in html
+    budget = response.context["budget"]
+    assert budget["limit"] == "2.00" and budget["reserved"] == "0.00" and budget["spent"] != "0.00"
+    steps = response.context["steps"]
+    assert [(r["step"].seq, r["step"].kind, r["step"].status) for r in steps] == [
+        (1, "model", "succeeded"), (2, "tool", "succeeded"), (3, "model", "succeeded")]
+    assert "platform__echo approved by ravi: verified" in html
+    assert "Cancel run" not in html
+
+
+def test_it_lists_runs_filtered_by_status_and_agent(as_ravi, acme):
+    refund = park_on_approval(acme.asha, "refunder")
+    noop = park_on_approval(acme.asha, "nooper")
+    Run.objects.filter(pk=noop.run_id).update(status=RunStatus.FAILED)
+
+    def listed(query):
+        return {run.pk for run in as_ravi.get(RUNS + query).context["cl"].result_list}
+
+    assert listed("") == {refund.run_id, noop.run_id}
+    assert listed("?status__exact=waiting_approval") == {refund.run_id}
+    assert listed(f"?agent__id__exact={refund.run.agent_id}") == {refund.run_id}
+
+
+def test_it_cancels_a_run_waiting_for_approval(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+
+    response = as_ravi.post(run_url(approval.run_id, "cancel/"), {"reason": "customer withdrew"}, follow=True)
+
+    assert any("cancel requested" in m for m in messages_of(response))
+    assert Run.objects.get(pk=approval.run_id).status == RunStatus.CANCELLED
+    approval.refresh_from_db()
+    assert approval.status == ApprovalStatus.VOIDED
+
+
+def test_another_tenants_run_cannot_be_cancelled(as_ravi, globex):
+    assert as_ravi.post(run_url(globex.approval.run_id, "cancel/")).status_code == 404
+    assert Run.objects.get(pk=globex.approval.run_id).status == RunStatus.WAITING_APPROVAL
+
+
+def test_it_resolves_an_unknown_outcome_as_succeeded_and_the_run_finishes(as_ravi, unknown_step):
+    page = as_ravi.get(run_url(unknown_step.run_id))
+    assert "Resolve step 2" in page.content.decode()
+
+    response = as_ravi.post(run_url(unknown_step.run_id, "steps/2/resolve/"), {
+        "s2-outcome": "succeeded", "s2-result": "echoed, provider ref E-7", "s2-reason": "checked the provider log"},
+        follow=True)
+
+    assert "step 2 resolved as succeeded" in messages_of(response)
+    unknown_step.refresh_from_db()
+    assert unknown_step.status == StepStatus.RESOLVED_SUCCEEDED
+    assert unknown_step.observation == "echoed, provider ref E-7"
+    assert drive(unknown_step.run_id).status == RunStatus.SUCCEEDED
+
+
+def test_it_retries_an_unsafe_call_only_with_the_override(as_ravi, unknown_step):
+    url = run_url(unknown_step.run_id, "steps/2/resolve/")
+    retry = {"s2-outcome": "retry", "s2-reason": "provider says it never arrived"}
+
+    refused = as_ravi.post(url, retry, follow=True)
+
+    assert any("is unsafe: retrying may repeat its effect" in m for m in messages_of(refused))
+    unknown_step.refresh_from_db()
+    assert unknown_step.status == StepStatus.OUTCOME_UNKNOWN
+
+    as_ravi.post(url, {**retry, "s2-override": "on"})
+
+    unknown_step.refresh_from_db()
+    assert unknown_step.status == StepStatus.RETRIED
+
+
+def test_a_user_without_approve_tool_may_not_resolve(client, acme, unknown_step):
+    nina = make_supervisor(acme.tenant, "nina")
+    client.force_login(nina)
+
+    assert "Resolve step" not in client.get(run_url(unknown_step.run_id)).content.decode()
+    response = client.post(run_url(unknown_step.run_id, "steps/2/resolve/"), {
+        "s2-outcome": "failed", "s2-reason": "guess"}, follow=True)
+
+    assert any("resolving needs approve_tool" in m for m in messages_of(response))
+    unknown_step.refresh_from_db()
+    assert unknown_step.status == StepStatus.OUTCOME_UNKNOWN

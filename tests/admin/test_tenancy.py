@@ -1,0 +1,145 @@
+"""Tenant scoping on every page, write-only secrets, immutable versions, tools and their grants."""
+from __future__ import annotations
+
+from guardian.shortcuts import get_perms
+
+from agents.models import AgentVersion
+from tenants.models import Secret
+from tests import factories
+from tools.models import Tool, ToolServer
+
+PLAINTEXT = "sk-live-very-secret-value-42"
+
+
+def test_a_secret_is_write_only(as_ravi, acme):
+    response = as_ravi.post("/admin/tenants/secret/add/", {"tenant": acme.tenant.pk, "name": "bank-token",
+                                                           "value": PLAINTEXT})
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    secret = Secret.objects.get(tenant=acme.tenant, name="bank-token")
+    assert secret.reveal() == PLAINTEXT
+
+    html = as_ravi.get(f"/admin/tenants/secret/{secret.pk}/change/").content.decode()
+    listing = as_ravi.get("/admin/tenants/secret/").content.decode()
+
+    for page in (html, listing):
+        assert PLAINTEXT not in page
+        assert secret.ciphertext not in page
+    assert 'type="password"' in html
+
+
+def test_an_empty_value_keeps_the_secret_and_a_new_one_replaces_it(as_ravi, acme):
+    secret = Secret(tenant=acme.tenant, name="bank-token")
+    secret.set_value(PLAINTEXT)
+    secret.save()
+    url = f"/admin/tenants/secret/{secret.pk}/change/"
+
+    as_ravi.post(url, {"tenant": acme.tenant.pk, "name": "bank-token", "value": ""})
+    secret.refresh_from_db()
+    assert secret.reveal() == PLAINTEXT
+
+    as_ravi.post(url, {"tenant": acme.tenant.pk, "name": "bank-token", "value": "rotated-value"})
+    secret.refresh_from_db()
+    assert secret.reveal() == "rotated-value"
+
+
+def test_a_secret_cannot_be_added_to_another_tenant(as_ravi, acme, globex):
+    response = as_ravi.post("/admin/tenants/secret/add/", {"tenant": globex.tenant.pk, "name": "x", "value": "abcd"})
+
+    assert response.status_code == 200
+    assert "tenant" in response.context["adminform"].form.errors
+    assert not Secret.objects.filter(name="x").exists()
+
+
+def test_an_agent_version_cannot_be_modified(client, operator, acme):
+    version = AgentVersion.objects.get(agent__tenant=acme.tenant, agent__name="refunder")
+    client.force_login(operator)
+    url = f"/admin/agents/agentversion/{version.pk}/change/"
+
+    page = client.get(url)
+    refused = client.post(url, {"number": 99, "spec": "{}"})
+
+    assert page.status_code == 200
+    assert 'name="_save"' not in page.content.decode()
+    assert refused.status_code == 403
+    version.refresh_from_db()
+    assert version.number == 1
+    assert client.post(f"/admin/agents/agentversion/{version.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert client.get("/admin/agents/agentversion/add/").status_code == 403
+
+
+def test_lists_and_choices_hold_only_the_users_tenant(as_ravi, acme, globex):
+    factories.make_endpoint(globex.tenant, name="their-model")
+    theirs = Secret(tenant=globex.tenant, name="their-secret")
+    theirs.set_value("abcd1234")
+    theirs.save()
+
+    tools = as_ravi.get("/admin/tools/tool/").context["cl"].result_list
+    form = as_ravi.get("/admin/tools/toolserver/add/").context["adminform"].form
+
+    assert {t.tenant_id for t in tools} == {acme.tenant.pk}
+    assert list(form.fields["tenant"].queryset) == [acme.tenant]
+    assert theirs not in form.fields["secret"].queryset
+    assert as_ravi.get(f"/admin/tenants/secret/{theirs.pk}/change/").status_code == 404
+    assert as_ravi.get(f"/admin/tenants/user/{globex.bob.pk}/change/").status_code == 404
+
+
+def test_an_operator_sees_every_tenant(client, operator, acme, globex):
+    client.force_login(operator)
+
+    tools = client.get("/admin/tools/tool/").context["cl"].result_list
+
+    assert {t.tenant_id for t in tools} == {acme.tenant.pk, globex.tenant.pk}
+
+
+def test_the_tool_page_shows_hints_and_releases_quarantine_after_review(as_ravi, acme):
+    echo = acme.tools["echo"]
+    Tool.objects.filter(pk=echo.pk).update(quarantined=True, quarantine_reason="the server changed this tool")
+
+    listing = as_ravi.get("/admin/tools/tool/").content.decode()
+    assert "the server changed this tool" in listing
+    assert '<span class="hint">readOnly: yes</span>' in listing
+
+    response = as_ravi.post("/admin/tools/tool/", {"action": "release_selected", "_selected_action": [echo.pk]},
+                            follow=True)
+
+    assert "released 1 tool(s) from quarantine" in [str(m) for m in response.context["messages"]]
+    echo.refresh_from_db()
+    assert (echo.quarantined, echo.quarantine_reason) == (False, "")
+
+
+def test_an_invalid_approval_policy_is_refused(as_ravi, acme):
+    echo = acme.tools["echo"]
+    data = {"enabled": "on", "effect_class": "read_only", "approval_policy": "amount >", "timeout_seconds": 30,
+            "price_micros": 0, "max_attempts": 3, "backoff_seconds": 1}
+
+    response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
+
+    assert "approval_policy" in response.context["adminform"].form.errors
+    echo.refresh_from_db()
+    assert echo.approval_policy == "always"
+
+
+def test_tool_grants_are_made_in_the_admin_within_the_tenant(as_ravi, acme, globex):
+    noop = acme.tools["noop"]
+    url = f"/admin/tools/tool/{noop.pk}/permissions/user-manage/{acme.asha.pk}/"
+
+    response = as_ravi.post(url, {"permissions": ["use_tool", "approve_tool"]})
+
+    assert response.status_code == 302
+    assert set(get_perms(acme.asha, noop)) >= {"use_tool", "approve_tool"}
+    assert as_ravi.get(f"/admin/tools/tool/{noop.pk}/permissions/user-manage/{globex.bob.pk}/").status_code == 404
+    picked = as_ravi.post(f"/admin/tools/tool/{noop.pk}/permissions/", {"user": "bob", "submit_manage_user": "1"})
+    assert picked.status_code == 200 and picked.context["user_form"].errors
+
+
+def test_a_tenant_admin_cannot_promote_anyone_to_superuser(client, acme):
+    admin_user = factories.make_user(acme.tenant, "ada", staff=True)
+    from django.contrib.auth.models import Permission
+    admin_user.user_permissions.add(*Permission.objects.filter(codename__in=["view_user", "change_user"]))
+    client.force_login(admin_user)
+
+    form = client.get(f"/admin/tenants/user/{acme.asha.pk}/change/").context["adminform"].form
+
+    assert "is_superuser" not in form.fields and "user_permissions" not in form.fields
+    assert list(form.fields["groups"].queryset.values_list("name", flat=True)) == ["acme:supervisors"]
+    assert ToolServer.objects.count() == 2

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.http import Http404
+from django.shortcuts import get_object_or_404
+from django.utils.html import format_html, format_html_join
+from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
+
+from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
+from approvals.policy import PolicyError, parse_policy
+from tenants.crypto import SecretKeyError
+from tenants.models import User
+from tools.catalog import refresh, release_quarantine
+from tools.models import Tool, ToolServer
+from tools.types import ToolFailed
+
+
+@admin.register(ToolServer, site=site)
+class ToolServerAdmin(TenantScopedAdmin):
+    list_display = ["name", "tenant", "kind", "transport", "url", "last_synced_at"]
+    list_filter = ["kind"]
+    actions = ["sync_tools"]
+
+    def get_readonly_fields(self, request, obj=None):
+        readonly = ["last_synced_at"]
+        if not is_operator(request.user):
+            # A stdio command runs on the platform's machines: only operators may set one.
+            readonly.append("command")
+        return readonly
+
+    @admin.action(description="Sync the tool list from the server (changed tools are quarantined)",
+                  permissions=["change"])
+    def sync_tools(self, request, queryset):
+        for server in queryset:
+            try:
+                report = refresh(server)
+            except (ToolFailed, SecretKeyError) as exc:
+                messages.error(request, f"{server}: {exc}")
+                continue
+            messages.success(request, f"{server}: {len(report.added)} new (disabled until reviewed), "
+                                      f"{len(report.quarantined)} quarantined, {len(report.unchanged)} unchanged, "
+                                      f"{len(report.missing)} no longer listed")
+
+
+def hints_html(annotations: dict) -> str:
+    """MCP annotations as the server declared them: hints to a reviewer, never trusted."""
+    hints = [(name.removesuffix("Hint"), "yes" if value is True else "no" if value is False else value)
+             for name, value in sorted((annotations or {}).items()) if name.endswith("Hint")]
+    if not hints:
+        return "—"
+    return format_html_join(", ", '<span class="hint">{}: {}</span>', hints)
+
+
+class ToolForm(forms.ModelForm):
+    def clean_approval_policy(self):
+        text = self.cleaned_data["approval_policy"]
+        try:
+            parse_policy(text)
+        except PolicyError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        return text
+
+
+def _tenant_checked(form_class, attribute: str, tenant_of):
+    """A guardian user/group picker that knows no one outside the admin user's tenant."""
+
+    def factory(tenant_id):
+        class TenantForm(form_class):
+            def clean(self):
+                cleaned = super().clean()
+                picked = cleaned.get(attribute)
+                if tenant_id and picked is not None and tenant_of(picked) != tenant_id:
+                    self.add_error(attribute, self.fields[attribute].error_messages["does_not_exist"])
+                return cleaned
+        return TenantForm
+    return factory
+
+
+_user_picker = _tenant_checked(UserManage, "user", lambda user: user.tenant_id)
+_group_picker = _tenant_checked(GroupManage, "group",
+                                lambda group: getattr(getattr(group, "tenant_link", None), "tenant_id", None))
+
+
+@admin.register(Tool, site=site)
+class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
+    """Tools come from their server (sync); here they are reviewed, configured and granted.
+
+    Grants (use_tool, approve_tool) are made on the "Object permissions" page of a tool.
+    """
+
+    form = ToolForm
+    list_display = ["name", "server", "effect_class", "approval_policy", "enabled", "quarantined",
+                    "quarantine_note", "hints", "price"]
+    list_filter = ["enabled", "quarantined", "effect_class", ("server", admin.RelatedOnlyFieldListFilter)]
+    list_select_related = ["server"]
+    search_fields = ["name", "description"]
+    actions = ["release_selected"]
+    fieldsets = [
+        (None, {"fields": ["name", "server", "tenant", "description", "input_schema", "hints"]}),
+        ("Review", {"fields": ["enabled", "quarantined", "quarantine_reason"]}),
+        ("Effects and approval", {"fields": ["effect_class", "approval_policy", "approval_ttl_seconds"]}),
+        ("Calls", {"fields": ["timeout_seconds", "price_micros", "max_attempts", "backoff_seconds", "http_url",
+                              "status_url"]}),
+    ]
+    readonly_fields = ["name", "server", "tenant", "description", "input_schema", "hints", "quarantined",
+                       "quarantine_reason"]
+
+    @admin.display(description="hints (from the server, untrusted)")
+    def hints(self, tool):
+        return hints_html(tool.annotations)
+
+    @admin.display(description="quarantine reason")
+    def quarantine_note(self, tool):
+        return tool.quarantine_reason or "—"
+
+    @admin.display(description="price", ordering="price_micros")
+    def price(self, tool):
+        return money(tool.price_micros)
+
+    def has_add_permission(self, request):
+        # Tools are discovered by syncing their server, never typed in.
+        return False
+
+    @admin.action(description="Re-enable after review (release from quarantine)", permissions=["change"])
+    def release_selected(self, request, queryset):
+        released = [tool for tool in queryset if tool.quarantined]
+        for tool in released:
+            release_quarantine(tool)
+        messages.success(request, f"released {len(released)} tool(s) from quarantine")
+
+    # Guardian's grant pages look users and groups up platform-wide; keep them in the tool's tenant.
+    def get_obj_perms_user_select_form(self, request):
+        return _user_picker(request.user.tenant_id)
+
+    def get_obj_perms_group_select_form(self, request):
+        return _group_picker(request.user.tenant_id)
+
+    def obj_perms_manage_user_view(self, request, object_pk, user_id):
+        tool = get_object_or_404(self.get_queryset(request), pk=object_pk)
+        get_object_or_404(User, pk=user_id, tenant_id=tool.tenant_id)
+        return super().obj_perms_manage_user_view(request, object_pk, user_id)
+
+    def obj_perms_manage_group_view(self, request, object_pk, group_id):
+        tool = get_object_or_404(self.get_queryset(request), pk=object_pk)
+        if not tool.tenant.groups.filter(group_id=group_id).exists():
+            raise Http404("no such group in this tenant")
+        return super().obj_perms_manage_group_view(request, object_pk, group_id)
