@@ -65,6 +65,8 @@ class ApprovalAdmin(TenantScopedAdmin):
     # Deciding is the only write, and it goes through approvals.services.decide.
     def has_view_permission(self, request, obj=None):
         user = request.user
+        if not (user.is_active and user.is_staff):   # e.g. the anonymous user on the login page
+            return False
         return user.is_superuser or (user.tenant_id is not None and approvable_tools(user).exists())
 
     def has_module_permission(self, request):

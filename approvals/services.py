@@ -118,22 +118,33 @@ def _apply_decision(run: Run, approval: Approval, *, user, approve: bool, reason
         enqueue(run.pk)
 
 
+def _expected_digest(step: Step, approval: Approval) -> str:
+    tool = step.tool
+    return call_digest(tool=tool, arguments=step.arguments, run_id=step.run_id,
+                       user_id=approval.requested_by_id, policy_version=tool.policy_version)
+
+
 def verify_for_dispatch(step: Step) -> str | None:
     """Why an approved step must not be dispatched, or None."""
     approval = Approval.objects.filter(step=step).select_related("tool").first()
     if approval is None or approval.status != ApprovalStatus.APPROVED:
         return f"approval is {approval.status if approval else 'missing'}"
-    tool = step.tool
-    expected = call_digest(tool=tool, arguments=step.arguments, run_id=step.run_id,
-                           user_id=approval.requested_by_id, policy_version=tool.policy_version)
-    if expected != approval.digest:
+    if _expected_digest(step, approval) != approval.digest:
         return "the approval does not cover this exact call (arguments, tool or policy changed)"
     return None
 
 
 def consume(step: Step) -> bool:
-    """Use the approval once, atomically; False if it was used or withdrawn meanwhile."""
-    return bool(Approval.objects.filter(step=step, status=ApprovalStatus.APPROVED).update(
+    """Use the approval once, atomically, for exactly this call; False if used, withdrawn or not covering it.
+
+    The digest is checked again here because the step is re-read between the claim (which ran
+    verify_for_dispatch) and this update: what is consumed is what is dispatched.
+    """
+    approval = Approval.objects.filter(step=step).only("requested_by").first()
+    if approval is None:
+        return False
+    return bool(Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.APPROVED,
+                                        digest=_expected_digest(step, approval)).update(
         status=ApprovalStatus.CONSUMED, consumed_at=timezone.now()))
 
 

@@ -106,7 +106,8 @@ class Worker:
         self.args = [sys.executable, "-m", "celery", "-A", "bench.worker_app", "worker", "-P", POOL,
                      "-c", str(CONCURRENCY), "-Q", TAG, "-n", f"{TAG}@%h", "-I", "bench.noop_tasks",
                      "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"), "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, BENCH_QUEUE=TAG, PYTHONUNBUFFERED="1")
+        # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
+        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, BENCH_QUEUE=TAG, PYTHONUNBUFFERED="1", DEBUG="false")
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
         self.proc: subprocess.Popen | None = None
@@ -414,6 +415,8 @@ def report(results: dict, qps: dict, max_connections: int, connections_now: int)
     ratio_of = {"raw": ("raw", "1.00 (ceiling)"), "engine0": ("raw", "vs raw, target >= 0.60"),
                 "engine200": ("engine0", "vs 0 ms, target >= 0.80")}
     print()
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+          f"{os.cpu_count()} CPUs")
     print(f"worker: 1 process, pool={POOL}, concurrency={CONCURRENCY}, DB_POOL_MAX={DB_POOL_MAX or 'off'} "
           f"(PostgreSQL max_connections={max_connections}); queue {TAG}")
     header = f"{'scenario':<34} | {'steps':>6} | {'seconds':>7} | {'steps/s':>8} | {'ratio':>30} | {'peak RSS MB':>11}"

@@ -30,6 +30,10 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
     def y(micros: int) -> float:
         return round(TOP + plot_h - micros / peak * plot_h, 1)
 
+    def height(micros: int) -> float:
+        # A charge far below the limit would round to nothing; keep it visible.
+        return max(round(micros / peak * plot_h, 1), 1.0) if micros else 0.0
+
     bars, limit_path, previous = [], [], False
     for i in range(days):
         day = today - dt.timedelta(days=days - 1 - i)
@@ -37,10 +41,11 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
         spent = account.spent_micros if account else 0
         held = account.held_micros if account else 0
         x = LEFT + i * slot
+        spent_h, held_h = height(spent), height(held)
         bars.append({
             "x": round(x + slot * 0.15, 1), "width": round(slot * 0.7, 1),
-            "spent_y": y(spent), "spent_h": round(y(0) - y(spent), 1),
-            "held_y": y(spent + held), "held_h": round(y(spent) - y(spent + held), 1),
+            "spent_y": round(y(0) - spent_h, 1), "spent_h": spent_h,
+            "held_y": round(y(0) - spent_h - held_h, 1), "held_h": held_h,
             "label_x": round(x + slot / 2, 1), "label": day.strftime("%m-%d") if i % 5 == 4 or i == 0 else "",
             "title": f"{day}: spent {money(spent)}, held {money(held)}, limit "
                      f"{money(account.limit_micros) if account else '—'}",

@@ -15,6 +15,7 @@ Plain HTTP routes (streamable mode only):
     POST /ledger/reset
     POST /faults                      {"tool": X, "delay_after_effect": 5 | "delay_before_effect": 3
                                        | "fail_5xx_after_effect": true, "times": 1}
+    GET  /faults                      -> {"faults": [{"tool", "kind", "value", "remaining"}, ...]}
     POST /faults/reset
     POST /http/{tool}                 body = arguments, header Idempotency-Key
                                       200 result | 400 {"error"} tool failure | 404 unknown tool
@@ -255,6 +256,10 @@ class Faults:
                     setattr(faults, kind, entry["value"])
         return faults
 
+    def armed(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(e) for e in self._entries]
+
     def reset(self) -> None:
         with self._lock:
             self._entries = []
@@ -442,6 +447,9 @@ def _http_routes(svc: BankService) -> list[Route]:
             return JSONResponse({"error": str(exc)}, status_code=422)
         return JSONResponse({"ok": True, "faults": armed})
 
+    async def faults_list(request: Request) -> Response:
+        return JSONResponse({"faults": svc.faults.armed()})
+
     async def faults_reset(request: Request) -> Response:
         svc.faults.reset()
         return JSONResponse({"ok": True})
@@ -475,6 +483,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         Route("/ledger", ledger, methods=["GET"]),
         Route("/ledger/reset", ledger_reset, methods=["POST"]),
         Route("/faults", faults_add, methods=["POST"]),
+        Route("/faults", faults_list, methods=["GET"]),
         Route("/faults/reset", faults_reset, methods=["POST"]),
         Route("/http/status/{key}", http_status, methods=["GET"]),
         Route("/http/{tool_name}", http_tool, methods=["POST"]),

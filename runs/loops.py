@@ -64,15 +64,8 @@ def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
     if not calls:
         return []
     last = calls[-1]
-    repeats = sum(1 for s in calls if _key(s) == _key(last))
-    found = [(f"the same call {last.tool_name} was made {repeats} times", repeats, limits["max_repeats"])]
-    empties = 0
-    for s in reversed(calls):
-        if not (s.status == StepStatus.SUCCEEDED and _is_empty(s)):
-            break
-        empties += 1
-    found.append((f"{empties} empty results in a row", empties, limits["max_empty_results"]))
     keys = [_key(s) for s in calls]
+    found = []
     alternating = 0
     if len(keys) >= 3 and keys[-1] != keys[-2]:
         alternating = 2
@@ -80,6 +73,14 @@ def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
             alternating += 1
     if alternating >= 3:
         found.append(("alternating between the same two calls", alternating, 2 * limits["alternation_cycles"]))
+    repeats = keys.count(_key(last))
+    found.append((f"the same call {last.tool_name} was made {repeats} times", repeats, limits["max_repeats"]))
+    empties = 0
+    for s in reversed(calls):
+        if not (s.status == StepStatus.SUCCEEDED and _is_empty(s)):
+            break
+        empties += 1
+    found.append((f"{empties} empty results in a row", empties, limits["max_empty_results"]))
     return found
 
 

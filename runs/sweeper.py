@@ -64,7 +64,8 @@ def _stop_past_deadline(now: dt.datetime) -> int:
             if run.is_terminal:
                 continue
             if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
-                Run.objects.filter(pk=run.pk).update(cancel_requested=True)  # the holder stops it
+                # The holder's next claim stops it (reason: deadline). A cancel flag here would
+                # end it as `cancelled`, which nobody asked for.
                 record_event(run.pk, "recovery", "deadline passed during a call; the run stops after it",
                              action="stop_after_call", found="deadline")
                 continue

@@ -90,6 +90,14 @@ def http_bank_tool(tenant, bank, remote: str, *, effect_class: str, server_name:
                                **values)
 
 
+def until_fault_taken(bank, tool: str, *, timeout: float = 30) -> None:
+    """Wait until the bank has consumed every fault armed for `tool` (the request is in the server)."""
+    import httpx
+
+    wait_for(lambda: all(f["remaining"] == 0 for f in httpx.get(f"{bank.url}/faults", timeout=10).json()["faults"]
+                         if f["tool"] == tool), timeout=timeout, interval=0.05, what=f"{tool} request in the server")
+
+
 def single_call_agent(tenant, user, tool: Tool, arguments: dict, *, final: str = "done", **spec):
     """An agent that makes one tool call, then answers `final`."""
     factories.grant(tool, use=[user])
@@ -99,6 +107,12 @@ def single_call_agent(tenant, user, tool: Tool, arguments: dict, *, final: str =
 
 EMAIL = {"to": "c@example.com", "subject": "Your refund", "body": "Refunded."}
 REFUND = {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"}   # below the approval rule
+
+
+@pytest.fixture
+def fast_sweeps(settings):
+    """The test plays beat: runs untouched for 3 s count as lost messages (as in the workers)."""
+    settings.QUEUED_TOO_LONG_SECONDS = int(FAST_LEASES["QUEUED_TOO_LONG_SECONDS"])
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from runs.models import Run
 from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import (EMAIL, FAST_LEASES, REFUND, client_for, events, http_bank_tool,
-                                     run_of, single_call_agent, step_of, until_dispatching, until_status)
+                                     run_of, single_call_agent, step_of, until_dispatching, until_fault_taken,
+                                     until_status)
 from tests.servers import wait_for
 from tools.models import Tool
 
@@ -128,7 +129,7 @@ def test_it_retries_a_reconcilable_call_exactly_once_when_the_provider_has_no_re
     w1 = workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
     until_dispatching(run.pk, 2)
-    time.sleep(0.5)
+    until_fault_taken(bank, "issue_refund")
     w1.kill()
     dispatched_at = time.monotonic()
     assert bank.effects("issue_refund") == []
@@ -137,7 +138,6 @@ def test_it_retries_a_reconcilable_call_exactly_once_when_the_provider_has_no_re
     run = until_status(run.pk, "succeeded", "failed", "needs_attention", timeout=40)
     assert run.status == "succeeded", run.error
     step = step_of(run.pk, 2)
-    for e in events(run.pk): print(e.at.time(), e.kind, e.message, e.data)
     assert (step.status, step.attempts, step.crashes) == ("succeeded", 2, 1)
     lookups = [e for e in events(run.pk, "recovery") if "status lookup" in e.message]
     assert [e.data["found"] for e in lookups] == [False]
