@@ -201,6 +201,7 @@ class PlatformAdminSite(admin.AdminSite):
     site_title = "Agent platform admin"
     index_title = "Supervision and operations"
     index_template = "admin/platform/index.html"
+    site_url = None   # the platform has no public site to link to
 
     def each_context(self, request):
         context = super().each_context(request)

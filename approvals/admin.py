@@ -84,6 +84,9 @@ class ApprovalAdmin(TenantScopedAdmin):
     def has_decide_permission(self, request, obj=None):
         return request.user.tenant_id is not None and self.has_view_permission(request)
 
+    def changelist_view(self, request, extra_context=None):
+        return super().changelist_view(request, {"title": "Approval inbox", **(extra_context or {})})
+
     # --- columns ---
 
     @admin.display(description="tool", ordering="tool__name")

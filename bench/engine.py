@@ -173,6 +173,18 @@ class RssSampler:
             todo.extend(children.get(pid, []))
         return pids
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the process tree so far."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self._tree():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])      # utime, stime
+        return total / ticks
+
     def sample(self) -> int:
         total = 0
         for pid in self._tree():
@@ -260,6 +272,7 @@ def scenario_raw(sampler: RssSampler) -> dict:
     key = f"{TAG}:raw"
     r.delete(key)
     sampler.reset()
+    cpu = sampler.cpu_seconds()
     start = time.time()
     for chain in range(RUNS):
         noop_step.apply_async((key, chain, STEPS))
@@ -270,7 +283,7 @@ def scenario_raw(sampler: RssSampler) -> dict:
         time.sleep(0.02)
     end = max(float(item.split()[1]) for item in r.lrange(key, 0, -1))
     r.delete(key)
-    return {"steps": RUNS * STEPS, "seconds": end - start, "rss": sampler.peak()}
+    return {"steps": RUNS * STEPS, "seconds": end - start, "rss": sampler.peak(), "cpu": sampler.cpu_seconds() - cpu}
 
 
 def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
@@ -280,6 +293,7 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
 
     ids, held, created = create_runs(user, agent, RUNS)
     sampler.reset()
+    cpu = sampler.cpu_seconds()
     start = time.time()
     held.release()
     deadline = time.monotonic() + TIMEOUT
@@ -289,6 +303,7 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
             raise RuntimeError(f"engine: runs not finished in {TIMEOUT}s: {stuck_report(runs)}")
         time.sleep(0.05)
     rss = sampler.peak()
+    cpu = sampler.cpu_seconds() - cpu
     bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
     if bad:
         raise RuntimeError(f"engine: runs did not succeed: {bad}")
@@ -296,7 +311,7 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
     steps = Step.objects.filter(run_id__in=ids, status=StepStatus.SUCCEEDED).count()
     if steps != RUNS * STEPS:
         raise RuntimeError(f"engine: {steps} succeeded steps, expected {RUNS * STEPS}")
-    return {"steps": steps, "seconds": end - start, "rss": rss, "created": created}
+    return {"steps": steps, "seconds": end - start, "rss": rss, "created": created, "cpu": cpu}
 
 
 def stuck_report(runs) -> str:
@@ -419,7 +434,8 @@ def report(results: dict, qps: dict, max_connections: int, connections_now: int)
           f"{os.cpu_count()} CPUs")
     print(f"worker: 1 process, pool={POOL}, concurrency={CONCURRENCY}, DB_POOL_MAX={DB_POOL_MAX or 'off'} "
           f"(PostgreSQL max_connections={max_connections}); queue {TAG}")
-    header = f"{'scenario':<34} | {'steps':>6} | {'seconds':>7} | {'steps/s':>8} | {'ratio':>30} | {'peak RSS MB':>11}"
+    header = (f"{'scenario':<34} | {'steps':>6} | {'seconds':>7} | {'steps/s':>8} | {'ratio':>30} | "
+              f"{'peak RSS MB':>11} | {'worker CPU ms/step':>18}")
     print(header)
     print("-" * len(header))
     for key, r in results.items():
@@ -431,7 +447,7 @@ def report(results: dict, qps: dict, max_connections: int, connections_now: int)
         else:
             ratio = "n/a"
         print(f"{names[key]:<34} | {r['steps']:>6} | {r['seconds']:>7.2f} | {rate[key]:>8.1f} | {ratio:>30} | "
-              f"{r['rss'] / 2**20:>11.1f}")
+              f"{r['rss'] / 2**20:>11.1f} | {r['cpu'] * 1000 / r['steps']:>18.2f}")
     for key, r in results.items():
         if "created" in r:
             print(f"  {names[key]}: creating {RUNS} runs with start_run took {r['created']:.2f}s (not timed)")

@@ -30,7 +30,7 @@ import datetime as dt
 from contextlib import contextmanager
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from agentplatform.errors import DomainError
@@ -120,7 +120,8 @@ def _accounts_for(tenant, *, day: dt.date, user, run) -> list[BudgetAccount]:
 def _budget_transaction(*, durable: bool):
     owns = not connection.in_atomic_block
     with transaction.atomic():
-        if owns and not durable:  # never change how a caller's own transaction commits
+        # Never change how a caller's own transaction commits; SQLite (the demo) has no such knob.
+        if owns and not durable and connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute("SET LOCAL synchronous_commit TO OFF")
         yield
@@ -128,10 +129,31 @@ def _budget_transaction(*, durable: bool):
 
 def _move(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0, overage: int = 0,
           within_limit: bool = False) -> set[int]:
+    if connection.vendor != "postgresql":
+        return _move_portable(account_ids, reserved=reserved, spent=spent, held=held, overage=overage,
+                              within_limit=within_limit)
     with connection.cursor() as cursor:
         cursor.execute(_MOVE, {"ids": account_ids, "reserved": reserved, "spent": spent, "held": held,
                                "overage": overage, "within_limit": within_limit})
         return {row[0] for row in cursor.fetchall()}
+
+
+def _move_portable(account_ids: list[int], *, reserved: int, spent: int, held: int, overage: int,
+                   within_limit: bool) -> set[int]:
+    """The same movement as _MOVE, one conditional UPDATE per account (SQLite: the demo).
+
+    SQLite runs with immediate transactions, so writers are already serialised.
+    """
+    moved = set()
+    for account_id in account_ids:
+        accounts = BudgetAccount.objects.filter(pk=account_id)
+        if within_limit:
+            accounts = accounts.filter(limit_micros__gte=F("reserved_micros") + F("spent_micros")
+                                       + F("held_micros") + reserved)
+        if accounts.update(reserved_micros=F("reserved_micros") + reserved, spent_micros=F("spent_micros") + spent,
+                           held_micros=F("held_micros") + held, overage_micros=F("overage_micros") + overage):
+            moved.add(account_id)
+    return moved
 
 
 def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,

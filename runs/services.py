@@ -160,10 +160,13 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
             return existing, False
     pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
     now = timezone.now()
-    _check_quotas(tenant=tenant, user=user, now=now)
     limits = effective_limits(pinned.spec.get("limits", {}), tenant)
     try:
         with transaction.atomic():
+            # Admissions of one tenant queue on its row, so two starts cannot both pass a quota only
+            # one of them fits. NO KEY: inserts that merely reference the tenant are not blocked.
+            type(tenant).objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
+            _check_quotas(tenant=tenant, user=user, now=now)
             run = Run.objects.create(
                 tenant=tenant, created_by=user, agent=pinned.agent, version=pinned, input=input,
                 metadata=metadata, limits=limits, idempotency_key=idempotency_key or None,

@@ -71,6 +71,13 @@ class UserAdmin(TenantScopedAdmin, DjangoUserAdmin):
     ]
     add_fieldsets = [(None, {"classes": ["wide"], "fields": ["username", "tenant", "password1", "password2"]})]
 
+    def get_form(self, request, obj=None, **kwargs):
+        form = super().get_form(request, obj, **kwargs)
+        if not is_operator(request.user) and "tenant" in form.base_fields:
+            # Only operators have no tenant; a tenant admin's users always belong to the tenant.
+            form.base_fields["tenant"].required = True
+        return form
+
     def get_queryset(self, request):
         users = super().get_queryset(request)
         # A tenant admin who could edit a superuser (e.g. reset their password) would become one.

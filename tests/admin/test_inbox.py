@@ -162,3 +162,14 @@ def test_a_staff_user_without_approve_tool_has_no_inbox(client, acme):
     client.force_login(make_supervisor(acme.tenant, "nina"))
 
     assert client.get(INBOX).status_code == 403
+
+
+def test_it_filters_by_tool(as_ravi, acme):
+    factories.grant(acme.tools["noop"], approve=[acme.ravi])
+    echo = park_on_approval(acme.asha, "refunder")
+    noop = park_on_approval(acme.asha, "nooper")
+
+    response = as_ravi.get(f"{INBOX}?tool__id__exact={acme.tools['noop'].pk}")
+
+    assert list(response.context["cl"].result_list) == [noop]
+    assert echo not in response.context["cl"].result_list

@@ -71,7 +71,7 @@ def test_a_supervisor_approves_from_the_inbox_and_the_run_succeeds(live_server, 
         assert "Let me do that." in page.locator(".conversation").inner_text()
         page.fill("textarea[name=reason]", "customer identity verified")
         page.click("input[name=_approve]")
-        assert f"approved: {tool} for run {run_id[:8]}" in page.locator("ul.messagelist").text_content()
+        assert f"Approved: {tool} for run {run_id[:8]}" in page.locator("ul.messagelist").inner_text()
         assert page.locator("#result_list").count() == 0   # nothing else is waiting
 
         page.goto(f"{live_server.url}/admin/runs/run/{run_id}/change/")

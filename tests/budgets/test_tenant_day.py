@@ -93,11 +93,15 @@ def test_a_paused_run_resumes_after_local_midnight_and_charges_the_new_day(
         tenant, asha, two_call_agent, monkeypatch):
     tenant.time_zone = "America/Los_Angeles"
     tenant.on_budget_exhausted = "pause"
-    tenant.daily_budget_micros = first_call_estimate(two_call_agent, asha) + 1_000   # one model + one tool call
+    tenant.daily_budget_micros = 1_000_000
     tenant.save()
     clock = Clock(monkeypatch, "America/Los_Angeles")
     today = timezone.now().astimezone(clock.zone).date()     # the sweeper also checks real deadlines
     clock.set(today, 22, 0)
+    # Other work spent today's budget but for one model call and one tool call.
+    room = first_call_estimate(two_call_agent, asha) + 1_000
+    earlier = budgets.reserve(tenant=tenant, amount_micros=1_000_000 - room, purpose="model", note="other runs")
+    budgets.settle(earlier.pk, actual_micros=earlier.amount_micros)
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
 
