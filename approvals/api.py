@@ -25,12 +25,19 @@ class ApprovalOutput(serializers.ModelSerializer):
 
 
 class ApprovalListApi(APIView):
+    class FilterSerializer(serializers.Serializer):
+        status = serializers.ChoiceField(choices=ApprovalStatus.choices, required=False)
+        tool = serializers.CharField(required=False)
+        run = serializers.UUIDField(required=False)
+
     @extend_schema(parameters=[OpenApiParameter("status", enum=ApprovalStatus.values), OpenApiParameter("tool"),
                                OpenApiParameter("run")], responses=ApprovalOutput(many=True))
     def get(self, request):
+        """Approvals of tools the caller may approve, oldest first."""
         require_tenant(request.user)
-        q = request.query_params
-        approvals = selectors.approvals_for(request.user, status=q.get("status"), tool=q.get("tool"), run=q.get("run"))
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        approvals = selectors.approvals_for(request.user, **filters.validated_data)
         return paginate(self, request, approvals, ApprovalOutput)
 
 

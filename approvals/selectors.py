@@ -14,7 +14,7 @@ def approvable_tools(user):
                                 with_superuser=False, accept_global_perms=False)
 
 
-def approvals_for(user, *, status: str | None = None, tool: str | None = None, run: str | None = None):
+def approvals_for(user, *, status: str | None = None, tool: str | None = None, run: uuid.UUID | None = None):
     """Approvals in the caller's tenant for tools on which the caller holds approve_tool."""
     approvals = Approval.objects.filter(tenant_id=user.tenant_id, tool__in=approvable_tools(user)) \
         .select_related("tool", "requested_by", "decided_by", "step", "run")

@@ -190,11 +190,11 @@ def _load(reservation_id) -> Reservation:
 
 def _close(reservation: Reservation, *, from_status: str, to_status: str, actual: int | None,
            moves: dict[str, int], entries: list[tuple[str, int]], actor=None, note: str = "",
-           durable: bool = True) -> bool:
+           durable: bool = True, **conditions) -> bool:
     """Close a reservation once; move balances on all its accounts in lock order."""
     overage = moves.get("overage", 0)
     with _budget_transaction(durable=durable):
-        updated = Reservation.objects.filter(pk=reservation.pk, status=from_status).update(
+        updated = Reservation.objects.filter(pk=reservation.pk, status=from_status, **conditions).update(
             status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
             overage=overage > 0)
         if not updated:
@@ -257,3 +257,23 @@ def write_off(reservation_id, *, actor, note: str) -> bool:
     amount = reservation.amount_micros
     return _close(reservation, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, actual=0,
                   moves={"held": -amount}, entries=[(Kind.WRITE_OFF, amount)], actor=actor, note=note)
+
+
+def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta = dt.timedelta(minutes=15)) -> int:
+    """Release run reservations that never got a step: their worker died before dispatching.
+
+    The engine links a reservation to its step in the same transaction that commits the step as
+    `dispatching`, before any call is made; an old open reservation with no step therefore paid
+    for a call that was never sent. (Reservations with a step are recovery's business: held.)
+    """
+    cutoff = (now or timezone.now()) - older_than
+    orphans = Reservation.objects.filter(status=Status.OPEN, step__isnull=True, run__isnull=False,
+                                         created_at__lt=cutoff).values_list("pk", flat=True)[:500]
+    released = 0
+    for pk in orphans:
+        reservation = _load(pk)
+        released += _close(reservation, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
+                           moves={"reserved": -reservation.amount_micros},
+                           entries=[(Kind.RELEASE, reservation.amount_micros)],
+                           note="never dispatched: its worker stopped before the call", step__isnull=True)
+    return released

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
+from django.db.models import F
 from django.utils import timezone
 
 from budgets import services as budgets
@@ -242,7 +243,8 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
         if step.crashes >= settings.MAX_STEP_CRASHES:
             record_event(run.pk, "recovery", f"step {step.seq} crashed its worker {step.crashes} times",
                          step_seq=step.seq, action="fail_run")
-            transition_step(step, StepStatus.FAILED if step.kind == StepKind.MODEL else StepStatus.OUTCOME_UNKNOWN,
+            no_effect = step.kind == StepKind.MODEL or step.tool.effect_class == EffectClass.READ_ONLY
+            transition_step(step, StepStatus.FAILED if no_effect else StepStatus.OUTCOME_UNKNOWN,
                             error=f"worker died {step.crashes} times during this step")
             end_run(run, RunStatus.FAILED, error=f"step {step.seq} crashed its worker {step.crashes} times",
                     message="failed: poison step")
@@ -401,7 +403,8 @@ def _do_model(plan: Plan) -> None:
 
 
 def _record_model_failure(plan: Plan, step: Step, exc) -> None:
-    lost = exc.sent and exc.status is None
+    # No answer after sending, or a 2xx we could not read: the provider may have charged it.
+    lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if lost:
         budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
     else:
@@ -531,6 +534,9 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
         with transaction.atomic():
             run = lock_run(plan.run_id)
             if _fenced(run, plan):
+                # A failed lookup counts as an attempt: a status endpoint that stays down ends in
+                # needs_attention after max_attempts instead of an endless loop of lookups.
+                Step.objects.filter(pk=step.pk).update(attempts=F("attempts") + 1)
                 record_event(run.pk, "recovery", f"status lookup for step {step.seq} failed: {exc}",
                              step_seq=step.seq)
         return ToolOutcome("unknown", error=f"status lookup failed: {exc}")

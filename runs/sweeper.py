@@ -8,10 +8,10 @@ import datetime as dt
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
-from runs.models import TERMINAL, Run, RunStatus, StopReason
+from runs.models import TERMINAL, Run, RunStatus, StepStatus, StopReason
 from runs.services import end_run, enqueue, lock_run, record_event, transition_run
 
 BATCH = 500
@@ -19,6 +19,7 @@ BATCH = 500
 
 def sweep(now: dt.datetime | None = None) -> dict[str, int]:
     from approvals.services import expire_due
+    from budgets.services import release_orphans
 
     now = now or timezone.now()
     return {
@@ -27,11 +28,18 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "deadlines": _stop_past_deadline(now),
         "budget_resumed": _resume_budget_waits(now),
         "approvals_expired": expire_due(now=now),
+        "orphan_reservations": release_orphans(now=now),
+        "lost_attempts_held": _hold_lost_attempts(),
     }
 
 
 def _requeue_expired_leases(now: dt.datetime) -> int:
+    # Once per expiry: a run already re-enqueued after its lease ran out waits for that message,
+    # unless it too has gone unanswered for QUEUED_TOO_LONG_SECONDS (lost, or no worker alive).
+    stale = now - dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
     ids = list(Run.objects.filter(status=RunStatus.RUNNING, lease_expires_at__lt=now)
+               .filter(Q(last_enqueued_at__isnull=True) | Q(last_enqueued_at__lt=F("lease_expires_at"))
+                       | Q(last_enqueued_at__lt=stale))
                .values_list("pk", flat=True)[:BATCH])
     for run_id in ids:
         with transaction.atomic():
@@ -86,3 +94,25 @@ def _resume_budget_waits(now: dt.datetime) -> int:
             enqueue(run.pk)
             count += 1
     return count
+
+
+def _hold_lost_attempts() -> int:
+    """Hold reservations of attempts whose worker was lost after dispatching.
+
+    A worker closes its reservation before it records the step's outcome, so an open reservation
+    whose step has moved on belongs to an attempt that never came back: the call may have been
+    charged. The engine holds these when it recovers the step; this catches any it could not.
+    """
+    from budgets import services as budgets
+    from budgets.models import Reservation
+
+    lost = list(Reservation.objects.filter(status=Reservation.Status.OPEN, step__isnull=False)
+                .exclude(step__status=StepStatus.DISPATCHING)
+                .values_list("pk", "run_id", "step__seq", "amount_micros")[:BATCH])
+    held = 0
+    for reservation_id, run_id, seq, amount in lost:
+        if budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged"):
+            record_event(run_id, "recovery", f"step {seq}: reservation of {amount} micros left open by a lost "
+                         "worker; held until reconciled", step_seq=seq, action="hold", found="open_reservation")
+            held += 1
+    return held

@@ -18,8 +18,10 @@ def pages(user):
         yield f"{base}add/", {200, 403}
         first = scope(model._default_manager.all(), user).order_by("pk").first()
         if first is not None:
-            yield f"{base}{first.pk}/change/", {200, 403}
-            yield f"{base}{first.pk}/history/", {200, 403}
+            # The inbox narrows the tenant's approvals further, to those the user may approve.
+            hidden = {404} if opts.label_lower == "approvals.approval" else set()
+            yield f"{base}{first.pk}/change/", {200, 403} | hidden
+            yield f"{base}{first.pk}/history/", {200, 403} | hidden
 
 
 def seed(acme):
@@ -34,10 +36,13 @@ def test_every_page_renders_for_an_operator(client, operator, acme, globex):
     client.force_login(operator)
 
     assert client.get("/admin/").status_code == 200
+    rendered = 0
     for url, expected in pages(operator):
         response = client.get(url)
         assert response.status_code in expected, url
         assert b"abcd-secret-value" not in response.content
+        rendered += response.status_code == 200
+    assert rendered >= 40
 
 
 def test_every_page_renders_for_a_tenant_admin_and_shows_only_the_tenant(client, acme, globex):
@@ -47,8 +52,11 @@ def test_every_page_renders_for_a_tenant_admin_and_shows_only_the_tenant(client,
     client.force_login(ada)
 
     assert client.get("/admin/").status_code == 200
+    rendered = 0
     for url, expected in pages(ada):
         response = client.get(url)
         assert response.status_code in expected, url
         assert b"globex" not in response.content, url
         assert b"abcd-secret-value" not in response.content
+        rendered += response.status_code == 200
+    assert rendered >= 30

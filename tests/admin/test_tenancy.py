@@ -143,3 +143,21 @@ def test_a_tenant_admin_cannot_promote_anyone_to_superuser(client, acme):
 
     assert "is_superuser" not in form.fields and "user_permissions" not in form.fields
     assert list(form.fields["groups"].queryset.values_list("name", flat=True)) == ["acme:supervisors"]
+
+
+def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_ravi, acme):
+    from agents.models import Alias
+
+    acme.ravi.user_permissions.add(*Permission.objects.filter(codename__in=["view_alias", "change_alias"]))
+    alias = Alias.objects.get(agent__tenant=acme.tenant, agent__name="refunder", name="prod")
+    factories.make_agent(acme.tenant, name="refunder", alias="canary", tools=[acme.tools["echo"]],
+                         endpoint=alias.version.model_endpoint, instructions="Second version.")
+    url = f"/admin/agents/alias/{alias.pk}/change/"
+
+    refused = as_ravi.post(url, {"version_number": 7})
+    moved = as_ravi.post(url, {"version_number": 2})
+
+    assert "version_number" in refused.context["adminform"].form.errors
+    assert moved.status_code == 302
+    alias.refresh_from_db()
+    assert alias.version.number == 2

@@ -185,3 +185,51 @@ def test_it_charges_the_local_day_the_reservation_was_made_on(tenant, run, zone,
     assert (old_day.spent_micros, new_day.spent_micros) == (9_000, 19_000)
     assert run_account.spent_micros == 28_000   # the run's budget does not reset at midnight
     assert_books_balance(tenant)
+
+
+def test_every_movement_writes_one_entry_per_account_it_moves(tenant, asha, ravi, run):
+    tenant.user_daily_budget_micros = 1_000_000
+    tenant.save()
+    settled = budgets.reserve(tenant=tenant, run=run, user=asha, amount_micros=5_000, purpose="model")
+    budgets.settle(settled.pk, actual_micros=5_000)
+    released = budgets.reserve(tenant=tenant, run=run, user=asha, amount_micros=2_000, purpose="tool")
+    budgets.release(released.pk, note="not sent")
+    held = budgets.reserve(tenant=tenant, run=run, user=asha, amount_micros=3_000, purpose="model")
+    budgets.hold(held.pk)
+    budgets.reconcile(held.pk, actual_micros=3_500, actor=ravi, note="usage export")
+
+    three = {settled.day_account_id, settled.user_account_id, settled.run_account_id}
+    assert None not in three and len(three) == 3
+    expected = {settled: ["reserve", "settle"], released: ["reserve", "release"],
+                held: ["reserve", "hold", "reconcile", "overage"]}
+    for reservation, entry_kinds in expected.items():
+        for account_id in three:
+            assert list(LedgerEntry.objects.filter(reservation=reservation, account_id=account_id)
+                        .values_list("kind", flat=True)) == entry_kinds
+    assert LedgerEntry.objects.get(reservation=held, kind="reconcile", account_id=settled.run_account_id).actor == ravi
+    for account in BudgetAccount.objects.filter(pk__in=three):
+        assert (account.spent_micros, account.overage_micros) == (8_500, 500)
+    assert_books_balance(tenant)
+
+
+def test_the_sweeper_releases_a_reservation_whose_worker_died_before_dispatching(tenant, run):
+    from django.utils import timezone
+
+    from runs import sweeper
+    from runs.models import Step
+
+    orphan = budgets.reserve(tenant=tenant, run=run, amount_micros=7_000, purpose="model")
+    in_flight = budgets.reserve(tenant=tenant, run=run, amount_micros=8_000, purpose="model")
+    step = Step.objects.create(run=run, seq=1, kind="model", status="dispatching")
+    Reservation.objects.filter(pk=in_flight.pk).update(step=step)
+    recent = budgets.reserve(tenant=tenant, run=run, amount_micros=9_000, purpose="model")
+    Reservation.objects.filter(pk__in=[orphan.pk, in_flight.pk]).update(
+        created_at=timezone.now() - dt.timedelta(hours=1))
+
+    assert sweeper.sweep()["orphan_reservations"] == 1
+    statuses = dict(Reservation.objects.values_list("pk", "status"))
+    assert statuses == {orphan.pk: "released", in_flight.pk: "open", recent.pk: "open"}
+    assert "never dispatched" in LedgerEntry.objects.filter(reservation=orphan, kind="release").first().note
+    _, account = accounts(run)
+    assert account.reserved_micros == 17_000
+    assert sweeper.sweep()["orphan_reservations"] == 0

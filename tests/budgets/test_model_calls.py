@@ -202,3 +202,38 @@ def test_staff_write_off_a_hold_and_cannot_touch_other_tenants(tenant, asha, rav
     run.budget.refresh_from_db()
     assert (run.budget.held_micros, run.budget.spent_micros) == (0, 1_000)
     assert_books_balance(tenant)
+
+
+def test_a_success_answer_that_cannot_be_read_is_held_not_released(tenant, asha):
+    """A 2xx was billed by the provider even if its body is garbage (a proxy error page)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Garbage(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", "21")
+            self.end_headers()
+            self.wfile.write(b"<html>upstream ok</html>"[:21])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = factories.make_endpoint(tenant, name="proxy", kind="openai",
+                                           base_url=f"http://127.0.0.1:{server.server_address[1]}/v1")
+        factories.make_agent(tenant, endpoint=endpoint)
+        run = drive(start_run(user=asha, agent="agent", input={})[0].pk)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run.status == "failed"
+    reservations = model_reservations(run)
+    assert len(reservations) == 5 and {r.status for r in reservations} == {"held"}
+    run.budget.refresh_from_db()
+    assert run.budget.held_micros == sum(r.amount_micros for r in reservations)
+    assert_books_balance(tenant)

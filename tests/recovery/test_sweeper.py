@@ -1,0 +1,84 @@
+"""The sweeper (Celery beat) finds runs nobody is moving and says, per run, what it found and did."""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from budgets import services as budgets
+from budgets.models import Reservation
+from runs import engine
+from runs.models import Run, Step
+from runs.services import start_run
+from runs.sweeper import sweep
+from tests import factories
+from tests.recovery.conftest import events
+
+pytestmark = pytest.mark.django_db(transaction=True)
+LONG_AGO = timezone.now() - dt.timedelta(hours=1)
+
+
+@pytest.fixture
+def run(tenant, asha, builtins):
+    echo = builtins["echo"]
+    factories.grant(echo, use=[asha])
+    factories.make_agent(tenant, tools=[echo], turns=[
+        {"tool_calls": [{"name": echo.name, "arguments": {"x": 1}}]}, {"text": "ok"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    return run
+
+
+def test_it_requeues_a_run_whose_lease_expired_once_per_expiry(run, settings):
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    assert engine._claim(run.pk) is not None          # a worker took the run, then died
+    now = timezone.now()
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=now - dt.timedelta(seconds=8),
+                                         lease_expires_at=now - dt.timedelta(seconds=1))
+    assert sweep()["expired_leases"] == 1
+    [event] = [e for e in events(run.pk, "recovery")]
+    assert event.data == {"found": "expired_lease", "action": "requeue"}
+    assert "lease expired" in event.message
+    assert sweep()["expired_leases"] == 0             # its message is on the way
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO, lease_expires_at=LONG_AGO)
+    assert sweep()["expired_leases"] == 1             # ...but never came: once more
+
+
+def test_it_requeues_a_run_whose_message_was_lost(run, settings):
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    assert sweep()["lost_messages"] == 0              # just enqueued
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO)
+    assert sweep()["lost_messages"] == 1
+    [event] = events(run.pk, "recovery")
+    assert event.data == {"found": "lost_message", "action": "requeue"}
+    assert Run.objects.get(pk=run.pk).last_enqueued_at > LONG_AGO
+
+
+def test_it_leaves_runs_that_wait_for_a_person_or_progress_alone(run, settings):
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    assert engine._claim(run.pk) is not None          # leased and alive
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO)
+    assert sweep()["expired_leases"] == sweep()["lost_messages"] == 0
+    Run.objects.filter(pk=run.pk).update(status="needs_attention", lease_token=None, lease_expires_at=None)
+    assert sweep()["expired_leases"] == sweep()["lost_messages"] == 0
+    assert events(run.pk, "recovery") == []
+
+
+def test_it_holds_the_reservation_of_an_attempt_whose_worker_was_lost(run, tenant, asha):
+    step = Step.objects.create(run=run, seq=1, kind="model", status="outcome_unknown")
+    reservation = budgets.reserve(tenant=tenant, run=run, user=asha, amount_micros=700, purpose="model")
+    Reservation.objects.filter(pk=reservation.pk).update(step=step)
+    assert sweep()["lost_attempts_held"] == 1
+    assert Reservation.objects.get(pk=reservation.pk).status == "held"
+    [event] = events(run.pk, "recovery")
+    assert event.data == {"found": "open_reservation", "action": "hold"} and event.step_seq == 1
+    assert run.budget.__class__.objects.get(pk=run.budget.pk).held_micros == 700
+    assert sweep()["lost_attempts_held"] == 0
+
+
+def test_it_leaves_the_reservation_of_a_call_in_flight_open(run, tenant, asha):
+    step = Step.objects.create(run=run, seq=1, kind="model", status="dispatching")
+    reservation = budgets.reserve(tenant=tenant, run=run, user=asha, amount_micros=700, purpose="model")
+    Reservation.objects.filter(pk=reservation.pk).update(step=step)
+    assert sweep()["lost_attempts_held"] == 0
+    assert Reservation.objects.get(pk=reservation.pk).status == "open"
