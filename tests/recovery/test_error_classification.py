@@ -153,3 +153,17 @@ def test_it_waits_as_long_as_retry_after_says_before_retrying(tenant, asha, busy
     assert [e.message.endswith("retry in 2.0s") for e in events(run.pk, "retry_scheduled")] == [True]
     first, second = busy_server.calls
     assert second - first >= 2.0                  # the backoff alone would have been 0.1 s
+
+
+def test_it_asks_a_person_when_the_status_lookup_keeps_failing(tenant, asha, bank):
+    refund = http_bank_tool(tenant, bank, "issue_refund", effect_class="reconcilable", max_attempts=3,
+                            backoff_seconds=0.2, status_url="http://127.0.0.1:9/status/{key}")   # nothing listens
+    single_call_agent(tenant, asha, refund, REFUND)
+    bank.fault(tool="issue_refund", fail_5xx_after_effect=True)
+    run, _ = start_run(user=asha, agent="agent", input={})
+    run = drive(run.pk, max_tasks=30)
+    assert run.status == "needs_attention"
+    step = Step.objects.get(run=run, seq=2)
+    assert (step.status, step.attempts) == ("outcome_unknown", 3)     # one call, two failed lookups
+    assert len([e for e in events(run.pk, "recovery") if "status lookup for step 2 failed" in e.message]) == 2
+    assert len(bank.effects("issue_refund")) == 1                    # never sent again without proof
