@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from decimal import Decimal
 
 from django.contrib import admin
@@ -136,8 +137,14 @@ def status_filter(choices, *, default: str, field: str = "status"):
 
 # --- display helpers ---------------------------------------------------------------------------
 
-# Argument names whose values are money: supervisors must not miss them.
-MONEY_WORDS = ("amount", "currency", "price", "total", "fee")
+# Argument names with one of these words carry money: supervisors must not miss them.
+MONEY_WORDS = {"amount", "amounts", "currency", "price", "total", "fee", "fees"}
+
+
+def is_money(key) -> bool:
+    """`amount`, `refund_amount`, `totalPrice` yes; `feedback` no."""
+    words = re.findall(r"[a-z]+", re.sub(r"([A-Z])", r"_\1", str(key)).lower())
+    return any(word in MONEY_WORDS for word in words)
 
 
 def _value_text(value, limit: int | None) -> str:
@@ -156,7 +163,7 @@ def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
     rows = []
     for key, value in arguments.items():
         text = _value_text(value, limit)
-        if any(word in str(key).lower() for word in MONEY_WORDS):
+        if is_money(key):
             text = format_html('<strong class="amount">{}</strong>', text)
         rows.append((key, text))
     return format_html('<div class="arguments">{}</div>',

@@ -129,9 +129,12 @@ class ApprovalAdmin(TenantScopedAdmin):
         if request.method == "POST":
             if not self.has_decide_permission(request, approval):
                 raise PermissionDenied
+            # Only an explicit button decides: a POST without one must never count as a denial.
             approve = "_approve" in request.POST
-            if form.is_valid() and self._decide(request, approval, approve=approve,
-                                                reason=form.cleaned_data["reason"]):
+            if not approve and "_deny" not in request.POST:
+                messages.error(request, "choose Approve or Deny")
+            elif form.is_valid() and self._decide(request, approval, approve=approve,
+                                                  reason=form.cleaned_data["reason"]):
                 messages.success(request, f"{'approved' if approve else 'denied'}: {approval.tool.name} "
                                           f"for run {str(approval.run_id)[:8]}")
                 return redirect(self._inbox_url(request))

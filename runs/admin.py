@@ -9,7 +9,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.views.decorators.http import require_POST
 
-from agentplatform.admin_site import TenantScopedAdmin, admin_link, arguments_html, duration, money, site
+from agentplatform.admin_site import TenantScopedAdmin, arguments_html, duration, money, site
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
@@ -95,12 +95,11 @@ class RunAdmin(TenantScopedAdmin):
         run = self.get_object(request, unquote(object_id))
         if not self.has_view_permission(request, run):
             raise PermissionDenied
-        steps = list(steps_of(run))
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts, "title": f"Run {run.pk}", "run": run,
             "budget": self._budget(run),
-            "steps": [self._step_row(request, step) for step in steps],
+            "steps": [self._step_row(request, step) for step in steps_of(run)],
             "events": events_of(run),
             "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
             "auto_refresh": run.status in (RunStatus.QUEUED, RunStatus.RUNNING),
@@ -146,6 +145,8 @@ class RunAdmin(TenantScopedAdmin):
     def resolve_view(self, request, object_id, seq):
         """Say what happened to a call whose outcome is unknown (needs approve_tool on its tool)."""
         run = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, run):
+            raise PermissionDenied
         form = ResolveForm(request.POST, prefix=f"s{seq}")
         if not form.is_valid():
             errors = "; ".join(f"{name}: {' '.join(errs)}" for name, errs in form.errors.items())
@@ -161,8 +162,3 @@ class RunAdmin(TenantScopedAdmin):
             else:
                 messages.success(request, f"step {seq} resolved as {data['outcome']}")
         return redirect(reverse("admin:runs_run_change", args=[run.pk]))
-
-
-def run_link(run) -> str:
-    return admin_link(run, f"{str(run.pk)[:8]} · {run.status}")
-

@@ -17,11 +17,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import InterfaceError, OperationalError, close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -131,8 +132,7 @@ def _take_lease(run: Run, seconds: int) -> uuid.UUID:
 
 
 def _continue(run: Run, *, countdown: float | None = None) -> None:
-    Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
-    enqueue(run.pk, countdown=countdown)
+    enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)   # one UPDATE
 
 
 def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
@@ -155,12 +155,14 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
     offered = tool_gateway.offered_tools(run)
     request = model_gateway.build_request(run, steps, offered)
     endpoint = run.version.model_endpoint
+    if endpoint.secret_id:
+        endpoint.secret   # read now: the call itself then needs no database connection
     estimate = model_gateway.estimate_cost_micros(endpoint, request)
     lease = lease_seconds_for(endpoint.timeout_seconds)
     token = _take_lease(run, lease)
     return Plan(run.pk, token, "model", lease,
                 extra={"request": request, "estimate": estimate, "endpoint_id": endpoint.pk,
-                       "seq": (steps[-1].seq if steps else 0) + 1})
+                       "endpoint": endpoint, "seq": (steps[-1].seq if steps else 0) + 1})
 
 
 def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
@@ -206,7 +208,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
         return None
     lease = lease_seconds_for(step.tool.timeout_seconds)
-    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk)
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk, extra={"step": step})
 
 
 def _deny(step: Step, reason: str) -> None:
@@ -386,7 +388,9 @@ def _do_model(plan: Plan) -> None:
     if step is None:
         budgets.release(plan.reservation_id, note="call not made")
         return
-    endpoint = ModelEndpoint.objects.select_related("secret").get(pk=plan.extra["endpoint_id"])
+    # The endpoint read by the claim (its secret, if any, is read when the call is made).
+    endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
+        pk=plan.extra["endpoint_id"])
     try:
         reply = model_gateway.call_model(endpoint, request)
     except ProviderError as exc:
@@ -486,7 +490,8 @@ def _recover_model(plan: Plan) -> None:
 def _do_tool(plan: Plan) -> None:
     from tools import gateway as tool_gateway
 
-    step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
+    # The step row the claim read (with its tool); _mark_dispatching re-reads it under the run lock.
+    step = plan.extra.get("step") or Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
     if plan.reconcile_first:
         found = _reconcile(plan, step)
         if found is not None:
@@ -503,13 +508,37 @@ def _do_tool(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
-    if outcome.kind == "unknown":
-        budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
-    elif outcome.kind == "failed":
-        budgets.release(plan.reservation_id, note="tool call provably not made")
-    else:
-        budgets.settle(plan.reservation_id, actual_micros=step.tool.price_micros)
-    _record_tool(plan, dispatched, outcome)
+
+    def close_and_record() -> None:
+        if outcome.kind == "unknown":
+            budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
+        elif outcome.kind == "failed":
+            budgets.release(plan.reservation_id, note="tool call provably not made")
+        else:
+            budgets.settle(plan.reservation_id, actual_micros=step.tool.price_micros)
+        _record_tool(plan, dispatched, outcome)
+
+    _through_database_outage(close_and_record, seconds=plan.lease_seconds)
+
+
+def _through_database_outage(write, *, seconds: float) -> None:
+    """Retry the write of an outcome held only in memory while the database is unreachable.
+
+    Giving up would turn a known outcome into an unknown one (for an unsafe tool: a person's
+    problem). Retrying is safe: the reservation closes once and the record is fenced; after
+    `seconds` the lease may be someone else's and the task's own retry takes over.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            write()
+            return
+        except (OperationalError, InterfaceError):
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("database unreachable while recording an outcome; retrying", exc_info=True)
+            connection.close()
+            time.sleep(1.0)
 
 
 def _call_tool(step: Step) -> ToolOutcome:

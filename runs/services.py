@@ -94,12 +94,17 @@ def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fie
                                                     "tool": step.tool_name})
 
 
-def enqueue(run_id, *, countdown: float | None = None) -> None:
-    """Schedule one advance of the run after the current transaction commits."""
+def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
+    """Schedule one advance of the run after the current transaction commits.
+
+    `fields` are written in the same UPDATE as last_enqueued_at (the engine clears its lease here).
+    """
     from runs.tasks import advance_run
 
-    Run.objects.filter(pk=run_id).update(last_enqueued_at=timezone.now())
-    transaction.on_commit(lambda: advance_run.apply_async((str(run_id),), countdown=countdown))
+    Run.objects.filter(pk=run_id).update(last_enqueued_at=timezone.now(), **fields)
+    # robust: with the broker down the commit stands (a started run is not answered with a 500)
+    # and the sweeper re-enqueues the run after QUEUED_TOO_LONG_SECONDS; the error is logged.
+    transaction.on_commit(lambda: advance_run.apply_async((str(run_id),), countdown=countdown), robust=True)
 
 
 def lock_run(run_id) -> Run:

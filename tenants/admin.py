@@ -11,6 +11,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 
 from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
+from budgets.admin import usage_page
 from tenants.models import Secret, Tenant, TenantGroup, User
 
 
@@ -38,8 +39,6 @@ class TenantAdmin(TenantScopedAdmin):
                      name="tenants_tenant_usage"), *super().get_urls()]
 
     def usage_view(self, request, object_id):
-        from budgets.admin import usage_page
-
         tenant = self.get_object(request, object_id)
         if not self.has_view_permission(request, tenant):
             raise PermissionDenied

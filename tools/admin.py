@@ -4,13 +4,13 @@ from django import forms
 from django.contrib import admin, messages
 from django.http import Http404
 from django.shortcuts import get_object_or_404
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html_join
 from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
 from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
 from approvals.policy import PolicyError, parse_policy
 from tenants.crypto import SecretKeyError
-from tenants.models import User
+from tenants.models import TenantGroup, User
 from tools.catalog import refresh, release_quarantine
 from tools.models import Tool, ToolServer
 from tools.types import ToolFailed
@@ -62,26 +62,6 @@ class ToolForm(forms.ModelForm):
         return text
 
 
-def _tenant_checked(form_class, attribute: str, tenant_of):
-    """A guardian user/group picker that knows no one outside the admin user's tenant."""
-
-    def factory(tenant_id):
-        class TenantForm(form_class):
-            def clean(self):
-                cleaned = super().clean()
-                picked = cleaned.get(attribute)
-                if tenant_id and picked is not None and tenant_of(picked) != tenant_id:
-                    self.add_error(attribute, self.fields[attribute].error_messages["does_not_exist"])
-                return cleaned
-        return TenantForm
-    return factory
-
-
-_user_picker = _tenant_checked(UserManage, "user", lambda user: user.tenant_id)
-_group_picker = _tenant_checked(GroupManage, "group",
-                                lambda group: getattr(getattr(group, "tenant_link", None), "tenant_id", None))
-
-
 @admin.register(Tool, site=site)
 class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
     """Tools come from their server (sync); here they are reviewed, configured and granted.
@@ -127,14 +107,34 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
         released = [tool for tool in queryset if tool.quarantined]
         for tool in released:
             release_quarantine(tool)
+            # The admin history is the only record of who reviewed the change.
+            self.log_change(request, tool, f"released from quarantine (was: {tool.quarantine_reason})")
         messages.success(request, f"released {len(released)} tool(s) from quarantine")
 
-    # Guardian's grant pages look users and groups up platform-wide; keep them in the tool's tenant.
+    # Guardian's grant pages look users and groups up platform-wide; keep them in the tenant.
     def get_obj_perms_user_select_form(self, request):
-        return _user_picker(request.user.tenant_id)
+        tenant_id = request.user.tenant_id
+
+        class TenantUserManage(UserManage):
+            def clean_user(self):
+                user = super().clean_user()
+                if tenant_id and user.tenant_id != tenant_id:
+                    raise forms.ValidationError(self.fields["user"].error_messages["does_not_exist"])
+                return user
+
+        return TenantUserManage
 
     def get_obj_perms_group_select_form(self, request):
-        return _group_picker(request.user.tenant_id)
+        tenant_id = request.user.tenant_id
+
+        class TenantGroupManage(GroupManage):
+            def clean_group(self):
+                group = super().clean_group()
+                if tenant_id and not TenantGroup.objects.filter(group=group, tenant_id=tenant_id).exists():
+                    raise forms.ValidationError(self.fields["group"].error_messages["does_not_exist"])
+                return group
+
+        return TenantGroupManage
 
     def obj_perms_manage_user_view(self, request, object_pk, user_id):
         tool = get_object_or_404(self.get_queryset(request), pk=object_pk)

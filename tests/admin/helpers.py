@@ -19,7 +19,8 @@ SUPERVISOR_PERMS = [
 
 def make_supervisor(tenant, username: str):
     user = factories.make_user(tenant, username, staff=True)
-    group = Group.objects.filter(name=f"{tenant.slug}:supervisors").first() or factories.make_group(tenant, "supervisors")
+    group = (Group.objects.filter(name=f"{tenant.slug}:supervisors").first()
+             or factories.make_group(tenant, "supervisors"))
     if not group.permissions.exists():
         for label in SUPERVISOR_PERMS:
             app, codename = label.split(".")

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalStatus
 from approvals.services import decide
 from runs.models import Run, RunStatus
+from tests import factories
 from tests.admin.helpers import make_supervisor, park_on_approval
 from tests.conftest import drive
-from tests import factories
 
 INBOX = "/admin/approvals/approval/"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from django.contrib.auth.models import Permission
 from guardian.shortcuts import get_perms
 
-from agents.models import AgentVersion
+from agents.models import AgentVersion, Alias
 from tenants.models import Secret
 from tests import factories
 from tools.models import Tool
@@ -146,8 +146,6 @@ def test_a_tenant_admin_cannot_promote_anyone_to_superuser(client, acme):
 
 
 def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_ravi, acme):
-    from agents.models import Alias
-
     acme.ravi.user_permissions.add(*Permission.objects.filter(codename__in=["view_alias", "change_alias"]))
     alias = Alias.objects.get(agent__tenant=acme.tenant, agent__name="refunder", name="prod")
     factories.make_agent(acme.tenant, name="refunder", alias="canary", tools=[acme.tools["echo"]],

@@ -138,13 +138,17 @@ def restart_redis() -> None:
              == b"PONG", timeout=10, what="redis up")
 
 
-def restart_postgres() -> None:
-    """Restart the PostgreSQL cluster that serves the test database (found by its port)."""
+def postgres(action: str) -> None:
+    """start, stop or restart the PostgreSQL cluster that serves the test database (found by port)."""
     port = str(connection.settings_dict["PORT"] or 5432)
     clusters = subprocess.run(["pg_lsclusters", "-h"], check=True, capture_output=True, text=True).stdout
     version, name = next(line.split()[:2] for line in clusters.splitlines() if line.split()[2] == port)
     connection.close()
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart"], check=True,
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, action], check=True,
                    capture_output=True)
     close_old_connections()
     connection.close()
+
+
+def restart_postgres() -> None:
+    postgres("restart")
