@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import os
 import random
 import signal
@@ -105,7 +106,7 @@ class Process:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self, timeout: float = 60) -> "Process":
+    def start(self, timeout: float = 180) -> "Process":
         self.starts += 1
         log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=CHILD_ENV, stdout=log_file, stderr=subprocess.STDOUT)
@@ -248,7 +249,8 @@ class Api:
 
     def call(self, method: str, path: str, **kwargs) -> httpx.Response:
         """Retry what a busy or restarting service answers; a replayed POST carries its Idempotency-Key."""
-        for attempt in range(30):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
             try:
                 response = self.http.request(method, path, **kwargs)
             except httpx.HTTPError:
@@ -326,9 +328,17 @@ class Chaos:
     FAULTS = [("bank", "send_customer_email"), ("bank", "issue_refund"), ("bank", "lookup_transaction"),
               ("bank2", "issue_refund")]
 
-    def __init__(self, workers: list[Process], banks: dict[str, Bank], rng: random.Random):
-        self.workers, self.banks, self.rng = workers, banks, rng
+    def __init__(self, workers: list[Process], others: list[Process], banks: dict[str, Bank], rng: random.Random):
+        self.workers, self.others, self.banks, self.rng = workers, others, banks, rng
         self.counts = collections.Counter()
+
+    def revive(self) -> None:
+        """Play the process supervisor (systemd, Kubernetes): start again what exited by itself."""
+        for process in self.workers + self.others:
+            if not process.alive:
+                log(f"chaos: {process.name} exited by itself (code {process.proc.returncode}); starting it again")
+                self.counts[f"{process.name.rstrip('0123456789')} exit on its own, restarted"] += 1
+                process.start()
 
     def fault(self) -> None:
         server, tool = self.rng.choice(self.FAULTS)
@@ -347,13 +357,14 @@ class Chaos:
 
     def kill(self) -> None:
         worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
+        log(f"chaos: SIGKILL {worker.name}")
         worker.kill()
         self.counts["worker SIGKILL"] += 1
         time.sleep(self.rng.uniform(0, 1.5))
         worker.start()
 
     def stall(self) -> None:
-        worker = self.rng.choice(self.workers)
+        worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
         seconds = TOOL_TIMEOUT + LEASE_MARGIN + MODEL_TIMEOUT
         log(f"chaos: SIGSTOP {worker.name} for {seconds} s")
         worker.signal(signal.SIGSTOP)
@@ -371,6 +382,7 @@ class Chaos:
         once = {"redis": time.monotonic() + seconds / 3, "stall": time.monotonic() + 2 * seconds / 3}
         next_kill = time.monotonic() + self.rng.uniform(2, 5)
         while time.monotonic() < end:
+            self.revive()
             now = time.monotonic()
             for name, at in list(once.items()):
                 if now >= at:
@@ -486,17 +498,14 @@ def main() -> int:
                                           "-n", f"chaos{i}-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
                                           "--loglevel", "INFO"], logs, " ready.") for i in (1, 2)]
         processes = [api_process, beat, *workers]
-        starters = [threading.Thread(target=p.start) for p in processes]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
-        if not all(p.alive for p in processes):
-            raise RuntimeError("a process did not start; see the logs")
+        with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
+            for started in [pool.submit(p.start) for p in processes]:
+                started.result()
+        log("API, beat and workers ready")
         url = f"http://127.0.0.1:{port}"
         launcher = Launcher(Api(url, agent_token), args.runs, args.seconds * 0.6, rng)
         supervisor = Supervisor(Api(url, supervisor_token), banks)
-        chaos = Chaos(workers, banks, rng)
+        chaos = Chaos(workers, [api_process, beat], banks, rng)
         log(f"launching {args.runs} runs; chaos for {args.seconds:g} s")
         launcher.start()
         supervisor.start()
@@ -506,12 +515,11 @@ def main() -> int:
         ensure_redis()
         for worker in workers:
             worker.signal(signal.SIGCONT)
-            if not worker.alive:
-                worker.start()
+        chaos.revive()
         for bank in banks.values():
             httpx.post(f"{bank.url}/faults/reset", timeout=10)
         launcher.join()
-        settled = quiescent(launcher.run_ids, args.settle_seconds)
+        settled = quiescent(launcher.run_ids, args.settle_seconds, chaos.revive)
         log("quiescent" if settled else "not quiescent in time")
         supervisor.stopping.set()
         supervisor.join(10)
@@ -527,7 +535,7 @@ def main() -> int:
         admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
 
 
-def quiescent(run_ids: list[str], seconds: float) -> bool:
+def quiescent(run_ids: list[str], seconds: float, revive) -> bool:
     """Every run finished (the supervisor keeps resolving what waits for a person)."""
     from django.db import connection
 
@@ -535,6 +543,7 @@ def quiescent(run_ids: list[str], seconds: float) -> bool:
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        revive()
         left = Run.objects.filter(pk__in=run_ids).exclude(status__in=TERMINAL).count()
         connection.close()
         if not left:

@@ -420,6 +420,15 @@ def main() -> None:
         except Exception:
             pass
         admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        drop_queue()
+
+
+def drop_queue() -> None:
+    """Remove this benchmark's own keys from the broker database (its queue and bindings only)."""
+    import redis
+
+    r = redis.Redis.from_url(os.environ["CELERY_BROKER_URL"])
+    r.delete(TAG, f"_kombu.binding.{TAG}", f"_kombu.binding_permanent.{TAG}", f"{TAG}:raw", f"{TAG}:ping")
 
 
 def report(results: dict, qps: dict, max_connections: int, connections_now: int) -> None:

@@ -83,6 +83,10 @@ def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
 
 
 def refresh(server: ToolServer) -> SyncReport:
+    if server.kind == ToolServer.Kind.HTTP:
+        # Declared, not discovered: there is no server-side list to compare with (syncing an
+        # empty list would report every declared tool as missing).
+        return SyncReport(unchanged=sorted(Tool.objects.filter(server=server).values_list("remote_name", flat=True)))
     remote = fetch_remote(server)
     with transaction.atomic():
         return sync_server(server, remote)

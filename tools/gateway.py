@@ -205,7 +205,10 @@ def dispatch(step: Step) -> ToolResult:
         builtin = BUILTINS.get(tool.remote_name)
         if builtin is None:
             raise ToolFailed(f"no builtin tool {tool.remote_name}")
-        return builtin.run(step.arguments)
+        try:
+            return builtin.run(step.arguments)
+        except Exception as exc:  # noqa: BLE001 - it ran here, so its failure is known, not unknown
+            raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
     if server.kind == ToolServer.Kind.HTTP:
         return _http_call(server, tool, step)
     from tools import mcp_client
@@ -258,7 +261,10 @@ def lookup_status(step: Step) -> ToolResult | None:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
         if response.status_code >= 400:
             raise ToolOutcomeUnknown(f"status lookup answered {response.status_code}")
-        body = response.json()
+        try:
+            body = response.json()
+        except ValueError:
+            raise ToolOutcomeUnknown("status lookup answered something other than JSON") from None
     elif server.kind == ToolServer.Kind.MCP and server.status_tool:
         from tools import mcp_client
         answer = mcp_client.call_tool(mcp_config(server), server.status_tool,

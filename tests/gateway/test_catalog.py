@@ -192,14 +192,20 @@ def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, b
     Tool.objects.filter(pk=builtins["echo"].pk).update(schema_hash="an older schema")
     Tool.objects.create(tenant=tenant, server=builtins["echo"].server, name="platform__retired",
                         remote_name="retired", schema_hash="x")
+    crm = ToolServer.objects.create(tenant=tenant, name="crm", kind=ToolServer.Kind.HTTP, url="http://crm")
+    declared = Tool.objects.create(tenant=tenant, server=crm, name="crm__lookup", remote_name="lookup",
+                                   enabled=True, input_schema={"type": "object"})
     out = StringIO()
 
     call_command("refresh_tools", stdout=out)
 
     assert out.getvalue().splitlines() == [
+        "acme/crm: added 0; quarantined 0; unchanged 1; missing 0",   # declared, not discovered
         "acme/platform: added 0; quarantined 1 (echo); unchanged 3; missing 1 (retired)",
         "globex/platform: added 0; quarantined 0; unchanged 4; missing 0"]
     assert Tool.objects.get(pk=builtins["echo"].pk).quarantined
+    declared.refresh_from_db()
+    assert declared.enabled and not declared.quarantined
 
 
 def test_refresh_tools_goes_on_past_an_unreachable_server_and_fails_at_the_end(tenant, builtins):
@@ -209,6 +215,6 @@ def test_refresh_tools_goes_on_past_an_unreachable_server_and_fails_at_the_end(t
     with pytest.raises(CommandError, match="1 server"):
         call_command("refresh_tools", tenant="acme", stdout=out, stderr=err)
     assert "acme/down: not refreshed" in err.getvalue()
-    assert out.getvalue().startswith("acme/platform: added 0; quarantined 0; unchanged 4")
+    assert out.getvalue() == "acme/platform: added 0; quarantined 0; unchanged 4; missing 0\n"
     with pytest.raises(CommandError, match="no tool server"):
         call_command("refresh_tools", server="nope")

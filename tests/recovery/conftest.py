@@ -126,16 +126,26 @@ def broker_port() -> int:
     return urlparse(settings.CELERY_BROKER_URL).port or 6379
 
 
-def restart_redis() -> None:
-    """A real Redis restart with nothing persisted: every queued message is gone."""
-    port = str(broker_port())
-    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], check=False, capture_output=True)
-    wait_for(lambda: subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).returncode != 0,
-             timeout=10, what="redis down")
-    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", port,
+def _redis(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["redis-cli", "-p", str(broker_port()), *args], capture_output=True)
+
+
+def stop_redis() -> None:
+    """Shut Redis down without saving: every queued message is gone."""
+    _redis("shutdown", "nosave")
+    wait_for(lambda: _redis("ping").returncode != 0, timeout=10, what="redis down")
+
+
+def start_redis() -> None:
+    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(broker_port()),
                     "--save", "", "--appendonly", "no"], check=True, capture_output=True)
-    wait_for(lambda: subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).stdout.strip()
-             == b"PONG", timeout=10, what="redis up")
+    wait_for(lambda: _redis("ping").stdout.strip() == b"PONG", timeout=10, what="redis up")
+
+
+def restart_redis() -> None:
+    """A real Redis restart with nothing persisted."""
+    stop_redis()
+    start_redis()
 
 
 def postgres(action: str) -> None:

@@ -13,7 +13,8 @@ import pytest
 from runs.models import Run, RunEvent, Step
 from runs.services import start_run
 from tests import factories
-from tests.recovery.conftest import EMAIL, FAST_LEASES, events, restart_redis, single_call_agent, sweep_until
+from tests.recovery.conftest import (EMAIL, FAST_LEASES, client_for, events, restart_redis, single_call_agent,
+                                     start_redis, stop_redis, sweep_until)
 from tests.servers import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_sweeps")]
@@ -74,3 +75,23 @@ def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, ban
     assert sorted(e["arguments"]["amount"] for e in refunds) == [100 + n for n in range(6)]   # one each
     found = set(RunEvent.objects.filter(run__in=ids, kind="recovery").values_list("data__found", flat=True))
     assert found & {"lost_message", "expired_lease"}
+
+
+def test_it_admits_a_run_while_redis_is_down_and_runs_it_once_redis_is_back(tenant, asha, bank, workers):
+    email = factories.make_bank_tools(tenant, bank.mcp_url)["send_customer_email"]
+    single_call_agent(tenant, asha, email, EMAIL, final="emailed")
+    stop_redis()
+    try:
+        answer = client_for(asha).post("/v1/runs", {"agent": "agent", "input": {}}, format="json",
+                                       HTTP_IDEMPOTENCY_KEY="while-redis-was-down")
+    finally:
+        start_redis()
+    assert answer.status_code == 201, answer.content           # admitted: the row is the truth
+    run_id = answer.json()["id"]
+    assert Run.objects.get(pk=run_id).status == "queued"
+    workers("w1", env=FAST_LEASES)
+
+    sweep_until(_all_finished([run_id]), timeout=60, what="the run finished")
+    assert Run.objects.get(pk=run_id).status == "succeeded"
+    assert [e.data["found"] for e in events(run_id, "recovery")][:1] == ["lost_message"]
+    assert len(bank.effects("send_customer_email")) == 1
