@@ -92,6 +92,9 @@ def _claim(run_id) -> Plan | None:
                          expired_at=run.lease_expires_at.isoformat())
             Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
             run.lease_token = None
+            # What the lost worker reserved but never dispatched goes back now, not after
+            # budgets.release_orphans' quarantine (that one is for runs nobody claims again).
+            transaction.on_commit(lambda: _release_undispatched(run.pk))
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
             return None
@@ -280,6 +283,16 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
     lease = lease_seconds_for(tool.timeout_seconds)
     return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
                 reconcile_first=effect == EffectClass.RECONCILABLE)
+
+
+def _release_undispatched(run_id) -> None:
+    """A reservation is linked to its step in the transaction that commits `dispatching`: one
+    without a step paid for a call that was never sent."""
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(run_id=run_id, step__isnull=True,
+                                                     status=Reservation.Status.OPEN).values_list("pk", flat=True):
+        budgets.release(reservation_id, note="its worker lost the lease before dispatching")
 
 
 def _hold_lost_reservations(step_id: int) -> None:

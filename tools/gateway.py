@@ -138,7 +138,9 @@ def has_use_tool(user, tool: Tool) -> bool:
 
 def _offered_on(step: Step) -> list[str]:
     """Names of the tools the model was shown on the call that proposed this step."""
-    request = Step.objects.filter(run_id=step.run_id, seq=step.parent_seq).values_list("request", flat=True).first()
+    # order_by(): Step's default ordering would join the run table for nothing.
+    request = Step.objects.filter(run_id=step.run_id, seq=step.parent_seq).order_by().values_list(
+        "request", flat=True).first()
     return (request or {}).get("tools", [])
 
 

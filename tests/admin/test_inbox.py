@@ -101,6 +101,22 @@ def test_it_approves_from_the_detail_page_and_the_run_finishes(as_ravi, acme):
     assert run.steps.get(seq=approval.step.seq).result["structured"]["amount"] == 12499
 
 
+def test_it_denies_from_the_detail_page_and_decides_nothing_without_a_button(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+
+    undecided = as_ravi.post(detail_url(approval), {"reason": "enter pressed"})
+    approval.refresh_from_db()
+    assert approval.status == ApprovalStatus.PENDING
+    assert "choose Approve or Deny" in messages_of(undecided)
+
+    as_ravi.post(detail_url(approval), {"_deny": "Deny", "reason": "amount looks wrong"})
+
+    approval.refresh_from_db()
+    assert (approval.status, approval.decision_reason) == (ApprovalStatus.DENIED, "amount looks wrong")
+    approval.step.refresh_from_db()
+    assert "a supervisor denied this call: amount looks wrong" in approval.step.observation
+
+
 def test_it_denies_in_bulk_after_asking_for_a_reason(as_ravi, acme):
     first = park_on_approval(acme.asha, "refunder")
     second = park_on_approval(acme.asha, "refunder")
