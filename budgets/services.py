@@ -14,20 +14,21 @@ Rules (DESIGN.md section 6):
   balances from them.
 
 The tenant-day row is the hottest row of the platform (every call of every run of a tenant
-updates it), so the locked phase is kept to one statement and the commit: the reservation and
-its ledger rows are inserted before the accounts are locked, and reserve/settle/hold commit with
-`synchronous_commit = off`, so the row lock is released without waiting for the WAL flush.
-That is safe because PostgreSQL flushes WAL in order: the caller's next synchronous commit (the
-engine commits the step as `dispatching` before it calls anything, and records the outcome
-after settle/hold) makes the budget change durable too. A database crash inside that window
-loses the budget change together with everything after it: a lost reservation had no call
-made against it yet; a lost settle or hold leaves an open reservation on a `dispatching` step,
-which recovery holds. release, reconcile and write_off are rare and commit synchronously.
+updates it), so on PostgreSQL each reserve and each close is one SQL statement (`_RESERVE`,
+`_CLOSE`): the accounts stay locked only while that statement runs, with no round trip to the
+client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
+lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
+in order: the caller's next synchronous commit (the engine commits the step as `dispatching`
+before it calls anything, and records the outcome after settle or hold) makes the budget change
+durable too. A database crash inside that window loses the budget change together with
+everything after it: a lost reservation had no call made against it yet; a lost settle or hold
+leaves an open reservation on a `dispatching` step, which recovery holds. release, reconcile and
+write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
+ORM in one transaction.)
 """
 from __future__ import annotations
 
 import datetime as dt
-from contextlib import contextmanager
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
@@ -42,18 +43,70 @@ Kind = LedgerEntry.Kind
 LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
 
 _ACCOUNTS = BudgetAccount._meta.db_table
-# One statement: lock the accounts in the given order, then move every balance by its delta;
-# with within_limit, only accounts with room for `reserved` move (the caller rolls back a partial).
-_MOVE = f"""
-UPDATE {_ACCOUNTS} AS a
-   SET reserved_micros = a.reserved_micros + %(reserved)s, spent_micros = a.spent_micros + %(spent)s,
-       held_micros = a.held_micros + %(held)s, overage_micros = a.overage_micros + %(overage)s
-  FROM (SELECT id FROM {_ACCOUNTS} WHERE id = ANY(%(ids)s::bigint[])
-        ORDER BY array_position(%(ids)s::bigint[], id) FOR NO KEY UPDATE) AS locked
- WHERE a.id = locked.id
-   AND (NOT %(within_limit)s
-        OR a.limit_micros >= a.reserved_micros + a.spent_micros + a.held_micros + %(reserved)s)
-RETURNING a.id
+_RESERVATIONS = Reservation._meta.db_table
+_ENTRIES = LedgerEntry._meta.db_table
+# Find the tenant-day, user-day (when wanted) and run accounts and lock them in that order; take
+# `amount` from all of them only if every one has room, and only then create the reservation and
+# its ledger entries. FOR NO KEY UPDATE waits for concurrent writers and returns the newest
+# balances, so `room` is never stale. `found` < `wanted`: a day account does not exist yet.
+_RESERVE = f"""
+WITH locked AS (
+    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room
+      FROM {_ACCOUNTS}
+     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
+        OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
+        OR run_id = %(run)s
+     ORDER BY CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END
+       FOR NO KEY UPDATE
+), verdict AS (
+    SELECT count(*) AS found, count(*) = %(wanted)s AND bool_and(room >= %(amount)s) AS fits FROM locked
+), taken AS (
+    UPDATE {_ACCOUNTS} AS a SET reserved_micros = a.reserved_micros + %(amount)s
+      FROM locked, verdict WHERE verdict.fits AND a.id = locked.id
+), created AS (
+    INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
+                                 purpose, day, amount_micros, status, overage, note, created_at)
+    SELECT %(id)s, %(tenant)s, %(run)s, (SELECT id FROM locked WHERE scope = 'tenant_day'),
+           (SELECT id FROM locked WHERE scope = 'user_day'), (SELECT id FROM locked WHERE scope = 'run'),
+           %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
+      FROM verdict WHERE verdict.fits
+    RETURNING created_at, day_account_id, user_account_id, run_account_id
+), entries AS (
+    INSERT INTO {_ENTRIES} (account_id, reservation_id, kind, amount_micros, note, at)
+    SELECT locked.id, %(id)s, 'reserve', %(amount)s, '', now() FROM created, locked
+)
+SELECT verdict.fits, verdict.found, created.*,
+       ARRAY(SELECT scope FROM locked WHERE room < %(amount)s),
+       ARRAY(SELECT room FROM locked WHERE room < %(amount)s),
+       CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
+  FROM verdict LEFT JOIN created ON true
+"""
+# Close the reservation if it is still in from_status; only then lock its accounts in order,
+# move their balances and write the ledger entries (one per account and kind, in that order).
+_CLOSE = f"""
+WITH closed AS (
+    UPDATE {_RESERVATIONS}
+       SET status = %(to_status)s, actual_micros = %(actual)s, overage = %(overage)s > 0, closed_at = now(),
+           closed_by_id = %(actor)s
+     WHERE id = %(id)s AND status = %(from_status)s AND (step_id IS NULL OR NOT %(unlinked_only)s)
+    RETURNING id
+), locked AS (
+    SELECT a.id FROM {_ACCOUNTS} AS a, closed WHERE a.id = ANY(%(ids)s::bigint[])
+     ORDER BY array_position(%(ids)s::bigint[], a.id)
+       FOR NO KEY UPDATE OF a
+), moved AS (
+    UPDATE {_ACCOUNTS} AS a
+       SET reserved_micros = a.reserved_micros + %(reserved)s, spent_micros = a.spent_micros + %(spent)s,
+           held_micros = a.held_micros + %(held)s, overage_micros = a.overage_micros + %(overage)s
+      FROM locked WHERE a.id = locked.id
+), entries AS (
+    INSERT INTO {_ENTRIES} (account_id, reservation_id, kind, amount_micros, actor_id, note, at)
+    SELECT account.id, closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
+      FROM closed, unnest(%(ids)s::bigint[]) WITH ORDINALITY AS account(id, position),
+           unnest(%(kinds)s::text[], %(amounts)s::bigint[]) WITH ORDINALITY AS entry(kind, amount, position)
+     ORDER BY account.position, entry.position
+)
+SELECT count(*), CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END FROM closed
 """
 
 
@@ -98,49 +151,94 @@ def create_run_account(*, run, limit_micros: int) -> BudgetAccount:
                                         limit_micros=limit_micros)
 
 
-def _accounts_for(tenant, *, day: dt.date, user, run) -> list[BudgetAccount]:
-    """The accounts a reservation draws on, in lock order; day accounts are made on first use."""
-    with_user = user is not None and tenant.user_daily_budget_micros is not None
-    wanted = Q(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
-    if with_user:
-        wanted |= Q(tenant=tenant, scope=Scope.USER_DAY, day=day, user=user)
-    if run is not None:
-        wanted |= Q(run=run)
-    found = {account.scope: account for account in BudgetAccount.objects.filter(wanted)}
-    if Scope.TENANT_DAY not in found:
-        found[Scope.TENANT_DAY] = tenant_day_account(tenant, day)
-    if with_user and Scope.USER_DAY not in found:
-        found[Scope.USER_DAY] = _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
-    if run is not None and Scope.RUN not in found:
-        raise BudgetAccount.DoesNotExist(f"run {run.pk} has no budget account")
-    return [found[scope] for scope in LOCK_ORDER if scope in found]
+def _make_day_accounts(tenant, *, day: dt.date, user) -> None:
+    tenant_day_account(tenant, day)
+    if user is not None and tenant.user_daily_budget_micros is not None:
+        _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
 
 
-@contextmanager
-def _budget_transaction(*, durable: bool):
-    owns = not connection.in_atomic_block
-    with transaction.atomic():
-        # Never change how a caller's own transaction commits; SQLite (the demo) has no such knob.
-        if owns and not durable and connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
-        yield
+def _relaxed_commit() -> bool:
+    """Commit without waiting for the WAL flush, unless the statement runs in a caller's transaction."""
+    return not connection.in_atomic_block
 
 
-def _move(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0, overage: int = 0,
-          within_limit: bool = False) -> set[int]:
-    if connection.vendor != "postgresql":
-        return _move_portable(account_ids, reserved=reserved, spent=spent, held=held, overage=overage,
-                              within_limit=within_limit)
+def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
+            now: dt.datetime | None = None, note: str = "") -> Reservation:
+    """Reserve amount on the tenant's day, the user's day (if limited) and the run, or raise."""
+    if amount_micros < 0:
+        raise ValueError("amount must not be negative")
+    day = local_day(tenant, now)
+    if tenant.user_daily_budget_micros is None:
+        user = None
+    reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
+                              note=note)
+    take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
+    short = take(reservation, user=user)
+    if short is None:   # the first reservation of the day (or of this user's day) makes its account
+        _make_day_accounts(tenant, day=day, user=user)
+        short = take(reservation, user=user)
+    if short is None:
+        raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
+    if short:
+        scope, remaining = short
+        raise BudgetExceeded(scope, amount_micros, remaining)
+    return reservation
+
+
+def _reserve_in_one_statement(reservation: Reservation, *, user) -> tuple[str, int] | bool | None:
+    """False: reserved. None: an account is missing. Else the first scope without room and its room."""
+    wanted = 1 + (user is not None) + (reservation.run_id is not None)
     with connection.cursor() as cursor:
-        cursor.execute(_MOVE, {"ids": account_ids, "reserved": reserved, "spent": spent, "held": held,
-                               "overage": overage, "within_limit": within_limit})
-        return {row[0] for row in cursor.fetchall()}
+        cursor.execute(_RESERVE, {
+            "tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
+            "run": reservation.run_id, "wanted": wanted, "amount": reservation.amount_micros,
+            "id": reservation.pk, "purpose": reservation.purpose, "note": reservation.note,
+            "relaxed": _relaxed_commit()})
+        fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = \
+            cursor.fetchone()
+    if fits:
+        reservation.created_at = created_at
+        reservation.day_account_id, reservation.user_account_id = day_account, user_account
+        reservation.run_account_id = run_account
+        return False
+    if found < wanted:
+        if reservation.run_id is not None and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists():
+            raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
+        return None
+    return short_scopes[0], short_rooms[0]   # `locked` keeps lock order: the first account refused
 
 
-def _move_portable(account_ids: list[int], *, reserved: int, spent: int, held: int, overage: int,
-                   within_limit: bool) -> set[int]:
-    """The same movement as _MOVE, one conditional UPDATE per account (SQLite: the demo).
+def _reserve_portable(reservation: Reservation, *, user) -> tuple[str, int] | bool | None:
+    lookup = Q(tenant_id=reservation.tenant_id, scope=Scope.TENANT_DAY, day=reservation.day)
+    if user is not None:
+        lookup |= Q(tenant_id=reservation.tenant_id, scope=Scope.USER_DAY, day=reservation.day, user=user)
+    if reservation.run_id is not None:
+        lookup |= Q(run_id=reservation.run_id)
+    by_scope = {a.scope: a for a in BudgetAccount.objects.filter(lookup)}
+    if reservation.run_id is not None and Scope.RUN not in by_scope:
+        raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
+    if Scope.TENANT_DAY not in by_scope or (user is not None and Scope.USER_DAY not in by_scope):
+        return None
+    accounts = [by_scope[scope] for scope in LOCK_ORDER if scope in by_scope]
+    reservation.day_account = by_scope[Scope.TENANT_DAY]
+    reservation.user_account, reservation.run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
+    with transaction.atomic():
+        reservation.save(force_insert=True)
+        LedgerEntry.objects.bulk_create([
+            LedgerEntry(account=a, reservation=reservation, kind=Kind.RESERVE, amount_micros=reservation.amount_micros)
+            for a in accounts])
+        moved = _move_portable([a.pk for a in accounts], reserved=reservation.amount_micros, within_limit=True)
+        short = next((a for a in accounts if a.pk not in moved), None)
+        if short is None:
+            return False
+        transaction.set_rollback(True)
+    short.refresh_from_db()
+    return short.scope, short.remaining_micros
+
+
+def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0,
+                   overage: int = 0, within_limit: bool = False) -> set[int]:
+    """The same movement as in _RESERVE/_CLOSE, one conditional UPDATE per account (SQLite: the demo).
 
     SQLite runs with immediate transactions, so writers are already serialised.
     """
@@ -156,33 +254,6 @@ def _move_portable(account_ids: list[int], *, reserved: int, spent: int, held: i
     return moved
 
 
-def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
-            now: dt.datetime | None = None, note: str = "") -> Reservation:
-    """Reserve amount on the tenant's day, the user's day (if limited) and the run, or raise."""
-    if amount_micros < 0:
-        raise ValueError("amount must not be negative")
-    day = local_day(tenant, now)
-    accounts = _accounts_for(tenant, day=day, user=user, run=run)
-    by_scope = {a.scope: a for a in accounts}
-    user_account, run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
-    reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
-                              day_account=by_scope[Scope.TENANT_DAY], user_account=user_account,
-                              run_account=run_account, note=note)
-    with _budget_transaction(durable=False):
-        reservation.save(force_insert=True)
-        LedgerEntry.objects.bulk_create([
-            LedgerEntry(account=a, reservation=reservation, kind=Kind.RESERVE, amount_micros=amount_micros)
-            for a in accounts])
-        moved = _move([a.pk for a in accounts], reserved=amount_micros, within_limit=True)
-        short = next((a for a in accounts if a.pk not in moved), None)
-        if short is not None:
-            transaction.set_rollback(True)
-    if short is not None:
-        short.refresh_from_db()
-        raise BudgetExceeded(short.scope, amount_micros, short.remaining_micros)
-    return reservation
-
-
 def _load(reservation_id) -> Reservation:
     return Reservation.objects.only("amount_micros", "day_account_id", "user_account_id", "run_account_id") \
         .get(pk=reservation_id)
@@ -190,21 +261,30 @@ def _load(reservation_id) -> Reservation:
 
 def _close(reservation: Reservation, *, from_status: str, to_status: str, actual: int | None,
            moves: dict[str, int], entries: list[tuple[str, int]], actor=None, note: str = "",
-           durable: bool = True, **conditions) -> bool:
-    """Close a reservation once; move balances on all its accounts in lock order."""
-    overage = moves.get("overage", 0)
-    with _budget_transaction(durable=durable):
-        updated = Reservation.objects.filter(pk=reservation.pk, status=from_status, **conditions).update(
-            status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
-            overage=overage > 0)
-        if not updated:
+           durable: bool = True, unlinked_only: bool = False) -> bool:
+    """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
+    moves = {"reserved": 0, "spent": 0, "held": 0, "overage": 0, **moves}
+    entries = [(str(kind), amount) for kind, amount in entries if amount]
+    accounts = reservation.accounts()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_CLOSE, {
+                "id": reservation.pk, "from_status": from_status, "to_status": to_status, "actual": actual,
+                "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
+                "ids": accounts, "kinds": [k for k, _ in entries], "amounts": [a for _, a in entries],
+                "relaxed": not durable and _relaxed_commit(), **moves})
+            return cursor.fetchone()[0] == 1
+    with transaction.atomic():
+        unlinked = {"step__isnull": True} if unlinked_only else {}
+        if not Reservation.objects.filter(pk=reservation.pk, status=from_status, **unlinked).update(
+                status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
+                overage=moves["overage"] > 0):
             return False
-        accounts = reservation.accounts()
         LedgerEntry.objects.bulk_create([
             LedgerEntry(account_id=account_id, reservation=reservation, kind=kind, amount_micros=amount,
                         actor=actor, note=note)
-            for account_id in accounts for kind, amount in entries if amount])
-        _move(accounts, **moves)
+            for account_id in accounts for kind, amount in entries])
+        _move_portable(accounts, **moves)
     return True
 
 
@@ -275,5 +355,5 @@ def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta 
         released += _close(reservation, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
                            moves={"reserved": -reservation.amount_micros},
                            entries=[(Kind.RELEASE, reservation.amount_micros)],
-                           note="never dispatched: its worker stopped before the call", step__isnull=True)
+                           note="never dispatched: its worker stopped before the call", unlinked_only=True)
     return released

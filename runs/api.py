@@ -6,6 +6,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import BudgetSerializer, paginate, require_tenant
+from agentplatform.errors import Forbidden
 from runs import resolution, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 
@@ -115,6 +116,8 @@ class RunCancelApi(APIView):
         """Cancel a run. No model or tool call starts after this answers."""
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
+        if run.created_by_id != request.user.pk and not request.user.is_staff:
+            raise Forbidden("only the run's creator or tenant staff may cancel it", code="not_run_owner")
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         services.cancel_run(run_id=run.pk, actor=request.user, reason=data.validated_data["reason"])

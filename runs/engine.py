@@ -29,7 +29,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from runs import heartbeat
-from runs.models import (OBSERVED, READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus,
+from runs.models import (READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus,
                          StopReason)
 from runs.services import (bump_counters, end_run, enqueue, lease_seconds_for, lock_run,
                            record_event, transition_run, transition_step)
@@ -61,9 +61,13 @@ class ToolOutcome:
     reconciled: bool = False
 
 
-def advance(run_id) -> None:
-    """Perform at most one step of the run. Safe to call any number of times, concurrently."""
-    plan = _claim(run_id)
+def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> None:
+    """Perform at most one step of the run. Safe to call any number of times, concurrently.
+
+    `enqueued_at` comes with a queued message: a message older than the run's last enqueue was
+    superseded by a newer one and does nothing.
+    """
+    plan = _claim(run_id, enqueued_at)
     if plan is None:
         return
     if plan.kind == "recover_model":
@@ -76,12 +80,14 @@ def advance(run_id) -> None:
 
 # --- claim -----------------------------------------------------------------------------------
 
-def _claim(run_id) -> Plan | None:
+def _claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
     with transaction.atomic():
         try:
             run = lock_run(run_id)
         except Run.DoesNotExist:
             return None
+        if enqueued_at is not None and run.last_enqueued_at is not None and enqueued_at < run.last_enqueued_at:
+            return None          # superseded: a newer message for this run is on its way
         now = timezone.now()
         if run.is_terminal or run.status in WAITING:
             return None
@@ -94,7 +100,7 @@ def _claim(run_id) -> Plan | None:
             run.lease_token = None
             # What the lost worker reserved but never dispatched goes back now, not after
             # budgets.release_orphans' quarantine (that one is for runs nobody claims again).
-            transaction.on_commit(lambda: _release_undispatched(run.pk))
+            transaction.on_commit(lambda: _release_undispatched(run.pk), robust=True)
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
             return None
@@ -241,8 +247,8 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
     crashed = step.next_attempt_at is None
     if crashed:
         # The lost attempt may have been charged: hold its reservation once this claim commits
-        # (budget rows are never locked while the run row is).
-        transaction.on_commit(lambda: _hold_lost_reservations(step.pk))
+        # (budget rows are never locked while the run row is; the sweeper is the backstop).
+        transaction.on_commit(lambda: _hold_lost_reservations(step.pk), robust=True)
         step.crashes += 1
         Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
         if step.crashes >= settings.MAX_STEP_CRASHES:
@@ -501,8 +507,6 @@ def _recover_model(plan: Plan) -> None:
 # --- tool steps ------------------------------------------------------------------------------
 
 def _do_tool(plan: Plan) -> None:
-    from tools import gateway as tool_gateway
-
     # The step row the claim read (with its tool); _mark_dispatching re-reads it under the run lock.
     step = plan.extra.get("step") or Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
     if plan.reconcile_first:

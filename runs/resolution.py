@@ -7,7 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import RunStatus, Step, StepKind, StepStatus
 from runs.services import enqueue, lock_run, record_event, transition_run, transition_step
 from tools.models import EffectClass
 

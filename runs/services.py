@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError, NotFound
+from agentplatform.errors import Conflict, DomainError
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepStatus)
 
@@ -101,10 +101,14 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
     """
     from runs.tasks import advance_run
 
-    Run.objects.filter(pk=run_id).update(last_enqueued_at=timezone.now(), **fields)
-    # robust: with the broker down the commit stands (a started run is not answered with a 500)
-    # and the sweeper re-enqueues the run after QUEUED_TOO_LONG_SECONDS; the error is logged.
-    transaction.on_commit(lambda: advance_run.apply_async((str(run_id),), countdown=countdown), robust=True)
+    now = timezone.now()
+    Run.objects.filter(pk=run_id).update(last_enqueued_at=now, **fields)
+    # The message carries its enqueue time: an older message still in the queue is superseded
+    # (the claim drops it), so the sweeper's re-enqueue of a slow message never forks the run
+    # into two message chains. robust: with the broker down the commit stands (a started run is
+    # not answered with a 500) and the sweeper re-enqueues the run; the error is logged.
+    transaction.on_commit(lambda: advance_run.apply_async((str(run_id), now.isoformat()), countdown=countdown),
+                          robust=True)
 
 
 def lock_run(run_id) -> Run:

@@ -12,12 +12,14 @@ log = logging.getLogger(__name__)
 @shared_task(name="runs.tasks.advance_run", acks_late=True, reject_on_worker_lost=True, ignore_result=True,
              autoretry_for=(OperationalError, InterfaceError), retry_backoff=1, retry_backoff_max=30,
              max_retries=None)
-def advance_run(run_id: str) -> None:
+def advance_run(run_id: str, enqueued_at: str | None = None) -> None:
     """Perform at most one step of the run (database errors: retried; the claim makes it safe)."""
+    import datetime as dt
+
     from runs.engine import advance
 
     close_old_connections()
-    advance(run_id)
+    advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
 
 
 @shared_task(name="runs.tasks.sweep", ignore_result=True)

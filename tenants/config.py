@@ -30,14 +30,13 @@ from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator, validate_email, validate_slug
 from django.db import transaction
-from django.db.models import F
 from guardian.shortcuts import assign_perm, remove_perm
 from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
 
 from agents.models import AgentDefinition, Alias
 from agents.services import create_version, move_alias
 from agents.spec import validate_spec
-from approvals.policy import PolicyError, canonical, parse_policy
+from approvals.policy import PolicyError, parse_policy
 from budgets.models import BudgetAccount
 from budgets.services import local_day
 from llm.models import ModelEndpoint
@@ -45,6 +44,7 @@ from runs.services import digest
 from tenants.crypto import redact
 from tenants.models import Secret, Tenant, TenantGroup, User, validate_time_zone
 from tools.catalog import SyncReport, fetch_remote, schema_hash, sync_server, tool_name
+from tools.services import configure_tool
 from tools.models import EffectClass, Tool, ToolServer
 from tools.types import McpServerConfig, RemoteTool
 
@@ -934,7 +934,7 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         ctx.problems.add(f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}")
         ctx.skip("tools", item)
         return
-    changed = _configure_tool(tool, values)
+    changed = configure_tool(tool, values)
     ctx.report.record("tools", tool.name, "updated" if changed else "unchanged", changed)
     if tool.quarantined and values.get("enabled"):
         ctx.report.notes.append(f"tool {tool.name} is enabled but quarantined: an admin must release it")
@@ -963,29 +963,6 @@ def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _
                         remote_name=remote_name, schema_hash=schema_hash(values["description"],
                                                                          values["input_schema"]), **values)
     ctx.report.record("tools", tool_name(server, remote_name), "created")
-
-
-def _configure_tool(tool: Tool, values: dict) -> list[str]:
-    """Apply the file's settings; quarantine is left alone: releasing it is an admin's decision."""
-    changes = {name: value for name, value in values.items()
-               if name != "approval_policy" and getattr(tool, name) != value}
-    if "approval_policy" in values and not _same_policy(tool.approval_policy, values["approval_policy"]):
-        changes["approval_policy"] = values["approval_policy"]
-        # Pending approvals were decided under the old policy; the version tells them apart.
-        changes["policy_version"] = F("policy_version") + 1
-    if {"description", "input_schema"} & set(changes):
-        changes["schema_hash"] = schema_hash(values.get("description", tool.description),
-                                             values.get("input_schema", tool.input_schema))
-    if changes:
-        Tool.objects.filter(pk=tool.pk).update(**changes)
-    return [name for name in changes if name not in ("policy_version", "schema_hash")]
-
-
-def _same_policy(stored: str, wanted: str) -> bool:
-    try:
-        return canonical(stored) == wanted
-    except PolicyError:
-        return False
 
 
 # --- grants ---

@@ -13,6 +13,7 @@ from tenants.crypto import SecretKeyError
 from tenants.models import TenantGroup, User
 from tools.catalog import refresh, release_quarantine
 from tools.models import Tool, ToolServer
+from tools.services import configure_tool
 from tools.types import ToolFailed
 
 
@@ -101,6 +102,12 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
     def has_add_permission(self, request):
         # Tools are discovered by syncing their server, never typed in.
         return False
+
+    def save_model(self, request, obj, form, change):
+        # Through the service, so a new approval policy bumps policy_version and approvals
+        # granted under the old policy no longer cover the call.
+        stored = Tool.objects.get(pk=obj.pk)
+        configure_tool(stored, {name: form.cleaned_data[name] for name in form.changed_data})
 
     @admin.action(description="Re-enable after review (release from quarantine)", permissions=["change"])
     def release_selected(self, request, queryset):

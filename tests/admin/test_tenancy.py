@@ -159,3 +159,19 @@ def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_r
     assert moved.status_code == 302
     alias.refresh_from_db()
     assert alias.version.number == 2
+
+
+
+def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
+    echo = acme.tools["echo"]
+    data = {"enabled": "on", "effect_class": "read_only", "approval_policy": "x > 1", "timeout_seconds": 30,
+            "price_micros": 0, "max_attempts": 3, "backoff_seconds": 1}
+
+    response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
+
+    assert response.status_code == 302
+    echo.refresh_from_db()
+    assert (echo.approval_policy, echo.policy_version) == ("x > 1", 2)
+    as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", dict(data, timeout_seconds=31))
+    echo.refresh_from_db()
+    assert (echo.timeout_seconds, echo.policy_version) == (31, 2)

@@ -82,3 +82,14 @@ def test_it_leaves_the_reservation_of_a_call_in_flight_open(run, tenant, asha):
     Reservation.objects.filter(pk=reservation.pk).update(step=step)
     assert sweep()["lost_attempts_held"] == 0
     assert Reservation.objects.get(pk=reservation.pk).status == "open"
+
+
+def test_it_drops_a_slow_message_the_sweeper_already_replaced(run, settings):
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO)   # its message was sent long ago...
+    assert sweep()["lost_messages"] == 1                               # ...so the sweeper sent another
+    engine.advance(run.pk, enqueued_at=LONG_AGO)                       # then the slow one arrives
+    assert Run.objects.get(pk=run.pk).status == "queued"               # superseded: it does nothing
+    assert not Step.objects.filter(run=run).exists()
+    engine.advance(run.pk, enqueued_at=Run.objects.get(pk=run.pk).last_enqueued_at)
+    assert Step.objects.filter(run=run, kind="model").count() == 1     # the replacement moves the run

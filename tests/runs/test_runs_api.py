@@ -163,3 +163,15 @@ def test_it_serves_the_openapi_schema_and_docs(asha):
     assert schema.status_code == 200
     assert b"/v1/runs/{run_id}/cancel" in schema.content
     assert api(asha).get("/v1/docs").status_code == 200
+
+
+def test_it_lets_only_the_creator_or_staff_cancel(tenant, asha, ravi, agent):
+    run = api(asha).post("/v1/runs", {"agent": "agent", "input": {}}, format="json").json()
+    bea = factories.make_user(tenant, "bea")
+    refused = api(bea).post(f"/v1/runs/{run['id']}/cancel", {}, format="json")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_run_owner"
+    assert Run.objects.get(pk=run["id"]).status == "queued"
+    cancelled = api(asha).post(f"/v1/runs/{run['id']}/cancel", {"reason": "typo"}, format="json")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    again = api(ravi).post(f"/v1/runs/{run['id']}/cancel", {}, format="json")
+    assert again.status_code == 200
