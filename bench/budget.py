@@ -13,7 +13,8 @@ Scenarios:
   1 client / 64 clients   pairs per second over BENCH_SECONDS (10) each, p50/p99 pair latency
   limit race              64 clients reserve against a day with room for BENCH_RACE_ROOM (500)
                           reservations: successes must equal the room, spent must stay <= limit
-  step overhead           one uncontended run: reserve+settle vs an empty transaction
+  step overhead           one uncontended run: reserve+settle vs an empty transaction, wall time
+                          and CPU (this process and its PostgreSQL backend, read from /proc)
 
 After each scenario the accounts are checked: no negative balance, spent <= limit, nothing
 left reserved, and the ledger (budgets.selectors.ledger_mismatches) agrees with every balance.
@@ -185,11 +186,26 @@ def limit_race() -> dict:
 
 
 def step_overhead(repeats: int = 500) -> dict:
+    """Mean wall time of reserve+settle vs an empty transaction, and the CPU a pair costs.
+
+    CPU is read from /proc for this process and for its PostgreSQL backend (same machine), so it
+    does not depend on how busy the machine is: it bounds what two cores can do at best.
+    """
     from django.db import connection, transaction
 
     from budgets import services as budgets
 
     tenant, (run,) = make_runs(1, daily_budget=10**15)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+
+    def backend_cpu() -> float | None:
+        try:
+            fields = Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:     # PostgreSQL on another machine
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def noop() -> None:
         with transaction.atomic():
@@ -200,17 +216,20 @@ def step_overhead(repeats: int = 500) -> dict:
         reservation = budgets.reserve(tenant=tenant, run=run, amount_micros=AMOUNT, purpose="model")
         budgets.settle(reservation.pk, actual_micros=AMOUNT - 1)
 
-    def mean_ms(fn) -> float:
-        for _ in range(20):  # warm up: connection, first-day account, statement caches
+    def measure(fn) -> dict:
+        for _ in range(20):  # warm up: connection, prepared statements
             fn()
-        started = time.perf_counter()
+        wall, cpu, pg = time.perf_counter(), time.process_time(), backend_cpu()
         for _ in range(repeats):
             fn()
-        return 1000 * (time.perf_counter() - started) / repeats
+        after = backend_cpu()
+        return {"wall_ms": 1000 * (time.perf_counter() - wall) / repeats,
+                "python_cpu_ms": 1000 * (time.process_time() - cpu) / repeats,
+                "postgres_cpu_ms": None if pg is None else 1000 * (after - pg) / repeats}
 
-    noop_ms, pair_ms = mean_ms(noop), mean_ms(pair)
+    noop_row, pair_row = measure(noop), measure(pair)
     check_accounts(tenant)
-    return {"noop_ms": noop_ms, "pair_ms": pair_ms, "added_ms": pair_ms - noop_ms}
+    return {"noop": noop_row, "pair": pair_row, "added_ms": pair_row["wall_ms"] - noop_row["wall_ms"]}
 
 
 def main() -> None:
@@ -222,7 +241,8 @@ def main() -> None:
 
         django.setup()
         call_command("migrate", verbosity=0)
-        print(f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run\n")
+        print(f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run, "
+              f"load average before: {os.getloadavg()[0]:.1f}\n")
         rows = [throughput(1), throughput(CLIENTS)]
         print(f"{'clients':>8} {'pairs':>8} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
         for row in rows:
@@ -233,11 +253,17 @@ def main() -> None:
               f"refused {race['refused']}, spent {race['spent']} of {race['limit']} micros "
               f"({race['seconds']:.2f}s)")
         overhead = step_overhead()
-        print(f"\nper-step cost of budgeting (one uncontended run, mean of 500):")
-        print(f"{'empty transaction':>24} {overhead['noop_ms']:>7.3f} ms")
-        print(f"{'reserve + settle':>24} {overhead['pair_ms']:>7.3f} ms")
-        print(f"{'added per step':>24} {overhead['added_ms']:>7.3f} ms")
-        print(f"\nchecks passed: no negative balance, spent <= limit, nothing left reserved, ledger = balances")
+        print("\nper step, one uncontended run (mean of 500):")
+        print(f"{'':>20} {'wall ms':>8} {'python cpu ms':>14} {'postgres cpu ms':>16}")
+        for label, row in (("empty transaction", overhead["noop"]), ("reserve + settle", overhead["pair"])):
+            pg = "n/a" if row["postgres_cpu_ms"] is None else f"{row['postgres_cpu_ms']:.3f}"
+            print(f"{label:>20} {row['wall_ms']:>8.3f} {row['python_cpu_ms']:>14.3f} {pg:>16}")
+        print(f"{'added per step':>20} {overhead['added_ms']:>8.3f}")
+        pair_cpu = overhead["pair"]["python_cpu_ms"] + (overhead["pair"]["postgres_cpu_ms"] or 0)
+        print(f"CPU per pair {pair_cpu:.2f} ms: at best about {1000 * (os.cpu_count() or 1) / pair_cpu:.0f} pairs/s "
+              f"on {os.cpu_count()} cores if nothing else ran")
+        print(f"\nload average after: {os.getloadavg()[0]:.1f} (other work on this machine skews the figures)")
+        print("checks passed: no negative balance, spent <= limit, nothing left reserved, ledger = balances")
     finally:
         from django.db import connections
         connections.close_all()

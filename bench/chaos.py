@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,14 +145,17 @@ class Bank:
     """examples/bank_server.py: the provider whose ledger is the truth about effects."""
 
     def __init__(self, label: str):
-        self.label = label
+        self.label, self.url = label, ""
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0",
                                       "--label", label], cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
+
+    def wait_ready(self) -> "Bank":
         line = self.proc.stdout.readline()
         if not line.startswith("BANK_SERVER_READY"):
-            raise RuntimeError(f"bank {label} did not start")
+            raise RuntimeError(f"bank {self.label} did not start")
         self.url = line.split()[1]
+        return self
 
     def effects(self) -> list[dict]:
         return httpx.get(f"{self.url}/ledger", timeout=10).json()["effects"]
@@ -478,15 +482,13 @@ def main() -> int:
     log(f"database {TAG}, queue {CHILD_ENV['CELERY_QUEUE']}, logs in {logs}")
     admin(f'CREATE DATABASE "{TAG}"')
     try:
+        banks = {"bank": Bank("bank"), "bank2": Bank("bank2")}       # they start while the database migrates
         subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=CHILD_ENV, check=True,
                        stdout=subprocess.DEVNULL)
+        for bank in banks.values():
+            bank.wait_ready()
         import django
         django.setup()
-
-        banks = {"bank": Bank("bank"), "bank2": Bank("bank2")}
-        agent_token, supervisor_token = configure(banks["bank"], banks["bank2"])
-        from django.db import connection
-        connection.close()
 
         port = free_port()
         api_process = Process("api", [sys.executable, "-m", "gunicorn", "agentplatform.wsgi", "-b",
@@ -499,7 +501,11 @@ def main() -> int:
                                           "--loglevel", "INFO"], logs, " ready.") for i in (1, 2)]
         processes = [api_process, beat, *workers]
         with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
-            for started in [pool.submit(p.start) for p in processes]:
+            starting = [pool.submit(p.start) for p in processes]
+            agent_token, supervisor_token = configure(banks["bank"], banks["bank2"])
+            from django.db import connection
+            connection.close()
+            for started in starting:
                 started.result()
         log("API, beat and workers ready")
         url = f"http://127.0.0.1:{port}"
@@ -523,7 +529,12 @@ def main() -> int:
         log("quiescent" if settled else "not quiescent in time")
         supervisor.stopping.set()
         supervisor.join(10)
-        return 0 if report(launcher.run_ids, banks, chaos, supervisor, args) else 1
+        passed = report(launcher.run_ids, banks, chaos, supervisor, args)
+        if passed:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"process logs kept in {logs}")
+        return 0 if passed else 1
     finally:
         for process in processes:
             process.stop()

@@ -4,8 +4,13 @@
         .venv/bin/python bench/engine.py
 
 DATABASE_URL only says where PostgreSQL is: the benchmark creates its own database
-`bench_engine_<pid>`, migrates it, and drops it at the end; no other database is touched.
-Messages go to a private queue `bench_engine_<pid>` on the given broker.
+`bench_engine_<pid>` (CREATE/DROP issued on the server's `postgres` database), migrates it with
+`manage.py migrate`, and drops it at the end; no other database is touched. Messages go to a
+private queue `bench_engine_<pid>` (CELERY_QUEUE) on the given broker, so a test worker on the
+same Redis database never takes them, and the benchmark's worker takes none of theirs.
+
+The worker is `celery -A agentplatform worker -P threads -c 128 -I bench.noop_tasks` with
+DB_POOL_MAX=20 and DEBUG off (docs/performance.md says why).
 
 Scenarios (one worker process, the pool and DB settings below, for all of them):
   raw chain      100 chains x 25 no-op tasks, each task enqueues the next (bench/noop_tasks.py)
@@ -69,7 +74,7 @@ def admin(sql: str) -> None:
 
 BENCH_URL = with_database(BASE_URL, TAG)
 os.environ["DATABASE_URL"] = BENCH_URL
-os.environ["BENCH_QUEUE"] = TAG
+os.environ["CELERY_QUEUE"] = TAG        # settings: the default queue, here and in the worker
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 os.environ.pop("DB_POOL_MAX", None)      # the benchmark process itself: plain connections
 
@@ -103,11 +108,11 @@ def start_fake_model(latency_ms: int) -> tuple[subprocess.Popen, str]:
 class Worker:
     def __init__(self):
         self.log = tempfile.NamedTemporaryFile(prefix=f"{TAG}-worker-", suffix=".log", delete=False)
-        self.args = [sys.executable, "-m", "celery", "-A", "bench.worker_app", "worker", "-P", POOL,
+        self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", POOL,
                      "-c", str(CONCURRENCY), "-Q", TAG, "-n", f"{TAG}@%h", "-I", "bench.noop_tasks",
                      "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"), "--without-gossip", "--without-mingle", "--without-heartbeat"]
         # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
-        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, BENCH_QUEUE=TAG, PYTHONUNBUFFERED="1", DEBUG="false")
+        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1", DEBUG="false")
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
         self.proc: subprocess.Popen | None = None
@@ -379,7 +384,6 @@ def main() -> None:
                        env=dict(os.environ, DATABASE_URL=BENCH_URL))
         import django
         django.setup()
-        import bench.worker_app  # noqa: F401  (the private queue for everything this process sends)
         from django.db import connection
 
         with connection.cursor() as cur:

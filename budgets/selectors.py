@@ -33,8 +33,8 @@ def per_agent(tenant, *, days: int = 30) -> list[dict]:
 def top_runs(tenant, *, days: int = 30, limit: int = 10):
     from runs.models import Run
 
-    since = local_day(tenant) - dt.timedelta(days=days - 1)
-    return (Run.objects.filter(tenant=tenant, created_at__date__gte=since, budget__isnull=False)
+    since = dt.datetime.combine(local_day(tenant) - dt.timedelta(days=days - 1), dt.time(0, 0), tzinfo=tenant.zone)
+    return (Run.objects.filter(tenant=tenant, created_at__gte=since, budget__isnull=False)
             .select_related("budget", "agent", "created_by").order_by("-budget__spent_micros")[:limit])
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import psycopg
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -81,6 +82,7 @@ SELECT verdict.fits, verdict.found, created.*,
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
 """
+_LOAD = f"SELECT amount_micros, day_account_id, user_account_id, run_account_id FROM {_RESERVATIONS} WHERE id = %(id)s"
 # Close the reservation if it is still in from_status; only then lock its accounts in order,
 # move their balances and write the ledger entries (one per account and kind, in that order).
 _CLOSE = f"""
@@ -157,6 +159,18 @@ def _make_day_accounts(tenant, *, day: dt.date, user) -> None:
         _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
 
 
+def _execute(sql: str, params: dict) -> tuple:
+    """Run one of the statements above as a prepared statement on Django's connection.
+
+    Django binds parameters on the client, so PostgreSQL would parse and plan these statements
+    on every call; prepared (server-side binding, cached per connection) they are planned once.
+    """
+    connection.ensure_connection()
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+        cursor.execute(sql, params, prepare=True)
+        return cursor.fetchone()
+
+
 def _relaxed_commit() -> bool:
     """Commit without waiting for the WAL flush, unless the statement runs in a caller's transaction."""
     return not connection.in_atomic_block
@@ -188,14 +202,11 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
 def _reserve_in_one_statement(reservation: Reservation, *, user) -> tuple[str, int] | bool | None:
     """False: reserved. None: an account is missing. Else the first scope without room and its room."""
     wanted = 1 + (user is not None) + (reservation.run_id is not None)
-    with connection.cursor() as cursor:
-        cursor.execute(_RESERVE, {
-            "tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
-            "run": reservation.run_id, "wanted": wanted, "amount": reservation.amount_micros,
-            "id": reservation.pk, "purpose": reservation.purpose, "note": reservation.note,
-            "relaxed": _relaxed_commit()})
-        fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = \
-            cursor.fetchone()
+    fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
+        _RESERVE, {"tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
+                   "run": reservation.run_id, "wanted": wanted, "amount": reservation.amount_micros,
+                   "id": reservation.pk, "purpose": reservation.purpose, "note": reservation.note,
+                   "relaxed": _relaxed_commit()})
     if fits:
         reservation.created_at = created_at
         reservation.day_account_id, reservation.user_account_id = day_account, user_account
@@ -255,6 +266,13 @@ def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0,
 
 
 def _load(reservation_id) -> Reservation:
+    if connection.vendor == "postgresql":
+        found = _execute(_LOAD, {"id": reservation_id})
+        if found is None:
+            raise Reservation.DoesNotExist(f"no reservation {reservation_id}")
+        amount, day_account, user_account, run_account = found
+        return Reservation(pk=reservation_id, amount_micros=amount, day_account_id=day_account,
+                           user_account_id=user_account, run_account_id=run_account)
     return Reservation.objects.only("amount_micros", "day_account_id", "user_account_id", "run_account_id") \
         .get(pk=reservation_id)
 
@@ -267,13 +285,12 @@ def _close(reservation: Reservation, *, from_status: str, to_status: str, actual
     entries = [(str(kind), amount) for kind, amount in entries if amount]
     accounts = reservation.accounts()
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(_CLOSE, {
-                "id": reservation.pk, "from_status": from_status, "to_status": to_status, "actual": actual,
-                "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
-                "ids": accounts, "kinds": [k for k, _ in entries], "amounts": [a for _, a in entries],
-                "relaxed": not durable and _relaxed_commit(), **moves})
-            return cursor.fetchone()[0] == 1
+        closed, _ = _execute(_CLOSE, {
+            "id": reservation.pk, "from_status": from_status, "to_status": to_status, "actual": actual,
+            "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
+            "ids": accounts, "kinds": [k for k, _ in entries], "amounts": [a for _, a in entries],
+            "relaxed": not durable and _relaxed_commit(), **moves})
+        return closed == 1
     with transaction.atomic():
         unlinked = {"step__isnull": True} if unlinked_only else {}
         if not Reservation.objects.filter(pk=reservation.pk, status=from_status, **unlinked).update(

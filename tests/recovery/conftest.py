@@ -10,6 +10,7 @@ import subprocess
 import time
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 from django.conf import settings
 from django.db import close_old_connections, connection
@@ -92,8 +93,6 @@ def http_bank_tool(tenant, bank, remote: str, *, effect_class: str, server_name:
 
 def until_fault_taken(bank, tool: str, *, timeout: float = 30) -> None:
     """Wait until the bank has consumed every fault armed for `tool` (the request is in the server)."""
-    import httpx
-
     wait_for(lambda: all(f["remaining"] == 0 for f in httpx.get(f"{bank.url}/faults", timeout=10).json()["faults"]
                          if f["tool"] == tool), timeout=timeout, interval=0.05, what=f"{tool} request in the server")
 
