@@ -28,6 +28,7 @@ BENCH_SCENARIOS (raw,engine0,engine200), BENCH_TIMEOUT (900 s per scenario).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -101,7 +102,7 @@ def start_fake_model(latency_ms: int) -> tuple[subprocess.Popen, str]:
         except OSError:
             if proc.poll() is not None:
                 raise RuntimeError("fake model server exited")
-            time.sleep(0.25)   # the end time comes from finished_at, not from this poll
+            time.sleep(0.05)
     raise RuntimeError("fake model server did not start")
 
 
@@ -110,9 +111,11 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile(prefix=f"{TAG}-worker-", suffix=".log", delete=False)
         self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", POOL,
                      "-c", str(CONCURRENCY), "-Q", TAG, "-n", f"{TAG}@%h", "-I", "bench.noop_tasks",
-                     "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"), "--without-gossip", "--without-mingle", "--without-heartbeat"]
+                     "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"),
+                     "--without-gossip", "--without-mingle", "--without-heartbeat"]
         # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
-        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1", DEBUG="false")
+        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1",
+                        DEBUG="false")
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
         self.proc: subprocess.Popen | None = None
@@ -288,7 +291,8 @@ def scenario_raw(sampler: RssSampler) -> dict:
         time.sleep(0.02)
     end = max(float(item.split()[1]) for item in r.lrange(key, 0, -1))
     r.delete(key)
-    return {"steps": RUNS * STEPS, "seconds": end - start, "rss": sampler.peak(), "cpu": sampler.cpu_seconds() - cpu}
+    return {"steps": RUNS * STEPS, "seconds": end - start, "rss": sampler.peak(),
+            "cpu": sampler.cpu_seconds() - cpu}
 
 
 def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
@@ -334,8 +338,13 @@ def stuck_report(runs) -> str:
             f"{r.llen(TAG)}, unacked {r.hlen('unacked')}")
 
 
+TABLE = re.compile(r'(?:from|into|update|join)\s+"?((?:runs|budgets|tools|tenants|llm|agents|guardian|auth|'
+                   r'approvals)_[a-z_]+)', re.IGNORECASE)
+
+
 def queries_per_step(user, agent: str) -> dict:
     """One run driven in-process: queries per advance(), by step kind."""
+    import psycopg
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -346,30 +355,50 @@ def queries_per_step(user, agent: str) -> dict:
     run_id = ids[0]
     per_kind: dict[str, list[int]] = {"model": [], "tool": []}
     tables: dict[str, int] = {}
-    with HeldMessages():                          # nor are the ones advance() enqueues
-        for _ in range(STEPS * 2):
-            kind_next = "tool" if Step.objects.filter(run_id=run_id, kind="tool", status__in=READY).exists() \
-                else "model"
-            with CaptureQueriesContext(connection) as ctx:
-                advance(run_id)
-            per_kind[kind_next].append(len(ctx.captured_queries))
-            for q in ctx.captured_queries:
-                sql = q["sql"].lstrip()
-                verb = sql.split()[0].upper()
-                table = next((w.strip('"') for w in sql.replace("(", " ").split()
-                              if w.startswith('"') and w.strip('"').split("_")[0] in
-                              {"runs", "budgets", "tools", "tenants", "llm", "agents", "guardian", "auth",
-                               "approvals"}), "?")
-                if verb in {"SAVEPOINT", "RELEASE", "BEGIN", "COMMIT", "ROLLBACK"}:
-                    table = ""
-                tables[f"{verb} {table}".strip()] = tables.get(f"{verb} {table}".strip(), 0) + 1
-            if Run.objects.get(pk=run_id).status in TERMINAL:
-                break
+    # Statements sent through any psycopg cursor of this thread, including raw ones that Django's
+    # query log does not see (budgets/services.py prepares its statements on a psycopg cursor).
+    sent = {"n": 0, "on": False}
+    me = threading.get_ident()
+    original = psycopg.Cursor.execute
+
+    def counting(self, *args, **kwargs):
+        if sent["on"] and threading.get_ident() == me:
+            sent["n"] += 1
+        return original(self, *args, **kwargs)
+
+    psycopg.Cursor.execute = counting
+    try:
+        with HeldMessages():                          # nor are the ones advance() enqueues
+            for _ in range(STEPS * 2):
+                kind_next = "tool" if Step.objects.filter(run_id=run_id, kind="tool",
+                                                          status__in=READY).exists() else "model"
+                sent["on"] = True
+                with CaptureQueriesContext(connection) as ctx:
+                    advance(run_id)
+                sent["on"] = False
+                per_kind[kind_next].append(len(ctx.captured_queries))
+                count_statements(ctx.captured_queries, tables)
+                if Run.objects.get(pk=run_id).status in TERMINAL:
+                    break
+    finally:
+        psycopg.Cursor.execute = original
     run = Run.objects.get(pk=run_id)
     steps = Step.objects.filter(run_id=run_id).count()
     total = sum(per_kind["model"]) + sum(per_kind["tool"])
     return {"status": run.status, "steps": steps, "tasks": len(per_kind["model"]) + len(per_kind["tool"]),
-            "total": total, "model": per_kind["model"], "tool": per_kind["tool"], "tables": tables}
+            "total": total, "model": per_kind["model"], "tool": per_kind["tool"], "tables": tables,
+            "sent": sent["n"]}
+
+
+def count_statements(captured: list[dict], tables: dict[str, int]) -> None:
+    for q in captured:
+        sql = q["sql"].lstrip()
+        verb = sql.split()[0].upper().lstrip("(")
+        found = TABLE.search(sql)
+        table = "" if verb in {"SAVEPOINT", "RELEASE", "BEGIN", "COMMIT", "ROLLBACK"} else (
+            found.group(1) if found else "?")
+        key = f"{verb} {table}".strip()
+        tables[key] = tables.get(key, 0) + 1
 
 
 # --- main ------------------------------------------------------------------------------------------
@@ -473,6 +502,8 @@ def report(results: dict, qps: dict, max_connections: int, connections_now: int)
           f"tool step: avg {sum(tool) / max(len(tool), 1):.1f}")
     top = sorted(qps["tables"].items(), key=lambda kv: -kv[1])
     print("  by statement: " + ", ".join(f"{k} {v}" for k, v in top))
+    print(f"  statements sent through any psycopg cursor (raw ones included, BEGIN/COMMIT not): "
+          f"{qps['sent'] / max(qps['steps'], 1):.1f} per step")
     print(f"  connections to the bench database at the end: {connections_now}")
 
 

@@ -407,7 +407,7 @@ def _do_model(plan: Plan) -> None:
     if step is None:
         budgets.release(plan.reservation_id, note="call not made")
         return
-    # The endpoint read by the claim (its secret, if any, is read when the call is made).
+    # The endpoint (and its secret) the claim read: the call itself needs no database connection.
     endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
         pk=plan.extra["endpoint_id"])
     try:
