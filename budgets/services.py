@@ -164,6 +164,7 @@ def _execute(sql: str, params: dict) -> tuple:
 
     Django binds parameters on the client, so PostgreSQL would parse and plan these statements
     on every call; prepared (server-side binding, cached per connection) they are planned once.
+    A connection pooler in front of PostgreSQL must therefore support prepared statements.
     """
     connection.ensure_connection()
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:

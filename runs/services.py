@@ -103,12 +103,20 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
 
     now = timezone.now()
     Run.objects.filter(pk=run_id).update(last_enqueued_at=now, **fields)
-    # The message carries its enqueue time: an older message still in the queue is superseded
-    # (the claim drops it), so the sweeper's re-enqueue of a slow message never forks the run
-    # into two message chains. robust: with the broker down the commit stands (a started run is
-    # not answered with a 500) and the sweeper re-enqueues the run; the error is logged.
+    # The message carries its enqueue time: a message older than the run's latest enqueue is
+    # superseded (the claim drops it), so duplicates never fork the run into two message chains.
+    # robust: with the broker down the commit stands (a started run is not answered with a 500)
+    # and the sweeper sends the message again later; the error is logged.
     transaction.on_commit(lambda: advance_run.apply_async((str(run_id), now.isoformat()), countdown=countdown),
                           robust=True)
+
+
+def resend(run_id, *, enqueued_at) -> None:
+    """Send the run's last message again, unchanged: if the first copy was only slow, whichever
+    copy arrives first moves the run, and the other is then older than the run's next message."""
+    from runs.tasks import advance_run
+
+    transaction.on_commit(lambda: advance_run.apply_async((str(run_id), enqueued_at.isoformat())), robust=True)
 
 
 def lock_run(run_id) -> Run:

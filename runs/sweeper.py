@@ -8,11 +8,11 @@ import datetime as dt
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
-from runs.models import TERMINAL, Run, RunStatus, StepStatus, StopReason
-from runs.services import end_run, enqueue, lock_run, record_event, transition_run
+from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
+from runs.services import end_run, enqueue, lock_run, record_event, resend, transition_run
 
 BATCH = 500
 
@@ -50,17 +50,26 @@ def _requeue_expired_leases(now: dt.datetime) -> int:
 
 
 def _requeue_lost_messages(now: dt.datetime) -> int:
-    """Runs that should have a message in the broker but were not touched for too long."""
+    """Runs that should have a message in the broker but were not touched for too long.
+
+    The message is sent again as it was, not replaced: when the queue is only backed up, a
+    replacement would go to its back and void the copy near its front. Once per
+    QUEUED_TOO_LONG_SECONDS per run (its recovery events say when it was last sent again).
+    """
     stale = now - dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
-    ids = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING], lease_token__isnull=True)
-               .filter(Q(last_enqueued_at__lt=stale) | Q(last_enqueued_at__isnull=True))
-               .values_list("pk", flat=True)[:BATCH])
-    for run_id in ids:
+    resent = RunEvent.objects.filter(run=OuterRef("pk"), kind="recovery", at__gte=stale, data__found="lost_message")
+    runs = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING], lease_token__isnull=True)
+                .filter(Q(last_enqueued_at__lt=stale) | Q(last_enqueued_at__isnull=True))
+                .exclude(Exists(resent)).values_list("pk", "last_enqueued_at")[:BATCH])
+    for run_id, enqueued_at in runs:
         with transaction.atomic():
             record_event(run_id, "recovery", f"no progress for {settings.QUEUED_TOO_LONG_SECONDS}s "
-                         "(message lost or queue backed up); re-enqueued", action="requeue", found="lost_message")
-            enqueue(run_id)
-    return len(ids)
+                         "(message lost or queue backed up); sent again", action="requeue", found="lost_message")
+            if enqueued_at is None:
+                enqueue(run_id)
+            else:
+                resend(run_id, enqueued_at=enqueued_at)
+    return len(runs)
 
 
 def _stop_past_deadline(now: dt.datetime) -> int:

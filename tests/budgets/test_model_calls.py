@@ -145,8 +145,11 @@ def test_a_model_call_lost_with_its_worker_is_held_until_a_person_reconciles_it(
     with connection.cursor() as cursor:
         cursor.execute("UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s", [run.pk])
     workers("w2")
-    sweeper.sweep()
-    run = wait_for(lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="run end")
+
+    def swept_and_ended():      # play Celery beat: a lost message is re-sent too
+        sweeper.sweep()
+        return (r := Run.objects.get(pk=run.pk)).is_terminal and r
+    run = wait_for(swept_and_ended, timeout=90, interval=0.5, what="run end")
     assert run.status == "succeeded", run.error
 
     lost, retried = model_reservations(run)
