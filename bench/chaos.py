@@ -474,6 +474,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--settle-seconds", type=float, default=180, help="how long to wait for quiescence")
+    parser.add_argument("--keep-database", action="store_true", help="leave chaos_<pid> for a post-mortem")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     logs = Path(tempfile.mkdtemp(prefix=f"{TAG}-"))
@@ -543,7 +544,8 @@ def main() -> int:
         ensure_redis()
         from django.db import connections
         connections.close_all()
-        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        if not args.keep_database:
+            admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
 
 
 def quiescent(run_ids: list[str], seconds: float, revive) -> bool:

@@ -1,13 +1,13 @@
 """Budget ledger: reserve before every call, settle after, hold what is unknown.
 
 Rules (DESIGN.md section 6):
-- Balances move only in one UPDATE per operation (`_MOVE`) that first locks the reservation's
-  accounts in one fixed order (tenant day, user day, run) and, for a reservation, adds only
-  where `spent + reserved + held + amount <= limit`. PostgreSQL re-checks that condition on
-  the newest row version after waiting for the lock, so two reservations can never both pass a
-  check that only one of them fits. If any account has no room, nothing moves.
-- Budget work always runs in its own short transaction, never while a run row is locked, so
-  budget and run locks cannot deadlock.
+- Balances move only inside one statement per operation (`_RESERVE`, `_CLOSE`) that first locks
+  the reservation's accounts in one fixed order (tenant day, user day, run). A reservation takes
+  `amount` only if every account has `spent + reserved + held + amount <= limit`, judged on the
+  newest row versions (read under the lock), so two reservations can never both pass a check
+  that only one of them fits; if any account has no room, nothing moves.
+- Budget work always runs in its own short statement or transaction, never while a run row is
+  locked, so budget and run locks cannot deadlock.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
   recovering worker cannot both settle or both hold it.
 - Every movement writes LedgerEntry rows; budgets.selectors.ledger_mismatches recomputes the
