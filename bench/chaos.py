@@ -109,10 +109,11 @@ class Process:
 
     def start(self, timeout: float = 180) -> "Process":
         self.starts += 1
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0   # earlier lives' output
         log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, cwd=ROOT, env=CHILD_ENV, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while self.ready and self.ready.encode() not in self.log_path.read_bytes()[-20000:]:
+        while self.ready and self.ready.encode() not in self.log_path.read_bytes()[offset:]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not start:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
@@ -364,7 +365,6 @@ class Chaos:
         log(f"chaos: SIGKILL {worker.name}")
         worker.kill()
         self.counts["worker SIGKILL"] += 1
-        time.sleep(self.rng.uniform(0, 1.5))
         worker.start()
 
     def stall(self) -> None:
@@ -384,7 +384,7 @@ class Chaos:
     def play(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         once = {"redis": time.monotonic() + seconds / 3, "stall": time.monotonic() + 2 * seconds / 3}
-        next_kill = time.monotonic() + self.rng.uniform(2, 5)
+        next_kill = time.monotonic() + self.rng.uniform(2, 6)
         while time.monotonic() < end:
             self.revive()
             now = time.monotonic()
@@ -394,7 +394,7 @@ class Chaos:
                     getattr(self, name)()
             if now >= next_kill:
                 self.kill()
-                next_kill = time.monotonic() + self.rng.uniform(2, 6)
+                next_kill = time.monotonic() + self.rng.uniform(3, 9)
             if self.rng.random() < 0.5:
                 self.fault()
             time.sleep(self.rng.uniform(0.5, 1.5))
