@@ -8,7 +8,9 @@ import datetime as dt
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import (Count, DateTimeField, DurationField, ExpressionWrapper, F, Max, OuterRef, Q,
+                              Subquery, Value)
+from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
@@ -34,12 +36,9 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
 
 
 def _requeue_expired_leases(now: dt.datetime) -> int:
-    # Once per expiry: a run already re-enqueued after its lease ran out waits for that message,
-    # unless it too has gone unanswered for QUEUED_TOO_LONG_SECONDS (lost, or no worker alive).
-    stale = now - dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
+    # Once per expiry: if that message goes unanswered too, it is a lost message (below).
     ids = list(Run.objects.filter(status=RunStatus.RUNNING, lease_expires_at__lt=now)
-               .filter(Q(last_enqueued_at__isnull=True) | Q(last_enqueued_at__lt=F("lease_expires_at"))
-                       | Q(last_enqueued_at__lt=stale))
+               .filter(Q(last_enqueued_at__isnull=True) | Q(last_enqueued_at__lt=F("lease_expires_at")))
                .values_list("pk", flat=True)[:BATCH])
     for run_id in ids:
         with transaction.atomic():
@@ -53,18 +52,26 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     """Runs that should have a message in the broker but were not touched for too long.
 
     The message is sent again as it was, not replaced: when the queue is only backed up, a
-    replacement would go to its back and void the copy near its front. Once per
-    QUEUED_TOO_LONG_SECONDS per run (its recovery events say when it was last sent again).
+    replacement would go to its back and void the copy near its front. A run's message is sent
+    again QUEUED_TOO_LONG_SECONDS after its last enqueue, then after twice that, four times, ...
+    (its recovery events count the times), so a backlog is not fed faster than it drains.
     """
-    stale = now - dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
-    resent = RunEvent.objects.filter(run=OuterRef("pk"), kind="recovery", at__gte=stale, data__found="lost_message")
-    runs = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING], lease_token__isnull=True)
-                .filter(Q(last_enqueued_at__lt=stale) | Q(last_enqueued_at__isnull=True))
-                .exclude(Exists(resent)).values_list("pk", "last_enqueued_at")[:BATCH])
+    wait = dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
+    resent = RunEvent.objects.filter(run=OuterRef("pk"), kind="recovery", data__found="lost_message",
+                                     at__gt=OuterRef("last_enqueued_at")).values("run")
+    times = Coalesce(Subquery(resent.annotate(n=Count("pk")).values("n")), 0)
+    since = Coalesce(Subquery(resent.annotate(last=Max("at")).values("last")), F("last_enqueued_at"))
+    due_at = ExpressionWrapper(since + ExpressionWrapper(Value(wait) * Power(2, times), output_field=DurationField()),
+                               output_field=DateTimeField())
+    unleased = Q(lease_token__isnull=True) | Q(lease_expires_at__lt=now, last_enqueued_at__gte=F("lease_expires_at"))
+    runs = list(Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+                .alias(due_at=due_at).filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
+                .values_list("pk", "last_enqueued_at")[:BATCH])
     for run_id, enqueued_at in runs:
+        silent = int((now - enqueued_at).total_seconds()) if enqueued_at else 0
         with transaction.atomic():
-            record_event(run_id, "recovery", f"no progress for {settings.QUEUED_TOO_LONG_SECONDS}s "
-                         "(message lost or queue backed up); sent again", action="requeue", found="lost_message")
+            record_event(run_id, "recovery", f"no progress for {silent}s (message lost or queue backed up); "
+                         "sent again", action="requeue", found="lost_message")
             if enqueued_at is None:
                 enqueue(run_id)
             else:

@@ -9,7 +9,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs import engine
-from runs.models import Run, Step
+from runs.models import Run, RunEvent, Step
 from runs.services import start_run
 from runs.sweeper import sweep
 from tests import factories
@@ -39,9 +39,11 @@ def test_it_requeues_a_run_whose_lease_expired_once_per_expiry(run, settings):
     [event] = [e for e in events(run.pk, "recovery")]
     assert event.data == {"found": "expired_lease", "action": "requeue"}
     assert "lease expired" in event.message
-    assert sweep()["expired_leases"] == 0             # its message is on the way
-    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO, lease_expires_at=LONG_AGO)
-    assert sweep()["expired_leases"] == 1             # ...but never came: once more
+    counts = sweep()
+    assert counts["expired_leases"] == counts["lost_messages"] == 0   # its message is on the way
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO + dt.timedelta(seconds=1),
+                                         lease_expires_at=LONG_AGO)
+    assert sweep()["lost_messages"] == 1              # ...but never came: sent again, like any lost one
 
 
 def test_it_requeues_a_run_whose_message_was_lost(run, settings):
@@ -95,3 +97,16 @@ def test_it_lets_the_first_copy_of_a_message_sent_again_move_the_run_and_drops_t
     assert Step.objects.get(run=run, seq=2).status == "proposed"
     engine.advance(run.pk, enqueued_at=Run.objects.get(pk=run.pk).last_enqueued_at)
     assert Step.objects.get(run=run, seq=2).status == "succeeded"      # the run's next message carries on
+
+
+def test_it_sends_a_silent_runs_message_again_less_and_less_often(run, settings):
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    start = timezone.now()
+    Run.objects.filter(pk=run.pk).update(last_enqueued_at=start)
+    sent = []
+    for t in range(0, 400, 5):                                         # a sweep every 5 s
+        at = start + dt.timedelta(seconds=t)
+        if sweep(now=at)["lost_messages"]:
+            sent.append(t)
+            RunEvent.objects.filter(pk=events(run.pk, "recovery")[-1].pk).update(at=at)   # on the same clock
+    assert sent == [30, 90, 210]                                       # after 30 s, then 60 s more, then 120 s
