@@ -2,6 +2,7 @@
 
     DATABASE_URL=postgres://root@127.0.0.1:5432/test CELERY_BROKER_URL=redis://127.0.0.1:6379/15 \\
         .venv/bin/python bench/chaos.py [--runs 200] [--seconds 120] [--seed N]
+                                        [--settle-seconds 600] [--keep-database]
 
 DATABASE_URL only says where PostgreSQL is: the run creates its own database `chaos_<pid>`,
 migrates it (`manage.py migrate`) and drops it at the end. It starts the API (gunicorn), Celery
@@ -14,7 +15,7 @@ four tools, one per effect class:
     bank2__issue_refund         reconcilable   HTTP, status_url GET /http/status/{key}
     bank__send_customer_email   unsafe         MCP
 
-During --seconds of chaos it SIGKILLs a random worker every few seconds (and starts it again),
+Runs are started over the first 60 % of the chaos window. During --seconds of chaos it SIGKILLs a random worker every few seconds (and starts it again),
 arms faults on the banks (slow calls, calls that time out after their effect was applied, 5xx
 after the effect), restarts Redis once (nothing persisted: every queued message is lost) and
 SIGSTOPs one worker past its lease before SIGCONT. Runs that wait for a person
@@ -22,7 +23,7 @@ SIGSTOPs one worker past its lease before SIGCONT. Runs that wait for a person
 idempotency key up in the provider's ledger; if the effect is there the call succeeded, if not
 it failed.
 
-At the end it waits until nothing moves, then prints runs by final status, effects applied per
+At the end it waits (at most --settle-seconds) until every run has finished, then prints runs by final status, effects applied per
 tool against the effects the platform recorded, duplicate effects, reservations left open on
 finished runs and runs neither finished nor waiting for a person, and exits non-zero if any
 target is missed. Redis is restarted for real: other users of that Redis lose their queues too.
@@ -210,8 +211,6 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
                                    max_starts_per_minute=100_000, max_cost_micros_cap=10**12)
     agent_user = User.objects.create_user(username="asha", password="pw", tenant=tenant)
     supervisor = User.objects.create_user(username="meera", password="pw", tenant=tenant, is_staff=True)
-    ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted", model="scripted",
-                                 timeout_seconds=MODEL_TIMEOUT, config={"latency_ms": 30})
     mcp = ToolServer.objects.create(tenant=tenant, name="bank", kind=ToolServer.Kind.MCP,
                                     transport=ToolServer.Transport.STREAMABLE_HTTP, url=f"{bank.url}/mcp",
                                     status_tool="refund_status")
@@ -234,14 +233,15 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     def call(name: str, arguments: dict) -> dict:
         return {"tool_calls": [{"name": name, "arguments": arguments}]}
 
-    version, _ = create_version(tenant=tenant, agent="chaos-agent", spec={
-        "model": "scripted", "instructions": "Settle the dispute.", "tools": sorted(t.name for t in tools)})
-    ModelEndpoint.objects.filter(tenant=tenant).update(config={"latency_ms": 30, "turns": [
+    ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted", model="scripted",
+                                 timeout_seconds=MODEL_TIMEOUT, config={"latency_ms": 30, "turns": [
         call("bank__lookup_transaction", {"transaction_id": "TXN-1002"}),
         call("bank__issue_refund", {"transaction_id": "TXN-1002", "amount": "$input.refund", "currency": "INR"}),
         call("bank2__issue_refund", {"transaction_id": "TXN-1001", "amount": "$input.refund2", "currency": "INR"}),
         call("bank__send_customer_email", {"to": "$input.email", "subject": "Your dispute", "body": "Refunded."}),
         {"text": "The dispute is settled."}]})
+    version, _ = create_version(tenant=tenant, agent="chaos-agent", spec={
+        "model": "scripted", "instructions": "Settle the dispute.", "tools": sorted(t.name for t in tools)})
     Alias.objects.create(agent=version.agent, name="prod", version=version)
     return Token.objects.create(user=agent_user).key, Token.objects.create(user=supervisor).key
 
@@ -473,7 +473,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=int(time.time()))
-    parser.add_argument("--settle-seconds", type=float, default=180, help="how long to wait for quiescence")
+    parser.add_argument("--settle-seconds", type=float, default=600, help="how long to wait for quiescence")
     parser.add_argument("--keep-database", action="store_true", help="leave chaos_<pid> for a post-mortem")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -499,7 +499,7 @@ def main() -> int:
         workers = [Process(f"worker{i}", [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P",
                                           "threads", "-c", str(CONCURRENCY), "-Q", CHILD_ENV["CELERY_QUEUE"],
                                           "-n", f"chaos{i}-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
-                                          "--loglevel", "INFO"], logs, " ready.") for i in (1, 2)]
+                                          "--loglevel", "INFO"], logs, " ready.") for i in range(1, WORKERS + 1)]
         processes = [api_process, beat, *workers]
         with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
             starting = [pool.submit(p.start) for p in processes]
