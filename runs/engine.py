@@ -415,14 +415,19 @@ def _do_model(plan: Plan) -> None:
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
-        _record_model_failure(plan, step, exc)
+        failure = exc   # `exc` is unbound once the except block ends
+        _through_database_outage(lambda: _record_model_failure(plan, step, failure), seconds=plan.lease_seconds)
         return
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
     cost = model_gateway.cost_micros(endpoint, reply.usage)
-    budgets.settle(plan.reservation_id, actual_micros=cost)
-    _record_model(plan, step, reply, cost, estimate)
+
+    def settle_and_record() -> None:
+        budgets.settle(plan.reservation_id, actual_micros=cost)
+        _record_model(plan, step, reply, cost, estimate)
+
+    _through_database_outage(settle_and_record, seconds=plan.lease_seconds)
 
 
 def _record_model_failure(plan: Plan, step: Step, exc) -> None:

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from llm.models import ModelEndpoint
 from runs.models import Run, Step
 from runs.services import start_run
 from tests import factories
@@ -28,6 +29,7 @@ def test_it_finishes_every_run_across_a_postgresql_restart(tenant, asha, bank, w
         {"tool_calls": [{"name": names["issue_refund"], "arguments": {
             "transaction_id": "TXN-1002", "amount": "$input.amount", "currency": "INR"}}]},
         {"text": "refunded"}])
+    ModelEndpoint.objects.filter(tenant=tenant).update(timeout_seconds=5)   # short leases for model steps too
     bank.fault(tool="lookup_transaction", delay_before_effect=1, times=100)
     workers("w1", env=FAST_LEASES)
     ids = [start_run(user=asha, agent="agent", input={"ref": f"R{n}", "amount": 100 + n})[0].pk for n in range(4)]
