@@ -24,7 +24,6 @@ Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_RACE_ROOM (
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 import time
