@@ -44,7 +44,7 @@ TENANT_PATHS = {
     "approvals.approval": "tenant",
     "budgets.budgetaccount": "tenant",
     "budgets.reservation": "tenant",
-    "budgets.ledgerentry": "account__tenant",
+    "budgets.ledgerentry": "reservation__tenant",
 }
 
 

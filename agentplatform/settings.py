@@ -112,12 +112,17 @@ def _database() -> dict:
     else:
         # Health checks let workers and the API survive a PostgreSQL restart.
         db["CONN_HEALTH_CHECKS"] = True
+        # Django's own queries bind parameters on the client and are never prepared; a threshold
+        # lets the budget ledger's hot statements (budgets.services._execute, prepare=True) be
+        # parsed and planned once per connection instead of on every call. With the psycopg
+        # default Django passes (None), prepare=True is silently ignored.
+        db["OPTIONS"] = {"prepare_threshold": 5}
         pool_max = env_int("DB_POOL_MAX", 0)
         if pool_max:
             # Pooled connections are returned on close(); workers close before network calls
             # so a thread waiting on a model holds no database connection.
             db["CONN_MAX_AGE"] = 0
-            db["OPTIONS"] = {"pool": {"min_size": 1, "max_size": pool_max, "timeout": 30}}
+            db["OPTIONS"]["pool"] = {"min_size": 1, "max_size": pool_max, "timeout": 30}
         else:
             db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     if TESTING and db["ENGINE"] != "django.db.backends.sqlite3":

@@ -78,7 +78,7 @@ def usage_page(model_admin, request, tenant):
 
 class LedgerInline(admin.TabularInline):
     model = LedgerEntry
-    fields = ["at", "account", "kind", "amount_micros", "actor", "note"]
+    fields = ["at", "kind", "amount_micros", "actor", "note"]
     readonly_fields = fields
     extra = 0
     can_delete = False

@@ -53,6 +53,9 @@ def get_reservation(user, reservation_id) -> Reservation:
 def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
     """Recompute the account's balances from its ledger; {field: (balance, ledger)} where they differ.
 
+    An entry moves every account of its reservation, so an account's ledger is the entries of the
+    reservations that name it.
+
     Entry kinds move balances like this: reserve +reserved; settle +spent; hold reserved -> held;
     release, settle and reconcile close a reservation (what closed = settle/reconcile + release -
     overage); write_off clears a hold. A reservation's status says which balance its closing
@@ -64,7 +67,9 @@ def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
     def total(*kinds, extra=Q()):
         return Coalesce(Sum("amount_micros", filter=Q(kind__in=kinds) & extra), 0)
 
-    sums = account.entries.aggregate(
+    of_account = Q(reservation__day_account=account) | Q(reservation__user_account=account) | \
+        Q(reservation__run_account=account)
+    sums = LedgerEntry.objects.filter(of_account).aggregate(
         reserve=total(K.RESERVE), settle=total(K.SETTLE), reconcile=total(K.RECONCILE),
         release=total(K.RELEASE), overage=total(K.OVERAGE), write_off=total(K.WRITE_OFF), hold=total(K.HOLD),
         held_closed=total(K.RECONCILE, K.RELEASE, K.WRITE_OFF, extra=from_held),

@@ -10,8 +10,8 @@ Rules (DESIGN.md section 6):
   locked, so budget and run locks cannot deadlock.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
   recovering worker cannot both settle or both hold it.
-- Every movement writes LedgerEntry rows; budgets.selectors.ledger_mismatches recomputes the
-  balances from them.
+- Every movement writes a LedgerEntry on its reservation (it moves all the reservation's accounts
+  alike); budgets.selectors.ledger_mismatches recomputes each account's balances from them.
 
 The tenant-day row is the hottest row of the platform (every call of every run of a tenant
 updates it), so on PostgreSQL each reserve and each close is one SQL statement (`_RESERVE`,
@@ -72,9 +72,9 @@ WITH locked AS (
            %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
       FROM verdict WHERE verdict.fits
     RETURNING created_at, day_account_id, user_account_id, run_account_id
-), entries AS (
-    INSERT INTO {_ENTRIES} (account_id, reservation_id, kind, amount_micros, note, at)
-    SELECT locked.id, %(id)s, 'reserve', %(amount)s, '', now() FROM created, locked
+), entry AS (
+    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
+    SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
 )
 SELECT verdict.fits, verdict.found, created.*,
        ARRAY(SELECT scope FROM locked WHERE room < %(amount)s),
@@ -82,31 +82,43 @@ SELECT verdict.fits, verdict.found, created.*,
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
 """
-_LOAD = f"SELECT amount_micros, day_account_id, user_account_id, run_account_id FROM {_RESERVATIONS} WHERE id = %(id)s"
 # Close the reservation if it is still in from_status; only then lock its accounts in order,
-# move their balances and write the ledger entries (one per account and kind, in that order).
+# move their balances and write its ledger entries. The amounts follow from the reservation's
+# amount and the actual cost (see _movement, which the portable path uses and this mirrors):
+# `kind` is the closing entry; settle and reconcile also release what was not used and record
+# an overage; a zero amount writes no entry.
 _CLOSE = f"""
 WITH closed AS (
     UPDATE {_RESERVATIONS}
-       SET status = %(to_status)s, actual_micros = %(actual)s, overage = %(overage)s > 0, closed_at = now(),
-           closed_by_id = %(actor)s
+       SET status = %(to_status)s, actual_micros = %(actual)s::bigint,
+           overage = coalesce(%(actual)s::bigint, 0) > amount_micros,
+           closed_at = now(), closed_by_id = %(actor)s
      WHERE id = %(id)s AND status = %(from_status)s AND (step_id IS NULL OR NOT %(unlinked_only)s)
-    RETURNING id
+    RETURNING id, amount_micros AS amount, coalesce(%(actual)s::bigint, 0) AS actual,
+              day_account_id, user_account_id, run_account_id
 ), locked AS (
-    SELECT a.id FROM {_ACCOUNTS} AS a, closed WHERE a.id = ANY(%(ids)s::bigint[])
-     ORDER BY array_position(%(ids)s::bigint[], a.id)
+    SELECT a.id FROM {_ACCOUNTS} AS a, closed
+     WHERE a.id IN (closed.day_account_id, closed.user_account_id, closed.run_account_id)
+     ORDER BY CASE a.scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END
        FOR NO KEY UPDATE OF a
 ), moved AS (
     UPDATE {_ACCOUNTS} AS a
-       SET reserved_micros = a.reserved_micros + %(reserved)s, spent_micros = a.spent_micros + %(spent)s,
-           held_micros = a.held_micros + %(held)s, overage_micros = a.overage_micros + %(overage)s
-      FROM locked WHERE a.id = locked.id
+       SET reserved_micros = a.reserved_micros - CASE WHEN %(from_status)s = 'open' THEN closed.amount ELSE 0 END,
+           held_micros = a.held_micros + CASE WHEN %(to_status)s = 'held' THEN closed.amount
+                                              WHEN %(from_status)s = 'held' THEN -closed.amount ELSE 0 END,
+           spent_micros = a.spent_micros + closed.actual,
+           overage_micros = a.overage_micros + greatest(closed.actual - closed.amount, 0)
+      FROM locked, closed WHERE a.id = locked.id
 ), entries AS (
-    INSERT INTO {_ENTRIES} (account_id, reservation_id, kind, amount_micros, actor_id, note, at)
-    SELECT account.id, closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
-      FROM closed, unnest(%(ids)s::bigint[]) WITH ORDINALITY AS account(id, position),
-           unnest(%(kinds)s::text[], %(amounts)s::bigint[]) WITH ORDINALITY AS entry(kind, amount, position)
-     ORDER BY account.position, entry.position
+    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, actor_id, note, at)
+    SELECT closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
+      FROM closed, LATERAL (VALUES
+           (1, %(kind)s, CASE WHEN %(kind)s IN ('settle', 'reconcile') THEN closed.actual ELSE closed.amount END),
+           (2, 'release', CASE WHEN %(kind)s IN ('settle', 'reconcile') THEN greatest(closed.amount - closed.actual, 0)
+                               ELSE 0 END),
+           (3, 'overage', greatest(closed.actual - closed.amount, 0))) AS entry(position, kind, amount)
+     WHERE entry.amount <> 0
+     ORDER BY entry.position
 )
 SELECT count(*), CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END FROM closed
 """
@@ -236,9 +248,7 @@ def _reserve_portable(reservation: Reservation, *, user) -> tuple[str, int] | bo
     reservation.user_account, reservation.run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
     with transaction.atomic():
         reservation.save(force_insert=True)
-        LedgerEntry.objects.bulk_create([
-            LedgerEntry(account=a, reservation=reservation, kind=Kind.RESERVE, amount_micros=reservation.amount_micros)
-            for a in accounts])
+        LedgerEntry.objects.create(reservation=reservation, kind=Kind.RESERVE, amount_micros=reservation.amount_micros)
         moved = _move_portable([a.pk for a in accounts], reserved=reservation.amount_micros, within_limit=True)
         short = next((a for a in accounts if a.pk not in moved), None)
         if short is None:
@@ -266,95 +276,75 @@ def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0,
     return moved
 
 
-def _load(reservation_id) -> Reservation:
-    if connection.vendor == "postgresql":
-        found = _execute(_LOAD, {"id": reservation_id})
-        if found is None:
-            raise Reservation.DoesNotExist(f"no reservation {reservation_id}")
-        amount, day_account, user_account, run_account = found
-        return Reservation(pk=reservation_id, amount_micros=amount, day_account_id=day_account,
-                           user_account_id=user_account, run_account_id=run_account)
-    return Reservation.objects.only("amount_micros", "day_account_id", "user_account_id", "run_account_id") \
-        .get(pk=reservation_id)
+def _movement(amount: int, actual: int | None, *, from_status: str, to_status: str, kind: str):
+    """How closing a reservation moves its accounts, and the ledger entries it writes."""
+    actual = actual or 0
+    settles = kind in (Kind.SETTLE, Kind.RECONCILE)
+    moves = {"reserved": -amount if from_status == Status.OPEN else 0,
+             "held": amount if to_status == Status.HELD else -amount if from_status == Status.HELD else 0,
+             "spent": actual, "overage": max(actual - amount, 0)}
+    entries = [(kind, actual if settles else amount), (Kind.RELEASE, max(amount - actual, 0) if settles else 0),
+               (Kind.OVERAGE, max(actual - amount, 0))]
+    return moves, [(k, a) for k, a in entries if a]
 
 
-def _close(reservation: Reservation, *, from_status: str, to_status: str, actual: int | None,
-           moves: dict[str, int], entries: list[tuple[str, int]], actor=None, note: str = "",
-           durable: bool = True, unlinked_only: bool = False) -> bool:
+def _close(reservation_id, *, from_status: str, to_status: str, kind: str, actual: int | None, actor=None,
+           note: str = "", durable: bool = True, unlinked_only: bool = False) -> bool:
     """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
-    moves = {"reserved": 0, "spent": 0, "held": 0, "overage": 0, **moves}
-    entries = [(str(kind), amount) for kind, amount in entries if amount]
-    accounts = reservation.accounts()
     if connection.vendor == "postgresql":
         closed, _ = _execute(_CLOSE, {
-            "id": reservation.pk, "from_status": from_status, "to_status": to_status, "actual": actual,
-            "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
-            "ids": accounts, "kinds": [k for k, _ in entries], "amounts": [a for _, a in entries],
-            "relaxed": not durable and _relaxed_commit(), **moves})
+            "id": reservation_id, "from_status": from_status, "to_status": to_status, "kind": str(kind),
+            "actual": actual, "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
+            "relaxed": not durable and _relaxed_commit()})
         return closed == 1
     with transaction.atomic():
+        reservation = Reservation.objects.filter(pk=reservation_id).first()
         unlinked = {"step__isnull": True} if unlinked_only else {}
-        if not Reservation.objects.filter(pk=reservation.pk, status=from_status, **unlinked).update(
+        if reservation is None or not Reservation.objects.filter(
+                pk=reservation_id, status=from_status, **unlinked).update(
                 status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
-                overage=moves["overage"] > 0):
+                overage=(actual or 0) > reservation.amount_micros):
             return False
+        moves, entries = _movement(reservation.amount_micros, actual, from_status=from_status, to_status=to_status,
+                                   kind=kind)
         LedgerEntry.objects.bulk_create([
-            LedgerEntry(account_id=account_id, reservation=reservation, kind=kind, amount_micros=amount,
-                        actor=actor, note=note)
-            for account_id in accounts for kind, amount in entries])
-        _move_portable(accounts, **moves)
+            LedgerEntry(reservation=reservation, kind=k, amount_micros=a, actor=actor, note=note) for k, a in entries])
+        _move_portable(reservation.accounts(), **moves)
     return True
 
 
 def settle(reservation_id, *, actual_micros: int, note: str = "") -> bool:
     """Record the actual cost and release the rest. An overage is recorded and flagged."""
-    reservation = _load(reservation_id)
-    amount = reservation.amount_micros
-    overage = max(actual_micros - amount, 0)
-    return _close(reservation, from_status=Status.OPEN, to_status=Status.SETTLED, actual=actual_micros,
-                  moves={"reserved": -amount, "spent": actual_micros, "overage": overage},
-                  entries=[(Kind.SETTLE, actual_micros), (Kind.RELEASE, max(amount - actual_micros, 0)),
-                           (Kind.OVERAGE, overage)], note=note, durable=False)
+    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.SETTLED, kind=Kind.SETTLE,
+                  actual=actual_micros, note=note, durable=False)
 
 
 def release(reservation_id, *, note: str = "") -> bool:
     """The call was provably not made: give the whole reservation back."""
-    reservation = _load(reservation_id)
-    amount = reservation.amount_micros
-    return _close(reservation, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
-                  moves={"reserved": -amount}, entries=[(Kind.RELEASE, amount)], note=note)
+    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.RELEASED, kind=Kind.RELEASE, actual=0,
+                  note=note)
 
 
 def hold(reservation_id, *, note: str = "") -> bool:
     """The call may have been charged and we cannot know: keep the money out of reach."""
-    reservation = _load(reservation_id)
-    amount = reservation.amount_micros
-    return _close(reservation, from_status=Status.OPEN, to_status=Status.HELD, actual=None,
-                  moves={"reserved": -amount, "held": amount}, entries=[(Kind.HOLD, amount)], note=note,
-                  durable=False)
+    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.HELD, kind=Kind.HOLD, actual=None,
+                  note=note, durable=False)
 
 
 def reconcile(reservation_id, *, actual_micros: int, actor, note: str) -> bool:
     """Clear a hold with the provider's actual usage for the lost call."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
-    reservation = _load(reservation_id)
-    amount = reservation.amount_micros
-    overage = max(actual_micros - amount, 0)
-    return _close(reservation, from_status=Status.HELD, to_status=Status.RECONCILED, actual=actual_micros,
-                  moves={"held": -amount, "spent": actual_micros, "overage": overage},
-                  entries=[(Kind.RECONCILE, actual_micros), (Kind.RELEASE, max(amount - actual_micros, 0)),
-                           (Kind.OVERAGE, overage)], actor=actor, note=note)
+    return _close(reservation_id, from_status=Status.HELD, to_status=Status.RECONCILED, kind=Kind.RECONCILE,
+                  actual=actual_micros, actor=actor, note=note)
 
 
 def write_off(reservation_id, *, actor, note: str) -> bool:
     """Clear a hold without provider usage: nothing is counted as spent; the reason is kept."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
-    reservation = _load(reservation_id)
-    amount = reservation.amount_micros
-    return _close(reservation, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, actual=0,
-                  moves={"held": -amount}, entries=[(Kind.WRITE_OFF, amount)], actor=actor, note=note)
+    return _close(reservation_id, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, kind=Kind.WRITE_OFF,
+                  actual=0, actor=actor, note=note)
 
 
 def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta = dt.timedelta(minutes=15)) -> int:
@@ -367,11 +357,6 @@ def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta 
     cutoff = (now or timezone.now()) - older_than
     orphans = Reservation.objects.filter(status=Status.OPEN, step__isnull=True, run__isnull=False,
                                          created_at__lt=cutoff).values_list("pk", flat=True)[:500]
-    released = 0
-    for pk in orphans:
-        reservation = _load(pk)
-        released += _close(reservation, from_status=Status.OPEN, to_status=Status.RELEASED, actual=0,
-                           moves={"reserved": -reservation.amount_micros},
-                           entries=[(Kind.RELEASE, reservation.amount_micros)],
-                           note="never dispatched: its worker stopped before the call", unlinked_only=True)
-    return released
+    return sum(_close(pk, from_status=Status.OPEN, to_status=Status.RELEASED, kind=Kind.RELEASE, actual=0,
+                      note="never dispatched: its worker stopped before the call", unlinked_only=True)
+               for pk in orphans)
