@@ -79,11 +79,15 @@ def _micros(tokens: int, price_per_million: Decimal) -> Decimal:
     return Decimal(tokens) * price_per_million
 
 
-def estimate_cost_micros(endpoint: ModelEndpoint, request: ModelRequest) -> int:
-    """Worst case: every input token uncached (or written to cache), every output token used."""
+def estimate_cost_micros(endpoint: ModelEndpoint, request: ModelRequest, *, input_tokens: int | None = None) -> int:
+    """Worst case: every input token uncached (or written to cache), every output token used.
+
+    `input_tokens`: estimate_input_tokens(request), if the caller has it already.
+    """
+    if input_tokens is None:
+        input_tokens = estimate_input_tokens(request)
     input_price = max(endpoint.price_input, endpoint.price_cache_write)
-    cost = _micros(estimate_input_tokens(request), input_price) + _micros(request.max_output_tokens,
-                                                                           endpoint.price_output)
+    cost = _micros(input_tokens, input_price) + _micros(request.max_output_tokens, endpoint.price_output)
     return math.ceil(cost)
 
 
@@ -101,11 +105,13 @@ def prefix_hash(request: ModelRequest) -> str:
     return hashlib.sha256(prefix.encode()).hexdigest()[:16]
 
 
-def request_summary(request: ModelRequest) -> dict:
+def request_summary(request: ModelRequest, *, input_tokens: int | None = None) -> dict:
     """What the step stores about its request: enough to audit, nothing secret."""
+    if input_tokens is None:
+        input_tokens = estimate_input_tokens(request)
     return {"model": request.model, "messages": len(request.messages), "tools": [t.name for t in request.tools],
             "max_output_tokens": request.max_output_tokens,
-            "estimated_input_tokens": estimate_input_tokens(request), "prefix_hash": prefix_hash(request)}
+            "estimated_input_tokens": input_tokens, "prefix_hash": prefix_hash(request)}
 
 
 def _provider(endpoint: ModelEndpoint):

@@ -31,7 +31,8 @@ from budgets.models import BudgetAccount
 from runs import heartbeat
 from runs.models import (READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus,
                          StopReason)
-from runs.services import (bump_counters, end_run, enqueue, lease_seconds_for, lock_run,
+from runs import rows
+from runs.services import (atomic_with_events, bump_counters, end_run, enqueue, lease_seconds_for, lock_run,
                            record_event, transition_run, transition_step)
 from tools.models import EffectClass
 from tools.types import ToolFailed, ToolOutcomeUnknown, ToolResult
@@ -81,9 +82,10 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> None:
 # --- claim -----------------------------------------------------------------------------------
 
 def _claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
-    with transaction.atomic():
+    with atomic_with_events():
         try:
-            run = lock_run(run_id)
+            # With the user who started it and the model endpoint: read fresh, in this one statement.
+            run = lock_run(run_id, for_step=True)
         except Run.DoesNotExist:
             return None
         if enqueued_at is not None and run.last_enqueued_at is not None and enqueued_at < run.last_enqueued_at:
@@ -109,7 +111,16 @@ def _claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             return None
         if run.status == RunStatus.QUEUED:
             transition_run(run, RunStatus.RUNNING, started_at=now)
-        return _decide(run, list(run.steps.select_related("tool", "tool__server")), now)
+        return _decide(run, _step_log(run), now)
+
+
+def _step_log(run: Run) -> list[Step]:
+    """The run's steps in order (tools are read where needed, fresh: check_dispatch)."""
+    steps = [step for step, in rows.fetch(f"SELECT {rows.columns(Step, 's')} FROM {rows.table(Step)} s "
+                                          "WHERE s.run_id = %s ORDER BY s.seq", [run.pk], Step)]
+    for step in steps:
+        step.run = run
+    return steps
 
 
 def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
@@ -135,8 +146,11 @@ def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
 
 def _take_lease(run: Run, seconds: int) -> uuid.UUID:
     token = uuid.uuid4()
-    Run.objects.filter(pk=run.pk).update(
-        lease_token=token, lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds))
+    expires = timezone.now() + dt.timedelta(seconds=seconds)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
+                       [token, expires, run.pk])
+    run.lease_token, run.lease_expires_at = token, expires
     return token
 
 
@@ -161,17 +175,19 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
         end_run(run, RunStatus.FAILED, error=f"model call failed {failures} times in a row",
                 message="failed: model unavailable")
         return None
-    offered = tool_gateway.offered_tools(run)
+    offered = tool_gateway.offered_tools(run, user=run.created_by)   # the user row this claim read
     request = model_gateway.build_request(run, steps, offered)
     endpoint = run.version.model_endpoint
     if endpoint.secret_id:
         endpoint.secret   # read now: the call itself then needs no database connection
-    estimate = model_gateway.estimate_cost_micros(endpoint, request)
+    input_tokens = model_gateway.estimate_input_tokens(request)
+    estimate = model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens)
     lease = lease_seconds_for(endpoint.timeout_seconds)
     token = _take_lease(run, lease)
     return Plan(run.pk, token, "model", lease,
                 extra={"request": request, "estimate": estimate, "endpoint_id": endpoint.pk,
-                       "endpoint": endpoint, "seq": (steps[-1].seq if steps else 0) + 1})
+                       "endpoint": endpoint, "seq": (steps[-1].seq if steps else 0) + 1, "run": run,
+                       "summary": model_gateway.request_summary(request, input_tokens=input_tokens)})
 
 
 def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
@@ -182,7 +198,9 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         tool_gateway.run_search_tools(run, step)
         _continue(run)
         return None
-    denial = tool_gateway.check_dispatch(run, step)
+    # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
+    # the permission in one statement; the call's offer from the step log.
+    denial = tool_gateway.check_dispatch(run, step, user=run.created_by, steps=steps)
     if denial:
         if step.status == StepStatus.APPROVED:
             approvals.void_for_step(step, reason=denial)
@@ -217,7 +235,8 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
         return None
     lease = lease_seconds_for(step.tool.timeout_seconds)
-    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk, extra={"step": step})
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
+                extra={"step": step, "run": run, "steps": steps})
 
 
 def _deny(step: Step, reason: str) -> None:
@@ -318,7 +337,8 @@ def _mark_unknown(run: Run, step: Step, message: str) -> None:
 # --- reserve and mark ------------------------------------------------------------------------
 
 def _reserve(plan: Plan, *, amount: int, purpose: str) -> bool:
-    run = Run.objects.select_related("tenant", "created_by").get(pk=plan.run_id)
+    # The run, tenant and user rows the claim just read (recovery plans carry none: read them).
+    run = plan.extra.get("run") or Run.objects.select_related("tenant", "created_by").get(pk=plan.run_id)
     try:
         reservation = budgets.reserve(tenant=run.tenant, run=run, user=run.created_by,
                                       amount_micros=amount, purpose=purpose)
@@ -330,7 +350,7 @@ def _reserve(plan: Plan, *, amount: int, purpose: str) -> bool:
 
 
 def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
         if run.lease_token != plan.token:
             return
@@ -353,40 +373,79 @@ def _fenced(run: Run, plan: Plan) -> bool:
 
 def _mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
     """Commit the step as dispatching before the call, or give up if fenced out or cancelled."""
-    from approvals import services as approvals
+    from budgets.models import Reservation
 
-    with transaction.atomic():
-        run = lock_run(plan.run_id)
-        if not _fenced(run, plan):
-            return None
-        if run.cancel_requested:
-            end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
-            return None
+    with atomic_with_events():
         now = timezone.now()
         if new_step is not None:
-            step = Step.objects.create(run=run, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
-                                       reserved_micros=new_step.pop("reserved"), **new_step)
-            record_event(run.pk, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
+            if not _bump_if_leased(plan, step_count=1, model_call_count=1):
+                return _not_dispatching(plan)
+            step = Step(run_id=plan.run_id, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
+                        reserved_micros=new_step.pop("reserved"), **new_step)
+            rows.insert([step])
+            record_event(plan.run_id, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
                          to=StepStatus.DISPATCHING, step_kind=StepKind.MODEL)
-            bump_counters(run, step_count=1, model_call_count=1)
-        else:
-            step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
-            first = step.status != StepStatus.DISPATCHING
-            if step.status == StepStatus.APPROVED and not approvals.consume(step):
-                _deny(step, "approval was already used or withdrawn")
-                _continue(run)
+        elif step.status == StepStatus.APPROVED:
+            step = _mark_approved_dispatching(plan, step, now)
+            if step is None:
                 return None
-            transition_step(step, StepStatus.DISPATCHING, attempts=step.attempts + 1, next_attempt_at=None,
-                            started_at=step.started_at or now,
-                            message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
-                                    f"key {step.idempotency_key})")
-            if first:
-                bump_counters(run, step_count=1, tool_call_count=1)
-        from budgets.models import Reservation
+        else:
+            first = step.status != StepStatus.DISPATCHING
+            if not _bump_if_leased(plan, **({"step_count": 1, "tool_call_count": 1} if first else {})):
+                return _not_dispatching(plan)
+            _transition_to_dispatching(step, now)
         Reservation.objects.filter(pk=plan.reservation_id).update(step=step)
     # The call that follows may take long: hold no database connection while it runs.
     connection.close()
     heartbeat.track(plan.run_id, plan.token, plan.lease_seconds)
+    return step
+
+
+def _bump_if_leased(plan: Plan, **counters: int) -> bool:
+    """Add to the run's counters if this worker still holds the lease and nobody asked to cancel.
+
+    One conditional UPDATE: it locks the run row as lock_run would, and judges the lease and the
+    cancel flag on the newest row version, so a cancel_run that committed first is always seen.
+    """
+    sets = ", ".join([f"{name} = {name} + %s" for name in counters] + ["lease_token = lease_token"])
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
+                       "AND NOT cancel_requested", [*counters.values(), plan.run_id, plan.token])
+        return cursor.rowcount == 1
+
+
+def _not_dispatching(plan: Plan) -> None:
+    """The lease is gone (nothing to do) or the run is to be cancelled (cancel it now)."""
+    run = lock_run(plan.run_id)
+    if _fenced(run, plan) and run.cancel_requested:
+        end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
+    return None
+
+
+def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
+    transition_step(step, StepStatus.DISPATCHING, attempts=step.attempts + 1, next_attempt_at=None,
+                    started_at=step.started_at or now,
+                    message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
+                            f"key {step.idempotency_key})")
+
+
+def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step | None:
+    """An approved call: its approval is used up in the same transaction that marks it."""
+    from approvals import services as approvals
+
+    run = lock_run(plan.run_id)
+    if not _fenced(run, plan):
+        return None
+    if run.cancel_requested:
+        end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
+        return None
+    step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
+    if step.status == StepStatus.APPROVED and not approvals.consume(step):
+        _deny(step, "approval was already used or withdrawn")
+        _continue(run)
+        return None
+    _transition_to_dispatching(step, now)
+    bump_counters(run, step_count=1, tool_call_count=1)
     return step
 
 
@@ -403,7 +462,7 @@ def _do_model(plan: Plan) -> None:
         return
     step = _mark_dispatching(plan, new_step={
         "seq": plan.extra["seq"], "kind": StepKind.MODEL, "reserved": estimate,
-        "request": model_gateway.request_summary(request)})
+        "request": plan.extra.get("summary") or model_gateway.request_summary(request)})
     if step is None:
         budgets.release(plan.reservation_id, note="call not made")
         return
@@ -437,7 +496,7 @@ def _record_model_failure(plan: Plan, step: Step, exc) -> None:
         budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
     else:
         budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
@@ -457,7 +516,7 @@ def _record_model_failure(plan: Plan, step: Step, exc) -> None:
 def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> None:
     from tools import gateway as tool_gateway
 
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
         if not _fenced(run, plan):
             record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost",
@@ -472,25 +531,28 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> No
                         observation=text,
                         message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros")
         _budget_event(run, step, reserved=estimate, settled=cost)
-        seq = step.seq
-        for call in calls:
-            seq += 1
-            tool_gateway.propose(run=run, seq=seq, parent_seq=step.seq, call=call)
+        tool_gateway.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not calls:
-            end_run(run, RunStatus.SUCCEEDED, message="succeeded")
-            Run.objects.filter(pk=run.pk).update(final_output=text)
+            end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
         else:
             _continue(run)
 
 
 def _budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:
-    account = BudgetAccount.objects.get(run=run)
+    # The run's account as settle left it: only the balance columns (the ledger's own table).
+    column = {name: BudgetAccount._meta.get_field(name).column for name in
+              ("run", "limit_micros", "reserved_micros", "spent_micros", "held_micros")}
+    with connection.cursor() as cursor:
+        cursor.execute(f'SELECT "{column["limit_micros"]}", "{column["reserved_micros"]}", "{column["spent_micros"]}", '
+                       f'"{column["held_micros"]}" FROM {rows.table(BudgetAccount)} WHERE "{column["run"]}" = %s',
+                       [run.pk])
+        limit, reserved_now, spent, held = cursor.fetchone()
+    account = BudgetAccount(limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held)
     record_event(run.pk, "budget", f"step {step.seq}: reserved {reserved}, settled {settled}, "
                  f"run remaining {account.remaining_micros} micros", step_seq=step.seq, reserved=reserved,
-                 settled=settled, spent=account.spent_micros, held=account.held_micros,
-                 remaining=account.remaining_micros, limit=account.limit_micros)
+                 settled=settled, spent=spent, held=held, remaining=account.remaining_micros, limit=limit)
 
 
 def _recover_model(plan: Plan) -> None:
@@ -499,7 +561,7 @@ def _recover_model(plan: Plan) -> None:
     for reservation_id in Reservation.objects.filter(step_id=plan.step_id, status=Reservation.Status.OPEN) \
             .values_list("pk", flat=True):
         budgets.hold(reservation_id, note="model call lost with its worker")
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
         if not _fenced(run, plan):
             return
@@ -582,7 +644,7 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
     try:
         result = tool_gateway.lookup_status(step)
     except (ToolFailed, ToolOutcomeUnknown) as exc:
-        with transaction.atomic():
+        with atomic_with_events():
             run = lock_run(plan.run_id)
             if _fenced(run, plan):
                 # A failed lookup counts as an attempt: a status endpoint that stays down ends in
@@ -591,7 +653,7 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
                 record_event(run.pk, "recovery", f"status lookup for step {step.seq} failed: {exc}",
                              step_seq=step.seq)
         return ToolOutcome("unknown", error=f"status lookup failed: {exc}")
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
         if _fenced(run, plan):
             record_event(run.pk, "recovery", f"status lookup for step {step.seq}: "
@@ -607,12 +669,14 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome) -> None:
     from tools import gateway as tool_gateway
 
     now = timezone.now()
-    with transaction.atomic():
+    with atomic_with_events():
         run = lock_run(plan.run_id)
-        step = Step.objects.select_related("tool").get(pk=step.pk)
         if not _fenced(run, plan):
-            _late_tool_attempt(run, step, outcome)
+            _late_tool_attempt(run, Step.objects.select_related("tool").get(pk=step.pk), outcome)
             return
+        # While this worker holds the lease nobody else moves the run's steps: the step as marked
+        # dispatching, and the step log the claim read, are still what is stored.
+        steps = plan.extra.get("steps")
         if outcome.kind == "succeeded":
             stored, observation = tool_gateway.shape_result(run, step, outcome.result)
             transition_step(step, StepStatus.SUCCEEDED, result=stored, observation=observation,
@@ -621,7 +685,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome) -> None:
                                     f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
                                     f"{' (found by status lookup)' if outcome.reconciled else ''}")
             _budget_event(run, step, reserved=step.tool.price_micros, settled=step.tool.price_micros)
-            steps = list(run.steps.all())
+            if steps is None or not any(s is step for s in steps):
+                steps = list(run.steps.all())
             if run.cancel_requested:
                 end_run(run, RunStatus.CANCELLED, message="cancelled")
             elif not loops.check(run, steps, step):

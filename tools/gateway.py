@@ -1,21 +1,25 @@
 """The tool gateway: the model proposes, the gateway decides (DESIGN.md section 7).
 
 Every check reads fresh rows: the user, the tool, and object permissions from guardian's tables
-each time (use_tool_pks; guardian's ObjectPermissionChecker caches per object and also gives
-superusers everything, so it is never used here).
+each time (_USE_TOOL below; guardian's ObjectPermissionChecker caches per object and also gives
+superusers everything, so it is never used here). The engine passes the user row it read in
+the same transaction, under the run lock; other callers let the gateway read it.
 """
 from __future__ import annotations
 
 import functools
 import json
+import threading
 
 import httpx
 import jsonschema
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.utils import timezone
 
 from llm.types import ToolSpec
+from runs import rows
 from runs.models import Run, Step, StepKind, StepStatus
 from runs.services import digest, record_event, transition_step
 from tenants.crypto import redact, redact_obj
@@ -40,25 +44,48 @@ def _fresh_user(run: Run):
     return get_user_model().objects.get(pk=run.created_by_id)
 
 
-def permitted_tools(run: Run) -> list[Tool]:
-    """Allowlist ∩ tools the user holds use_tool on right now ∩ enabled and not quarantined."""
-    user = _fresh_user(run)
+@functools.cache
+def _use_tool_sql() -> str:
+    """SQL that is true when user %(user)s holds use_tool on the tool aliased `t`, directly or
+    through a group: what guardian's get_objects_for_user(user, "tools.use_tool", klass=<tools>,
+    with_superuser=False, accept_global_perms=False) answers, without its nested subqueries
+    (~10 ms of CPU to build with the ORM, on every step)."""
+    from django.contrib.auth.models import Permission
+    from django.contrib.contenttypes.models import ContentType
+    from guardian.models import GroupObjectPermission, UserObjectPermission
+
+    memberships = get_user_model().groups.through
+    permission = (f"SELECT p.id FROM {rows.table(Permission)} p JOIN {rows.table(ContentType)} c "
+                  "ON c.id = p.content_type_id WHERE c.app_label = 'tools' AND c.model = 'tool' "
+                  "AND p.codename = 'use_tool'")
+    return (f"t.id::text IN (SELECT object_pk FROM {rows.table(UserObjectPermission)} "
+            f"WHERE user_id = %(user)s AND permission_id IN ({permission}) "
+            f"UNION ALL SELECT g.object_pk FROM {rows.table(GroupObjectPermission)} g "
+            f"JOIN {rows.table(memberships)} m ON m.group_id = g.group_id "
+            f"WHERE m.user_id = %(user)s AND g.permission_id IN ({permission}))")
+
+
+def permitted_tools(run: Run, *, user=None) -> list[Tool]:
+    """Allowlist ∩ tools the user holds use_tool on right now ∩ enabled and not quarantined.
+
+    `user`: the run's creator as read in the caller's transaction; None reads the row now.
+    """
+    user = user or _fresh_user(run)
     if not user.is_active or user.tenant_id != run.tenant_id:
         return []
-    candidates = Tool.objects.filter(tenant_id=run.tenant_id, name__in=run.version.spec.get("tools", []),
-                                     enabled=True, quarantined=False)
-    tools = list(candidates.order_by("name"))
-    allowed = use_tool_pks(user, [t.pk for t in tools])
-    return [t for t in tools if str(t.pk) in allowed]
+    return [tool for tool, in rows.fetch(
+        f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t WHERE t.tenant_id = %(tenant)s "
+        f"AND t.name = ANY(%(names)s) AND t.enabled AND NOT t.quarantined AND {_use_tool_sql()} ORDER BY t.name",
+        {"tenant": run.tenant_id, "names": list(run.version.spec.get("tools", [])), "user": user.pk}, Tool)]
 
 
 def _spec(tool: Tool) -> ToolSpec:
     return ToolSpec(name=tool.name, description=tool.description, input_schema=tool.input_schema)
 
 
-def offered_tools(run: Run, steps=()) -> list[ToolSpec]:
+def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
     """Sorted by name so the request prefix stays byte-stable between steps."""
-    tools = permitted_tools(run)
+    tools = permitted_tools(run, user=user)
     limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
     if len(tools) <= limit:
         return [_spec(t) for t in tools]
@@ -98,17 +125,25 @@ def idempotency_key(run: Run, seq: int) -> str:
     return f"{run.tenant.slug}:{run.pk}:{seq}"
 
 
-def propose(*, run: Run, seq: int, parent_seq: int, call: dict) -> Step:
-    name = call["name"]
-    tool = None if name == SEARCH_TOOLS else Tool.objects.filter(tenant_id=run.tenant_id, name=name).first()
-    arguments = call.get("arguments") if isinstance(call.get("arguments"), dict) else {"_raw": call.get("arguments")}
-    step = Step.objects.create(run=run, seq=seq, kind=StepKind.TOOL, status=StepStatus.PROPOSED,
-                               parent_seq=parent_seq, tool=tool, tool_name=name, call_id=call["id"],
-                               arguments=arguments, args_digest=digest(arguments),
-                               idempotency_key=idempotency_key(run, seq))
-    record_event(run.pk, "step", f"step {seq} proposed: {name}", step_seq=seq, to=StepStatus.PROPOSED,
-                 step_kind=StepKind.TOOL, tool=name)
-    return step
+def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
+    """Store the model's tool calls as proposed steps parent_seq + 1, + 2, ... (nothing is checked yet)."""
+    if not calls:
+        return []
+    names = {call["name"] for call in calls} - {SEARCH_TOOLS}
+    tools = {t.name: t for t, in rows.fetch(f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "
+                                            "WHERE t.tenant_id = %s AND t.name = ANY(%s)",
+                                            [run.tenant_id, list(names)], Tool)}
+    steps = []
+    for seq, call in enumerate(calls, start=parent_seq + 1):
+        name = call["name"]
+        arguments = call.get("arguments") if isinstance(call.get("arguments"), dict) else {"_raw": call.get("arguments")}
+        steps.append(Step(run=run, seq=seq, kind=StepKind.TOOL, status=StepStatus.PROPOSED, parent_seq=parent_seq,
+                          tool=tools.get(name), tool_name=name, call_id=call["id"], arguments=arguments,
+                          args_digest=digest(arguments), idempotency_key=idempotency_key(run, seq)))
+        record_event(run.pk, "step", f"step {seq} proposed: {name}", step_seq=seq, to=StepStatus.PROPOSED,
+                     step_kind=StepKind.TOOL, tool=name)
+    rows.insert(steps)
+    return steps
 
 
 def use_tool_pks(user, tool_pks) -> set[str]:
@@ -119,50 +154,64 @@ def use_tool_pks(user, tool_pks) -> set[str]:
     but as one small UNION instead of guardian's nested subqueries, which cost ~10 ms of CPU to
     build on every step (bench/engine.py).
     """
-    from django.contrib.contenttypes.models import ContentType
-    from guardian.models import GroupObjectPermission, UserObjectPermission
-
-    keys = [str(pk) for pk in tool_pks]
+    keys = [int(pk) for pk in tool_pks]
     if not keys:
         return set()
-    ctype = ContentType.objects.get_for_model(Tool)   # cached per process; ids never change
-    perm = {"permission__content_type": ctype, "permission__codename": "use_tool", "object_pk__in": keys}
-    direct = UserObjectPermission.objects.filter(user=user, **perm).values_list("object_pk", flat=True)
-    via_group = GroupObjectPermission.objects.filter(group__user=user, **perm).values_list("object_pk", flat=True)
-    return set(direct.union(via_group))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT t.id::text FROM {rows.table(Tool)} t WHERE t.id = ANY(%(keys)s) AND {_use_tool_sql()}",
+                       {"keys": keys, "user": user.pk})
+        return {pk for pk, in cursor.fetchall()}
 
 
 def has_use_tool(user, tool: Tool) -> bool:
     return str(tool.pk) in use_tool_pks(user, [tool.pk])
 
 
-def _offered_on(step: Step) -> list[str]:
+def _offered_on(step: Step, steps=None) -> list[str]:
     """Names of the tools the model was shown on the call that proposed this step."""
+    if steps is not None:
+        parent = next((s for s in steps if s.seq == step.parent_seq), None)
+        return ((parent.request if parent else None) or {}).get("tools", [])
     # order_by(): Step's default ordering would join the run table for nothing.
     request = Step.objects.filter(run_id=step.run_id, seq=step.parent_seq).order_by().values_list(
         "request", flat=True).first()
     return (request or {}).get("tools", [])
 
 
-def check_dispatch(run: Run, step: Step) -> str | None:
-    """Return why the call must not be sent, or None. Reads everything fresh."""
-    user = _fresh_user(run)
+def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None:
+    """Return why the call must not be sent, or None. Reads everything fresh.
+
+    `user` and `steps`: the run's creator and step log as the caller read them in this
+    transaction, under the run lock (the run row then is fresh too); None reads them now.
+    The tool is read now, with its server, and attached to the step.
+    """
+    fresh = user is not None
+    user = user or _fresh_user(run)
     if not user.is_active:
         return f"user {user.username} is deactivated"
     if user.tenant_id != run.tenant_id:
         return f"user {user.username} no longer belongs to this tenant"
     if step.tool_id is None:
         return f"unknown tool {step.tool_name!r}"
-    tool = Tool.objects.get(pk=step.tool_id)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {rows.columns(Tool, 't')}, {rows.columns(ToolServer, 's')}, {_use_tool_sql()} "
+                       f"FROM {rows.table(Tool)} t JOIN {rows.table(ToolServer)} s ON s.id = t.server_id "
+                       "WHERE t.id = %(tool)s", {"tool": step.tool_id, "user": user.pk})
+        row = cursor.fetchone()
+    tool, server = rows.split(row[:-1], Tool, ToolServer)
+    may_use = row[-1]
+    tool.server = server
+    step.tool = tool
     if not tool.enabled:
         return f"tool {tool.name} is disabled"
     if tool.quarantined:
         return f"tool {tool.name} is quarantined: {tool.quarantine_reason}"
     if tool.name not in run.version.spec.get("tools", []):
         return f"tool {tool.name} is not in this agent's allowlist"
-    if not has_use_tool(user, tool):
+    if not may_use:
         return f"user {user.username} may not use {tool.name}"
-    if tool.name not in _offered_on(step) and tool.name not in Run.objects.get(pk=run.pk).revealed_tools:
+    revealed = run.revealed_tools if fresh else Run.objects.get(pk=run.pk).revealed_tools
+    if tool.name not in _offered_on(step, steps) and tool.name not in revealed:
         return f"tool {tool.name} was not offered on this call"
     try:
         validator = _validator(json.dumps(tool.input_schema or {"type": "object"}, sort_keys=True))
@@ -283,8 +332,28 @@ def lookup_status(step: Step) -> ToolResult | None:
 
 # --- results -----------------------------------------------------------------------------------
 
+_secrets: dict[int, tuple[str, list[str]]] = {}   # tenant id -> (digest of its ciphertexts, values)
+_secrets_lock = threading.Lock()
+
+
 def known_secrets(tenant_id) -> list[str]:
-    return [s.reveal() for s in Secret.objects.filter(tenant_id=tenant_id)]
+    """The tenant's secret values, for redaction.
+
+    Decrypting (Fernet, one per secret) costs far more than reading, so the values are kept per
+    process and decrypted again when the tenant's secrets change: a digest of their ids and
+    ciphertexts is read on every call, so a secret added, changed or deleted counts at once.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT md5(string_agg(id::text || ':' || ciphertext, ',' ORDER BY id)) "
+                       f"FROM {rows.table(Secret)} WHERE tenant_id = %s", [tenant_id])
+        version = cursor.fetchone()[0] or ""
+    cached = _secrets.get(tenant_id)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    values = [s.reveal() for s in Secret.objects.filter(tenant_id=tenant_id)]
+    with _secrets_lock:
+        _secrets[tenant_id] = (version, values)
+    return values
 
 
 def redact_text(run: Run, text: str) -> str:
