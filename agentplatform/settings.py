@@ -186,6 +186,9 @@ CELERY_BEAT_SCHEDULE = {
 # --- Platform ---
 LEASE_SECONDS = env_int("LEASE_SECONDS", 60)          # model steps; tool steps: tool timeout + margin
 LEASE_MARGIN_SECONDS = env_int("LEASE_MARGIN_SECONDS", 15)
+# Sub-accounts per tenant day on PostgreSQL (SQLite: always 1). Every process of a deployment
+# must use the same value: a day's sub-accounts are opened by whichever process reserves first.
+BUDGET_DAY_SHARDS = env_int("BUDGET_DAY_SHARDS", 8)
 QUEUED_TOO_LONG_SECONDS = env_int("QUEUED_TOO_LONG_SECONDS", 30)
 MAX_STEP_CRASHES = env_int("MAX_STEP_CRASHES", 3)
 TOOL_RESULT_MODEL_CHARS = env_int("TOOL_RESULT_MODEL_CHARS", 8000)

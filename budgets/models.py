@@ -22,6 +22,10 @@ class BudgetAccount(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
                              related_name="+")
     day = models.DateField(null=True, blank=True)
+    # A tenant's day is split into BUDGET_DAY_SHARDS sub-accounts (DESIGN.md section 9) whose
+    # limits add up to the daily budget: concurrent runs lock different rows. budgets.services
+    # moves free room between them under a lock of all of them when one runs short.
+    shard = models.PositiveSmallIntegerField(default=0)
     limit_micros = models.BigIntegerField()
     reserved_micros = models.BigIntegerField(default=0)
     spent_micros = models.BigIntegerField(default=0)
@@ -33,14 +37,14 @@ class BudgetAccount(models.Model):
             models.CheckConstraint(condition=Q(reserved_micros__gte=0), name="budget_reserved_gte_0"),
             models.CheckConstraint(condition=Q(spent_micros__gte=0), name="budget_spent_gte_0"),
             models.CheckConstraint(condition=Q(held_micros__gte=0), name="budget_held_gte_0"),
-            models.UniqueConstraint(fields=["tenant", "day"], condition=Q(scope="tenant_day"),
-                                    name="uniq_tenant_day_account"),
+            models.UniqueConstraint(fields=["tenant", "day", "shard"], condition=Q(scope="tenant_day"),
+                                    name="uniq_tenant_day_shard"),
             models.UniqueConstraint(fields=["tenant", "user", "day"], condition=Q(scope="user_day"),
                                     name="uniq_user_day_account"),
         ]
 
     def __str__(self) -> str:
-        return f"{self.scope} {self.day or self.run_id}"
+        return f"{self.scope} {self.day or self.run_id}" + (f" #{self.shard}" if self.shard else "")
 
     @property
     def remaining_micros(self) -> int:

@@ -12,9 +12,13 @@ from budgets.services import local_day
 
 
 def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
+    """One unsaved account per day with the sums of that day's sub-accounts, oldest first."""
     since = local_day(tenant) - dt.timedelta(days=days - 1)
-    return list(BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
-                .order_by("day"))
+    fields = ("limit_micros", "reserved_micros", "spent_micros", "held_micros", "overage_micros")
+    rows = (BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
+            .values("day").annotate(**{f"total_{f}": Sum(f) for f in fields}).order_by("day"))
+    return [BudgetAccount(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day=row["day"],
+                          **{f: row[f"total_{f}"] for f in fields}) for row in rows]
 
 
 def per_agent(tenant, *, days: int = 30) -> list[dict]:

@@ -1,10 +1,10 @@
 """Budget ledger: reserve before every call, settle after, hold what is unknown.
 
 Rules (DESIGN.md section 6):
-- Balances move only inside one statement per operation (`_RESERVE`, `_CLOSE`) that first locks
-  the reservation's accounts in one fixed order (tenant day, user day, run). A reservation takes
-  `amount` only if every account has `spent + reserved + held + amount <= limit`, judged on the
-  newest row versions (read under the lock), so two reservations can never both pass a check
+- Balances move only inside one statement per operation (`_RESERVE`, `_RESERVE_POOLED`, `_CLOSE`)
+  that first locks the reservation's accounts in one fixed order (tenant-day sub-accounts by
+  shard, user day, run). A reservation takes `amount` only if every account has
+  `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the lock), so two reservations can never both pass a check
   that only one of them fits; if any account has no room, nothing moves.
 - Budget work always runs in its own short statement or transaction, never while a run row is
   locked, so budget and run locks cannot deadlock.
@@ -13,9 +13,16 @@ Rules (DESIGN.md section 6):
 - Every movement writes a LedgerEntry on its reservation (it moves all the reservation's accounts
   alike); budgets.selectors.ledger_mismatches recomputes each account's balances from them.
 
-The tenant-day row is the hottest row of the platform (every call of every run of a tenant
-updates it), so on PostgreSQL each reserve and each close is one SQL statement (`_RESERVE`,
-`_CLOSE`): the accounts stay locked only while that statement runs, with no round trip to the
+The tenant day is the hottest account of the platform (every call of every run of a tenant
+moves it), so on PostgreSQL it is split into BUDGET_DAY_SHARDS sub-accounts whose limits add up
+to the daily budget (DESIGN.md section 9). A run always reserves on the same one, so concurrent
+runs lock different rows. When a run's sub-account is short, `_RESERVE_POOLED` locks all of
+them in shard order, decides on the day's total room, and spreads the free room evenly again:
+the day is never overspent (no sub-account goes over its own limit and the limits add up), and
+a refusal is never spurious (it is decided with the whole day locked).
+
+Each reserve and each close is one SQL statement (`_RESERVE`, `_CLOSE`), prepared once per
+connection: the accounts stay locked only while that statement runs, with no round trip to the
 client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
 lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
 in order: the caller's next synchronous commit (the engine commits the step as `dispatching`
@@ -29,10 +36,13 @@ ORM in one transaction.)
 from __future__ import annotations
 
 import datetime as dt
+import random
 
 import psycopg
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Q
+from django.db.models import Count, F, Q, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from agentplatform.errors import DomainError
@@ -46,15 +56,16 @@ LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
 _ACCOUNTS = BudgetAccount._meta.db_table
 _RESERVATIONS = Reservation._meta.db_table
 _ENTRIES = LedgerEntry._meta.db_table
-# Find the tenant-day, user-day (when wanted) and run accounts and lock them in that order; take
-# `amount` from all of them only if every one has room, and only then create the reservation and
-# its ledger entries. FOR NO KEY UPDATE waits for concurrent writers and returns the newest
-# balances, so `room` is never stale. `found` < `wanted`: a day account does not exist yet.
+# Find one sub-account of the tenant's day, the user-day (when wanted) and run accounts and lock
+# them in that order; take `amount` from all of them only if every one has room, and only then
+# create the reservation and its ledger entry. FOR NO KEY UPDATE waits for concurrent writers and
+# returns the newest balances, so `room` is never stale. `found` < `wanted`: an account does not
+# exist yet.
 _RESERVE = f"""
 WITH locked AS (
     SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room
       FROM {_ACCOUNTS}
-     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
+     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s AND shard = %(shard)s)
         OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
         OR run_id = %(run)s
      ORDER BY CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END
@@ -81,6 +92,57 @@ SELECT verdict.fits, verdict.found, created.*,
        ARRAY(SELECT room FROM locked WHERE room < %(amount)s),
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
+"""
+# The run's sub-account of the day is short: lock all of the day's sub-accounts (in shard order,
+# before the user-day and run accounts, as everywhere), and reserve if the day as a whole has
+# room. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
+# the limits still add up to the daily budget, no sub-account is left with negative room, and the
+# next reservations find room in their own sub-account. The refusal here is exact: it is decided
+# with the whole day locked.
+_RESERVE_POOLED = f"""
+WITH locked AS (
+    SELECT id, scope, shard, reserved_micros + spent_micros + held_micros AS used,
+           limit_micros - reserved_micros - spent_micros - held_micros AS room
+      FROM {_ACCOUNTS}
+     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
+        OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
+        OR run_id = %(run)s
+     ORDER BY CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END, shard
+       FOR NO KEY UPDATE
+), day AS (
+    SELECT sum(room) AS free, count(*) AS shards, max(id) FILTER (WHERE shard = %(shard)s) AS target
+      FROM locked WHERE scope = 'tenant_day'
+), verdict AS (
+    SELECT day.target IS NOT NULL AND (SELECT count(*) FROM locked WHERE scope <> 'tenant_day') = %(wanted)s - 1
+           AND day.free >= %(amount)s
+           AND (SELECT coalesce(bool_and(room >= %(amount)s), true) FROM locked WHERE scope <> 'tenant_day') AS fits
+      FROM day
+), taken AS (
+    UPDATE {_ACCOUNTS} AS a
+       SET limit_micros = CASE WHEN locked.scope <> 'tenant_day' THEN a.limit_micros
+                               ELSE locked.used + (day.free - %(amount)s) / day.shards
+                                    + CASE WHEN a.id = day.target
+                                           THEN %(amount)s + (day.free - %(amount)s) %% day.shards ELSE 0 END END,
+           reserved_micros = a.reserved_micros
+                             + CASE WHEN locked.scope <> 'tenant_day' OR a.id = day.target THEN %(amount)s ELSE 0 END
+      FROM locked, day, verdict WHERE verdict.fits AND a.id = locked.id
+), created AS (
+    INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
+                                 purpose, day, amount_micros, status, overage, note, created_at)
+    SELECT %(id)s, %(tenant)s, %(run)s, day.target,
+           (SELECT id FROM locked WHERE scope = 'user_day'), (SELECT id FROM locked WHERE scope = 'run'),
+           %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
+      FROM verdict, day WHERE verdict.fits
+    RETURNING created_at, day_account_id, user_account_id, run_account_id
+), entry AS (
+    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
+    SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
+)
+SELECT verdict.fits, day.free, created.*,
+       ARRAY(SELECT scope FROM locked WHERE scope <> 'tenant_day' AND room < %(amount)s),
+       ARRAY(SELECT room FROM locked WHERE scope <> 'tenant_day' AND room < %(amount)s),
+       CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
+  FROM verdict, day LEFT JOIN created ON true
 """
 # Close the reservation if it is still in from_status; only then lock its accounts in order,
 # move their balances and write its ledger entries. The amounts follow from the reservation's
@@ -145,19 +207,73 @@ def next_local_midnight(tenant, now: dt.datetime | None = None) -> dt.datetime:
     return dt.datetime.combine(day, dt.time(0, 0), tzinfo=tenant.zone)
 
 
-def _get_or_create_account(tenant, *, scope: str, day: dt.date, user=None) -> BudgetAccount:
-    limit = tenant.daily_budget_micros if scope == Scope.TENANT_DAY else tenant.user_daily_budget_micros
-    lookup = {"tenant": tenant, "scope": scope, "day": day, "user": user}
+def day_shards() -> int:
+    """Sub-accounts per tenant day: the setting on PostgreSQL, one on SQLite (writers queue anyway)."""
+    return max(settings.BUDGET_DAY_SHARDS, 1) if connection.vendor == "postgresql" else 1
+
+
+def _open_day(tenant, day: dt.date) -> None:
+    """Create the day's sub-accounts, the daily budget split between them, in one INSERT.
+
+    Concurrent first reservations of the day insert the same rows; the conflicts are skipped, so
+    the limits are set once. (A sub-account added later, after BUDGET_DAY_SHARDS grew, starts with
+    no limit of its own and gets room when the day's room is next spread.)
+    """
+    n = day_shards()
+    existing = set(BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
+                   .values_list("shard", flat=True))
+    limit = tenant.daily_budget_micros
+    BudgetAccount.objects.bulk_create([
+        BudgetAccount(tenant=tenant, scope=Scope.TENANT_DAY, day=day, shard=shard,
+                      limit_micros=0 if existing else limit // n + (limit % n if shard == 0 else 0))
+        for shard in range(n) if shard not in existing], ignore_conflicts=True)
+
+
+def _open_user_day(tenant, day: dt.date, user) -> None:
+    lookup = {"tenant": tenant, "scope": Scope.USER_DAY, "day": day, "user": user}
     try:
         with transaction.atomic():
-            account, _ = BudgetAccount.objects.get_or_create(**lookup, defaults={"limit_micros": limit})
+            BudgetAccount.objects.get_or_create(**lookup, defaults={"limit_micros": tenant.user_daily_budget_micros})
     except IntegrityError:  # a concurrent first reservation of the day created it
-        account = BudgetAccount.objects.get(**lookup)
-    return account
+        pass
 
 
 def tenant_day_account(tenant, day: dt.date) -> BudgetAccount:
-    return _get_or_create_account(tenant, scope=Scope.TENANT_DAY, day=day)
+    """The tenant's day as one account (unsaved): the sums of its sub-accounts, opened if need be."""
+    totals = _day_totals(tenant, day)
+    if not totals["shards"]:
+        _open_day(tenant, day)
+        totals = _day_totals(tenant, day)
+    del totals["shards"]
+    return BudgetAccount(tenant=tenant, scope=Scope.TENANT_DAY, day=day, **totals)
+
+
+def _day_totals(tenant, day: dt.date) -> dict:
+    return BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day).aggregate(
+        shards=Count("id"), **{f: Coalesce(Sum(f), 0) for f in (
+            "limit_micros", "reserved_micros", "spent_micros", "held_micros", "overage_micros")})
+
+
+def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:
+    """Move the tenant's limit for `day` (an open day keeps the limit it opened with otherwise).
+
+    With the sub-accounts locked in shard order, the free room under the new limit is spread
+    evenly again. A limit below what is already used leaves no sub-account any room: the
+    shortfall sits on sub-account 0. (Lowering just one sub-account would not do: another one
+    would still have room of its own and the day would go over its limit.)
+    """
+    with transaction.atomic():
+        shards = list(BudgetAccount.objects.select_for_update().filter(
+            tenant=tenant, scope=Scope.TENANT_DAY, day=day).order_by("shard"))
+        if not shards or sum(a.limit_micros for a in shards) == limit_micros:
+            return False
+        used = [a.reserved_micros + a.spent_micros + a.held_micros for a in shards]
+        free = limit_micros - sum(used)
+        share, rest = divmod(max(free, 0), len(shards))
+        for i, account in enumerate(shards):
+            room = share + (rest if i == 0 else 0) if free >= 0 else (free if i == 0 else 0)
+            BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=used[i] + room)
+    return True
 
 
 def create_run_account(*, run, limit_micros: int) -> BudgetAccount:
@@ -166,9 +282,9 @@ def create_run_account(*, run, limit_micros: int) -> BudgetAccount:
 
 
 def _make_day_accounts(tenant, *, day: dt.date, user) -> None:
-    tenant_day_account(tenant, day)
+    _open_day(tenant, day)
     if user is not None and tenant.user_daily_budget_micros is not None:
-        _get_or_create_account(tenant, scope=Scope.USER_DAY, day=day, user=user)
+        _open_user_day(tenant, day, user)
 
 
 def _execute(sql: str, params: dict) -> tuple:
@@ -200,31 +316,50 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
     reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
                               note=note)
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
-    short = take(reservation, user=user)
-    if short is None:   # the first reservation of the day (or of this user's day) makes its account
+    shard = _shard_for(reservation, day_shards())
+    short = take(reservation, user=user, shard=shard)
+    if short is None:   # the first reservation of the day (or of this user's day) opens its accounts
         _make_day_accounts(tenant, day=day, user=user)
-        short = take(reservation, user=user)
+        short = take(reservation, user=user, shard=shard)
     if short is None:
         raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
+    if short and short[0] == Scope.TENANT_DAY and day_shards() > 1:
+        short = _reserve_pooled(reservation, user=user, shard=shard)
     if short:
         scope, remaining = short
         raise BudgetExceeded(scope, amount_micros, remaining)
     return reservation
 
 
-def _reserve_in_one_statement(reservation: Reservation, *, user) -> tuple[str, int] | bool | None:
+def _shard_for(reservation: Reservation, shards: int) -> int:
+    """A run always uses the same sub-account of the day; other reservations any of them."""
+    if shards == 1:
+        return 0
+    return reservation.run_id.int % shards if reservation.run_id else random.randrange(shards)
+
+
+def _params(reservation: Reservation, *, user, shard: int) -> dict:
+    return {"tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
+            "run": reservation.run_id, "wanted": 1 + (user is not None) + (reservation.run_id is not None),
+            "amount": reservation.amount_micros, "id": reservation.pk, "purpose": reservation.purpose,
+            "note": reservation.note, "shard": shard, "relaxed": _relaxed_commit()}
+
+
+def _reserved(reservation: Reservation, created_at, day_account, user_account, run_account) -> bool:
+    reservation.created_at = created_at
+    reservation.day_account_id, reservation.user_account_id = day_account, user_account
+    reservation.run_account_id = run_account
+    return False
+
+
+def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool | None:
     """False: reserved. None: an account is missing. Else the first scope without room and its room."""
-    wanted = 1 + (user is not None) + (reservation.run_id is not None)
+    params = _params(reservation, user=user, shard=shard)
+    wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        _RESERVE, {"tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
-                   "run": reservation.run_id, "wanted": wanted, "amount": reservation.amount_micros,
-                   "id": reservation.pk, "purpose": reservation.purpose, "note": reservation.note,
-                   "relaxed": _relaxed_commit()})
+        _RESERVE, params)
     if fits:
-        reservation.created_at = created_at
-        reservation.day_account_id, reservation.user_account_id = day_account, user_account
-        reservation.run_account_id = run_account
-        return False
+        return _reserved(reservation, created_at, day_account, user_account, run_account)
     if found < wanted:
         if reservation.run_id is not None and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists():
             raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
@@ -232,8 +367,21 @@ def _reserve_in_one_statement(reservation: Reservation, *, user) -> tuple[str, i
     return short_scopes[0], short_rooms[0]   # `locked` keeps lock order: the first account refused
 
 
-def _reserve_portable(reservation: Reservation, *, user) -> tuple[str, int] | bool | None:
-    lookup = Q(tenant_id=reservation.tenant_id, scope=Scope.TENANT_DAY, day=reservation.day)
+def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool:
+    """The day as a whole decides (see _RESERVE_POOLED); same answers as _reserve_in_one_statement."""
+    fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
+        _RESERVE_POOLED, _params(reservation, user=user, shard=shard))
+    if fits:
+        return _reserved(reservation, created_at, day_account, user_account, run_account)
+    if free is None or free >= reservation.amount_micros:
+        if not short_scopes:
+            raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
+        return short_scopes[0], short_rooms[0]
+    return Scope.TENANT_DAY, free
+
+
+def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool | None:
+    lookup = Q(tenant_id=reservation.tenant_id, scope=Scope.TENANT_DAY, day=reservation.day, shard=shard)
     if user is not None:
         lookup |= Q(tenant_id=reservation.tenant_id, scope=Scope.USER_DAY, day=reservation.day, user=user)
     if reservation.run_id is not None:

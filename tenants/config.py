@@ -38,7 +38,7 @@ from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from approvals.policy import PolicyError, parse_policy
 from budgets.models import BudgetAccount
-from budgets.services import local_day
+from budgets.services import local_day, set_day_limit
 from llm.models import ModelEndpoint
 from runs.services import digest
 from tenants.crypto import redact
@@ -745,16 +745,17 @@ def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
 def _update_today_limits(tenant: Tenant, report: ApplyReport) -> None:
     """Today's accounts were opened with the old limit; the new one applies from now on."""
     day = local_day(tenant)
-    limits = {BudgetAccount.Scope.TENANT_DAY: tenant.daily_budget_micros,
-              BudgetAccount.Scope.USER_DAY: tenant.user_daily_budget_micros}
-    accounts = BudgetAccount.objects.filter(tenant=tenant, day=day, scope__in=list(limits)).select_related("user")
+    if BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.TENANT_DAY).exists() \
+            and set_day_limit(tenant, day, tenant.daily_budget_micros):
+        report.record("budgets", f"tenant_day {day}", "updated", ["limit"])
+    limit = tenant.user_daily_budget_micros
+    if limit is None:
+        return
+    accounts = BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.USER_DAY) \
+        .exclude(limit_micros=limit).select_related("user")
     for account in accounts:
-        limit = limits[account.scope]
-        label = f"{account.scope} {day}" + (f" {account.user.username}" if account.user_id else "")
-        if limit is None or account.limit_micros == limit:
-            continue
         BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
-        report.record("budgets", label, "updated", ["limit"])
+        report.record("budgets", f"user_day {day} {account.user.username}", "updated", ["limit"])
 
 
 def _apply_secret(item: Item, ctx: _Context) -> None:

@@ -68,7 +68,7 @@ def test_fifty_runs_at_once_never_spend_more_than_the_tenant_day(tenant, asha, b
     stopped = [o for o in ran if o[1] == "stopped"]
     assert succeeded and (stopped or refused), "the day's budget must have been binding"
 
-    day = BudgetAccount.objects.get(tenant=tenant, scope="tenant_day", day=budgets.local_day(tenant))
+    day = budgets.tenant_day_account(tenant, budgets.local_day(tenant))
     assert day.spent_micros <= day.limit_micros
     assert (day.reserved_micros, day.held_micros, day.overage_micros) == (0, 0, 0)
     granted = Reservation.objects.filter(tenant=tenant, purpose="model")

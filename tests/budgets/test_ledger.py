@@ -28,8 +28,7 @@ def run(tenant, asha):
 
 
 def accounts(run, day=None):
-    day_account = BudgetAccount.objects.get(tenant=run.tenant, scope="tenant_day",
-                                            day=day or budgets.local_day(run.tenant))
+    day_account = budgets.tenant_day_account(run.tenant, day or budgets.local_day(run.tenant))
     return day_account, BudgetAccount.objects.get(run=run)
 
 
@@ -61,7 +60,7 @@ def test_it_refuses_a_reservation_any_account_cannot_fit_and_moves_nothing(tenan
     assert day.reserved_micros == account.reserved_micros == 0   # the day's take was rolled back
     assert not Reservation.objects.exists() and not LedgerEntry.objects.exists()
 
-    BudgetAccount.objects.filter(pk=day.pk).update(limit_micros=50_000)
+    budgets.set_day_limit(tenant, budgets.local_day(tenant), 50_000)
     with pytest.raises(budgets.BudgetExceeded) as refused:
         budgets.reserve(tenant=tenant, run=run, amount_micros=60_000, purpose="model")
     assert refused.value.scope == "tenant_day" and refused.value.status == 429

@@ -32,7 +32,7 @@ def api(user) -> APIClient:
 
 
 def day_account(tenant) -> BudgetAccount:
-    return BudgetAccount.objects.get(tenant=tenant, scope="tenant_day", day=budgets.local_day(tenant))
+    return budgets.tenant_day_account(tenant, budgets.local_day(tenant))
 
 
 def price(usage: dict, endpoint) -> int:
@@ -109,8 +109,7 @@ def test_a_timeout_after_sending_is_held_and_the_call_is_made_again(tenant, asha
     lost, retried = model_reservations(run)
     assert (lost.status, retried.status) == ("held", "settled")
     assert Step.objects.get(pk=lost.step_id).status == "outcome_unknown"
-    for account in (run.budget, day_account(tenant)):
-        account.refresh_from_db()
+    for account in (BudgetAccount.objects.get(run=run), day_account(tenant)):
         assert account.held_micros == lost.amount_micros
         assert account.spent_micros == retried.actual_micros
     assert_books_balance(tenant)
@@ -171,8 +170,7 @@ def test_a_model_call_lost_with_its_worker_is_held_until_a_person_reconciles_it(
     assert (answer.json()["status"], answer.json()["actual_micros"]) == ("reconciled", actual)
     again = api(ravi).post(f"{path}/write-off", {"note": "twice"}, format="json")
     assert again.status_code == 409 and again.json()["error"]["code"] == "not_held"
-    for account in accounts:
-        account.refresh_from_db()
+    for account in (BudgetAccount.objects.get(run=run), day_account(tenant)):
         assert (account.held_micros, account.spent_micros) == (0, retried.actual_micros + actual)
     assert_books_balance(tenant)
 

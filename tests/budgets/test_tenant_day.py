@@ -52,7 +52,7 @@ def two_call_agent(tenant, asha, builtins):
 
 
 def day_account(tenant, day: dt.date) -> BudgetAccount:
-    return BudgetAccount.objects.get(tenant=tenant, scope="tenant_day", day=day)
+    return budgets.tenant_day_account(tenant, day)
 
 
 def first_call_estimate(version, user) -> int:

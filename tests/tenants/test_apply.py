@@ -310,7 +310,7 @@ def test_it_moves_the_limit_of_todays_tenant_account_with_the_daily_budget():
     data["tenant"]["daily_budget"] = "40.5"
     report = apply_config(data)
 
-    account.refresh_from_db()
+    account = tenant_day_account(tenant, local_day(tenant))
     assert account.limit_micros == 40_500_000
     assert report.counts("budgets")["updated"] == 1
 

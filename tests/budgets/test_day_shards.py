@@ -1,0 +1,131 @@
+"""A tenant's day is split into sub-accounts (DESIGN.md section 9): the day as a whole still decides.
+
+Each run reserves on its own sub-account; when that one is short, the day's free room is pooled
+under a lock of all sub-accounts. These tests check the rows: the day never goes over its limit,
+refusals happen only when the whole day is short, and the sub-accounts' limits always add up to
+the daily budget.
+"""
+from __future__ import annotations
+
+import pytest
+
+from budgets import services as budgets
+from budgets.models import BudgetAccount, Reservation
+from runs.services import start_run
+from tests import factories
+from tests.budgets.conftest import assert_books_balance, in_threads
+
+SHARDS = 8
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def eight_shards(settings):
+    settings.BUDGET_DAY_SHARDS = SHARDS
+
+
+def make_runs(tenant, user, count: int) -> list:
+    tenant.max_active_runs = tenant.max_starts_per_minute = 100
+    tenant.save()
+    factories.make_agent(tenant, turns=[{"text": "done"}], limits={"max_cost_micros": 1_000_000})
+    return [start_run(user=user, agent="agent", input={"i": i})[0] for i in range(count)]
+
+
+def sub_accounts(tenant) -> list[BudgetAccount]:
+    return list(BudgetAccount.objects.filter(tenant=tenant, scope="tenant_day", day=budgets.local_day(tenant))
+                .order_by("shard"))
+
+
+def test_the_day_opens_as_sub_accounts_whose_limits_add_up_to_the_daily_budget(tenant):
+    tenant.daily_budget_micros = 1_000_003
+    tenant.save()
+    day = budgets.tenant_day_account(tenant, budgets.local_day(tenant))
+    shards = sub_accounts(tenant)
+    assert [a.shard for a in shards] == list(range(SHARDS))
+    assert sum(a.limit_micros for a in shards) == day.limit_micros == 1_000_003
+    assert day.remaining_micros == 1_000_003
+
+
+def test_a_run_whose_sub_account_is_short_draws_on_the_rest_of_the_day(tenant, asha):
+    tenant.daily_budget_micros = 80_000        # 10,000 per sub-account
+    tenant.save()
+    (run,) = make_runs(tenant, asha, 1)
+    first = budgets.reserve(tenant=tenant, run=run, amount_micros=70_000, purpose="model")
+    own = BudgetAccount.objects.get(pk=first.day_account_id)
+    assert own.shard == run.pk.int % SHARDS and own.reserved_micros == 70_000
+    assert budgets.reserve(tenant=tenant, run=run, amount_micros=10_000, purpose="model")   # exactly full
+    with pytest.raises(budgets.BudgetExceeded) as refused:
+        budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
+    assert (refused.value.scope, refused.value.code) == ("tenant_day", "tenant_day_budget_exhausted")
+    shards = sub_accounts(tenant)
+    assert sum(a.limit_micros for a in shards) == 80_000
+    assert all(a.remaining_micros == 0 for a in shards)
+    for reservation in Reservation.objects.filter(status="open"):
+        budgets.settle(reservation.pk, actual_micros=reservation.amount_micros)
+    assert_books_balance(tenant)
+
+
+def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant, asha):
+    """Every run on its own sub-account at first; near the end they all pool. None too many."""
+    tenant.daily_budget_micros = 40 * 10_000 + 5_000
+    tenant.save()
+    runs = make_runs(tenant, asha, 64)
+    budgets.tenant_day_account(tenant, budgets.local_day(tenant))   # opened before the race
+
+    def attempt(i: int) -> int:
+        granted = 0
+        while True:
+            try:
+                reservation = budgets.reserve(tenant=tenant, run=runs[i], amount_micros=10_000, purpose="model")
+            except budgets.BudgetExceeded:
+                return granted
+            granted += 1
+            budgets.settle(reservation.pk, actual_micros=10_000)
+
+    assert sum(in_threads(64, attempt)) == 40
+    day = budgets.tenant_day_account(tenant, budgets.local_day(tenant))
+    assert (day.spent_micros, day.reserved_micros, day.limit_micros) == (400_000, 0, 405_000)
+    assert all(a.remaining_micros >= 0 for a in sub_accounts(tenant))
+    assert Reservation.objects.filter(status="settled").count() == 40
+    assert_books_balance(tenant)
+
+
+def test_lowering_the_limit_below_what_is_used_leaves_no_sub_account_any_room(tenant, asha):
+    tenant.daily_budget_micros = 800_000
+    tenant.save()
+    runs = make_runs(tenant, asha, 16)
+    for run in runs:
+        budgets.reserve(tenant=tenant, run=run, amount_micros=20_000, purpose="model")   # 320,000 used
+    today = budgets.local_day(tenant)
+
+    assert budgets.set_day_limit(tenant, today, 300_000)
+    assert sum(a.limit_micros for a in sub_accounts(tenant)) == 300_000
+    for run in runs:
+        with pytest.raises(budgets.BudgetExceeded):
+            budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
+
+    assert budgets.set_day_limit(tenant, today, 340_000)      # 20,000 free again, spread over the day
+    granted = 0
+    for run in runs:
+        try:
+            budgets.reserve(tenant=tenant, run=run, amount_micros=5_000, purpose="model")
+            granted += 1
+        except budgets.BudgetExceeded:
+            pass
+    assert granted == 4
+    day = budgets.tenant_day_account(tenant, today)
+    assert day.reserved_micros == 340_000 == day.limit_micros
+    for reservation in Reservation.objects.filter(status="open"):
+        budgets.release(reservation.pk)
+    assert_books_balance(tenant)
+
+
+def test_with_one_sub_account_the_day_is_a_single_account(tenant, asha, settings):
+    settings.BUDGET_DAY_SHARDS = 1
+    tenant.daily_budget_micros = 50_000
+    tenant.save()
+    (run,) = make_runs(tenant, asha, 1)
+    budgets.reserve(tenant=tenant, run=run, amount_micros=50_000, purpose="model")
+    with pytest.raises(budgets.BudgetExceeded):
+        budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
+    assert [a.shard for a in sub_accounts(tenant)] == [0]
