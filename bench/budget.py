@@ -8,9 +8,13 @@ DATABASE_URL only says where PostgreSQL is: the benchmark creates its own databa
 Each client is a thread with its own database connection, acting for its own run: a pair is
 budgets.services.reserve (tenant day + run account) followed by settle with an actual cost a
 little below the reservation, exactly what the engine does around every model or tool call.
+Clients run in one process, or spread over BENCH_PROCESSES (4) processes the way Celery worker
+processes would be (one Python process runs Python on one core at a time).
 
 Scenarios:
-  1 client / 64 clients   pairs per second over BENCH_SECONDS (10) each, p50/p99 pair latency
+  1 client / 64 clients   pairs per second over BENCH_SECONDS (10) each, p50/p99 pair latency;
+                          64 clients in one process and in BENCH_PROCESSES processes, all of
+                          them on one tenant day (split into BUDGET_DAY_SHARDS sub-accounts)
   limit race              64 clients reserve against a day with room for BENCH_RACE_ROOM (500)
                           reservations: successes must equal the room, spent must stay <= limit
   step overhead           one uncontended run: reserve+settle vs an empty transaction, wall time
@@ -19,10 +23,12 @@ Scenarios:
 After each scenario the accounts are checked: no negative balance, spent <= limit, nothing
 left reserved, and the ledger (budgets.selectors.ledger_mismatches) agrees with every balance.
 
-Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_RACE_ROOM (500).
+Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_PROCESSES (4),
+BENCH_RACE_ROOM (500), BUDGET_DAY_SHARDS (8).
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import threading
@@ -35,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", 64))
+PROCESSES = int(os.environ.get("BENCH_PROCESSES", 4))
 RACE_ROOM = int(os.environ.get("BENCH_RACE_ROOM", 500))
 AMOUNT = 10_000          # micros reserved per call
 TAG = f"bench_budget_{os.getpid()}"
@@ -157,18 +164,48 @@ def check_accounts(tenant) -> dict:
         problems = ledger_mismatches(a)
         assert not problems, f"ledger of {a} disagrees: {problems}"
     assert not Reservation.objects.filter(tenant=tenant, status="open").exists()
-    day = next(a for a in accounts if a.scope == "tenant_day")
+    from budgets.services import local_day, tenant_day_account
+    day = tenant_day_account(tenant, local_day(tenant))     # the sums of the day's sub-accounts
+    assert day.spent_micros <= day.limit_micros, f"the day overspent: {day.spent_micros} > {day.limit_micros}"
     return {"spent": day.spent_micros, "limit": day.limit_micros}
 
 
 # --- scenarios ---------------------------------------------------------------------------------
 
-def throughput(clients_n: int) -> dict:
-    tenant, runs = make_runs(clients_n, daily_budget=10**15)
+def _client_process(tenant, runs, start_at: float, results) -> None:
+    """One client process: its share of the clients as threads, from a common start time."""
+    from django.db import connections
+
+    connections.close_all()         # connections inherited from the parent are not ours to use
+    time.sleep(max(start_at - time.time(), 0))
     elapsed, clients = drive(tenant, runs, SECONDS)
-    latencies = sorted(x for c in clients for x in c.latencies)
+    results.put(([x for c in clients for x in c.latencies], elapsed))
+
+
+def throughput(clients_n: int, processes: int = 1) -> dict:
+    tenant, runs = make_runs(clients_n, daily_budget=10**15)
+    if processes == 1:
+        elapsed, clients = drive(tenant, runs, SECONDS)
+        latencies = sorted(x for c in clients for x in c.latencies)
+    else:
+        from django.db import connections
+
+        connections.close_all()     # before fork: each child opens its own
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        start_at = time.time() + 2  # every child connected and waiting
+        children = [context.Process(target=_client_process, args=(tenant, runs[i::processes], start_at, results))
+                    for i in range(processes)]
+        for child in children:
+            child.start()
+        parts = [results.get(timeout=SECONDS + 120) for _ in children]
+        for child in children:
+            child.join()
+        latencies = sorted(x for part, _ in parts for x in part)
+        elapsed = max(seconds for _, seconds in parts)
     check_accounts(tenant)
-    return {"clients": clients_n, "pairs": len(latencies), "pairs_s": len(latencies) / elapsed,
+    return {"clients": clients_n, "processes": processes, "pairs": len(latencies),
+            "pairs_s": len(latencies) / elapsed,
             "p50_ms": 1000 * latencies[len(latencies) // 2],
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
 
@@ -242,11 +279,13 @@ def main() -> None:
         call_command("migrate", verbosity=0)
         print(f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run, "
               f"load average before: {os.getloadavg()[0]:.1f}\n")
-        rows = [throughput(1), throughput(CLIENTS)]
-        print(f"{'clients':>8} {'pairs':>8} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        from budgets.services import day_shards
+        rows = [throughput(1), throughput(CLIENTS), throughput(CLIENTS, PROCESSES)]
+        print(f"one tenant day in {day_shards()} sub-accounts (BUDGET_DAY_SHARDS)")
+        print(f"{'clients':>8} {'processes':>10} {'pairs':>8} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
         for row in rows:
-            print(f"{row['clients']:>8} {row['pairs']:>8} {row['pairs_s']:>9.0f} {row['p50_ms']:>8.2f} "
-                  f"{row['p99_ms']:>8.2f}")
+            print(f"{row['clients']:>8} {row['processes']:>10} {row['pairs']:>8} {row['pairs_s']:>9.0f} "
+                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
         race = limit_race()
         print(f"\nlimit race: {CLIENTS} clients, room for {race['room']} reservations: granted {race['granted']}, "
               f"refused {race['refused']}, spent {race['spent']} of {race['limit']} micros "

@@ -63,33 +63,38 @@ _ENTRIES = LedgerEntry._meta.db_table
 # exist yet.
 _RESERVE = f"""
 WITH locked AS (
-    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room
+    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room,
+           CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END AS position
       FROM {_ACCOUNTS}
      WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s AND shard = %(shard)s)
         OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
         OR run_id = %(run)s
-     ORDER BY CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END
+     ORDER BY position
        FOR NO KEY UPDATE
 ), verdict AS (
-    SELECT count(*) AS found, count(*) = %(wanted)s AND bool_and(room >= %(amount)s) AS fits FROM locked
+    SELECT count(*) AS found, count(*) = %(wanted)s AND bool_and(room >= %(amount)s) AS fits,
+           max(id) FILTER (WHERE scope = 'tenant_day') AS day_account,
+           max(id) FILTER (WHERE scope = 'user_day') AS user_account,
+           max(id) FILTER (WHERE scope = 'run') AS run_account,
+           array_agg(scope ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_scopes,
+           array_agg(room ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_rooms
+      FROM locked
 ), taken AS (
     UPDATE {_ACCOUNTS} AS a SET reserved_micros = a.reserved_micros + %(amount)s
       FROM locked, verdict WHERE verdict.fits AND a.id = locked.id
 ), created AS (
     INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
                                  purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, (SELECT id FROM locked WHERE scope = 'tenant_day'),
-           (SELECT id FROM locked WHERE scope = 'user_day'), (SELECT id FROM locked WHERE scope = 'run'),
+    SELECT %(id)s, %(tenant)s, %(run)s, verdict.day_account, verdict.user_account, verdict.run_account,
            %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
       FROM verdict WHERE verdict.fits
-    RETURNING created_at, day_account_id, user_account_id, run_account_id
+    RETURNING created_at
 ), entry AS (
     INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
     SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
 )
-SELECT verdict.fits, verdict.found, created.*,
-       ARRAY(SELECT scope FROM locked WHERE room < %(amount)s),
-       ARRAY(SELECT room FROM locked WHERE room < %(amount)s),
+SELECT verdict.fits, verdict.found, created.created_at, verdict.day_account, verdict.user_account,
+       verdict.run_account, verdict.short_scopes, verdict.short_rooms,
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
 """
@@ -102,21 +107,27 @@ SELECT verdict.fits, verdict.found, created.*,
 _RESERVE_POOLED = f"""
 WITH locked AS (
     SELECT id, scope, shard, reserved_micros + spent_micros + held_micros AS used,
-           limit_micros - reserved_micros - spent_micros - held_micros AS room
+           limit_micros - reserved_micros - spent_micros - held_micros AS room,
+           CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END AS position
       FROM {_ACCOUNTS}
      WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
         OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
         OR run_id = %(run)s
-     ORDER BY CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END, shard
+     ORDER BY position, shard
        FOR NO KEY UPDATE
 ), day AS (
     SELECT sum(room) AS free, count(*) AS shards, max(id) FILTER (WHERE shard = %(shard)s) AS target
       FROM locked WHERE scope = 'tenant_day'
+), others AS (
+    SELECT count(*) AS found, coalesce(bool_and(room >= %(amount)s), true) AS fit,
+           max(id) FILTER (WHERE scope = 'user_day') AS user_account,
+           max(id) FILTER (WHERE scope = 'run') AS run_account,
+           array_agg(scope ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_scopes,
+           array_agg(room ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_rooms
+      FROM locked WHERE scope <> 'tenant_day'
 ), verdict AS (
-    SELECT day.target IS NOT NULL AND (SELECT count(*) FROM locked WHERE scope <> 'tenant_day') = %(wanted)s - 1
-           AND day.free >= %(amount)s
-           AND (SELECT coalesce(bool_and(room >= %(amount)s), true) FROM locked WHERE scope <> 'tenant_day') AS fits
-      FROM day
+    SELECT day.target IS NOT NULL AND others.found = %(wanted)s - 1 AND others.fit AND day.free >= %(amount)s AS fits
+      FROM day, others
 ), taken AS (
     UPDATE {_ACCOUNTS} AS a
        SET limit_micros = CASE WHEN locked.scope <> 'tenant_day' THEN a.limit_micros
@@ -129,20 +140,18 @@ WITH locked AS (
 ), created AS (
     INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
                                  purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, day.target,
-           (SELECT id FROM locked WHERE scope = 'user_day'), (SELECT id FROM locked WHERE scope = 'run'),
+    SELECT %(id)s, %(tenant)s, %(run)s, day.target, others.user_account, others.run_account,
            %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
-      FROM verdict, day WHERE verdict.fits
-    RETURNING created_at, day_account_id, user_account_id, run_account_id
+      FROM verdict, day, others WHERE verdict.fits
+    RETURNING created_at
 ), entry AS (
     INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
     SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
 )
-SELECT verdict.fits, day.free, created.*,
-       ARRAY(SELECT scope FROM locked WHERE scope <> 'tenant_day' AND room < %(amount)s),
-       ARRAY(SELECT room FROM locked WHERE scope <> 'tenant_day' AND room < %(amount)s),
+SELECT verdict.fits, day.free, created.created_at, day.target, others.user_account, others.run_account,
+       others.short_scopes, others.short_rooms,
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
-  FROM verdict, day LEFT JOIN created ON true
+  FROM verdict, day, others LEFT JOIN created ON true
 """
 # Close the reservation if it is still in from_status; only then lock its accounts in order,
 # move their balances and write its ledger entries. The amounts follow from the reservation's
