@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx

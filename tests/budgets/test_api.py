@@ -1,7 +1,6 @@
 """Budget-facing API: admission quotas (429 + Retry-After), GET /v1/usage, a run's budget."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 from django.utils import timezone

@@ -9,7 +9,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
-from budgets.models import BudgetAccount, Reservation
+from budgets.models import Reservation
 from llm import gateway
 from runs.engine import advance
 from runs.models import WAITING, Run, Step

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs.models import RunStatus, Step, StepStatus
+from runs.models import RunStatus, Step
 from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
