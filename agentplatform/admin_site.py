@@ -112,6 +112,19 @@ class TenantScopedAdmin(admin.ModelAdmin):
             obj.save(update_fields=changed + stamps)
 
 
+class ReadOnlyAdmin(TenantScopedAdmin):
+    """Rows are written by services (and their custom admin actions), never by the admin's forms."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
 def status_filter(choices, *, default: str, field: str = "status"):
     """A status list filter that starts on `default` (e.g. pending) and offers "all"."""
 

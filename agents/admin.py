@@ -6,20 +6,9 @@ from django import forms
 from django.contrib import admin
 from django.utils.html import format_html
 
-from agentplatform.admin_site import TenantScopedAdmin, admin_link, site
+from agentplatform.admin_site import ReadOnlyAdmin, TenantScopedAdmin, admin_link, site
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.services import move_alias
-
-
-class ReadOnlyAdmin(TenantScopedAdmin):
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 class VersionInline(admin.TabularInline):

@@ -13,7 +13,7 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 
-from agentplatform.admin_site import (TenantScopedAdmin, admin_link, age, arguments_html, site, status_filter,
+from agentplatform.admin_site import (ReadOnlyAdmin, admin_link, age, arguments_html, site, status_filter,
                                       time_left)
 from agentplatform.errors import DomainError
 from approvals.models import Approval, ApprovalStatus
@@ -48,7 +48,7 @@ class ReasonForm(forms.Form):
 
 
 @admin.register(Approval, site=site)
-class ApprovalAdmin(TenantScopedAdmin):
+class ApprovalAdmin(ReadOnlyAdmin):
     list_display = ["tool_link", "call_arguments", "reason", "requested_by", "waiting", "left", "run_link", "status"]
     list_display_links = None
     list_filter = [status_filter(ApprovalStatus.choices, default=ApprovalStatus.PENDING),
@@ -71,15 +71,6 @@ class ApprovalAdmin(TenantScopedAdmin):
 
     def has_module_permission(self, request):
         return self.has_view_permission(request)
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
     def has_decide_permission(self, request, obj=None):
         return request.user.tenant_id is not None and self.has_view_permission(request)

@@ -8,7 +8,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.template.response import TemplateResponse
 
-from agentplatform.admin_site import TenantScopedAdmin, admin_link, money, site, status_filter
+from agentplatform.admin_site import ReadOnlyAdmin, admin_link, money, site, status_filter
 from agentplatform.errors import DomainError
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
@@ -100,7 +100,7 @@ def reconcile_form(reservations, data=None) -> forms.Form:
 
 
 @admin.register(Reservation, site=site)
-class ReservationAdmin(TenantScopedAdmin):
+class ReservationAdmin(ReadOnlyAdmin):
     """Held reservations are possible charges of lost calls; people clear them with a reason."""
 
     list_display = ["short_id", "run_link", "step_seq", "purpose", "day", "amount", "actual", "status", "note",
@@ -130,15 +130,6 @@ class ReservationAdmin(TenantScopedAdmin):
     @admin.display(description="actual")
     def actual(self, reservation):
         return money(reservation.actual_micros)
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
     def has_settle_permission(self, request, obj=None):
         return request.user.has_perm("budgets.change_reservation")

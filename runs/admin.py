@@ -9,7 +9,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.views.decorators.http import require_POST
 
-from agentplatform.admin_site import TenantScopedAdmin, arguments_html, duration, money, site
+from agentplatform.admin_site import ReadOnlyAdmin, arguments_html, duration, money, site
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
@@ -47,7 +47,7 @@ class ResolveForm(forms.Form):
 
 
 @admin.register(Run, site=site)
-class RunAdmin(TenantScopedAdmin):
+class RunAdmin(ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
 
     list_display = ["short_id", "agent", "version_number", "status", "created_by", "created_at", "spent"]
@@ -69,15 +69,6 @@ class RunAdmin(TenantScopedAdmin):
     def spent(self, run):
         budget = getattr(run, "budget", None)
         return money(budget.spent_micros) if budget else "—"
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
     def has_cancel_permission(self, request, obj=None):
         return request.user.has_perm("runs.change_run")
