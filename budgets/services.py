@@ -1,7 +1,7 @@
 """Budget ledger: reserve before every call, settle after, hold what is unknown.
 
 Rules (DESIGN.md section 6):
-- Balances move only inside one statement per operation (`_RESERVE`, `_RESERVE_POOLED`, `_CLOSE`)
+- Balances move only inside one statement per operation (`_RESERVE_*`, `_CLOSE`)
   that first locks the reservation's accounts in one fixed order (tenant-day sub-accounts by
   shard, user day, run). A reservation takes `amount` only if every account has
   `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the lock), so two reservations can never both pass a check
@@ -15,13 +15,14 @@ Rules (DESIGN.md section 6):
 
 The tenant day is the hottest account of the platform (every call of every run of a tenant
 moves it), so on PostgreSQL it is split into BUDGET_DAY_SHARDS sub-accounts whose limits add up
-to the daily budget (DESIGN.md section 9). A run always reserves on the same one, so concurrent
-runs lock different rows. When a run's sub-account is short, `_RESERVE_POOLED` locks all of
-them in shard order, decides on the day's total room, and spreads the free room evenly again:
+to the daily budget (DESIGN.md section 9). A reservation takes the first sub-account with room
+that no one else holds, starting from its run's own (`_RESERVE_ANY`, SKIP LOCKED), so concurrent
+runs do not queue behind each other; when none is free it waits for its run's own. When that one
+is short, `_RESERVE_POOLED` locks all of them in shard order, decides on the day's total room, and spreads the free room evenly again:
 the day is never overspent (no sub-account goes over its own limit and the limits add up), and
 a refusal is never spurious (it is decided with the whole day locked).
 
-Each reserve and each close is one SQL statement (`_RESERVE`, `_CLOSE`), prepared once per
+Each reserve and each close is one SQL statement (`_RESERVE_*`, `_CLOSE`), prepared once per
 connection: the accounts stay locked only while that statement runs, with no round trip to the
 client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
 lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
@@ -56,21 +57,34 @@ LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
 _ACCOUNTS = BudgetAccount._meta.db_table
 _RESERVATIONS = Reservation._meta.db_table
 _ENTRIES = LedgerEntry._meta.db_table
-# Find one sub-account of the tenant's day, the user-day (when wanted) and run accounts and lock
-# them in that order; take `amount` from all of them only if every one has room, and only then
-# create the reservation and its ledger entry. FOR NO KEY UPDATE waits for concurrent writers and
-# returns the newest balances, so `room` is never stale. `found` < `wanted`: an account does not
-# exist yet.
-_RESERVE = f"""
-WITH locked AS (
+# Lock one sub-account of the tenant's day, the user-day (when wanted) and run accounts; take
+# `amount` from all of them only if every one has room, and only then create the reservation and
+# its ledger entry. FOR NO KEY UPDATE returns the newest balances, so `room` is never stale.
+# `found` < `wanted`: an account is not there (or, in the first form, no sub-account was free).
+#
+# First form (`_RESERVE_ANY`): the first sub-account, starting from the run's own, that has room
+# and that no other transaction holds (SKIP LOCKED): concurrent runs of a tenant never queue
+# behind each other on the day. It waits for nothing on the day, so it cannot take part in a
+# deadlock there; the user-day and run accounts are waited for as everywhere.
+# Second form (`_RESERVE_OWN`): the run's own sub-account, waited for; it reports the room.
+# The updates find their rows with `id = ANY(ARRAY(SELECT id FROM locked))`: the locks are
+# taken (in order) before the update starts, and the rows are found by primary key whatever the
+# planner thinks of the table's size (a join with the CTE was planned as a sequential scan).
+_RESERVE = """
+WITH day AS (
+    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room, 0 AS position
+      FROM {accounts}
+     WHERE tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s AND {day_rows}
+), rest AS (
     SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room,
-           CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END AS position
-      FROM {_ACCOUNTS}
-     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s AND shard = %(shard)s)
-        OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
+           CASE scope WHEN 'user_day' THEN 1 ELSE 2 END AS position
+      FROM {accounts}
+     WHERE (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
         OR run_id = %(run)s
      ORDER BY position
        FOR NO KEY UPDATE
+), locked AS (
+    SELECT * FROM day UNION ALL SELECT * FROM rest
 ), verdict AS (
     SELECT count(*) AS found, count(*) = %(wanted)s AND bool_and(room >= %(amount)s) AS fits,
            max(id) FILTER (WHERE scope = 'tenant_day') AS day_account,
@@ -80,17 +94,17 @@ WITH locked AS (
            array_agg(room ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_rooms
       FROM locked
 ), taken AS (
-    UPDATE {_ACCOUNTS} AS a SET reserved_micros = a.reserved_micros + %(amount)s
-      FROM locked, verdict WHERE verdict.fits AND a.id = locked.id
+    UPDATE {accounts} AS a SET reserved_micros = a.reserved_micros + %(amount)s
+     WHERE a.id = ANY(ARRAY(SELECT id FROM locked)) AND (SELECT fits FROM verdict)
 ), created AS (
-    INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
-                                 purpose, day, amount_micros, status, overage, note, created_at)
+    INSERT INTO {reservations} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
+                                purpose, day, amount_micros, status, overage, note, created_at)
     SELECT %(id)s, %(tenant)s, %(run)s, verdict.day_account, verdict.user_account, verdict.run_account,
            %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
       FROM verdict WHERE verdict.fits
     RETURNING created_at
 ), entry AS (
-    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
+    INSERT INTO {entries} (reservation_id, kind, amount_micros, note, at)
     SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
 )
 SELECT verdict.fits, verdict.found, created.created_at, verdict.day_account, verdict.user_account,
@@ -98,6 +112,13 @@ SELECT verdict.fits, verdict.found, created.created_at, verdict.day_account, ver
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
 """
+_RESERVE_ANY = _RESERVE.format(accounts=_ACCOUNTS, reservations=_RESERVATIONS, entries=_ENTRIES, day_rows="""
+           limit_micros - reserved_micros - spent_micros - held_micros >= %(amount)s
+     ORDER BY (shard + %(shards)s - %(shard)s) %% %(shards)s
+       FOR NO KEY UPDATE SKIP LOCKED LIMIT 1""")
+_RESERVE_OWN = _RESERVE.format(accounts=_ACCOUNTS, reservations=_RESERVATIONS, entries=_ENTRIES, day_rows="""
+           shard = %(shard)s
+       FOR NO KEY UPDATE""")
 # The run's sub-account of the day is short: lock all of the day's sub-accounts (in shard order,
 # before the user-day and run accounts, as everywhere), and reserve if the day as a whole has
 # room. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
@@ -116,7 +137,7 @@ WITH locked AS (
      ORDER BY position, shard
        FOR NO KEY UPDATE
 ), day AS (
-    SELECT sum(room) AS free, count(*) AS shards, max(id) FILTER (WHERE shard = %(shard)s) AS target
+    SELECT sum(room)::bigint AS free, count(*) AS shards, max(id) FILTER (WHERE shard = %(shard)s) AS target
       FROM locked WHERE scope = 'tenant_day'
 ), others AS (
     SELECT count(*) AS found, coalesce(bool_and(room >= %(amount)s), true) AS fit,
@@ -179,7 +200,7 @@ WITH closed AS (
                                               WHEN %(from_status)s = 'held' THEN -closed.amount ELSE 0 END,
            spent_micros = a.spent_micros + closed.actual,
            overage_micros = a.overage_micros + greatest(closed.actual - closed.amount, 0)
-      FROM locked, closed WHERE a.id = locked.id
+      FROM closed WHERE a.id = ANY(ARRAY(SELECT id FROM locked))
 ), entries AS (
     INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, actor_id, note, at)
     SELECT closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
@@ -326,7 +347,11 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
                               note=note)
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
     shard = _shard_for(reservation, day_shards())
-    short = take(reservation, user=user, shard=shard)
+    short = None
+    if day_shards() > 1:    # any free sub-account with room; none free: wait for the run's own
+        short = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
+    if short is None:
+        short = take(reservation, user=user, shard=shard)
     if short is None:   # the first reservation of the day (or of this user's day) opens its accounts
         _make_day_accounts(tenant, day=day, user=user)
         short = take(reservation, user=user, shard=shard)
@@ -351,7 +376,7 @@ def _params(reservation: Reservation, *, user, shard: int) -> dict:
     return {"tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
             "run": reservation.run_id, "wanted": 1 + (user is not None) + (reservation.run_id is not None),
             "amount": reservation.amount_micros, "id": reservation.pk, "purpose": reservation.purpose,
-            "note": reservation.note, "shard": shard, "relaxed": _relaxed_commit()}
+            "note": reservation.note, "shard": shard, "shards": day_shards(), "relaxed": _relaxed_commit()}
 
 
 def _reserved(reservation: Reservation, created_at, day_account, user_account, run_account) -> bool:
@@ -361,15 +386,19 @@ def _reserved(reservation: Reservation, created_at, day_account, user_account, r
     return False
 
 
-def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool | None:
-    """False: reserved. None: an account is missing. Else the first scope without room and its room."""
+def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int,
+                              any_free: bool = False) -> tuple[str, int] | bool | None:
+    """False: reserved. None: an account is missing (any_free: or no sub-account of the day was
+    free). Else the first scope without room and its room."""
     params = _params(reservation, user=user, shard=shard)
     wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        _RESERVE, params)
+        _RESERVE_ANY if any_free else _RESERVE_OWN, params)
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if found < wanted:
+        if any_free:
+            return None
         if reservation.run_id is not None and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists():
             raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
         return None

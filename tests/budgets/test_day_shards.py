@@ -47,27 +47,30 @@ def test_the_day_opens_as_sub_accounts_whose_limits_add_up_to_the_daily_budget(t
 
 
 def test_a_run_whose_sub_account_is_short_draws_on_the_rest_of_the_day(tenant, asha):
-    tenant.daily_budget_micros = 80_000        # 10,000 per sub-account
+    tenant.daily_budget_micros = 80_005        # 10,000 per sub-account, 10,005 on the first
     tenant.save()
     (run,) = make_runs(tenant, asha, 1)
-    first = budgets.reserve(tenant=tenant, run=run, amount_micros=70_000, purpose="model")
+    first = budgets.reserve(tenant=tenant, run=run, amount_micros=70_003, purpose="model")
     own = BudgetAccount.objects.get(pk=first.day_account_id)
-    assert own.shard == run.pk.int % SHARDS and own.reserved_micros == 70_000
-    assert budgets.reserve(tenant=tenant, run=run, amount_micros=10_000, purpose="model")   # exactly full
+    assert own.shard == run.pk.int % SHARDS and own.reserved_micros == 70_003
+    assert budgets.reserve(tenant=tenant, run=run, amount_micros=10_002, purpose="model")   # exactly full
     with pytest.raises(budgets.BudgetExceeded) as refused:
         budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
     assert (refused.value.scope, refused.value.code) == ("tenant_day", "tenant_day_budget_exhausted")
     shards = sub_accounts(tenant)
-    assert sum(a.limit_micros for a in shards) == 80_000
+    assert sum(a.limit_micros for a in shards) == 80_005
     assert all(a.remaining_micros == 0 for a in shards)
     for reservation in Reservation.objects.filter(status="open"):
         budgets.settle(reservation.pk, actual_micros=reservation.amount_micros)
     assert_books_balance(tenant)
 
 
-def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant, asha):
-    """Every run on its own sub-account at first; near the end they all pool. None too many."""
-    tenant.daily_budget_micros = 40 * 10_000 + 5_000
+@pytest.mark.parametrize("shards", [SHARDS, 7])
+def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant, asha, settings, shards):
+    """Runs take any free sub-account at first; near the end they all pool. None too many, and
+    the limits, spread again and again in shares that do not divide evenly, still add up."""
+    settings.BUDGET_DAY_SHARDS = shards
+    tenant.daily_budget_micros = 40 * 10_000 + 5_003
     tenant.save()
     runs = make_runs(tenant, asha, 64)
     budgets.tenant_day_account(tenant, budgets.local_day(tenant))   # opened before the race
@@ -84,7 +87,8 @@ def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant,
 
     assert sum(in_threads(64, attempt)) == 40
     day = budgets.tenant_day_account(tenant, budgets.local_day(tenant))
-    assert (day.spent_micros, day.reserved_micros, day.limit_micros) == (400_000, 0, 405_000)
+    assert (day.spent_micros, day.reserved_micros, day.limit_micros) == (400_000, 0, 405_003)
+    assert len(sub_accounts(tenant)) == shards
     assert all(a.remaining_micros >= 0 for a in sub_accounts(tenant))
     assert Reservation.objects.filter(status="settled").count() == 40
     assert_books_balance(tenant)
