@@ -1,4 +1,4 @@
-"""`manage.py apply`: declarative tenant configuration (tenants/config.py)."""
+"""`manage.py apply`: declarative tenant configuration (tenants/config/)."""
 from __future__ import annotations
 
 import socket

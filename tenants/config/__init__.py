@@ -1,0 +1,64 @@
+"""Declarative tenant configuration: `manage.py apply FILE.yaml` (see docs/configuration.md).
+
+Three phases, so that nothing is half-applied and no transaction is open across a network call:
+
+1. parse: shapes and types of the whole file, without the database;
+2. discover: list the tools of MCP and builtin servers, outside any transaction;
+3. write: one transaction that creates or updates rows and checks every reference against the
+   database as it now stands (agent specs go through agents.spec.validate_spec). Any error from
+   any phase, or a dry run, rolls the whole transaction back.
+
+Items with errors are left out of phase 3, which still runs so that errors that need the
+database are reported in the same answer; references to items left out are not reported twice.
+
+Phase 1 is in schema.py (field values through convert.py), phase 2 in discovery.py, phase 3 in
+writing.py; report.py holds what apply_config returns or raises.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from django.db import transaction
+
+from tenants.config.discovery import discover
+from tenants.config.report import ApplyReport, ConfigError
+from tenants.config.schema import Problems, expand_env, parse
+from tenants.config.writing import write
+
+__all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file"]
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+def load_file(path: str | Path) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read {path}: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([(where, f"invalid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([("", "the file must be a mapping with a tenant section")])
+    return data
+
+
+def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
+    """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error."""
+    problems = Problems()
+    plan = parse(expand_env(data, problems), problems)
+    remote = discover(plan, problems)
+    if plan.tenant is None:
+        raise ConfigError(problems.in_file_order())
+    with transaction.atomic():
+        report = write(plan, remote, problems)
+        if problems:
+            raise ConfigError(problems.in_file_order())
+        if dry_run:
+            transaction.set_rollback(True)
+    report.dry_run = dry_run
+    return report

@@ -1,0 +1,208 @@
+"""Converters from YAML values to model field values, one per kind of field."""
+from __future__ import annotations
+
+import decimal
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import jsonschema
+from django.contrib.auth.validators import UnicodeUsernameValidator
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator, validate_email, validate_slug
+
+from approvals.policy import PolicyError, parse_policy
+from tenants.models import validate_time_zone
+
+MICROS = 1_000_000
+
+
+# --- converters: raise _Invalid; messages never echo values that could be secrets ----------------
+
+class _Invalid(Exception):
+    def __init__(self, message: str, at: str = ""):
+        super().__init__(message)
+        self.message = message
+        self.at = at
+
+
+Convert = Callable[[Any], Any]
+
+
+def _text(max_length: int = 0, *, empty: bool = True) -> Convert:
+    def convert(value: Any) -> str:
+        if not isinstance(value, str):
+            raise _Invalid("must be text")
+        if not empty and not value.strip():
+            raise _Invalid("must not be empty")
+        if max_length and len(value) > max_length:
+            raise _Invalid(f"must be at most {max_length} characters")
+        return value
+    return convert
+
+
+def _slug(max_length: int) -> Convert:
+    def convert(value: Any) -> str:
+        text = _text(max_length, empty=False)(value)
+        try:
+            validate_slug(text)
+        except ValidationError:
+            raise _Invalid("must be a slug: letters, digits, hyphens and underscores") from None
+        return text
+    return convert
+
+
+def _django(validator: Callable[[Any], None], message: str, max_length: int = 0) -> Convert:
+    def convert(value: Any) -> str:
+        text = _text(max_length, empty=False)(value)
+        try:
+            validator(text)
+        except ValidationError:
+            raise _Invalid(message) from None
+        return text
+    return convert
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):   # what ${VAR} substitution produces
+        return value == "true"
+    raise _Invalid("must be true or false")
+
+
+def _decimal(value: Any) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
+        raise _Invalid("must be a number")
+    try:
+        number = Decimal(str(value).strip())
+    except decimal.InvalidOperation:
+        raise _Invalid("must be a number") from None
+    if not number.is_finite():
+        raise _Invalid("must be a finite number")
+    return number
+
+
+def _int(minimum: int = 1) -> Convert:
+    def convert(value: Any) -> int:
+        number = _decimal(value)
+        if number != number.to_integral_value():
+            raise _Invalid("must be a whole number")
+        if number < minimum:
+            raise _Invalid(f"must be at least {minimum}")
+        return int(number)
+    return convert
+
+
+def _seconds(value: Any) -> float:
+    number = _decimal(value)
+    if number <= 0:
+        raise _Invalid("must be greater than 0")
+    return float(number)
+
+
+def _non_negative(value: Any) -> float:
+    number = _decimal(value)
+    if number < 0:
+        raise _Invalid("must not be negative")
+    return float(number)
+
+
+def _money(value: Any) -> int:
+    """Currency units to integer micros; refuse what micros cannot hold exactly."""
+    micros = _decimal(value) * MICROS
+    if micros < 0:
+        raise _Invalid("must not be negative")
+    if micros != micros.to_integral_value():
+        raise _Invalid("must have at most 6 decimal places")
+    return int(micros)
+
+
+def _price(value: Any) -> Decimal:
+    number = _decimal(value)
+    if number < 0:
+        raise _Invalid("must not be negative")
+    if number != number.quantize(Decimal("0.0001"), rounding=decimal.ROUND_DOWN):
+        raise _Invalid("must have at most 4 decimal places")
+    if number >= Decimal("100000000"):
+        raise _Invalid("must be below 100000000")
+    return number
+
+
+def _choice(options: list[str]) -> Convert:
+    def convert(value: Any) -> str:
+        if value not in options:
+            raise _Invalid(f"must be one of {', '.join(options)}")
+        return value
+    return convert
+
+
+def _nullable(inner: Convert) -> Convert:
+    return lambda value: None if value is None else inner(value)
+
+
+def _mapping(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _Invalid("must be a mapping")
+    return value
+
+
+def _text_list(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        raise _Invalid("must be a list")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise _Invalid("must be non-empty text", at=f"[{i}]")
+    return value
+
+
+def _time_zone(value: Any) -> str:
+    text = _text(64, empty=False)(value)
+    try:
+        validate_time_zone(text)
+    except ValidationError:
+        raise _Invalid(f"unknown time zone {text!r}; use an IANA name such as Asia/Kolkata") from None
+    return text
+
+
+def _policy(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid('must be text: "never", "always" or a rule such as "amount > 5000"')
+    try:
+        return parse_policy(value).text
+    except PolicyError as exc:
+        raise _Invalid(str(exc)) from None
+
+
+def _json_schema(value: Any) -> dict:
+    schema = _mapping(value)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise _Invalid(f"not a valid JSON schema: {exc.message}") from None
+    return schema
+
+
+def _spec_list(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise _Invalid("must be a list of agent specs")
+    for i, spec in enumerate(value):
+        if not isinstance(spec, dict):
+            raise _Invalid("must be a mapping (an agent spec)", at=f"[{i}]")
+    return value
+
+
+def _aliases(value: Any) -> dict[str, int]:
+    aliases = _mapping(value)
+    for name, number in aliases.items():
+        try:
+            _slug(50)(name)
+            aliases[name] = _int(1)(number)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, at=f".{name}") from None
+    return aliases
+
+
+_url = _django(URLValidator(schemes=["http", "https"]), "must be an http(s) URL", 500)
+_email = _django(validate_email, "must be an email address", 254)
+_username = _django(UnicodeUsernameValidator(), "must be a username: letters, digits and @.+-_", 150)

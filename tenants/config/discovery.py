@@ -1,0 +1,82 @@
+"""Phase 2: list the tools of MCP and builtin servers, before the write transaction opens."""
+from __future__ import annotations
+
+from typing import Any
+
+from tenants.config.schema import Item, Plan, Problems
+from tenants.crypto import redact
+from tenants.models import Secret
+from tools.catalog import fetch_remote
+from tools.models import ToolServer
+from tools.types import McpServerConfig, RemoteTool
+
+# --- phase 2: discover (network, outside any transaction) ----------------------------------------
+
+def discover(plan: Plan, problems: Problems) -> dict[str, list[RemoteTool]]:
+    """List the tools of MCP servers with discover: true and of builtin servers."""
+    remote: dict[str, list[RemoteTool]] = {}
+    slug = plan.tenant.key if plan.tenant else ""
+    for item in list(plan.sections.get("tool_servers", [])):
+        kind = item.values["kind"]
+        default = kind == ToolServer.Kind.BUILTIN
+        if kind == ToolServer.Kind.HTTP or not item.values.get("discover", default):
+            continue
+        if kind == ToolServer.Kind.BUILTIN:
+            remote[item.key] = fetch_remote(ToolServer(name=item.key, kind=kind))
+            continue
+        fetched = _discover_mcp(item, plan, slug, problems)
+        if fetched is None:
+            plan.sections["tool_servers"].remove(item)
+            plan.drop("tool_servers", item.key)
+        else:
+            remote[item.key] = fetched
+    return remote
+
+
+def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list[RemoteTool] | None:
+    from tools import mcp_client   # the MCP SDK is only needed here, as in tools.catalog
+
+    existing = ToolServer.objects.filter(tenant__slug=slug, name=item.key).select_related("secret").first()
+    secret_name = item.values.get("secret", existing.secret.name if existing and existing.secret else None)
+    try:
+        secret = _secret_plaintext(secret_name, plan, slug)
+    except LookupError:
+        if not plan.is_dropped("secrets", secret_name):
+            problems.add(f"{item.path}.secret", f"no secret named {secret_name!r}")
+        return None
+    config = server_config(item.values, existing, secret)
+    try:
+        return mcp_client.list_tools(config)
+    except Exception as exc:  # any failure to list means the file cannot be applied as written
+        where = "command" if config.transport == ToolServer.Transport.STDIO else "url"
+        message = redact(str(exc), [secret] if secret else [])
+        problems.add(f"{item.path}.{where}", f"cannot list the server's tools: {message}")
+        return None
+
+
+def _secret_plaintext(name: str | None, plan: Plan, slug: str) -> str | None:
+    """The value the secret will have once applied: from this file, else as stored."""
+    if name is None:
+        return None
+    if name in plan.secret_values:
+        return plan.secret_values[name]
+    stored = Secret.objects.filter(tenant__slug=slug, name=name).first()
+    if stored is None:
+        raise LookupError(name)
+    return stored.reveal()
+
+
+def server_config(values: dict, existing: ToolServer | None, secret: str | None) -> McpServerConfig:
+    """Like tools.gateway.mcp_config, for a server that may not be saved yet.
+
+    The secret is passed as plaintext because it may be new in this file, so not yet stored.
+    """
+    def pick(key: str, default: Any) -> Any:
+        return values[key] if key in values else getattr(existing, key, default)
+
+    headers = {}
+    if secret is not None:
+        scheme = pick("auth_scheme", "Bearer")
+        headers[pick("auth_header", "Authorization") or "Authorization"] = f"{scheme} {secret}".strip()
+    return McpServerConfig(transport=pick("transport", ToolServer.Transport.STREAMABLE_HTTP),
+                           url=pick("url", ""), command=tuple(pick("command", ())), headers=headers)

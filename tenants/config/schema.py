@@ -1,0 +1,324 @@
+"""Phase 1: the shapes and types of the whole file, without the database; errors name their path."""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm.models import ModelEndpoint
+from tenants.config.convert import (
+    Convert, _aliases, _bool, _choice, _email, _int, _Invalid, _json_schema, _mapping, _money,
+    _non_negative, _nullable, _policy, _price, _seconds, _slug, _spec_list, _text, _text_list,
+    _time_zone, _url, _username,
+)
+from tenants.models import Tenant
+from tools.models import EffectClass, ToolServer
+
+PERMS = {"use": "use_tool", "approve": "approve_tool"}
+
+
+# --- problems and plan ---------------------------------------------------------------------------
+
+class Problems:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.items.append((path, message))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def in_file_order(self) -> list[tuple[str, str]]:
+        """Errors come from three phases; readers expect them in the order of the file."""
+        order = ["tenant", *SECTIONS]
+
+        def position(entry: tuple[str, str]) -> tuple[int, int]:
+            match = re.match(r"([a-z_]+)(?:\[(\d+)\])?", entry[0])
+            if match is None or match.group(1) not in order:
+                return (-1, 0)
+            return (order.index(match.group(1)), int(match.group(2) or 0))
+
+        return sorted(self.items, key=position)
+
+
+@dataclass
+class Item:
+    path: str      # "tools[2]"
+    key: str       # identity within its kind: a name, or "<server>__<remote>" for tools
+    values: dict   # converted values, keyed by model field (plus a few non-model keys)
+
+
+@dataclass
+class Plan:
+    tenant: Item | None = None
+    sections: dict[str, list[Item]] = field(default_factory=dict)
+    dropped: dict[str, set[str]] = field(default_factory=dict)
+    secret_values: dict[str, str] = field(default_factory=dict)
+
+    def drop(self, kind: str, key: str) -> None:
+        self.dropped.setdefault(kind, set()).add(key)
+
+    def is_dropped(self, kind: str, key: str) -> bool:
+        if kind == "tools" and "__" in key and self.is_dropped("tool_servers", key.split("__", 1)[0]):
+            return True
+        return key in self.dropped.get(kind, set())
+
+
+# --- environment substitution --------------------------------------------------------------------
+
+_ENV_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: Any, problems: Problems, path: str = "") -> Any:
+    """Replace ${NAME} and ${NAME:-default} in string values; "$${" stands for a literal "${"."""
+    if isinstance(value, dict):
+        return {key: expand_env(item, problems, _join(path, key)) for key, item in value.items()}
+    if isinstance(value, list):
+        return [expand_env(item, problems, f"{path}[{i}]") for i, item in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match) -> str:
+        if match.group(0) == "$${":
+            return "${"
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            problems.add(path, f"environment variable {name} is not set")
+            return ""
+        return default
+
+    return _ENV_REF.sub(substitute, value)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+# --- field specifications ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Field:
+    target: str
+    convert: Convert
+    required: bool = False
+
+
+Spec = dict[str, "Field | Spec"]
+
+TENANT: Spec = {
+    "slug": Field("slug", _slug(50), required=True),
+    "name": Field("name", _text(200, empty=False)),
+    "time_zone": Field("time_zone", _time_zone),
+    "daily_budget": Field("daily_budget_micros", _money),
+    "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
+    "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
+    "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1)),
+    "quotas": {"max_active_runs": Field("max_active_runs", _int(1)),
+               "max_starts_per_minute": Field("max_starts_per_minute", _int(1))},
+    "caps": {"max_steps": Field("max_steps_cap", _int(1)),
+             "max_tool_calls": Field("max_tool_calls_cap", _int(1)),
+             "max_wall_seconds": Field("max_wall_seconds_cap", _int(1)),
+             "max_output_tokens": Field("max_output_tokens_cap", _int(1)),
+             "max_cost": Field("max_cost_micros_cap", _money)},
+}
+SECRET: Spec = {"name": Field("name", _text(100, empty=False), required=True),
+                "value": Field("value", _text(empty=False)),
+                "value_env": Field("value_env", _text(empty=False))}
+GROUP: Spec = {"name": Field("name", _text(100, empty=False), required=True)}
+USER: Spec = {"username": Field("username", _username, required=True),
+              "email": Field("email", _email),
+              "password": Field("password", _text(empty=False)),
+              "password_env": Field("password_env", _text(empty=False)),
+              "groups": Field("groups", _text_list),
+              "staff": Field("is_staff", _bool),
+              "active": Field("is_active", _bool)}
+ENDPOINT: Spec = {"name": Field("name", _slug(100), required=True),
+                  "kind": Field("kind", _choice(ModelEndpoint.Kind.values), required=True),
+                  "base_url": Field("base_url", _url),
+                  "model": Field("model", _text(200)),
+                  "secret": Field("secret", _nullable(_text(100, empty=False))),
+                  "timeout_seconds": Field("timeout_seconds", _seconds),
+                  "prices": {"input": Field("price_input", _price),
+                             "cached_input": Field("price_cached_input", _price),
+                             "cache_write": Field("price_cache_write", _price),
+                             "output": Field("price_output", _price)},
+                  "config": Field("config", _mapping)}
+SERVER: Spec = {"name": Field("name", _slug(50), required=True),
+                "kind": Field("kind", _choice(ToolServer.Kind.values), required=True),
+                "transport": Field("transport", _choice(ToolServer.Transport.values)),
+                "url": Field("url", _url),
+                "command": Field("command", _text_list),
+                "secret": Field("secret", _nullable(_text(100, empty=False))),
+                "auth_header": Field("auth_header", _text(100)),
+                "auth_scheme": Field("auth_scheme", _text(20)),
+                "status_tool": Field("status_tool", _text(200)),
+                "discover": Field("discover", _bool)}
+TOOL: Spec = {"server": Field("server", _slug(50), required=True),
+              "name": Field("remote_name", _text(150, empty=False), required=True),
+              "enabled": Field("enabled", _bool),
+              "effect": Field("effect_class", _choice(EffectClass.values)),
+              "approval": Field("approval_policy", _policy),
+              "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1))),
+              "timeout_seconds": Field("timeout_seconds", _seconds),
+              "price": Field("price_micros", _money),
+              "max_attempts": Field("max_attempts", _int(1)),
+              "backoff_seconds": Field("backoff_seconds", _non_negative),
+              "description": Field("description", _text()),
+              "input_schema": Field("input_schema", _json_schema),
+              "http_url": Field("http_url", _url),
+              "status_url": Field("status_url", _text(500, empty=False))}
+GRANT: Spec = {"tool": Field("tool", _text(200, empty=False), required=True),
+               "use": Field("use", _text_list),
+               "approve": Field("approve", _text_list)}
+AGENT: Spec = {"name": Field("name", _slug(100), required=True),
+               "versions": Field("versions", _spec_list),
+               "aliases": Field("aliases", _aliases)}
+HTTP_ONLY = ("description", "input_schema", "http_url", "status_url")
+
+
+def _read(raw: Any, path: str, spec: Spec, problems: Problems) -> dict:
+    """Convert the known keys of one mapping; every bad or unknown key is a problem at its path."""
+    if not isinstance(raw, dict):
+        problems.add(path, "must be a mapping")
+        return {}
+    out: dict = {}
+    for key in raw:
+        if key not in spec:
+            problems.add(_join(path, key), f"unknown field; one of {', '.join(spec)}")
+    for key, rule in spec.items():
+        where = _join(path, key)
+        if key not in raw:
+            if isinstance(rule, Field) and rule.required:
+                problems.add(where, "required")
+        elif isinstance(rule, dict):
+            out.update(_read(raw[key], where, rule, problems))
+        else:
+            try:
+                out[rule.target] = rule.convert(raw[key])
+            except _Invalid as exc:
+                problems.add(where + exc.at, exc.message)
+    return out
+
+
+# --- phase 1: parse ------------------------------------------------------------------------------
+
+def _check_secret(values: dict, path: str, problems: Problems) -> None:
+    _exactly_one(values, path, "value", "value_env", problems)
+    _from_env(values, path, "value_env", "value", problems)
+
+
+def _check_user(values: dict, path: str, problems: Problems) -> None:
+    if "password" in values and "password_env" in values:
+        problems.add(f"{path}.password", "give password or password_env, not both")
+    _from_env(values, path, "password_env", "password", problems)
+
+
+def _check_server(values: dict, path: str, problems: Problems) -> None:
+    kind = values.get("kind")
+    if kind == ToolServer.Kind.MCP:
+        values.setdefault("transport", ToolServer.Transport.STREAMABLE_HTTP)
+        needed = "command" if values["transport"] == ToolServer.Transport.STDIO else "url"
+        if not values.get(needed):
+            problems.add(f"{path}.{needed}", f"required for an mcp server over {values['transport']}")
+        return
+    for key in ("transport", "command", "status_tool"):
+        if key in values:
+            problems.add(f"{path}.{key}", "only for mcp servers")
+    if kind == ToolServer.Kind.HTTP and "discover" in values:
+        problems.add(f"{path}.discover", "http tools are declared in this file, not discovered")
+
+
+def _check_grant(values: dict, path: str, problems: Problems) -> None:
+    for verb in PERMS:
+        for i, holder in enumerate(values.get(verb, [])):
+            kind, _, name = holder.partition(":")
+            if kind not in ("user", "group") or not name:
+                problems.add(f"{path}.{verb}[{i}]", 'must be "user:<username>" or "group:<name>"')
+
+
+def _exactly_one(values: dict, path: str, first: str, second: str, problems: Problems) -> None:
+    if (first in values) == (second in values):
+        problems.add(f"{path}.{first}", f"give exactly one of {first} or {second}")
+
+
+def _from_env(values: dict, path: str, env_key: str, target: str, problems: Problems) -> None:
+    if env_key not in values:
+        return
+    name = values.pop(env_key)
+    if not os.environ.get(name):
+        problems.add(f"{path}.{env_key}", f"environment variable {name} is not set")
+    else:
+        values[target] = os.environ[name]
+
+
+@dataclass(frozen=True)
+class Section:
+    spec: Spec
+    key: Callable[[dict], str]
+    check: Callable[[dict, str, Problems], None] | None = None
+
+
+SECTIONS: dict[str, Section] = {
+    "secrets": Section(SECRET, lambda v: v["name"], _check_secret),
+    "groups": Section(GROUP, lambda v: v["name"]),
+    "users": Section(USER, lambda v: v["username"], _check_user),
+    "model_endpoints": Section(ENDPOINT, lambda v: v["name"]),
+    "tool_servers": Section(SERVER, lambda v: v["name"], _check_server),
+    "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}"),
+    "grants": Section(GRANT, lambda v: v["tool"], _check_grant),
+    "agents": Section(AGENT, lambda v: v["name"]),
+}
+
+
+def parse(data: Any, problems: Problems) -> Plan:
+    plan = Plan()
+    if not isinstance(data, dict):
+        problems.add("", "the file must be a mapping with a tenant section")
+        return plan
+    for key in data:
+        if key != "tenant" and key not in SECTIONS:
+            problems.add(str(key), f"unknown section; one of tenant, {', '.join(SECTIONS)}")
+    if "tenant" not in data:
+        problems.add("tenant", "required")
+    else:
+        values = _read(data["tenant"], "tenant", TENANT, problems)
+        # A bad tenant field is dropped and reported; the rest is still checked against it.
+        plan.tenant = Item("tenant", values["slug"], values) if "slug" in values else None
+    for name, section in SECTIONS.items():
+        plan.sections[name] = _parse_section(data.get(name, []), name, section, plan, problems)
+    plan.secret_values = {item.key: item.values["value"] for item in plan.sections["secrets"]}
+    return plan
+
+
+def _parse_section(raw: Any, name: str, section: Section, plan: Plan, problems: Problems) -> list[Item]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        problems.add(name, "must be a list")
+        return []
+    items: list[Item] = []
+    first_at: dict[str, str] = {}
+    for i, entry in enumerate(raw):
+        path = f"{name}[{i}]"
+        before = len(problems)
+        values = _read(entry, path, section.spec, problems)
+        if section.check is not None and len(problems) == before:
+            section.check(values, path, problems)
+        try:
+            key = section.key(values)
+        except KeyError:
+            continue
+        if key in first_at:
+            problems.add(path, f"{key!r} is already defined at {first_at[key]}")
+            continue
+        first_at[key] = path
+        if len(problems) == before:
+            items.append(Item(path, key, values))
+        else:
+            plan.drop(name, key)
+    return items

@@ -1,0 +1,429 @@
+"""Phase 3: create or update rows, idempotently, inside the one transaction of apply_config."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib.auth.models import Group
+from django.contrib.contenttypes.models import ContentType
+from guardian.shortcuts import assign_perm, remove_perm
+from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
+
+from agents.models import AgentDefinition, Alias
+from agents.services import create_version, move_alias
+from agents.spec import validate_spec
+from budgets.models import BudgetAccount
+from budgets.services import local_day, set_day_limit
+from llm.models import ModelEndpoint
+from runs.services import digest
+from tenants.config.report import ApplyReport
+from tenants.config.schema import HTTP_ONLY, PERMS, TOOL, Field, Item, Plan, Problems
+from tenants.models import Secret, Tenant, TenantGroup, User
+from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
+from tools.services import configure_tool
+from tools.models import Tool, ToolServer
+from tools.types import RemoteTool
+
+# --- phase 3: write ------------------------------------------------------------------------------
+
+@dataclass
+class _Context:
+    tenant: Tenant
+    plan: Plan
+    problems: Problems
+    report: ApplyReport
+    remote: dict[str, list[RemoteTool]]
+
+    def missing(self, kind: str, key: str, path: str, message: str) -> None:
+        # Whatever refers to an item left out for its own errors is skipped without a second error.
+        if not self.plan.is_dropped(kind, key):
+            self.problems.add(path, message)
+
+    def skip(self, kind: str, item: Item) -> None:
+        self.plan.drop(kind, item.key)
+
+
+def _assign(obj: Any, values: dict) -> list[str]:
+    """Set the fields that differ and save only those, so concurrent changes to others survive."""
+    changed = [name for name, value in values.items() if getattr(obj, name) != value]
+    for name in changed:
+        setattr(obj, name, values[name])
+    if changed:
+        obj.save(update_fields=changed)
+    return changed
+
+
+def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -> ApplyReport:
+    assert plan.tenant is not None
+    report = ApplyReport(tenant=plan.tenant.key)
+    ctx = _Context(_apply_tenant(plan.tenant, report), plan, problems, report, remote)
+    steps: list[tuple[str, Callable[[Item, _Context], None]]] = [
+        ("secrets", _apply_secret), ("groups", _apply_group), ("users", _apply_user),
+        ("model_endpoints", _apply_endpoint), ("tool_servers", _apply_server), ("tools", _apply_tool),
+        ("grants", _apply_grant), ("agents", _apply_agent)]
+    for section, apply_item in steps:
+        for item in plan.sections[section]:
+            apply_item(item, ctx)
+    return report
+
+
+def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
+    values = {k: v for k, v in item.values.items() if k != "slug"}
+    tenant = Tenant.objects.filter(slug=item.key).first()
+    if tenant is None:
+        values.setdefault("name", item.key)
+        tenant = Tenant.objects.create(slug=item.key, **values)
+        report.record("tenant", item.key, "created")
+        return tenant
+    changed = _assign(tenant, values)
+    report.record("tenant", item.key, "updated" if changed else "unchanged", changed)
+    if {"daily_budget_micros", "user_daily_budget_micros"} & set(changed):
+        _update_today_limits(tenant, report)
+    return tenant
+
+
+def _update_today_limits(tenant: Tenant, report: ApplyReport) -> None:
+    """Today's accounts were opened with the old limit; the new one applies from now on."""
+    day = local_day(tenant)
+    if BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.TENANT_DAY).exists() \
+            and set_day_limit(tenant, day, tenant.daily_budget_micros):
+        report.record("budgets", f"tenant_day {day}", "updated", ["limit"])
+    limit = tenant.user_daily_budget_micros
+    if limit is None:
+        return
+    accounts = BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.USER_DAY) \
+        .exclude(limit_micros=limit).select_related("user")
+    for account in accounts:
+        BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
+        report.record("budgets", f"user_day {day} {account.user.username}", "updated", ["limit"])
+
+
+def _apply_secret(item: Item, ctx: _Context) -> None:
+    secret = Secret.objects.filter(tenant=ctx.tenant, name=item.key).first()
+    plaintext = item.values["value"]
+    if secret is None:
+        secret = Secret(tenant=ctx.tenant, name=item.key)
+        secret.set_value(plaintext)
+        secret.save()
+        ctx.report.record("secrets", item.key, "created")
+    elif secret.reveal() != plaintext:
+        # Fernet is randomised: re-encrypting an unchanged value would look like a change.
+        secret.set_value(plaintext)
+        secret.save(update_fields=["ciphertext", "updated_at"])
+        ctx.report.record("secrets", item.key, "updated", ["value"])
+    else:
+        ctx.report.record("secrets", item.key, "unchanged")
+
+
+def _apply_group(item: Item, ctx: _Context) -> None:
+    if TenantGroup.objects.filter(tenant=ctx.tenant, name=item.key).exists():
+        ctx.report.record("groups", item.key, "unchanged")
+        return
+    # Django group names are global, so the tenant's slug keeps tenants apart.
+    group, _ = Group.objects.get_or_create(name=f"{ctx.tenant.slug}:{item.key}")
+    if TenantGroup.objects.filter(group=group).exists():
+        ctx.problems.add(f"{item.path}.name", f"the auth group {group.name!r} belongs to another tenant group")
+        ctx.skip("groups", item)
+        return
+    TenantGroup.objects.create(group=group, tenant=ctx.tenant, name=item.key)
+    ctx.report.record("groups", item.key, "created")
+
+
+def _tenant_groups(names: list[str], path: str, ctx: _Context) -> list[Group] | None:
+    found = {link.name: link.group for link in
+             TenantGroup.objects.filter(tenant=ctx.tenant, name__in=names).select_related("group")}
+    ok = True
+    for i, name in enumerate(names):
+        if name not in found:
+            ctx.missing("groups", name, f"{path}[{i}]", f"no group named {name!r}")
+            ok = False
+    return [found[name] for name in names] if ok else None
+
+
+def _apply_user(item: Item, ctx: _Context) -> None:
+    values = {k: v for k, v in item.values.items() if k != "username"}
+    password = values.pop("password", None)
+    names = values.pop("groups", None)
+    groups = None if names is None else _tenant_groups(names, f"{item.path}.groups", ctx)
+    user = User.objects.filter(username=item.key).first()
+    foreign = user is not None and user.tenant_id != ctx.tenant.pk
+    if foreign:
+        ctx.problems.add(f"{item.path}.username", "this username belongs to another tenant or to an operator")
+    if foreign or (names is not None and groups is None):
+        ctx.skip("users", item)
+        return
+    if user is None:
+        user, changed = _create_user(item.key, values, password, ctx.tenant), None
+    else:
+        changed = _update_user(user, values, password)
+    if groups is not None and _set_memberships(user, groups, ctx.tenant) and changed is not None:
+        changed.append("groups")
+    outcome = "created" if changed is None else ("updated" if changed else "unchanged")
+    ctx.report.record("users", item.key, outcome, changed or ())
+
+
+def _create_user(username: str, values: dict, password: str | None, tenant: Tenant) -> User:
+    user = User(username=username, tenant=tenant, **values)
+    if password:
+        user.set_password(password)
+    else:
+        user.set_unusable_password()
+    user.save()
+    return user
+
+
+def _update_user(user: User, values: dict, password: str | None) -> list[str]:
+    changed = _assign(user, values)
+    # Hashes are salted: only a password that no longer matches is hashed again.
+    if password and not user.check_password(password):
+        user.set_password(password)
+        user.save(update_fields=["password"])
+        changed.append("password")
+    return changed
+
+
+def _set_memberships(user: User, groups: list[Group], tenant: Tenant) -> bool:
+    """Make the user's groups of this tenant exactly `groups`; other groups are not ours to touch."""
+    current = set(user.groups.filter(tenant_link__tenant=tenant))
+    wanted = set(groups)
+    user.groups.remove(*(current - wanted))
+    user.groups.add(*(wanted - current))
+    return current != wanted
+
+
+def _secret_ref(values: dict, path: str, ctx: _Context) -> bool:
+    """Replace the secret's name by the row; False when it names no secret of the tenant."""
+    if values.get("secret") is None:
+        return True
+    name = values["secret"]
+    values["secret"] = Secret.objects.filter(tenant=ctx.tenant, name=name).first()
+    if values["secret"] is None:
+        ctx.missing("secrets", name, f"{path}.secret", f"no secret named {name!r}")
+        return False
+    return True
+
+
+def _upsert(model: type, kind: str, item: Item, values: dict, ctx: _Context) -> Any:
+    obj = model.objects.filter(tenant=ctx.tenant, name=item.key).first()
+    if obj is None:
+        obj = model.objects.create(tenant=ctx.tenant, name=item.key, **values)
+        ctx.report.record(kind, item.key, "created")
+        return obj
+    changed = _assign(obj, values)
+    ctx.report.record(kind, item.key, "updated" if changed else "unchanged", changed)
+    return obj
+
+
+def _apply_endpoint(item: Item, ctx: _Context) -> None:
+    values = {k: v for k, v in item.values.items() if k != "name"}
+    if not _secret_ref(values, item.path, ctx):
+        ctx.skip("model_endpoints", item)
+        return
+    _upsert(ModelEndpoint, "model_endpoints", item, values, ctx)
+
+
+def _apply_server(item: Item, ctx: _Context) -> None:
+    values = {k: v for k, v in item.values.items() if k not in ("name", "discover")}
+    if not _secret_ref(values, item.path, ctx):
+        ctx.skip("tool_servers", item)
+        return
+    server = _upsert(ToolServer, "tool_servers", item, values, ctx)
+    if item.key not in ctx.remote:
+        return
+    remote = ctx.remote[item.key]
+    _record_sync(server, sync_server(server, remote), ctx)
+    if server.status_tool and server.status_tool not in {tool.name for tool in remote}:
+        ctx.problems.add(f"{item.path}.status_tool", f"the server lists no tool named {server.status_tool!r}")
+
+
+def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
+    for remote_name in sync.added:
+        ctx.report.record("tools", tool_name(server, remote_name), "created")
+    for remote_name in sync.unchanged:
+        ctx.report.record("tools", tool_name(server, remote_name), "unchanged")
+    for remote_name in sync.quarantined:
+        name = tool_name(server, remote_name)
+        ctx.report.record("tools", name, "updated", ["quarantined"])
+        ctx.report.notes.append(f"tool {name} changed on the server and is quarantined until an admin "
+                                f"releases it")
+    for remote_name in sync.missing:
+        ctx.report.notes.append(f"tool {tool_name(server, remote_name)} is no longer listed by {server.name}")
+    listed = {item.key for item in ctx.plan.sections["tools"]}
+    for remote_name in sync.added:
+        name = tool_name(server, remote_name)
+        if name not in listed:
+            ctx.report.notes.append(f"tool {name} was discovered and stays disabled until configured")
+
+
+def _apply_tool(item: Item, ctx: _Context) -> None:
+    values = dict(item.values)
+    server_name, remote_name = values.pop("server"), values.pop("remote_name")
+    server = ToolServer.objects.filter(tenant=ctx.tenant, name=server_name).first()
+    if server is None:
+        ctx.missing("tool_servers", server_name, f"{item.path}.server", f"no tool server named {server_name!r}")
+        ctx.skip("tools", item)
+        return
+    if not _tool_fields_fit(server, values, item.path, ctx):
+        ctx.skip("tools", item)
+        return
+    tool = Tool.objects.filter(server=server, remote_name=remote_name).first()
+    if tool is None and server.kind == ToolServer.Kind.HTTP:
+        _create_http_tool(server, remote_name, values, ctx)
+        return
+    if tool is None:
+        hint = "" if server_name in ctx.remote else " (is discover: true set on the server?)"
+        ctx.problems.add(f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}")
+        ctx.skip("tools", item)
+        return
+    changed = configure_tool(tool, values)
+    ctx.report.record("tools", tool.name, "updated" if changed else "unchanged", changed)
+    if tool.quarantined and values.get("enabled"):
+        ctx.report.notes.append(f"tool {tool.name} is enabled but quarantined: an admin must release it")
+
+
+def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context) -> bool:
+    if server.kind == ToolServer.Kind.HTTP:
+        if "input_schema" not in values:
+            ctx.problems.add(f"{path}.input_schema", "required for http tools")
+            return False
+        return True
+    wrong = [key for key in HTTP_ONLY if key in values]
+    for key in wrong:
+        source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
+        ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
+    return not wrong
+
+
+def _file_key(target: str) -> str:
+    return next(key for key, rule in TOOL.items() if isinstance(rule, Field) and rule.target == target)
+
+
+def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> None:
+    values.setdefault("description", "")
+    Tool.objects.create(tenant=ctx.tenant, server=server, name=tool_name(server, remote_name),
+                        remote_name=remote_name, schema_hash=schema_hash(values["description"],
+                                                                         values["input_schema"]), **values)
+    ctx.report.record("tools", tool_name(server, remote_name), "created")
+
+
+# --- grants ---
+
+def _apply_grant(item: Item, ctx: _Context) -> None:
+    tool = Tool.objects.filter(tenant=ctx.tenant, name=item.key).first()
+    if tool is None:
+        ctx.missing("tools", item.key, f"{item.path}.tool", f"no tool named {item.key!r}")
+        return
+    wanted = _wanted_grants(item, ctx)
+    if wanted is None:
+        return
+    current = _current_grants(tool)
+    for key in sorted(wanted.keys() - current.keys()):
+        perm, holder, label = wanted[key]
+        assign_perm(f"tools.{perm}", holder, tool)
+        ctx.report.record("grants", f"{tool.name} {perm} {label}", "created")
+    for key in sorted(current.keys() - wanted.keys()):
+        perm, holder, label = current[key]
+        remove_perm(f"tools.{perm}", holder, tool)
+        ctx.report.record("grants", f"{tool.name} {perm} {label}", "removed")
+    for key in sorted(wanted.keys() & current.keys()):
+        perm, _, label = wanted[key]
+        ctx.report.record("grants", f"{tool.name} {perm} {label}", "unchanged")
+
+
+GrantKey = tuple[str, str, int]   # (codename, "user" | "group", pk)
+
+
+def _wanted_grants(item: Item, ctx: _Context) -> dict[GrantKey, tuple] | None:
+    wanted: dict[GrantKey, tuple] = {}
+    ok = True
+    for verb, perm in PERMS.items():
+        for i, holder in enumerate(item.values.get(verb, [])):
+            found = _holder(holder, f"{item.path}.{verb}[{i}]", ctx)
+            if found is None:
+                ok = False
+            else:
+                wanted[(perm, holder.split(":")[0], found.pk)] = (perm, found, holder)
+    return wanted if ok else None
+
+
+def _holder(holder: str, path: str, ctx: _Context) -> User | Group | None:
+    kind, _, name = holder.partition(":")
+    if kind == "user":
+        user = User.objects.filter(tenant=ctx.tenant, username=name).first()
+        if user is None:
+            ctx.missing("users", name, path, f"no user named {name!r} in this tenant")
+        return user
+    link = TenantGroup.objects.filter(tenant=ctx.tenant, name=name).select_related("group").first()
+    if link is None:
+        ctx.missing("groups", name, path, f"no group named {name!r}")
+    return link.group if link else None
+
+
+def _current_grants(tool: Tool) -> dict[GrantKey, tuple]:
+    """Direct object permissions on the tool, read from guardian's tables (no checker cache)."""
+    lookup = {"content_type": ContentType.objects.get_for_model(Tool), "object_pk": str(tool.pk),
+              "permission__codename__in": list(PERMS.values())}
+    current: dict[GrantKey, tuple] = {}
+    for row in get_user_obj_perms_model(tool).objects.filter(**lookup).select_related("user", "permission"):
+        current[(row.permission.codename, "user", row.user_id)] = (
+            row.permission.codename, row.user, f"user:{row.user.username}")
+    for row in get_group_obj_perms_model(tool).objects.filter(**lookup).select_related("group", "permission"):
+        link = TenantGroup.objects.filter(group=row.group).first()
+        current[(row.permission.codename, "group", row.group_id)] = (
+            row.permission.codename, row.group, f"group:{link.name if link else row.group.name}")
+    return current
+
+
+# --- agents ---
+
+def _apply_agent(item: Item, ctx: _Context) -> None:
+    definition, created = AgentDefinition.objects.get_or_create(tenant=ctx.tenant, name=item.key)
+    ctx.report.record("agents", item.key, "created" if created else "unchanged")
+    stored = [_apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
+              for j, spec in enumerate(item.values.get("versions", []))]
+    if not all(stored):
+        return   # the numbers the aliases name may belong to the versions that failed
+    for alias, number in item.values.get("aliases", {}).items():
+        _apply_alias(definition, alias, number, f"{item.path}.aliases.{alias}", ctx)
+
+
+def _apply_version(definition: AgentDefinition, spec: dict, path: str, ctx: _Context) -> bool:
+    errors = validate_spec(spec, ctx.tenant)
+    if errors:
+        for key, messages in errors.items():
+            if not _reported_elsewhere(spec, key, ctx):
+                for message in messages:
+                    ctx.problems.add(path if key == "spec" else f"{path}.{key}", message)
+        return False
+    # Any earlier version with this content counts, not only the latest as in create_version,
+    # so that re-applying [v1, v2] does not store v1 again as v3.
+    existing = definition.versions.filter(content_hash=digest(spec)).order_by("number").first()
+    if existing is not None:
+        ctx.report.record("versions", f"{definition.name} v{existing.number}", "unchanged")
+        return True
+    version, _ = create_version(tenant=ctx.tenant, agent=definition.name, spec=spec)
+    ctx.report.record("versions", f"{definition.name} v{version.number}", "created")
+    return True
+
+
+def _reported_elsewhere(spec: dict, key: str, ctx: _Context) -> bool:
+    """A spec naming an endpoint or tool that was left out for its own errors."""
+    if key == "model":
+        return ctx.plan.is_dropped("model_endpoints", str(spec.get("model")))
+    match = re.fullmatch(r"tools\[(\d+)\]", key)
+    return bool(match) and ctx.plan.is_dropped("tools", str(spec["tools"][int(match.group(1))]))
+
+
+def _apply_alias(definition: AgentDefinition, alias: str, number: int, path: str, ctx: _Context) -> None:
+    label = f"{definition.name}@{alias}"
+    if not definition.versions.filter(number=number).exists():
+        ctx.problems.add(path, f"agent {definition.name!r} has no version {number}")
+        return
+    current = Alias.objects.filter(agent=definition, name=alias).select_related("version").first()
+    if current is not None and current.version.number == number:
+        ctx.report.record("aliases", label, "unchanged")
+        return
+    move_alias(tenant=ctx.tenant, agent=definition.name, alias=alias, version=number)
+    ctx.report.record("aliases", label, "created" if current is None else "updated", [f"v{number}"])
