@@ -8,6 +8,8 @@ from django.utils import timezone
 
 from budgets.models import BudgetAccount, Reservation
 from runs import engine, heartbeat
+from runs.claim import claim
+from runs.dispatch import mark_dispatching, reserve
 from runs.models import Run, Step
 from runs.services import start_run
 from tests import factories
@@ -32,8 +34,8 @@ def _lose_the_worker(run) -> None:
 
 
 def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
-    plan = engine._claim(run.pk)
-    assert plan.kind == "model" and engine._reserve(plan, amount=plan.extra["estimate"], purpose="model")
+    plan = claim(run.pk)
+    assert plan.kind == "model" and reserve(plan, amount=plan.extra["estimate"], purpose="model")
     _lose_the_worker(run)                 # died between reserving and dispatching
 
     engine.advance(run.pk)                # another worker takes over
@@ -46,9 +48,9 @@ def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
 
 def test_it_holds_what_a_lost_worker_reserved_for_a_call_it_sent(run):
     engine.advance(run.pk)                # the model proposes the tool call
-    plan = engine._claim(run.pk)
-    assert plan.kind == "tool" and engine._reserve(plan, amount=1000, purpose="tool")
-    assert engine._mark_dispatching(plan, step=Step.objects.get(pk=plan.step_id)) is not None
+    plan = claim(run.pk)
+    assert plan.kind == "tool" and reserve(plan, amount=1000, purpose="tool")
+    assert mark_dispatching(plan, step=Step.objects.get(pk=plan.step_id)) is not None
     _lose_the_worker(run)                 # died with the call in flight
 
     run = drive(run.pk)

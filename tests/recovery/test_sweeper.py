@@ -9,6 +9,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs import engine
+from runs.claim import claim
 from runs.models import Run, RunEvent, Step
 from runs.services import start_run
 from runs.sweeper import sweep
@@ -31,7 +32,7 @@ def run(tenant, asha, builtins):
 
 def test_it_requeues_a_run_whose_lease_expired_once_per_expiry(run, settings):
     settings.QUEUED_TOO_LONG_SECONDS = 30
-    assert engine._claim(run.pk) is not None          # a worker took the run, then died
+    assert claim(run.pk) is not None                  # a worker took the run, then died
     now = timezone.now()
     Run.objects.filter(pk=run.pk).update(last_enqueued_at=now - dt.timedelta(seconds=8),
                                          lease_expires_at=now - dt.timedelta(seconds=1))
@@ -59,7 +60,7 @@ def test_it_requeues_a_run_whose_message_was_lost(run, settings):
 
 def test_it_leaves_runs_that_wait_for_a_person_or_progress_alone(run, settings):
     settings.QUEUED_TOO_LONG_SECONDS = 30
-    assert engine._claim(run.pk) is not None          # leased and alive
+    assert claim(run.pk) is not None                  # leased and alive
     Run.objects.filter(pk=run.pk).update(last_enqueued_at=LONG_AGO)
     assert sweep()["expired_leases"] == sweep()["lost_messages"] == 0
     Run.objects.filter(pk=run.pk).update(status="needs_attention", lease_token=None, lease_expires_at=None)

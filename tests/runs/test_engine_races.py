@@ -8,6 +8,8 @@ import pytest
 from django.db import connection
 
 from runs import engine
+from runs.claim import claim
+from runs.model_step import do_model
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from runs.services import cancel_run, start_run
 from tests import factories
@@ -61,12 +63,12 @@ def test_it_treats_a_redelivered_message_as_a_no_op(tenant, asha, builtins):
     factories.make_agent(tenant, tools=[builtins["echo"]], turns=[
         {"tool_calls": [{"name": builtins["echo"].name, "arguments": {"x": 1}}]}, {"text": "ok"}])
     run, _ = start_run(user=asha, agent="agent", input={})
-    plan = engine._claim(run.pk)          # a worker holds the lease for the first model call
+    plan = claim(run.pk)                  # a worker holds the lease for the first model call
     assert plan is not None
     before = (Step.objects.count(), RunEvent.objects.filter(run=run).count())
     engine.advance(run.pk)                # the same message delivered again
     assert (Step.objects.count(), RunEvent.objects.filter(run=run).count()) == before
-    engine._do_model(plan)
+    do_model(plan)
     run = drive(run.pk)
     assert run.status == RunStatus.SUCCEEDED
     events = RunEvent.objects.filter(run=run).count()

@@ -1,0 +1,272 @@
+"""Claim: take the run's lease and decide its next step from the step log (runs/engine.py).
+
+Everything here runs in the claim's one short transaction with the run row locked, and needs no
+network: denials, approval requests, replays and stops are applied here; a model or tool call is
+handed on as a `Plan`.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from budgets import services as budgets
+from runs import rows
+from runs.engine import Plan, continue_run
+from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.services import (atomic_with_events, end_run, lease_seconds_for, lock_run, record_event, transition_run,
+                           transition_step)
+from tools.models import EffectClass
+
+MAX_MODEL_FAILURES = 5
+
+
+def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
+    with atomic_with_events():
+        try:
+            # With the user who started it and the model endpoint: read fresh, in this one statement.
+            run = lock_run(run_id, for_step=True)
+        except Run.DoesNotExist:
+            return None
+        if enqueued_at is not None and run.last_enqueued_at is not None and enqueued_at < run.last_enqueued_at:
+            return None          # superseded: a newer message for this run is on its way
+        now = timezone.now()
+        if run.is_terminal or run.status in WAITING:
+            return None
+        if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
+            return None
+        if run.lease_token is not None:
+            record_event(run.pk, "lease_expired", "previous worker's lease expired; taking over",
+                         expired_at=run.lease_expires_at.isoformat())
+            Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
+            run.lease_token = None
+            # What the lost worker reserved but never dispatched goes back now, not after
+            # budgets.release_orphans' quarantine (that one is for runs nobody claims again).
+            transaction.on_commit(lambda: _release_undispatched(run.pk), robust=True)
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+            return None
+        if run.deadline_at and now >= run.deadline_at:
+            end_run(run, RunStatus.STOPPED, reason=StopReason.DEADLINE, message="stopped: deadline passed")
+            return None
+        if run.status == RunStatus.QUEUED:
+            transition_run(run, RunStatus.RUNNING, started_at=now)
+        return _decide(run, _step_log(run), now)
+
+
+def _step_log(run: Run) -> list[Step]:
+    """The run's steps in order (tools are read where needed, fresh: check_dispatch)."""
+    steps = [step for step, in rows.fetch(f"SELECT {rows.columns(Step, 's')} FROM {rows.table(Step)} s "
+                                          "WHERE s.run_id = %s ORDER BY s.seq", [run.pk], Step)]
+    for step in steps:
+        step.run = run
+    return steps
+
+
+def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
+    inflight = next((s for s in steps if s.status == StepStatus.DISPATCHING), None)
+    if inflight is not None:
+        return _plan_recovery(run, inflight, now)
+    if any(s.kind == StepKind.TOOL and s.status == StepStatus.OUTCOME_UNKNOWN for s in steps):
+        transition_run(run, RunStatus.NEEDS_ATTENTION, message="waiting for a person to resolve an unknown outcome")
+        return None
+    if any(s.status == StepStatus.AWAITING_APPROVAL for s in steps):
+        transition_run(run, RunStatus.WAITING_APPROVAL, message="waiting for approval")
+        return None
+    ready = next((s for s in steps if s.kind == StepKind.TOOL and s.status in READY), None)
+    if ready is not None:
+        return _plan_tool(run, ready, steps, now)
+    last_model = next((s for s in reversed(steps) if s.kind == StepKind.MODEL
+                       and s.status == StepStatus.SUCCEEDED), None)
+    if last_model is not None and not last_model.result.get("tool_calls"):
+        end_run(run, RunStatus.SUCCEEDED, message="succeeded")
+        return None
+    return _plan_model(run, steps)
+
+
+def _take_lease(run: Run, seconds: int) -> uuid.UUID:
+    token = uuid.uuid4()
+    expires = timezone.now() + dt.timedelta(seconds=seconds)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
+                       [token, expires, run.pk])
+    run.lease_token, run.lease_expires_at = token, expires
+    return token
+
+def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
+    from llm import gateway as model_gateway
+    from tools import gateway as tool_gateway
+
+    if run.step_count >= run.limits["max_steps"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
+        return None
+    failures = 0
+    for step in reversed(steps):
+        if step.kind != StepKind.MODEL:
+            break
+        if step.status in (StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN):
+            failures += 1
+    if failures >= MAX_MODEL_FAILURES:
+        end_run(run, RunStatus.FAILED, error=f"model call failed {failures} times in a row",
+                message="failed: model unavailable")
+        return None
+    offered = tool_gateway.offered_tools(run, user=run.created_by)   # the user row this claim read
+    request = model_gateway.build_request(run, steps, offered)
+    endpoint = run.version.model_endpoint
+    if endpoint.secret_id:
+        endpoint.secret   # read now: the call itself then needs no database connection
+    input_tokens = model_gateway.estimate_input_tokens(request)
+    estimate = model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens)
+    lease = lease_seconds_for(endpoint.timeout_seconds)
+    token = _take_lease(run, lease)
+    return Plan(run.pk, token, "model", lease,
+                extra={"request": request, "estimate": estimate, "endpoint_id": endpoint.pk,
+                       "endpoint": endpoint, "seq": (steps[-1].seq if steps else 0) + 1, "run": run,
+                       "summary": model_gateway.request_summary(request, input_tokens=input_tokens)})
+
+
+def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
+    from approvals import services as approvals
+    from tools import gateway as tool_gateway
+
+    if step.tool_name == tool_gateway.SEARCH_TOOLS:
+        tool_gateway.run_search_tools(run, step)
+        continue_run(run)
+        return None
+    # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
+    # the permission in one statement; the call's offer from the step log.
+    denial = tool_gateway.check_dispatch(run, step, user=run.created_by, steps=steps)
+    if denial:
+        if step.status == StepStatus.APPROVED:
+            approvals.void_for_step(step, reason=denial)
+        deny(step, denial)
+        continue_run(run)
+        return None
+    prior = next((s for s in steps if s.seq < step.seq and s.kind == StepKind.TOOL
+                  and s.tool_id == step.tool_id and s.args_digest == step.args_digest
+                  and s.status in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED)), None)
+    if prior is not None:
+        _replay(run, step, prior, steps)
+        return None
+    if step.status == StepStatus.PROPOSED:
+        decision = approvals.decision_for(run, step.tool, step.arguments)
+        if decision.required:
+            approvals.request_approval(run=run, step=step, decision=decision)
+            transition_step(step, StepStatus.AWAITING_APPROVAL, message=f"step {step.seq} {step.tool_name}: "
+                            f"approval required ({decision.reason})")
+            transition_run(run, RunStatus.WAITING_APPROVAL, message=f"waiting for approval of {step.tool_name}")
+            return None
+    elif step.status == StepStatus.APPROVED:
+        problem = approvals.verify_for_dispatch(step)
+        if problem:
+            approvals.void_for_step(step, reason=problem)
+            deny(step, problem)
+            continue_run(run)
+            return None
+    if run.tool_call_count >= run.limits["max_tool_calls"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_TOOL_CALLS, message="stopped: max tool calls")
+        return None
+    if run.step_count >= run.limits["max_steps"]:
+        end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
+        return None
+    lease = lease_seconds_for(step.tool.timeout_seconds)
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
+                extra={"step": step, "run": run, "steps": steps})
+
+
+def deny(step: Step, reason: str) -> None:
+    transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+                    error=reason, observation=f"ERROR: call denied by the platform: {reason}",
+                    finished_at=timezone.now())
+
+
+def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:
+    """An identical call already succeeded in this run: answer from the record, call nothing."""
+    from runs import loops
+
+    note = (f"[platform] This exact call was already made at step {prior.seq}; "
+            f"returning the recorded result without calling the tool again.")
+    transition_step(step, StepStatus.SUCCEEDED, message=f"step {step.seq} {step.tool_name}: replayed from "
+                    f"step {prior.seq}", result=prior.result, observation=f"{prior.observation}\n{note}",
+                    replayed_from_seq=prior.seq, finished_at=timezone.now())
+    if not loops.check(run, steps, step):
+        continue_run(run)
+
+
+def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
+    """A step was left `dispatching`: a scheduled retry, or a worker that died or stalled."""
+    if step.next_attempt_at is not None and step.next_attempt_at > now:
+        continue_run(run, countdown=(step.next_attempt_at - now).total_seconds())
+        return None
+    crashed = step.next_attempt_at is None
+    if crashed:
+        # The lost attempt may have been charged: hold its reservation once this claim commits
+        # (budget rows are never locked while the run row is; the sweeper is the backstop).
+        transaction.on_commit(lambda: _hold_lost_reservations(step.pk), robust=True)
+        step.crashes += 1
+        Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
+        if step.crashes >= settings.MAX_STEP_CRASHES:
+            record_event(run.pk, "recovery", f"step {step.seq} crashed its worker {step.crashes} times",
+                         step_seq=step.seq, action="fail_run")
+            no_effect = step.kind == StepKind.MODEL or step.tool.effect_class == EffectClass.READ_ONLY
+            transition_step(step, StepStatus.FAILED if no_effect else StepStatus.OUTCOME_UNKNOWN,
+                            error=f"worker died {step.crashes} times during this step")
+            end_run(run, RunStatus.FAILED, error=f"step {step.seq} crashed its worker {step.crashes} times",
+                    message="failed: poison step")
+            return None
+    if step.kind == StepKind.MODEL:
+        record_event(run.pk, "recovery", f"model step {step.seq} lost with its worker: its reservation is "
+                     "held and the call is made again", step_seq=step.seq, action="hold_and_retry")
+        lease = lease_seconds_for(5)
+        return Plan(run.pk, _take_lease(run, lease), "recover_model", lease, step_id=step.pk)
+    tool = step.tool
+    effect = tool.effect_class
+    found = "found in dispatching after its worker was lost" if crashed else "retry due"
+    if effect == EffectClass.UNSAFE:
+        mark_unknown(run, step, f"step {step.seq} {step.tool_name} {found}; unsafe tool: never retried "
+                     "automatically")
+        return None
+    if step.attempts >= tool.max_attempts:
+        if effect == EffectClass.READ_ONLY:
+            transition_step(step, StepStatus.FAILED, error=f"gave up after {step.attempts} attempts",
+                            observation=f"ERROR: {step.tool_name} did not answer after {step.attempts} attempts",
+                            finished_at=now)
+            continue_run(run)
+        else:
+            mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {step.attempts} attempts, outcome "
+                         "still unknown")
+        return None
+    action = {EffectClass.READ_ONLY: "retry", EffectClass.IDEMPOTENT: "retry with the same key",
+              EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen"}[effect]
+    record_event(run.pk, "recovery", f"step {step.seq} {step.tool_name} {found}: {action}",
+                 step_seq=step.seq, action=action, effect_class=effect, attempts=step.attempts)
+    lease = lease_seconds_for(tool.timeout_seconds)
+    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
+                reconcile_first=effect == EffectClass.RECONCILABLE)
+
+
+def _release_undispatched(run_id) -> None:
+    """A reservation is linked to its step in the transaction that commits `dispatching`: one
+    without a step paid for a call that was never sent."""
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(run_id=run_id, step__isnull=True,
+                                                     status=Reservation.Status.OPEN).values_list("pk", flat=True):
+        budgets.release(reservation_id, note="its worker lost the lease before dispatching")
+
+
+def _hold_lost_reservations(step_id: int) -> None:
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN) \
+            .values_list("pk", flat=True):
+        budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
+
+
+def mark_unknown(run: Run, step: Step, message: str) -> None:
+    transition_step(step, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
+                    next_attempt_at=None)
+    transition_run(run, RunStatus.NEEDS_ATTENTION, message="needs attention: " + message)

@@ -1,0 +1,117 @@
+"""A model step: reserve, mark, call the model, settle, record (runs/engine.py)."""
+from __future__ import annotations
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from budgets import services as budgets
+from runs import heartbeat
+from runs.dispatch import budget_event, mark_dispatching, reserve, through_database_outage
+from runs.engine import Plan, continue_run, fenced
+from runs.models import RunStatus, Step, StepKind, StepStatus
+from runs.services import atomic_with_events, end_run, lock_run, record_event, transition_step
+
+
+def do_model(plan: Plan) -> None:
+    from llm import gateway as model_gateway
+    from llm.models import ModelEndpoint
+    from llm.types import ProviderError
+
+    request = plan.extra["request"]
+    estimate = plan.extra["estimate"]
+    if not reserve(plan, amount=estimate, purpose="model"):
+        return
+    step = mark_dispatching(plan, new_step={
+        "seq": plan.extra["seq"], "kind": StepKind.MODEL, "reserved": estimate,
+        "request": plan.extra.get("summary") or model_gateway.request_summary(request)})
+    if step is None:
+        budgets.release(plan.reservation_id, note="call not made")
+        return
+    # The endpoint (and its secret) the claim read: the call itself needs no database connection.
+    endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
+        pk=plan.extra["endpoint_id"])
+    try:
+        reply = model_gateway.call_model(endpoint, request)
+    except ProviderError as exc:
+        heartbeat.untrack(plan.run_id)
+        close_old_connections()
+        failure = exc   # `exc` is unbound once the except block ends
+        through_database_outage(lambda: _record_model_failure(plan, step, failure), seconds=plan.lease_seconds)
+        return
+    finally:
+        heartbeat.untrack(plan.run_id)
+    close_old_connections()
+    cost = model_gateway.cost_micros(endpoint, reply.usage)
+
+    def settle_and_record() -> None:
+        budgets.settle(plan.reservation_id, actual_micros=cost)
+        _record_model(plan, step, reply, cost, estimate)
+
+    through_database_outage(settle_and_record, seconds=plan.lease_seconds)
+
+
+def _record_model_failure(plan: Plan, step: Step, exc) -> None:
+    # No answer after sending, or a 2xx we could not read: the provider may have charged it.
+    lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
+    if lost:
+        budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
+    else:
+        budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
+    with atomic_with_events():
+        run = lock_run(plan.run_id)
+        status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
+        message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
+        if not fenced(run, plan):
+            record_event(run.pk, "late_attempt", message, step_seq=step.seq)
+            return
+        transition_step(step, status, message=message, error=str(exc), finished_at=timezone.now())
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif not exc.retryable:
+            end_run(run, RunStatus.FAILED, error=f"model provider refused the request: {exc}",
+                    message="failed: model request refused")
+        else:
+            continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
+
+
+def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> None:
+    from tools import gateway as tool_gateway
+
+    with atomic_with_events():
+        run = lock_run(plan.run_id)
+        if not fenced(run, plan):
+            record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost",
+                         step_seq=step.seq, cost_micros=cost)
+            return
+        # Known secrets are redacted from what the model said before it is stored or acted on.
+        text, calls = tool_gateway.redact_reply(run, reply)
+        usage = {"input_tokens": reply.usage.input_tokens, "cached_input_tokens": reply.usage.cached_input_tokens,
+                 "cache_write_tokens": reply.usage.cache_write_tokens, "output_tokens": reply.usage.output_tokens}
+        transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "tool_calls": calls},
+                        usage=usage, cost_micros=cost, finished_at=timezone.now(),
+                        observation=text,
+                        message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros")
+        budget_event(run, step, reserved=estimate, settled=cost)
+        tool_gateway.propose(run=run, parent_seq=step.seq, calls=calls)
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif not calls:
+            end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
+        else:
+            continue_run(run)
+
+
+def recover_model(plan: Plan) -> None:
+    from budgets.models import Reservation
+
+    for reservation_id in Reservation.objects.filter(step_id=plan.step_id, status=Reservation.Status.OPEN) \
+            .values_list("pk", flat=True):
+        budgets.hold(reservation_id, note="model call lost with its worker")
+    with atomic_with_events():
+        run = lock_run(plan.run_id)
+        if not fenced(run, plan):
+            return
+        step = Step.objects.get(pk=plan.step_id)
+        transition_step(step, StepStatus.OUTCOME_UNKNOWN, error="worker lost during the call; charge held",
+                        finished_at=timezone.now())
+        continue_run(run)
