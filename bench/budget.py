@@ -8,7 +8,7 @@ DATABASE_URL only says where PostgreSQL is: the benchmark creates its own databa
 Each client is a thread with its own database connection, acting for its own run: a pair is
 budgets.services.reserve (tenant day + run account) followed by settle with an actual cost a
 little below the reservation, exactly what the engine does around every model or tool call.
-Clients run in one process, or spread over BENCH_PROCESSES (4) processes the way Celery worker
+Clients run in one process, or spread over BENCH_PROCESSES (8) processes the way Celery worker
 processes would be (one Python process runs Python on one core at a time).
 
 Scenarios:
@@ -23,7 +23,7 @@ Scenarios:
 After each scenario the accounts are checked: no negative balance, spent <= limit, nothing
 left reserved, and the ledger (budgets.selectors.ledger_mismatches) agrees with every balance.
 
-Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_PROCESSES (4),
+Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_PROCESSES (8),
 BENCH_RACE_ROOM (500), BUDGET_DAY_SHARDS (8).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", 64))
-PROCESSES = int(os.environ.get("BENCH_PROCESSES", 4))
+PROCESSES = int(os.environ.get("BENCH_PROCESSES", 8))
 RACE_ROOM = int(os.environ.get("BENCH_RACE_ROOM", 500))
 AMOUNT = 10_000          # micros reserved per call
 TAG = f"bench_budget_{os.getpid()}"

@@ -72,12 +72,16 @@ class Reservation(models.Model):
                             related_name="reservations", db_constraint=False)
     step = models.ForeignKey("runs.Step", null=True, blank=True, on_delete=models.SET_NULL,
                              related_name="reservations")
-    # Fixed lock order: day account, user-day account, run account.
-    day_account = models.ForeignKey(BudgetAccount, on_delete=models.PROTECT, related_name="+", db_constraint=False)
-    user_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.PROTECT,
+    # Fixed lock order: day account, user-day account, run account. Nothing looks reservations
+    # up by account except the ledger audit (budgets.selectors.ledger_mismatches, which narrows
+    # by run or by tenant and day first), so these carry no index; an account is deleted only
+    # with its run or tenant, whose own cascades delete the reservations (DO_NOTHING: no scan).
+    day_account = models.ForeignKey(BudgetAccount, on_delete=models.DO_NOTHING, related_name="+",
+                                    db_index=False, db_constraint=False)
+    user_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.DO_NOTHING,
                                      related_name="+", db_index=False, db_constraint=False)
-    run_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.PROTECT,
-                                    related_name="+", db_constraint=False)
+    run_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.DO_NOTHING,
+                                    related_name="+", db_index=False, db_constraint=False)
     purpose = models.CharField(max_length=20)     # "model" | "tool"
     day = models.DateField()
     amount_micros = models.BigIntegerField()

@@ -71,8 +71,11 @@ def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
     def total(*kinds, extra=Q()):
         return Coalesce(Sum("amount_micros", filter=Q(kind__in=kinds) & extra), 0)
 
-    of_account = Q(reservation__day_account=account) | Q(reservation__user_account=account) | \
-        Q(reservation__run_account=account)
+    if account.scope == BudgetAccount.Scope.RUN:
+        of_account = Q(reservation__run_id=account.run_id, reservation__run_account=account)
+    else:   # the reservations of that tenant day, then the ones naming this (sub-)account
+        of_account = Q(reservation__tenant_id=account.tenant_id, reservation__day=account.day) & (
+            Q(reservation__day_account=account) | Q(reservation__user_account=account))
     sums = LedgerEntry.objects.filter(of_account).aggregate(
         reserve=total(K.RESERVE), settle=total(K.SETTLE), reconcile=total(K.RECONCILE),
         release=total(K.RELEASE), overage=total(K.OVERAGE), write_off=total(K.WRITE_OFF), hold=total(K.HOLD),

@@ -41,7 +41,7 @@ import random
 
 import psycopg
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -324,8 +324,9 @@ def _execute(sql: str, params: dict) -> tuple:
     on every call; prepared (server-side binding, cached per connection) they are planned once.
     A connection pooler in front of PostgreSQL must therefore support prepared statements.
     """
-    connection.ensure_connection()
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+    db = connections[DEFAULT_DB_ALIAS]    # one thread-local lookup, not one per attribute
+    db.ensure_connection()
+    with db.wrap_database_errors, psycopg.Cursor(db.connection) as cursor:
         cursor.execute(sql, params, prepare=True)
         return cursor.fetchone()
 
@@ -346,9 +347,10 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
     reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
                               note=note)
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
-    shard = _shard_for(reservation, day_shards())
+    shards = day_shards()
+    shard = _shard_for(reservation, shards)
     short = None
-    if day_shards() > 1:    # any free sub-account with room; none free: wait for the run's own
+    if shards > 1:          # any free sub-account with room; none free: wait for the run's own
         short = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
     if short is None:
         short = take(reservation, user=user, shard=shard)
@@ -357,7 +359,7 @@ def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
         short = take(reservation, user=user, shard=shard)
     if short is None:
         raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
-    if short and short[0] == Scope.TENANT_DAY and day_shards() > 1:
+    if short and short[0] == Scope.TENANT_DAY and shards > 1:
         short = _reserve_pooled(reservation, user=user, shard=shard)
     if short:
         scope, remaining = short
