@@ -91,8 +91,8 @@ def _take_lease(run: Run, seconds: int) -> uuid.UUID:
     token = uuid.uuid4()
     expires = timezone.now() + dt.timedelta(seconds=seconds)
     with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
-                       [token, expires, run.pk])
+        rows.execute(cursor, f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
+                     [token, expires, run.pk])
     run.lease_token, run.lease_expires_at = token, expires
     return token
 

@@ -95,8 +95,8 @@ def _bump_if_leased(plan: Plan, **counters: int) -> bool:
     """
     sets = ", ".join([f"{name} = {name} + %s" for name in counters] + ["lease_token = lease_token"])
     with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
-                       "AND NOT cancel_requested", [*counters.values(), plan.run_id, plan.token])
+        rows.execute(cursor, f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
+                     "AND NOT cancel_requested", [*counters.values(), plan.run_id, plan.token])
         return cursor.rowcount == 1
 
 
@@ -164,7 +164,7 @@ def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) ->
     with connection.cursor() as cursor:
         cursor.execute(f'SELECT "{column["limit_micros"]}", "{column["reserved_micros"]}", "{column["spent_micros"]}", '
                        f'"{column["held_micros"]}" FROM {rows.table(BudgetAccount)} WHERE "{column["run"]}" = %s',
-                       [run.pk])
+                       [rows.adapt(run.pk)])
         limit, reserved_now, spent, held = cursor.fetchone()
     account = BudgetAccount(limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held)
     record_event(run.pk, "budget", f"step {step.seq}: reserved {reserved}, settled {settled}, "

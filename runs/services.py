@@ -97,13 +97,16 @@ def _insert_events(events: list[RunEvent]) -> None:
         return
     # One INSERT with a row per event (bulk_create would build the same statement at ~1 ms of CPU).
     # `at` is the time record_event was called, so the timeline keeps its order and spacing.
-    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s::jsonb)"] * len(events))
+    from runs import rows as sql_rows
+
+    rows = ", ".join(["(%s, %s, %s, %s, %s, %s, %s)"] * len(events))
+    data = RunEvent._meta.get_field("data")
     params = []
     for e in events:
-        params += [e.run_id, e.at, e.kind, e.step_seq, e.actor_id, e.message, json.dumps(e.data)]
+        params += [e.run_id, e.at, e.kind, e.step_seq, e.actor_id, e.message, data.get_db_prep_save(e.data, connection)]
     with connection.cursor() as cursor:
-        cursor.execute(f'INSERT INTO "{RunEvent._meta.db_table}" (run_id, at, kind, step_seq, actor_id, message, '
-                       f'data) VALUES {rows}', params)
+        sql_rows.execute(cursor, f'INSERT INTO "{RunEvent._meta.db_table}" (run_id, at, kind, step_seq, actor_id, '
+                         f'message, data) VALUES {rows}', params)
 
 
 def transition_run(run: Run, to: str, *, message: str = "", actor=None, event_data: dict | None = None,
@@ -196,7 +199,7 @@ def lock_run(run_id, *, for_step: bool = False) -> Run:
         joins += (f"JOIN {rows.table(User)} u ON u.id = r.created_by_id "
                   f"JOIN {rows.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id ")
         select += f", {rows.columns(User, 'u')}, {rows.columns(ModelEndpoint, 'e')}"
-    found = rows.fetch(f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s FOR UPDATE OF r",
+    found = rows.fetch(f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}",
                        [run_id], *models)
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")

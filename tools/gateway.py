@@ -58,7 +58,7 @@ def _use_tool_sql() -> str:
     permission = (f"SELECT p.id FROM {rows.table(Permission)} p JOIN {rows.table(ContentType)} c "
                   "ON c.id = p.content_type_id WHERE c.app_label = 'tools' AND c.model = 'tool' "
                   "AND p.codename = 'use_tool'")
-    return (f"t.id::text IN (SELECT object_pk FROM {rows.table(UserObjectPermission)} "
+    return (f"CAST(t.id AS TEXT) IN (SELECT object_pk FROM {rows.table(UserObjectPermission)} "
             f"WHERE user_id = %(user)s AND permission_id IN ({permission}) "
             f"UNION ALL SELECT g.object_pk FROM {rows.table(GroupObjectPermission)} g "
             f"JOIN {rows.table(memberships)} m ON m.group_id = g.group_id "
@@ -73,10 +73,12 @@ def permitted_tools(run: Run, *, user=None) -> list[Tool]:
     user = user or _fresh_user(run)
     if not user.is_active or user.tenant_id != run.tenant_id:
         return []
+    params = {"tenant": run.tenant_id, "user": user.pk}
+    names = rows.in_list("name", list(run.version.spec.get("tools", [])), params)
     return [tool for tool, in rows.fetch(
         f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t WHERE t.tenant_id = %(tenant)s "
-        f"AND t.name = ANY(%(names)s) AND t.enabled AND NOT t.quarantined AND {_use_tool_sql()} ORDER BY t.name",
-        {"tenant": run.tenant_id, "names": list(run.version.spec.get("tools", [])), "user": user.pk}, Tool)]
+        f"AND t.name {names} AND t.enabled AND NOT t.quarantined AND {_use_tool_sql()} ORDER BY t.name",
+        params, Tool)]
 
 
 def _spec(tool: Tool) -> ToolSpec:
@@ -130,9 +132,10 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
     if not calls:
         return []
     names = {call["name"] for call in calls} - {SEARCH_TOOLS}
+    params = {"tenant": run.tenant_id}
+    in_names = rows.in_list("name", sorted(names), params)
     tools = {t.name: t for t, in rows.fetch(f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "
-                                            "WHERE t.tenant_id = %s AND t.name = ANY(%s)",
-                                            [run.tenant_id, list(names)], Tool)}
+                                            f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}", params, Tool)}
     steps = []
     for seq, call in enumerate(calls, start=parent_seq + 1):
         name = call["name"]
@@ -158,9 +161,10 @@ def use_tool_pks(user, tool_pks) -> set[str]:
     if not keys:
         return set()
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT t.id::text FROM {rows.table(Tool)} t WHERE t.id = ANY(%(keys)s) AND {_use_tool_sql()}",
-                       {"keys": keys, "user": user.pk})
-        return {pk for pk, in cursor.fetchall()}
+        params = {"user": user.pk}
+        in_keys = rows.in_list("key", keys, params)
+        cursor.execute(f"SELECT t.id FROM {rows.table(Tool)} t WHERE t.id {in_keys} AND {_use_tool_sql()}", params)
+        return {str(pk) for pk, in cursor.fetchall()}
 
 
 def has_use_tool(user, tool: Tool) -> bool:
@@ -332,7 +336,7 @@ def lookup_status(step: Step) -> ToolResult | None:
 
 # --- results -----------------------------------------------------------------------------------
 
-_secrets: dict[int, tuple[str, list[str]]] = {}   # tenant id -> (digest of its ciphertexts, values)
+_secrets: dict[int, tuple[tuple, list[str]]] = {}   # tenant id -> ((id, ciphertext) pairs, values)
 _secrets_lock = threading.Lock()
 
 
@@ -340,13 +344,10 @@ def known_secrets(tenant_id) -> list[str]:
     """The tenant's secret values, for redaction.
 
     Decrypting (Fernet, one per secret) costs far more than reading, so the values are kept per
-    process and decrypted again when the tenant's secrets change: a digest of their ids and
-    ciphertexts is read on every call, so a secret added, changed or deleted counts at once.
+    process and decrypted again when the tenant's secrets change: their ids and ciphertexts are
+    read on every call (a few short rows), so a secret added, changed or deleted counts at once.
     """
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT md5(string_agg(id::text || ':' || ciphertext, ',' ORDER BY id)) "
-                       f"FROM {rows.table(Secret)} WHERE tenant_id = %s", [tenant_id])
-        version = cursor.fetchone()[0] or ""
+    version = tuple(Secret.objects.filter(tenant_id=tenant_id).order_by("pk").values_list("pk", "ciphertext"))
     cached = _secrets.get(tenant_id)
     if cached is not None and cached[0] == version:
         return cached[1]
