@@ -1,11 +1,12 @@
 """Budget ledger: reserve before every call, settle after, hold what is unknown.
 
 Rules (DESIGN.md section 6):
-- Balances move only inside one statement per operation (`_RESERVE_*`, `_CLOSE`)
-  that first locks the reservation's accounts in one fixed order (tenant-day sub-accounts by
-  shard, user day, run). A reservation takes `amount` only if every account has
-  `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the lock), so two reservations can never both pass a check
-  that only one of them fits; if any account has no room, nothing moves.
+- Balances move only inside one statement per operation (budgets.statements: `RESERVE_*`,
+  `CLOSE`) that first locks the reservation's accounts in one fixed order (tenant-day
+  sub-accounts by shard, user day, run). A reservation takes `amount` only if every account has
+  `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the
+  lock), so two reservations can never both pass a check that only one of them fits; if any
+  account has no room, nothing moves.
 - Budget work always runs in its own short statement or transaction, never while a run row is
   locked, so budget and run locks cannot deadlock.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
@@ -16,13 +17,14 @@ Rules (DESIGN.md section 6):
 The tenant day is the hottest account of the platform (every call of every run of a tenant
 moves it), so on PostgreSQL it is split into BUDGET_DAY_SHARDS sub-accounts whose limits add up
 to the daily budget (DESIGN.md section 9). A reservation takes the first sub-account with room
-that no one else holds, starting from its run's own (`_RESERVE_ANY`, SKIP LOCKED), so concurrent
+that no one else holds, starting from its run's own (`RESERVE_ANY`, SKIP LOCKED), so concurrent
 runs do not queue behind each other; when none is free it waits for its run's own. When that one
-is short, `_RESERVE_POOLED` locks all of them in shard order, decides on the day's total room, and spreads the free room evenly again:
-the day is never overspent (no sub-account goes over its own limit and the limits add up), and
-a refusal is never spurious (it is decided with the whole day locked).
+is short, `RESERVE_POOLED` locks all of them in shard order, decides on the day's total room,
+and spreads the free room evenly again: the day is never overspent (no sub-account goes over
+its own limit and the limits add up), and a refusal is never spurious (it is decided with the
+whole day locked).
 
-Each reserve and each close is one SQL statement (`_RESERVE_*`, `_CLOSE`), prepared once per
+Each reserve and each close is one SQL statement (`RESERVE_*`, `CLOSE`), prepared once per
 connection: the accounts stay locked only while that statement runs, with no round trip to the
 client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
 lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
@@ -48,172 +50,13 @@ from django.utils import timezone
 
 from agentplatform.errors import DomainError
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
+from budgets.statements import CLOSE, RESERVE_ANY, RESERVE_OWN, RESERVE_POOLED
 
 Scope = BudgetAccount.Scope
 Status = Reservation.Status
 Kind = LedgerEntry.Kind
 LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
 
-_ACCOUNTS = BudgetAccount._meta.db_table
-_RESERVATIONS = Reservation._meta.db_table
-_ENTRIES = LedgerEntry._meta.db_table
-# Lock one sub-account of the tenant's day, the user-day (when wanted) and run accounts; take
-# `amount` from all of them only if every one has room, and only then create the reservation and
-# its ledger entry. FOR NO KEY UPDATE returns the newest balances, so `room` is never stale.
-# `found` < `wanted`: an account is not there (or, in the first form, no sub-account was free).
-#
-# First form (`_RESERVE_ANY`): the first sub-account, starting from the run's own, that has room
-# and that no other transaction holds (SKIP LOCKED): concurrent runs of a tenant never queue
-# behind each other on the day. It waits for nothing on the day, so it cannot take part in a
-# deadlock there; the user-day and run accounts are waited for as everywhere.
-# Second form (`_RESERVE_OWN`): the run's own sub-account, waited for; it reports the room.
-# The updates find their rows with `id = ANY(ARRAY(SELECT id FROM locked))`: the locks are
-# taken (in order) before the update starts, and the rows are found by primary key whatever the
-# planner thinks of the table's size (a join with the CTE was planned as a sequential scan).
-_RESERVE = """
-WITH day AS (
-    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room, 0 AS position
-      FROM {accounts}
-     WHERE tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s AND {day_rows}
-), rest AS (
-    SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room,
-           CASE scope WHEN 'user_day' THEN 1 ELSE 2 END AS position
-      FROM {accounts}
-     WHERE (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
-        OR run_id = %(run)s
-     ORDER BY position
-       FOR NO KEY UPDATE
-), locked AS (
-    SELECT * FROM day UNION ALL SELECT * FROM rest
-), verdict AS (
-    SELECT count(*) AS found, count(*) = %(wanted)s AND bool_and(room >= %(amount)s) AS fits,
-           max(id) FILTER (WHERE scope = 'tenant_day') AS day_account,
-           max(id) FILTER (WHERE scope = 'user_day') AS user_account,
-           max(id) FILTER (WHERE scope = 'run') AS run_account,
-           array_agg(scope ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_scopes,
-           array_agg(room ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_rooms
-      FROM locked
-), taken AS (
-    UPDATE {accounts} AS a SET reserved_micros = a.reserved_micros + %(amount)s
-     WHERE a.id = ANY(ARRAY(SELECT id FROM locked)) AND (SELECT fits FROM verdict)
-), created AS (
-    INSERT INTO {reservations} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
-                                purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, verdict.day_account, verdict.user_account, verdict.run_account,
-           %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
-      FROM verdict WHERE verdict.fits
-    RETURNING created_at
-), entry AS (
-    INSERT INTO {entries} (reservation_id, kind, amount_micros, note, at)
-    SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
-)
-SELECT verdict.fits, verdict.found, created.created_at, verdict.day_account, verdict.user_account,
-       verdict.run_account, verdict.short_scopes, verdict.short_rooms,
-       CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
-  FROM verdict LEFT JOIN created ON true
-"""
-_RESERVE_ANY = _RESERVE.format(accounts=_ACCOUNTS, reservations=_RESERVATIONS, entries=_ENTRIES, day_rows="""
-           limit_micros - reserved_micros - spent_micros - held_micros >= %(amount)s
-     ORDER BY (shard + %(shards)s - %(shard)s) %% %(shards)s
-       FOR NO KEY UPDATE SKIP LOCKED LIMIT 1""")
-_RESERVE_OWN = _RESERVE.format(accounts=_ACCOUNTS, reservations=_RESERVATIONS, entries=_ENTRIES, day_rows="""
-           shard = %(shard)s
-       FOR NO KEY UPDATE""")
-# The run's sub-account of the day is short: lock all of the day's sub-accounts (in shard order,
-# before the user-day and run accounts, as everywhere), and reserve if the day as a whole has
-# room. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
-# the limits still add up to the daily budget, no sub-account is left with negative room, and the
-# next reservations find room in their own sub-account. The refusal here is exact: it is decided
-# with the whole day locked.
-_RESERVE_POOLED = f"""
-WITH locked AS (
-    SELECT id, scope, shard, reserved_micros + spent_micros + held_micros AS used,
-           limit_micros - reserved_micros - spent_micros - held_micros AS room,
-           CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END AS position
-      FROM {_ACCOUNTS}
-     WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
-        OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
-        OR run_id = %(run)s
-     ORDER BY position, shard
-       FOR NO KEY UPDATE
-), day AS (
-    SELECT sum(room)::bigint AS free, count(*) AS shards, max(id) FILTER (WHERE shard = %(shard)s) AS target
-      FROM locked WHERE scope = 'tenant_day'
-), others AS (
-    SELECT count(*) AS found, coalesce(bool_and(room >= %(amount)s), true) AS fit,
-           max(id) FILTER (WHERE scope = 'user_day') AS user_account,
-           max(id) FILTER (WHERE scope = 'run') AS run_account,
-           array_agg(scope ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_scopes,
-           array_agg(room ORDER BY position) FILTER (WHERE room < %(amount)s) AS short_rooms
-      FROM locked WHERE scope <> 'tenant_day'
-), verdict AS (
-    SELECT day.target IS NOT NULL AND others.found = %(wanted)s - 1 AND others.fit AND day.free >= %(amount)s AS fits
-      FROM day, others
-), taken AS (
-    UPDATE {_ACCOUNTS} AS a
-       SET limit_micros = CASE WHEN locked.scope <> 'tenant_day' THEN a.limit_micros
-                               ELSE locked.used + (day.free - %(amount)s) / day.shards
-                                    + CASE WHEN a.id = day.target
-                                           THEN %(amount)s + (day.free - %(amount)s) %% day.shards ELSE 0 END END,
-           reserved_micros = a.reserved_micros
-                             + CASE WHEN locked.scope <> 'tenant_day' OR a.id = day.target THEN %(amount)s ELSE 0 END
-      FROM locked, day, verdict WHERE verdict.fits AND a.id = locked.id
-), created AS (
-    INSERT INTO {_RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
-                                 purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, day.target, others.user_account, others.run_account,
-           %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
-      FROM verdict, day, others WHERE verdict.fits
-    RETURNING created_at
-), entry AS (
-    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, note, at)
-    SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
-)
-SELECT verdict.fits, day.free, created.created_at, day.target, others.user_account, others.run_account,
-       others.short_scopes, others.short_rooms,
-       CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
-  FROM verdict, day, others LEFT JOIN created ON true
-"""
-# Close the reservation if it is still in from_status; only then lock its accounts in order,
-# move their balances and write its ledger entries. The amounts follow from the reservation's
-# amount and the actual cost (see _movement, which the portable path uses and this mirrors):
-# `kind` is the closing entry; settle and reconcile also release what was not used and record
-# an overage; a zero amount writes no entry.
-_CLOSE = f"""
-WITH closed AS (
-    UPDATE {_RESERVATIONS}
-       SET status = %(to_status)s, actual_micros = %(actual)s::bigint,
-           overage = coalesce(%(actual)s::bigint, 0) > amount_micros,
-           closed_at = now(), closed_by_id = %(actor)s
-     WHERE id = %(id)s AND status = %(from_status)s AND (step_id IS NULL OR NOT %(unlinked_only)s)
-    RETURNING id, amount_micros AS amount, coalesce(%(actual)s::bigint, 0) AS actual,
-              day_account_id, user_account_id, run_account_id
-), locked AS (
-    SELECT a.id FROM {_ACCOUNTS} AS a, closed
-     WHERE a.id IN (closed.day_account_id, closed.user_account_id, closed.run_account_id)
-     ORDER BY CASE a.scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END
-       FOR NO KEY UPDATE OF a
-), moved AS (
-    UPDATE {_ACCOUNTS} AS a
-       SET reserved_micros = a.reserved_micros - CASE WHEN %(from_status)s = 'open' THEN closed.amount ELSE 0 END,
-           held_micros = a.held_micros + CASE WHEN %(to_status)s = 'held' THEN closed.amount
-                                              WHEN %(from_status)s = 'held' THEN -closed.amount ELSE 0 END,
-           spent_micros = a.spent_micros + closed.actual,
-           overage_micros = a.overage_micros + greatest(closed.actual - closed.amount, 0)
-      FROM closed WHERE a.id = ANY(ARRAY(SELECT id FROM locked))
-), entries AS (
-    INSERT INTO {_ENTRIES} (reservation_id, kind, amount_micros, actor_id, note, at)
-    SELECT closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
-      FROM closed, LATERAL (VALUES
-           (1, %(kind)s, CASE WHEN %(kind)s IN ('settle', 'reconcile') THEN closed.actual ELSE closed.amount END),
-           (2, 'release', CASE WHEN %(kind)s IN ('settle', 'reconcile') THEN greatest(closed.amount - closed.actual, 0)
-                               ELSE 0 END),
-           (3, 'overage', greatest(closed.actual - closed.amount, 0))) AS entry(position, kind, amount)
-     WHERE entry.amount <> 0
-     ORDER BY entry.position
-)
-SELECT count(*), CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END FROM closed
-"""
 
 
 class BudgetExceeded(DomainError):
@@ -395,7 +238,7 @@ def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int,
     params = _params(reservation, user=user, shard=shard)
     wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        _RESERVE_ANY if any_free else _RESERVE_OWN, params)
+        RESERVE_ANY if any_free else RESERVE_OWN, params)
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if found < wanted:
@@ -408,9 +251,9 @@ def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int,
 
 
 def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool:
-    """The day as a whole decides (see _RESERVE_POOLED); same answers as _reserve_in_one_statement."""
+    """The day as a whole decides (budgets.statements.RESERVE_POOLED); answers as _reserve_in_one_statement."""
     fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        _RESERVE_POOLED, _params(reservation, user=user, shard=shard))
+        RESERVE_POOLED, _params(reservation, user=user, shard=shard))
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if free is None or free >= reservation.amount_micros:
@@ -448,7 +291,7 @@ def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[st
 
 def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0,
                    overage: int = 0, within_limit: bool = False) -> set[int]:
-    """The same movement as in _RESERVE/_CLOSE, one conditional UPDATE per account (SQLite: the demo).
+    """The movement of budgets.statements' RESERVE_*/CLOSE, one conditional UPDATE per account (SQLite).
 
     SQLite runs with immediate transactions, so writers are already serialised.
     """
@@ -480,7 +323,7 @@ def _close(reservation_id, *, from_status: str, to_status: str, kind: str, actua
            note: str = "", durable: bool = True, unlinked_only: bool = False) -> bool:
     """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
     if connection.vendor == "postgresql":
-        closed, _ = _execute(_CLOSE, {
+        closed, _ = _execute(CLOSE, {
             "id": reservation_id, "from_status": from_status, "to_status": to_status, "kind": str(kind),
             "actual": actual, "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
             "relaxed": not durable and _relaxed_commit()})
