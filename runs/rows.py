@@ -103,7 +103,8 @@ def fetch(sql: str, params, *models) -> list[list]:
 def insert(objs: list) -> None:
     """INSERT the (new) instances of one model in one statement and set their primary keys.
 
-    Values go through the fields as with save(): auto_now_add is filled, JSON is adapted.
+    Values go through the fields as with save(): JSON is adapted, auto_now_add is filled where
+    the instance has no value yet (an event keeps the time it was recorded, not the flush time).
     """
     if not objs:
         return
@@ -112,7 +113,7 @@ def insert(objs: list) -> None:
     fields = [f for f in meta.concrete_fields if not (f.primary_key and getattr(objs[0], f.attname) is None)]
     params = []
     for obj in objs:
-        params += [f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields]
+        params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
     row = "(" + ", ".join(["%s"] * len(fields)) + ")"
     with connection.cursor() as cursor:
         cursor.execute(f"INSERT INTO {table(model)} ({', '.join(chr(34) + f.column + chr(34) for f in fields)}) "
@@ -121,6 +122,11 @@ def insert(objs: list) -> None:
             setattr(obj, meta.pk.attname, pk)
             obj._state.adding = False
             obj._state.db = connection.alias
+
+
+def _value(field, obj):
+    kept = getattr(field, "auto_now_add", False) and getattr(obj, field.attname) is not None
+    return getattr(obj, field.attname) if kept else field.pre_save(obj, True)
 
 
 def update(model, pk, *, where: dict | None = None, **values) -> int:
