@@ -28,3 +28,44 @@ def noop_step(done_key: str, chain: int, remaining: int) -> None:
         noop_step.apply_async((done_key, chain, remaining - 1))
     else:
         _client().rpush(done_key, f"{chain} {time.time()}")
+
+
+FLOOR_TABLE = "bench_floor"
+
+
+def create_floor_table(chains: int) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(f"DROP TABLE IF EXISTS {FLOOR_TABLE}")
+        cur.execute(f"CREATE TABLE {FLOOR_TABLE} (chain int PRIMARY KEY, step int NOT NULL DEFAULT 0,"
+                    " state text NOT NULL DEFAULT 'idle', lease uuid)")
+        cur.execute(f"INSERT INTO {FLOOR_TABLE} (chain) SELECT generate_series(0, %s)", [chains - 1])
+
+
+@shared_task(name="bench.floor_step", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def floor_step(done_key: str, chain: int, remaining: int) -> None:
+    """The least a durable step can do: three single-statement transactions, each its own commit.
+
+    claim (take a lease), mark dispatching (committed before the call), record (fenced by the
+    lease), with the connection handed back to the pool around the (empty) call, as the engine
+    does. No model instances, no events, no budget: this is the floor under the engine, not a
+    second engine.
+    """
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute(f"UPDATE {FLOOR_TABLE} SET lease = gen_random_uuid() WHERE chain = %s AND state = 'idle'"
+                    " RETURNING lease", [chain])
+        lease = cur.fetchone()[0]
+        cur.execute(f"UPDATE {FLOOR_TABLE} SET state = 'dispatching' WHERE chain = %s AND lease = %s",
+                    [chain, lease])
+    connection.close()      # the call happens here, holding no connection
+    with connection.cursor() as cur:
+        cur.execute(f"UPDATE {FLOOR_TABLE} SET state = 'idle', step = step + 1, lease = NULL"
+                    " WHERE chain = %s AND lease = %s", [chain, lease])
+    connection.close()
+    if remaining > 1:
+        floor_step.apply_async((done_key, chain, remaining - 1))
+    else:
+        _client().rpush(done_key, f"{chain} {time.time()}")
