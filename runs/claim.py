@@ -100,6 +100,13 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
     from llm import gateway as model_gateway
     from tools import gateway as tool_gateway
 
+    if not run.created_by.is_active:
+        # The run acts with its creator's authority, and a model call spends money on their
+        # behalf: a deactivated user's runs stop here, at the next model turn. Tool steps the
+        # model already proposed were denied by the gateway's fresh check and are on record.
+        end_run(run, RunStatus.STOPPED, reason=StopReason.USER_DEACTIVATED,
+                message="stopped: the user who started this run was deactivated")
+        return None
     if run.step_count >= run.limits["max_steps"]:
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
         return None
@@ -143,7 +150,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         if step.status == StepStatus.APPROVED:
             approvals.void_for_step(step, reason=denial)
         deny(step, denial)
-        continue_run(run)
+        _continue_unless_looping(run, steps, step)
         return None
     prior = next((s for s in steps if s.seq < step.seq and s.kind == StepKind.TOOL
                   and s.tool_id == step.tool_id and s.args_digest == step.args_digest
@@ -164,7 +171,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         if problem:
             approvals.void_for_step(step, reason=problem)
             deny(step, problem)
-            continue_run(run)
+            _continue_unless_looping(run, steps, step)
             return None
     if run.tool_call_count >= run.limits["max_tool_calls"]:
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_TOOL_CALLS, message="stopped: max tool calls")
@@ -181,6 +188,14 @@ def deny(step: Step, reason: str) -> None:
     transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
                     error=reason, observation=f"ERROR: call denied by the platform: {reason}",
                     finished_at=timezone.now())
+
+
+def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
+    """A model that keeps asking for a call it is denied is stuck like one repeating any call."""
+    from runs import loops
+
+    if not loops.check(run, steps, step):
+        continue_run(run)
 
 
 def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:

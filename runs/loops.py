@@ -1,10 +1,13 @@
 """No-progress detection: one platform warning to the model, then `loop_detected`.
 
 Patterns, each with a limit from the version's spec (`loop`, defaults below):
-- the same call (tool and canonical arguments) made `max_repeats` times in the run;
+- the same call (tool and canonical arguments) made `max_repeats` times in the run, whatever
+  came of it: succeeded, failed at the provider, or denied by the platform;
 - `max_empty_results` empty results in a row (an empty text, or a result whose collections are
   all empty, like {"tickets": []});
 - two different calls alternating (A B A B ...) for `alternation_cycles` cycles.
+
+Checked after every tool step has its outcome, including a denial at the claim.
 
 The call that reaches a limit stops the run. The call just before it gets one platform warning
 appended to its observation, so the model reads it on its next turn and can change course. A

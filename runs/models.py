@@ -43,6 +43,7 @@ class StopReason(models.TextChoices):
     DEADLINE = "deadline"
     LOOP_DETECTED = "loop_detected"
     APPROVAL_EXPIRED = "approval_expired"
+    USER_DEACTIVATED = "user_deactivated"
 
 
 class Run(models.Model):

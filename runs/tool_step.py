@@ -112,22 +112,19 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome) -> None:
                                     f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
                                     f"{' (found by status lookup)' if outcome.reconciled else ''}")
             budget_event(run, step, reserved=step.tool.price_micros, settled=step.tool.price_micros)
-            if steps is None or not any(s is step for s in steps):
-                steps = list(run.steps.all())
-            if run.cancel_requested:
-                end_run(run, RunStatus.CANCELLED, message="cancelled")
-            elif not loops.check(run, steps, step):
-                continue_run(run)
         elif outcome.kind == "failed":
             error = tool_gateway.redact_text(run, outcome.error)
             transition_step(step, StepStatus.FAILED, error=error, observation=f"ERROR: {error}", finished_at=now,
                             message=f"step {step.seq} {step.tool_name} failed: {error}")
-            if run.cancel_requested:
-                end_run(run, RunStatus.CANCELLED, message="cancelled")
-            else:
-                continue_run(run)
         else:
             _record_unknown(run, step, outcome)
+            return
+        if steps is None or not any(s is step for s in steps):
+            steps = list(run.steps.all())
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif not loops.check(run, steps, step):   # failed calls count as repeats too
+            continue_run(run)
 
 
 def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:

@@ -117,7 +117,10 @@ def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
     step = refund_step(run)
     assert step.status == StepStatus.DENIED and step.error == approval.void_reason
     assert RunEvent.objects.filter(run=run, kind="approval_voided", step_seq=step.seq).exists()
-    assert run.status == RunStatus.SUCCEEDED  # the model was told and finished
+    if how == "deactivate":   # a deactivated user's run is not handed back to the model
+        assert run.status == RunStatus.STOPPED and run.stop_reason == "user_deactivated"
+    else:
+        assert run.status == RunStatus.SUCCEEDED  # the model was told and finished
 
 
 # --- single use, exact call --------------------------------------------------------------------

@@ -56,6 +56,7 @@ class SearchServer:
 
     def __init__(self, answer=None):
         self.answer = answer if answer is not None else {"results": []}
+        self.status = 200
         self.calls: Counter[str] = Counter()
         server = self
 
@@ -64,7 +65,7 @@ class SearchServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 server.calls[str(body.get("query"))] += 1
                 payload = json.dumps(server.answer).encode()
-                self.send_response(200)
+                self.send_response(server.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()

@@ -96,3 +96,36 @@ def test_an_identical_call_returns_the_recorded_result_without_calling_or_chargi
     assert run.tool_call_count == 1
     assert "Refund policy, section 4" in tool_messages(fake_openai.requests[2])[1]
     assert_books_balance(tenant)
+
+
+def test_a_model_repeating_a_denied_call_is_stopped_like_any_other_repeat(
+        tenant, asha, agent, fake_openai, search_server):
+    from guardian.shortcuts import remove_perm
+
+    tool = agent()
+    remove_perm("tools.use_tool", asha, tool)     # the model still asks for it (it was offered before)
+    fake_openai.queue(*[search("refund policy")] * 10)
+    run = drive(start_run(user=asha, agent="agent", input={})[0].pk)
+
+    assert (run.status, run.stop_reason) == ("stopped", "loop_detected")
+    assert "the same call kb__search was made 3 times" in run.error
+    assert search_server.total == 0               # every call was denied, none reached the provider
+    assert list(Step.objects.filter(run=run, kind="tool").values_list("status", flat=True)) == ["denied"] * 3
+    assert len(fake_openai.requests) == 3         # not max_steps model calls
+    assert sum(WARNED in m for m in tool_messages(fake_openai.requests[2])) == 1
+    assert_books_balance(tenant)
+
+
+def test_a_model_repeating_a_call_the_provider_rejects_is_stopped(tenant, asha, agent, fake_openai, search_server):
+    search_server.status = 400
+    search_server.answer = {"error": "query too short"}
+    agent()
+    fake_openai.queue(*[search("refund policy")] * 10)
+    run = drive(start_run(user=asha, agent="agent", input={})[0].pk)
+
+    assert (run.status, run.stop_reason) == ("stopped", "loop_detected")
+    assert list(Step.objects.filter(run=run, kind="tool").values_list("status", flat=True)) == ["failed"] * 3
+    assert search_server.total == 3               # a failed call is not replayed: each one was sent
+    assert len(fake_openai.requests) == 3
+    assert sum(WARNED in m for m in tool_messages(fake_openai.requests[2])) == 1
+    assert_books_balance(tenant)

@@ -197,7 +197,9 @@ def test_it_denies_the_next_call_after_the_user_leaves_the_group_that_held_use_t
     assert len(bank.effects("issue_refund")) == 1
 
 
-def test_it_dispatches_nothing_for_a_deactivated_user(tenant, asha, bank, bank_tools):
+def test_it_stops_a_deactivated_users_run_before_any_model_call(tenant, asha, bank, bank_tools):
+    from budgets.models import Reservation
+
     refund = bank_tools["issue_refund"]
     factories.grant(refund, use=[asha])
     _two_refunds_agent(tenant, refund)
@@ -206,12 +208,33 @@ def test_it_dispatches_nothing_for_a_deactivated_user(tenant, asha, bank, bank_t
 
     run = drive(run.pk)
 
-    assert Step.objects.get(run=run, seq=1).request["tools"] == []
-    steps = tool_steps(run)
-    assert len(steps) == 2
-    for step in steps:
-        assert_denied(run, step, "deactivated")
+    assert run.status == RunStatus.STOPPED and run.stop_reason == "user_deactivated"
+    assert not Step.objects.filter(run=run).exists()          # no model call, nothing proposed
+    assert not Reservation.objects.filter(run=run).exists()   # and no money reserved for one
+    assert RunEvent.objects.filter(run=run, kind="status", data__to="stopped",
+                                   data__reason="user_deactivated").exists()
     assert bank.effects() == []
+
+
+def test_it_denies_the_proposed_call_and_stops_when_the_user_is_deactivated_mid_run(tenant, asha, bank,
+                                                                                  bank_tools):
+    refund = bank_tools["issue_refund"]
+    factories.grant(refund, use=[asha])
+    _two_refunds_agent(tenant, refund)
+    run, _ = start_run(user=asha, agent="agent", input={})
+    advance_until(run.pk, lambda r: r.steps.filter(seq=4).exists())   # the second refund is proposed
+    assert len(bank.effects("issue_refund")) == 1
+    User.objects.filter(pk=asha.pk).update(is_active=False)
+
+    run = drive(run.pk)
+
+    first, second = tool_steps(run)
+    assert first.status == StepStatus.SUCCEEDED
+    assert_denied(run, second, "deactivated")
+    assert len(bank.effects("issue_refund")) == 1
+    # The model is not asked again on the deactivated user's behalf.
+    assert list(Step.objects.filter(run=run, kind="model").values_list("seq", flat=True)) == [1, 3]
+    assert run.status == RunStatus.STOPPED and run.stop_reason == "user_deactivated"
 
 
 # --- no implicit authority -------------------------------------------------------------------
