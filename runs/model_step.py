@@ -44,8 +44,14 @@ def do_model(plan: Plan) -> None:
     cost = model_gateway.cost_micros(endpoint, reply.usage)
 
     def settle_and_record() -> None:
-        budgets.settle(plan.reservation_id, actual_micros=cost)
-        _record_model(plan, step, reply, cost, estimate)
+        reconciled = False
+        if not budgets.settle(plan.reservation_id, actual_micros=cost):
+            # Not open any more: a worker that took the run over found this call lost and held its
+            # reservation. This reply carries the provider's own usage for that call, which is
+            # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
+            reconciled = budgets.reconcile(plan.reservation_id, actual_micros=cost, actor=None,
+                                           note=f"late reply of step {step.seq}: provider-reported usage")
+        _record_model(plan, step, reply, cost, estimate, reconciled=reconciled)
 
     through_database_outage(settle_and_record, seconds=plan.lease_seconds)
 
@@ -74,14 +80,15 @@ def _record_model_failure(plan: Plan, step: Step, exc) -> None:
             continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
 
 
-def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int) -> None:
+def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False) -> None:
     from tools import gateway as tool_gateway
 
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
-            record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost",
-                         step_seq=step.seq, cost_micros=cost)
+            record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost"
+                         + (f"; its held charge is reconciled at {cost} micros" if reconciled else ""),
+                         step_seq=step.seq, cost_micros=cost, hold_reconciled=reconciled)
             return
         # Known secrets are redacted from what the model said before it is stored or acted on.
         text, calls = tool_gateway.redact_reply(run, reply)
