@@ -5,6 +5,8 @@ them once they have been untouched for QUEUED_TOO_LONG_SECONDS.
 """
 from __future__ import annotations
 
+import time
+
 import redis
 from django.conf import settings
 
@@ -59,7 +61,7 @@ def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, ban
             "transaction_id": "TXN-1002", "amount": "$input.amount", "currency": "INR"}}]},
         {"text": "refunded"}])
     bank.fault(tool="lookup_transaction", delay_before_effect=1, times=100)   # slow enough to queue up
-    workers("w1", env=FAST_LEASES, concurrency=2)
+    worker = workers("w1", env=FAST_LEASES, concurrency=2)
     runs = [start_run(user=asha, agent="agent", input={"ref": f"R{n}", "amount": 100 + n})[0] for n in range(6)]
     ids = [r.pk for r in runs]
     wait_for(lambda: Step.objects.filter(run__in=ids, kind="tool", status="succeeded").exists()
@@ -75,6 +77,29 @@ def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, ban
     assert sorted(e["arguments"]["amount"] for e in refunds) == [100 + n for n in range(6)]   # one each
     found = set(RunEvent.objects.filter(run__in=ids, kind="recovery").values_list("data__found", flat=True))
     assert found & {"lost_message", "expired_lease"}
+    assert worker.proc.poll() is None            # the same worker process did all of it
+
+
+def test_a_worker_rides_out_a_redis_outage_with_calls_in_flight(tenant, asha, bank, workers):
+    lookup = factories.make_bank_tools(tenant, bank.mcp_url)["lookup_transaction"]
+    factories.grant(lookup, use=[asha])
+    factories.make_agent(tenant, tools=[lookup], turns=[
+        {"tool_calls": [{"name": lookup.name, "arguments": {"transaction_id": "TXN-1002"}}]},
+        {"tool_calls": [{"name": lookup.name, "arguments": {"transaction_id": "TXN-1003"}}]},
+        {"text": "done"}])
+    bank.fault(tool="lookup_transaction", delay_before_effect=2, times=100)
+    worker = workers("w1", env=FAST_LEASES, concurrency=2)
+    ids = [start_run(user=asha, agent="agent", input={"n": n})[0].pk for n in range(4)]
+    wait_for(lambda: Step.objects.filter(run__in=ids, kind="tool", status="dispatching").exists(), timeout=60,
+             what="a tool call in flight")
+
+    stop_redis()                      # holding unacknowledged messages, with calls in flight
+    time.sleep(10)                    # longer than a blip: the worker must reconnect, not exit
+    start_redis()
+
+    sweep_until(_all_finished(ids), timeout=120, what="all runs finished")
+    assert {r.status for r in Run.objects.filter(pk__in=ids)} == {"succeeded"}
+    assert worker.proc.poll() is None, worker.output()[-2000:]
 
 
 def test_it_admits_a_run_while_redis_is_down_and_runs_it_once_redis_is_back(tenant, asha, bank, workers):
