@@ -159,12 +159,11 @@ def through_database_outage(write, *, seconds: float) -> None:
 
 def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:
     # The run's account as settle left it: only the balance columns (the ledger's own table).
-    column = {name: BudgetAccount._meta.get_field(name).column for name in
-              ("run", "limit_micros", "reserved_micros", "spent_micros", "held_micros")}
+    balances = ", ".join(rows.column(BudgetAccount, name) for name in
+                         ("limit_micros", "reserved_micros", "spent_micros", "held_micros"))
     with connection.cursor() as cursor:
-        cursor.execute(f'SELECT "{column["limit_micros"]}", "{column["reserved_micros"]}", "{column["spent_micros"]}", '
-                       f'"{column["held_micros"]}" FROM {rows.table(BudgetAccount)} WHERE "{column["run"]}" = %s',
-                       [rows.adapt(run.pk)])
+        cursor.execute(f"SELECT {balances} FROM {rows.table(BudgetAccount)} "
+                       f"WHERE {rows.column(BudgetAccount, 'run')} = %s", [rows.adapt(run.pk)])
         limit, reserved_now, spent, held = cursor.fetchone()
     account = BudgetAccount(limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held)
     record_event(run.pk, "budget", f"step {step.seq}: reserved {reserved}, settled {settled}, "

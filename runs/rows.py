@@ -63,13 +63,23 @@ def _fields(model) -> tuple[list[str], list[str], list[tuple[int, object, list]]
     return [f.column for f in fields], [f.attname for f in fields], converters, fields.index(model._meta.pk)
 
 
+def quote(name: str) -> str:
+    """A table or column name as an SQL identifier."""
+    return f'"{name}"'
+
+
+def column(model, field: str) -> str:
+    """The quoted column of `model`'s field `field`."""
+    return quote(model._meta.get_field(field).column)
+
+
 def columns(model, alias: str) -> str:
     """The select list of every concrete column of `model` from table alias `alias`."""
-    return ", ".join(f'{alias}."{column}"' for column in _fields(model)[0])
+    return ", ".join(f"{alias}.{quote(name)}" for name in _fields(model)[0])
 
 
 def table(model) -> str:
-    return f'"{model._meta.db_table}"'
+    return quote(model._meta.db_table)
 
 
 def build(model, values):
@@ -116,8 +126,8 @@ def insert(objs: list) -> None:
         params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
     row = "(" + ", ".join(["%s"] * len(fields)) + ")"
     with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {table(model)} ({', '.join(chr(34) + f.column + chr(34) for f in fields)}) "
-                       f"VALUES {', '.join([row] * len(objs))} RETURNING \"{meta.pk.column}\"", params)
+        cursor.execute(f"INSERT INTO {table(model)} ({', '.join(quote(f.column) for f in fields)}) "
+                       f"VALUES {', '.join([row] * len(objs))} RETURNING {quote(meta.pk.column)}", params)
         for obj, (pk,) in zip(objs, cursor.fetchall()):
             setattr(obj, meta.pk.attname, pk)
             obj._state.adding = False
@@ -135,13 +145,13 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
     sets, params = [], []
     for name, value in values.items():
         field = meta.get_field(name)
-        sets.append(f'"{field.column}" = %s')
+        sets.append(f"{quote(field.column)} = %s")
         params.append(field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, connection))
-    conditions = [f'"{meta.pk.column}" = %s']
+    conditions = [f"{quote(meta.pk.column)} = %s"]
     params.append(meta.pk.get_db_prep_value(pk, connection))
     for name, value in (where or {}).items():
         field = meta.get_field(name)
-        conditions.append(f'"{field.column}" = %s')
+        conditions.append(f"{quote(field.column)} = %s")
         params.append(field.get_db_prep_value(value, connection))
     with connection.cursor() as cursor:
         cursor.execute(f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params)

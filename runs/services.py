@@ -131,7 +131,6 @@ def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fie
 
 def _update(model, pk, *, where: dict | None = None, **values) -> int:
     """One conditional UPDATE by primary key; in SQL written here unless a value is an expression."""
-
     if any(hasattr(v, "resolve_expression") for v in values.values()):
         return model.objects.filter(pk=pk, **(where or {})).update(**values)
     return rows.update(model, pk, where=where, **values)

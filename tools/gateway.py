@@ -22,7 +22,7 @@ from llm.types import ToolSpec
 from runs import rows
 from runs.models import Run, Step, StepKind, StepStatus
 from runs.services import digest, record_event, transition_step
-from tenants.crypto import redact, redact_obj
+from tenants.crypto import decrypt, redact, redact_obj
 from tenants.models import Secret
 from tools import relevance
 from tools.builtin import BUILTINS
@@ -347,11 +347,12 @@ def known_secrets(tenant_id) -> list[str]:
     process and decrypted again when the tenant's secrets change: their ids and ciphertexts are
     read on every call (a few short rows), so a secret added, changed or deleted counts at once.
     """
-    version = tuple(Secret.objects.filter(tenant_id=tenant_id).order_by("pk").values_list("pk", "ciphertext"))
+    stored = list(Secret.objects.filter(tenant_id=tenant_id).order_by("pk").values_list("pk", "ciphertext"))
+    version = tuple(stored)
     cached = _secrets.get(tenant_id)
     if cached is not None and cached[0] == version:
         return cached[1]
-    values = [s.reveal() for s in Secret.objects.filter(tenant_id=tenant_id)]
+    values = [decrypt(ciphertext, settings.SECRET_ENCRYPTION_KEYS) for _, ciphertext in stored]
     with _secrets_lock:
         _secrets[tenant_id] = (version, values)
     return values

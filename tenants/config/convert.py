@@ -101,27 +101,27 @@ def _seconds(value: Any) -> float:
     return float(number)
 
 
-def _non_negative(value: Any) -> float:
+def _not_negative(value: Any) -> Decimal:
     number = _decimal(value)
     if number < 0:
         raise _Invalid("must not be negative")
-    return float(number)
+    return number
+
+
+def _non_negative(value: Any) -> float:
+    return float(_not_negative(value))
 
 
 def _money(value: Any) -> int:
     """Currency units to integer micros; refuse what micros cannot hold exactly."""
-    micros = _decimal(value) * MICROS
-    if micros < 0:
-        raise _Invalid("must not be negative")
+    micros = _not_negative(value) * MICROS
     if micros != micros.to_integral_value():
         raise _Invalid("must have at most 6 decimal places")
     return int(micros)
 
 
 def _price(value: Any) -> Decimal:
-    number = _decimal(value)
-    if number < 0:
-        raise _Invalid("must not be negative")
+    number = _not_negative(value)
     if number != number.quantize(Decimal("0.0001"), rounding=decimal.ROUND_DOWN):
         raise _Invalid("must have at most 4 decimal places")
     if number >= Decimal("100000000"):
