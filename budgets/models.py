@@ -46,6 +46,9 @@ class BudgetAccount(models.Model):
     def __str__(self) -> str:
         return f"{self.scope} {self.day or self.run_id}" + (f" #{self.shard}" if self.shard else "")
 
+    # The balance columns; a tenant day's are the sums over its sub-accounts.
+    BALANCES = ("limit_micros", "reserved_micros", "spent_micros", "held_micros", "overage_micros")
+
     @property
     def remaining_micros(self) -> int:
         return self.limit_micros - self.reserved_micros - self.spent_micros - self.held_micros

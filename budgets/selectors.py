@@ -14,7 +14,7 @@ from budgets.services import local_day
 def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
     """One unsaved account per day with the sums of that day's sub-accounts, oldest first."""
     since = local_day(tenant) - dt.timedelta(days=days - 1)
-    fields = ("limit_micros", "reserved_micros", "spent_micros", "held_micros", "overage_micros")
+    fields = BudgetAccount.BALANCES
     rows = (BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
             .values("day").annotate(**{f"total_{f}": Sum(f) for f in fields}).order_by("day"))
     return [BudgetAccount(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day=row["day"],

@@ -123,8 +123,7 @@ def tenant_day_account(tenant, day: dt.date) -> BudgetAccount:
 
 def _day_totals(tenant, day: dt.date) -> dict:
     return BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day).aggregate(
-        shards=Count("id"), **{f: Coalesce(Sum(f), 0) for f in (
-            "limit_micros", "reserved_micros", "spent_micros", "held_micros", "overage_micros")})
+        shards=Count("id"), **{f: Coalesce(Sum(f), 0) for f in BudgetAccount.BALANCES})
 
 
 def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:

@@ -191,7 +191,7 @@ def deny(step: Step, reason: str) -> None:
 
 
 def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
-    """A model that keeps asking for a call it is denied is stuck like one repeating any call."""
+    """After a tool step's outcome (also a denial or a replay): stop on a loop, else go on."""
     from runs import loops
 
     if not loops.check(run, steps, step):
@@ -200,15 +200,12 @@ def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
 
 def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:
     """An identical call already succeeded in this run: answer from the record, call nothing."""
-    from runs import loops
-
     note = (f"[platform] This exact call was already made at step {prior.seq}; "
             f"returning the recorded result without calling the tool again.")
     transition_step(step, StepStatus.SUCCEEDED, message=f"step {step.seq} {step.tool_name}: replayed from "
                     f"step {prior.seq}", result=prior.result, observation=f"{prior.observation}\n{note}",
                     replayed_from_seq=prior.seq, finished_at=timezone.now())
-    if not loops.check(run, steps, step):
-        continue_run(run)
+    _continue_unless_looping(run, steps, step)
 
 
 def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
