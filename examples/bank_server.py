@@ -14,13 +14,22 @@ Plain HTTP routes (streamable mode only):
     GET  /ledger                      -> {"effects": [...]}
     POST /ledger/reset
     POST /faults                      {"tool": X, "delay_after_effect": 5 | "delay_before_effect": 3
-                                       | "fail_5xx_after_effect": true, "times": 1}
+                                       | "fail_5xx_after_effect": true | "pending_visible": true, "times": 1}
     GET  /faults                      -> {"faults": [{"tool", "kind", "value", "remaining"}, ...]}
     POST /faults/reset
     POST /http/{tool}                 body = arguments, header Idempotency-Key
                                       200 result | 400 {"error"} tool failure | 404 unknown tool
                                       | 422 {"error", "fields"} bad arguments | 500 injected fault
     GET  /http/status/{key}           -> {"found": bool, "result": ...} (issue_refund)
+    GET  /http/payment_status/{key}   -> {"found": bool, "result": ..., "count": n} (make_payment)
+                                      | 409 {"status": "in_progress"} while a request with that key is
+                                      received but not applied, if that call armed `pending_visible`
+
+`make_payment` is a payment gateway without idempotency, as many real ones are: every POST it
+receives is applied, whatever its key, and only the status route tells whether key K happened.
+With `delay_before_effect` it applies the payment that long after receiving the request (a slow
+ledger), and answers only then: a client that gave up earlier sees a timeout, and a status
+lookup in between truthfully answers "not found" (or 409 with `pending_visible`).
 
 `--require-token T` makes `/mcp` and `/http/*` answer 401 without `Authorization: Bearer T`;
 the ledger and fault routes stay open because they are test controls, not tools.
@@ -214,7 +223,7 @@ class Ledger:
 
 # --- faults -----------------------------------------------------------------------------
 
-FAULT_KINDS = ("delay_before_effect", "delay_after_effect", "fail_5xx_after_effect")
+FAULT_KINDS = ("delay_before_effect", "delay_after_effect", "fail_5xx_after_effect", "pending_visible")
 DELAY_KINDS = ("delay_before_effect", "delay_after_effect")
 
 
@@ -223,6 +232,7 @@ class CallFaults:
     delay_before_effect: float = 0.0
     delay_after_effect: float = 0.0
     fail_5xx_after_effect: bool = False
+    pending_visible: bool = False
 
 
 class Faults:
@@ -273,9 +283,10 @@ class BankService:
     ledger: Ledger = field(default_factory=lambda: Ledger(None, "bank"))
     faults: Faults = field(default_factory=Faults)
     page_size: int = 0  # 0: tools/list returns everything in one page
+    pending: set[str] = field(default_factory=set)  # keys received but not applied (pending_visible)
 
     async def execute(self, name: str, raw_args: Mapping[str, Any], call: Call, faults: CallFaults) -> dict[str, Any]:
-        spec = TOOLS[name]
+        spec = HTTP_TOOLS[name]
         args = validate_arguments(spec.params, raw_args)
         if faults.delay_before_effect:
             await anyio.sleep(float(faults.delay_before_effect))
@@ -337,6 +348,21 @@ def transfer_funds(svc: BankService, args: dict[str, Any], call: Call) -> dict[s
     return result
 
 
+def make_payment(svc: BankService, args: dict[str, Any], call: Call) -> dict[str, Any]:
+    # No de-duplication on purpose: a second POST with the same key is a second payment.
+    with svc.ledger.lock:
+        result = {"payment_id": f"PAY-{svc.ledger.count('make_payment') + 1:04d}", "status": "paid",
+                  "to_account": args["to_account"], "amount": args["amount"]}
+        svc.ledger.append("make_payment", args, call, result)
+    return result
+
+
+def payment_status(svc: BankService, key: str) -> dict[str, Any]:
+    with svc.ledger.lock:
+        paid = [e for e in svc.ledger.effects() if e["tool"] == "make_payment" and e["idempotency_key"] == key]
+    return {"found": True, "result": paid[0]["result"], "count": len(paid)} if paid else {"found": False}
+
+
 def refund_status(svc: BankService, args: dict[str, Any], call: Call) -> dict[str, Any]:
     prior = svc.ledger.find("issue_refund", args["idempotency_key"])
     return {"found": True, "result": prior["result"]} if prior else {"found": False}
@@ -391,6 +417,13 @@ TOOLS: dict[str, ToolSpec] = {s.name: s for s in [
     ToolSpec("search", "Search this server's knowledge base.",
              (Param("query", "string", "Search text"),), search, _READ_ONLY),
 ]}
+
+
+# The payment gateway speaks plain HTTP only, so the MCP tool list stays the dispute story's.
+HTTP_TOOLS: dict[str, ToolSpec] = {**TOOLS, "make_payment": ToolSpec(
+    "make_payment", "Pay an account. Applies every request it receives; reconcile by key.",
+    (Param("to_account", "string", "Destination account"), Param("amount", "number", "Amount")), make_payment,
+    types.ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True))}
 
 
 # --- MCP adapter ------------------------------------------------------------------------
@@ -456,7 +489,7 @@ def _http_routes(svc: BankService) -> list[Route]:
 
     async def http_tool(request: Request) -> Response:
         name = request.path_params["tool_name"]
-        if name not in TOOLS:
+        if name not in HTTP_TOOLS:
             return JSONResponse({"error": f"Unknown tool: {name}"}, status_code=404)
         try:
             raw = await request.json()
@@ -466,18 +499,29 @@ def _http_routes(svc: BankService) -> list[Route]:
             return JSONResponse({"error": "body must be a JSON object of arguments", "fields": {}}, status_code=422)
         call = Call(request.headers.get(IDEMPOTENCY_HEADER), "http")
         faults = svc.faults.take(name, FAULT_KINDS)
+        pending = call.idempotency_key if faults.pending_visible and call.idempotency_key else None
+        if pending:
+            svc.pending.add(pending)
         try:
             result = await svc.execute(name, raw, call, faults)
         except ArgumentError as exc:
             return JSONResponse({"error": "invalid arguments", "fields": exc.fields}, status_code=422)
         except ToolError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        finally:
+            svc.pending.discard(pending)
         if faults.fail_5xx_after_effect:
             return JSONResponse({"error": "injected fault after effect"}, status_code=500)
         return JSONResponse(result)
 
     async def http_status(request: Request) -> Response:
         return JSONResponse(refund_status(svc, {"idempotency_key": request.path_params["key"]}, Call(None, "http")))
+
+    async def http_payment_status(request: Request) -> Response:
+        key = request.path_params["key"]
+        if key in svc.pending:
+            return JSONResponse({"status": "in_progress"}, status_code=409)
+        return JSONResponse(payment_status(svc, key))
 
     return [
         Route("/ledger", ledger, methods=["GET"]),
@@ -486,6 +530,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         Route("/faults", faults_list, methods=["GET"]),
         Route("/faults/reset", faults_reset, methods=["POST"]),
         Route("/http/status/{key}", http_status, methods=["GET"]),
+        Route("/http/payment_status/{key}", http_payment_status, methods=["GET"]),
         Route("/http/{tool_name}", http_tool, methods=["POST"]),
     ]
 
