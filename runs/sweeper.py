@@ -29,6 +29,7 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "lost_messages": _requeue_lost_messages(now),
         "deadlines": _stop_past_deadline(now),
         "budget_resumed": _resume_budget_waits(now),
+        "settle_resumed": _resume_settle_waits(now),
         "approvals_expired": expire_due(now=now),
         "orphan_reservations": release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),
@@ -99,14 +100,22 @@ def _stop_past_deadline(now: dt.datetime) -> int:
 
 
 def _resume_budget_waits(now: dt.datetime) -> int:
+    return _resume_waits(RunStatus.WAITING_BUDGET, now, "resumed: a new budget day began")
+
+
+def _resume_settle_waits(now: dt.datetime) -> int:
+    return _resume_waits(RunStatus.WAITING_SETTLE, now, "resumed: the settle window has passed")
+
+
+def _resume_waits(status: str, now: dt.datetime, message: str) -> int:
+    """Runs parked as rows until resume_at (they hold no message): move them on once it passes."""
     count = 0
-    for run_id in Run.objects.filter(status=RunStatus.WAITING_BUDGET, resume_at__lte=now) \
-            .values_list("pk", flat=True)[:BATCH]:
+    for run_id in Run.objects.filter(status=status, resume_at__lte=now).values_list("pk", flat=True)[:BATCH]:
         with transaction.atomic():
             run = lock_run(run_id)
-            if run.status != RunStatus.WAITING_BUDGET:
+            if run.status != status:
                 continue
-            transition_run(run, RunStatus.RUNNING, message="resumed: a new budget day began", resume_at=None)
+            transition_run(run, RunStatus.RUNNING, message=message, resume_at=None)
             enqueue(run.pk)
             count += 1
     return count
