@@ -187,7 +187,7 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     # The call ended now (this worker saw it end): the window runs from here.
     due = settle_due(step, ended=timezone.now())
     if tool.effect_class in SETTLING and due > retry_at:
-        wait_to_settle(run, step, due, f"outcome unknown ({error}); the provider may make the call visible up to "
+        wait_to_settle(run, step, due, f"outcome unknown ({error}); settle window: the provider may make the call visible up to "
                        f"{tool.settle_window}s after it ended, and a status lookup or a retry before then proves "
                        "nothing")
         return
