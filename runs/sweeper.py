@@ -13,6 +13,7 @@ from django.db.models import (Count, DateTimeField, DurationField, ExpressionWra
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
+from runs import broker
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.services import end_run, enqueue, lock_run, record_event, resend, transition_run
 
@@ -68,7 +69,14 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     runs = list(Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
                 .alias(due_at=due_at).filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
                 .values_list("pk", "last_enqueued_at")[:BATCH])
+    # A run enqueued no earlier than the oldest message still queued may be waiting behind it:
+    # its message is late, not lost, and a copy would only lengthen the backlog.
+    backlog_since = broker.oldest_queued_enqueue() if runs else None
+    resent = 0
     for run_id, enqueued_at in runs:
+        if backlog_since is not None and enqueued_at is not None and enqueued_at >= backlog_since:
+            continue
+        resent += 1
         silent = int((now - enqueued_at).total_seconds()) if enqueued_at else 0
         with transaction.atomic():
             record_event(run_id, "recovery", f"no progress for {silent}s (message lost or queue backed up); "
@@ -77,7 +85,7 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
                 enqueue(run_id)
             else:
                 resend(run_id, enqueued_at=enqueued_at)
-    return len(runs)
+    return resent
 
 
 def _stop_past_deadline(now: dt.datetime) -> int:
