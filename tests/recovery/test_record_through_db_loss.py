@@ -40,7 +40,7 @@ class KillBackendAt:
 
     def __call__(self, execute, sql, params, many, context):
         if not self.active:
-            self.active = self.armed()
+            self.active = self.armed(sql, context)
         if self.active:
             self.seen += 1
             if self.seen == self.n:
@@ -66,7 +66,7 @@ def _email_run(asha):
 
 def _record_with_kill(run, bank, n: int) -> KillBackendAt:
     sent = len(bank.effects("send_customer_email"))
-    killer = KillBackendAt(n, armed=lambda: len(bank.effects("send_customer_email")) > sent)
+    killer = KillBackendAt(n, armed=lambda sql, context: len(bank.effects("send_customer_email")) > sent)
     with connection.execute_wrapper(killer):
         advance(run.pk)                   # the tool step: call, then record
     return killer
@@ -92,6 +92,42 @@ def test_it_records_an_unsafe_tools_answer_whatever_statement_the_connection_die
         assert [r.status for r in Reservation.objects.filter(step=step)] == ["settled"], n
     # One email per run, none sent twice.
     assert len(bank.effects("send_customer_email")) == statements + 1
+
+
+def test_it_records_a_model_reply_whatever_statement_the_connection_dies_at(tenant, asha, bank):
+    """A model reply lost to a dead connection would be asked for, and paid, a second time."""
+    _email_agent(tenant, asha, bank)
+
+    def record_model_step(n: int):
+        run, _ = start_run(user=asha, agent="agent", input={})
+        state = {"marked": None}
+
+        def after_the_call(sql, context) -> bool:
+            # The step is inserted as dispatching, the connection closed for the call, and the
+            # record opens a new one: count from the first statement on that new connection.
+            current = context["connection"].connection
+            if state["marked"] is None:
+                if 'INSERT INTO "runs_step"' in sql:
+                    state["marked"] = current
+                return False
+            return current is not state["marked"]
+
+        killer = KillBackendAt(n, armed=after_the_call)
+        with connection.execute_wrapper(killer):
+            advance(run.pk)
+        return run, killer
+
+    statements = record_model_step(10**6)[1].seen
+    assert statements >= 3
+    for n in range(1, statements + 1):
+        run, killer = record_model_step(n)
+        assert killer.killed_sql, f"statement {n} was never reached"
+        step = run.steps.get(seq=1)
+        assert (step.status, step.attempts) == ("succeeded", 1), f"killed at {n}: {killer.killed_sql[:80]}"
+        run = type(run).objects.get(pk=run.pk)
+        assert run.model_call_count == 1, n                   # the reply was not asked for again
+        assert [r.status for r in Reservation.objects.filter(step=step)] == ["settled"], n
+        assert run.steps.filter(seq=2, status="proposed").exists(), n
 
 
 def test_a_worker_records_the_answer_while_its_connections_are_being_killed(tenant, asha, bank, workers):
