@@ -255,10 +255,9 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
     if crashed and effect != EffectClass.READ_ONLY and now < due:
         # The provider may still make the lost attempt visible (or de-duplicate its key) until
         # then: a "not found" or a retry before it proves nothing (DESIGN.md 5.1).
-        lost = "lost with its worker" if crashed else "left without an answer"
-        wait_to_settle(run, step, due, f"attempt {step.attempts} was {lost}; settle window: the provider may make it visible up to "
-                       f"{tool.settle_window}s after its {tool.timeout_seconds:g}s timeout, and a status lookup or "
-                       "a retry before then proves nothing")
+        wait_to_settle(run, step, due, f"attempt {step.attempts} was lost with its worker; settle window: the "
+                       f"provider may make it visible up to {tool.settle_window}s after its "
+                       f"{tool.timeout_seconds:g}s timeout, and a status lookup or a retry before then proves nothing")
         return None
     action = {EffectClass.READ_ONLY: "retry", EffectClass.IDEMPOTENT: "retry with the same key",
               EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen"}[effect]

@@ -13,11 +13,11 @@ from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from budgets import services as budgets
-from budgets.models import BudgetAccount
+from budgets.models import BudgetAccount, Reservation
 from runs import heartbeat, rows
 from runs.claim import deny
 from runs.engine import Plan, continue_run, fenced
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.services import (atomic_with_events, bump_counters, end_run, lock_run, record_event, transition_run,
                            transition_step)
 
@@ -59,15 +59,14 @@ def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
 
 def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
     """Commit the step as dispatching before the call, or give up if fenced out or cancelled."""
-    from budgets.models import Reservation
 
     with atomic_with_events():
         now = timezone.now()
         if new_step is not None:
             if not _bump_if_leased(plan, step_count=1, model_call_count=1):
                 return _not_dispatching(plan)
-            step = Step(run_id=plan.run_id, status=StepStatus.DISPATCHING, attempts=1, started_at=now, dispatched_at=now,
-                        reserved_micros=new_step.pop("reserved"), **new_step)
+            step = Step(run_id=plan.run_id, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
+                        dispatched_at=now, reserved_micros=new_step.pop("reserved"), **new_step)
             rows.insert([step])
             record_event(plan.run_id, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
                          to=StepStatus.DISPATCHING, step_kind=StepKind.MODEL)
@@ -169,8 +168,6 @@ def recorded_before(run: Run, step: Step, since: dt.datetime) -> bool:
     Asked only on a retry that finds the lease gone. Within the lease nobody else writes this
     step, so an event about it written since the record began is that attempt's own.
     """
-    from runs.models import RunEvent
-
     return RunEvent.objects.filter(run_id=run.pk, step_seq=step.seq, at__gte=since).exists()
 
 
@@ -182,8 +179,6 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
     is charged at that price; every other hold goes back. Run after the record commits: budget
     rows are never locked while the run row is.
     """
-    from budgets.models import Reservation
-
     reservations = list(Reservation.objects.filter(step_id=step_id).order_by("created_at")
                         .values_list("pk", "status"))
     charged = any(status == Reservation.Status.SETTLED for _, status in reservations)

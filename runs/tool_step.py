@@ -17,7 +17,7 @@ from runs.engine import Plan, ToolOutcome, continue_run, fenced
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from runs.services import (atomic_with_events, end_run, enqueue, lock_run, record_event, transition_run,
                            transition_step)
-from tools.models import IN_PROGRESS_PATIENCE, EffectClass
+from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, EffectClass
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
 
 # Classes whose unanswered attempt is looked up or sent again, so they wait out the settle window.
@@ -187,9 +187,9 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     # The call ended now (this worker saw it end): the window runs from here.
     due = settle_due(step, ended=timezone.now())
     if tool.effect_class in SETTLING and due > retry_at:
-        wait_to_settle(run, step, due, f"outcome unknown ({error}); settle window: the provider may make the call visible up to "
-                       f"{tool.settle_window}s after it ended, and a status lookup or a retry before then proves "
-                       "nothing")
+        wait_to_settle(run, step, due, f"outcome unknown ({error}); settle window: the provider may make the "
+                       f"call visible up to {tool.settle_window}s after it ended, and a status lookup or a retry "
+                       "before then proves nothing")
         return
     Step.objects.filter(pk=step.pk).update(next_attempt_at=retry_at)
     record_event(run.pk, "retry_scheduled", f"step {step.seq} {step.tool_name}: outcome unknown ({error}); "
@@ -200,14 +200,16 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
 def _wait_in_progress(run: Run, step: Step, outcome: ToolOutcome) -> None:
     """The provider has the request and is still on it: ask again later, never send it again now.
 
-    Waiting is bounded: past IN_PROGRESS_PATIENCE settle windows after the attempt was sent, a
-    person decides (the provider may be stuck, and only someone who can see it can tell).
+    Waiting is bounded: IN_PROGRESS_PATIENCE settle windows (at least MIN_IN_PROGRESS_PATIENCE
+    seconds) after the window of the attempt, a person decides (the provider may be stuck, and only
+    someone who can see it can tell).
     """
     tool = step.tool
     now = timezone.now()
-    give_up = settle_due(step, ended=step.dispatched_at) + dt.timedelta(seconds=tool.settle_window * (IN_PROGRESS_PATIENCE - 1))
+    patience = max(tool.settle_window * IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE)
+    give_up = settle_due(step) + dt.timedelta(seconds=patience)
     if now >= give_up or run.cancel_requested:
-        why = "run cancelled" if run.cancel_requested else f"still in progress after {IN_PROGRESS_PATIENCE} settle windows"
+        why = "run cancelled" if run.cancel_requested else f"still in progress {patience}s after its settle window"
         mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {why} ({outcome.error})")
         return
     wait = outcome.retry_after if outcome.retry_after is not None else min(max(tool.settle_window / 4, 1.0), 30.0)

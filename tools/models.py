@@ -14,8 +14,10 @@ class EffectClass(models.TextChoices):
 # status lookup or to de-duplicate a repeated key (DESIGN.md 5.1). Only classes that retry need one.
 DEFAULT_SETTLE_SECONDS = {EffectClass.READ_ONLY: 0, EffectClass.IDEMPOTENT: 60, EffectClass.RECONCILABLE: 60,
                           EffectClass.UNSAFE: 0}
-# An "in progress" answer is waited on; past this many settle windows it is a person's problem.
+# An "in progress" answer is waited on; past this many settle windows (and at least this many
+# seconds) it is a person's problem.
 IN_PROGRESS_PATIENCE = 10
+MIN_IN_PROGRESS_PATIENCE = 300
 
 
 class ToolServer(models.Model):

@@ -19,7 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from runs.services import start_run
-from tests.recovery.conftest import (FAST_LEASES, events, http_bank_tool, run_of, single_call_agent, step_of,
+from tests.recovery.conftest import (FAST_LEASES, events, http_bank_tool, single_call_agent, step_of,
                                      until_fault_taken, until_status)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_sweeps")]
