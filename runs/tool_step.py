@@ -66,7 +66,7 @@ def _call_tool(step: Step) -> ToolOutcome:
     except ToolFailed as exc:
         return ToolOutcome("failed", error=str(exc))
     except ToolInProgress as exc:
-        return ToolOutcome("in_progress", error=str(exc), retry_after=exc.retry_after)
+        return ToolOutcome("in_progress", error=str(exc), retry_after=exc.retry_after, sent=True)
     except ToolOutcomeUnknown as exc:
         return ToolOutcome("unknown", error=str(exc), retry_after=exc.retry_after)
     return ToolOutcome("succeeded", result=result)
@@ -212,6 +212,10 @@ def _wait_in_progress(run: Run, step: Step, outcome: ToolOutcome) -> None:
         why = "run cancelled" if run.cancel_requested else f"still in progress {patience}s after its settle window"
         mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {why} ({outcome.error})")
         return
+    if outcome.sent:
+        # A repeat answered 409 did nothing: it does not use up one of max_attempts (waiting
+        # has its own bound, above).
+        Step.objects.filter(pk=step.pk).update(attempts=F("attempts") - 1)
     wait = outcome.retry_after if outcome.retry_after is not None else min(max(tool.settle_window / 4, 1.0), 30.0)
     wait_to_settle(run, step, now + dt.timedelta(seconds=wait),
                    f"the provider says the call is still in progress ({outcome.error}); it is asked again, not re-sent")

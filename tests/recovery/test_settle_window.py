@@ -134,3 +134,24 @@ def test_it_waits_while_the_provider_says_the_payment_is_in_progress(tenant, ash
     assert not any("not found" in a for a in answers)
     step = step_of(run.pk, 2)
     assert (step.status, step.attempts) == ("succeeded", 1)        # asked again, never sent again
+
+
+def test_it_waits_on_a_409_for_a_key_in_use_and_then_collects_the_one_refund(tenant, asha, bank, workers):
+    """An idempotent provider that locks a key while its first request runs answers a repeat 409."""
+    refund = http_bank_tool(tenant, bank, "issue_refund", effect_class="idempotent", timeout_seconds=TIMEOUT,
+                            settle_seconds=1, max_attempts=2)
+    single_call_agent(tenant, asha, refund, {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"},
+                      final="refunded")
+    bank.fault(tool="issue_refund", delay_before_effect=8, pending_visible=True)
+    workers("w1", env=FAST_LEASES)
+    run, _ = start_run(user=asha, agent="agent", input={})
+
+    run = until_status(run.pk, "succeeded", "failed", "needs_attention", timeout=60)
+    assert run.status == "succeeded", run.error
+    refunds = bank.effects("issue_refund")
+    assert len(refunds) == 1
+    step = step_of(run.pk, 2)
+    assert step.result["structured"]["refund_id"] == refunds[0]["result"]["refund_id"]
+    waits = [e for e in events(run.pk, "status") if e.data.get("to") == "waiting_settle"]
+    assert any("in progress" in e.message for e in waits)      # the 409s were waited on...
+    assert step.attempts <= 2                                   # ...without using up max_attempts
