@@ -26,9 +26,15 @@ class ToolServerAdmin(TenantScopedAdmin):
     def get_readonly_fields(self, request, obj=None):
         readonly = ["last_synced_at"]
         if not is_operator(request.user):
-            # A stdio command runs on the platform's machines: only operators may set one.
-            readonly.append("command")
+            # Where calls go and which secret they carry is configuration (apply, operators): a
+            # supervisor who could edit the URL could have the tenant's secret sent to a host of
+            # theirs. A stdio command also runs on the platform's machines.
+            readonly += ToolServer.DESTINATION_FIELDS
         return readonly
+
+    def has_add_permission(self, request):
+        # A server is a destination: created by apply or by an operator.
+        return is_operator(request.user) and super().has_add_permission(request)
 
     @admin.action(description="Sync the tool list from the server (changed tools are quarantined)",
                   permissions=["change"])
@@ -86,6 +92,12 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
     ]
     readonly_fields = ["name", "server", "tenant", "description", "input_schema", "hints", "quarantined",
                        "quarantine_reason"]
+
+    def get_readonly_fields(self, request, obj=None):
+        readonly = list(super().get_readonly_fields(request, obj))
+        if not is_operator(request.user):
+            readonly += Tool.DESTINATION_FIELDS   # see ToolServerAdmin.get_readonly_fields
+        return readonly
 
     @admin.display(description="hints (from the server, untrusted)")
     def hints(self, tool):

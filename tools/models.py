@@ -11,6 +11,10 @@ class EffectClass(models.TextChoices):
 
 
 class ToolServer(models.Model):
+    # Where calls go and which secret they carry: configuration owned by `manage.py apply` and
+    # platform operators, read-only to everyone else in the admin (DESIGN.md section 7).
+    DESTINATION_FIELDS = ("kind", "transport", "url", "command", "secret", "auth_header", "auth_scheme")
+
     class Kind(models.TextChoices):
         MCP = "mcp"
         HTTP = "http"
@@ -42,6 +46,8 @@ class ToolServer(models.Model):
 
 class Tool(models.Model):
     """A tool under tenant control. Discovered tools start disabled; hints grant nothing."""
+
+    DESTINATION_FIELDS = ("http_url", "status_url")   # see ToolServer.DESTINATION_FIELDS
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tools")
     server = models.ForeignKey(ToolServer, on_delete=models.CASCADE, related_name="tools")

@@ -9,7 +9,7 @@ from typing import Any
 
 from llm.models import ModelEndpoint
 from tenants.config.convert import (
-    Convert, _aliases, _bool, _choice, _email, _int, _Invalid, _json_schema, _mapping, _money,
+    Convert, _aliases, _bool, _choice, _email, _hosts, _int, _Invalid, _json_schema, _mapping, _money,
     _non_negative, _nullable, _policy, _price, _seconds, _slug, _spec_list, _text, _text_list,
     _time_zone, _url, _username,
 )
@@ -118,6 +118,7 @@ TENANT: Spec = {
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1)),
+    "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
     "quotas": {"max_active_runs": Field("max_active_runs", _int(1)),
                "max_starts_per_minute": Field("max_starts_per_minute", _int(1))},
     "caps": {"max_steps": Field("max_steps_cap", _int(1)),
@@ -218,6 +219,15 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
     _from_env(values, path, "password_env", "password", problems)
 
 
+# Where calls go and which secret they carry is owned by the file: an omitted destination field
+# is set to its default, not left as stored, so a change made elsewhere (say in the admin) is
+# undone by the next apply and reported as drift.
+SERVER_DESTINATION = {"transport": "", "url": "", "command": [], "secret": None, "auth_header": "Authorization",
+                      "auth_scheme": "Bearer"}
+ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
+TOOL_DESTINATION = {"http_url": "", "status_url": ""}
+
+
 def _check_server(values: dict, path: str, problems: Problems) -> None:
     kind = values.get("kind")
     if kind == ToolServer.Kind.MCP:
@@ -225,12 +235,21 @@ def _check_server(values: dict, path: str, problems: Problems) -> None:
         needed = "command" if values["transport"] == ToolServer.Transport.STDIO else "url"
         if not values.get(needed):
             problems.add(f"{path}.{needed}", f"required for an mcp server over {values['transport']}")
-        return
-    for key in ("transport", "command", "status_tool"):
-        if key in values:
-            problems.add(f"{path}.{key}", "only for mcp servers")
-    if kind == ToolServer.Kind.HTTP and "discover" in values:
-        problems.add(f"{path}.discover", "http tools are declared in this file, not discovered")
+    else:
+        for key in ("transport", "command", "status_tool"):
+            if key in values:
+                problems.add(f"{path}.{key}", "only for mcp servers")
+        if kind == ToolServer.Kind.HTTP and "discover" in values:
+            problems.add(f"{path}.discover", "http tools are declared in this file, not discovered")
+        if kind == ToolServer.Kind.HTTP and not values.get("url"):
+            problems.add(f"{path}.url", "required for an http server: its tools' calls go to its origin")
+    for key, default in SERVER_DESTINATION.items():
+        values.setdefault(key, default)
+
+
+def _check_endpoint(values: dict, path: str, problems: Problems) -> None:
+    for key, default in ENDPOINT_DESTINATION.items():
+        values.setdefault(key, default)
 
 
 def _check_grant(values: dict, path: str, problems: Problems) -> None:
@@ -267,7 +286,7 @@ SECTIONS: dict[str, Section] = {
     "secrets": Section(SECRET, lambda v: v["name"], _check_secret),
     "groups": Section(GROUP, lambda v: v["name"]),
     "users": Section(USER, lambda v: v["username"], _check_user),
-    "model_endpoints": Section(ENDPOINT, lambda v: v["name"]),
+    "model_endpoints": Section(ENDPOINT, lambda v: v["name"], _check_endpoint),
     "tool_servers": Section(SERVER, lambda v: v["name"], _check_server),
     "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}"),
     "grants": Section(GRANT, lambda v: v["tool"], _check_grant),

@@ -19,11 +19,12 @@ from budgets.services import local_day, set_day_limit
 from llm.models import ModelEndpoint
 from runs.services import digest
 from tenants.config.report import ApplyReport
-from tenants.config.schema import HTTP_ONLY, PERMS, TOOL, Field, Item, Plan, Problems
+from tenants.config.schema import HTTP_ONLY, PERMS, TOOL, TOOL_DESTINATION, Field, Item, Plan, Problems
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.services import configure_tool
 from tools.models import Tool, ToolServer
+from tools.origins import OriginError, origin_text, same_origin
 from tools.types import RemoteTool
 
 # --- phase 3: write ------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ def _upsert(model: type, kind: str, item: Item, values: dict, ctx: _Context) -> 
         return obj
     changed = _assign(obj, values)
     ctx.report.record(kind, item.key, "updated" if changed else "unchanged", changed)
+    ctx.report.restored(kind, item.key, [name for name in changed if name in model.DESTINATION_FIELDS])
     return obj
 
 
@@ -260,6 +262,10 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
 def _apply_tool(item: Item, ctx: _Context) -> None:
     values = dict(item.values)
     server_name, remote_name = values.pop("server"), values.pop("remote_name")
+    if ctx.plan.is_dropped("tool_servers", server_name):
+        # Its server was left out for its own errors: the stored row is not what the file means.
+        ctx.skip("tools", item)
+        return
     server = ToolServer.objects.filter(tenant=ctx.tenant, name=server_name).first()
     if server is None:
         ctx.missing("tool_servers", server_name, f"{item.path}.server", f"no tool server named {server_name!r}")
@@ -277,23 +283,42 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         ctx.problems.add(f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}")
         ctx.skip("tools", item)
         return
+    # Every tool in the file gets its destination from the file: stored URLs that differ
+    # (set in the admin, say) are put back and reported.
+    values = {**TOOL_DESTINATION, **values}
     changed = configure_tool(tool, values)
     ctx.report.record("tools", tool.name, "updated" if changed else "unchanged", changed)
+    ctx.report.restored("tools", tool.name, [name for name in changed if name in Tool.DESTINATION_FIELDS])
     if tool.quarantined and values.get("enabled"):
         ctx.report.notes.append(f"tool {tool.name} is enabled but quarantined: an admin must release it")
 
 
 def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context) -> bool:
     if server.kind == ToolServer.Kind.HTTP:
+        ok = True
         if "input_schema" not in values:
             ctx.problems.add(f"{path}.input_schema", "required for http tools")
-            return False
-        return True
+            ok = False
+        for key in Tool.DESTINATION_FIELDS:
+            # The server's secret is only ever sent to the server's origin (tools.origins).
+            url = values.get(key, "").replace("{key}", "k")
+            if url and not same_origin(url, server.url):
+                ctx.problems.add(f"{path}.{key}", f"must be on the origin of server {server.name!r} "
+                                                  f"({_origin_or_none(server.url)})")
+                ok = False
+        return ok
     wrong = [key for key in HTTP_ONLY if key in values]
     for key in wrong:
         source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
         ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
     return not wrong
+
+
+def _origin_or_none(url: str) -> str:
+    try:
+        return origin_text(url)
+    except OriginError:
+        return "it has no http(s) URL"
 
 
 def _file_key(target: str) -> str:
