@@ -30,5 +30,6 @@ def steps_of(run: Run):
 
 
 def events_of(run: Run, *, after: int | None = None):
-    events = RunEvent.objects.filter(run=run).select_related("actor").order_by("id")
-    return events.filter(id__gt=after) if after else events
+    """The run's events in order; `after`: only those with a larger seq (the API's event id)."""
+    events = RunEvent.objects.filter(run=run).select_related("actor").order_by("seq")
+    return events.filter(seq__gt=after) if after else events
