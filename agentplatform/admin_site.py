@@ -22,6 +22,8 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 
+from tenants.permissions import may_view_all_runs
+
 # The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
 # to declare how to scope it.
@@ -48,6 +50,15 @@ TENANT_PATHS = {
 }
 
 
+# Runs and what belongs to them are readable by their creator, and by holders of the tenant's
+# view_runs (DESIGN.md section 7): the lookup from each such model to the run's creator.
+RUN_CREATOR_PATHS = {
+    "runs.run": "created_by",
+    "runs.step": "run__created_by",
+    "runs.runevent": "run__created_by",
+}
+
+
 def is_operator(user) -> bool:
     return user.is_superuser and user.tenant_id is None
 
@@ -60,7 +71,10 @@ def scope(queryset, user):
     path = TENANT_PATHS.get(label)
     if user.tenant_id is None or path is None:
         return queryset.none()
-    return queryset.filter(**{path: user.tenant_id})
+    queryset = queryset.filter(**{path: user.tenant_id})
+    if label in RUN_CREATOR_PATHS and not may_view_all_runs(user):
+        queryset = queryset.filter(**{RUN_CREATOR_PATHS[label]: user.pk})
+    return queryset
 
 
 class TenantScopedAdmin(admin.ModelAdmin):

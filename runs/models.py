@@ -44,6 +44,7 @@ class StopReason(models.TextChoices):
     LOOP_DETECTED = "loop_detected"
     APPROVAL_EXPIRED = "approval_expired"
     USER_DEACTIVATED = "user_deactivated"
+    RUN_AGENT_REVOKED = "run_agent_revoked"
 
 
 class Run(models.Model):

@@ -5,10 +5,14 @@ import uuid
 
 from agentplatform.errors import NotFound
 from runs.models import Run, RunEvent, Step
+from tenants.permissions import may_view_all_runs
 
 
 def runs_for(user, *, status: str | None = None, agent: str | None = None, created_by: str | None = None):
+    """The runs `user` may read: every run of the tenant with view_runs, else the ones they started."""
     runs = Run.objects.filter(tenant_id=user.tenant_id).select_related("agent", "version", "created_by", "budget")
+    if not may_view_all_runs(user):
+        runs = runs.filter(created_by_id=user.pk)
     if status:
         runs = runs.filter(status=status)
     if agent:

@@ -14,10 +14,11 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError
+from agentplatform.errors import Conflict, DomainError, Forbidden
 from runs import rows
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepStatus)
+from tenants.permissions import may_run_agent
 
 DEFAULT_LIMITS = {
     "max_steps": 50,
@@ -262,6 +263,8 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
                                   code="idempotency_key_reused", status=422)
             return existing, False
     pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
+    if not may_run_agent(user, pinned.agent_id):
+        raise Forbidden(f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted")
     now = timezone.now()
     limits = effective_limits(pinned.spec.get("limits", {}), tenant)
     try:

@@ -43,6 +43,11 @@ class Tenant(models.Model):
     egress_hosts = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        # Object permission on the tenant row: read every run of the tenant (supervisors).
+        # Without it a user reads only the runs they started.
+        permissions = [("view_runs", "Read every run of the tenant")]
+
     def __str__(self) -> str:
         return self.slug
 

@@ -35,6 +35,7 @@ tools:
   - {server: bank, name: lookup_transaction, enabled: true, effect: read_only, approval: never}
 grants:
   - {tool: bank__lookup_transaction, use: ["group:agents"]}
+  - {agent: looker, run: ["group:agents"]}
 agents:
   - name: looker
     versions:
