@@ -13,7 +13,10 @@ class EffectClass(models.TextChoices):
 class ToolServer(models.Model):
     # Where calls go and which secret they carry: configuration owned by `manage.py apply` and
     # platform operators, read-only to everyone else in the admin (DESIGN.md section 7).
-    DESTINATION_FIELDS = ("kind", "transport", "url", "command", "secret", "auth_header", "auth_scheme")
+    # status_tool too: it names the remote tool that recovery calls on its own (an effectful one
+    # named there would be called without the model, the user or an approval).
+    DESTINATION_FIELDS = ("kind", "transport", "url", "command", "secret", "auth_header", "auth_scheme",
+                          "status_tool")
 
     class Kind(models.TextChoices):
         MCP = "mcp"

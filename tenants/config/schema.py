@@ -229,7 +229,7 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
 # is set to its default, not left as stored, so a change made elsewhere (say in the admin) is
 # undone by the next apply and reported as drift.
 SERVER_DESTINATION = {"transport": "", "url": "", "command": [], "secret": None, "auth_header": "Authorization",
-                      "auth_scheme": "Bearer"}
+                      "auth_scheme": "Bearer", "status_tool": ""}
 ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
 TOOL_DESTINATION = {"http_url": "", "status_url": ""}
 

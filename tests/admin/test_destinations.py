@@ -60,14 +60,14 @@ def test_a_supervisor_with_change_permission_on_servers_cannot_change_their_dest
     other.save()
     url = f"/admin/tools/toolserver/{server.pk}/change/"
     data = {**_change_form(client, url), "url": "http://attacker.example/", "secret": other.pk,
-            "auth_header": "X-Leak", "kind": "http"}
+            "auth_header": "X-Leak", "kind": "http", "status_tool": "open"}
 
     client.post(url, data)
 
     server.refresh_from_db()
     assert (server.url, server.secret_id, server.auth_header) == ("https://crm.acme.example/api", server.secret_id,
                                                                   "Authorization")
-    assert server.secret.name == "crm-token"
+    assert (server.secret.name, server.status_tool) == ("crm-token", "")
     assert client.get("/admin/tools/toolserver/add/").status_code == 403
     assert client.get("/admin/llm/modelendpoint/add/").status_code == 403
 
