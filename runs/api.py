@@ -99,7 +99,8 @@ class RunStepsApi(APIView):
 
 
 class RunEventsApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("after", int, description="only events with a larger id (seq) in this run")],
+    @extend_schema(parameters=[OpenApiParameter("after", int,
+                                                description="only events with a larger id (seq) in this run")],
                    responses=EventOutput(many=True))
     def get(self, request, run_id):
         require_tenant(request.user)

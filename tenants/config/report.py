@@ -72,7 +72,8 @@ class ApplyReport:
             lines.append(f"{kind:<16}{c['created']:>8}{c['updated']:>8}{c['unchanged']:>10}{c['removed']:>8}")
         lines += ["changes:"] + [f"  {line}" for line in self.changes or ["none"]]
         if self.drift:
-            lines += ["drift restored (where calls go, which secret they carry):"] + [f"  {line}" for line in self.drift]
+            lines += ["drift restored (where calls go, which secret they carry):"]
+            lines += [f"  {line}" for line in self.drift]
         if self.notes:
             lines += ["notes:"] + [f"  {line}" for line in self.notes]
         return "\n".join(lines)
