@@ -34,10 +34,7 @@ def check_egress(plan: Plan, problems: Problems) -> None:
         listed = set()
         for item in list(plan.sections.get(section, [])):
             listed.add(item.key)
-            url = item.values.get(field)
-            if url is None and stored is not None:
-                existing = model.objects.filter(tenant=stored, name=item.key).values_list(field, flat=True).first()
-                url = existing or ""
+            url = item.values.get(field)   # always set: phase 1 fills omitted destinations with defaults
             if url and not _allowed(url, allowed):
                 problems.add(f"{item.path}.{key}", f"host is not in tenant.egress_hosts ({_host(url)})")
                 plan.sections[section].remove(item)
