@@ -176,3 +176,25 @@ def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
     as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", dict(data, timeout_seconds=31))
     echo.refresh_from_db()
     assert (echo.timeout_seconds, echo.policy_version) == (31, 2)
+
+
+def test_run_agent_is_granted_in_the_admin_within_the_tenant(client, acme, globex):
+    from agents.models import AgentDefinition
+    from tenants.permissions import may_run_agent
+
+    ada = factories.make_user(acme.tenant, "ada", staff=True)
+    ada.user_permissions.add(*Permission.objects.filter(codename__in=["view_agentdefinition",
+                                                                       "change_agentdefinition"]))
+    client.force_login(ada)
+    refunder = AgentDefinition.objects.get(tenant=acme.tenant, name="refunder")
+    bea = factories.make_user(acme.tenant, "bea")
+    base = f"/admin/agents/agentdefinition/{refunder.pk}/permissions"
+    assert not may_run_agent(bea, refunder.pk)
+
+    response = client.post(f"{base}/user-manage/{bea.pk}/", {"permissions": ["run_agent"]})
+
+    assert response.status_code == 302
+    assert may_run_agent(bea, refunder.pk)
+    assert client.get(f"{base}/user-manage/{globex.bob.pk}/").status_code == 404
+    theirs = AgentDefinition.objects.get(tenant=globex.tenant, name="refunder")
+    assert client.get(f"/admin/agents/agentdefinition/{theirs.pk}/permissions/").status_code == 404
