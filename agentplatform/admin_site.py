@@ -14,13 +14,19 @@ import json
 import re
 from decimal import Decimal
 
+from django import forms
 from django.contrib import admin
 from django.http import Http404
+from django.shortcuts import get_object_or_404
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
+from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
+
+from tenants.models import TenantGroup, User
+from tenants.permissions import may_view_all_runs
 
 # The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
@@ -48,6 +54,15 @@ TENANT_PATHS = {
 }
 
 
+# Runs and what belongs to them are readable by their creator, and by holders of the tenant's
+# view_runs (DESIGN.md section 7): the lookup from each such model to the run's creator.
+RUN_CREATOR_PATHS = {
+    "runs.run": "created_by",
+    "runs.step": "run__created_by",
+    "runs.runevent": "run__created_by",
+}
+
+
 def is_operator(user) -> bool:
     return user.is_superuser and user.tenant_id is None
 
@@ -60,7 +75,10 @@ def scope(queryset, user):
     path = TENANT_PATHS.get(label)
     if user.tenant_id is None or path is None:
         return queryset.none()
-    return queryset.filter(**{path: user.tenant_id})
+    queryset = queryset.filter(**{path: user.tenant_id})
+    if label in RUN_CREATOR_PATHS and not may_view_all_runs(user):
+        queryset = queryset.filter(**{RUN_CREATOR_PATHS[label]: user.pk})
+    return queryset
 
 
 class TenantScopedAdmin(admin.ModelAdmin):
@@ -110,6 +128,47 @@ class TenantScopedAdmin(admin.ModelAdmin):
         if changed:
             stamps = [f.name for f in self.opts.concrete_fields if getattr(f, "auto_now", False)]
             obj.save(update_fields=changed + stamps)
+
+
+class TenantGuardedAdmin(TenantScopedAdmin, GuardedModelAdmin):
+    """Object-permission pages (django-guardian's "Object permissions") that stay in the tenant:
+    users and groups of another tenant can be neither picked nor opened there."""
+
+    # Guardian's grant pages look users and groups up platform-wide; keep them in the tenant.
+    def get_obj_perms_user_select_form(self, request):
+        tenant_id = request.user.tenant_id
+
+        class TenantUserManage(UserManage):
+            def clean_user(self):
+                user = super().clean_user()
+                if tenant_id and user.tenant_id != tenant_id:
+                    raise forms.ValidationError(self.fields["user"].error_messages["does_not_exist"])
+                return user
+
+        return TenantUserManage
+
+    def get_obj_perms_group_select_form(self, request):
+        tenant_id = request.user.tenant_id
+
+        class TenantGroupManage(GroupManage):
+            def clean_group(self):
+                group = super().clean_group()
+                if tenant_id and not TenantGroup.objects.filter(group=group, tenant_id=tenant_id).exists():
+                    raise forms.ValidationError(self.fields["group"].error_messages["does_not_exist"])
+                return group
+
+        return TenantGroupManage
+
+    def obj_perms_manage_user_view(self, request, object_pk, user_id):
+        obj = get_object_or_404(self.get_queryset(request), pk=object_pk)
+        get_object_or_404(User, pk=user_id, tenant_id=obj.tenant_id)
+        return super().obj_perms_manage_user_view(request, object_pk, user_id)
+
+    def obj_perms_manage_group_view(self, request, object_pk, group_id):
+        obj = get_object_or_404(self.get_queryset(request), pk=object_pk)
+        if not TenantGroup.objects.filter(tenant_id=obj.tenant_id, group_id=group_id).exists():
+            raise Http404("no such group in this tenant")
+        return super().obj_perms_manage_group_view(request, object_pk, group_id)
 
 
 class ReadOnlyAdmin(TenantScopedAdmin):

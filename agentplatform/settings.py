@@ -1,6 +1,8 @@
 """Settings: everything comes from the environment, with defaults that need nothing installed.
 
-AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS and DATABASE_URL required.
+AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS and DATABASE_URL required,
+refuses to start with a weak SECRET_KEY, an invalid encryption key or DEBUG on, and turns on
+HTTPS-only behaviour (HSTS, redirect to HTTPS, secure cookies): `manage.py check --deploy` passes.
 """
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from pathlib import Path
 
 import dj_database_url
 
-from agentplatform.env import (env_bool, env_float, env_int, env_list, env_required,
-                               env_str)
+from agentplatform.env import (ConfigError, env_bool, env_float, env_int, env_list, env_required,
+                               env_str, fernet_keys, strong_secret_key)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("AGENTPLATFORM_VAR_DIR", str(BASE_DIR / "var")))
@@ -43,15 +45,33 @@ def _django_key() -> str:
 
 
 if PRODUCTION:
-    SECRET_KEY = env_required("SECRET_KEY")
-    SECRET_ENCRYPTION_KEYS = env_list("SECRET_ENCRYPTION_KEYS", []) or [env_required("SECRET_ENCRYPTION_KEYS")]
+    # Both are checked now: a bad key would otherwise surface only when first used (a session
+    # signed, a secret decrypted), in the middle of serving.
+    SECRET_KEY = strong_secret_key("SECRET_KEY", env_required("SECRET_KEY"))
+    SECRET_ENCRYPTION_KEYS = fernet_keys("SECRET_ENCRYPTION_KEYS", env_list("SECRET_ENCRYPTION_KEYS", [])
+                                         or [env_required("SECRET_ENCRYPTION_KEYS")])
     env_required("DATABASE_URL")
+    if env_bool("DEBUG", False):
+        raise ConfigError("DEBUG must not be on in production: it shows settings and stack traces to anyone")
+    DEBUG = False
+    # HTTPS only. Behind a proxy that terminates TLS, name the header it sets (X-Forwarded-Proto)
+    # in SECURE_PROXY_SSL_HEADER; set it only if the proxy always overwrites that header.
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600)
+    if SECURE_HSTS_SECONDS <= 0:
+        raise ConfigError("SECURE_HSTS_SECONDS must be greater than 0 in production (HSTS stays on)")
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    _proxy_header = env_str("SECURE_PROXY_SSL_HEADER")
+    if _proxy_header:
+        SECURE_PROXY_SSL_HEADER = ("HTTP_" + _proxy_header.upper().replace("-", "_"), "https")
 else:
     SECRET_KEY = env_str("SECRET_KEY") or _dev_file_secret("django-secret.key", _django_key)
-    SECRET_ENCRYPTION_KEYS = env_list("SECRET_ENCRYPTION_KEYS", []) or [
-        _dev_file_secret("encryption.key", _fernet_key)]
-
-DEBUG = env_bool("DEBUG", not PRODUCTION)
+    SECRET_ENCRYPTION_KEYS = fernet_keys("SECRET_ENCRYPTION_KEYS", env_list("SECRET_ENCRYPTION_KEYS", []) or [
+        _dev_file_secret("encryption.key", _fernet_key)])
+    DEBUG = env_bool("DEBUG", True)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -153,7 +173,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "agentplatform.schema.AutoSchema",
     "EXCEPTION_HANDLER": "agentplatform.errors.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,

@@ -6,7 +6,7 @@ from django import forms
 from django.contrib import admin
 from django.utils.html import format_html
 
-from agentplatform.admin_site import ReadOnlyAdmin, TenantScopedAdmin, admin_link, site
+from agentplatform.admin_site import ReadOnlyAdmin, TenantGuardedAdmin, TenantScopedAdmin, admin_link, site
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.services import move_alias
 
@@ -37,12 +37,23 @@ class AliasInline(VersionInline):
 
 
 @admin.register(AgentDefinition, site=site)
-class AgentDefinitionAdmin(ReadOnlyAdmin):
-    """Agents and their versions are created through the API (POST a spec); aliases move here."""
+class AgentDefinitionAdmin(TenantGuardedAdmin):
+    """Agents and their versions are created through the API (POST a spec); aliases move here.
+
+    Who may start runs of an agent (run_agent) is granted on its "Object permissions" page (or
+    in the tenant's configuration file); the agent itself is not edited here.
+    """
 
     list_display = ["name", "tenant", "created_at"]
     search_fields = ["name"]
     inlines = [AliasInline, VersionInline]
+    readonly_fields = ["name", "tenant", "created_at"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(AgentVersion, site=site)

@@ -11,6 +11,8 @@ class AgentDefinition(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_agent_name")]
+        # Object permission (guardian, user or group): who may start runs of this agent.
+        permissions = [("run_agent", "Start runs of the agent")]
 
     def __str__(self) -> str:
         return self.name

@@ -74,6 +74,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 # --- setup -------------------------------------------------------------------------------------
 
 def make_runs(count: int, *, daily_budget: int):
+    from guardian.shortcuts import assign_perm
+
     from agents.services import create_version
     from llm.models import ModelEndpoint
     from runs.services import start_run
@@ -85,8 +87,9 @@ def make_runs(count: int, *, daily_budget: int):
                                    max_cost_micros_cap=10**15)
     user = User.objects.create_user(username=f"{slug}-user", password="pw", tenant=tenant)
     ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted")
-    create_version(tenant=tenant, agent="bench", spec={
+    version, _ = create_version(tenant=tenant, agent="bench", spec={
         "model": "scripted", "instructions": "bench", "limits": {"max_cost_micros": 10**14}})
+    assign_perm("agents.run_agent", user, version.agent)
     return tenant, [start_run(user=user, agent="bench", version=1, input={"i": i})[0] for i in range(count)]
 
 

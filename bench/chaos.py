@@ -243,6 +243,8 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     version, _ = create_version(tenant=tenant, agent="chaos-agent", spec={
         "model": "scripted", "instructions": "Settle the dispute.", "tools": sorted(t.name for t in tools)})
     Alias.objects.create(agent=version.agent, name="prod", version=version)
+    assign_perm("agents.run_agent", agent_user, version.agent)
+    assign_perm("tenants.view_runs", supervisor, tenant)   # the supervisor resolves runs it did not start
     return Token.objects.create(user=agent_user).key, Token.objects.create(user=supervisor).key
 
 

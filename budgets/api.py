@@ -21,6 +21,22 @@ class DayOutput(serializers.Serializer):
     remaining_micros = serializers.IntegerField()
 
 
+class AgentUsageOutput(serializers.Serializer):
+    agent = serializers.CharField()
+    spent_micros = serializers.IntegerField()
+    held_micros = serializers.IntegerField()
+    reserved_micros = serializers.IntegerField()
+    runs = serializers.IntegerField()
+
+
+class UsageOutput(serializers.Serializer):
+    tenant = serializers.CharField()
+    time_zone = serializers.CharField()
+    currency_micros_per_unit = serializers.IntegerField()
+    days = DayOutput(many=True)
+    agents = AgentUsageOutput(many=True)
+
+
 class ReservationOutput(serializers.ModelSerializer):
     run = serializers.UUIDField(source="run_id", allow_null=True)
     step_seq = serializers.IntegerField(source="step.seq", allow_null=True, default=None)
@@ -32,7 +48,7 @@ class ReservationOutput(serializers.ModelSerializer):
 
 
 class UsageApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("days", int)])
+    @extend_schema(parameters=[OpenApiParameter("days", int)], responses=UsageOutput)
     def get(self, request):
         """The tenant's budget days (limit, reserved, spent, held) and a per-agent breakdown."""
         require_tenant(request.user)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from agentplatform.admin_site import TenantScopedAdmin, site
+from agentplatform.admin_site import TenantScopedAdmin, is_operator, site
 from llm.models import ModelEndpoint
 
 
@@ -17,3 +17,14 @@ class ModelEndpointAdmin(TenantScopedAdmin):
                                                   "price_output"]}),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
+
+    def get_readonly_fields(self, request, obj=None):
+        readonly = list(super().get_readonly_fields(request, obj))
+        if not is_operator(request.user):
+            # The endpoint's URL and key are configuration (apply, operators): whoever could edit
+            # the URL could have the tenant's provider key sent to a host of theirs.
+            readonly += ModelEndpoint.DESTINATION_FIELDS
+        return readonly
+
+    def has_add_permission(self, request):
+        return is_operator(request.user) and super().has_add_permission(request)

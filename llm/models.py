@@ -8,6 +8,9 @@ from django.db import models
 class ModelEndpoint(models.Model):
     """A provider endpoint with its prices, in budget currency per million tokens."""
 
+    # Where calls go and which key they carry: apply and operators only (ToolServer's note).
+    DESTINATION_FIELDS = ("kind", "base_url", "secret")
+
     class Kind(models.TextChoices):
         OPENAI = "openai"
         ANTHROPIC = "anthropic"

@@ -37,11 +37,14 @@ class StepOutput(serializers.ModelSerializer):
 
 
 class EventOutput(serializers.ModelSerializer):
+    # The event's number within its run (1, 2, 3, ...), not a platform-wide sequence whose gaps
+    # would show other tenants' activity.
+    id = serializers.IntegerField(source="seq", help_text="the event's number within its run (same as seq)")
     actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
 
     class Meta:
         model = RunEvent
-        fields = ["id", "at", "kind", "step_seq", "actor", "message", "data"]
+        fields = ["id", "seq", "at", "kind", "step_seq", "actor", "message", "data"]
 
 
 class RunListApi(APIView):
@@ -97,7 +100,8 @@ class RunStepsApi(APIView):
 
 
 class RunEventsApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("after", int, description="only events with a larger id")],
+    @extend_schema(parameters=[OpenApiParameter("after", int,
+                                                description="only events with a larger id (seq) in this run")],
                    responses=EventOutput(many=True))
     def get(self, request, run_id):
         require_tenant(request.user)

@@ -19,6 +19,7 @@ from runs.engine import Plan, continue_run
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.services import (atomic_with_events, end_run, lease_seconds_for, lock_run, record_event, transition_run,
                            transition_step)
+from tenants.permissions import may_run_agent
 from tools.models import EffectClass
 
 MAX_MODEL_FAILURES = 5
@@ -106,6 +107,12 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
         # model already proposed were denied by the gateway's fresh check and are on record.
         end_run(run, RunStatus.STOPPED, reason=StopReason.USER_DEACTIVATED,
                 message="stopped: the user who started this run was deactivated")
+        return None
+    if not may_run_agent(run.created_by, run.agent_id):
+        # Starting a run needs run_agent, and so does every model turn: a revoked grant (direct
+        # or through a group) stops the run here, before anything is reserved for the call.
+        end_run(run, RunStatus.STOPPED, reason=StopReason.RUN_AGENT_REVOKED,
+                message=f"stopped: {run.created_by.username} may no longer run this agent (run_agent revoked)")
         return None
     if run.step_count >= run.limits["max_steps"]:
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")

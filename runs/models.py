@@ -48,6 +48,7 @@ class StopReason(models.TextChoices):
     LOOP_DETECTED = "loop_detected"
     APPROVAL_EXPIRED = "approval_expired"
     USER_DEACTIVATED = "user_deactivated"
+    RUN_AGENT_REVOKED = "run_agent_revoked"
 
 
 class Run(models.Model):
@@ -81,6 +82,7 @@ class Run(models.Model):
     deadline_at = models.DateTimeField(null=True, blank=True)
     resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget / waiting_settle: wake-up time
     last_enqueued_at = models.DateTimeField(null=True, blank=True)
+    event_seq = models.PositiveIntegerField(default=0)   # the seq of the run's latest event
 
     class Meta:
         constraints = [
@@ -190,9 +192,14 @@ class Step(models.Model):
 
 
 class RunEvent(models.Model):
-    """Append-only timeline of everything that happened to a run."""
+    """Append-only timeline of everything that happened to a run.
+
+    `seq` numbers a run's events 1, 2, 3, ... (runs.services.write_events): the API shows it as
+    the event's id, so a run's timeline says nothing about other runs' activity.
+    """
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    seq = models.PositiveIntegerField()
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     kind = models.CharField(max_length=40)
     step_seq = models.PositiveIntegerField(null=True, blank=True)
@@ -203,7 +210,7 @@ class RunEvent(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["run", "id"])]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_run_event_seq")]
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"

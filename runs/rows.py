@@ -139,6 +139,18 @@ def _value(field, obj):
     return getattr(obj, field.attname) if kept else field.pre_save(obj, True)
 
 
+def take(model, pk, field: str, count: int) -> int:
+    """Add `count` to a counter column of one row and return its new value.
+
+    The UPDATE locks the row until the transaction ends, so concurrent takers get disjoint
+    ranges (`new - count + 1` .. `new`) without reading first.
+    """
+    with connection.cursor() as cursor:
+        execute(cursor, f"UPDATE {table(model)} SET {column(model, field)} = {column(model, field)} + %s "
+                        f"WHERE {quote(model._meta.pk.column)} = %s RETURNING {column(model, field)}", [count, pk])
+        return cursor.fetchone()[0]
+
+
 def update(model, pk, *, where: dict | None = None, **values) -> int:
     """UPDATE one row by primary key (and `where` equalities, for conditional updates): rows changed."""
     meta = model._meta

@@ -5,10 +5,14 @@ import uuid
 
 from agentplatform.errors import NotFound
 from runs.models import Run, RunEvent, Step
+from tenants.permissions import may_view_all_runs
 
 
 def runs_for(user, *, status: str | None = None, agent: str | None = None, created_by: str | None = None):
+    """The runs `user` may read: every run of the tenant with view_runs, else the ones they started."""
     runs = Run.objects.filter(tenant_id=user.tenant_id).select_related("agent", "version", "created_by", "budget")
+    if not may_view_all_runs(user):
+        runs = runs.filter(created_by_id=user.pk)
     if status:
         runs = runs.filter(status=status)
     if agent:
@@ -30,5 +34,6 @@ def steps_of(run: Run):
 
 
 def events_of(run: Run, *, after: int | None = None):
-    events = RunEvent.objects.filter(run=run).select_related("actor").order_by("id")
-    return events.filter(id__gt=after) if after else events
+    """The run's events in order; `after`: only those with a larger seq (the API's event id)."""
+    events = RunEvent.objects.filter(run=run).select_related("actor").order_by("seq")
+    return events.filter(seq__gt=after) if after else events

@@ -1,6 +1,7 @@
 """Writes on runs: admission, guarded transitions with events, cancellation, enqueueing."""
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import hashlib
 import json
@@ -13,10 +14,11 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError
+from agentplatform.errors import Conflict, DomainError, Forbidden
 from runs import rows
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepKind, StepStatus)
+from tenants.permissions import may_run_agent
 
 DEFAULT_LIMITS = {
     "max_steps": 50,
@@ -66,10 +68,25 @@ def record_event(run_id, kind: str, message: str = "", *, step_seq: int | None =
                      at=timezone.now())
     pending = getattr(_batch, "events", None)
     if pending is None:
-        event.save(force_insert=True)
+        write_events([event])
     else:
         pending.append(event)
     return event
+
+
+def write_events(events: list[RunEvent]) -> None:
+    """Number the events per run, in order, and INSERT them in one statement.
+
+    An event's `seq` is its number within its run (what the API shows as its id). Each run's
+    counter moves by a conditional-free `UPDATE ... RETURNING`, which holds the run row until
+    commit: writers of one run number in turn, and the engine already holds that row anyway.
+    """
+    counts = collections.Counter(event.run_id for event in events)
+    next_seq = {run_id: rows.take(Run, run_id, "event_seq", n) - n + 1 for run_id, n in counts.items()}
+    for event in events:
+        event.seq = next_seq[event.run_id]
+        next_seq[event.run_id] += 1
+    rows.insert(events)
 
 
 @contextmanager
@@ -88,7 +105,7 @@ def atomic_with_events():
         with transaction.atomic():
             yield
             _batch.events = None
-            rows.insert(pending)   # one INSERT, in order
+            write_events(pending)   # one INSERT, in order
     finally:
         _batch.events = None
 
@@ -246,6 +263,8 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
                                   code="idempotency_key_reused", status=422)
             return existing, False
     pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
+    if not may_run_agent(user, pinned.agent_id):
+        raise Forbidden(f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted")
     now = timezone.now()
     limits = effective_limits(pinned.spec.get("limits", {}), tenant)
     try:

@@ -38,7 +38,15 @@ class Tenant(models.Model):
     max_wall_seconds_cap = models.PositiveIntegerField(default=3 * 24 * 3600)
     max_output_tokens_cap = models.PositiveIntegerField(default=8192)
     max_cost_micros_cap = models.BigIntegerField(default=10_000_000)
+    # Hosts the tenant's tool servers and model endpoints may reach (`host`, `host:port`,
+    # `*.domain`), checked by `manage.py apply`; null: not restricted.
+    egress_hosts = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        # Object permission on the tenant row: read every run of the tenant (supervisors).
+        # Without it a user reads only the runs they started.
+        permissions = [("view_runs", "Read every run of the tenant")]
 
     def __str__(self) -> str:
         return self.slug

@@ -6,7 +6,7 @@ from decimal import Decimal
 from django.contrib.auth.models import Group
 from guardian.shortcuts import assign_perm
 
-from agents.models import Alias
+from agents.models import AgentDefinition, Alias
 from agents.services import create_version
 from llm.models import ModelEndpoint
 from tenants.models import Tenant, TenantGroup, User
@@ -18,9 +18,24 @@ def make_tenant(slug: str = "acme", **fields) -> Tenant:
     return Tenant.objects.create(slug=slug, name=slug.title(), **fields)
 
 
-def make_user(tenant: Tenant, username: str, *, staff: bool = False, password: str = "pw") -> User:
+def make_user(tenant: Tenant, username: str, *, staff: bool = False, password: str = "pw",
+              view_runs: bool | None = None) -> User:
+    """A user of the tenant. Staff users in these tests are supervisors: they hold view_runs on the
+    tenant (read every run) unless `view_runs` says otherwise."""
     user = User.objects.create_user(username=username, password=password, tenant=tenant, is_staff=staff)
+    if staff if view_runs is None else view_runs:
+        grant_view_runs(tenant, user)
     return user
+
+
+def grant_view_runs(tenant: Tenant, *holders) -> None:
+    for who in holders:
+        assign_perm("tenants.view_runs", who, tenant)
+
+
+def grant_run_agent(agent: AgentDefinition, *holders) -> None:
+    for who in holders:
+        assign_perm("agents.run_agent", who, agent)
 
 
 def make_group(tenant: Tenant, name: str) -> Group:
@@ -53,7 +68,12 @@ def grant(tool: Tool, *, use=(), approve=()) -> None:
 
 
 def make_agent(tenant: Tenant, *, name: str = "agent", tools=(), turns=(), endpoint: ModelEndpoint | None = None,
-               alias: str = "prod", **spec_fields):
+               alias: str = "prod", runners=None, **spec_fields):
+    """A version of agent `name` (created if new) behind `alias`.
+
+    `runners`: users or groups granted run_agent on the agent; None grants it to every user the
+    tenant has at this point, which is what most tests want (pass () to grant nobody).
+    """
     endpoint = endpoint or ModelEndpoint.objects.filter(tenant=tenant).first() or make_endpoint(
         tenant, config={"turns": list(turns)})
     if turns and endpoint.kind == "scripted":
@@ -63,6 +83,7 @@ def make_agent(tenant: Tenant, *, name: str = "agent", tools=(), turns=(), endpo
             "tools": [t.name if isinstance(t, Tool) else t for t in tools], **spec_fields}
     version, _ = create_version(tenant=tenant, agent=name, spec=spec)
     Alias.objects.update_or_create(agent=version.agent, name=alias, defaults={"version": version})
+    grant_run_agent(version.agent, *(User.objects.filter(tenant=tenant) if runners is None else runners))
     return version
 
 

@@ -3,6 +3,7 @@ configured only by environment variables."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ tools:
   - {server: bank, name: lookup_transaction, enabled: true, effect: read_only, approval: never}
 grants:
   - {tool: bank__lookup_transaction, use: ["group:agents"]}
+  - {agent: looker, run: ["group:agents"]}
 agents:
   - name: looker
     versions:
@@ -64,7 +66,9 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     bank = BankServer().start()
     port, flower_port = _free_port(), _free_port()
     from tenants.crypto import generate_key
-    env = dict(os.environ, AGENTPLATFORM_ENV="production", SECRET_KEY="x" * 50,
+    # TLS ends at a proxy in front of gunicorn; the test plays the proxy with X-Forwarded-Proto.
+    env = dict(os.environ, AGENTPLATFORM_ENV="production", SECRET_KEY=secrets.token_urlsafe(50),
+               SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
                SECRET_ENCRYPTION_KEYS=generate_key(), DATABASE_URL=prod_database,
                CELERY_BROKER_URL=settings.CELERY_BROKER_URL, CELERY_QUEUE=f"prodshape-{os.getpid()}",
                BIND=f"127.0.0.1:{port}", FLOWER_PORT=str(flower_port), WORKER_CONCURRENCY="8",
@@ -75,20 +79,22 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
+        http = httpx.Client(headers=PROXIED)
         wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="gunicorn")
+        assert httpx.get(f"{base}/v1/schema").status_code == 301   # plain HTTP is sent to HTTPS
         config = tmp_path / "prod.yaml"
         config.write_text(CONFIG)
         subprocess.run([str(ROOT / ".venv/bin/python"), "manage.py", "apply", str(config)], cwd=ROOT, env=env,
                        check=True, capture_output=True)
-        token = httpx.post(f"{base}/v1/auth/token", json={"username": "pat", "password": "pat-password"}).json()["token"]
+        token = http.post(f"{base}/v1/auth/token", json={"username": "pat", "password": "pat-password"}).json()["token"]
         headers = {"Authorization": f"Token {token}"}
-        run = httpx.post(f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1001"}}, headers=headers)
+        run = http.post(f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1001"}}, headers=headers)
         assert run.status_code == 201, run.text
         run_id = run.json()["id"]
-        done = wait_for(lambda: (r := httpx.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
+        done = wait_for(lambda: (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
                         in ("succeeded", "failed", "stopped") and r, timeout=90, what="run end")
         assert done["status"] == "succeeded", done
-        steps = httpx.get(f"{base}/v1/runs/{run_id}/steps", headers=headers).json()
+        steps = http.get(f"{base}/v1/runs/{run_id}/steps", headers=headers).json()
         assert [(s["kind"], s["status"]) for s in steps] == [("model", "succeeded"), ("tool", "succeeded"),
                                                             ("model", "succeeded")]
         assert "TXN-1001" in steps[1]["observation"]
@@ -98,13 +104,13 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
                          "started_at=NULL WHERE id=%s", (run_id,))
             conn.execute("UPDATE budgets_reservation SET step_id=NULL WHERE run_id=%s", (run_id,))
             conn.execute("DELETE FROM runs_step WHERE run_id=%s", (run_id,))
-        again = wait_for(lambda: (r := httpx.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
+        again = wait_for(lambda: (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
                          == "succeeded" and r, timeout=60, what="sweeper recovery")
-        events = httpx.get(f"{base}/v1/runs/{run_id}/events", headers=headers).json()
+        events = http.get(f"{base}/v1/runs/{run_id}/events", headers=headers).json()
         assert any(e["kind"] == "recovery" for e in events), events
         assert again["status"] == "succeeded"
-        assert httpx.get(f"{base}/admin/login/").status_code == 200
-        assert httpx.get(f"{base}/static/admin/css/base.css").status_code == 200
+        assert http.get(f"{base}/admin/login/").status_code == 200
+        assert http.get(f"{base}/static/admin/css/base.css").status_code == 200
         wait_for(lambda: _ok(f"http://127.0.0.1:{flower_port}/"), timeout=60, what="flower")
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
@@ -116,8 +122,11 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         print(Path(tmp_path / "serve.log").read_text()[-3000:])
 
 
+PROXIED = {"X-Forwarded-Proto": "https"}
+
+
 def _ok(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=5).status_code == 200
+        return httpx.get(url, timeout=5, headers=PROXIED).status_code == 200
     except httpx.HTTPError:
         return False

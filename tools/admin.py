@@ -2,15 +2,11 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
-from django.http import Http404
-from django.shortcuts import get_object_or_404
 from django.utils.html import format_html_join
-from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
-from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
+from agentplatform.admin_site import TenantGuardedAdmin, TenantScopedAdmin, is_operator, money, site
 from approvals.policy import PolicyError, parse_policy
 from tenants.crypto import SecretKeyError
-from tenants.models import TenantGroup, User
 from tools.catalog import refresh, release_quarantine
 from tools.models import Tool, ToolServer
 from tools.services import configure_tool
@@ -26,9 +22,15 @@ class ToolServerAdmin(TenantScopedAdmin):
     def get_readonly_fields(self, request, obj=None):
         readonly = ["last_synced_at"]
         if not is_operator(request.user):
-            # A stdio command runs on the platform's machines: only operators may set one.
-            readonly.append("command")
+            # Where calls go and which secret they carry is configuration (apply, operators): a
+            # supervisor who could edit the URL could have the tenant's secret sent to a host of
+            # theirs. A stdio command also runs on the platform's machines.
+            readonly += ToolServer.DESTINATION_FIELDS
         return readonly
+
+    def has_add_permission(self, request):
+        # A server is a destination: created by apply or by an operator.
+        return is_operator(request.user) and super().has_add_permission(request)
 
     @admin.action(description="Sync the tool list from the server (changed tools are quarantined)",
                   permissions=["change"])
@@ -64,7 +66,7 @@ class ToolForm(forms.ModelForm):
 
 
 @admin.register(Tool, site=site)
-class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
+class ToolAdmin(TenantGuardedAdmin):
     """Tools come from their server (sync); here they are reviewed, configured and granted.
 
     Grants (use_tool, approve_tool) are made on the "Object permissions" page of a tool.
@@ -90,6 +92,12 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
     ]
     readonly_fields = ["name", "server", "tenant", "description", "input_schema", "hints", "quarantined",
                        "quarantine_reason"]
+
+    def get_readonly_fields(self, request, obj=None):
+        readonly = list(super().get_readonly_fields(request, obj))
+        if not is_operator(request.user):
+            readonly += Tool.DESTINATION_FIELDS   # see ToolServerAdmin.get_readonly_fields
+        return readonly
 
     @admin.display(description="hints (from the server, untrusted)")
     def hints(self, tool):
@@ -121,39 +129,3 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
             # The admin history is the only record of who reviewed the change.
             self.log_change(request, tool, f"released from quarantine (was: {tool.quarantine_reason})")
         messages.success(request, f"released {len(released)} tool(s) from quarantine")
-
-    # Guardian's grant pages look users and groups up platform-wide; keep them in the tenant.
-    def get_obj_perms_user_select_form(self, request):
-        tenant_id = request.user.tenant_id
-
-        class TenantUserManage(UserManage):
-            def clean_user(self):
-                user = super().clean_user()
-                if tenant_id and user.tenant_id != tenant_id:
-                    raise forms.ValidationError(self.fields["user"].error_messages["does_not_exist"])
-                return user
-
-        return TenantUserManage
-
-    def get_obj_perms_group_select_form(self, request):
-        tenant_id = request.user.tenant_id
-
-        class TenantGroupManage(GroupManage):
-            def clean_group(self):
-                group = super().clean_group()
-                if tenant_id and not TenantGroup.objects.filter(group=group, tenant_id=tenant_id).exists():
-                    raise forms.ValidationError(self.fields["group"].error_messages["does_not_exist"])
-                return group
-
-        return TenantGroupManage
-
-    def obj_perms_manage_user_view(self, request, object_pk, user_id):
-        tool = get_object_or_404(self.get_queryset(request), pk=object_pk)
-        get_object_or_404(User, pk=user_id, tenant_id=tool.tenant_id)
-        return super().obj_perms_manage_user_view(request, object_pk, user_id)
-
-    def obj_perms_manage_group_view(self, request, object_pk, group_id):
-        tool = get_object_or_404(self.get_queryset(request), pk=object_pk)
-        if not tool.tenant.groups.filter(group_id=group_id).exists():
-            raise Http404("no such group in this tenant")
-        return super().obj_perms_manage_group_view(request, object_pk, group_id)

@@ -27,6 +27,7 @@ from tenants.models import Secret
 from tools import relevance
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer
+from tools.origins import origin_text, same_origin
 from tools.types import (IDEMPOTENCY_HEADER, McpServerConfig, ToolFailed, ToolInProgress, ToolOutcomeUnknown,
                          ToolResult)
 
@@ -271,11 +272,40 @@ def dispatch(step: Step) -> ToolResult:
                                 idempotency_key=step.idempotency_key, timeout=tool.timeout_seconds)
 
 
+def http_tool_url(server: ToolServer, tool: Tool) -> str:
+    return tool.http_url or f"{server.url.rstrip('/')}/{tool.remote_name}"
+
+
+def http_status_url(server: ToolServer, tool: Tool, key: str) -> str:
+    return (tool.status_url or f"{server.url.rstrip('/')}/status/{{key}}").replace("{key}", key)
+
+
+def off_origin(server: ToolServer, url: str) -> str | None:
+    """Why `url` must not be called with the server's secret, or None.
+
+    The secret (and the idempotency key) belong to the origin of the server's configured URL;
+    a tool URL elsewhere is refused even for a server without a secret, so that no tool field
+    can aim the platform at another host.
+    """
+    if same_origin(url, server.url):
+        return None
+    try:
+        where = origin_text(server.url)
+    except ValueError:
+        where = "(no valid server URL)"
+    return f"refused before sending: the URL of this call is not on server {server.name}'s origin {where}"
+
+
 def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
-    url = tool.http_url or f"{server.url.rstrip('/')}/{tool.remote_name}"
+    url = http_tool_url(server, tool)
+    refusal = off_origin(server, url)
+    if refusal:
+        raise ToolFailed(refusal)
     headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server)}
     try:
-        response = httpx.post(url, json=step.arguments, headers=headers,
+        # Redirects are never followed (httpx's default, said here because it matters): the
+        # secret goes to the configured origin and nowhere else.
+        response = httpx.post(url, json=step.arguments, headers=headers, follow_redirects=False,
                               timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)))
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise ToolFailed(f"could not connect to {server.name}: {type(exc).__name__}") from None
@@ -291,7 +321,22 @@ def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
                              retry_after=_retry_after(response))
     if response.status_code >= 400:
         raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
+    if response.is_redirect:
+        _redirected(server, response)
     return _http_result(response)
+
+
+def _redirected(server: ToolServer, response: httpx.Response) -> None:
+    """A redirect is not followed. 307/308 say the request was not handled here (a failure);
+    after any other redirect the provider may have acted, so the outcome is unknown."""
+    where = response.headers.get("Location", "")
+    note = f"{server.name} redirected the call ({response.status_code}); not followed: calls and secrets go only " \
+           f"to the server's configured origin"
+    if not same_origin(str(response.url.join(where)), server.url):
+        note += ", and the redirect pointed elsewhere"
+    if response.status_code in (307, 308):
+        raise ToolFailed(note)
+    raise ToolOutcomeUnknown(note)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -314,15 +359,20 @@ def lookup_status(step: Step) -> ToolResult | None:
     tool = step.tool
     server = tool.server
     if server.kind == ToolServer.Kind.HTTP:
-        url = (tool.status_url or f"{server.url.rstrip('/')}/status/{{key}}").replace("{key}", step.idempotency_key)
+        url = http_status_url(server, tool, step.idempotency_key)
+        refusal = off_origin(server, url)
+        if refusal:
+            # Nothing is learnt about the call itself: its outcome stays unknown.
+            raise ToolOutcomeUnknown(f"status lookup {refusal}")
         try:
-            response = httpx.get(url, headers=_secret_header(server), timeout=tool.timeout_seconds)
+            response = httpx.get(url, headers=_secret_header(server), timeout=tool.timeout_seconds,
+                                 follow_redirects=False)
         except httpx.HTTPError as exc:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
         if response.status_code == 409:
             raise ToolInProgress("status lookup answered 409: in progress", retry_after=_retry_after(response))
-        if response.status_code >= 400:
-            raise ToolOutcomeUnknown(f"status lookup answered {response.status_code}")
+        if response.status_code >= 300:
+            raise ToolOutcomeUnknown(f"status lookup answered {response.status_code} (redirects are not followed)")
         try:
             body = response.json()
         except ValueError:

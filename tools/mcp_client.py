@@ -14,7 +14,8 @@ Error contract for `call_tool`:
 - `ToolFailed`: `tools/call` provably did not run: the handshake failed (connection refused,
   HTTP 4xx such as 401, bad protocol version, timeout), the `tools/call` POST could not connect
   or got a non-404 4xx, or the server answered with a JSON-RPC rejection (invalid params,
-  unknown tool, method not found, ...).
+  unknown tool, method not found, ...), or it was refused before sending because its URL was
+  not on the server's configured origin (the session's headers carry the server's secret).
 - `ToolOutcomeUnknown`: the request may have been processed: timeout after sending, connection
   reset / stream closed, HTTP 5xx, 404 (session lost), JSON-RPC internal or unrecognised errors.
 - `ToolResult(is_error=True)`: the tool ran and reported a failure (`isError: true`).
@@ -36,6 +37,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from tools.origins import same_origin
 from tools.types import (
     IDEMPOTENCY_META_KEY,
     McpServerConfig,
@@ -136,7 +138,7 @@ async def _connect(config: McpServerConfig, timeout: float, tap: _HttpTap) -> As
         http = httpx2.AsyncClient(
             headers=dict(config.headers),
             timeout=httpx2.Timeout(timeout, connect=min(timeout, 10.0), read=timeout + 5.0),
-            transport=tap.wrap(httpx2.AsyncHTTPTransport()),
+            transport=tap.wrap(httpx2.AsyncHTTPTransport(), only_to=config.url),
         )
         async with http:
             async with Client(streamable_http_client(config.url, http_client=http), mode="legacy",
@@ -222,14 +224,16 @@ class _HttpTap:
     statuses: dict[str, int] = field(default_factory=dict)
     retry_after: dict[str, float] = field(default_factory=dict)
     connect_failed: set[str] = field(default_factory=set)
+    refused: list[str] = field(default_factory=list)   # URLs not sent: another origin than the server's
 
-    def wrap(self, inner: httpx2.AsyncBaseTransport) -> httpx2.AsyncBaseTransport:
-        return _TapTransport(inner, self)
+    def wrap(self, inner: httpx2.AsyncBaseTransport, *, only_to: str) -> httpx2.AsyncBaseTransport:
+        return _TapTransport(inner, self, only_to)
 
     def note(self) -> str:
         """The HTTP errors seen, for messages: the SDK's own text for them is generic."""
-        failed = {m: s for m, s in self.statuses.items() if s >= 400}
-        return " (" + ", ".join(f"{m}: HTTP {s}" for m, s in failed.items()) + ")" if failed else ""
+        failed = [f"{m}: HTTP {s}" for m, s in self.statuses.items() if s >= 400]
+        failed += [f"refused to send to {url}: not the server's origin" for url in self.refused]
+        return " (" + ", ".join(failed) + ")" if failed else ""
 
     def record(self, method: str | None, response: httpx2.Response) -> None:
         if method is None:
@@ -240,11 +244,16 @@ class _HttpTap:
 
 
 class _TapTransport(httpx2.AsyncBaseTransport):
-    def __init__(self, inner: httpx2.AsyncBaseTransport, tap: _HttpTap):
-        self._inner, self._tap = inner, tap
+    def __init__(self, inner: httpx2.AsyncBaseTransport, tap: _HttpTap, only_to: str):
+        self._inner, self._tap, self._only_to = inner, tap, only_to
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         method = _jsonrpc_method(request)
+        if not same_origin(str(request.url), self._only_to):
+            # The session's headers carry the server's secret: they go to its configured origin
+            # only, whatever URL the SDK (a redirect, an endpoint event) would send them to.
+            self._tap.refused.append(str(request.url.copy_with(query=None)))
+            raise httpx2.ConnectError("refused before sending: not the server's configured origin")
         try:
             response = await self._inner.handle_async_request(request)
         except (httpx2.ConnectError, httpx2.ConnectTimeout):
@@ -292,6 +301,8 @@ def _classify(exc: Exception, progress: _Progress, tap: _HttpTap) -> Exception:
     if not progress.call_sent:
         return ToolFailed(f"MCP handshake failed, tool not called{tap.note()}: {detail}")
     call = "tools/call"
+    if tap.refused and call not in tap.statuses:
+        return ToolFailed(f"tools/call refused before sending{tap.note()}")
     if call in tap.connect_failed:
         return ToolFailed(f"could not connect to send tools/call: {detail}")
     status = tap.statuses.get(call)

@@ -21,6 +21,13 @@ MIN_IN_PROGRESS_PATIENCE = 300
 
 
 class ToolServer(models.Model):
+    # Where calls go and which secret they carry: configuration owned by `manage.py apply` and
+    # platform operators, read-only to everyone else in the admin (DESIGN.md section 7).
+    # status_tool too: it names the remote tool that recovery calls on its own (an effectful one
+    # named there would be called without the model, the user or an approval).
+    DESTINATION_FIELDS = ("kind", "transport", "url", "command", "secret", "auth_header", "auth_scheme",
+                          "status_tool")
+
     class Kind(models.TextChoices):
         MCP = "mcp"
         HTTP = "http"
@@ -52,6 +59,8 @@ class ToolServer(models.Model):
 
 class Tool(models.Model):
     """A tool under tenant control. Discovered tools start disabled; hints grant nothing."""
+
+    DESTINATION_FIELDS = ("http_url", "status_url")   # see ToolServer.DESTINATION_FIELDS
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tools")
     server = models.ForeignKey(ToolServer, on_delete=models.CASCADE, related_name="tools")

@@ -2,7 +2,8 @@
 
 Three phases, so that nothing is half-applied and no transaction is open across a network call:
 
-1. parse: shapes and types of the whole file, without the database;
+1. parse: shapes and types of the whole file, without the database; then the URLs of servers and
+   endpoints against the tenant's egress hosts (egress.py), so discovery contacts no other host;
 2. discover: list the tools of MCP and builtin servers, outside any transaction;
 3. write: one transaction that creates or updates rows and checks every reference against the
    database as it now stands (agent specs go through agents.spec.validate_spec). Any error from
@@ -22,6 +23,7 @@ import yaml
 from django.db import transaction
 
 from tenants.config.discovery import discover
+from tenants.config.egress import check_egress
 from tenants.config.report import ApplyReport, ConfigError
 from tenants.config.schema import Problems, expand_env, parse
 from tenants.config.writing import write
@@ -51,6 +53,7 @@ def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error."""
     problems = Problems()
     plan = parse(expand_env(data, problems), problems)
+    check_egress(plan, problems)
     remote = discover(plan, problems)
     if plan.tenant is None:
         raise ConfigError(problems.in_file_order())

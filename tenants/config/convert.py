@@ -13,6 +13,7 @@ from django.core.validators import URLValidator, validate_email, validate_slug
 
 from approvals.policy import PolicyError, parse_policy
 from tenants.models import validate_time_zone
+from tools.origins import OriginError, split_host_port
 
 MICROS = 1_000_000
 
@@ -201,6 +202,17 @@ def _aliases(value: Any) -> dict[str, int]:
         except _Invalid as exc:
             raise _Invalid(exc.message, at=f".{name}") from None
     return aliases
+
+
+def _hosts(value: Any) -> list[str]:
+    """Egress hosts: `host`, `host:port` or `*.domain`, stored lower-cased."""
+    hosts = _text_list(value)
+    for i, entry in enumerate(hosts):
+        try:
+            split_host_port(entry)
+        except OriginError as exc:
+            raise _Invalid(str(exc), at=f"[{i}]") from None
+    return [entry.strip().lower() for entry in hosts]
 
 
 _url = _django(URLValidator(schemes=["http", "https"]), "must be an http(s) URL", 500)

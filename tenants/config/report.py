@@ -28,6 +28,7 @@ class ApplyReport:
     dry_run: bool = False
     outcomes: dict[str, dict[str, str]] = field(default_factory=lambda: {kind: {} for kind in KINDS})
     changes: list[str] = field(default_factory=list)
+    drift: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def record(self, kind: str, label: str, outcome: str, fields: list[str] | tuple = ()) -> None:
@@ -39,6 +40,12 @@ class ApplyReport:
         if outcome != "unchanged":
             detail = f" ({', '.join(fields)})" if fields else ""
             self.changes.append(f"{outcome} {kind} {label}{detail}")
+
+    def restored(self, kind: str, label: str, fields: list[str]) -> None:
+        """Destination or credential fields of a stored object that differed from the file and were
+        set back: a change made outside the file (the admin, the database) that apply undid."""
+        if fields:
+            self.drift.append(f"{kind} {label}: {', '.join(fields)} differed from this file and were restored")
 
     def counts(self, kind: str) -> dict[str, int]:
         values = list(self.outcomes[kind].values())
@@ -64,6 +71,9 @@ class ApplyReport:
             c = self.counts(kind)
             lines.append(f"{kind:<16}{c['created']:>8}{c['updated']:>8}{c['unchanged']:>10}{c['removed']:>8}")
         lines += ["changes:"] + [f"  {line}" for line in self.changes or ["none"]]
+        if self.drift:
+            lines += ["drift restored (where calls go, which secret they carry):"]
+            lines += [f"  {line}" for line in self.drift]
         if self.notes:
             lines += ["notes:"] + [f"  {line}" for line in self.notes]
         return "\n".join(lines)

@@ -9,14 +9,17 @@ from typing import Any
 
 from llm.models import ModelEndpoint
 from tenants.config.convert import (
-    Convert, _aliases, _bool, _choice, _email, _int, _Invalid, _json_schema, _mapping, _money,
+    Convert, _aliases, _bool, _choice, _email, _hosts, _int, _Invalid, _json_schema, _mapping, _money,
     _non_negative, _nullable, _policy, _price, _seconds, _slug, _spec_list, _text, _text_list,
     _time_zone, _url, _username,
 )
 from tenants.models import Tenant
 from tools.models import EffectClass, ToolServer
 
-PERMS = {"use": "use_tool", "approve": "approve_tool"}
+# Grant verbs in the file and the object permissions they stand for, per kind of object.
+PERMS = {"use": "use_tool", "approve": "approve_tool"}          # grants[] with tool:
+AGENT_PERMS = {"run": "run_agent"}                             # grants[] with agent:
+TENANT_PERMS = {"view_runs": "view_runs"}                      # tenant.view_runs
 
 
 # --- problems and plan ---------------------------------------------------------------------------
@@ -118,6 +121,8 @@ TENANT: Spec = {
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1)),
+    "view_runs": Field("view_runs", _text_list),
+    "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
     "quotas": {"max_active_runs": Field("max_active_runs", _int(1)),
                "max_starts_per_minute": Field("max_starts_per_minute", _int(1))},
     "caps": {"max_steps": Field("max_steps_cap", _int(1)),
@@ -173,9 +178,11 @@ TOOL: Spec = {"server": Field("server", _slug(50), required=True),
               "input_schema": Field("input_schema", _json_schema),
               "http_url": Field("http_url", _url),
               "status_url": Field("status_url", _text(500, empty=False))}
-GRANT: Spec = {"tool": Field("tool", _text(200, empty=False), required=True),
+GRANT: Spec = {"tool": Field("tool", _text(200, empty=False)),
+               "agent": Field("agent", _slug(100)),
                "use": Field("use", _text_list),
-               "approve": Field("approve", _text_list)}
+               "approve": Field("approve", _text_list),
+               "run": Field("run", _text_list)}
 AGENT: Spec = {"name": Field("name", _slug(100), required=True),
                "versions": Field("versions", _spec_list),
                "aliases": Field("aliases", _aliases)}
@@ -219,6 +226,15 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
     _from_env(values, path, "password_env", "password", problems)
 
 
+# Where calls go and which secret they carry is owned by the file: an omitted destination field
+# is set to its default, not left as stored, so a change made elsewhere (say in the admin) is
+# undone by the next apply and reported as drift.
+SERVER_DESTINATION = {"transport": "", "url": "", "command": [], "secret": None, "auth_header": "Authorization",
+                      "auth_scheme": "Bearer", "status_tool": ""}
+ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
+TOOL_DESTINATION = {"http_url": "", "status_url": ""}
+
+
 def _check_server(values: dict, path: str, problems: Problems) -> None:
     kind = values.get("kind")
     if kind == ToolServer.Kind.MCP:
@@ -226,20 +242,45 @@ def _check_server(values: dict, path: str, problems: Problems) -> None:
         needed = "command" if values["transport"] == ToolServer.Transport.STDIO else "url"
         if not values.get(needed):
             problems.add(f"{path}.{needed}", f"required for an mcp server over {values['transport']}")
-        return
-    for key in ("transport", "command", "status_tool"):
-        if key in values:
-            problems.add(f"{path}.{key}", "only for mcp servers")
-    if kind == ToolServer.Kind.HTTP and "discover" in values:
-        problems.add(f"{path}.discover", "http tools are declared in this file, not discovered")
+    else:
+        for key in ("transport", "command", "status_tool"):
+            if key in values:
+                problems.add(f"{path}.{key}", "only for mcp servers")
+        if kind == ToolServer.Kind.HTTP and "discover" in values:
+            problems.add(f"{path}.discover", "http tools are declared in this file, not discovered")
+        if kind == ToolServer.Kind.HTTP and not values.get("url"):
+            problems.add(f"{path}.url", "required for an http server: its tools' calls go to its origin")
+    for key, default in SERVER_DESTINATION.items():
+        values.setdefault(key, default)
+
+
+def _check_endpoint(values: dict, path: str, problems: Problems) -> None:
+    for key, default in ENDPOINT_DESTINATION.items():
+        values.setdefault(key, default)
 
 
 def _check_grant(values: dict, path: str, problems: Problems) -> None:
-    for verb in PERMS:
-        for i, holder in enumerate(values.get(verb, [])):
-            kind, _, name = holder.partition(":")
-            if kind not in ("user", "group") or not name:
-                problems.add(f"{path}.{verb}[{i}]", 'must be "user:<username>" or "group:<name>"')
+    if ("tool" in values) == ("agent" in values):
+        problems.add(path, "give exactly one of tool (with use, approve) or agent (with run)")
+        return
+    verbs, other = (PERMS, AGENT_PERMS) if "tool" in values else (AGENT_PERMS, PERMS)
+    for verb in other:
+        if verb in values:
+            problems.add(f"{path}.{verb}", f"only with {'agent' if 'tool' in values else 'tool'}")
+    for verb in verbs:
+        _check_holders(values.get(verb, []), f"{path}.{verb}", problems)
+
+
+def _check_holders(holders: list[str], path: str, problems: Problems) -> None:
+    for i, holder in enumerate(holders):
+        kind, _, name = holder.partition(":")
+        if kind not in ("user", "group") or not name:
+            problems.add(f"{path}[{i}]", 'must be "user:<username>" or "group:<name>"')
+
+
+def grant_key(values: dict) -> str:
+    """A grant's identity: its tool's name, or "agent:<name>"."""
+    return values["tool"] if "tool" in values else f"agent:{values['agent']}"
 
 
 def _exactly_one(values: dict, path: str, first: str, second: str, problems: Problems) -> None:
@@ -268,10 +309,10 @@ SECTIONS: dict[str, Section] = {
     "secrets": Section(SECRET, lambda v: v["name"], _check_secret),
     "groups": Section(GROUP, lambda v: v["name"]),
     "users": Section(USER, lambda v: v["username"], _check_user),
-    "model_endpoints": Section(ENDPOINT, lambda v: v["name"]),
+    "model_endpoints": Section(ENDPOINT, lambda v: v["name"], _check_endpoint),
     "tool_servers": Section(SERVER, lambda v: v["name"], _check_server),
     "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}"),
-    "grants": Section(GRANT, lambda v: v["tool"], _check_grant),
+    "grants": Section(GRANT, grant_key, _check_grant),
     "agents": Section(AGENT, lambda v: v["name"]),
 }
 
@@ -288,6 +329,10 @@ def parse(data: Any, problems: Problems) -> Plan:
         problems.add("tenant", "required")
     else:
         values = _read(data["tenant"], "tenant", TENANT, problems)
+        before = len(problems)
+        _check_holders(values.get("view_runs", []), "tenant.view_runs", problems)
+        if len(problems) > before:
+            values.pop("view_runs")
         # A bad tenant field is dropped and reported; the rest is still checked against it.
         plan.tenant = Item("tenant", values["slug"], values) if "slug" in values else None
     for name, section in SECTIONS.items():

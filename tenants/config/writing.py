@@ -19,11 +19,13 @@ from budgets.services import local_day, set_day_limit
 from llm.models import ModelEndpoint
 from runs.services import digest
 from tenants.config.report import ApplyReport
-from tenants.config.schema import HTTP_ONLY, PERMS, TOOL, Field, Item, Plan, Problems
+from tenants.config.schema import (AGENT_PERMS, HTTP_ONLY, PERMS, TENANT_PERMS, TOOL, TOOL_DESTINATION, Field, Item,
+                                   Plan, Problems)
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.services import configure_tool
 from tools.models import Tool, ToolServer
+from tools.origins import OriginError, origin_text, same_origin
 from tools.types import RemoteTool
 
 # --- phase 3: write ------------------------------------------------------------------------------
@@ -62,15 +64,16 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
     steps: list[tuple[str, Callable[[Item, _Context], None]]] = [
         ("secrets", _apply_secret), ("groups", _apply_group), ("users", _apply_user),
         ("model_endpoints", _apply_endpoint), ("tool_servers", _apply_server), ("tools", _apply_tool),
-        ("grants", _apply_grant), ("agents", _apply_agent)]
+        ("grants", _apply_grant), ("agents", _apply_agent), ("grants", _apply_agent_grant)]
     for section, apply_item in steps:
         for item in plan.sections[section]:
             apply_item(item, ctx)
+    _apply_tenant_grants(plan.tenant, ctx)
     return report
 
 
 def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
-    values = {k: v for k, v in item.values.items() if k != "slug"}
+    values = {k: v for k, v in item.values.items() if k not in ("slug", "view_runs")}
     tenant = Tenant.objects.filter(slug=item.key).first()
     if tenant is None:
         values.setdefault("name", item.key)
@@ -213,6 +216,7 @@ def _upsert(model: type, kind: str, item: Item, values: dict, ctx: _Context) -> 
         return obj
     changed = _assign(obj, values)
     ctx.report.record(kind, item.key, "updated" if changed else "unchanged", changed)
+    ctx.report.restored(kind, item.key, [name for name in changed if name in model.DESTINATION_FIELDS])
     return obj
 
 
@@ -260,6 +264,10 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
 def _apply_tool(item: Item, ctx: _Context) -> None:
     values = dict(item.values)
     server_name, remote_name = values.pop("server"), values.pop("remote_name")
+    if ctx.plan.is_dropped("tool_servers", server_name):
+        # Its server was left out for its own errors: the stored row is not what the file means.
+        ctx.skip("tools", item)
+        return
     server = ToolServer.objects.filter(tenant=ctx.tenant, name=server_name).first()
     if server is None:
         ctx.missing("tool_servers", server_name, f"{item.path}.server", f"no tool server named {server_name!r}")
@@ -277,23 +285,42 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         ctx.problems.add(f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}")
         ctx.skip("tools", item)
         return
+    # Every tool in the file gets its destination from the file: stored URLs that differ
+    # (set in the admin, say) are put back and reported.
+    values = {**TOOL_DESTINATION, **values}
     changed = configure_tool(tool, values)
     ctx.report.record("tools", tool.name, "updated" if changed else "unchanged", changed)
+    ctx.report.restored("tools", tool.name, [name for name in changed if name in Tool.DESTINATION_FIELDS])
     if tool.quarantined and values.get("enabled"):
         ctx.report.notes.append(f"tool {tool.name} is enabled but quarantined: an admin must release it")
 
 
 def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context) -> bool:
     if server.kind == ToolServer.Kind.HTTP:
+        ok = True
         if "input_schema" not in values:
             ctx.problems.add(f"{path}.input_schema", "required for http tools")
-            return False
-        return True
+            ok = False
+        for key in Tool.DESTINATION_FIELDS:
+            # The server's secret is only ever sent to the server's origin (tools.origins).
+            url = values.get(key, "").replace("{key}", "k")
+            if url and not same_origin(url, server.url):
+                ctx.problems.add(f"{path}.{key}", f"must be on the origin of server {server.name!r} "
+                                                  f"({_origin_or_none(server.url)})")
+                ok = False
+        return ok
     wrong = [key for key in HTTP_ONLY if key in values]
     for key in wrong:
         source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
         ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
     return not wrong
+
+
+def _origin_or_none(url: str) -> str:
+    try:
+        return origin_text(url)
+    except OriginError:
+        return "it has no http(s) URL"
 
 
 def _file_key(target: str) -> str:
@@ -311,36 +338,63 @@ def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _
 # --- grants ---
 
 def _apply_grant(item: Item, ctx: _Context) -> None:
+    """grants[] with tool: use_tool and approve_tool on the tool (agents' grants come after agents)."""
+    if "tool" not in item.values:
+        return
     tool = Tool.objects.filter(tenant=ctx.tenant, name=item.key).first()
     if tool is None:
         ctx.missing("tools", item.key, f"{item.path}.tool", f"no tool named {item.key!r}")
         return
-    wanted = _wanted_grants(item, ctx)
+    _set_grants(tool, tool.name, PERMS, item.values, item.path, ctx)
+
+
+def _apply_agent_grant(item: Item, ctx: _Context) -> None:
+    """grants[] with agent: run_agent on the agent, once the file's agents exist."""
+    if "agent" not in item.values:
+        return
+    name = item.values["agent"]
+    agent = AgentDefinition.objects.filter(tenant=ctx.tenant, name=name).first()
+    if agent is None:
+        ctx.missing("agents", name, f"{item.path}.agent", f"no agent named {name!r}")
+        return
+    _set_grants(agent, agent.name, AGENT_PERMS, item.values, item.path, ctx)
+
+
+def _apply_tenant_grants(item: Item, ctx: _Context) -> None:
+    """tenant.view_runs: who reads every run of the tenant (others read the runs they started)."""
+    if "view_runs" in item.values:
+        _set_grants(ctx.tenant, ctx.tenant.slug, TENANT_PERMS, item.values, item.path, ctx)
+
+
+def _set_grants(obj: Any, label: str, verbs: dict[str, str], values: dict, path: str, ctx: _Context) -> None:
+    """Make the object permissions `verbs` on `obj` exactly the holders the file names."""
+    wanted = _wanted_grants(values, verbs, path, ctx)
     if wanted is None:
         return
-    current = _current_grants(tool)
+    app = obj._meta.app_label
+    current = _current_grants(obj, list(verbs.values()))
     for key in sorted(wanted.keys() - current.keys()):
-        perm, holder, label = wanted[key]
-        assign_perm(f"tools.{perm}", holder, tool)
-        ctx.report.record("grants", f"{tool.name} {perm} {label}", "created")
+        perm, holder, who = wanted[key]
+        assign_perm(f"{app}.{perm}", holder, obj)
+        ctx.report.record("grants", f"{label} {perm} {who}", "created")
     for key in sorted(current.keys() - wanted.keys()):
-        perm, holder, label = current[key]
-        remove_perm(f"tools.{perm}", holder, tool)
-        ctx.report.record("grants", f"{tool.name} {perm} {label}", "removed")
+        perm, holder, who = current[key]
+        remove_perm(f"{app}.{perm}", holder, obj)
+        ctx.report.record("grants", f"{label} {perm} {who}", "removed")
     for key in sorted(wanted.keys() & current.keys()):
-        perm, _, label = wanted[key]
-        ctx.report.record("grants", f"{tool.name} {perm} {label}", "unchanged")
+        perm, _, who = wanted[key]
+        ctx.report.record("grants", f"{label} {perm} {who}", "unchanged")
 
 
 GrantKey = tuple[str, str, int]   # (codename, "user" | "group", pk)
 
 
-def _wanted_grants(item: Item, ctx: _Context) -> dict[GrantKey, tuple] | None:
+def _wanted_grants(values: dict, verbs: dict[str, str], path: str, ctx: _Context) -> dict[GrantKey, tuple] | None:
     wanted: dict[GrantKey, tuple] = {}
     ok = True
-    for verb, perm in PERMS.items():
-        for i, holder in enumerate(item.values.get(verb, [])):
-            found = _holder(holder, f"{item.path}.{verb}[{i}]", ctx)
+    for verb, perm in verbs.items():
+        for i, holder in enumerate(values.get(verb, [])):
+            found = _holder(holder, f"{path}.{verb}[{i}]", ctx)
             if found is None:
                 ok = False
             else:
@@ -361,15 +415,15 @@ def _holder(holder: str, path: str, ctx: _Context) -> User | Group | None:
     return link.group if link else None
 
 
-def _current_grants(tool: Tool) -> dict[GrantKey, tuple]:
-    """Direct object permissions on the tool, read from guardian's tables (no checker cache)."""
-    lookup = {"content_type": ContentType.objects.get_for_model(Tool), "object_pk": str(tool.pk),
-              "permission__codename__in": list(PERMS.values())}
+def _current_grants(obj: Any, codenames: list[str]) -> dict[GrantKey, tuple]:
+    """Direct object permissions on `obj`, read from guardian's tables (no checker cache)."""
+    lookup = {"content_type": ContentType.objects.get_for_model(type(obj)), "object_pk": str(obj.pk),
+              "permission__codename__in": codenames}
     current: dict[GrantKey, tuple] = {}
-    for row in get_user_obj_perms_model(tool).objects.filter(**lookup).select_related("user", "permission"):
+    for row in get_user_obj_perms_model(obj).objects.filter(**lookup).select_related("user", "permission"):
         current[(row.permission.codename, "user", row.user_id)] = (
             row.permission.codename, row.user, f"user:{row.user.username}")
-    for row in get_group_obj_perms_model(tool).objects.filter(**lookup).select_related("group", "permission"):
+    for row in get_group_obj_perms_model(obj).objects.filter(**lookup).select_related("group", "permission"):
         link = TenantGroup.objects.filter(group=row.group).first()
         current[(row.permission.codename, "group", row.group_id)] = (
             row.permission.codename, row.group, f"group:{link.name if link else row.group.name}")

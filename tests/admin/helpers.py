@@ -26,6 +26,7 @@ def make_supervisor(tenant, username: str):
             app, codename = label.split(".")
             group.permissions.add(Permission.objects.get(content_type__app_label=app, codename=codename))
     user.groups.add(group)
+    factories.grant_view_runs(tenant, group)
     return user
 
 

@@ -76,11 +76,12 @@ def test_lists_and_choices_hold_only_the_users_tenant(as_ravi, acme, globex):
     acme.ravi.user_permissions.add(Permission.objects.get(codename="add_toolserver"))
 
     tools = as_ravi.get("/admin/tools/tool/").context["cl"].result_list
-    form = as_ravi.get("/admin/tools/toolserver/add/").context["adminform"].form
+    form = as_ravi.get("/admin/tenants/secret/add/").context["adminform"].form
 
     assert {t.tenant_id for t in tools} == {acme.tenant.pk}
     assert list(form.fields["tenant"].queryset) == [acme.tenant]
-    assert theirs not in form.fields["secret"].queryset
+    # Servers are destinations: only operators add them (tests/admin/test_destinations.py).
+    assert as_ravi.get("/admin/tools/toolserver/add/").status_code == 403
     assert as_ravi.get(f"/admin/tenants/secret/{theirs.pk}/change/").status_code == 404
     assert as_ravi.get(f"/admin/tenants/user/{globex.bob.pk}/change/").status_code == 404
 
@@ -175,3 +176,25 @@ def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
     as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", dict(data, timeout_seconds=31))
     echo.refresh_from_db()
     assert (echo.timeout_seconds, echo.policy_version) == (31, 2)
+
+
+def test_run_agent_is_granted_in_the_admin_within_the_tenant(client, acme, globex):
+    from agents.models import AgentDefinition
+    from tenants.permissions import may_run_agent
+
+    ada = factories.make_user(acme.tenant, "ada", staff=True)
+    ada.user_permissions.add(*Permission.objects.filter(codename__in=["view_agentdefinition",
+                                                                       "change_agentdefinition"]))
+    client.force_login(ada)
+    refunder = AgentDefinition.objects.get(tenant=acme.tenant, name="refunder")
+    bea = factories.make_user(acme.tenant, "bea")
+    base = f"/admin/agents/agentdefinition/{refunder.pk}/permissions"
+    assert not may_run_agent(bea, refunder.pk)
+
+    response = client.post(f"{base}/user-manage/{bea.pk}/", {"permissions": ["run_agent"]})
+
+    assert response.status_code == 302
+    assert may_run_agent(bea, refunder.pk)
+    assert client.get(f"{base}/user-manage/{globex.bob.pk}/").status_code == 404
+    theirs = AgentDefinition.objects.get(tenant=globex.tenant, name="refunder")
+    assert client.get(f"/admin/agents/agentdefinition/{theirs.pk}/permissions/").status_code == 404

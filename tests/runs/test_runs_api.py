@@ -59,6 +59,7 @@ def test_it_refuses_the_same_key_with_a_different_body(asha, agent):
 
 def test_it_scopes_keys_to_the_user(tenant, asha, agent):
     bea = factories.make_user(tenant, "bea")
+    factories.grant_run_agent(agent.agent, bea)
     body = {"agent": "agent", "input": {"q": 1}}
     a = api(asha).post("/v1/runs", body, format="json", HTTP_IDEMPOTENCY_KEY="k1")
     b = api(bea).post("/v1/runs", body, format="json", HTTP_IDEMPOTENCY_KEY="k1")
@@ -167,8 +168,10 @@ def test_it_serves_the_openapi_schema_and_docs(asha):
 
 def test_it_lets_only_the_creator_or_staff_cancel(tenant, asha, ravi, agent):
     run = api(asha).post("/v1/runs", {"agent": "agent", "input": {}}, format="json").json()
-    bea = factories.make_user(tenant, "bea")
-    refused = api(bea).post(f"/v1/runs/{run['id']}/cancel", {}, format="json")
+    bea = factories.make_user(tenant, "bea")                    # may not even read the run
+    assert api(bea).post(f"/v1/runs/{run['id']}/cancel", {}, format="json").status_code == 404
+    reader = factories.make_user(tenant, "rita", view_runs=True)   # reads every run, is not staff
+    refused = api(reader).post(f"/v1/runs/{run['id']}/cancel", {}, format="json")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_run_owner"
     assert Run.objects.get(pk=run["id"]).status == "queued"
     cancelled = api(asha).post(f"/v1/runs/{run['id']}/cancel", {"reason": "typo"}, format="json")

@@ -1,0 +1,82 @@
+"""AGENTPLATFORM_ENV=production: HTTPS-only settings, and no start on a weak key or DEBUG (issue #12, item 6).
+
+Settings are read once per process, so each case runs manage.py in a subprocess with its own environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+from cryptography.fernet import Fernet
+
+from tests.servers import ROOT
+
+DATABASE_URL = "postgres://root@127.0.0.1:5432/postgres"
+SHOW = ("from django.conf import settings as s; import json; print(json.dumps({k: getattr(s, k, None) for k in "
+        "['DEBUG', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS', 'SECURE_SSL_REDIRECT', "
+        "'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'SECURE_PROXY_SSL_HEADER']}))")
+
+
+def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "SECRET_KEY", "SECRET_ENCRYPTION_KEYS")}
+    full = {**base, "AGENTPLATFORM_ENV": "production", "DATABASE_URL": DATABASE_URL,
+            "SECRET_KEY": secrets.token_urlsafe(50), "SECRET_ENCRYPTION_KEYS": Fernet.generate_key().decode(), **env}
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_deploy_check_finds_nothing_to_warn_about():
+    done = manage("check", "--deploy", "--fail-level", "WARNING")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "System check identified no issues" in done.stdout
+
+
+def test_it_turns_on_hsts_https_redirect_and_secure_cookies():
+    done = manage("shell", "-c", SHOW, SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto")
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "DEBUG": False, "SECURE_HSTS_SECONDS": 31_536_000, "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
+        "SECURE_SSL_REDIRECT": True, "SESSION_COOKIE_SECURE": True, "CSRF_COOKIE_SECURE": True,
+        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"]}
+
+
+@pytest.mark.parametrize(("key", "complaint"), [
+    ("x" * 64, "not random enough"),
+    ("abcd" * 20, "not random enough"),
+    ("django-insecure-" + secrets.token_urlsafe(50), "django-insecure"),
+    (secrets.token_urlsafe(20), "at least 50 characters"),
+])
+def test_it_refuses_to_start_with_a_weak_secret_key(key, complaint):
+    done = manage("check", SECRET_KEY=key)
+
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr and complaint in done.stderr
+    assert key not in done.stderr                    # the key itself is never printed
+
+
+@pytest.mark.parametrize("keys", ["not-a-fernet-key", f"{Fernet.generate_key().decode()},short"])
+def test_it_refuses_to_start_with_an_invalid_encryption_key(keys):
+    done = manage("check", SECRET_ENCRYPTION_KEYS=keys)
+
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr and "is not a valid Fernet key" in done.stderr
+    assert "not-a-fernet-key" not in done.stderr
+
+
+def test_it_refuses_debug_in_production():
+    done = manage("check", DEBUG="true")
+
+    assert done.returncode != 0
+    assert "DEBUG must not be on in production" in done.stderr
+
+
+def test_a_strong_key_and_valid_keys_start():
+    done = manage("check")
+
+    assert done.returncode == 0, done.stderr
