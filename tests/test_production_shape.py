@@ -97,8 +97,8 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
                                                             ("model", "succeeded")]
         assert "TXN-1001" in steps[1]["observation"]
         # The start-up output ends with where everything is and how to begin.
-        log = wait_for(lambda: "== agent platform started (ready)" in (text := (tmp_path / "serve.log").read_text())
-                       and text, timeout=60, what="start-up banner")
+        log = wait_for(lambda: "== agent platform started (ready)" in (
+            text := (tmp_path / "serve.log").read_text()) and text, timeout=60, what="start-up banner")
         banner = log[log.index("== agent platform started"):]
         for needle in (f"{base}/v1/docs", f"{base}/admin/", f"{base}/healthz", f"{base}/metrics",
                        f"http://127.0.0.1:{flower_port}/", "manage.py createsuperuser", "manage.py apply"):

@@ -100,6 +100,8 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
     assert {line["tenant"] for line in mine} == {"acme"}
     assert any(line["tool"] == echo.name and line["step_seq"] == 2 for line in mine)
     # Celery's own line for each task shows its result: what the step did, not None.
-    results = [line["message"] for line in lines if "advance_run" in line["message"] and " succeeded in " in line["message"]]
-    assert any(f"'step': 2, 'kind': 'tool', 'tool': '{echo.name}', 'outcome': 'succeeded'" in r for r in results), results
+    results = [line["message"] for line in lines
+               if "advance_run" in line["message"] and " succeeded in " in line["message"]]
+    step_2 = f"'step': 2, 'kind': 'tool', 'tool': '{echo.name}', 'outcome': 'succeeded'"
+    assert any(step_2 in r for r in results), results
     assert not any(r.endswith(": None") for r in results), results
