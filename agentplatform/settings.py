@@ -239,5 +239,9 @@ for _network in METRICS_ALLOW_FROM:
 # Set, every process writes its counters there and /metrics adds them up (gunicorn workers,
 # Celery workers): the directory must be shared by them and emptied before they start.
 PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", "")
+# A Celery worker that shares no PROMETHEUS_MULTIPROC_DIR with the API (another host or container)
+# serves its own counters on this port (0: off), under the same token and allowlist.
+WORKER_METRICS_PORT = env_int("WORKER_METRICS_PORT", 0)
+WORKER_METRICS_ADDR = env_str("WORKER_METRICS_ADDR", "0.0.0.0")
 # /readyz and the queue-depth gauge: how long to wait for the database and the broker.
 READY_TIMEOUT_SECONDS = env_float("READY_TIMEOUT_SECONDS", 3.0)

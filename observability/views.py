@@ -25,19 +25,31 @@ def readyz(request) -> JsonResponse:
 
 
 def metrics(request) -> HttpResponse:
+    """What processes recorded, and the gauges of what is stored (read now)."""
     refusal = _refusal(request)
     if refusal is not None:
         return refusal
+    return HttpResponse(generate_latest(_Scrape(_recorded(), DatabaseCollector(), BrokerCollector())),
+                        content_type=CONTENT_TYPE_LATEST)
+
+
+def worker_metrics(request) -> HttpResponse:
+    """A worker's own exporter (WORKER_METRICS_PORT): what it recorded; the gauges are the API's."""
+    refusal = _refusal(request)
+    if refusal is not None:
+        return refusal
+    return HttpResponse(generate_latest(_recorded()), content_type=CONTENT_TYPE_LATEST)
+
+
+def _recorded():
     if settings.PROMETHEUS_MULTIPROC_DIR:
         from prometheus_client import multiprocess
 
         # Every process's counters and histograms, added up from their files.
         source = CollectorRegistry()
         multiprocess.MultiProcessCollector(source, path=settings.PROMETHEUS_MULTIPROC_DIR)
-    else:
-        source = REGISTRY
-    return HttpResponse(generate_latest(_Scrape(source, DatabaseCollector(), BrokerCollector())),
-                        content_type=CONTENT_TYPE_LATEST)
+        return source
+    return REGISTRY
 
 
 class _Scrape:

@@ -7,6 +7,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from django.test import override_settings
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -14,7 +15,8 @@ from rest_framework.test import APIClient
 
 from runs.models import Run, Step
 from tests import factories
-from tests.observability.conftest import scrape, value
+from tests.observability.conftest import parse, scrape, value
+from tests.test_production_shape import _free_port
 from tests.servers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -63,13 +65,7 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
         worker = workers("obs", env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "LOG_FORMAT": "json",
                                      "LOG_LEVEL": "INFO", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
                                      "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "agent-worker"})
-        client = APIClient()
-        client.force_authenticate(asha)
-        response = client.post("/v1/runs", {"agent": "agent", "input": {}}, format="json")
-        assert response.status_code == 201, response.content
-        run_id = response.json()["id"]
-        run = wait_for(lambda: (r := Run.objects.get(pk=run_id)).is_terminal and r, what="run end")
-        assert run.status == "succeeded", run.error
+        run = start_and_finish(asha)
         steps = list(Step.objects.filter(run=run).order_by("seq"))
 
         # Counters written by the worker process, read through /metrics in multi-process mode.
@@ -105,3 +101,28 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
     step_2 = f"'step': 2, 'kind': 'tool', 'tool': '{echo.name}', 'outcome': 'succeeded'"
     assert any(step_2 in r for r in results), results
     assert not any(r.endswith(": None") for r in results), results
+
+    # A worker on another host or in another container shares no directory with the API: it
+    # serves what it recorded itself, behind the same token.
+    port = _free_port()
+    workers("loner", env={"WORKER_METRICS_PORT": str(port), "WORKER_METRICS_ADDR": "127.0.0.1",
+                          "METRICS_TOKEN": "worker-token"})
+    second = start_and_finish(asha)
+    exported = f"http://127.0.0.1:{port}/metrics"
+    assert httpx.get(exported, timeout=10).status_code == 401
+    own = parse(httpx.get(exported, headers={"Authorization": "Bearer worker-token"}, timeout=10).text)
+    assert value(own, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
+    assert value(own, "agentplatform_steps_total", kind="tool", tool=echo.name, outcome="succeeded") == 1
+    assert value(own, "agentplatform_spend_micros_total", tenant="acme", kind="model") == \
+        sum(s.cost_micros for s in Step.objects.filter(run=second, kind="model")) > 0
+    assert not [name for name, _ in own if name.startswith("agentplatform_runs")]   # the gauges are the API's
+
+
+def start_and_finish(user) -> Run:
+    client = APIClient()
+    client.force_authenticate(user)
+    response = client.post("/v1/runs", {"agent": "agent", "input": {}}, format="json")
+    assert response.status_code == 201, response.content
+    run = wait_for(lambda: (r := Run.objects.get(pk=response.json()["id"])).is_terminal and r, what="run end")
+    assert run.status == "succeeded", run.error
+    return run
