@@ -16,3 +16,11 @@ def _import_gateway_clients(**kwargs) -> None:
     import, and a worker started to take over runs should not spend them inside its first lease."""
     import llm.gateway  # noqa: F401
     import tools.mcp_client  # noqa: F401
+
+
+@worker_ready.connect
+def _serve_worker_metrics(**kwargs) -> None:
+    """A worker with no metrics directory shared with the API serves its own counters."""
+    from observability import exporter
+
+    exporter.serve()

@@ -6,6 +6,7 @@ HTTPS-only behaviour (HSTS, redirect to HTTPS, secure cookies): `manage.py check
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -93,9 +94,13 @@ INSTALLED_APPS = [
     "budgets",
     "runs",
     "approvals",
+    "observability",
 ]
 
 MIDDLEWARE = [
+    # /healthz, /readyz and /metrics: answered before host validation (probes and scrapers address
+    # the process by IP) and before sessions and auth, which they do not need.
+    "observability.middleware.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",   # admin static files under gunicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -187,7 +192,10 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Celery (DESIGN.md section 3) ---
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "memory://")
+# memory://localhost/ rather than memory://: kombu warns "No hostname was supplied" for the latter.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "memory://localhost/")
+if CELERY_BROKER_URL == "memory://":
+    CELERY_BROKER_URL = "memory://localhost/"
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -196,8 +204,16 @@ CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 330)
 CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 360)
 # Longer than the longest step (hard limit above), so Redis never redelivers a live task.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
+if CELERY_BROKER_URL.startswith("memory://"):
+    # The in-process broker polls its queues once a second by default: each step of the demo
+    # then waits up to a second for its message. 50 ms keeps the story at the engine's pace.
+    CELERY_BROKER_TRANSPORT_OPTIONS["polling_interval"] = 0.05
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE") or (f"runs-test-{os.getpid()}" if TESTING else "runs")
+# The sweeper has its own queue, so a backed-up runs queue never delays recovery (workers consume
+# both: scripts/serve.sh); its task sends no monitoring events, so Flower lists the engine's tasks.
+SWEEP_QUEUE = env_str("CELERY_SWEEP_QUEUE") or f"{CELERY_TASK_DEFAULT_QUEUE}.sweeper"
+CELERY_TASK_ROUTES = {"runs.tasks.sweep": {"queue": SWEEP_QUEUE}}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
@@ -216,10 +232,36 @@ VISIBLE_TOOLS_MAX = env_int("VISIBLE_TOOLS_MAX", 30)
 # The demo runs a worker thread inside the same process (in-memory broker).
 INPROCESS_WORKER = CELERY_BROKER_URL.startswith("memory://")
 
+# --- Observability (docs/operations.md) ---
+# Every line carries tenant, run id, step seq and tool where the engine knows them (a filter reads
+# them from the context the engine binds at claim time); LOG_FORMAT=json writes JSON lines.
+LOG_FORMAT = env_str("LOG_FORMAT", "plain")
+if LOG_FORMAT not in ("plain", "json"):
+    raise ConfigError(f"LOG_FORMAT must be plain or json, got {LOG_FORMAT!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"run_context": {"()": "observability.logs.RunContextFilter"}},
+    "formatters": {"plain": {"()": "observability.logs.PlainFormatter"},
+                   "json": {"()": "observability.logs.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT,
+                             "filters": ["run_context"]}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
 }
+# /metrics: open unless a bearer token or an address allowlist is set (either suffices when both are).
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+METRICS_ALLOW_FROM = env_list("METRICS_ALLOW_FROM", [])
+for _network in METRICS_ALLOW_FROM:
+    try:
+        ipaddress.ip_network(_network, strict=False)
+    except ValueError:
+        raise ConfigError(f"METRICS_ALLOW_FROM: {_network!r} is not an address or network") from None
+# Set, every process writes its counters there and /metrics adds them up (gunicorn workers,
+# Celery workers): the directory must be shared by them and emptied before they start.
+PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", "")
+# A Celery worker that shares no PROMETHEUS_MULTIPROC_DIR with the API (another host or container)
+# serves its own counters on this port (0: off), under the same token and allowlist.
+WORKER_METRICS_PORT = env_int("WORKER_METRICS_PORT", 0)
+WORKER_METRICS_ADDR = env_str("WORKER_METRICS_ADDR", "0.0.0.0")
+# /readyz and the queue-depth gauge: how long to wait for the database and the broker.
+READY_TIMEOUT_SECONDS = env_float("READY_TIMEOUT_SECONDS", 3.0)

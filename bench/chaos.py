@@ -498,8 +498,9 @@ def main() -> int:
                                       f"127.0.0.1:{port}", "-w", "3", "--timeout", "60"], logs, "Booting worker")
         beat = Process("beat", [sys.executable, "-m", "celery", "-A", "agentplatform", "beat", "-s",
                                 str(logs / "beat-schedule"), "--loglevel", "INFO"], logs, "beat: Starting")
+        queues = f"{CHILD_ENV['CELERY_QUEUE']},{CHILD_ENV['CELERY_QUEUE']}.sweeper"   # beat's sweeps have their own
         workers = [Process(f"worker{i}", [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P",
-                                          "threads", "-c", str(CONCURRENCY), "-Q", CHILD_ENV["CELERY_QUEUE"],
+                                          "threads", "-c", str(CONCURRENCY), "-Q", queues,
                                           "-n", f"chaos{i}-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
                                           "--loglevel", "INFO"], logs, " ready.") for i in range(1, WORKERS + 1)]
         processes = [api_process, beat, *workers]

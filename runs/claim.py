@@ -14,6 +14,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from budgets import services as budgets
+from observability import observe
 from runs import rows
 from runs.engine import Plan, continue_run
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
@@ -32,6 +33,7 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             run = lock_run(run_id, for_step=True)
         except Run.DoesNotExist:
             return None
+        observe.bind(tenant=run.tenant.slug)
         if enqueued_at is not None and run.last_enqueued_at is not None and enqueued_at < run.last_enqueued_at:
             return None          # superseded: a newer message for this run is on its way
         now = timezone.now()

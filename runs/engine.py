@@ -31,6 +31,7 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass, field
 
+from observability import observe
 from runs.models import Run
 from runs.services import enqueue
 from tools.types import ToolResult
@@ -58,25 +59,27 @@ class ToolOutcome:
     sent: bool = False                # "in_progress": the call itself was answered so (not a lookup)
 
 
-def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> None:
+def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
     """Perform at most one step of the run. Safe to call any number of times, concurrently.
 
     `enqueued_at` comes with a queued message: a message older than the run's last enqueue was
-    superseded by a newer one and does nothing.
+    superseded by a newer one and does nothing. Returns what the step did (the task's result).
     """
     from runs.claim import claim
     from runs.model_step import do_model, recover_model
     from runs.tool_step import do_tool
 
-    plan = claim(run_id, enqueued_at)
-    if plan is None:
-        return
-    if plan.kind == "recover_model":
-        recover_model(plan)
-    elif plan.kind == "model":
-        do_model(plan)
-    else:
-        do_tool(plan)
+    with observe.step_scope(run_id) as report:   # log lines carry the run id; Flower shows the report
+        plan = claim(run_id, enqueued_at)
+        if plan is None:
+            return report.summary()
+        if plan.kind == "recover_model":
+            recover_model(plan)
+        elif plan.kind == "model":
+            do_model(plan)
+        else:
+            do_tool(plan)
+        return report.summary()
 
 
 def continue_run(run: Run, *, countdown: float | None = None) -> None:

@@ -5,6 +5,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from budgets import services as budgets
+from observability import observe
 from runs import heartbeat
 from runs.dispatch import budget_event, mark_dispatching, recorded_before, reserve, through_database_outage
 from runs.engine import Plan, continue_run, fenced
@@ -31,7 +32,10 @@ def do_model(plan: Plan) -> None:
     endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
         pk=plan.extra["endpoint_id"])
     try:
-        reply = model_gateway.call_model(endpoint, request)
+        with observe.model_call(run_id=plan.run_id, seq=step.seq, endpoint=endpoint, request=request) as call:
+            reply = model_gateway.call_model(endpoint, request)
+            cost = model_gateway.cost_micros(endpoint, reply.usage)
+            call.replied(reply, cost)
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
@@ -42,7 +46,6 @@ def do_model(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
-    cost = model_gateway.cost_micros(endpoint, reply.usage)
 
     reconciled = False
 

@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden
+from observability import observe
 from runs import rows
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepKind, StepStatus)
@@ -129,6 +130,7 @@ def transition_run(run: Run, to: str, *, message: str = "", actor=None, event_da
         setattr(run, name, value)
     record_event(run.pk, "status", message or f"{old} → {to}", actor=actor,
                  **{"from": old, "to": to, **(event_data or {})})
+    observe.run_moved(run, old, to, reason=fields.get("stop_reason", ""), message=message)
 
 
 def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fields) -> None:
@@ -144,6 +146,7 @@ def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fie
     record_event(step.run_id, "step", message or f"step {step.seq} {label}: {old} → {to}",
                  step_seq=step.seq, actor=actor, **{"from": old, "to": to, "step_kind": step.kind,
                                                     "tool": step.tool_name})
+    observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
 
 
 def _update(model, pk, *, where: dict | None = None, **values) -> int:

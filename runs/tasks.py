@@ -6,25 +6,34 @@ import logging
 from celery import shared_task
 from django.db import InterfaceError, OperationalError, close_old_connections
 
+from observability import observe
+
 log = logging.getLogger(__name__)
 
 
 @shared_task(name="runs.tasks.advance_run", acks_late=True, reject_on_worker_lost=True, ignore_result=True,
              autoretry_for=(OperationalError, InterfaceError), retry_backoff=1, retry_backoff_max=30,
              max_retries=None)
-def advance_run(run_id: str, enqueued_at: str | None = None) -> None:
-    """Perform at most one step of the run (database errors: retried; the claim makes it safe)."""
+def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
+    """Perform at most one step of the run (database errors: retried; the claim makes it safe).
+
+    The result says what happened (step, kind, tool, outcome, run status): Flower and the
+    worker's log show it even though no result backend stores it.
+    """
     import datetime as dt
 
     from runs.engine import advance
 
     close_old_connections()
-    advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
+    return advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
 
 
-@shared_task(name="runs.tasks.sweep", ignore_result=True)
+# send_events=False: a pass every few seconds would bury the engine's tasks in Flower. Its own
+# queue (settings.SWEEP_QUEUE): a backlog of steps does not delay recovery. Counted in /metrics.
+@shared_task(name="runs.tasks.sweep", ignore_result=True, send_events=False)
 def sweep() -> dict:
+    """One sweeper pass; the result lists only what it found."""
     from runs.sweeper import sweep as run_sweep
 
     close_old_connections()
-    return run_sweep()
+    return observe.swept(run_sweep())

@@ -9,6 +9,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from budgets import services as budgets
+from observability import observe
 from runs import heartbeat
 from runs.claim import mark_unknown, settle_due, wait_to_settle
 from runs.dispatch import (budget_event, close_tool_holds, mark_dispatching, recorded_before, reserve,
@@ -40,7 +41,9 @@ def do_tool(plan: Plan) -> None:
         budgets.release(plan.reservation_id, note="call not made")
         return
     try:
-        outcome = _call_tool(dispatched)
+        with observe.tool_call(dispatched) as call:
+            outcome = _call_tool(dispatched)
+            call.ended(outcome.kind, price_micros=dispatched.tool.price_micros, error=outcome.error)
     finally:
         heartbeat.untrack(plan.run_id)
         close_old_connections()

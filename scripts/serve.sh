@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Production shape on one machine: gunicorn (API + admin), celery worker, celery beat, flower.
-# Configure with environment variables (see README "Configuration"); defaults target local services.
+# Configure with environment variables (see README "Configuration" and "Production shape");
+# defaults target local services.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export DATABASE_URL=${DATABASE_URL:-postgres://root@127.0.0.1:5432/agentplatform}
 export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
 export DB_POOL_MAX=${DB_POOL_MAX:-20}
+export AGENTPLATFORM_VAR_DIR=${AGENTPLATFORM_VAR_DIR:-var}
+# Each process writes its counters here and /metrics adds them up; stale files from an earlier
+# start would be added too, so the directory is emptied first.
+export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$AGENTPLATFORM_VAR_DIR/prometheus}
 BIND=${BIND:-127.0.0.1:8000}
 FLOWER_PORT=${FLOWER_PORT:-5555}
-WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-64}
+WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-128}
 GUNICORN_WORKERS=${GUNICORN_WORKERS:-2}
+QUEUE=${CELERY_QUEUE:-runs}
+SWEEP_QUEUE=${CELERY_SWEEP_QUEUE:-$QUEUE.sweeper}
 
 case "$DATABASE_URL" in postgres*) ;; *) echo "serve needs PostgreSQL (DATABASE_URL)"; exit 2;; esac
 case "$CELERY_BROKER_URL" in redis*|amqp*) ;; *) echo "serve needs Redis or RabbitMQ (CELERY_BROKER_URL)"; exit 2;; esac
@@ -19,6 +26,8 @@ dbname=${DATABASE_URL##*/}; dbname=${dbname%%\?*}
 psql "${DATABASE_URL%/*}/postgres" -tAc "SELECT 1 FROM pg_database WHERE datname='$dbname'" | grep -q 1 \
   || psql "${DATABASE_URL%/*}/postgres" -c "CREATE DATABASE \"$dbname\"" >/dev/null
 
+mkdir -p "$AGENTPLATFORM_VAR_DIR"
+rm -rf "$PROMETHEUS_MULTIPROC_DIR" && mkdir -p "$PROMETHEUS_MULTIPROC_DIR"
 $PY manage.py migrate --noinput
 $PY manage.py collectstatic --noinput -v 0
 
@@ -29,10 +38,48 @@ trap cleanup EXIT INT TERM
 $PY -m gunicorn agentplatform.wsgi --bind "$BIND" --workers "$GUNICORN_WORKERS" --threads 8 \
   --access-logfile - & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
-# pooled database connection before every call, so one process keeps many runs in flight.
-$PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "${CELERY_QUEUE:-runs}" \
+# pooled database connection before every call, so one process keeps many runs in flight
+# (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.
+$PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
   --loglevel INFO & pids+=($!)
-$PY -m celery -A agentplatform beat --loglevel INFO --schedule "${VAR_DIR:-var}/celerybeat-schedule" & pids+=($!)
-$PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 & pids+=($!)
-echo "API and admin on http://$BIND  (docs: /v1/docs, admin: /admin/), Flower on http://127.0.0.1:$FLOWER_PORT"
+# Beat and Flower record no platform metrics: kept out of the shared directory.
+env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
+  --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)
+env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 \
+  & pids+=($!)
+
+# The last lines of the start-up output: where everything is, once the API answers.
+host=${BIND%:*}; port=${BIND##*:}
+case "$host" in 0.0.0.0|"") host=127.0.0.1;; esac
+base="http://$host:$port"
+ready=$($PY - "$base" <<'EOF'
+import sys, time
+import httpx
+for _ in range(120):
+    try:
+        body = httpx.get(sys.argv[1] + "/readyz", timeout=5).json()
+        if body["status"] == "ready":
+            break
+    except (httpx.HTTPError, ValueError):
+        body = {"status": "not answering"}
+    time.sleep(0.5)
+print(body["status"] if body["status"] == "ready" else f"{body['status']}: {body.get('checks', '')}")
+EOF
+)
+shown_db=$(printf '%s' "$DATABASE_URL" | sed -E 's#(://[^:/@]*):[^@]*@#\1:***@#')
+cat <<EOF
+
+== agent platform started ($ready); Ctrl-C stops every process
+   API        $base/v1/         OpenAPI docs: $base/v1/docs
+   admin      $base/admin/
+   health     $base/healthz     readiness: $base/readyz
+   metrics    $base/metrics     (Prometheus; protect with METRICS_TOKEN or METRICS_ALLOW_FROM)
+   Flower     http://127.0.0.1:$FLOWER_PORT/
+== first operator (a superuser with no tenant: sees every tenant in the admin), from another shell
+   with the same environment (DATABASE_URL=$shown_db, and in production SECRET_KEY and
+   SECRET_ENCRYPTION_KEYS):
+   $PY manage.py createsuperuser --username ops
+== apply a tenant: users, model endpoints, tools, agents (format: docs/configuration.md):
+   $PY manage.py apply examples/dispute.yaml   (the example needs BANK_MCP_URL: python examples/bank_server.py)
+EOF
 wait -n "${pids[@]}"

@@ -28,3 +28,9 @@ def test_the_dispute_demo_runs_end_to_end_on_sqlite_with_no_services(tmp_path):
     assert "effects applied at the bank: {'issue_refund': 1, 'send_customer_email': 1} (transfer_funds: 0)" in out
     assert "== final status: succeeded" in out
     assert "== budget: limit $2.0000" in out and "reserved $0.0000, held $0.0000" in out
+    assert "No hostname was supplied" not in out
+    # The denied call is logged at WARNING with the run it belongs to.
+    assert "WARNING agentplatform.runs call denied: step 6 bank__transfer_funds denied" in out
+    # The in-process broker polls every 50 ms: the 11 steps take about 2 s, not one second each.
+    finished = next(line for line in out.splitlines() if line.rstrip().endswith("==> succeeded"))
+    assert float(finished.split("s", 1)[0]) < 9, finished

@@ -3,6 +3,7 @@ configured only by environment variables."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -14,6 +15,7 @@ import psycopg
 import pytest
 from django.conf import settings
 
+from tests.observability.conftest import parse, value
 from tests.servers import ROOT, BankServer, wait_for
 
 CONFIG = """
@@ -72,8 +74,10 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
                SECRET_ENCRYPTION_KEYS=generate_key(), DATABASE_URL=prod_database,
                CELERY_BROKER_URL=settings.CELERY_BROKER_URL, CELERY_QUEUE=f"prodshape-{os.getpid()}",
                BIND=f"127.0.0.1:{port}", FLOWER_PORT=str(flower_port), WORKER_CONCURRENCY="8",
-               SWEEP_INTERVAL_SECONDS="1", QUEUED_TOO_LONG_SECONDS="2", VAR_DIR=str(tmp_path),
-               AGENTPLATFORM_VAR_DIR=str(tmp_path), BANK_MCP_URL=bank.mcp_url, PY=str(ROOT / ".venv/bin/python"))
+               SWEEP_INTERVAL_SECONDS="1", QUEUED_TOO_LONG_SECONDS="2", AGENTPLATFORM_VAR_DIR=str(tmp_path),
+               BANK_MCP_URL=bank.mcp_url, PY=str(ROOT / ".venv/bin/python"), METRICS_TOKEN="metrics-token-1",
+               FLOWER_UNAUTHENTICATED_API="true")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
     serve = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=(tmp_path / "serve.log").open("w"),
                              stderr=subprocess.STDOUT, start_new_session=True)
@@ -98,6 +102,25 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert [(s["kind"], s["status"]) for s in steps] == [("model", "succeeded"), ("tool", "succeeded"),
                                                             ("model", "succeeded")]
         assert "TXN-1001" in steps[1]["observation"]
+        # The start-up output ends with where everything is and how to begin.
+        log = wait_for(lambda: "== agent platform started (ready)" in (
+            text := (tmp_path / "serve.log").read_text()) and text, timeout=60, what="start-up banner")
+        banner = log[log.index("== agent platform started"):]
+        for needle in (f"{base}/v1/docs", f"{base}/admin/", f"{base}/healthz", f"{base}/metrics",
+                       f"http://127.0.0.1:{flower_port}/", "manage.py createsuperuser", "manage.py apply"):
+            assert needle in banner, banner
+        assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+        assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
+        # Counters from the worker process and gauges from the database, through gunicorn.
+        assert httpx.get(f"{base}/metrics").status_code == 401
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer metrics-token-1"})
+        assert metrics.status_code == 200
+        samples = parse(metrics.text)
+        assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
+        assert value(samples, "agentplatform_steps_total", kind="tool", tool="bank__lookup_transaction",
+                     outcome="succeeded") == 1
+        assert value(samples, "agentplatform_runs", tenant="prod-bank", status="running") == 0
+        assert value(samples, "agentplatform_broker_up") == 1
         # Beat runs the sweeper: a run whose message never reached the broker still finishes.
         with psycopg.connect(prod_database, autocommit=True) as conn:
             conn.execute("UPDATE runs_run SET status='queued', finished_at=NULL, last_enqueued_at=NULL, "
@@ -112,6 +135,13 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert http.get(f"{base}/admin/login/").status_code == 200
         assert http.get(f"{base}/static/admin/css/base.css").status_code == 200
         wait_for(lambda: _ok(f"http://127.0.0.1:{flower_port}/"), timeout=60, what="flower")
+        # Flower lists the engine's steps with what each did; the sweeper's passes stay out of it.
+        tasks = wait_for(lambda: (t := httpx.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10).json())
+                         and all(task["state"] == "SUCCESS" for task in t.values()) and t, timeout=30,
+                         what="flower tasks")
+        assert {task["name"] for task in tasks.values()} == {"runs.tasks.advance_run"}, tasks
+        assert any("'kind': 'tool', 'tool': 'bank__lookup_transaction', 'outcome': 'succeeded'" in task["result"]
+                   for task in tasks.values()), tasks
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
@@ -130,3 +160,13 @@ def _ok(url: str) -> bool:
         return httpx.get(url, timeout=5, headers=PROXIED).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_every_variable_serve_sh_reads_is_in_the_readme():
+    script = (ROOT / "scripts" / "serve.sh").read_text()
+    readme = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"\$\{([A-Z_]+):-", script))
+    assert {"PY", "BIND", "FLOWER_PORT", "WORKER_CONCURRENCY", "GUNICORN_WORKERS", "AGENTPLATFORM_VAR_DIR"} <= names
+    assert not [name for name in names if f"`{name}`" not in readme]
+    concurrency = re.search(r"WORKER_CONCURRENCY:-(\d+)", script).group(1)
+    assert f"-c {concurrency}" in readme and f"`WORKER_CONCURRENCY` | `{concurrency}`" in readme

@@ -1,0 +1,11 @@
+from django.apps import AppConfig
+
+
+class ObservabilityConfig(AppConfig):
+    name = "observability"
+    verbose_name = "Observability"
+
+    def ready(self) -> None:
+        from observability import tracing
+
+        tracing.configure()
