@@ -24,8 +24,8 @@ READ_RESULT = "read_result"
 
 # Measured with bench/context.py (docs/context.md has the table).
 DEFAULT_RESULT_LIMIT_CHARS = 2_000
-DEFAULT_KEEP_RECENT_RESULTS = 3
-DEFAULT_MASK_BATCH = 4
+DEFAULT_KEEP_RECENT_RESULTS = 2
+DEFAULT_MASK_BATCH = 8
 
 INT_KEYS = ("result_limit_chars", "keep_recent_results", "mask_batch")
 
