@@ -7,7 +7,7 @@ from runs.services import DEFAULT_LIMITS, LIMIT_CAPS
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
 CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}
 KNOWN_KEYS = {"model", "instructions", "tools", "limits", "context", "approval_overrides", "loop",
-              "on_approval_expired", "max_visible_tools", "description"}
+              "on_approval_expired", "max_visible_tools", "description", "expected_cost_micros"}
 
 
 def _positive_int(value) -> bool:
@@ -90,6 +90,9 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
                 add(f"{section}.{key}", "must be a positive integer")
     if spec.get("on_approval_expired", "tell_model") not in ("tell_model", "stop"):
         add("on_approval_expired", "must be one of tell_model, stop")
+    if "expected_cost_micros" in spec and not _positive_int(spec["expected_cost_micros"]):
+        add("expected_cost_micros", "must be a positive integer (micros a run is expected to cost; "
+            "learned from finished runs when absent)")
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
         add("max_visible_tools", "must be a positive integer")
     return errors
