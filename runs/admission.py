@@ -28,7 +28,6 @@ admission decides who starts, the ledger guarantees the limit.
 """
 from __future__ import annotations
 
-import datetime as dt
 import math
 
 from django.db import connection
@@ -62,9 +61,10 @@ def expected_cost(*, version, limits: dict, tenant) -> int:
     return max(min(expected, limits["max_cost_micros"], tenant.daily_budget_micros), 1)
 
 
-def room_micros(tenant, now: dt.datetime) -> tuple[int, int]:
-    """(room for new runs, the day's remaining budget), read in one statement."""
-    day = budgets.local_day(tenant, now)
+def room_micros(tenant) -> tuple[int, int]:
+    """(room for new runs, the day's remaining budget), read in one statement. The day is the
+    budget clock's (budgets.clock), the one reservations are charged to."""
+    day = budgets.local_day(tenant)
     budgets.tenant_day_account(tenant, day)     # opens the day's accounts if need be
     terminal = sorted(TERMINAL)
     marks = ", ".join(["%s"] * len(terminal))
@@ -86,11 +86,12 @@ def waiting_runs(tenant):
     return Run.objects.filter(tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
 
 
-def decide(*, tenant, expected: int, now: dt.datetime) -> tuple[bool, int]:
+def decide(*, tenant, expected: int) -> tuple[bool, int]:
     """(admit now?, Retry-After seconds if not). The caller holds the tenant row lock."""
-    room, remaining = room_micros(tenant, now)
+    room, remaining = room_micros(tenant)
     if room >= expected and not waiting_runs(tenant).exists():
         return True, 0
+    now = budgets.clock()
     until_tomorrow = int((budgets.next_local_midnight(tenant, now) - now).total_seconds()) + 1
     # If even a day with no other run on it has too little left, nothing frees room before tomorrow.
     return False, until_tomorrow if remaining < expected else min(RETRY_SOON_SECONDS, until_tomorrow)

@@ -254,7 +254,7 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
             # one of them fits. NO KEY: inserts that merely reference the tenant are not blocked.
             type(tenant).objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
             _check_quotas(tenant=tenant, user=user, now=now)
-            admitted, retry_after = admission.decide(tenant=tenant, expected=expected, now=now)
+            admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
             if not admitted and not wait:
                 raise DomainError(f"the tenant's budget for today cannot carry another run now ({expected} micros "
                                   "expected)", code="tenant_budget_exhausted", status=429, retry_after=retry_after)

@@ -124,7 +124,7 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
         with atomic_with_events():
             # The lock start_run takes: one admission decision at a time per tenant.
             tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
-            room, _ = admission.room_micros(tenant, now)
+            room, _ = admission.room_micros(tenant)
             for run_id, expected in admission.waiting_runs(tenant).order_by("created_at", "id") \
                     .values_list("pk", "expected_cost_micros")[:BATCH]:
                 if expected > room:
