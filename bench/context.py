@@ -9,7 +9,7 @@ prompt caches the way the providers document (OpenAI: automatic prefix caching f
 in 128-token steps, cached tokens at 0.1x; Anthropic: reads only at breakpoints with a 20-block
 lookback, writes at 1.25x, reads at 0.1x, minimum cacheable length 1,024 tokens). The history is
 built and shaped by the same code the engine uses (llm.gateway.build_messages' shape, the version's
-context policy in llm.context, read_result offered as tools.gateway offers it) and every call is
+context policy in llm.context, read_result offered by llm.context.offered) and every call is
 reserved and priced by llm.gateway.estimate_cost_micros / cost_micros, as the engine does.
 
 Printed per wire: naive (every call sends the whole history, nothing cached), the run with the
@@ -44,7 +44,6 @@ from llm.providers.anthropic import AnthropicProvider  # noqa: E402
 from llm.providers.openai import OpenAIProvider  # noqa: E402
 from llm.types import Message, ModelRequest, ToolCall, ToolSpec  # noqa: E402
 from tests.fakes.model_servers import FakeAnthropic, FakeOpenAI  # noqa: E402
-from tools.gateway import READ_RESULT_SPEC  # noqa: E402
 
 TOOL_TURNS = 25
 RESULT_CHARS = 6_000
@@ -127,7 +126,7 @@ def run(kind: str, policy: context.ContextPolicy) -> Outcome:
     base_url = fake.start()
     provider = (AnthropicProvider if kind == "anthropic" else OpenAIProvider)(base_url, "sk-bench", "bench-model")
     endpoint = ModelEndpoint(kind=kind, model="bench-model", **{k: Decimal(v) for k, v in PRICES[kind].items()})
-    offered = sorted(tools(), key=lambda t: t.name) + ([READ_RESULT_SPEC] if policy.enabled else [])
+    offered = context.offered(tools(), policy)
     text = instructions()
     messages = [Message(role="user", content=json.dumps({"case": "DSP-2291", "customer": "C-1001"}))]
     results: dict[int, context.Result] = {}

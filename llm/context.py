@@ -18,9 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm.types import Message
+from llm.types import Message, ToolSpec
 
 READ_RESULT = "read_result"
+READ_RESULT_SPEC = ToolSpec(
+    name=READ_RESULT,
+    description="Read a stored tool result that was shortened or masked in this conversation: give the step "
+                "number from its [platform: ...] note, and the offset to read from.",
+    input_schema={"type": "object", "properties": {"step": {"type": "integer", "minimum": 1},
+                                                   "offset": {"type": "integer", "minimum": 0}},
+                  "required": ["step"]})
 
 # Measured with bench/context.py (docs/context.md has the table).
 DEFAULT_RESULT_LIMIT_CHARS = 2_000
@@ -56,6 +63,14 @@ class Result:
     seq: int
     tool_name: str
     total_chars: int     # of the full stored result (the observation may already be capped)
+
+
+def offered(tools: list[ToolSpec], policy: ContextPolicy) -> list[ToolSpec]:
+    """The tools of a request: sorted by name, then read_result whenever the policy is on and any
+    tool is offered (from the first call, not the first shortened result: a tool added later
+    would change the cached prefix of every later request)."""
+    tools = sorted(tools, key=lambda t: t.name)
+    return tools + [READ_RESULT_SPEC] if policy.enabled and tools else tools
 
 
 def pointer(seq: int, shown: int, total: int) -> str:

@@ -61,7 +61,7 @@ def build_request(run, steps, tools: list[ToolSpec], *, policy: context.ContextP
     results: dict[int, context.Result] = {}
     messages = context.shape(build_messages(run, steps, results), results, policy)
     return ModelRequest(model=endpoint.model, instructions=spec["instructions"], messages=messages,
-                        tools=sorted(tools, key=lambda t: t.name),
+                        tools=context.offered(tools, policy),
                         max_output_tokens=run.limits["max_output_tokens"],
                         timeout_seconds=endpoint.timeout_seconds, cache_key=f"run-{run.pk}")
 

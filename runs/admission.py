@@ -72,7 +72,8 @@ def room_micros(tenant) -> tuple[int, int]:
     unspent = "(r.expected_cost_micros - b.spent_micros - b.reserved_micros - b.held_micros)"
     sql = (f"SELECT (SELECT COALESCE(SUM(d.limit_micros - d.reserved_micros - d.spent_micros - d.held_micros), 0) "
            f"FROM {accounts} d WHERE d.tenant_id = %s AND d.scope = %s AND d.day = %s), "
-           f"(SELECT COALESCE(SUM(CASE WHEN {unspent} > 0 THEN {unspent} ELSE 0 END), 0) FROM {rows.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
+           f"(SELECT COALESCE(SUM(CASE WHEN {unspent} > 0 THEN {unspent} ELSE 0 END), 0) "
+           f"FROM {rows.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
            f"WHERE r.tenant_id = %s AND r.admitted_at IS NOT NULL AND r.status NOT IN ({marks}))")
     with connection.cursor() as cursor:
         cursor.execute(sql, [tenant.pk, BudgetAccount.Scope.TENANT_DAY, day, tenant.pk, *terminal])

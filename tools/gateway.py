@@ -37,13 +37,6 @@ SEARCH_TOOLS_SPEC = ToolSpec(
     description="Find more tools you are allowed to use. Describe the task; matching tools are added to your list.",
     input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})
 SEARCH_REVEAL = 5
-READ_RESULT_SPEC = ToolSpec(
-    name=context.READ_RESULT,
-    description="Read a stored tool result that was shortened or masked in this conversation: give the step "
-                "number from its [platform: ...] note, and the offset to read from.",
-    input_schema={"type": "object", "properties": {"step": {"type": "integer", "minimum": 1},
-                                                   "offset": {"type": "integer", "minimum": 0}},
-                  "required": ["step"]})
 # Tools the platform answers itself, from the run's own rows: no server, no network.
 PLATFORM_TOOLS = {SEARCH_TOOLS, context.READ_RESULT}
 
@@ -96,24 +89,19 @@ def _spec(tool: Tool) -> ToolSpec:
 
 
 def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
-    """Sorted by name so the request prefix stays byte-stable between steps.
-
-    read_result is offered from the first call whenever the version's context policy is on (it
-    may shorten results), not from the first shortened result: adding a tool later would change
-    the cached prefix of every later request.
-    """
-    platform = [READ_RESULT_SPEC] if context.ContextPolicy.from_spec(run.version.spec.get("context")).enabled else []
+    """Sorted by name so the request prefix stays byte-stable between steps. (The model gateway
+    adds read_result, which the context policy needs: llm.gateway.build_request.)"""
     tools = permitted_tools(run, user=user)
     limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
     if len(tools) <= limit:
-        return [_spec(t) for t in tools] + platform
+        return [_spec(t) for t in tools]
     recent = " ".join(s.observation[:500] for s in list(steps)[-3:])
     query = json.dumps(run.input, ensure_ascii=False) + " " + recent
     by_name = {t.name: t for t in tools}
     ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
     chosen = [n for n in run.revealed_tools if n in by_name]
     chosen += [n for n in ranked if n not in chosen][:max(limit - 1 - len(chosen), 0)]
-    return sorted([_spec(by_name[n]) for n in chosen], key=lambda s: s.name) + [SEARCH_TOOLS_SPEC] + platform
+    return sorted([_spec(by_name[n]) for n in chosen], key=lambda s: s.name) + [SEARCH_TOOLS_SPEC]
 
 
 def run_platform_tool(run: Run, step: Step) -> None:
