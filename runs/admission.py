@@ -15,8 +15,12 @@ reconciled) or the next local day begins (runs.sweeper._admit_waiting_runs). A c
 is answered 429 with Retry-After instead.
 
 A version's expected cost per run is `expected_cost_micros` in its spec, or else the 90th
-percentile of what its last LEARN_FROM succeeded runs spent (from MIN_LEARNED of them), or else,
-with nothing to learn from, the run's own cost limit (its worst case). It is capped at the tenant's
+percentile over its last LEARN_FROM succeeded runs (from MIN_LEARNED of them) of what each spent
+plus its largest single reservation, or else, with nothing to learn from, the run's own cost limit
+(its worst case). The largest reservation is in it because a run needs that much room at its
+peak, not only what it ends up spending: its last call reserves a worst case (several times what
+the call costs) on top of everything spent before it. Sized by spend alone, admitted runs would
+refuse each other's reservations and stop part-way, which admission is there to prevent. It is capped at the tenant's
 daily budget, so a version more expensive than a whole day still runs, alone, on a fresh day,
 instead of blocking the queue behind it forever. The expectation is snapshotted on the run at
 admission (Run.expected_cost_micros), so the sum above is one SQL statement.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import math
 
 from django.db import connection
+from django.db.models import Max
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount
@@ -50,11 +55,13 @@ def expected_cost(*, version, limits: dict, tenant) -> int:
     if configured:
         expected = int(configured)
     else:
-        spent = list(BudgetAccount.objects.filter(
-            scope=BudgetAccount.Scope.RUN, run__version=version, run__status=RunStatus.SUCCEEDED)
-            .order_by("-run__finished_at").values_list("spent_micros", "held_micros")[:LEARN_FROM])
-        if len(spent) >= MIN_LEARNED:
-            costs = sorted(s + h for s, h in spent)
+        peaks = [spent + held + (reserved or 0) for spent, held, reserved in Run.objects.filter(
+            version=version, status=RunStatus.SUCCEEDED).order_by("-finished_at").annotate(
+            largest_reservation=Max("steps__reserved_micros")).values_list(
+            "budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
+            if spent is not None]
+        if len(peaks) >= MIN_LEARNED:
+            costs = sorted(peaks)
             expected = costs[math.ceil(0.9 * len(costs)) - 1]     # nearest-rank 90th percentile
         else:
             expected = limits["max_cost_micros"]

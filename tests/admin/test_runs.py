@@ -160,4 +160,5 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
     html = as_ravi.get(run_url(run.pk)).content.decode()
 
     assert '<td class="status-badge" id="run-status">waiting_budget</td>' in html
-    assert "waiting for the tenant&#x27;s day budget to carry its expected cost" in html
+    assert ('<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (2.00); '
+            'started in order of arrival</td>') in html

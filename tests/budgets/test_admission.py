@@ -10,10 +10,12 @@ from agentplatform.errors import DomainError
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from runs import admission, sweeper
-from runs.models import Run
+from runs.models import Run, Step
 from runs.services import effective_limits, start_run
 from tests import factories
 from tests.conftest import drive
+
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
@@ -21,22 +23,25 @@ def agent(tenant):
     return factories.make_agent(tenant, turns=[{"text": "done"}])
 
 
-def finished_run(version, user, *, spent: int, status: str = "succeeded", ago: int = 0) -> Run:
+def finished_run(version, user, *, spent: int, status: str = "succeeded", ago: int = 0, reserved: int = 0) -> Run:
     run = Run.objects.create(tenant=version.agent.tenant, created_by=user, agent=version.agent, version=version,
                              input={}, limits={}, status=status, admitted_at=timezone.now(),
                              finished_at=timezone.now() - dt.timedelta(minutes=ago))
     BudgetAccount.objects.create(tenant=run.tenant, scope=BudgetAccount.Scope.RUN, run=run, limit_micros=10**7,
                                  spent_micros=spent)
+    if reserved:
+        Step.objects.create(run=run, seq=1, kind="model", status="succeeded", reserved_micros=reserved)
     return run
 
 
 def test_it_learns_the_expected_cost_from_the_p90_of_the_last_succeeded_runs(tenant, asha, agent):
+    """What a run spent plus its largest reservation: the room it needed at its peak."""
     limits = effective_limits({}, tenant)
     assert admission.expected_cost(version=agent, limits=limits, tenant=tenant) == limits["max_cost_micros"]
     for i in range(1, 11):
-        finished_run(agent, asha, spent=1_000 * i, ago=i)
+        finished_run(agent, asha, spent=1_000 * i, ago=i, reserved=300)
     finished_run(agent, asha, spent=900_000, status="stopped")          # not a finished task
-    assert admission.expected_cost(version=agent, limits=limits, tenant=tenant) == 9_000
+    assert admission.expected_cost(version=agent, limits=limits, tenant=tenant) == 9_300
     for i in range(20):                                                   # newer runs replace older ones
         finished_run(agent, asha, spent=500, ago=0)
     assert admission.expected_cost(version=agent, limits=limits, tenant=tenant) == 500
