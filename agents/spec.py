@@ -5,9 +5,9 @@ from approvals.policy import PolicyError, parse_policy
 from runs.services import DEFAULT_LIMITS, LIMIT_CAPS
 
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
-CONTEXT_KEYS = {"compact_after_tokens", "keep_recent_results", "compact_batch"}
+CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}
 KNOWN_KEYS = {"model", "instructions", "tools", "limits", "context", "approval_overrides", "loop",
-              "on_approval_expired", "max_visible_tools", "description"}
+              "on_approval_expired", "max_visible_tools", "description", "expected_cost_micros"}
 
 
 def _positive_int(value) -> bool:
@@ -76,10 +76,23 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
         for key, item in value.items():
             if key not in keys:
                 add(f"{section}.{key}", f"unknown setting; one of {', '.join(sorted(keys))}")
+            elif key == "enabled":
+                if not isinstance(item, bool):
+                    add(f"{section}.{key}", "must be true or false")
+            elif key == "result_limits":
+                if not isinstance(item, dict):
+                    add(f"{section}.{key}", "must be an object of tool name to a number of characters")
+                    continue
+                for name, chars in item.items():
+                    if not _positive_int(chars):
+                        add(f"{section}.{key}.{name}", "must be a positive integer")
             elif not _positive_int(item):
                 add(f"{section}.{key}", "must be a positive integer")
     if spec.get("on_approval_expired", "tell_model") not in ("tell_model", "stop"):
         add("on_approval_expired", "must be one of tell_model, stop")
+    if "expected_cost_micros" in spec and not _positive_int(spec["expected_cost_micros"]):
+        add("expected_cost_micros", "must be a positive integer (micros a run is expected to cost; "
+            "learned from finished runs when absent)")
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
         add("max_visible_tools", "must be a positive integer")
     return errors

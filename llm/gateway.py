@@ -1,8 +1,9 @@
 """The model gateway: builds the context, prices calls, and calls the provider.
 
 The request prefix (instructions, then tools sorted by name) is byte-stable across the steps of
-a run so provider prompt caches hit; history grows at the end only, and old tool results are
-compacted in batches so the cached prefix is invalidated once per batch, not every step.
+a run so provider prompt caches hit; history grows at the end only and is shaped by the version's
+context policy (llm/context.py): large results shown as a head and a pointer, old results masked
+in batches, so the cached prefix is rewritten once per batch, not every step.
 """
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ import math
 import threading
 from decimal import Decimal
 
+from llm import context
 from llm.models import ModelEndpoint
 from llm.tokens import estimate_input_tokens, estimate_text
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 from runs.models import OBSERVED, StepKind, StepStatus
-
-COMPACT_DEFAULTS = {"compact_after_tokens": 12_000, "keep_recent_results": 6, "compact_batch": 8}
 
 _providers: dict[tuple, object] = {}
 _providers_lock = threading.Lock()
@@ -29,7 +29,9 @@ def _input_text(value) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def build_messages(run, steps) -> list[Message]:
+def build_messages(run, steps, results: dict | None = None) -> list[Message]:
+    """The run's conversation in full. `results`, when given, is filled with message index ->
+    context.Result for each tool message (what the context policy needs to shape it)."""
     messages = [Message(role="user", content=_input_text(run.input))]
     for step in steps:
         if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
@@ -39,39 +41,29 @@ def build_messages(run, steps) -> list[Message]:
         elif step.kind == StepKind.TOOL and step.status in OBSERVED:
             is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
                 (step.result or {}).get("is_error"))
+            if results is not None:
+                stored = (step.result or {}).get("text")
+                results[len(messages)] = context.Result(
+                    seq=step.seq, tool_name=step.tool_name,
+                    total_chars=len(stored) if isinstance(stored, str) else len(step.observation))
             messages.append(Message(role="tool", content=step.observation, tool_call_id=step.call_id,
                                     is_error=is_error))
     return messages
 
 
-def compact(messages: list[Message], policy: dict) -> list[Message]:
-    """Replace old tool results by a stub once history is long, a batch of results at a time."""
-    policy = {**COMPACT_DEFAULTS, **(policy or {})}
-    tool_positions = [i for i, m in enumerate(messages) if m.role == "tool"]
-    history = sum(estimate_text(m.content) for m in messages)
-    if history <= policy["compact_after_tokens"]:
-        return messages
-    compactable = max(len(tool_positions) - policy["keep_recent_results"], 0)
-    compactable -= compactable % policy["compact_batch"]   # move the boundary in whole batches
-    compacted = list(messages)
-    for i in tool_positions[:compactable]:
-        original = messages[i]
-        if len(original.content) > 200:
-            compacted[i] = Message(role="tool", tool_call_id=original.tool_call_id, is_error=original.is_error,
-                                   content=original.content[:160] + f"… [compacted: {len(original.content)} "
-                                   "chars; the full result is stored]")
-    return compacted
-
-
-def build_request(run, steps, tools: list[ToolSpec]) -> ModelRequest:
+def build_request(run, steps, tools: list[ToolSpec], *, policy: context.ContextPolicy | None = None) -> ModelRequest:
+    """The request for the run's next model call, shaped by the version's context policy."""
     version = run.version
     spec = version.spec
     endpoint = version.model_endpoint
-    messages = compact(build_messages(run, steps), spec.get("context", {}))
+    if policy is None:
+        policy = context.ContextPolicy.from_spec(spec.get("context"))
+    results: dict[int, context.Result] = {}
+    messages = context.shape(build_messages(run, steps, results), results, policy)
     return ModelRequest(model=endpoint.model, instructions=spec["instructions"], messages=messages,
-                        tools=sorted(tools, key=lambda t: t.name),
+                        tools=context.offered(tools, policy),
                         max_output_tokens=run.limits["max_output_tokens"],
-                        timeout_seconds=endpoint.timeout_seconds)
+                        timeout_seconds=endpoint.timeout_seconds, cache_key=f"run-{run.pk}")
 
 
 def _micros(tokens: int, price_per_million: Decimal) -> Decimal:
@@ -120,13 +112,15 @@ def _provider(endpoint: ModelEndpoint):
     if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
         return ScriptedProvider(endpoint.config)
     api_key = endpoint.secret.reveal() if endpoint.secret_id else None
-    key = (endpoint.kind, endpoint.base_url, endpoint.model, hashlib.sha256((api_key or "").encode()).hexdigest())
+    key = (endpoint.kind, endpoint.base_url, endpoint.model, endpoint.send_cache_key,
+           hashlib.sha256((api_key or "").encode()).hexdigest())
     with _providers_lock:
         provider = _providers.get(key)
         if provider is None:
             if endpoint.kind == ModelEndpoint.Kind.OPENAI:
                 from llm.providers.openai import OpenAIProvider
-                provider = OpenAIProvider(endpoint.base_url, api_key, endpoint.model)
+                provider = OpenAIProvider(endpoint.base_url, api_key, endpoint.model,
+                                          send_cache_key=endpoint.send_cache_key)
             else:
                 from llm.providers.anthropic import AnthropicProvider
                 provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)

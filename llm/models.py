@@ -28,6 +28,9 @@ class ModelEndpoint(models.Model):
     price_cache_write = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
     price_output = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
     timeout_seconds = models.FloatField(default=60.0)
+    # OpenAI-compatible: send the run as `prompt_cache_key` (OpenAI routes requests with one key
+    # to one cache). Off for servers that reject fields they do not know.
+    send_cache_key = models.BooleanField(default=True)
     # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
     config = models.JSONField(default=dict, blank=True)
 

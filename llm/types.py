@@ -44,6 +44,9 @@ class ModelRequest:
     tools: list[ToolSpec]
     max_output_tokens: int
     timeout_seconds: float = 60.0
+    # Groups the requests of one run for providers that route prompt caches by a key
+    # (OpenAI's prompt_cache_key); empty: none is sent.
+    cache_key: str = ""
 
 
 @dataclass(frozen=True)

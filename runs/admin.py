@@ -13,7 +13,7 @@ from agentplatform.admin_site import ReadOnlyAdmin, arguments_html, duration, mo
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
-from runs.models import TERMINAL, Run, RunStatus, StepKind, StepStatus
+from runs.models import TERMINAL, Run, RunStatus, Step, StepKind, StepStatus
 from runs.resolution import OUTCOMES, resolve_step
 from runs.selectors import events_of, steps_of
 from runs.services import cancel_run
@@ -90,6 +90,8 @@ class RunAdmin(ReadOnlyAdmin):
             **self.admin_site.each_context(request),
             "opts": self.opts, "title": f"Run {run.pk}", "run": run,
             "budget": self._budget(run),
+            "cache": self._cache(run),
+            "expected_cost": money(run.expected_cost_micros) if run.expected_cost_micros else "",
             "steps": [self._step_row(request, step) for step in steps_of(run)],
             "events": events_of(run),
             "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
@@ -104,6 +106,20 @@ class RunAdmin(ReadOnlyAdmin):
             return None
         return {name: money(getattr(account, f"{name}_micros"))
                 for name in ("limit", "reserved", "spent", "held", "remaining")}
+
+    def _cache(self, run) -> dict | None:
+        """Input tokens of the run's model calls by how the provider billed them, and the share read
+        from its prompt cache (what the context policy and the cache breakpoints are for)."""
+        totals = {"uncached": 0, "read": 0, "written": 0}
+        for usage in Step.objects.filter(run=run, kind=StepKind.MODEL, usage__isnull=False).order_by() \
+                .values_list("usage", flat=True):
+            totals["uncached"] += usage.get("input_tokens", 0)
+            totals["read"] += usage.get("cached_input_tokens", 0)
+            totals["written"] += usage.get("cache_write_tokens", 0)
+        total = sum(totals.values())
+        if not total:
+            return None
+        return {**totals, "total": total, "share": f"{100 * totals['read'] / total:.1f}%"}
 
     def _step_row(self, request, step) -> dict:
         row = {"step": step, "cost": money(step.cost_micros), "duration": duration(step.duration_ms),

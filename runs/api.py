@@ -21,7 +21,8 @@ class RunOutput(serializers.ModelSerializer):
         model = Run
         fields = ["id", "agent", "version", "status", "stop_reason", "error", "final_output", "input", "metadata",
                   "limits", "created_by", "cancel_requested", "step_count", "tool_call_count", "model_call_count",
-                  "budget", "created_at", "started_at", "finished_at", "deadline_at", "resume_at"]
+                  "budget", "expected_cost_micros", "admitted_at", "created_at", "started_at", "finished_at",
+                  "deadline_at", "resume_at"]
 
 
 class StepOutput(serializers.ModelSerializer):
@@ -54,6 +55,10 @@ class RunListApi(APIView):
         version = serializers.IntegerField(required=False, min_value=1)
         input = serializers.JSONField()
         metadata = serializers.DictField(required=False, default=dict)
+        wait = serializers.BooleanField(
+            required=False, default=True,
+            help_text="If the tenant's day cannot carry this run now, wait in waiting_budget (true, the default) "
+                      "or answer 429 with Retry-After (false).")
 
         def validate(self, attrs):
             if "alias" in attrs and "version" in attrs:
@@ -72,7 +77,11 @@ class RunListApi(APIView):
     @extend_schema(request=InputSerializer, responses={201: RunOutput, 200: RunOutput},
                    parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)])
     def post(self, request):
-        """Start a run as the caller. The same Idempotency-Key and body replay the same run (200)."""
+        """Start a run as the caller. The same Idempotency-Key and body replay the same run (200).
+
+        A run the tenant's day budget cannot carry yet (runs/admission.py) is created in
+        waiting_budget and started in order of arrival, or refused with 429 if `wait` is false.
+        """
         require_tenant(request.user)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)

@@ -148,8 +148,8 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     from approvals import services as approvals
     from tools import gateway as tool_gateway
 
-    if step.tool_name == tool_gateway.SEARCH_TOOLS:
-        tool_gateway.run_search_tools(run, step)
+    if step.tool_name in tool_gateway.PLATFORM_TOOLS:
+        tool_gateway.run_platform_tool(run, step)
         continue_run(run)
         return None
     # Fresh rows: the user and the run this claim read under the lock; the tool, its server and

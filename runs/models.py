@@ -25,10 +25,11 @@ WAITING = {RunStatus.WAITING_APPROVAL, RunStatus.WAITING_BUDGET, RunStatus.WAITI
 _END = {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
 
 RUN_TRANSITIONS: dict[str, set[str]] = {
-    RunStatus.QUEUED: {RunStatus.RUNNING} | _END,
+    # queued -> waiting_budget: not admitted yet (runs/admission.py); waiting_budget -> queued: admitted.
+    RunStatus.QUEUED: {RunStatus.RUNNING, RunStatus.WAITING_BUDGET} | _END,
     RunStatus.RUNNING: WAITING | TERMINAL,
     RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING} | _END,
-    RunStatus.WAITING_BUDGET: {RunStatus.RUNNING} | _END,
+    RunStatus.WAITING_BUDGET: {RunStatus.RUNNING, RunStatus.QUEUED} | _END,
     # A cancel never drops a call in flight: it waits for a person (runs.services.cancel_run).
     RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION} | _END,
     RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING} | _END,
@@ -81,6 +82,10 @@ class Run(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
     resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget / waiting_settle: wake-up time
+    # Admission (runs/admission.py): when the run was let start (null while it waits to be), and
+    # what it was expected to cost then; admitted runs' unspent expectations are kept free.
+    admitted_at = models.DateTimeField(null=True, blank=True)
+    expected_cost_micros = models.BigIntegerField(default=0)
     last_enqueued_at = models.DateTimeField(null=True, blank=True)
     event_seq = models.PositiveIntegerField(default=0)   # the seq of the run's latest event
 

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from observability import observe
-from runs import rows
+from runs import admission, rows
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
                          RunStatus, Step, StepKind, StepStatus)
 from tenants.permissions import may_run_agent
@@ -229,8 +229,6 @@ def end_run(run: Run, status: str, *, reason: str = "", error: str = "", actor=N
 # --- Admission -------------------------------------------------------------------------------
 
 def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
-    from budgets.services import local_day, next_local_midnight, tenant_day_account
-
     active = Run.objects.filter(tenant=tenant).exclude(status__in=TERMINAL).count()
     if active >= tenant.max_active_runs:
         raise DomainError(f"tenant has {active} active runs (quota {tenant.max_active_runs})",
@@ -239,16 +237,17 @@ def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
     if recent >= tenant.max_starts_per_minute:
         raise DomainError(f"{recent} runs started in the last minute (limit {tenant.max_starts_per_minute})",
                           code="start_rate_exceeded", status=429, retry_after=60)
-    account = tenant_day_account(tenant, local_day(tenant, now))
-    if account.remaining_micros <= 0:
-        wait = int((next_local_midnight(tenant, now) - now).total_seconds()) + 1
-        raise DomainError("the tenant's budget for today is spent", code="tenant_budget_exhausted",
-                          status=429, retry_after=wait)
 
 
 def start_run(*, user, agent: str, alias: str | None = None, version: int | None = None,
-              input, metadata: dict | None = None, idempotency_key: str | None = None) -> tuple[Run, bool]:
-    """Admit a run as `user`. Returns (run, created); replays the same run for a repeated key."""
+              input, metadata: dict | None = None, idempotency_key: str | None = None,
+              wait: bool = True) -> tuple[Run, bool]:
+    """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
+
+    The run is admitted (queued) only if the tenant's day can carry its expected cost on top of
+    what admitted runs are still expected to spend (runs/admission.py); otherwise it waits in
+    `waiting_budget`, or with wait=False the call answers 429 with Retry-After.
+    """
     from agents.selectors import resolve_version
     from budgets.services import create_run_account
 
@@ -270,21 +269,34 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
         raise Forbidden(f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted")
     now = timezone.now()
     limits = effective_limits(pinned.spec.get("limits", {}), tenant)
+    expected = admission.expected_cost(version=pinned, limits=limits, tenant=tenant)
     try:
-        with transaction.atomic():
+        with atomic_with_events():
             # Admissions of one tenant queue on its row, so two starts cannot both pass a quota only
             # one of them fits. NO KEY: inserts that merely reference the tenant are not blocked.
             type(tenant).objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
             _check_quotas(tenant=tenant, user=user, now=now)
+            admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
+            if not admitted and not wait:
+                raise DomainError(f"the tenant's budget for today cannot carry another run now ({expected} micros "
+                                  "expected)", code="tenant_budget_exhausted", status=429, retry_after=retry_after)
             run = Run.objects.create(
                 tenant=tenant, created_by=user, agent=pinned.agent, version=pinned, input=input,
                 metadata=metadata, limits=limits, idempotency_key=idempotency_key or None,
-                request_hash=request_hash, deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]))
+                request_hash=request_hash, expected_cost_micros=expected,
+                admitted_at=now if admitted else None,
+                deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None)
             create_run_account(run=run, limit_micros=limits["max_cost_micros"])
             record_event(run.pk, "created", f"run created by {user.username} on {pinned}",
                          actor=user, agent=pinned.agent.name, version=pinned.number,
-                         alias=alias or "", limits=limits)
-            enqueue(run.pk)
+                         alias=alias or "", limits=limits, expected_cost_micros=expected)
+            if admitted:
+                enqueue(run.pk)
+            else:
+                # A row, not a task: the sweeper admits it in order of arrival (admission.admit_waiting).
+                transition_run(run, RunStatus.WAITING_BUDGET, message=f"waiting for budget: {expected} micros "
+                               "expected, more than today's budget can carry on top of the runs already admitted",
+                               event_data={"expected_cost_micros": expected, "admission": True})
     except IntegrityError:
         raise Conflict("a request with this Idempotency-Key is in progress",
                        code="idempotency_key_in_flight") from None

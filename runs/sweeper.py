@@ -13,9 +13,10 @@ from django.db.models import (Count, DateTimeField, DurationField, ExpressionWra
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
-from runs import broker
+from runs import admission, broker
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
-from runs.services import end_run, enqueue, lock_run, record_event, resend, transition_run
+from runs.services import atomic_with_events, end_run, enqueue, lock_run, record_event, resend, transition_run
+from tenants.models import Tenant
 
 BATCH = 500
 
@@ -30,6 +31,7 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "lost_messages": _requeue_lost_messages(now),
         "deadlines": _stop_past_deadline(now),
         "budget_resumed": _resume_budget_waits(now),
+        "admitted": _admit_waiting_runs(now),
         "settle_resumed": _resume_settle_waits(now),
         "approvals_expired": expire_due(now=now),
         "orphan_reservations": release_orphans(now=now),
@@ -109,6 +111,35 @@ def _stop_past_deadline(now: dt.datetime) -> int:
 
 def _resume_budget_waits(now: dt.datetime) -> int:
     return _resume_waits(RunStatus.WAITING_BUDGET, now, "resumed: a new budget day began")
+
+
+def _admit_waiting_runs(now: dt.datetime) -> int:
+    """Admit runs waiting for budget (runs/admission.py), per tenant in order of arrival, while the
+    oldest one's expected cost fits: as admitted runs finish under their expectation, holds are
+    settled, or a new local day begins."""
+    admitted = 0
+    tenant_ids = sorted(set(Run.objects.filter(status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
+                            .values_list("tenant_id", flat=True).distinct()))
+    for tenant_id in tenant_ids:
+        with atomic_with_events():
+            # The lock start_run takes: one admission decision at a time per tenant.
+            tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
+            room, _ = admission.room_micros(tenant)
+            for run_id, expected in admission.waiting_runs(tenant).order_by("created_at", "id") \
+                    .values_list("pk", "expected_cost_micros")[:BATCH]:
+                if expected > room:
+                    break       # strictly in order of arrival: nobody overtakes the oldest
+                run = lock_run(run_id)
+                if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
+                    continue
+                transition_run(run, RunStatus.QUEUED, admitted_at=now, resume_at=None,
+                               deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
+                               message=f"admitted: {expected} micros expected, {room} micros of room",
+                               event_data={"expected_cost_micros": expected, "room_micros": room})
+                enqueue(run.pk)
+                room -= expected
+                admitted += 1
+    return admitted
 
 
 def _resume_settle_waits(now: dt.datetime) -> int:

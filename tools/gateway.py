@@ -18,6 +18,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 from django.utils import timezone
 
+from llm import context
 from llm.types import ToolSpec
 from runs import rows
 from runs.models import Run, Step, StepKind, StepStatus
@@ -37,6 +38,8 @@ SEARCH_TOOLS_SPEC = ToolSpec(
     description="Find more tools you are allowed to use. Describe the task; matching tools are added to your list.",
     input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})
 SEARCH_REVEAL = 5
+# Tools the platform answers itself, from the run's own rows: no server, no network.
+PLATFORM_TOOLS = {SEARCH_TOOLS, context.READ_RESULT}
 
 
 # --- what the model sees -----------------------------------------------------------------------
@@ -87,7 +90,8 @@ def _spec(tool: Tool) -> ToolSpec:
 
 
 def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
-    """Sorted by name so the request prefix stays byte-stable between steps."""
+    """Sorted by name so the request prefix stays byte-stable between steps. (The model gateway
+    adds read_result, which the context policy needs: llm.gateway.build_request.)"""
     tools = permitted_tools(run, user=user)
     limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
     if len(tools) <= limit:
@@ -99,6 +103,47 @@ def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
     chosen = [n for n in run.revealed_tools if n in by_name]
     chosen += [n for n in ranked if n not in chosen][:max(limit - 1 - len(chosen), 0)]
     return sorted([_spec(by_name[n]) for n in chosen], key=lambda s: s.name) + [SEARCH_TOOLS_SPEC]
+
+
+def run_platform_tool(run: Run, step: Step) -> None:
+    """Answer a call of a platform tool (PLATFORM_TOOLS) from the run's rows."""
+    if step.tool_name == SEARCH_TOOLS:
+        run_search_tools(run, step)
+    else:
+        run_read_result(run, step)
+
+
+def _deny_unoffered(step: Step) -> bool:
+    if step.tool_name in _offered_on(step):
+        return False
+    reason = f"tool {step.tool_name} was not offered on this call"
+    transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name} denied: {reason}",
+                    error=reason, observation=f"ERROR: call denied by the platform: {reason}",
+                    finished_at=timezone.now())
+    return True
+
+
+def run_read_result(run: Run, step: Step) -> None:
+    """Built-in read_result: one page of a stored tool result of this run (already redacted)."""
+    if _deny_unoffered(step):
+        return
+    arguments = step.arguments or {}
+    seq, offset = arguments.get("step"), arguments.get("offset", 0)
+    found = None
+    if isinstance(seq, int) and isinstance(offset, int) and offset >= 0:
+        found = Step.objects.filter(run_id=run.pk, seq=seq, kind=StepKind.TOOL).order_by().values_list(
+            "result", "observation").first()
+    if found is None:
+        text = f"ERROR: no tool result at step {seq!r} of this run (give step as a number, offset >= 0)"
+        transition_step(step, StepStatus.FAILED, error=text, observation=text, finished_at=timezone.now())
+        return
+    result, observation = found
+    stored = (result or {}).get("text")
+    text = stored if isinstance(stored, str) else observation
+    policy = context.ContextPolicy.from_spec(run.version.spec.get("context"))
+    shown = context.page(text, seq=seq, offset=offset, limit=policy.limit_for(context.READ_RESULT))
+    transition_step(step, StepStatus.SUCCEEDED, result={"text": shown, "step": seq, "offset": offset},
+                    observation=shown, finished_at=timezone.now())
 
 
 def run_search_tools(run: Run, step: Step) -> None:
@@ -132,7 +177,7 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
     """Store the model's tool calls as proposed steps parent_seq + 1, + 2, ... (nothing is checked yet)."""
     if not calls:
         return []
-    names = {call["name"] for call in calls} - {SEARCH_TOOLS}
+    names = {call["name"] for call in calls} - PLATFORM_TOOLS
     params = {"tenant": run.tenant_id}
     in_names = rows.in_list("name", sorted(names), params)
     tools = {t.name: t for t, in rows.fetch(f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "

@@ -1,8 +1,14 @@
 """Anthropic Messages API client.
 
-Cache breakpoints sit on the system block and on the last tool: the API caches everything up
-to a breakpoint, and tools render before system, so system + tools form one cacheable prefix
-shared by every turn of every run using the same instructions and toolset.
+Cache breakpoints (at most 4, the API's limit): the last tool and the system block, so tools +
+system form one prefix shared by every turn of every run with the same instructions and tools
+(tools render before system); and two on the conversation, which moves on every turn: the last
+block of the newest message, and the last block of the user turn before the newest assistant
+turn, which is where the previous request's moving breakpoint sat. The API writes the prefix up
+to a breakpoint and reads it back at a later breakpoint only at a block boundary it finds within
+20 blocks before that breakpoint; pinning the previous request's end as well makes the read exact
+however many blocks one turn adds (parallel tool calls), so each request reads what the previous
+one wrote and writes only its new turn.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ class AnthropicProvider:
             # The request may pin a model; otherwise the provider's configured one is used.
             "model": request.model or self.model,
             "max_tokens": request.max_output_tokens,
-            "messages": build_messages(request.messages),
+            "messages": mark_conversation(build_messages(request.messages)),
         }
         if request.instructions:  # the API rejects empty text blocks
             body["system"] = [{"type": "text", "text": request.instructions,
@@ -81,6 +87,16 @@ def build_messages(messages: list[Message]) -> list[dict[str, Any]]:
             wire.append({"role": role, "content": blocks})
     for turn in wire:
         turn["content"] = results_first(turn["content"])
+    return wire
+
+
+def mark_conversation(wire: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Put the moving breakpoints on the newest message and on the previous request's end."""
+    marked = [len(wire) - 1]
+    if len(wire) >= 3:
+        marked.append(len(wire) - 3)   # the user turn before the newest assistant turn
+    for index in marked:
+        wire[index]["content"][-1]["cache_control"] = _EPHEMERAL
     return wire
 
 

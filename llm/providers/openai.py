@@ -4,6 +4,11 @@ Output limit: only `max_completion_tokens` is sent by default. OpenAI rejects `m
 for reasoning models and deprecated it elsewhere, and sending both is rejected too; vLLM,
 llama.cpp and LiteLLM accept `max_completion_tokens`. Pass max_tokens_param="max_tokens" for
 older servers that only know the legacy name.
+
+Prompt caching is automatic on a byte-stable prefix (the gateway keeps it so). The request's
+cache key, the run, goes out as `prompt_cache_key` so requests of one run reach the same cache
+shard; servers that reject unknown fields are configured with send_cache_key=False
+(ModelEndpoint.send_cache_key).
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ PROVIDER = "openai"
 
 class OpenAIProvider:
     def __init__(self, base_url: str, api_key: str | None, model: str, *,
-                 max_tokens_param: str = "max_completion_tokens"):
+                 max_tokens_param: str = "max_completion_tokens", send_cache_key: bool = True):
         self.base_url = base_url.rstrip("/")
+        self.send_cache_key = send_cache_key
         self.model = model
         self.max_tokens_param = max_tokens_param
         self._api_key = api_key
@@ -46,6 +52,8 @@ class OpenAIProvider:
         }
         if request.tools:
             body["tools"] = [tool_to_wire(tool) for tool in request.tools]
+        if request.cache_key and self.send_cache_key:
+            body["prompt_cache_key"] = request.cache_key
         return body
 
     def _headers(self) -> dict[str, str]:

@@ -130,3 +130,35 @@ def test_a_user_without_approve_tool_may_not_resolve(client, acme, unknown_step)
     assert any("resolving needs approve_tool" in m for m in messages_of(response))
     unknown_step.refresh_from_db()
     assert unknown_step.status == StepStatus.OUTCOME_UNKNOWN
+
+
+def test_it_shows_the_share_of_input_read_from_the_prompt_cache(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    run = drive(approval.run_id)
+    # What a provider reported for the two model calls (the scripted model reports no cache use).
+    first, second = Step.objects.filter(run=run, kind="model").order_by("seq")
+    Step.objects.filter(pk=first.pk).update(usage={"input_tokens": 100, "cached_input_tokens": 0,
+                                                   "cache_write_tokens": 900, "output_tokens": 5})
+    Step.objects.filter(pk=second.pk).update(usage={"input_tokens": 20, "cached_input_tokens": 900,
+                                                    "cache_write_tokens": 80, "output_tokens": 5})
+
+    html = as_ravi.get(run_url(run.pk)).content.decode()
+
+    assert ('<tr id="run-cache"><td>2000</td><td>900</td><td>980</td>\n        <td>120</td><td>45.0%</td></tr>'
+            in html)
+
+
+def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
+    from budgets import services as budgets
+
+    tenant = acme.asha.tenant
+    spent = budgets.reserve(tenant=tenant, amount_micros=tenant.daily_budget_micros, purpose="model")
+    budgets.settle(spent.pk, actual_micros=spent.amount_micros)
+    run, _ = start_run(user=acme.asha, agent="refunder", input={"case": "later"})
+
+    html = as_ravi.get(run_url(run.pk)).content.decode()
+
+    assert '<td class="status-badge" id="run-status">waiting_budget</td>' in html
+    assert ('<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (2.00); '
+            'started in order of arrival</td>') in html

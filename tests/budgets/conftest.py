@@ -23,7 +23,7 @@ MODEL_KEY = "sk-ant-budget-tests-5b1d"
 
 @pytest.fixture
 def fake_openai():
-    fake = FakeOpenAI()
+    fake = FakeOpenAI(min_cacheable_tokens=0)   # tiny prompts: cache them anyway
     fake.start()
     yield fake
     fake.stop()
@@ -31,7 +31,7 @@ def fake_openai():
 
 @pytest.fixture
 def fake_anthropic():
-    fake = FakeAnthropic(api_key=MODEL_KEY)
+    fake = FakeAnthropic(api_key=MODEL_KEY, min_cacheable_tokens=0)
     fake.start()
     yield fake
     fake.stop()

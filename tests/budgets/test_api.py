@@ -1,6 +1,7 @@
 """Budget-facing API: admission quotas (429 + Retry-After), GET /v1/usage, a run's budget."""
 from __future__ import annotations
 
+import datetime as dt
 
 import pytest
 from django.utils import timezone
@@ -55,17 +56,41 @@ def test_it_refuses_a_run_over_the_start_rate(tenant, asha, ravi, agent):
     assert start(ravi).status_code == 201    # the rate is per user
 
 
-def test_it_refuses_a_run_when_the_tenant_day_is_spent(tenant, asha, agent):
+def test_it_refuses_a_run_that_asked_not_to_wait_when_the_tenant_day_is_spent(tenant, asha, agent):
     tenant.time_zone = "Asia/Kolkata"
     tenant.save()
     spent = budgets.reserve(tenant=tenant, amount_micros=tenant.daily_budget_micros, purpose="model")
     budgets.settle(spent.pk, actual_micros=spent.amount_micros)
-    refused = start(asha)
+    refused = start(asha, wait=False)
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "tenant_budget_exhausted"
     until_midnight = (budgets.next_local_midnight(tenant) - timezone.now()).total_seconds()
     assert abs(int(refused["Retry-After"]) - until_midnight) < 10
     assert not Run.objects.exists()
+
+
+def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next_day(tenant, asha, agent,
+                                                                                       monkeypatch):
+    from runs import sweeper
+
+    spent = budgets.reserve(tenant=tenant, amount_micros=tenant.daily_budget_micros, purpose="model")
+    budgets.settle(spent.pk, actual_micros=spent.amount_micros)
+    waiting = start(asha)
+    assert waiting.status_code == 201
+    body = waiting.json()
+    assert (body["status"], body["admitted_at"], body["started_at"]) == ("waiting_budget", None, None)
+    assert body["expected_cost_micros"] > 0
+    run = Run.objects.get(pk=body["id"])
+    assert not run.steps.exists() and run.lease_token is None
+    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == ["waiting_budget"]
+    assert sweeper._admit_waiting_runs(timezone.now()) == 0          # still no room today
+
+    tomorrow = timezone.now() + dt.timedelta(days=1)
+    monkeypatch.setattr(budgets, "clock", lambda: tomorrow)
+    assert sweeper._admit_waiting_runs(timezone.now()) == 1
+    run.refresh_from_db()
+    assert run.status == "queued" and run.admitted_at is not None and run.deadline_at is not None
+    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == ["waiting_budget", "queued"]
 
 
 def test_concurrent_starts_never_exceed_the_active_run_quota(tenant, asha, agent):

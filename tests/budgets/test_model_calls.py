@@ -58,14 +58,17 @@ def test_it_prices_cache_reads_and_writes_at_their_own_prices(tenant, asha, buil
 
     first, second = (reply["usage"] for reply in fake_anthropic.replies)
     assert first["cache_creation_input_tokens"] > 0 and first["cache_read_input_tokens"] == 0
+    # The second call reads all of the first back and writes only its new turn (the moving breakpoint).
     assert second["cache_read_input_tokens"] == first["cache_creation_input_tokens"] > 0
+    assert 0 < second["cache_creation_input_tokens"] < first["cache_creation_input_tokens"]
     steps = list(Step.objects.filter(run=run, kind="model").order_by("seq"))
     assert [s.cost_micros for s in steps] == [price(first, endpoint), price(second, endpoint)]
     assert steps[1].usage == {"input_tokens": second["input_tokens"], "output_tokens": second["output_tokens"],
-                              "cached_input_tokens": second["cache_read_input_tokens"], "cache_write_tokens": 0}
+                              "cached_input_tokens": second["cache_read_input_tokens"],
+                              "cache_write_tokens": second["cache_creation_input_tokens"]}
     # The cache read is cheaper than the same tokens uncached (0.3 vs 3 per million).
-    uncached = {**second, "input_tokens": second["input_tokens"] + second["cache_read_input_tokens"],
-                "cache_read_input_tokens": 0}
+    uncached = {**second, "input_tokens": second["input_tokens"] + second["cache_read_input_tokens"]
+                + second["cache_creation_input_tokens"], "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     assert price(second, endpoint) < price(uncached, endpoint)
 
     reservations = model_reservations(run)

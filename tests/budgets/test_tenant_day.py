@@ -45,7 +45,10 @@ def two_call_agent(tenant, asha, builtins):
     echo.price_micros = 1_000
     echo.save()
     factories.grant(echo, use=[asha])
-    return factories.make_agent(tenant, tools=[echo], limits={"max_wall_seconds": 2 * 24 * 3600}, turns=[
+    # A low configured expected cost: admitted on a nearly spent day, so these tests reach the
+    # pause and the midnight rules of a run already under way.
+    return factories.make_agent(tenant, tools=[echo], limits={"max_wall_seconds": 2 * 24 * 3600},
+                                expected_cost_micros=1_000, turns=[
         {"tool_calls": [{"name": echo.name, "arguments": {"n": 1}}]},
         {"tool_calls": [{"name": echo.name, "arguments": {"n": 2}}]},
         {"text": "done"}])

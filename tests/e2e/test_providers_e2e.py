@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("kind,fake_class", [("openai", FakeOpenAI), ("anthropic", FakeAnthropic)])
 def test_it_runs_a_tool_loop_on_a_real_provider_protocol_and_prices_cached_tokens(
         kind, fake_class, tenant, asha, builtins, workers):
-    fake = fake_class(tool_turns=3, api_key="sk-canary-4242")
+    fake = fake_class(tool_turns=3, api_key="sk-canary-4242", min_cacheable_tokens=0)   # tiny prompts
     base_url = fake.start()
     try:
         secret = Secret(tenant=tenant, name="provider-key")

@@ -4,9 +4,17 @@ They validate request shapes strictly (400 with the provider's error body, like 
 so client bugs surface here instead of in production, and they report usage the way the real
 APIs do, including prompt-cache hits, so budget accounting can be tested end to end.
 
-Token counts are approximate on purpose: len(json)/4. The cacheable prefix is the system
-prompt plus tools (Anthropic: only up to a cache_control breakpoint); a prefix seen before
-(same model) is reported as cached. Real caches have minimum sizes; these do not.
+Token counts are approximate on purpose: len(json)/4. Prompt caches bill the way the providers
+document them (per model; a prefix is what every later request that starts with it can read):
+- OpenAI: automatic prefix caching. The longest prefix (tools, then messages in order) shared
+  with an earlier request is read from cache, counted in 128-token steps from 1,024 tokens
+  (`min_cacheable_tokens`); shorter prefixes are not cached. `prompt_cache_key` is accepted.
+- Anthropic: only prefixes ending at a `cache_control` breakpoint are written (tools render
+  before system, then the messages' blocks). A breakpoint reads the longest cached prefix that
+  ends at it or at one of the 20 blocks before it (the documented lookback); what lies between
+  that and the last breakpoint is written; what follows it is plain input. Prefixes shorter
+  than `min_cacheable_tokens` are neither written nor read.
+`min_cacheable_tokens` is 1024 as documented; tests with tiny prompts pass 0.
 
     fake = FakeOpenAI(tool_turns=2)
     base_url = fake.start()
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import itertools
 import json
 import re
@@ -63,14 +72,20 @@ def approx_tokens(value: Any) -> int:
     return max(1, len(json.dumps(value)) // 4)
 
 
+CACHE_STEP = 128         # OpenAI: cached prefixes grow in 128-token increments
+CACHE_LOOKBACK = 20      # Anthropic: blocks searched before a breakpoint for a cached prefix
+
+
 class FakeModelServer:
     """Shared machinery; subclasses speak one wire protocol."""
 
     path = ""
     url_suffix = ""
 
-    def __init__(self, *, tool_turns: int = 0, latency_ms: int = 0, api_key: str | None = None):
+    def __init__(self, *, tool_turns: int = 0, latency_ms: int = 0, api_key: str | None = None,
+                 min_cacheable_tokens: int = 1024):
         self.tool_turns = tool_turns
+        self.min_cacheable_tokens = min_cacheable_tokens
         self.latency_ms = latency_ms
         self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
         self.requests: list[dict[str, Any]] = []
@@ -79,6 +94,7 @@ class FakeModelServer:
         self.base_url = ""
         self._queue: deque[dict[str, Any]] = deque()
         self._seen_prefixes: set[str] = set()
+        self._cached_prompts: list[tuple[str, list[str]]] = []   # OpenAI: (model, pieces) seen
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._server: uvicorn.Server | None = None
@@ -181,14 +197,6 @@ class FakeModelServer:
         with self._lock:
             return next(self._ids)
 
-    def cache_lookup(self, model: str, prefix: Any) -> bool:
-        """Remember the prefix; True when it was already cached."""
-        key = json.dumps([model, prefix], sort_keys=True)
-        with self._lock:
-            seen = key in self._seen_prefixes
-            self._seen_prefixes.add(key)
-        return seen
-
     # --- protocol hooks ---------------------------------------------------------------------
 
     def check_auth(self, headers: Any) -> str | None:
@@ -214,7 +222,7 @@ class FakeModelServer:
 
 _OPENAI_KEYS = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls",
                 "max_completion_tokens", "max_tokens", "temperature", "top_p", "stream", "stop",
-                "seed", "user", "n", "response_format", "metadata", "store"}
+                "seed", "user", "n", "response_format", "metadata", "store", "prompt_cache_key"}
 
 
 class FakeOpenAI(FakeModelServer):
@@ -251,6 +259,26 @@ class FakeOpenAI(FakeModelServer):
     def tool_names(self, body: dict[str, Any]) -> list[str]:
         return [tool["function"]["name"] for tool in body.get("tools", [])]
 
+    def openai_cached_tokens(self, body: dict[str, Any]) -> int:
+        """Automatic prefix caching: the longest prefix shared with an earlier prompt, in steps."""
+        system = list(itertools.takewhile(lambda m: m["role"] == "system", body["messages"]))
+        pieces = [json.dumps(message, sort_keys=True) for message in system]
+        pieces.append(json.dumps(body.get("tools") or [], sort_keys=True))
+        pieces += [json.dumps(message, sort_keys=True) for message in body["messages"][len(system):]]
+        best = 0
+        with self._lock:
+            for model, earlier in self._cached_prompts:
+                if model == body["model"]:
+                    best = max(best, common_prefix_chars(pieces, earlier))
+            self._cached_prompts.append((body["model"], pieces))
+        tokens = best // 4
+        floor = self.min_cacheable_tokens
+        if floor == 0:      # tiny test prompts: any shared prefix counts, to the token
+            return tokens
+        if tokens < floor:
+            return 0
+        return floor + (tokens - floor) // CACHE_STEP * CACHE_STEP
+
     def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
         calls = [{"id": f"call_{reply_id}_{index}", "type": "function",
                   "function": {"name": call["name"], "arguments": openai_arguments(call.get("arguments", {}))}}
@@ -259,9 +287,7 @@ class FakeOpenAI(FakeModelServer):
         if calls:
             message["tool_calls"] = calls
         prompt = approx_tokens(body)
-        system = list(itertools.takewhile(lambda m: m["role"] == "system", body["messages"]))
-        prefix = {"system": system, "tools": body.get("tools")}
-        cached = min(approx_tokens(prefix), prompt) if self.cache_lookup(body["model"], prefix) else 0
+        cached = min(self.openai_cached_tokens(body), prompt)
         completion = approx_tokens([message["content"], calls])
         return {
             "id": f"chatcmpl-fake-{reply_id}", "object": "chat.completion", "created": int(time.time()),
@@ -271,6 +297,22 @@ class FakeOpenAI(FakeModelServer):
                       "total_tokens": prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": cached}},
         }
+
+
+def common_prefix_chars(pieces: list[str], earlier: list[str]) -> int:
+    """Characters two prompts share from the start (whole pieces first, then within one)."""
+    shared = 0
+    for mine, theirs in zip(pieces, earlier):
+        if mine == theirs:
+            shared += len(mine)
+            continue
+        n = 0
+        for a, b in zip(mine, theirs):
+            if a != b:
+                break
+            n += 1
+        return shared + n
+    return shared
 
 
 def openai_arguments(arguments: Any) -> str:
@@ -401,28 +443,63 @@ class FakeAnthropic(FakeModelServer):
                 "stop_sequence": None, "usage": usage}
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
-        prompt = approx_tokens(body)
-        prefix = anthropic_cached_prefix(body)
-        if prefix is None:
+        prompt = approx_tokens(without_cache_control(body))   # markers are not billed as tokens
+        blocks = anthropic_blocks(body)
+        breakpoints = [i for i, (_, _, marked) in enumerate(blocks) if marked]
+        if not breakpoints:
             return {"input_tokens": prompt, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        size = min(approx_tokens(prefix), prompt)
-        hit = self.cache_lookup(body["model"], prefix)
-        return {"input_tokens": prompt - size, "cache_creation_input_tokens": 0 if hit else size,
-                "cache_read_input_tokens": size if hit else 0}
+        model, floor = body["model"], max(self.min_cacheable_tokens, 1)
+        read = 0
+        with self._lock:
+            for point in breakpoints:
+                for i in range(point, max(point - CACHE_LOOKBACK, 0) - 1, -1):
+                    _, tokens, _ = blocks[i]
+                    if tokens >= floor and f"{model}:{blocks[i][0]}" in self._seen_prefixes:
+                        read = max(read, tokens)
+                        break
+            last = blocks[breakpoints[-1]][1]
+            write = last - read if last >= floor else 0
+            for point in breakpoints:
+                if blocks[point][1] >= floor:
+                    self._seen_prefixes.add(f"{model}:{blocks[point][0]}")
+        read, write = min(read, prompt), min(write, prompt - read)
+        return {"input_tokens": prompt - read - write, "cache_creation_input_tokens": write,
+                "cache_read_input_tokens": read}
 
 
 def anthropic_input(arguments: Any) -> dict[str, Any]:
     return json.loads(arguments) if isinstance(arguments, str) else arguments
 
 
-def anthropic_cached_prefix(body: dict[str, Any]) -> Any:
-    """What the cache covers: tools render before system, up to the last breakpoint."""
-    system, tools = body.get("system"), body.get("tools", [])
-    if isinstance(system, list) and any("cache_control" in block for block in system):
-        return {"tools": tools, "system": system}
-    if any("cache_control" in tool for tool in tools):
-        return {"tools": tools}
-    return None
+def without_cache_control(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [without_cache_control(v) for v in value]
+    return value
+
+
+def anthropic_blocks(body: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    """The prompt as the cache sees it: for each block in render order (tools, system, then each
+    message's blocks), the hash of the prefix ending there, its size in tokens, and whether it
+    carries a breakpoint. cache_control itself is not part of the prefix (a breakpoint may move)."""
+    system = body.get("system") or []
+    if isinstance(system, str):
+        system = [{"type": "text", "text": system}]
+    parts: list[tuple[Any, dict[str, Any]]] = [("tool", tool) for tool in body.get("tools", [])]
+    parts += [("system", block) for block in system]
+    for index, message in enumerate(body["messages"]):
+        content = message["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        parts += [([index, message["role"]], block) for block in content]
+    blocks, digest, chars = [], hashlib.sha256(), 0
+    for where, block in parts:
+        plain = json.dumps([where, {k: v for k, v in block.items() if k != "cache_control"}], sort_keys=True)
+        digest.update(plain.encode())
+        chars += len(plain)
+        blocks.append((digest.copy().hexdigest(), chars // 4, "cache_control" in block))
+    return blocks
 
 
 def validate_cache_control(block: dict[str, Any], where: str) -> int:

@@ -51,6 +51,7 @@ class Kit:
 
 
 def make_kit(kind: str, **fake_kwargs: Any) -> Kit:
+    fake_kwargs.setdefault("min_cacheable_tokens", 0)   # these prompts are tiny; caching tests below are not
     fake: FakeModelServer = FakeOpenAI(**fake_kwargs) if kind == "openai" else FakeAnthropic(**fake_kwargs)
     base_url = fake.start()
     provider_class = OpenAIProvider if kind == "openai" else AnthropicProvider
@@ -132,7 +133,8 @@ def test_anthropic_request_shape(kit_factory: Any) -> None:
     assert "cache_control" not in body["tools"][0]
     assert body["tools"][0]["input_schema"] == TOOLS[0].input_schema
     assert body["max_tokens"] == 123
-    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello",
+                                                               "cache_control": {"type": "ephemeral"}}]}]
     assert headers["x-api-key"] == API_KEY
     assert headers["anthropic-version"] == "2023-06-01"
 
@@ -166,7 +168,8 @@ def test_tool_call_round_trip(kit: Kit) -> None:
         assert sent[1]["content"][1] == {"type": "tool_use", "id": lookup.id, "name": "lookup", "input": {"q": "a"}}
         assert sent[2] == {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": lookup.id, "content": "result a"},
-            {"type": "tool_result", "tool_use_id": search.id, "content": "boom", "is_error": True}]}
+            {"type": "tool_result", "tool_use_id": search.id, "content": "boom", "is_error": True,
+             "cache_control": {"type": "ephemeral"}}]}
 
 
 def test_auto_agent_loop(kit_factory: Any) -> None:
@@ -218,11 +221,16 @@ def test_cached_prefix_on_second_call(kit: Kit) -> None:
     else:
         assert first.usage.cached_input_tokens == 0
         assert first.usage.cache_write_tokens > 0
-        assert second.usage.cache_write_tokens == 0
-        assert second.usage.cached_input_tokens == raw["cache_read_input_tokens"] == first.usage.cache_write_tokens
+        # the newest message carries a breakpoint too: the tools and system are read back, the
+        # different question is written
+        assert second.usage.cache_write_tokens > 0
+        assert 0 < second.usage.cached_input_tokens == raw["cache_read_input_tokens"] < first.usage.cache_write_tokens
         assert second.usage.input_tokens == raw["input_tokens"]
     other = kit.ask("third", instructions="Different instructions, different prefix.")
-    assert other.usage.cached_input_tokens == 0
+    if kit.kind == "openai":   # only the JSON framing before the instructions is shared
+        assert other.usage.cached_input_tokens < 8
+    else:   # tools render before system and carry their own breakpoint: only they are read back
+        assert 0 < other.usage.cached_input_tokens < second.usage.cached_input_tokens
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -370,4 +378,86 @@ def test_a_platform_error_observation_carries_one_error_prefix_on_both_wires(kit
         assert sent == {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": denied}
     else:
         assert sent["content"] == [{"type": "tool_result", "tool_use_id": first.tool_calls[0].id,
-                                    "content": denied, "is_error": True}]
+                                    "content": denied, "is_error": True, "cache_control": {"type": "ephemeral"}}]
+
+
+# --- prompt caching as the providers bill it ---------------------------------------------------
+
+LONG_INSTRUCTIONS = "Follow the bank's dispute procedure exactly. " * 200    # about 2,300 tokens
+
+
+def _conversation(turns: int, result_chars: int = 2_000) -> list[Message]:
+    from llm.types import ToolCall
+
+    messages = [Message("user", "start")]
+    for i in range(turns):
+        messages.append(Message("assistant", "", [ToolCall(id=f"c{i}", name="lookup", arguments={"q": str(i)})]))
+        messages.append(Message("tool", f"result {i} " + "x" * result_chars, tool_call_id=f"c{i}"))
+    return messages
+
+
+def test_anthropic_reads_the_previous_request_and_writes_only_the_new_turn(kit_factory: Any) -> None:
+    kit = kit_factory("anthropic", min_cacheable_tokens=1024)
+    usages = []
+    for turns in range(0, 6):
+        request = kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS)
+        usages.append(kit.provider.complete(request).usage)
+        body = kit.fake.requests[-1]
+        marks = sum("cache_control" in block for block in body["system"]) + \
+            sum("cache_control" in tool for tool in body["tools"]) + \
+            sum("cache_control" in block for message in body["messages"] for block in message["content"])
+        assert marks <= 4
+    for before, after in zip(usages, usages[1:]):
+        # all of the previous request is read back; what is written is the one new turn (~2,000
+        # characters of result, ~520 tokens), never the history again
+        assert after.cached_input_tokens == before.cached_input_tokens + before.cache_write_tokens
+        assert 0 < after.cache_write_tokens < 600
+    assert usages[-1].cached_input_tokens / usages[-1].total_input > 0.85
+
+
+def test_anthropic_without_a_message_breakpoint_reads_only_tools_and_system(kit_factory: Any) -> None:
+    """The old placement (system and tools only): the history is never read from cache."""
+    kit = kit_factory("anthropic", min_cacheable_tokens=1024)
+    from llm.providers import anthropic as wire
+
+    for turns in (3, 4):
+        body = kit.provider.build_body(kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS))
+        for message in body["messages"]:
+            for block in message["content"]:
+                block.pop("cache_control", None)
+        response = httpx.post(f"{kit.fake.base_url}/v1/messages", json=body,
+                              headers={"x-api-key": API_KEY, "anthropic-version": wire.API_VERSION})
+    usage = response.json()["usage"]
+    assert usage["cache_read_input_tokens"] < 2_600 and usage["input_tokens"] > 2_000
+
+
+def test_anthropic_nothing_below_the_minimum_cacheable_length_is_cached(kit_factory: Any) -> None:
+    kit = kit_factory("anthropic", min_cacheable_tokens=1024)
+    kit.ask("short")
+    second = kit.ask("short")
+    assert second.usage.cached_input_tokens == 0 and second.usage.cache_write_tokens == 0
+
+
+def test_openai_caches_the_shared_prefix_in_128_token_steps_from_1024(kit_factory: Any) -> None:
+    kit = kit_factory("openai", min_cacheable_tokens=1024)
+    kit.ask("short")
+    assert kit.ask("short").usage.cached_input_tokens == 0          # under 1,024 tokens: never cached
+    usages = [kit.provider.complete(kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS)).usage
+              for turns in range(0, 4)]
+    assert usages[0].cached_input_tokens == 0
+    for before, after in zip(usages, usages[1:]):
+        assert after.cached_input_tokens >= 1024 and (after.cached_input_tokens - 1024) % 128 == 0
+        # the previous prompt is a prefix of this one: all of it but the last partial step is read
+        assert before.total_input - 128 - 8 <= after.cached_input_tokens <= before.total_input
+
+
+def test_openai_sends_the_runs_cache_key_unless_the_endpoint_is_configured_not_to(kit_factory: Any) -> None:
+    kit = kit_factory("openai")
+    request = ModelRequest(model="m", instructions=INSTRUCTIONS, messages=[Message("user", "hi")], tools=TOOLS,
+                           max_output_tokens=10, cache_key="run-42")
+    kit.provider.complete(request)
+    assert kit.fake.requests[-1]["prompt_cache_key"] == "run-42"
+    quiet = OpenAIProvider(kit.fake.base_url, API_KEY, "m", send_cache_key=False)
+    quiet.complete(request)
+    assert "prompt_cache_key" not in kit.fake.requests[-1]
+    quiet.close()

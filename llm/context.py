@@ -1,0 +1,128 @@
+"""The context policy: what of a run's history the model is shown on each call (DESIGN.md 8).
+
+Every call re-sends the history, so a long run's cost grows with the square of its steps unless
+the history is kept short and its prefix byte-stable (so provider prompt caches read it back):
+- a tool result longer than its tool's limit is shown as its head plus a pointer; the full
+  result stays stored on its step and the model pages through it with `read_result`;
+- once more than `keep_recent_results + mask_batch - 1` results are shown whole, the oldest
+  `mask_batch` of them are masked at once (a one-line stub with the same pointer). The boundary
+  moves in whole batches, so between two moves every request starts with the previous request
+  byte for byte and a cache reads all of it; a move rewrites the history once from the first
+  newly masked result, in the same request that adds the new turn: one cache write per batch.
+
+The policy is part of the agent version's spec (`context`), so it is as immutable as the version.
+Defaults were chosen by measurement on the reference run of `bench/context.py` (25 tool turns,
+6,000-token prefix, 6,000-character results), where they meet the targets on both wires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llm.types import Message, ToolSpec
+
+READ_RESULT = "read_result"
+READ_RESULT_SPEC = ToolSpec(
+    name=READ_RESULT,
+    description="Read a stored tool result that was shortened or masked in this conversation: give the step "
+                "number from its [platform: ...] note, and the offset to read from.",
+    input_schema={"type": "object", "properties": {"step": {"type": "integer", "minimum": 1},
+                                                   "offset": {"type": "integer", "minimum": 0}},
+                  "required": ["step"]})
+
+# Measured with bench/context.py (docs/context.md has the table).
+DEFAULT_RESULT_LIMIT_CHARS = 2_000
+DEFAULT_KEEP_RECENT_RESULTS = 2
+DEFAULT_MASK_BATCH = 8
+
+INT_KEYS = ("result_limit_chars", "keep_recent_results", "mask_batch")
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    result_limit_chars: int = DEFAULT_RESULT_LIMIT_CHARS
+    # Per tool name: a different limit (a tool whose results the model needs whole, say).
+    result_limits: dict[str, int] = field(default_factory=dict)
+    keep_recent_results: int = DEFAULT_KEEP_RECENT_RESULTS
+    mask_batch: int = DEFAULT_MASK_BATCH
+    enabled: bool = True
+
+    @classmethod
+    def from_spec(cls, section: dict | None) -> ContextPolicy:
+        """The version's `context` section (validated by agents.spec) over the defaults."""
+        section = section or {}
+        return cls(**{key: section[key] for key in (*INT_KEYS, "result_limits", "enabled") if key in section})
+
+    def limit_for(self, tool_name: str) -> int:
+        return self.result_limits.get(tool_name, self.result_limit_chars)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the shaping needs to know about one tool message: its step and its tool."""
+
+    seq: int
+    tool_name: str
+    total_chars: int     # of the full stored result (the observation may already be capped)
+
+
+def offered(tools: list[ToolSpec], policy: ContextPolicy) -> list[ToolSpec]:
+    """The tools of a request: sorted by name, then read_result whenever the policy is on and any
+    tool is offered (from the first call, not the first shortened result: a tool added later
+    would change the cached prefix of every later request)."""
+    tools = sorted(tools, key=lambda t: t.name)
+    return tools + [READ_RESULT_SPEC] if policy.enabled and tools else tools
+
+
+def pointer(seq: int, shown: int, total: int) -> str:
+    return (f"[platform: result of step {seq}, {total} characters, showing {shown}; "
+            f"call {READ_RESULT} with step={seq} and offset={shown} to read on]")
+
+
+def masked(result: Result, message: Message) -> str:
+    head = message.content[:120].replace("\n", " ")
+    total = max(result.total_chars, len(message.content))
+    return f"{head}… [platform: older result of step {result.seq} masked ({total} characters); " \
+           f"call {READ_RESULT} with step={result.seq} to see it again]"
+
+
+def shape(messages: list[Message], results: dict[int, Result], policy: ContextPolicy) -> list[Message]:
+    """The messages the model is shown. `results`: message index -> its step, for tool messages.
+
+    Pure and deterministic: the same steps give the same bytes on every call, which is what lets
+    a provider's cache read the previous request back.
+    """
+    if not policy.enabled:
+        return messages
+    positions = [i for i, m in enumerate(messages) if m.role == "tool" and i in results]
+    hidden = max(len(positions) - policy.keep_recent_results, 0)
+    hidden -= hidden % policy.mask_batch        # the boundary moves in whole batches only
+    mask = set(positions[:hidden])
+    shaped = list(messages)
+    for i in positions:
+        message, result = messages[i], results[i]
+        if i in mask:
+            if len(message.content) > 200:
+                shaped[i] = _with(message, masked(result, message))
+            continue
+        limit = policy.limit_for(result.tool_name)
+        # A read_result answer is already one page with its own pointer.
+        if len(message.content) > limit and result.tool_name != READ_RESULT:
+            total = max(result.total_chars, len(message.content))
+            shaped[i] = _with(message, message.content[:limit] + "\n" + pointer(result.seq, limit, total))
+    return shaped
+
+
+def _with(message: Message, content: str) -> Message:
+    return Message(role=message.role, content=content, tool_call_id=message.tool_call_id,
+                   is_error=message.is_error)
+
+
+def page(text: str, *, seq: int, offset: int, limit: int) -> str:
+    """One page of a stored result for read_result, with a pointer to the next one."""
+    offset = max(offset, 0)
+    chunk = text[offset:offset + limit]
+    end = offset + len(chunk)
+    if end < len(text):
+        return chunk + "\n" + (f"[platform: result of step {seq}, characters {offset}-{end} of {len(text)}; "
+                               f"call {READ_RESULT} with step={seq} and offset={end} to read on]")
+    return chunk + f"\n[platform: end of the result of step {seq} ({len(text)} characters)]"
