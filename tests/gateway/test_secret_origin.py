@@ -105,7 +105,8 @@ def test_a_status_url_on_another_origin_is_never_called(tenant, asha, attacker):
     crm = Listener(status=503)                  # the call's outcome is unknown, so its status is looked up
     try:
         tool = _http_tool(tenant, asha, f"{crm.url}/crm", status_url=f"{attacker.url}/status/{{key}}")
-        Tool.objects.filter(pk=tool.pk).update(effect_class="reconcilable", max_attempts=2, backoff_seconds=0)
+        Tool.objects.filter(pk=tool.pk).update(effect_class="reconcilable", max_attempts=2, backoff_seconds=0,
+                                               settle_seconds=0)
         run, _ = start_run(user=asha, agent="agent", input={})
 
         run = drive(run.pk, max_tasks=30)
