@@ -21,6 +21,7 @@ from runs.services import digest
 from tenants.config.report import ApplyReport
 from tenants.config.schema import HTTP_ONLY, PERMS, TOOL, Field, Item, Plan, Problems
 from tenants.models import Secret, Tenant, TenantGroup, User
+from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.services import configure_tool
 from tools.models import Tool, ToolServer
@@ -181,6 +182,8 @@ def _update_user(user: User, values: dict, password: str | None) -> list[str]:
         user.set_password(password)
         user.save(update_fields=["password"])
         changed.append("password")
+    if "password" in changed or ("is_active" in changed and not user.is_active):
+        revoke_all(user=user)
     return changed
 
 
