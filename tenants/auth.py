@@ -6,6 +6,7 @@ import hashlib
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
+from rest_framework.settings import api_settings
 from rest_framework.throttling import SimpleRateThrottle, UserRateThrottle
 
 from tenants import tokens
@@ -45,7 +46,14 @@ class ApiTokenScheme(OpenApiAuthenticationExtension):
 
 # --- rate limits (on the shared cache, so every API process counts together) ---------------------
 
-class TokenUsernameThrottle(SimpleRateThrottle):
+class _SettingsRate:
+    """Read the rate when used: DRF copies DEFAULT_THROTTLE_RATES into the class at import."""
+
+    def get_rate(self):
+        return api_settings.DEFAULT_THROTTLE_RATES[self.scope]
+
+
+class TokenUsernameThrottle(_SettingsRate, SimpleRateThrottle):
     """Sign-in attempts per username, wherever they come from (password guessing on one account)."""
 
     scope = "token_username"
@@ -58,7 +66,7 @@ class TokenUsernameThrottle(SimpleRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": ident}
 
 
-class TokenAddressThrottle(SimpleRateThrottle):
+class TokenAddressThrottle(_SettingsRate, SimpleRateThrottle):
     """Sign-in attempts per client address (one client trying many usernames)."""
 
     scope = "token_address"
@@ -67,7 +75,7 @@ class TokenAddressThrottle(SimpleRateThrottle):
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
 
 
-class RunStartThrottle(UserRateThrottle):
+class RunStartThrottle(_SettingsRate, UserRateThrottle):
     """Run starts per user; reads are not limited."""
 
     scope = "run_start"
