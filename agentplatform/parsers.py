@@ -33,27 +33,36 @@ def text_problem(text: str) -> str | None:
     return None
 
 
-def check_json(value: Any, *, max_depth: int) -> str | None:
-    """The first place in a decoded JSON value that breaks the rules, as 'path: message', or None."""
+def check_json(value: Any, *, max_depth: int) -> tuple[str, str] | None:
+    """The first (path, message) in a decoded value that JSON storage cannot take, or None.
+
+    Text must be storable (text_problem), numbers finite, keys text, nesting at most `max_depth`;
+    anything but mappings, lists, text, numbers, booleans and null (a YAML date, say) is refused.
+    """
     stack: list[tuple[Any, int, str]] = [(value, 0, "")]
     while stack:
         item, depth, path = stack.pop()
         if depth > max_depth:
-            return f"{path or 'body'}: nested more than {max_depth} levels deep"
+            return path, f"nested more than {max_depth} levels deep"
         if isinstance(item, str):
             problem = text_problem(item)
             if problem:
-                return f"{path or 'body'}: {problem}"
-        elif isinstance(item, float) and item != item or item in (float("inf"), float("-inf")):
-            return f"{path or 'body'}: must be a finite number"
+                return path, problem
+        elif isinstance(item, float):
+            if item != item or item in (float("inf"), float("-inf")):
+                return path, "must be a finite number"
         elif isinstance(item, dict):
             for key, child in item.items():
+                if not isinstance(key, str):
+                    return path, f"keys must be text, not {type(key).__name__}"
                 problem = text_problem(key)
                 if problem:
-                    return f"{path or 'body'}: a key {problem}"
+                    return path, f"a key {problem}"
                 stack.append((child, depth + 1, f"{path}.{key}" if path else key))
         elif isinstance(item, list):
             stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(item))
+        elif item is not None and not isinstance(item, (bool, int)):
+            return path, f"must be text, a number, a boolean, a list or a mapping, not {type(item).__name__}"
     return None
 
 
@@ -80,7 +89,7 @@ class StrictJSONParser(BaseParser):
             raise ParseError(f"JSON parse error - {exc}") from None
         problem = check_json(data, max_depth=settings.API_MAX_JSON_DEPTH)
         if problem:
-            raise ParseError(problem)
+            raise ParseError(f"{problem[0] or 'body'}: {problem[1]}")
         return data
 
 
