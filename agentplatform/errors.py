@@ -13,6 +13,7 @@ import logging
 
 from django.http import JsonResponse
 from django.views import defaults
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -100,6 +101,7 @@ def json_error(code: str, message: str, status_code: int) -> JsonResponse:
     return JsonResponse(error_body(code, message), status=status_code)
 
 
+@csrf_exempt
 def unmatched_route(request, *args, **kwargs) -> JsonResponse:
     """The last /v1/ route: a JSON 404 whatever DEBUG says (Django's technical 404 page is HTML)."""
     return json_error("not_found", f"no API route {request.path}", 404)

@@ -1,6 +1,8 @@
 """OpenAPI post-processing: every operation documents the one error body and the statuses it answers."""
 from __future__ import annotations
 
+from drf_spectacular import openapi
+
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -50,3 +52,13 @@ def add_error_responses(result, generator, request, public):
                                                            "description": "seconds to wait"}}
                 responses.setdefault(code, response)
     return result
+
+
+class AutoSchema(openapi.AutoSchema):
+    """Name serializers nested in views after their view (every view has an InputSerializer)."""
+
+    def get_serializer_name(self, serializer, direction):
+        qualname = type(serializer).__qualname__
+        if "." in qualname and not getattr(serializer, "_spectacular_annotation", None):
+            return qualname.replace(".", "").replace("Serializer", "")
+        return super().get_serializer_name(serializer, direction)

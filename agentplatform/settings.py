@@ -161,7 +161,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["agentplatform.parsers.StrictJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "agentplatform.schema.AutoSchema",
     "EXCEPTION_HANDLER": "agentplatform.errors.exception_handler",
     "DEFAULT_PAGINATION_CLASS": "agentplatform.api.Pagination",
     "PAGE_SIZE": 50,
