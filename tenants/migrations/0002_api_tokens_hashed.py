@@ -42,7 +42,8 @@ class Migration(migrations.Migration):
                 ('created_at', models.DateTimeField()),
                 ('expires_at', models.DateTimeField()),
                 ('signed_in_at', models.DateTimeField()),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_tokens', to=settings.AUTH_USER_MODEL)),
+                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_tokens',
+                                           to=settings.AUTH_USER_MODEL)),
             ],
             options={
                 'indexes': [models.Index(fields=['user', 'expires_at'], name='apitoken_user_expiry')],
