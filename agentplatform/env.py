@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 
 
@@ -22,14 +23,17 @@ def env_required(name: str) -> str:
     return value
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
     value = os.environ.get(name)
     if value in (None, ""):
         return default
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ConfigError(f"{name} must be from {minimum} to {maximum}, got {number}")
+    return number
 
 
 def env_float(name: str, default: float) -> float:
@@ -40,6 +44,17 @@ def env_float(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
+
+
+_RATE = re.compile(r"\d+/(s|sec|second|m|min|minute|h|hour|d|day)")
+
+
+def env_rate(name: str, default: str) -> str:
+    """A DRF throttle rate such as "10/min"."""
+    value = (os.environ.get(name) or default).strip()
+    if not _RATE.fullmatch(value) or int(value.split("/")[0]) < 1:
+        raise ConfigError(f"{name} must be a rate such as 10/min (per s, min, hour or day), got {value!r}")
+    return value
 
 
 def env_bool(name: str, default: bool) -> bool:

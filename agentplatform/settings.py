@@ -13,8 +13,8 @@ from pathlib import Path
 
 import dj_database_url
 
-from agentplatform.env import (ConfigError, env_bool, env_float, env_int, env_list, env_required,
-                               env_str, fernet_keys, strong_secret_key)
+from agentplatform.env import (ConfigError, env_bool, env_float, env_int, env_list, env_rate,
+                               env_required, env_str, fernet_keys, strong_secret_key)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("AGENTPLATFORM_VAR_DIR", str(BASE_DIR / "var")))
@@ -105,6 +105,7 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",   # admin static files under gunicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    "agentplatform.middleware.ApiInputGuard",     # NUL in /v1/ paths and query strings: 400
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
@@ -172,23 +173,47 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)   # WhiteNoise expects it even before collectstatic
 
+# --- API input bounds (agentplatform/parsers.py) ---
+API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1_048_576, minimum=1024, maximum=50 * 1_048_576)
+API_MAX_JSON_DEPTH = env_int("API_MAX_JSON_DEPTH", 64, minimum=4, maximum=500)
+DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "tenants.auth.ApiTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": ["agentplatform.parsers.StrictJSONParser"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_SCHEMA_CLASS": "agentplatform.schema.AutoSchema",
     "EXCEPTION_HANDLER": "agentplatform.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "agentplatform.api.Pagination",
     "PAGE_SIZE": 50,
+    # Client address for rate limits: REMOTE_ADDR, or the n-th address from the right of
+    # X-Forwarded-For behind n trusted proxies.
+    "NUM_PROXIES": env_int("TRUSTED_PROXY_COUNT", 0, minimum=0, maximum=5) or None,
+    "DEFAULT_THROTTLE_RATES": {
+        "token_username": env_rate("TOKEN_RATE_PER_USERNAME", "10/min"),
+        "token_address": env_rate("TOKEN_RATE_PER_ADDRESS", "30/min"),
+        "run_start": env_rate("RUN_START_RATE_PER_USER", "60/min"),
+    },
 }
+
+# --- API tokens (tenants/tokens.py) ---
+API_TOKEN_TTL_SECONDS = env_int("API_TOKEN_TTL_SECONDS", 8 * 3600, minimum=60, maximum=7 * 24 * 3600)
+# A token can be refreshed until this long after the password sign-in it descends from.
+API_TOKEN_MAX_AGE_SECONDS = env_int("API_TOKEN_MAX_AGE_SECONDS", 7 * 24 * 3600, minimum=60, maximum=90 * 24 * 3600)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",
     "VERSION": "1.0.0",
     "DESCRIPTION": "Start and watch agent runs, decide approvals, resolve unknown outcomes.",
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "agentplatform.schema.add_error_responses"],
 }
 
 # --- Celery (DESIGN.md section 3) ---
@@ -218,6 +243,25 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
 }
+
+
+
+def _cache() -> dict:
+    """Rate limits count in the cache, so it must be shared by every API process in production."""
+    url = env_str("CACHE_URL") or (CELERY_BROKER_URL if PRODUCTION and CELERY_BROKER_URL.startswith(
+        ("redis://", "rediss://")) else "locmem://")
+    if url.startswith(("redis://", "rediss://")):
+        return {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": url,
+                "KEY_PREFIX": "agentplatform"}
+    if url != "locmem://":
+        raise ConfigError(f"CACHE_URL must be redis://… or locmem://, got {url!r}")
+    if PRODUCTION:
+        raise ConfigError("production needs a cache shared by all processes (rate limits): set CACHE_URL=redis://… "
+                          "or use a Redis CELERY_BROKER_URL")
+    return {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+
+
+CACHES = {"default": _cache()}
 
 # --- Platform ---
 LEASE_SECONDS = env_int("LEASE_SECONDS", 60)          # model steps; tool steps: tool timeout + margin

@@ -1,7 +1,8 @@
 from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin.site` below is ours
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from agentplatform import errors
 from agents import api as agents_api
 from approvals import api as approvals_api
 from budgets import api as budgets_api
@@ -9,7 +10,8 @@ from runs import api as runs_api
 from tenants import api as tenants_api
 
 v1 = [
-    path("auth/token", tenants_api.TokenCreateApi.as_view()),
+    path("auth/token", tenants_api.TokenApi.as_view()),
+    path("auth/token/refresh", tenants_api.TokenRefreshApi.as_view()),
     path("agents", agents_api.AgentListApi.as_view()),
     path("agents/<slug:name>/versions", agents_api.VersionListApi.as_view()),
     path("agents/<slug:name>/versions/<int:number>", agents_api.VersionDetailApi.as_view()),
@@ -30,9 +32,15 @@ v1 = [
     path("reservations/<str:reservation_id>/write-off", budgets_api.ReservationWriteOffApi.as_view()),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    re_path(r"", errors.unmatched_route),   # last: anything else under /v1/ is a JSON 404
 ]
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/", include(v1)),
 ]
+
+handler400 = "agentplatform.errors.bad_request"
+handler403 = "agentplatform.errors.permission_denied"
+handler404 = "agentplatform.errors.page_not_found"
+handler500 = "agentplatform.errors.server_error"

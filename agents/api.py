@@ -6,9 +6,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import require_tenant
-from agentplatform.errors import Forbidden, NotFound
+from agentplatform.errors import DomainError, Forbidden, NotFound
 from agents import selectors, services
-from agents.models import AgentDefinition, AgentVersion
+from agents.models import AgentDefinition, AgentVersion, Alias
 
 
 class VersionOutput(serializers.ModelSerializer):
@@ -45,6 +45,15 @@ def _require_editor(user) -> None:
         raise Forbidden("only tenant staff may change agents", code="not_staff")
 
 
+def _check_length(**names: str) -> None:
+    """Names in the path are stored as given; refuse what the columns cannot hold (400, not a 500)."""
+    limits = {"name": AgentDefinition._meta.get_field("name").max_length,
+              "alias": Alias._meta.get_field("name").max_length}
+    fields = {key: [f"at most {limits[key]} characters"] for key, value in names.items() if len(value) > limits[key]}
+    if fields:
+        raise DomainError("the path has invalid names", fields=fields)
+
+
 class AgentListApi(APIView):
     @extend_schema(responses=AgentOutput(many=True))
     def get(self, request):
@@ -67,6 +76,7 @@ class VersionListApi(APIView):
     def post(self, request, name: str):
         """Validate and store a new immutable version. Posting the latest spec again returns it (200)."""
         _require_editor(request.user)
+        _check_length(name=name)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         version, created = services.create_version(tenant=request.user.tenant, agent=name,
@@ -86,12 +96,13 @@ class VersionDetailApi(APIView):
 
 class AliasApi(APIView):
     class InputSerializer(serializers.Serializer):
-        version = serializers.IntegerField(min_value=1)
+        version = serializers.IntegerField(min_value=1, max_value=2**31 - 1)
 
     @extend_schema(request=InputSerializer, responses=VersionOutput)
     def put(self, request, name: str, alias: str):
         """Point an alias (prod, canary, …) at a version. Running runs keep the version they pinned."""
         _require_editor(request.user)
+        _check_length(name=name, alias=alias)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         moved = services.move_alias(tenant=request.user.tenant, agent=name, alias=alias,

@@ -10,8 +10,11 @@ KNOWN_KEYS = {"model", "instructions", "tools", "limits", "context", "approval_o
               "on_approval_expired", "max_visible_tools", "description", "expected_cost_micros"}
 
 
+SETTING_MAX = 1_000_000_000   # loop, context and visibility settings: large, but no overflow downstream
+
+
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= SETTING_MAX
 
 
 def validate_spec(spec, tenant) -> dict[str, list[str]]:
@@ -53,7 +56,7 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
         for key, value in limits.items():
             if key not in DEFAULT_LIMITS:
                 add(f"limits.{key}", f"unknown limit; one of {', '.join(sorted(DEFAULT_LIMITS))}")
-            elif not _positive_int(value):
+            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 add(f"limits.{key}", "must be a positive integer")
             elif value > getattr(tenant, LIMIT_CAPS[key]):
                 add(f"limits.{key}", f"{value} is above the tenant cap of {getattr(tenant, LIMIT_CAPS[key])}")
@@ -87,12 +90,12 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
                     if not _positive_int(chars):
                         add(f"{section}.{key}.{name}", "must be a positive integer")
             elif not _positive_int(item):
-                add(f"{section}.{key}", "must be a positive integer")
+                add(f"{section}.{key}", f"must be a positive integer up to {SETTING_MAX}")
     if spec.get("on_approval_expired", "tell_model") not in ("tell_model", "stop"):
         add("on_approval_expired", "must be one of tell_model, stop")
     if "expected_cost_micros" in spec and not _positive_int(spec["expected_cost_micros"]):
         add("expected_cost_micros", "must be a positive integer (micros a run is expected to cost; "
             "learned from finished runs when absent)")
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
-        add("max_visible_tools", "must be a positive integer")
+        add("max_visible_tools", f"must be a positive integer up to {SETTING_MAX}")
     return errors

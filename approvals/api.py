@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import paginate, require_tenant
+from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
 from approvals import selectors, services
 from approvals.models import Approval, ApprovalStatus
 
@@ -27,11 +28,12 @@ class ApprovalOutput(serializers.ModelSerializer):
 class ApprovalListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         status = serializers.ChoiceField(choices=ApprovalStatus.choices, required=False)
-        tool = serializers.CharField(required=False)
+        tool = serializers.CharField(required=False, max_length=200)
         run = serializers.UUIDField(required=False)
 
     @extend_schema(parameters=[OpenApiParameter("status", enum=ApprovalStatus.values), OpenApiParameter("tool"),
-                               OpenApiParameter("run")], responses=ApprovalOutput(many=True))
+                               OpenApiParameter("run", OpenApiTypes.UUID), *PAGE_PARAMETERS],
+                   responses=paginated(ApprovalOutput, "PaginatedApprovals"))
     def get(self, request):
         """Approvals of tools the caller may approve, oldest first."""
         require_tenant(request.user)
@@ -52,7 +54,7 @@ class _DecisionApi(APIView):
     approve = True
 
     class InputSerializer(serializers.Serializer):
-        reason = serializers.CharField(allow_blank=True, required=False, default="")
+        reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
 
     @extend_schema(request=InputSerializer, responses=ApprovalOutput)
     def post(self, request, approval_id):

@@ -198,7 +198,7 @@ def ensure_redis() -> None:
 def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     """The tenant, its tools (one per effect class), the agent; returns (agent token, supervisor token)."""
     from guardian.shortcuts import assign_perm
-    from rest_framework.authtoken.models import Token
+    from tenants.tokens import issue_token
 
     from agents.models import Alias
     from agents.services import create_version
@@ -245,7 +245,7 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     Alias.objects.create(agent=version.agent, name="prod", version=version)
     assign_perm("agents.run_agent", agent_user, version.agent)
     assign_perm("tenants.view_runs", supervisor, tenant)   # the supervisor resolves runs it did not start
-    return Token.objects.create(user=agent_user).key, Token.objects.create(user=supervisor).key
+    return issue_token(user=agent_user).token, issue_token(user=supervisor).token
 
 
 # --- the actors --------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import paginate, require_tenant
+from agentplatform.api import MONEY_MAX_MICROS, PAGE_PARAMETERS, paginate, paginated, require_tenant
 from agentplatform.errors import Conflict, Forbidden
 from budgets import selectors, services
 from budgets.models import Reservation
@@ -47,27 +47,51 @@ class ReservationOutput(serializers.ModelSerializer):
                   "note", "created_at", "closed_at"]
 
 
+class AgentUsageOutput(serializers.Serializer):
+    agent = serializers.CharField()
+    spent_micros = serializers.IntegerField()
+    held_micros = serializers.IntegerField()
+    reserved_micros = serializers.IntegerField()
+    runs = serializers.IntegerField()
+
+
+class UsageOutput(serializers.Serializer):
+    tenant = serializers.CharField()
+    time_zone = serializers.CharField()
+    currency_micros_per_unit = serializers.IntegerField()
+    days = DayOutput(many=True)
+    agents = AgentUsageOutput(many=True)
+
+
 class UsageApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("days", int)], responses=UsageOutput)
+    class FilterSerializer(serializers.Serializer):
+        days = serializers.IntegerField(min_value=1, max_value=366, required=False, default=30)
+
+    @extend_schema(parameters=[OpenApiParameter("days", {"type": "integer", "minimum": 1, "maximum": 366,
+                                                         "default": 30})], responses=UsageOutput)
     def get(self, request):
         """The tenant's budget days (limit, reserved, spent, held) and a per-agent breakdown."""
         require_tenant(request.user)
-        raw = request.query_params.get("days", "30")
-        if not raw.isdigit() or not 1 <= int(raw) <= 366:
-            raise serializers.ValidationError({"days": ["a whole number from 1 to 366"]})
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
         tenant = request.user.tenant
-        days = int(raw)
+        days = filters.validated_data["days"]
         return Response({"tenant": tenant.slug, "time_zone": tenant.time_zone, "currency_micros_per_unit": 1_000_000,
                          "days": DayOutput(selectors.tenant_days(tenant, days=days), many=True).data,
                          "agents": selectors.per_agent(tenant, days=days)})
 
 
 class ReservationListApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("status", enum=Reservation.Status.values)],
-                   responses=ReservationOutput(many=True))
+    class FilterSerializer(serializers.Serializer):
+        status = serializers.ChoiceField(choices=Reservation.Status.choices, required=False)
+
+    @extend_schema(parameters=[OpenApiParameter("status", enum=Reservation.Status.values), *PAGE_PARAMETERS],
+                   responses=paginated(ReservationOutput, "PaginatedReservations"))
     def get(self, request):
         require_tenant(request.user)
-        return paginate(self, request, selectors.reservations_for(request.user, status=request.query_params.get("status"))
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        return paginate(self, request, selectors.reservations_for(request.user, **filters.validated_data)
                         .order_by("-created_at"), ReservationOutput)
 
 
@@ -79,8 +103,8 @@ def _require_staff(user) -> None:
 
 class ReservationReconcileApi(APIView):
     class InputSerializer(serializers.Serializer):
-        actual_micros = serializers.IntegerField(min_value=0)
-        note = serializers.CharField()
+        actual_micros = serializers.IntegerField(min_value=0, max_value=MONEY_MAX_MICROS)
+        note = serializers.CharField(max_length=2000)
 
     @extend_schema(request=InputSerializer, responses=ReservationOutput)
     def post(self, request, reservation_id):
@@ -96,7 +120,7 @@ class ReservationReconcileApi(APIView):
 
 class ReservationWriteOffApi(APIView):
     class InputSerializer(serializers.Serializer):
-        note = serializers.CharField()
+        note = serializers.CharField(max_length=2000)
 
     @extend_schema(request=InputSerializer, responses=ReservationOutput)
     def post(self, request, reservation_id):

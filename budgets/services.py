@@ -361,10 +361,19 @@ def hold(reservation_id, *, note: str = "") -> bool:
                   note=note, durable=False)
 
 
+# A reservation is the call's worst case; a charge this many times larger is a typing mistake
+# (9e18 micros was once accepted and blocked the tenant's budget for the rest of the day).
+RECONCILE_MAX_FACTOR = 10
+
+
 def reconcile(reservation_id, *, actual_micros: int, actor, note: str) -> bool:
     """Clear a hold with the provider's actual usage for the lost call."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
+    amount = Reservation.objects.filter(pk=reservation_id).values_list("amount_micros", flat=True).first()
+    if amount is not None and actual_micros > max(amount, 1) * RECONCILE_MAX_FACTOR:
+        raise DomainError("the actual charge is implausibly large", fields={"actual_micros": [
+            f"at most {RECONCILE_MAX_FACTOR} times the reservation ({amount} micros)"]})
     return _close(reservation_id, from_status=Status.HELD, to_status=Status.RECONCILED, kind=Kind.RECONCILE,
                   actual=actual_micros, actor=actor, note=note)
 

@@ -5,10 +5,11 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import BudgetSerializer, paginate, require_tenant
+from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
 from agentplatform.errors import Forbidden
 from runs import resolution, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
+from tenants.auth import RunStartThrottle
 
 
 class RunOutput(serializers.ModelSerializer):
@@ -49,10 +50,12 @@ class EventOutput(serializers.ModelSerializer):
 
 
 class RunListApi(APIView):
+    throttle_classes = [RunStartThrottle]
+
     class InputSerializer(serializers.Serializer):
-        agent = serializers.SlugField()
-        alias = serializers.SlugField(required=False)
-        version = serializers.IntegerField(required=False, min_value=1)
+        agent = serializers.SlugField(max_length=100)
+        alias = serializers.SlugField(max_length=50, required=False)
+        version = serializers.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
         input = serializers.JSONField()
         metadata = serializers.DictField(required=False, default=dict)
         wait = serializers.BooleanField(
@@ -65,14 +68,19 @@ class RunListApi(APIView):
                 raise serializers.ValidationError({"version": ["give alias or version, not both"]})
             return attrs
 
+    class FilterSerializer(serializers.Serializer):
+        status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+        agent = serializers.CharField(max_length=100, required=False)
+        created_by = serializers.CharField(max_length=150, required=False)
+
     @extend_schema(parameters=[OpenApiParameter("status", enum=RunStatus.values), OpenApiParameter("agent"),
-                               OpenApiParameter("created_by")], responses=RunOutput(many=True))
+                               OpenApiParameter("created_by"), *PAGE_PARAMETERS],
+                   responses=paginated(RunOutput, "PaginatedRuns"))
     def get(self, request):
         require_tenant(request.user)
-        runs = selectors.runs_for(request.user, status=request.query_params.get("status"),
-                                  agent=request.query_params.get("agent"),
-                                  created_by=request.query_params.get("created_by"))
-        return paginate(self, request, runs, RunOutput)
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        return paginate(self, request, selectors.runs_for(request.user, **filters.validated_data), RunOutput)
 
     @extend_schema(request=InputSerializer, responses={201: RunOutput, 200: RunOutput},
                    parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)])
@@ -109,21 +117,24 @@ class RunStepsApi(APIView):
 
 
 class RunEventsApi(APIView):
-    @extend_schema(parameters=[OpenApiParameter("after", int,
+    class FilterSerializer(serializers.Serializer):
+        after = serializers.IntegerField(min_value=0, max_value=ID_MAX, required=False)
+
+    @extend_schema(parameters=[OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": ID_MAX},
                                                 description="only events with a larger id (seq) in this run")],
                    responses=EventOutput(many=True))
     def get(self, request, run_id):
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
-        after = request.query_params.get("after")
-        if after is not None and not after.isdigit():
-            raise serializers.ValidationError({"after": ["must be an event id"]})
-        return Response(EventOutput(selectors.events_of(run, after=int(after) if after else None), many=True).data)
+        filters = self.FilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        return Response(EventOutput(selectors.events_of(run, after=filters.validated_data.get("after")),
+                                    many=True).data)
 
 
 class RunCancelApi(APIView):
     class InputSerializer(serializers.Serializer):
-        reason = serializers.CharField(required=False, allow_blank=True, default="")
+        reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
 
     @extend_schema(request=InputSerializer, responses=RunOutput)
     def post(self, request, run_id):
@@ -141,7 +152,7 @@ class RunCancelApi(APIView):
 class StepResolveApi(APIView):
     class InputSerializer(serializers.Serializer):
         outcome = serializers.ChoiceField(choices=resolution.OUTCOMES)
-        reason = serializers.CharField()
+        reason = serializers.CharField(max_length=2000)
         result = serializers.JSONField(required=False, default=None)
         override = serializers.BooleanField(required=False, default=False)
 

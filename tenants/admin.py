@@ -13,6 +13,7 @@ from django.utils.html import format_html
 from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
 from budgets.admin import usage_page
 from tenants.models import Secret, Tenant, TenantGroup, User
+from tenants.tokens import revoke_all
 
 
 @admin.register(Tenant, site=site)
@@ -81,6 +82,12 @@ class UserAdmin(TenantScopedAdmin, DjangoUserAdmin):
         users = super().get_queryset(request)
         # A tenant admin who could edit a superuser (e.g. reset their password) would become one.
         return users if request.user.is_superuser else users.filter(is_superuser=False)
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        if change and "is_active" in form.changed_data and not obj.is_active:
+            # A deactivated user's tokens end now, so reactivating them later revives none.
+            revoke_all(user=obj)
 
     def get_readonly_fields(self, request, obj=None):
         readonly = list(super().get_readonly_fields(request, obj))

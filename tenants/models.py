@@ -98,3 +98,26 @@ class Secret(models.Model):
     def reveal(self) -> str:
         from tenants.crypto import decrypt
         return decrypt(self.ciphertext, settings.SECRET_ENCRYPTION_KEYS)
+
+
+class ApiToken(models.Model):
+    """An API bearer token. Only the sha256 of the token is stored; the token itself is shown once.
+
+    A token authenticates while it has not expired, its user is active, and the user's password is
+    the one it was issued under (`credentials`, a keyed fingerprint of the password hash), so a
+    password change made anywhere (API, admin, `manage.py changepassword`, `apply`) ends it.
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    digest = models.CharField(max_length=64, unique=True)
+    credentials = models.CharField(max_length=64)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    # The password sign-in this token descends from; refreshes keep it, so refreshing has an end.
+    signed_in_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["user", "expires_at"], name="apitoken_user_expiry")]
+
+    def __str__(self) -> str:
+        return f"token of {self.user_id} until {self.expires_at:%Y-%m-%d %H:%M}"

@@ -28,6 +28,14 @@ def _purge_broker():
         redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(settings.CELERY_TASK_DEFAULT_QUEUE)
 
 
+@pytest.fixture(autouse=True)
+def _clear_rate_limits():
+    """Rate limits count in the cache (local memory in tests): each test starts with none used."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
 @pytest.fixture
 def tenant(db):
     return factories.make_tenant()

@@ -12,42 +12,25 @@ Three phases, so that nothing is half-applied and no transaction is open across 
 Items with errors are left out of phase 3, which still runs so that errors that need the
 database are reported in the same answer; references to items left out are not reported twice.
 
-Phase 1 is in schema.py (field values through convert.py), phase 2 in discovery.py, phase 3 in
+Reading the file (size, duplicate keys, aliases, text) is in loading.py; phase 1 is in schema.py
+(field values through convert.py), phase 2 in discovery.py, phase 3 in
 writing.py; report.py holds what apply_config returns or raises.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import yaml
-from django.db import transaction
+from django.db import DataError, transaction
 
 from tenants.config.discovery import discover
 from tenants.config.egress import check_egress
+from tenants.config.loading import load_file, load_text
 from tenants.config.report import ApplyReport, ConfigError
 from tenants.config.schema import Problems, expand_env, parse
 from tenants.config.writing import write
 
-__all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file"]
+__all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file", "load_text"]
 
 
 # --- entry points --------------------------------------------------------------------------------
-
-def load_file(path: str | Path) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([("", f"cannot read {path}: {exc.strerror or exc}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([(where, f"invalid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([("", "the file must be a mapping with a tenant section")])
-    return data
-
 
 def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error."""
@@ -57,11 +40,15 @@ def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     remote = discover(plan, problems)
     if plan.tenant is None:
         raise ConfigError(problems.in_file_order())
-    with transaction.atomic():
-        report = write(plan, remote, problems)
-        if problems:
-            raise ConfigError(problems.in_file_order())
-        if dry_run:
-            transaction.set_rollback(True)
+    try:
+        with transaction.atomic():
+            report = write(plan, remote, problems)
+            if problems:
+                raise ConfigError(problems.in_file_order())
+            if dry_run:
+                transaction.set_rollback(True)
+    except DataError as exc:
+        # Parsing bounds every value a column holds; this is the net under that, never a traceback.
+        raise ConfigError([*problems.in_file_order(), ("", f"the database refused a value: {exc}".strip())]) from None
     report.dry_run = dry_run
     return report

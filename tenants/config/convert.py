@@ -11,6 +11,8 @@ from django.contrib.auth.validators import UnicodeUsernameValidator
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator, validate_email, validate_slug
 
+from agentplatform.api import MONEY_MAX_MICROS
+from agentplatform.parsers import check_json, text_problem
 from approvals.policy import PolicyError, parse_policy
 from tenants.models import validate_time_zone
 from tools.origins import OriginError, split_host_port
@@ -30,14 +32,22 @@ class _Invalid(Exception):
 Convert = Callable[[Any], Any]
 
 
-def _text(max_length: int = 0, *, empty: bool = True) -> Convert:
+TEXT_MAX = 10_000          # free text (descriptions, secret values) without a column limit of its own
+INT_MAX = 2**31 - 1        # PositiveIntegerField
+JSON_DEPTH_MAX = 64
+
+
+def _text(max_length: int = TEXT_MAX, *, empty: bool = True) -> Convert:
     def convert(value: Any) -> str:
         if not isinstance(value, str):
             raise _Invalid("must be text")
         if not empty and not value.strip():
             raise _Invalid("must not be empty")
-        if max_length and len(value) > max_length:
+        if len(value) > max_length:
             raise _Invalid(f"must be at most {max_length} characters")
+        problem = text_problem(value)
+        if problem:
+            raise _Invalid(problem)
         return value
     return convert
 
@@ -84,49 +94,60 @@ def _decimal(value: Any) -> Decimal:
     return number
 
 
-def _int(minimum: int = 1) -> Convert:
+def _within(number: Decimal, minimum: Decimal | int, maximum: Decimal | int) -> Decimal:
+    # Compared before any conversion: int(Decimal("1e999999999")) alone would never finish.
+    if number < minimum:
+        raise _Invalid(f"must be at least {minimum}")
+    if number > maximum:
+        raise _Invalid(f"must be at most {maximum}")
+    return number
+
+
+def _int(minimum: int = 1, maximum: int = INT_MAX) -> Convert:
     def convert(value: Any) -> int:
-        number = _decimal(value)
+        number = _within(_decimal(value), minimum, maximum)
         if number != number.to_integral_value():
             raise _Invalid("must be a whole number")
-        if number < minimum:
-            raise _Invalid(f"must be at least {minimum}")
         return int(number)
     return convert
 
 
-def _seconds(value: Any) -> float:
-    number = _decimal(value)
-    if number <= 0:
-        raise _Invalid("must be greater than 0")
-    return float(number)
+def _seconds(maximum: int) -> Convert:
+    """A duration in seconds, greater than 0 and at most `maximum`."""
+    def convert(value: Any) -> float:
+        number = _within(_decimal(value), 0, maximum)
+        if number <= 0:
+            raise _Invalid("must be greater than 0")
+        return float(number)
+    return convert
 
 
-def _not_negative(value: Any) -> Decimal:
+def _not_negative(value: Any, maximum: Decimal | int) -> Decimal:
     number = _decimal(value)
     if number < 0:
         raise _Invalid("must not be negative")
-    return number
+    return _within(number, 0, maximum)
 
 
-def _non_negative(value: Any) -> float:
-    return float(_not_negative(value))
+def _non_negative(maximum: int) -> Convert:
+    return lambda value: float(_not_negative(value, maximum))
 
 
 def _money(value: Any) -> int:
     """Currency units to integer micros; refuse what micros cannot hold exactly."""
-    micros = _not_negative(value) * MICROS
+    micros = _not_negative(value, Decimal(MONEY_MAX_MICROS) / MICROS) * MICROS
     if micros != micros.to_integral_value():
         raise _Invalid("must have at most 6 decimal places")
     return int(micros)
 
 
+PRICE_MAX = Decimal("99999999.9999")   # DecimalField(max_digits=12, decimal_places=4)
+
+
 def _price(value: Any) -> Decimal:
-    number = _not_negative(value)
+    number = _not_negative(value, PRICE_MAX)
     if number != number.quantize(Decimal("0.0001"), rounding=decimal.ROUND_DOWN):
         raise _Invalid("must have at most 4 decimal places")
-    if number >= Decimal("100000000"):
-        raise _Invalid("must be below 100000000")
     return number
 
 
@@ -142,18 +163,36 @@ def _nullable(inner: Convert) -> Convert:
     return lambda value: None if value is None else inner(value)
 
 
+def _json(value: Any) -> Any:
+    """A value stored as JSON: finite numbers, text keys, storable text, bounded nesting."""
+    problem = check_json(value, max_depth=JSON_DEPTH_MAX)
+    if problem:
+        at, message = problem
+        raise _Invalid(message, at=f".{at}" if at and not at.startswith("[") else at)
+    return value
+
+
 def _mapping(value: Any) -> dict:
     if not isinstance(value, dict):
         raise _Invalid("must be a mapping")
-    return value
+    return _json(value)
+
+
+LIST_MAX = 1000
 
 
 def _text_list(value: Any) -> list[str]:
     if not isinstance(value, list):
         raise _Invalid("must be a list")
+    if len(value) > LIST_MAX:
+        raise _Invalid(f"must have at most {LIST_MAX} items")
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item:
             raise _Invalid("must be non-empty text", at=f"[{i}]")
+        try:
+            _text(1000)(item)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, at=f"[{i}]") from None
     return value
 
 
@@ -169,6 +208,7 @@ def _time_zone(value: Any) -> str:
 def _policy(value: Any) -> str:
     if not isinstance(value, str):
         raise _Invalid('must be text: "never", "always" or a rule such as "amount > 5000"')
+    _text(1000)(value)
     try:
         return parse_policy(value).text
     except PolicyError as exc:
@@ -190,7 +230,7 @@ def _spec_list(value: Any) -> list[dict]:
     for i, spec in enumerate(value):
         if not isinstance(spec, dict):
             raise _Invalid("must be a mapping (an agent spec)", at=f"[{i}]")
-    return value
+    return _json(value)
 
 
 def _aliases(value: Any) -> dict[str, int]:

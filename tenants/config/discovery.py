@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentplatform.parsers import check_json, text_problem
+from tenants.config.convert import JSON_DEPTH_MAX, TEXT_MAX
 from tenants.config.schema import Item, Plan, Problems
 from tenants.crypto import redact
 from tenants.models import Secret
@@ -45,13 +47,31 @@ def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list
             problems.add(f"{item.path}.secret", f"no secret named {secret_name!r}")
         return None
     config = server_config(item.values, existing, secret)
+    where = "command" if config.transport == ToolServer.Transport.STDIO else "url"
     try:
-        return mcp_client.list_tools(config)
+        listed = mcp_client.list_tools(config)
     except Exception as exc:  # any failure to list means the file cannot be applied as written
-        where = "command" if config.transport == ToolServer.Transport.STDIO else "url"
         message = redact(str(exc), [secret] if secret else [])
         problems.add(f"{item.path}.{where}", f"cannot list the server's tools: {message}")
         return None
+    refused = [(tool.name, problem) for tool in listed for problem in [_remote_problem(tool)] if problem]
+    for name, problem in refused:
+        problems.add(f"{item.path}.{where}", f"the server's tool {name[:200]!r}: {problem}")
+    return None if refused else listed
+
+
+def _remote_problem(tool: RemoteTool) -> str | None:
+    """What the catalogue cannot store of a listed tool (the server is not trusted to be sensible)."""
+    for label, value, limit in (("name", tool.name, 200), ("description", tool.description, TEXT_MAX)):
+        if len(value) > limit:
+            return f"its {label} is longer than {limit} characters"
+        problem = text_problem(value)
+        if problem:
+            return f"its {label} {problem}"
+    problem = check_json(tool.input_schema, max_depth=JSON_DEPTH_MAX)
+    if problem:
+        return f"its input schema at {problem[0] or 'the top'}: {problem[1]}"
+    return None
 
 
 def _secret_plaintext(name: str | None, plan: Plan, slug: str) -> str | None:

@@ -20,6 +20,11 @@ from tools.models import EffectClass, ToolServer
 PERMS = {"use": "use_tool", "approve": "approve_tool"}          # grants[] with tool:
 AGENT_PERMS = {"run": "run_agent"}                             # grants[] with agent:
 TENANT_PERMS = {"view_runs": "view_runs"}                      # tenant.view_runs
+DAY = 24 * 3600
+APPROVAL_TTL_MAX = 30 * DAY
+# A call must end inside one worker task (CELERY_TASK_SOFT_TIME_LIMIT, 330 s by default); a longer
+# timeout (or "1e400", once stored as Infinity) left every run using the tool stuck.
+CALL_TIMEOUT_MAX = 300
 
 
 # --- problems and plan ---------------------------------------------------------------------------
@@ -120,15 +125,15 @@ TENANT: Spec = {
     "daily_budget": Field("daily_budget_micros", _money),
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
-    "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1)),
+    "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1, APPROVAL_TTL_MAX)),
     "view_runs": Field("view_runs", _text_list),
     "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
-    "quotas": {"max_active_runs": Field("max_active_runs", _int(1)),
-               "max_starts_per_minute": Field("max_starts_per_minute", _int(1))},
-    "caps": {"max_steps": Field("max_steps_cap", _int(1)),
-             "max_tool_calls": Field("max_tool_calls_cap", _int(1)),
-             "max_wall_seconds": Field("max_wall_seconds_cap", _int(1)),
-             "max_output_tokens": Field("max_output_tokens_cap", _int(1)),
+    "quotas": {"max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
+               "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000))},
+    "caps": {"max_steps": Field("max_steps_cap", _int(1, 100_000)),
+             "max_tool_calls": Field("max_tool_calls_cap", _int(1, 100_000)),
+             "max_wall_seconds": Field("max_wall_seconds_cap", _int(1, 90 * DAY)),
+             "max_output_tokens": Field("max_output_tokens_cap", _int(1, 1_000_000)),
              "max_cost": Field("max_cost_micros_cap", _money)},
 }
 SECRET: Spec = {"name": Field("name", _text(100, empty=False), required=True),
@@ -137,7 +142,7 @@ SECRET: Spec = {"name": Field("name", _text(100, empty=False), required=True),
 GROUP: Spec = {"name": Field("name", _text(100, empty=False), required=True)}
 USER: Spec = {"username": Field("username", _username, required=True),
               "email": Field("email", _email),
-              "password": Field("password", _text(empty=False)),
+              "password": Field("password", _text(4096, empty=False)),
               "password_env": Field("password_env", _text(empty=False)),
               "groups": Field("groups", _text_list),
               "staff": Field("is_staff", _bool),
@@ -147,7 +152,7 @@ ENDPOINT: Spec = {"name": Field("name", _slug(100), required=True),
                   "base_url": Field("base_url", _url),
                   "model": Field("model", _text(200)),
                   "secret": Field("secret", _nullable(_text(100, empty=False))),
-                  "timeout_seconds": Field("timeout_seconds", _seconds),
+                  "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
                   "send_cache_key": Field("send_cache_key", _bool),
                   "prices": {"input": Field("price_input", _price),
                              "cached_input": Field("price_cached_input", _price),
@@ -169,12 +174,12 @@ TOOL: Spec = {"server": Field("server", _slug(50), required=True),
               "enabled": Field("enabled", _bool),
               "effect": Field("effect_class", _choice(EffectClass.values)),
               "approval": Field("approval_policy", _policy),
-              "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1))),
-              "timeout_seconds": Field("timeout_seconds", _seconds),
+              "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1, APPROVAL_TTL_MAX))),
+              "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
               "price": Field("price_micros", _money),
-              "max_attempts": Field("max_attempts", _int(1)),
-              "backoff_seconds": Field("backoff_seconds", _non_negative),
-              "settle_seconds": Field("settle_seconds", _nullable(_int(0))),
+              "max_attempts": Field("max_attempts", _int(1, 20)),
+              "backoff_seconds": Field("backoff_seconds", _non_negative(3600)),
+              "settle_seconds": Field("settle_seconds", _nullable(_int(0, DAY))),
               "description": Field("description", _text()),
               "input_schema": Field("input_schema", _json_schema),
               "http_url": Field("http_url", _url),

@@ -22,6 +22,7 @@ from tenants.config.report import ApplyReport
 from tenants.config.schema import (AGENT_PERMS, HTTP_ONLY, PERMS, TENANT_PERMS, TOOL, TOOL_DESTINATION, Field, Item,
                                    Plan, Problems)
 from tenants.models import Secret, Tenant, TenantGroup, User
+from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.services import configure_tool
 from tools.models import Tool, ToolServer
@@ -184,6 +185,8 @@ def _update_user(user: User, values: dict, password: str | None) -> list[str]:
         user.set_password(password)
         user.save(update_fields=["password"])
         changed.append("password")
+    if "password" in changed or ("is_active" in changed and not user.is_active):
+        revoke_all(user=user)
     return changed
 
 
