@@ -396,6 +396,16 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
               f"{'-' if no_db else r.per_step(r.commits):>12} | "
               f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else ""))
     print()
+    if len({r.round for r in results}) > 1:
+        print("over the rounds (min-max):")
+        for name in dict.fromkeys(r.scenario for r in results):
+            rows = [r for r in results if r.scenario == name]
+            print(f"  {name:<15} {span([r.rate for r in rows], '.1f')} steps/s, "
+                  f"{span([r.cpu * 1000 / r.steps for r in rows], '.2f')} CPU ms/step"
+                  + ("" if name == "chain" else
+                     f", {span([r.statements / r.steps for r in rows if r.statements is not None], '.2f')} stmts/step, "
+                     f"{span([r.commits / r.steps for r in rows if r.commits is not None], '.2f')} commits/step"))
+        print()
     by = {(r.round, r.scenario): r for r in results}
     for round_no in sorted({r.round for r in results}):
         parts = []
@@ -416,6 +426,13 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
     if chain_sql:
         print(f"note: the chain's workers sent {chain_sql} SQL statements (none expected)")
     print(f"total {time.time() - started:.0f} s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def span(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
 
 
 # --- main ----------------------------------------------------------------------------------------
