@@ -10,6 +10,7 @@ The model is offered the same tool the engine's agent has (`bench__echo`, as the
 a tool of server `bench`) and gets the same instructions. Each peer process shares one
 httpx.Client (keep-alive, thread-safe) for both servers, as the engine's model client does.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,12 @@ INSTRUCTIONS = "You help bank support agents."
 TOOL_NAME = "bench__echo"
 TOOL_REMOTE_NAME = "echo"
 TOOL_SCHEMA = {"type": "object", "properties": {"i": {"type": "integer"}}}
-TOOLS = [{"type": "function", "function": {"name": TOOL_NAME, "description": "Echo the arguments back.",
-                                           "parameters": TOOL_SCHEMA}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": TOOL_NAME, "description": "Echo the arguments back.", "parameters": TOOL_SCHEMA},
+    }
+]
 MODEL = "test-model"
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
@@ -36,14 +41,18 @@ def make_client() -> httpx.Client:
 
 
 def first_messages(run: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": INSTRUCTIONS},
-            {"role": "user", "content": json.dumps({"task": f"bench {run}"})}]
+    return [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": json.dumps({"task": f"bench {run}"})},
+    ]
 
 
 def model_turn(client: httpx.Client, model_url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """One model call: the assistant message to append (with `tool_calls` when it wants a tool)."""
-    response = client.post(f"{model_url}/chat/completions",
-                           json={"model": MODEL, "messages": messages, "tools": TOOLS, "max_completion_tokens": 1024})
+    response = client.post(
+        f"{model_url}/chat/completions",
+        json={"model": MODEL, "messages": messages, "tools": TOOLS, "max_completion_tokens": 1024},
+    )
     if response.status_code != 200:
         raise StepFailed(f"model answered {response.status_code}: {response.text[:300]}")
     message = response.json()["choices"][0]["message"]
@@ -58,8 +67,11 @@ def tool_turn(client: httpx.Client, tool_url: str, call: dict[str, Any], key: st
     name = call["function"]["name"]
     if name != TOOL_NAME:
         raise StepFailed(f"the model called an unknown tool {name!r}")
-    response = client.post(f"{tool_url}/tools/{TOOL_REMOTE_NAME}", content=call["function"]["arguments"],
-                           headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+    response = client.post(
+        f"{tool_url}/tools/{TOOL_REMOTE_NAME}",
+        content=call["function"]["arguments"],
+        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+    )
     if response.status_code != 200:
         raise StepFailed(f"tool answered {response.status_code}: {response.text[:300]}")
     return {"role": "tool", "tool_call_id": call["id"], "content": response.text}

@@ -16,6 +16,7 @@ its database, so the starting commit count cannot be read with nothing connected
 after launch and a pause of pgstats.SETTLE_SECONDS, and whatever those threads commit during the
 window counts, as it would in production. Prints one JSON line like bench/peer_langgraph.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,15 @@ def main() -> None:
     from dbos import DBOS
 
     client = peer_agent.make_client()
-    DBOS(config={"name": "bench-peers", "system_database_url": args.db, "sys_db_pool_size": args.pool,
-                 "application_version": "bench", "log_level": "WARNING"})
+    DBOS(
+        config={
+            "name": "bench-peers",
+            "system_database_url": args.db,
+            "sys_db_pool_size": args.pool,
+            "application_version": "bench",
+            "log_level": "WARNING",
+        }
+    )
 
     @DBOS.step()
     def model_step(messages: list) -> dict:
@@ -64,7 +72,7 @@ def main() -> None:
         peer_agent.check_run(messages, args.steps)
         return len(messages)
 
-    DBOS.launch()                           # its migrations and recovery: not part of the figures
+    DBOS.launch()  # its migrations and recovery: not part of the figures
     time.sleep(pgstats.SETTLE_SECONDS)
     before = pgstats.counters(args.db)
 
@@ -81,11 +89,20 @@ def main() -> None:
     DBOS.destroy()
     client.close()
     after = pgstats.wait_idle(args.db)
-    print(json.dumps({"steps": args.runs * args.steps, "seconds": end - start, "cpu": cpu,
-                      "statements": sql_after["statements"] - sql_before["statements"],
-                      "checks": sql_after["checks"] - sql_before["checks"],
-                      "commits": after["commits"] - before["commits"],
-                      "rollbacks": after["rollbacks"] - before["rollbacks"]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps": args.runs * args.steps,
+                "seconds": end - start,
+                "cpu": cpu,
+                "statements": sql_after["statements"] - sql_before["statements"],
+                "checks": sql_after["checks"] - sql_before["checks"],
+                "commits": after["commits"] - before["commits"],
+                "rollbacks": after["rollbacks"] - before["rollbacks"],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Prints one JSON line: steps, seconds (first start to last finish), cpu (this pro
 system CPU over the same window), statements and checks sent (bench/sqlcount.py), commits and
 rollbacks of its database (bench/pgstats.py, read with nothing connected, before and after).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,12 +75,17 @@ def main() -> None:
     from psycopg_pool import ConnectionPool
 
     with PostgresSaver.from_conn_string(args.db) as saver:
-        saver.setup()                       # its migrations: not part of the figures
+        saver.setup()  # its migrations: not part of the figures
     before = pgstats.wait_idle(args.db)
 
     client = peer_agent.make_client()
-    pool = ConnectionPool(args.db, min_size=1, max_size=args.pool, open=True,
-                          kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row})
+    pool = ConnectionPool(
+        args.db,
+        min_size=1,
+        max_size=args.pool,
+        open=True,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
     app = build_graph(client, args.model_url, args.tool_url).compile(checkpointer=PostgresSaver(pool))
 
     def one_run(run: int) -> float:
@@ -99,11 +105,20 @@ def main() -> None:
     pool.close()
     client.close()
     after = pgstats.wait_idle(args.db)
-    print(json.dumps({"steps": args.runs * args.steps, "seconds": max(ends) - start, "cpu": cpu,
-                      "statements": sql_after["statements"] - sql_before["statements"],
-                      "checks": sql_after["checks"] - sql_before["checks"],
-                      "commits": after["commits"] - before["commits"],
-                      "rollbacks": after["rollbacks"] - before["rollbacks"]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps": args.runs * args.steps,
+                "seconds": max(ends) - start,
+                "cpu": cpu,
+                "statements": sql_after["statements"] - sql_before["statements"],
+                "checks": sql_after["checks"] - sql_before["checks"],
+                "commits": after["commits"] - before["commits"],
+                "rollbacks": after["rollbacks"] - before["rollbacks"],
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ When BENCH_SQLCOUNT_FILE is set (bench/peers.py sets it for every worker it star
 chain), this process counts the SQL statements it sends (bench/sqlcount.py) and writes the
 counts to that file when it exits.
 """
+
 from __future__ import annotations
 
 import os

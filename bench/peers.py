@@ -41,6 +41,7 @@ Columns (per scenario and round):
                  pool checks alike; the engine's figure leaves out this script's own polling
   load           the 1-minute load average when the scenario started and when it ended
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,8 @@ sys.path.insert(0, str(ROOT))
 
 # bench/engine.py's pieces (its import points DATABASE_URL and CELERY_QUEUE at its own names:
 # they are set again below, before Django reads them).
-from bench import engine as engine_bench  # noqa: E402
-from bench import peer_agent, pgstats, sqlcount  # noqa: E402
+from bench import engine as engine_bench
+from bench import peer_agent, pgstats, sqlcount
 
 BASE_URL = os.environ["DATABASE_URL"]
 BROKER_URL = os.environ["CELERY_BROKER_URL"]
@@ -72,7 +73,7 @@ PY = sys.executable
 os.environ["DATABASE_URL"] = DB_URLS["engine"]
 os.environ["CELERY_QUEUE"] = TAG
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
-os.environ.pop("DB_POOL_MAX", None)     # this process polls with one plain connection
+os.environ.pop("DB_POOL_MAX", None)  # this process polls with one plain connection
 
 
 def psycopg_url(url: str) -> str:
@@ -103,6 +104,7 @@ class Result:
 
 # --- servers and workers -------------------------------------------------------------------------
 
+
 def wait_port(proc: subprocess.Popen, port: int, what: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -118,8 +120,9 @@ def wait_port(proc: subprocess.Popen, port: int, what: str) -> None:
 
 def start_server(args: list[str], what: str) -> tuple[subprocess.Popen, int]:
     port = engine_bench.free_port()
-    proc = subprocess.Popen([PY, "-m", *args, "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", *args, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_port(proc, port, what)
     return proc, port
 
@@ -129,20 +132,47 @@ class Worker:
 
     def __init__(self, index: int, opts: argparse.Namespace):
         self.index = index
-        self.own_queue = f"{TAG}-w{index}"     # readiness ping only: proves this very process consumes
+        self.own_queue = f"{TAG}-w{index}"  # readiness ping only: proves this very process consumes
         self.counts = Path(tempfile.mkstemp(prefix=f"{TAG}-w{index}-", suffix=".json")[1])
-        self.log = tempfile.NamedTemporaryFile(prefix=f"{TAG}-w{index}-", suffix=".log", delete=False)
-        self.args = [PY, "-m", "celery", "-A", "agentplatform", "worker", "-P", "threads", "-c", str(opts.concurrency),
-                     "-Q", f"{TAG},{self.own_queue}", "-n", f"{TAG}-w{index}@{socket.gethostname()}",
-                     "-I", "bench.noop_tasks,bench.peer_tasks", "--loglevel", "WARNING",
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        self.log = Path(tempfile.mkstemp(prefix=f"{TAG}-w{index}-", suffix=".log")[1])
+        self.args = [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "agentplatform",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            str(opts.concurrency),
+            "-Q",
+            f"{TAG},{self.own_queue}",
+            "-n",
+            f"{TAG}-w{index}@{socket.gethostname()}",
+            "-I",
+            "bench.noop_tasks,bench.peer_tasks",
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
-        self.env = dict(os.environ, DATABASE_URL=DB_URLS["engine"], CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1",
-                        DEBUG="false", DB_POOL_MAX=str(opts.db_pool), BENCH_SQLCOUNT_FILE=str(self.counts))
+        self.env = dict(
+            os.environ,
+            DATABASE_URL=DB_URLS["engine"],
+            CELERY_QUEUE=TAG,
+            PYTHONUNBUFFERED="1",
+            DEBUG="false",
+            DB_POOL_MAX=str(opts.db_pool),
+            BENCH_SQLCOUNT_FILE=str(self.counts),
+        )
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        with self.log.open("wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
         import redis
@@ -170,7 +200,7 @@ class Worker:
             raise RuntimeError(f"worker {self.index} died: {self.output()[-3000:]}") from None
 
     def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
+        return self.log.read_text(errors="replace")
 
     def stop(self) -> dict[str, int]:
         """Warm shutdown; the statement counts it wrote as it exited."""
@@ -186,7 +216,7 @@ class Worker:
         finally:
             self.counts.unlink(missing_ok=True)
         if counts and self.proc and self.proc.returncode == 0:
-            Path(self.log.name).unlink(missing_ok=True)     # kept when something went wrong
+            self.log.unlink(missing_ok=True)  # kept when something went wrong
         return counts
 
 
@@ -221,25 +251,36 @@ class ToolCalls:
 
 # --- scenarios -----------------------------------------------------------------------------------
 
+
 def setup_engine_data(model_urls: dict[int, str], tool_url: str):
     """A tenant whose agents call the fake model and one declared HTTP tool on the tool server."""
     from tests import factories
     from tools.models import Tool, ToolServer
 
-    tenant = factories.make_tenant("bench", max_active_runs=10_000, max_starts_per_minute=100_000,
-                                   daily_budget_micros=10**15)
+    tenant = factories.make_tenant(
+        "bench", max_active_runs=10_000, max_starts_per_minute=100_000, daily_budget_micros=10**15
+    )
     user = factories.make_user(tenant, "bench")
     server = ToolServer.objects.create(tenant=tenant, name="bench", kind=ToolServer.Kind.HTTP, url=f"{tool_url}/tools")
-    tool = Tool.objects.create(tenant=tenant, server=server, name=peer_agent.TOOL_NAME,
-                               remote_name=peer_agent.TOOL_REMOTE_NAME, description="Echo the arguments back.",
-                               input_schema=peer_agent.TOOL_SCHEMA, enabled=True, effect_class="read_only",
-                               timeout_seconds=30, settle_seconds=0)
+    tool = Tool.objects.create(
+        tenant=tenant,
+        server=server,
+        name=peer_agent.TOOL_NAME,
+        remote_name=peer_agent.TOOL_REMOTE_NAME,
+        description="Echo the arguments back.",
+        input_schema=peer_agent.TOOL_SCHEMA,
+        enabled=True,
+        effect_class="read_only",
+        timeout_seconds=30,
+        settle_seconds=0,
+    )
     factories.grant(tool, use=[user])
     agents = {}
     for latency, url in model_urls.items():
         endpoint = factories.make_endpoint(tenant, name=f"fake-{latency}ms", kind="openai", base_url=url)
-        factories.make_agent(tenant, name=f"bench-{latency}ms", tools=[tool], endpoint=endpoint,
-                             instructions=peer_agent.INSTRUCTIONS)
+        factories.make_agent(
+            tenant, name=f"bench-{latency}ms", tools=[tool], endpoint=endpoint, instructions=peer_agent.INSTRUCTIONS
+        )
         agents[latency] = f"bench-{latency}ms"
     return user, agents
 
@@ -269,7 +310,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
             if time.monotonic() > deadline:
                 states = dict(runs.values_list("status").annotate(n=Count("pk")).order_by())
                 raise RuntimeError(f"{name}: runs not finished in {opts.timeout}s: runs by status {states}")
-            time.sleep(0.25)    # the end time comes from finished_at, not from this poll
+            time.sleep(0.25)  # the end time comes from finished_at, not from this poll
         cpu = sum(w.cpu() for w in workers) - cpu_before
         load_end = os.getloadavg()[0]
         bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
@@ -290,8 +331,16 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
     # This process's polls and checks ran in autocommit: one transaction each, not the engine's.
     own_commits = own["statements"] - own_before["statements"] + own["checks"] - own_before["checks"]
     ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
-    result = Result(name, round_no, workers_n, steps, end - start, cpu, load=(load_start, load_end),
-                    commits=after["commits"] - before["commits"] - own_commits)
+    result = Result(
+        name,
+        round_no,
+        workers_n,
+        steps,
+        end - start,
+        cpu,
+        load=(load_start, load_end),
+        commits=after["commits"] - before["commits"] - own_commits,
+    )
     if counts:
         result.statements, result.checks = counts["statements"], counts["checks"]
     else:
@@ -316,8 +365,9 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
         cpu_before = sum(w.cpu() for w in workers)
         start = time.time()
         for run in range(opts.runs):
-            chain_step.apply_async((key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run),
-                                    opts.steps))
+            chain_step.apply_async(
+                (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
+            )
         deadline = time.monotonic() + opts.timeout
         while r.llen(key) < opts.runs:
             if time.monotonic() > deadline:
@@ -348,17 +398,42 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
 def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: list[str]) -> Result:
     load_start = os.getloadavg()[0]
     tools_before = ctx["tools"].get()
-    args = [PY, "-m", module, "--db", psycopg_url(db), "--model-url", ctx["model_urls"][0],
-            "--tool-url", ctx["tool_url"], "--runs", str(opts.runs), "--steps", str(opts.steps),
-            "--pool", str(opts.db_pool), *extra]
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120)
+    args = [
+        PY,
+        "-m",
+        module,
+        "--db",
+        psycopg_url(db),
+        "--model-url",
+        ctx["model_urls"][0],
+        "--tool-url",
+        ctx["tool_url"],
+        "--runs",
+        str(opts.runs),
+        "--steps",
+        str(opts.steps),
+        "--pool",
+        str(opts.db_pool),
+        *extra,
+    ]
+    done = subprocess.run(args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120)
     load_end = os.getloadavg()[0]
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
     data = json.loads(done.stdout.strip().splitlines()[-1])
     ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
-    return Result(name, round_no, 1, data["steps"], data["seconds"], data["cpu"], statements=data["statements"],
-                  checks=data["checks"], commits=data["commits"], load=(load_start, load_end))
+    return Result(
+        name,
+        round_no,
+        1,
+        data["steps"],
+        data["seconds"],
+        data["cpu"],
+        statements=data["statements"],
+        checks=data["checks"],
+        commits=data["commits"],
+        load=(load_start, load_end),
+    )
 
 
 def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
@@ -371,8 +446,15 @@ def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
     if name == "chain":
         return run_chain(opts, ctx, name, round_no)
     if name == "langgraph":
-        return run_child(opts, ctx, name, round_no, "bench.peer_langgraph", DB_URLS["langgraph"],
-                         ["--threads", str(opts.concurrency), "--durability", opts.langgraph_durability])
+        return run_child(
+            opts,
+            ctx,
+            name,
+            round_no,
+            "bench.peer_langgraph",
+            DB_URLS["langgraph"],
+            ["--threads", str(opts.concurrency), "--durability", opts.langgraph_durability],
+        )
     if name == "dbos":
         return run_child(opts, ctx, name, round_no, "bench.peer_dbos", DB_URLS["dbos"], [])
     raise ValueError(name)
@@ -380,31 +462,44 @@ def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
 
 # --- report --------------------------------------------------------------------------------------
 
+
 def report(results: list[Result], opts: argparse.Namespace, started: float) -> None:
     print()
-    print(f"{opts.runs} runs x {opts.steps} steps per scenario ({(opts.steps + 1) // 2} model calls, "
-          f"{(opts.steps - 1) // 2} tool calls per run, all over HTTP to 127.0.0.1), {os.cpu_count()} CPUs; "
-          f"worker pool threads x {opts.concurrency}, {opts.db_pool} PostgreSQL connections per process")
-    header = (f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "
-              f"{'CPU ms/step':>11} | {'stmts/step':>10} | {'commits/step':>12} | {'load start→end':>14}")
+    print(
+        f"{opts.runs} runs x {opts.steps} steps per scenario ({(opts.steps + 1) // 2} model calls, "
+        f"{(opts.steps - 1) // 2} tool calls per run, all over HTTP to 127.0.0.1), {os.cpu_count()} CPUs; "
+        f"worker pool threads x {opts.concurrency}, {opts.db_pool} PostgreSQL connections per process, "
+        f"LangGraph durability {opts.langgraph_durability}"
+    )
+    header = (
+        f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "
+        f"{'CPU ms/step':>11} | {'stmts/step':>10} | {'commits/step':>12} | {'load start→end':>14}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         no_db = r.scenario == "chain"
-        print(f"{r.round:>5} | {r.scenario:<15} | {r.workers:>5} | {r.seconds:>7.2f} | {r.rate:>7.1f} | "
-              f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.statements):>10} | "
-              f"{'-' if no_db else r.per_step(r.commits):>12} | "
-              f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else ""))
+        print(
+            f"{r.round:>5} | {r.scenario:<15} | {r.workers:>5} | {r.seconds:>7.2f} | {r.rate:>7.1f} | "
+            f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.statements):>10} | "
+            f"{'-' if no_db else r.per_step(r.commits):>12} | "
+            f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else "")
+        )
     print()
     if len({r.round for r in results}) > 1:
         print("over the rounds (min-max):")
         for name in dict.fromkeys(r.scenario for r in results):
             rows = [r for r in results if r.scenario == name]
-            print(f"  {name:<15} {span([r.rate for r in rows], '.1f')} steps/s, "
-                  f"{span([r.cpu * 1000 / r.steps for r in rows], '.2f')} CPU ms/step"
-                  + ("" if name == "chain" else
-                     f", {span([r.statements / r.steps for r in rows if r.statements is not None], '.2f')} stmts/step, "
-                     f"{span([r.commits / r.steps for r in rows if r.commits is not None], '.2f')} commits/step"))
+            print(
+                f"  {name:<15} {span([r.rate for r in rows], '.1f')} steps/s, "
+                f"{span([r.cpu * 1000 / r.steps for r in rows], '.2f')} CPU ms/step"
+                + (
+                    ""
+                    if name == "chain"
+                    else f", {span([r.statements / r.steps for r in rows if r.statements is not None], '.2f')} stmts/step, "
+                    f"{span([r.commits / r.steps for r in rows if r.commits is not None], '.2f')} commits/step"
+                )
+            )
         print()
     by = {(r.round, r.scenario): r for r in results}
     for round_no in sorted({r.round for r in results}):
@@ -416,8 +511,7 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         engine0, engine200 = by.get((round_no, "engine-1")), by.get((round_no, "engine-1-200ms"))
         line = f"round {round_no}: steps/s vs the plain chain: " + (", ".join(parts) or "n/a")
         if engine0 and engine200:
-            line += (f"; engine {opts.latency_ms} ms model vs 0 ms: {engine200.rate / engine0.rate:.2f}x "
-                     "(goal >= 0.80)")
+            line += f"; engine {opts.latency_ms} ms model vs 0 ms: {engine200.rate / engine0.rate:.2f}x (goal >= 0.80)"
         print(line)
     checks = [f"{r.scenario} r{r.round} {r.per_step(r.checks)}" for r in results if r.checks]
     if checks:
@@ -437,13 +531,17 @@ def span(values: list[float], fmt: str) -> str:
 
 # --- main ----------------------------------------------------------------------------------------
 
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="The engine against a plain Celery chain, LangGraph and DBOS.")
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--steps", type=int, default=25, help="odd: model, tool, ..., model")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
-                        help=f"comma-separated, run in this order every round; any of {','.join(ALL_SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(ALL_SCENARIOS),
+        help=f"comma-separated, run in this order every round; any of {','.join(ALL_SCENARIOS)}",
+    )
     parser.add_argument("--concurrency", type=int, default=128, help="threads per worker process (all scenarios)")
     parser.add_argument("--db-pool", type=int, default=20, help="PostgreSQL connections per process (all scenarios)")
     parser.add_argument("--latency-ms", type=int, default=200, help="model latency of engine-1-200ms")
@@ -462,14 +560,18 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     opts = parse_args()
     started = time.time()
-    sqlcount.install()          # this process's own statements, left out of the engine's commits
+    sqlcount.install()  # this process's own statements, left out of the engine's commits
     servers: list[subprocess.Popen] = []
     results: list[Result] = []
     for url in DB_URLS.values():
         engine_bench.admin(f'CREATE DATABASE "{pgstats.database_name(url)}"')
     try:
-        subprocess.run([PY, "manage.py", "migrate", "-v", "0"], cwd=ROOT, check=True,
-                       env=dict(os.environ, DATABASE_URL=DB_URLS["engine"]))
+        subprocess.run(
+            [PY, "manage.py", "migrate", "-v", "0"],
+            cwd=ROOT,
+            check=True,
+            env=dict(os.environ, DATABASE_URL=DB_URLS["engine"]),
+        )
         import django
 
         django.setup()
@@ -477,33 +579,52 @@ def main() -> None:
         latencies = [0] + ([opts.latency_ms] if "engine-1-200ms" in opts.scenarios else [])
         model_urls = {}
         for latency in latencies:
-            proc, port = start_server(["tests.fakes.model_servers", "--kind", "openai", "--latency-ms", str(latency),
-                                       "--tool-turns", tool_steps], f"fake model server ({latency} ms)")
+            proc, port = start_server(
+                [
+                    "tests.fakes.model_servers",
+                    "--kind",
+                    "openai",
+                    "--latency-ms",
+                    str(latency),
+                    "--tool-turns",
+                    tool_steps,
+                ],
+                f"fake model server ({latency} ms)",
+            )
             servers.append(proc)
             model_urls[latency] = f"http://127.0.0.1:{port}/v1"
         proc, port = start_server(["bench.tool_server"], "tool server")
         servers.append(proc)
         tool_url = f"http://127.0.0.1:{port}"
         user, agents = setup_engine_data(model_urls, tool_url)
-        ctx = {"user": user, "agents": agents, "model_urls": model_urls, "tool_url": tool_url,
-               "tools": ToolCalls(tool_url)}
+        ctx = {
+            "user": user,
+            "agents": agents,
+            "model_urls": model_urls,
+            "tool_url": tool_url,
+            "tools": ToolCalls(tool_url),
+        }
         for round_no in range(1, opts.rounds + 1):
             for name in opts.scenarios:
                 result = run_scenario(opts, ctx, name, round_no)
                 results.append(result)
-                print(f"round {round_no} {name:<15} {result.rate:7.1f} steps/s, "
-                      f"{result.per_step(result.cpu, 1000)} ms CPU/step, "
-                      f"load {result.load[0]:.2f}→{result.load[1]:.2f}", flush=True)
+                print(
+                    f"round {round_no} {name:<15} {result.rate:7.1f} steps/s, "
+                    f"{result.per_step(result.cpu, 1000)} ms CPU/step, "
+                    f"load {result.load[0]:.2f}→{result.load[1]:.2f}",
+                    flush=True,
+                )
         report(results, opts, started)
     finally:
         for proc in servers:
             proc.terminate()
             proc.wait(10)
-        try:
+        from django.apps import apps
+
+        if apps.ready:
             from django.db import connections
-            connections.close_all()
-        except Exception:
-            pass
+
+            connections.close_all()  # DROP DATABASE ... WITH (FORCE) would end them anyway
         for url in DB_URLS.values():
             engine_bench.admin(f'DROP DATABASE IF EXISTS "{pgstats.database_name(url)}" WITH (FORCE)')
         drop_keys()

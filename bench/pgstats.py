@@ -12,6 +12,7 @@ before it leaves. So a reading is exact only when no backend is connected to the
 (`wait_idle`); where a scenario cannot close its connections (DBOS's background threads), it
 waits `SETTLE_SECONDS` instead.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,8 +38,10 @@ def counters(url: str) -> dict[str, int]:
     with psycopg.connect(admin_url(url), autocommit=True) as conn:
         # A fresh snapshot: with stats_fetch_consistency = cache a transaction would reuse its first read.
         conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute("SELECT xact_commit, xact_rollback, numbackends FROM pg_stat_database WHERE datname = %s",
-                           [database_name(url)]).fetchone()
+        row = conn.execute(
+            "SELECT xact_commit, xact_rollback, numbackends FROM pg_stat_database WHERE datname = %s",
+            [database_name(url)],
+        ).fetchone()
     if row is None:
         raise RuntimeError(f"no database {database_name(url)!r}")
     return {"commits": row[0], "rollbacks": row[1], "backends": row[2]}

@@ -18,6 +18,7 @@ their own), and COPY. An empty statement is psycopg_pool's connection check
 
 Counting costs a lock and two additions per statement, the same for every scenario.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -9,6 +9,7 @@ bench/peers.py checks after each scenario (12 tool calls per run, no more, no fe
 Loopback only. The first stdout line, `BENCH_TOOL_SERVER http://127.0.0.1:<port>`, comes once the port
 is bound (with --port 0 the OS picks it); poll GET /count to know it accepts connections.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ def build_app() -> Starlette:
         if not isinstance(arguments, dict):
             return JSONResponse({"error": "body must be a JSON object of arguments"}, status_code=422)
         seen["n"] = next(calls)
-        return JSONResponse({"tool": request.path_params["name"], "arguments": arguments,
-                             "key": request.headers.get("idempotency-key"), "n": seen["n"]})
+        return JSONResponse(
+            {
+                "tool": request.path_params["name"],
+                "arguments": arguments,
+                "key": request.headers.get("idempotency-key"),
+                "n": seen["n"],
+            }
+        )
 
     async def count(request: Request) -> JSONResponse:
         return JSONResponse({"calls": seen["n"]})
@@ -53,8 +60,16 @@ def main() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, args.port))
-    server = uvicorn.Server(uvicorn.Config(build_app(), log_level="warning", access_log=False, lifespan="off",
-                                           backlog=2048, timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            backlog=2048,
+            timeout_graceful_shutdown=1,
+        )
+    )
     print(f"BENCH_TOOL_SERVER http://{HOST}:{sock.getsockname()[1]}", flush=True)
     server.run(sockets=[sock])
 
