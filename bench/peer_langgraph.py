@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import operator
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypedDict
@@ -89,7 +90,9 @@ def main() -> None:
     app = build_graph(client, args.model_url, args.tool_url).compile(checkpointer=PostgresSaver(pool))
 
     def one_run(run: int) -> float:
-        config = {"configurable": {"thread_id": f"run-{run}"}, "recursion_limit": args.steps + 10}
+        # A thread id of this process only: the database outlives a round, and an old thread would
+        # go on with its finished conversation.
+        config = {"configurable": {"thread_id": f"run-{os.getpid()}-{run}"}, "recursion_limit": args.steps + 10}
         state = app.invoke({"messages": peer_agent.first_messages(run)}, config, durability=args.durability)
         peer_agent.check_run(state["messages"], args.steps)
         return time.time()
