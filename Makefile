@@ -2,12 +2,13 @@
 # make test   – set up and run the whole suite on PostgreSQL + Redis (started if not running)
 # make serve  – production shape: PostgreSQL, Redis broker, gunicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
+# make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: setup demo test services serve bench chaos
+.PHONY: setup demo test services serve bench bench-peers chaos
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +31,15 @@ serve: setup
 
 bench: setup services
 	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/run_all.py
+
+# The peers are benchmark-only dependencies (bench/requirements.txt), installed into the same venv.
+# PostgreSQL and Redis must be running (make services starts them). BENCH_ARGS, e.g. --runs 20 --rounds 1.
+$(VENV)/.bench-installed: bench/requirements.txt $(VENV)/.installed
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r bench/requirements.txt
+	touch $@
+
+bench-peers: setup $(VENV)/.bench-installed
+	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/peers.py $(BENCH_ARGS)
 
 chaos: setup services
 	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/chaos.py

@@ -1,0 +1,646 @@
+"""The same agent loop through this engine and its peers, side by side, interleaved, in rounds.
+
+    DATABASE_URL=postgres://root@127.0.0.1:5432/test CELERY_BROKER_URL=redis://127.0.0.1:6379/15 \
+        .venv/bin/python bench/peers.py [--runs 100] [--steps 25] [--rounds 2] [--scenarios ...]
+
+(`make bench-peers` installs bench/requirements.txt and runs this.) Every scenario runs RUNS
+runs of STEPS steps: with 25, 13 model calls to the fake OpenAI-compatible server
+(tests/fakes/model_servers.py, "auto agent" mode, 0 ms) and 12 tool calls, each an HTTP POST to
+bench/tool_server.py, alternating model, tool, model, ..., model. Every HTTP call goes to
+127.0.0.1. Scenarios, each in processes of its own, in this order in every round:
+
+  engine-1       this engine: runs.services.start_run, one Celery worker process
+                 (`-P threads -c 128`, DB_POOL_MAX=20, as bench/engine.py and production run it);
+                 the tool is a declared `http` tool (read_only, settle 0) on bench/tool_server.py
+  chain          a plain Celery chain making the same HTTP calls, one task per step, the
+                 conversation carried in the message (bench/peer_tasks.py): no durability at all;
+                 the same worker settings, one process
+  langgraph      LangGraph 1.x, model node -> tool node looping, PostgresSaver checkpointing every
+                 superstep, durability "sync" (bench/peer_langgraph.py), one process, 128 threads
+  dbos           a DBOS 3.x durable workflow whose steps are the model call and the tool call, on
+                 PostgreSQL (bench/peer_dbos.py), one process
+  engine-2       the engine with two worker processes on the same queue
+  engine-1-200ms the engine, one worker, the model answering after 200 ms (its ratio to engine-1
+                 of the same round is printed: bench/engine.py's latency check)
+
+Only the PostgreSQL server of DATABASE_URL is used: the benchmark creates databases of its own,
+`bench_peers_<pid>_engine` (migrated), `_langgraph` and `_dbos`, and drops them at the end.
+Celery messages go to a private queue `bench_peers_<pid>` on the given Redis database.
+
+Columns (per scenario and round):
+  steps/s        steps / seconds from the first run released to the last run finished
+  CPU ms/step    user + system CPU time of the worker processes (engine, chain: the Celery worker
+                 processes, read with psutil before the runs are released and after they end;
+                 langgraph, dbos: the process that runs the graphs or workflows, over the same
+                 window) / steps. Not counted: PostgreSQL, Redis, the fake servers.
+  stmts/step     SQL statements the worker processes sent through psycopg, counted on the client
+                 (bench/sqlcount.py: pg_stat_statements is not loaded on this server), BEGIN and
+                 COMMIT not included, nor psycopg_pool's empty connection checks (footnote)
+  commits/step   transactions committed in the scenario's own database (pg_stat_database
+                 xact_commit, bench/pgstats.py): explicit transactions, autocommit statements and
+                 pool checks alike; the engine's figure leaves out this script's own polling
+  load           the 1-minute load average when the scenario started and when it ended
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# bench/engine.py's pieces (its import points DATABASE_URL and CELERY_QUEUE at its own names:
+# they are set again below, before Django reads them).
+from bench import engine as engine_bench
+from bench import peer_agent, pgstats, sqlcount
+
+BASE_URL = os.environ["DATABASE_URL"]
+BROKER_URL = os.environ["CELERY_BROKER_URL"]
+TAG = f"bench_peers_{os.getpid()}"
+DB_URLS = {kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")}
+ALL_SCENARIOS = ["engine-1", "chain", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
+PY = sys.executable
+
+os.environ["DATABASE_URL"] = DB_URLS["engine"]
+os.environ["CELERY_QUEUE"] = TAG
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
+os.environ.pop("DB_POOL_MAX", None)  # this process polls with one plain connection
+
+
+def psycopg_url(url: str) -> str:
+    return url.replace("postgres://", "postgresql://", 1)
+
+
+@dataclass
+class Result:
+    scenario: str
+    round: int
+    workers: int
+    steps: int
+    seconds: float
+    cpu: float
+    statements: int | None = None
+    checks: int | None = None
+    commits: int | None = None
+    load: tuple[float, float] = (0.0, 0.0)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.seconds
+
+    def per_step(self, value: float | None, scale: float = 1.0) -> str:
+        return "-" if value is None else f"{value * scale / self.steps:.2f}"
+
+
+# --- servers and workers -------------------------------------------------------------------------
+
+
+def wait_port(proc: subprocess.Popen, port: int, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited")
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not start")
+
+
+def start_server(args: list[str], what: str) -> tuple[subprocess.Popen, int]:
+    port = engine_bench.free_port()
+    proc = subprocess.Popen(
+        [PY, "-m", *args, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_port(proc, port, what)
+    return proc, port
+
+
+class Worker:
+    """One Celery worker process on this benchmark's queue, counting its SQL statements."""
+
+    def __init__(self, index: int, opts: argparse.Namespace):
+        self.index = index
+        self.own_queue = f"{TAG}-w{index}"  # readiness ping only: proves this very process consumes
+        self.counts = Path(tempfile.mkstemp(prefix=f"{TAG}-w{index}-", suffix=".json")[1])
+        self.log = Path(tempfile.mkstemp(prefix=f"{TAG}-w{index}-", suffix=".log")[1])
+        self.args = [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "agentplatform",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            str(opts.concurrency),
+            "-Q",
+            f"{TAG},{self.own_queue}",
+            "-n",
+            f"{TAG}-w{index}@{socket.gethostname()}",
+            "-I",
+            "bench.noop_tasks,bench.peer_tasks",
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+        # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
+        self.env = dict(
+            os.environ,
+            DATABASE_URL=DB_URLS["engine"],
+            CELERY_QUEUE=TAG,
+            PYTHONUNBUFFERED="1",
+            DEBUG="false",
+            DB_POOL_MAX=str(opts.db_pool),
+            BENCH_SQLCOUNT_FILE=str(self.counts),
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        import redis
+
+        from bench.noop_tasks import noop_step
+
+        r = redis.Redis.from_url(BROKER_URL)
+        key = f"{self.own_queue}:ping"
+        noop_step.apply_async((key, 0, 1), queue=self.own_queue)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if r.blpop(key, timeout=0.5):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.output()[-3000:]}")
+        raise RuntimeError(f"worker not ready: {self.output()[-3000:]}")
+
+    def cpu(self) -> float:
+        import psutil
+
+        try:
+            proc = psutil.Process(self.proc.pid)
+            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            raise RuntimeError(f"worker {self.index} died: {self.output()[-3000:]}") from None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> dict[str, int]:
+        """Warm shutdown; the statement counts it wrote as it exited."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:
+            counts = json.loads(self.counts.read_text() or "null") or {}
+        finally:
+            self.counts.unlink(missing_ok=True)
+        if counts and self.proc and self.proc.returncode == 0:
+            self.log.unlink(missing_ok=True)  # kept when something went wrong
+        return counts
+
+
+def start_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.wait_ready()
+
+
+def stop_workers(workers: list[Worker]) -> dict[str, int] | None:
+    counts = [w.stop() for w in workers]
+    if not all(counts):
+        return None
+    return {key: sum(c[key] for c in counts) for key in ("statements", "checks")}
+
+
+class ToolCalls:
+    """The tool server's call counter: every scenario must make exactly runs x tool turns calls."""
+
+    def __init__(self, url: str):
+        import httpx
+
+        self.url = url
+        self.get = lambda: httpx.get(f"{url}/count", timeout=10).json()["calls"]
+
+    def check(self, before: int, expected: int, scenario: str) -> None:
+        made = self.get() - before
+        if made != expected:
+            raise RuntimeError(f"{scenario}: the tool server took {made} calls, expected {expected}")
+
+
+# --- scenarios -----------------------------------------------------------------------------------
+
+
+def setup_engine_data(model_urls: dict[int, str], tool_url: str):
+    """A tenant whose agents call the fake model and one declared HTTP tool on the tool server."""
+    from tests import factories
+    from tools.models import Tool, ToolServer
+
+    tenant = factories.make_tenant(
+        "bench", max_active_runs=10_000, max_starts_per_minute=100_000, daily_budget_micros=10**15
+    )
+    user = factories.make_user(tenant, "bench")
+    server = ToolServer.objects.create(tenant=tenant, name="bench", kind=ToolServer.Kind.HTTP, url=f"{tool_url}/tools")
+    tool = Tool.objects.create(
+        tenant=tenant,
+        server=server,
+        name=peer_agent.TOOL_NAME,
+        remote_name=peer_agent.TOOL_REMOTE_NAME,
+        description="Echo the arguments back.",
+        input_schema=peer_agent.TOOL_SCHEMA,
+        enabled=True,
+        effect_class="read_only",
+        timeout_seconds=30,
+        settle_seconds=0,
+    )
+    factories.grant(tool, use=[user])
+    agents = {}
+    for latency, url in model_urls.items():
+        endpoint = factories.make_endpoint(tenant, name=f"fake-{latency}ms", kind="openai", base_url=url)
+        factories.make_agent(
+            tenant, name=f"bench-{latency}ms", tools=[tool], endpoint=endpoint, instructions=peer_agent.INSTRUCTIONS
+        )
+        agents[latency] = f"bench-{latency}ms"
+    return user, agents
+
+
+def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int) -> Result:
+    from django.db import connections
+    from django.db.models import Count, Max
+
+    from runs.models import TERMINAL, Run, Step, StepStatus
+
+    load_start = os.getloadavg()[0]
+    tools_before = ctx["tools"].get()
+    ids, held, _created = engine_bench.create_runs(ctx["user"], ctx["agents"][latency], opts.runs)
+    connections.close_all()
+    before = pgstats.wait_idle(DB_URLS["engine"])
+    own_before = sqlcount.snapshot()
+    workers = [Worker(i + 1, opts) for i in range(workers_n)]
+    stopped = False
+    try:
+        start_workers(workers)
+        cpu_before = sum(w.cpu() for w in workers)
+        start = time.time()
+        held.release()
+        deadline = time.monotonic() + opts.timeout
+        runs = Run.objects.filter(pk__in=ids)
+        while runs.exclude(status__in=TERMINAL).exists():
+            if time.monotonic() > deadline:
+                states = dict(runs.values_list("status").annotate(n=Count("pk")).order_by())
+                raise RuntimeError(f"{name}: runs not finished in {opts.timeout}s: runs by status {states}")
+            time.sleep(0.25)  # the end time comes from finished_at, not from this poll
+        cpu = sum(w.cpu() for w in workers) - cpu_before
+        load_end = os.getloadavg()[0]
+        bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
+        if bad:
+            raise RuntimeError(f"{name}: runs did not succeed: {bad}")
+        end = runs.aggregate(end=Max("finished_at"))["end"].timestamp()
+        steps = Step.objects.filter(run_id__in=ids, status=StepStatus.SUCCEEDED).count()
+        if steps != opts.runs * opts.steps:
+            raise RuntimeError(f"{name}: {steps} succeeded steps, expected {opts.runs * opts.steps}")
+        counts = stop_workers(workers)
+        stopped = True
+    finally:
+        if not stopped:
+            stop_workers(workers)
+    connections.close_all()
+    after = pgstats.wait_idle(DB_URLS["engine"])
+    own = sqlcount.snapshot()
+    # This process's polls and checks ran in autocommit: one transaction each, not the engine's.
+    own_commits = own["statements"] - own_before["statements"] + own["checks"] - own_before["checks"]
+    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
+    result = Result(
+        name,
+        round_no,
+        workers_n,
+        steps,
+        end - start,
+        cpu,
+        load=(load_start, load_end),
+        commits=after["commits"] - before["commits"] - own_commits,
+    )
+    if counts:
+        result.statements, result.checks = counts["statements"], counts["checks"]
+    else:
+        result.notes.append("a worker wrote no statement counts")
+    return result
+
+
+def run_chain(opts, ctx, name: str, round_no: int) -> Result:
+    import redis
+
+    from bench.peer_tasks import chain_step
+
+    load_start = os.getloadavg()[0]
+    tools_before = ctx["tools"].get()
+    r = redis.Redis.from_url(BROKER_URL)
+    key = f"{TAG}:chain"
+    r.delete(key)
+    workers = [Worker(1, opts)]
+    stopped = False
+    try:
+        start_workers(workers)
+        cpu_before = sum(w.cpu() for w in workers)
+        start = time.time()
+        for run in range(opts.runs):
+            chain_step.apply_async(
+                (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
+            )
+        deadline = time.monotonic() + opts.timeout
+        while r.llen(key) < opts.runs:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: only {r.llen(key)}/{opts.runs} runs finished in {opts.timeout}s")
+            if workers[0].proc.poll() is not None:
+                raise RuntimeError(f"{name}: worker exited: {workers[0].output()[-3000:]}")
+            time.sleep(0.02)
+        cpu = sum(w.cpu() for w in workers) - cpu_before
+        load_end = os.getloadavg()[0]
+        finished = [item.decode().split(" ", 1) for item in r.lrange(key, 0, -1)]
+        failed = [text for _run, text in finished if text.startswith("ERROR")]
+        if failed:
+            raise RuntimeError(f"{name}: runs failed: {failed[:3]}")
+        end = max(float(text) for _run, text in finished)
+        counts = stop_workers(workers)
+        stopped = True
+    finally:
+        if not stopped:
+            stop_workers(workers)
+        r.delete(key)
+    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
+    result = Result(name, round_no, 1, opts.runs * opts.steps, end - start, cpu, load=(load_start, load_end))
+    if counts:
+        result.statements, result.checks = counts["statements"], counts["checks"]
+    return result
+
+
+def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: list[str]) -> Result:
+    load_start = os.getloadavg()[0]
+    tools_before = ctx["tools"].get()
+    args = [
+        PY,
+        "-m",
+        module,
+        "--db",
+        psycopg_url(db),
+        "--model-url",
+        ctx["model_urls"][0],
+        "--tool-url",
+        ctx["tool_url"],
+        "--runs",
+        str(opts.runs),
+        "--steps",
+        str(opts.steps),
+        "--pool",
+        str(opts.db_pool),
+        *extra,
+    ]
+    done = subprocess.run(args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120)
+    load_end = os.getloadavg()[0]
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
+    return Result(
+        name,
+        round_no,
+        1,
+        data["steps"],
+        data["seconds"],
+        data["cpu"],
+        statements=data["statements"],
+        checks=data["checks"],
+        commits=data["commits"],
+        load=(load_start, load_end),
+    )
+
+
+def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
+    if name == "engine-1":
+        return run_engine(opts, ctx, name, round_no, 1, 0)
+    if name == "engine-2":
+        return run_engine(opts, ctx, name, round_no, 2, 0)
+    if name == "engine-1-200ms":
+        return run_engine(opts, ctx, name, round_no, 1, opts.latency_ms)
+    if name == "chain":
+        return run_chain(opts, ctx, name, round_no)
+    if name == "langgraph":
+        return run_child(
+            opts,
+            ctx,
+            name,
+            round_no,
+            "bench.peer_langgraph",
+            DB_URLS["langgraph"],
+            ["--threads", str(opts.concurrency), "--durability", opts.langgraph_durability],
+        )
+    if name == "dbos":
+        return run_child(opts, ctx, name, round_no, "bench.peer_dbos", DB_URLS["dbos"], [])
+    raise ValueError(name)
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def report(results: list[Result], opts: argparse.Namespace, started: float) -> None:
+    print()
+    print(
+        f"{opts.runs} runs x {opts.steps} steps per scenario ({(opts.steps + 1) // 2} model calls, "
+        f"{(opts.steps - 1) // 2} tool calls per run, all over HTTP to 127.0.0.1), {os.cpu_count()} CPUs; "
+        f"worker pool threads x {opts.concurrency}, {opts.db_pool} PostgreSQL connections per process, "
+        f"LangGraph durability {opts.langgraph_durability}"
+    )
+    header = (
+        f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "
+        f"{'CPU ms/step':>11} | {'stmts/step':>10} | {'commits/step':>12} | {'load start→end':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        no_db = r.scenario == "chain"
+        print(
+            f"{r.round:>5} | {r.scenario:<15} | {r.workers:>5} | {r.seconds:>7.2f} | {r.rate:>7.1f} | "
+            f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.statements):>10} | "
+            f"{'-' if no_db else r.per_step(r.commits):>12} | "
+            f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else "")
+        )
+    print()
+    if len({r.round for r in results}) > 1:
+        print("over the rounds (min-max):")
+        for name in dict.fromkeys(r.scenario for r in results):
+            rows = [r for r in results if r.scenario == name]
+            print(
+                f"  {name:<15} {span([r.rate for r in rows], '.1f')} steps/s, "
+                f"{span([r.cpu * 1000 / r.steps for r in rows], '.2f')} CPU ms/step"
+                + (
+                    ""
+                    if name == "chain"
+                    else f", {span([r.statements / r.steps for r in rows if r.statements is not None], '.2f')} stmts/step, "
+                    f"{span([r.commits / r.steps for r in rows if r.commits is not None], '.2f')} commits/step"
+                )
+            )
+        print()
+    by = {(r.round, r.scenario): r for r in results}
+    for round_no in sorted({r.round for r in results}):
+        parts = []
+        chain = by.get((round_no, "chain"))
+        for name in ("engine-1", "engine-2", "langgraph", "dbos"):
+            if chain and (round_no, name) in by:
+                parts.append(f"{name} {by[(round_no, name)].rate / chain.rate:.2f}x")
+        engine0, engine200 = by.get((round_no, "engine-1")), by.get((round_no, "engine-1-200ms"))
+        line = f"round {round_no}: steps/s vs the plain chain: " + (", ".join(parts) or "n/a")
+        if engine0 and engine200:
+            line += f"; engine {opts.latency_ms} ms model vs 0 ms: {engine200.rate / engine0.rate:.2f}x (goal >= 0.80)"
+        print(line)
+    checks = [f"{r.scenario} r{r.round} {r.per_step(r.checks)}" for r in results if r.checks]
+    if checks:
+        print("pool checks per step (empty statements, in commits/step, not in stmts/step): " + ", ".join(checks))
+    chain_sql = [r.statements for r in results if r.scenario == "chain" and r.statements]
+    if chain_sql:
+        print(f"note: the chain's workers sent {chain_sql} SQL statements (none expected)")
+    print(f"total {time.time() - started:.0f} s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def span(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    low, high = min(values), max(values)
+    return f"{low:{fmt}}" if f"{low:{fmt}}" == f"{high:{fmt}}" else f"{low:{fmt}}-{high:{fmt}}"
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="The engine against a plain Celery chain, LangGraph and DBOS.")
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=25, help="odd: model, tool, ..., model")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(ALL_SCENARIOS),
+        help=f"comma-separated, run in this order every round; any of {','.join(ALL_SCENARIOS)}",
+    )
+    parser.add_argument("--concurrency", type=int, default=128, help="threads per worker process (all scenarios)")
+    parser.add_argument("--db-pool", type=int, default=20, help="PostgreSQL connections per process (all scenarios)")
+    parser.add_argument("--latency-ms", type=int, default=200, help="model latency of engine-1-200ms")
+    parser.add_argument("--langgraph-durability", choices=["sync", "async", "exit"], default="sync")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
+    opts = parser.parse_args()
+    if opts.steps < 3 or opts.steps % 2 == 0:
+        parser.error("--steps must be odd and at least 3")
+    opts.scenarios = [s.strip() for s in opts.scenarios.split(",") if s.strip()]
+    unknown = set(opts.scenarios) - set(ALL_SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios: {sorted(unknown)}")
+    return opts
+
+
+def main() -> None:
+    opts = parse_args()
+    started = time.time()
+    sqlcount.install()  # this process's own statements, left out of the engine's commits
+    servers: list[subprocess.Popen] = []
+    results: list[Result] = []
+    for url in DB_URLS.values():
+        engine_bench.admin(f'CREATE DATABASE "{pgstats.database_name(url)}"')
+    try:
+        subprocess.run(
+            [PY, "manage.py", "migrate", "-v", "0"],
+            cwd=ROOT,
+            check=True,
+            env=dict(os.environ, DATABASE_URL=DB_URLS["engine"]),
+        )
+        import django
+
+        django.setup()
+        tool_steps = str((opts.steps - 1) // 2)
+        latencies = [0] + ([opts.latency_ms] if "engine-1-200ms" in opts.scenarios else [])
+        model_urls = {}
+        for latency in latencies:
+            proc, port = start_server(
+                [
+                    "tests.fakes.model_servers",
+                    "--kind",
+                    "openai",
+                    "--latency-ms",
+                    str(latency),
+                    "--tool-turns",
+                    tool_steps,
+                ],
+                f"fake model server ({latency} ms)",
+            )
+            servers.append(proc)
+            model_urls[latency] = f"http://127.0.0.1:{port}/v1"
+        proc, port = start_server(["bench.tool_server"], "tool server")
+        servers.append(proc)
+        tool_url = f"http://127.0.0.1:{port}"
+        user, agents = setup_engine_data(model_urls, tool_url)
+        ctx = {
+            "user": user,
+            "agents": agents,
+            "model_urls": model_urls,
+            "tool_url": tool_url,
+            "tools": ToolCalls(tool_url),
+        }
+        for round_no in range(1, opts.rounds + 1):
+            for name in opts.scenarios:
+                result = run_scenario(opts, ctx, name, round_no)
+                results.append(result)
+                print(
+                    f"round {round_no} {name:<15} {result.rate:7.1f} steps/s, "
+                    f"{result.per_step(result.cpu, 1000)} ms CPU/step, "
+                    f"load {result.load[0]:.2f}→{result.load[1]:.2f}",
+                    flush=True,
+                )
+        report(results, opts, started)
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(10)
+        from django.apps import apps
+
+        if apps.ready:
+            from django.db import connections
+
+            connections.close_all()  # DROP DATABASE ... WITH (FORCE) would end them anyway
+        for url in DB_URLS.values():
+            engine_bench.admin(f'DROP DATABASE IF EXISTS "{pgstats.database_name(url)}" WITH (FORCE)')
+        drop_keys()
+
+
+def drop_keys() -> None:
+    """Remove this benchmark's own keys from the broker database (its queues and bindings only)."""
+    import redis
+
+    r = redis.Redis.from_url(BROKER_URL)
+    keys = [TAG, f"{TAG}:chain", f"_kombu.binding.{TAG}", f"_kombu.binding_permanent.{TAG}"]
+    for index in range(1, 3):
+        queue = f"{TAG}-w{index}"
+        keys += [queue, f"{queue}:ping", f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
+    r.delete(*keys)
+
+
+if __name__ == "__main__":
+    main()
