@@ -30,8 +30,11 @@ $PY -m gunicorn agentplatform.wsgi --bind "$BIND" --workers "$GUNICORN_WORKERS" 
   --access-logfile - & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight.
+# No gossip, mingle or heartbeat: the platform coordinates through PostgreSQL, not between
+# workers, and gossip's Redis pub/sub consumer is one more way a Redis restart reaches kombu's
+# close bug (agentplatform/celery.py).
 $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "${CELERY_QUEUE:-runs}" \
-  --loglevel INFO & pids+=($!)
+  --without-gossip --without-mingle --without-heartbeat --loglevel INFO & pids+=($!)
 $PY -m celery -A agentplatform beat --loglevel INFO --schedule "${VAR_DIR:-var}/celerybeat-schedule" & pids+=($!)
 $PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 & pids+=($!)
 echo "API and admin on http://$BIND  (docs: /v1/docs, admin: /admin/), Flower on http://127.0.0.1:$FLOWER_PORT"
