@@ -24,6 +24,7 @@ Plain HTTP routes (streamable mode only):
     GET  /http/payment_status/{key}   -> {"found": bool, "result": ..., "count": n} (make_payment)
                                       | 409 {"status": "in_progress"} while a request with that key is
                                       received but not applied, if that call armed `pending_visible`
+                                      (a POST /http/{tool} repeating that key then answers 409 too)
 
 `make_payment` is a payment gateway without idempotency, as many real ones are: every POST it
 receives is applied, whatever its key, and only the status route tells whether key K happened.
@@ -498,6 +499,9 @@ def _http_routes(svc: BankService) -> list[Route]:
         if not isinstance(raw, dict):
             return JSONResponse({"error": "body must be a JSON object of arguments", "fields": {}}, status_code=422)
         call = Call(request.headers.get(IDEMPOTENCY_HEADER), "http")
+        if call.idempotency_key in svc.pending:
+            # Like payment APIs that lock a key while its first request runs.
+            return JSONResponse({"error": "a request with this idempotency key is in progress"}, status_code=409)
         faults = svc.faults.take(name, FAULT_KINDS)
         pending = call.idempotency_key if faults.pending_visible and call.idempotency_key else None
         if pending:

@@ -32,7 +32,8 @@ class StepOutput(serializers.ModelSerializer):
         model = Step
         fields = ["seq", "kind", "status", "tool", "parent_seq", "arguments", "idempotency_key", "request", "result",
                   "observation", "error", "usage", "cost_micros", "reserved_micros", "attempts",
-                  "replayed_from_seq", "created_at", "started_at", "finished_at", "duration_ms"]
+                  "replayed_from_seq", "created_at", "started_at", "dispatched_at", "finished_at", "duration_ms",
+                  "resolved_at", "resolution"]
 
 
 class EventOutput(serializers.ModelSerializer):

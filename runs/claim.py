@@ -251,6 +251,14 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
             mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {step.attempts} attempts, outcome "
                          "still unknown")
         return None
+    due = settle_due(step)
+    if crashed and effect != EffectClass.READ_ONLY and now < due:
+        # The provider may still make the lost attempt visible (or de-duplicate its key) until
+        # then: a "not found" or a retry before it proves nothing (DESIGN.md 5.1).
+        wait_to_settle(run, step, due, f"attempt {step.attempts} was lost with its worker; settle window: the "
+                       f"provider may make it visible up to {tool.settle_window}s after its "
+                       f"{tool.timeout_seconds:g}s timeout, and a status lookup or a retry before then proves nothing")
+        return None
     action = {EffectClass.READ_ONLY: "retry", EffectClass.IDEMPOTENT: "retry with the same key",
               EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen"}[effect]
     record_event(run.pk, "recovery", f"step {step.seq} {step.tool_name} {found}: {action}",
@@ -280,5 +288,29 @@ def _hold_lost_reservations(step_id: int) -> None:
 
 def mark_unknown(run: Run, step: Step, message: str) -> None:
     transition_step(step, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
-                    next_attempt_at=None)
+                    next_attempt_at=None, finished_at=timezone.now())
     transition_run(run, RunStatus.NEEDS_ATTENTION, message="needs attention: " + message)
+
+
+def settle_due(step: Step, *, ended: dt.datetime | None = None) -> dt.datetime:
+    """The earliest moment a status lookup or a retry of the step's last attempt proves anything:
+    the settle window after the call ended (DESIGN.md 5.1).
+
+    `ended`: when the worker saw the call end (a 5xx, a timeout). Unknown (the worker was lost),
+    it ended at the latest at its timeout: sent_at + timeout.
+    """
+    if ended is None:
+        sent = step.dispatched_at or step.started_at or timezone.now()
+        ended = sent + dt.timedelta(seconds=step.tool.timeout_seconds)
+    return ended + dt.timedelta(seconds=step.tool.settle_window)
+
+
+def wait_to_settle(run: Run, step: Step, until: dt.datetime, why: str) -> None:
+    """Park the run as a row (no lease, no message) until `until`; the sweeper wakes it."""
+    Step.objects.filter(pk=step.pk).update(next_attempt_at=until)
+    step.next_attempt_at = until
+    transition_run(run, RunStatus.WAITING_SETTLE, resume_at=until,
+                   message=f"waiting until {until.isoformat(timespec='seconds')} to ask about step {step.seq} "
+                           f"{step.tool_name}: {why}",
+                   event_data={"step_seq": step.seq, "tool": step.tool_name, "until": until.isoformat(),
+                               "reason": why})

@@ -13,11 +13,11 @@ from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
 from budgets import services as budgets
-from budgets.models import BudgetAccount
+from budgets.models import BudgetAccount, Reservation
 from runs import heartbeat, rows
 from runs.claim import deny
 from runs.engine import Plan, continue_run, fenced
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.services import (atomic_with_events, bump_counters, end_run, lock_run, record_event, transition_run,
                            transition_step)
 
@@ -59,7 +59,6 @@ def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
 
 def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
     """Commit the step as dispatching before the call, or give up if fenced out or cancelled."""
-    from budgets.models import Reservation
 
     with atomic_with_events():
         now = timezone.now()
@@ -67,7 +66,7 @@ def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None
             if not _bump_if_leased(plan, step_count=1, model_call_count=1):
                 return _not_dispatching(plan)
             step = Step(run_id=plan.run_id, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
-                        reserved_micros=new_step.pop("reserved"), **new_step)
+                        dispatched_at=now, reserved_micros=new_step.pop("reserved"), **new_step)
             rows.insert([step])
             record_event(plan.run_id, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
                          to=StepStatus.DISPATCHING, step_kind=StepKind.MODEL)
@@ -110,7 +109,7 @@ def _not_dispatching(plan: Plan) -> None:
 
 def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
     transition_step(step, StepStatus.DISPATCHING, attempts=step.attempts + 1, next_attempt_at=None,
-                    started_at=step.started_at or now,
+                    started_at=step.started_at or now, dispatched_at=now,
                     message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
                             f"key {step.idempotency_key})")
 
@@ -137,24 +136,59 @@ def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step
 
 # --- settle and record -----------------------------------------------------------------------
 
-def through_database_outage(write, *, seconds: float) -> None:
-    """Retry the write of an outcome held only in memory while the database is unreachable.
+def through_database_outage(record, *, seconds: float) -> None:
+    """Record an outcome held only in memory, retried from scratch while the database is unreachable.
 
     Giving up would turn a known outcome into an unknown one (for an unsafe tool: a person's
-    problem). Retrying is safe: the reservation closes once and the record is fenced; after
-    `seconds` the lease may be someone else's and the task's own retry takes over.
+    problem; for a model call: a second paid call). `record(retry)` must be a pure function of
+    fresh rows and the outcome: with `retry` true it trusts nothing it read or wrote in memory
+    before the failed attempt, whose transaction rolled back (or, at COMMIT, may have landed:
+    `recorded_before` tells). Closing a reservation twice is a no-op and the record is fenced, so
+    repeating is safe; after `seconds` the lease may be someone else's and the task's own retry
+    takes over.
     """
     deadline = time.monotonic() + seconds
+    retry = False
     while True:
         try:
-            write()
+            record(retry)
             return
         except (OperationalError, InterfaceError):
             if time.monotonic() >= deadline:
                 raise
             log.warning("database unreachable while recording an outcome; retrying", exc_info=True)
             connection.close()
-            time.sleep(1.0)
+            retry = True
+            time.sleep(0.5)
+
+
+def recorded_before(run: Run, step: Step, since: dt.datetime) -> bool:
+    """Whether an earlier attempt of this record committed although its connection then failed.
+
+    Asked only on a retry that finds the lease gone. Within the lease nobody else writes this
+    step, so an event about it written since the record began is that attempt's own.
+    """
+    return RunEvent.objects.filter(run_id=run.pk, step_seq=step.seq, at__gte=since).exists()
+
+
+def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None:
+    """Once a tool step's outcome is known, close the holds its lost attempts left.
+
+    An attempt whose answer was lost keeps its reservation held (it may have been charged). When
+    the step turns out to have happened and no attempt was settled at the tool's price, one hold
+    is charged at that price; every other hold goes back. Run after the record commits: budget
+    rows are never locked while the run row is.
+    """
+    reservations = list(Reservation.objects.filter(step_id=step_id).order_by("created_at")
+                        .values_list("pk", "status"))
+    charged = any(status == Reservation.Status.SETTLED for _, status in reservations)
+    for reservation_id, status in reservations:
+        if status != Reservation.Status.HELD:
+            continue
+        actual = price_micros if happened and not charged else 0
+        charged = charged or actual > 0
+        budgets.reconcile(reservation_id, actual_micros=actual, actor=None,
+                          note=f"the step's outcome is known: {'it happened' if happened else 'it did not happen'}")
 
 
 def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:

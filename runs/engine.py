@@ -55,6 +55,7 @@ class ToolOutcome:
     error: str = ""
     retry_after: float | None = None
     reconciled: bool = False
+    sent: bool = False                # "in_progress": the call itself was answered so (not a lookup)
 
 
 def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> None:

@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from runs import heartbeat
-from runs.dispatch import budget_event, mark_dispatching, reserve, through_database_outage
+from runs.dispatch import budget_event, mark_dispatching, recorded_before, reserve, through_database_outage
 from runs.engine import Plan, continue_run, fenced
 from runs.models import RunStatus, Step, StepKind, StepStatus
 from runs.services import atomic_with_events, end_run, lock_run, record_event, transition_step
@@ -36,38 +36,47 @@ def do_model(plan: Plan) -> None:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
         failure = exc   # `exc` is unbound once the except block ends
-        through_database_outage(lambda: _record_model_failure(plan, step, failure), seconds=plan.lease_seconds)
+        through_database_outage(lambda retry: _record_model_failure(plan, step, failure, retry=retry),
+                                seconds=plan.lease_seconds)
         return
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
     cost = model_gateway.cost_micros(endpoint, reply.usage)
 
-    def settle_and_record() -> None:
-        reconciled = False
+    reconciled = False
+
+    def settle_and_record(retry: bool) -> None:
+        nonlocal reconciled
         if not budgets.settle(plan.reservation_id, actual_micros=cost):
             # Not open any more: a worker that took the run over found this call lost and held its
             # reservation. This reply carries the provider's own usage for that call, which is
             # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
-            reconciled = budgets.reconcile(plan.reservation_id, actual_micros=cost, actor=None,
-                                           note=f"late reply of step {step.seq}: provider-reported usage")
-        _record_model(plan, step, reply, cost, estimate, reconciled=reconciled)
+            reconciled = reconciled or budgets.reconcile(
+                plan.reservation_id, actual_micros=cost, actor=None,
+                note=f"late reply of step {step.seq}: provider-reported usage")
+        _record_model(plan, step, reply, cost, estimate, reconciled=reconciled, retry=retry)
 
     through_database_outage(settle_and_record, seconds=plan.lease_seconds)
 
 
-def _record_model_failure(plan: Plan, step: Step, exc) -> None:
+def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -> None:
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if lost:
         budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
     else:
         budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
+    began = plan.extra.setdefault("record_began", timezone.now())
+    if retry:   # the failed attempt's writes to `step` in memory were rolled back in the database
+        step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id)
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
         if not fenced(run, plan):
+            if retry and recorded_before(run, step, began):
+                return
             record_event(run.pk, "late_attempt", message, step_seq=step.seq)
             return
         transition_step(step, status, message=message, error=str(exc), finished_at=timezone.now())
@@ -80,12 +89,20 @@ def _record_model_failure(plan: Plan, step: Step, exc) -> None:
             continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
 
 
-def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False) -> None:
+def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False,
+                  retry: bool = False) -> None:
+    """Write the reply under the run lock if this worker still holds the lease; on a retry, from
+    the step as stored (the failed attempt's in-memory writes were rolled back)."""
     from tools import gateway as tool_gateway
 
+    began = plan.extra.setdefault("record_began", timezone.now())
+    if retry:
+        step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
+            if retry and recorded_before(run, step, began):
+                return
             record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost"
                          + (f"; its held charge is reconciled at {cost} micros" if reconciled else ""),
                          step_seq=step.seq, cost_micros=cost, hold_reconciled=reconciled)

@@ -11,6 +11,7 @@ class RunStatus(models.TextChoices):
     RUNNING = "running"
     WAITING_APPROVAL = "waiting_approval"
     WAITING_BUDGET = "waiting_budget"
+    WAITING_SETTLE = "waiting_settle"     # a call's outcome is not knowable yet (DESIGN.md 5.1)
     NEEDS_ATTENTION = "needs_attention"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -19,7 +20,8 @@ class RunStatus(models.TextChoices):
 
 
 TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
-WAITING = {RunStatus.WAITING_APPROVAL, RunStatus.WAITING_BUDGET, RunStatus.NEEDS_ATTENTION}
+WAITING = {RunStatus.WAITING_APPROVAL, RunStatus.WAITING_BUDGET, RunStatus.WAITING_SETTLE,
+           RunStatus.NEEDS_ATTENTION}
 _END = {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
 
 RUN_TRANSITIONS: dict[str, set[str]] = {
@@ -27,6 +29,8 @@ RUN_TRANSITIONS: dict[str, set[str]] = {
     RunStatus.RUNNING: WAITING | TERMINAL,
     RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING} | _END,
     RunStatus.WAITING_BUDGET: {RunStatus.RUNNING} | _END,
+    # A cancel never drops a call in flight: it waits for a person (runs.services.cancel_run).
+    RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION} | _END,
     RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING} | _END,
     RunStatus.SUCCEEDED: set(),
     RunStatus.FAILED: set(),
@@ -75,7 +79,7 @@ class Run(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
-    resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget: next local day
+    resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget / waiting_settle: wake-up time
     last_enqueued_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -166,7 +170,10 @@ class Step(models.Model):
     replayed_from_seq = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)   # when the latest attempt was sent
+    finished_at = models.DateTimeField(null=True, blank=True)     # when the call's outcome was known
+    resolved_at = models.DateTimeField(null=True, blank=True)     # when a person resolved an unknown outcome
+    resolution = models.TextField(blank=True)                     # what they decided, and why
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_step_seq")]

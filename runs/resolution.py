@@ -7,6 +7,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
+from runs.dispatch import close_tool_holds
 from runs.models import RunStatus, Step, StepKind, StepStatus
 from runs.services import enqueue, lock_run, record_event, transition_run, transition_step
 from tools.models import EffectClass
@@ -35,17 +36,26 @@ def resolve_step(*, run_id, seq: int, user, outcome: str, reason: str, result=No
             raise DomainError(f"{step.tool_name} is unsafe: retrying may repeat its effect; pass override=true "
                               "to retry anyway", code="retry_not_allowed", status=409)
         now = timezone.now()
+        # The call's own duration ends when its outcome became unknown (finished_at); the human
+        # decision is kept apart, with its time and reason.
+        resolution = {"resolved_at": now, "resolution": f"{outcome} by {user.username}: {reason}"}
         if outcome == "succeeded":
             text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
-            transition_step(step, StepStatus.RESOLVED_SUCCEEDED, actor=user, finished_at=now,
+            transition_step(step, StepStatus.RESOLVED_SUCCEEDED, actor=user, error="", **resolution,
                             result={"text": text, "structured": result if not isinstance(result, str) else None,
                                     "is_error": False, "resolved_by": user.username},
                             observation=text or "(the call succeeded; no result was recorded)")
         elif outcome == "failed":
-            transition_step(step, StepStatus.RESOLVED_FAILED, actor=user, finished_at=now,
+            transition_step(step, StepStatus.RESOLVED_FAILED, actor=user, error="", **resolution,
                             observation="ERROR: the call did not take effect (confirmed by a supervisor).")
         else:
-            transition_step(step, StepStatus.RETRIED, actor=user, next_attempt_at=None)
+            transition_step(step, StepStatus.RETRIED, actor=user, next_attempt_at=None, **resolution)
+        if outcome != "retry":
+            # Its held reservation: charged at the tool's price if it happened, given back if not
+            # (a retry leaves it held: the next attempt's outcome decides).
+            step_id, price = step.pk, step.tool.price_micros
+            transaction.on_commit(lambda: close_tool_holds(step_id, happened=outcome == "succeeded",
+                                                           price_micros=price), robust=True)
         record_event(run.pk, "resolved", f"step {seq} {step.tool_name} resolved as {outcome} by {user.username}: "
                      f"{reason}" + (" (override of the unsafe-retry rule)" if override else ""),
                      step_seq=seq, actor=user, outcome=outcome, reason=reason, override=override)

@@ -16,7 +16,7 @@ from django.utils import timezone
 from agentplatform.errors import Conflict, DomainError
 from runs import rows
 from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
-                         RunStatus, Step, StepStatus)
+                         RunStatus, Step, StepKind, StepStatus)
 
 DEFAULT_LIMITS = {
     "max_steps": 50,
@@ -285,8 +285,20 @@ def cancel_run(*, run_id, actor, reason: str = "") -> Run:
         run.cancel_requested = True
         record_event(run.pk, "cancel_requested", reason or "cancel requested", actor=actor)
         leased = run.lease_token is not None and run.lease_expires_at > timezone.now()
-        if not leased:
+        if leased:
+            return run
+        # A tool call sent earlier whose answer never came (or waits out its settle window) may
+        # still take effect: cancelling must not forget it. A person resolves it first; the run
+        # then ends as cancelled at its next claim.
+        inflight = Step.objects.filter(run=run, kind=StepKind.TOOL, status=StepStatus.DISPATCHING).first()
+        if inflight is None:
             end_run(run, RunStatus.CANCELLED, actor=actor, message="cancelled")
+        else:
+            message = (f"step {inflight.seq} {inflight.tool_name}: outcome unknown and run cancelled; "
+                       "resolve it, then the run ends as cancelled")
+            transition_step(inflight, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
+                            next_attempt_at=None, finished_at=timezone.now(), actor=actor)
+            transition_run(run, RunStatus.NEEDS_ATTENTION, actor=actor, message="needs attention: " + message)
     return run
 
 

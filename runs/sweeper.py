@@ -13,6 +13,7 @@ from django.db.models import (Count, DateTimeField, DurationField, ExpressionWra
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
+from runs import broker
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.services import end_run, enqueue, lock_run, record_event, resend, transition_run
 
@@ -29,6 +30,7 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "lost_messages": _requeue_lost_messages(now),
         "deadlines": _stop_past_deadline(now),
         "budget_resumed": _resume_budget_waits(now),
+        "settle_resumed": _resume_settle_waits(now),
         "approvals_expired": expire_due(now=now),
         "orphan_reservations": release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),
@@ -67,7 +69,14 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     runs = list(Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
                 .alias(due_at=due_at).filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
                 .values_list("pk", "last_enqueued_at")[:BATCH])
+    # A run enqueued no earlier than the oldest message still queued may be waiting behind it:
+    # its message is late, not lost, and a copy would only lengthen the backlog.
+    backlog_since = broker.oldest_queued_enqueue() if runs else None
+    resent = 0
     for run_id, enqueued_at in runs:
+        if backlog_since is not None and enqueued_at is not None and enqueued_at >= backlog_since:
+            continue
+        resent += 1
         silent = int((now - enqueued_at).total_seconds()) if enqueued_at else 0
         with transaction.atomic():
             record_event(run_id, "recovery", f"no progress for {silent}s (message lost or queue backed up); "
@@ -76,7 +85,7 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
                 enqueue(run_id)
             else:
                 resend(run_id, enqueued_at=enqueued_at)
-    return len(runs)
+    return resent
 
 
 def _stop_past_deadline(now: dt.datetime) -> int:
@@ -99,14 +108,22 @@ def _stop_past_deadline(now: dt.datetime) -> int:
 
 
 def _resume_budget_waits(now: dt.datetime) -> int:
+    return _resume_waits(RunStatus.WAITING_BUDGET, now, "resumed: a new budget day began")
+
+
+def _resume_settle_waits(now: dt.datetime) -> int:
+    return _resume_waits(RunStatus.WAITING_SETTLE, now, "resumed: the settle window has passed")
+
+
+def _resume_waits(status: str, now: dt.datetime, message: str) -> int:
+    """Runs parked as rows until resume_at (they hold no message): move them on once it passes."""
     count = 0
-    for run_id in Run.objects.filter(status=RunStatus.WAITING_BUDGET, resume_at__lte=now) \
-            .values_list("pk", flat=True)[:BATCH]:
+    for run_id in Run.objects.filter(status=status, resume_at__lte=now).values_list("pk", flat=True)[:BATCH]:
         with transaction.atomic():
             run = lock_run(run_id)
-            if run.status != RunStatus.WAITING_BUDGET:
+            if run.status != status:
                 continue
-            transition_run(run, RunStatus.RUNNING, message="resumed: a new budget day began", resume_at=None)
+            transition_run(run, RunStatus.RUNNING, message=message, resume_at=None)
             enqueue(run.pk)
             count += 1
     return count

@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from runs.models import TERMINAL, WAITING, Run
+from runs.models import TERMINAL, WAITING, Run, RunStatus
 from tests import factories
 from tests.services import machine_services
 
@@ -62,13 +62,22 @@ def builtins(tenant):
     return factories.make_builtin_tools(tenant)
 
 
-def drive(run_id, *, max_tasks: int = 200) -> Run:
-    """Run the engine in-process until the run ends or waits (what a worker would do)."""
+def drive(run_id, *, max_tasks: int = 200, settle_wait: float = 10) -> Run:
+    """Run the engine in-process until the run ends or waits (what a worker would do).
+
+    A settle window that ends within `settle_wait` seconds is waited out and the run woken as the
+    sweeper would; a longer one is returned like any other wait.
+    """
     from runs.engine import advance
+    from runs.sweeper import sweep
 
     for _ in range(max_tasks):
         advance(run_id)
         run = Run.objects.get(pk=run_id)
+        if run.status == RunStatus.WAITING_SETTLE and (run.resume_at - timezone.now()).total_seconds() <= settle_wait:
+            time.sleep(max((run.resume_at - timezone.now()).total_seconds(), 0) + 0.01)
+            sweep()
+            continue
         if run.status in TERMINAL or run.status in WAITING:
             return run
         step = run.steps.filter(next_attempt_at__isnull=False).order_by("-seq").first()

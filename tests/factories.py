@@ -85,7 +85,8 @@ def make_bank_tools(tenant: Tenant, url: str, *, name: str = "bank", **server_fi
     refresh(server)
     tools = {t.remote_name: t for t in Tool.objects.filter(server=server)}
     for remote, settings in BANK_SETTINGS.items():
+        # settle_seconds 0: the example bank applies and shows a call before answering it.
         Tool.objects.filter(pk=tools[remote].pk).update(enabled=True, timeout_seconds=10, price_micros=1000,
-                                                        **settings)
+                                                        settle_seconds=0, **settings)
         tools[remote].refresh_from_db()
     return tools

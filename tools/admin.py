@@ -81,8 +81,12 @@ class ToolAdmin(TenantScopedAdmin, GuardedModelAdmin):
         (None, {"fields": ["name", "server", "tenant", "description", "input_schema", "hints"]}),
         ("Review", {"fields": ["enabled", "quarantined", "quarantine_reason"]}),
         ("Effects and approval", {"fields": ["effect_class", "approval_policy", "approval_ttl_seconds"]}),
-        ("Calls", {"fields": ["timeout_seconds", "price_micros", "max_attempts", "backoff_seconds", "http_url",
-                              "status_url"]}),
+        ("Calls", {"fields": ["timeout_seconds", "settle_seconds", "price_micros", "max_attempts", "backoff_seconds",
+                              "http_url", "status_url"],
+                   "description": "settle seconds: how long the provider may take, after the timeout, to make an "
+                                  "accepted call visible to a status lookup or to de-duplicate its key. No lookup "
+                                  "or retry of an idempotent or reconcilable call happens before sent + timeout + "
+                                  "settle. Empty: 60 s for idempotent and reconcilable tools, 0 otherwise."}),
     ]
     readonly_fields = ["name", "server", "tenant", "description", "input_schema", "hints", "quarantined",
                        "quarantine_reason"]

@@ -27,7 +27,7 @@ from tenants.models import Secret
 from tools import relevance
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer
-from tools.types import (IDEMPOTENCY_HEADER, McpServerConfig, ToolFailed, ToolOutcomeUnknown,
+from tools.types import (IDEMPOTENCY_HEADER, McpServerConfig, ToolFailed, ToolInProgress, ToolOutcomeUnknown,
                          ToolResult)
 
 SEARCH_TOOLS = "search_tools"
@@ -284,6 +284,11 @@ def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
     if response.status_code >= 500:
         raise ToolOutcomeUnknown(f"{server.name} answered {response.status_code}",
                                  retry_after=_retry_after(response))
+    if response.status_code == 409 and step.attempts > 1:
+        # A repeat of a call whose first attempt went unanswered: the provider still holds the
+        # key ("in use"), so that attempt is alive. Wait for it; a second send could double it.
+        raise ToolInProgress(f"{server.name} answered 409: the request with this key is still in progress",
+                             retry_after=_retry_after(response))
     if response.status_code >= 400:
         raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
     return _http_result(response)
@@ -314,6 +319,8 @@ def lookup_status(step: Step) -> ToolResult | None:
             response = httpx.get(url, headers=_secret_header(server), timeout=tool.timeout_seconds)
         except httpx.HTTPError as exc:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
+        if response.status_code == 409:
+            raise ToolInProgress("status lookup answered 409: in progress", retry_after=_retry_after(response))
         if response.status_code >= 400:
             raise ToolOutcomeUnknown(f"status lookup answered {response.status_code}")
         try:
@@ -328,6 +335,10 @@ def lookup_status(step: Step) -> ToolResult | None:
         body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
     else:
         raise ToolOutcomeUnknown(f"{tool.name} has no status lookup configured")
+    if not isinstance(body, dict):
+        raise ToolOutcomeUnknown("status lookup answered something other than a JSON object")
+    if body.get("in_progress") is True or body.get("status") == "in_progress":
+        raise ToolInProgress("status lookup: the request with this key is still in progress")
     if not body.get("found"):
         return None
     result = body.get("result")

@@ -10,6 +10,16 @@ class EffectClass(models.TextChoices):
     UNSAFE = "unsafe"
 
 
+# How long a provider may take, after our call ended, to make an accepted request visible to a
+# status lookup or to de-duplicate a repeated key (DESIGN.md 5.1). Only classes that retry need one.
+DEFAULT_SETTLE_SECONDS = {EffectClass.READ_ONLY: 0, EffectClass.IDEMPOTENT: 60, EffectClass.RECONCILABLE: 60,
+                          EffectClass.UNSAFE: 0}
+# An "in progress" answer is waited on; past this many settle windows (and at least this many
+# seconds) it is a person's problem.
+IN_PROGRESS_PATIENCE = 10
+MIN_IN_PROGRESS_PATIENCE = 300
+
+
 class ToolServer(models.Model):
     class Kind(models.TextChoices):
         MCP = "mcp"
@@ -63,6 +73,7 @@ class Tool(models.Model):
     price_micros = models.BigIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=3)
     backoff_seconds = models.FloatField(default=1.0)
+    settle_seconds = models.PositiveIntegerField(null=True, blank=True)   # None: DEFAULT_SETTLE_SECONDS
     http_url = models.CharField(max_length=500, blank=True)     # http tools: POST target
     status_url = models.CharField(max_length=500, blank=True)   # http reconcilable: GET {key}
 
@@ -73,6 +84,13 @@ class Tool(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def settle_window(self) -> int:
+        """Seconds after a call's timeout before a lookup or retry of it proves anything."""
+        if self.settle_seconds is not None:
+            return self.settle_seconds
+        return DEFAULT_SETTLE_SECONDS[self.effect_class]
 
     @property
     def offerable(self) -> bool:

@@ -48,3 +48,9 @@ class ToolOutcomeUnknown(Exception):
     def __init__(self, message: str, *, retry_after: float | None = None):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ToolInProgress(ToolOutcomeUnknown):
+    """The provider has a request with this key and is still working on it (409 for a key in use,
+    or a status lookup answering "in progress"): it is waited on and asked again, never re-sent
+    while the provider says so (DESIGN.md 5.1)."""

@@ -69,7 +69,10 @@ def build_messages(instructions: str, messages: list[Message]) -> list[dict[str,
 
 def message_to_wire(message: Message) -> dict[str, Any]:
     if message.role == "tool":
-        content = f"ERROR: {message.content}" if message.is_error else message.content
+        # Observations of failed calls already begin with "ERROR:" (the platform writes them so);
+        # only a tool's own error result needs the marker here, where is_error has no field.
+        marked = not message.is_error or message.content.startswith("ERROR:")
+        content = message.content if marked else f"ERROR: {message.content}"
         return {"role": "tool", "tool_call_id": message.tool_call_id, "content": content}
     if message.role == "assistant" and message.tool_calls:
         return {"role": "assistant",

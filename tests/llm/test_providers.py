@@ -354,3 +354,20 @@ def test_one_fake_serves_many_concurrent_requests(kit_factory: Any) -> None:
     assert all(reply.text == "done" for reply in replies)
     assert len(kit.fake.requests) == 100
     assert time.monotonic() - started < 5  # serial would take 30s
+
+
+def test_a_platform_error_observation_carries_one_error_prefix_on_both_wires(kit: Kit) -> None:
+    """Denied, rejected, expired and resolved-failed calls are observed as "ERROR: ..." already."""
+    kit.fake.queue({"tool_calls": [{"name": "refund", "arguments": {"amount": 1}}]}, {"text": "ok"})
+    messages = [Message("user", "refund it")]
+    first = kit.provider.complete(kit.request(messages))
+    denied = "ERROR: call denied by the platform: user asha may not use refund"
+    messages += [Message("assistant", first.text, first.tool_calls),
+                 Message("tool", denied, tool_call_id=first.tool_calls[0].id, is_error=True)]
+    kit.provider.complete(kit.request(messages))
+    sent = kit.fake.requests[-1]["messages"][-1]
+    if kit.kind == "openai":
+        assert sent == {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": denied}
+    else:
+        assert sent["content"] == [{"type": "tool_result", "tool_use_id": first.tool_calls[0].id,
+                                    "content": denied, "is_error": True}]

@@ -84,8 +84,10 @@ def http_bank_tool(tenant, bank, remote: str, *, effect_class: str, server_name:
     """One of the bank's tools through its plain HTTP adapter (declared, as tenants do for http)."""
     server, _ = ToolServer.objects.get_or_create(tenant=tenant, name=server_name,
                                                  defaults={"kind": ToolServer.Kind.HTTP, "url": f"{bank.url}/http"})
+    # settle_seconds 0: the bank makes an accepted call visible at once (tests of the settle
+    # window itself set one, with a provider that lags).
     values = {"enabled": True, "effect_class": effect_class, "timeout_seconds": 5, "price_micros": 1000,
-              "input_schema": {"type": "object"}, "backoff_seconds": 0.5, **fields}
+              "input_schema": {"type": "object"}, "backoff_seconds": 0.5, "settle_seconds": 0, **fields}
     if status:
         values["status_url"] = f"{bank.url}/http/status/{{key}}"
     return Tool.objects.create(tenant=tenant, server=server, name=f"{server_name}__{remote}", remote_name=remote,

@@ -91,3 +91,46 @@ def test_it_refuses_to_resolve_a_step_twice_or_a_model_step(parked, supervisor):
     assert resolve(supervisor, parked, seq=1, outcome="failed").status_code == 404
     step = Step.objects.get(run=parked, seq=2)
     assert step.status == "resolved_succeeded" and step.result["structured"] == {"message_id": "MSG-0001"}
+
+
+def _reservations(run):
+    from budgets.models import BudgetAccount, Reservation
+
+    step = Step.objects.get(run=run, seq=2)
+    return ([(r.status, r.actual_micros) for r in Reservation.objects.filter(step=step)],
+            BudgetAccount.objects.get(run=run))
+
+
+def test_resolved_as_happened_it_charges_the_held_reservation_at_the_tools_price(parked, supervisor):
+    before, account = _reservations(parked)
+    assert before == [("held", None)] and account.held_micros == 1000
+    spent = account.spent_micros
+
+    assert resolve(supervisor, parked, outcome="succeeded", result={"message_id": "MSG-0001"}).status_code == 200
+    after, account = _reservations(parked)
+    assert after == [("reconciled", 1000)]
+    assert (account.held_micros, account.spent_micros - spent) == (0, 1000)
+
+
+def test_resolved_as_not_happened_it_gives_the_held_reservation_back(parked, supervisor):
+    spent = _reservations(parked)[1].spent_micros
+    assert resolve(supervisor, parked, outcome="failed").status_code == 200
+    after, account = _reservations(parked)
+    assert after == [("reconciled", 0)]
+    assert (account.held_micros, account.spent_micros) == (0, spent)
+
+
+def test_a_resolution_keeps_the_calls_duration_and_the_decision_apart(parked, supervisor):
+    import time
+
+    time.sleep(1.5)                                   # the supervisor takes a while
+    answer = resolve(supervisor, parked, outcome="failed", reason="no such mail in the log")
+    assert answer.status_code == 200
+    step = Step.objects.get(run=parked, seq=2)
+    assert step.duration_ms is not None and step.duration_ms < 1000    # the call, not the human wait
+    assert step.resolved_at > step.finished_at
+    assert step.error == ""
+    assert step.resolution == "failed by meera: no such mail in the log"
+    shown = client_for(supervisor).get(f"/v1/runs/{parked.pk}/steps").json()
+    row = next(s for s in (shown["results"] if isinstance(shown, dict) else shown) if s["seq"] == 2)
+    assert row["resolution"] == step.resolution and row["error"] == ""

@@ -101,13 +101,37 @@ def test_it_lets_the_first_copy_of_a_message_sent_again_move_the_run_and_drops_t
 
 
 def test_it_sends_a_silent_runs_message_again_less_and_less_often(run, settings):
+    import redis
+    from django.conf import settings as live
+
     settings.QUEUED_TOO_LONG_SECONDS = 30
+    broker = redis.Redis.from_url(live.CELERY_BROKER_URL)
     start = timezone.now()
     Run.objects.filter(pk=run.pk).update(last_enqueued_at=start)
     sent = []
     for t in range(0, 400, 5):                                         # a sweep every 5 s
+        broker.delete(live.CELERY_TASK_DEFAULT_QUEUE)                  # every copy is lost too
         at = start + dt.timedelta(seconds=t)
         if sweep(now=at)["lost_messages"]:
             sent.append(t)
             RunEvent.objects.filter(pk=events(run.pk, "recovery")[-1].pk).update(at=at)   # on the same clock
     assert sent == [30, 90, 210]                                       # after 30 s, then 60 s more, then 120 s
+
+
+def test_it_leaves_a_message_that_is_still_waiting_in_the_queue_alone(run, settings):
+    """A long queue is not a lost message: sending a copy would only lengthen it."""
+    import redis
+    from django.conf import settings as live
+
+    settings.QUEUED_TOO_LONG_SECONDS = 30
+    later = timezone.now() + dt.timedelta(minutes=5)     # no worker has taken it for five minutes
+    broker = redis.Redis.from_url(live.CELERY_BROKER_URL)
+    assert broker.llen(live.CELERY_TASK_DEFAULT_QUEUE) == 1
+    assert sweep(later)["lost_messages"] == 0
+    assert events(run.pk, "recovery") == []
+    assert broker.llen(live.CELERY_TASK_DEFAULT_QUEUE) == 1
+
+    broker.delete(live.CELERY_TASK_DEFAULT_QUEUE)       # now the broker has lost it
+    assert sweep(later)["lost_messages"] == 1
+    assert broker.llen(live.CELERY_TASK_DEFAULT_QUEUE) == 1
+    assert [e.data["found"] for e in events(run.pk, "recovery")] == ["lost_message"]

@@ -87,7 +87,10 @@ def test_it_fences_out_a_stale_worker_whose_lease_was_taken_over(tenant, asha, b
     stale = threading.Thread(target=lambda: (engine.advance(run.pk), connection.close()))
     stale.start()
     wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=10)
-    time.sleep(1.2)                        # let the stale worker's heartbeat tick once
+    taken = Run.objects.get(pk=run.pk).lease_expires_at
+    # The stale worker's heartbeat extends its lease once: then it is known to be alive and ticking.
+    wait_for(lambda: Run.objects.get(pk=run.pk).lease_expires_at > taken, timeout=10, interval=0.02,
+             what="the stale worker's heartbeat")
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
     engine.advance(run.pk)                 # the new owner takes over and re-runs the read-only call
     stale.join(30)
