@@ -48,11 +48,11 @@ def test_one_worker_process_rides_out_five_redis_restarts_with_runs_in_flight(te
         # messages and also waits in BRPOP for more, the state in which restarts used to kill it.
         ids += [start_run(user=asha, agent="agent", input={"to": f"c{len(ids) + n}@example.com",
                                                           "amount": 100 + len(ids) + n})[0].pk for n in range(WAVE)]
-        wait_for(lambda: Step.objects.filter(run__in=ids, kind="tool", status="dispatching").exists(),
-                 timeout=60, interval=0.05, what="a tool call in flight")
+        in_flight = Step.objects.filter(run__in=ids, kind="tool", status="dispatching")
+        wait_for(in_flight.exists, timeout=60, interval=0.05, what="a tool call in flight")
         restart_redis()
         deadline = time.monotonic() + 4           # play beat for a while: lost messages are sent again
-        sweep_until(lambda: time.monotonic() > deadline, timeout=30, what="time to pass")
+        sweep_until(lambda deadline=deadline: time.monotonic() > deadline, timeout=30, what="time to pass")
         assert worker.proc.poll() is None, f"worker exited after restart {restart + 1}:\n{worker.output()[-3000:]}"
 
     sweep_until(lambda: all(r.is_terminal for r in Run.objects.filter(pk__in=ids)), timeout=240,
