@@ -75,7 +75,7 @@ PAYMENT_LAG = 8           # the payment gateway applies a payment at most this l
 PAYMENT_SETTLE = 7        # its settle window: longer than it lags past our timeout (PAYMENT_LAG - TOOL_TIMEOUT)
 SETTLE = MAX_FAULT_DELAY  # the other retried tools' settle window (their effects lag at most this)
 ANSWER_DELAY = 1.5        # held-back answers released when PostgreSQL restarts (< TOOL_TIMEOUT: a normal answer)
-RECORD_GRACE = 3          # an answer given this long before a worker loss may have died with the worker
+RECORD_GRACE = TOOL_TIMEOUT + LEASE_MARGIN   # a worker keeps recording an answer until its lease ends
 WORKERS = 2
 CONCURRENCY = 6
 SUCCESS = ("succeeded", "resolved_succeeded")
@@ -337,7 +337,8 @@ class Supervisor(threading.Thread):
         waiting = self.api.call("GET", "/v1/runs", params={"status": "needs_attention", "limit": 1000}).json()
         for run in waiting["results"]:
             for step in self.api.call("GET", f"/v1/runs/{run['id']}/steps").json():
-                if step["status"] == "outcome_unknown":
+                # Model steps can stay outcome_unknown (a held charge); only tool calls wait for a person.
+                if step["status"] == "outcome_unknown" and step.get("kind") == "tool":
                     self.judge(run["id"], step)
 
     def judge(self, run_id: str, step: dict) -> None:
@@ -470,6 +471,8 @@ class Chaos:
                 if now >= at:
                     del once[name]
                     getattr(self, name.strip())()
+                    # No kill while workers record through it: a restart is tested on its own.
+                    next_kill = max(next_kill, time.monotonic() + RECORD_GRACE + 1)
             if now >= next_kill:
                 self.kill()
                 next_kill = time.monotonic() + self.rng.uniform(3, 9)
