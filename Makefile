@@ -1,5 +1,5 @@
 # make demo   – set up and run the dispute story on embedded defaults (SQLite, in-process broker)
-# make test   – set up and run the whole suite on PostgreSQL + Redis (started if not running)
+# make test   – set up and run the whole suite on throwaway PostgreSQL + Redis servers of its own
 # make serve  – production shape: PostgreSQL, Redis broker, gunicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: setup demo test services serve bench bench-peers chaos
+.PHONY: setup demo test services browser serve bench bench-peers chaos
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,11 +20,17 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) manage.py demo
 
+# Starts the machine's PostgreSQL and Redis when they are down; never stops or restarts them.
 services:
 	bash scripts/ensure_services.sh
 
-test: setup services
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) -m pytest -q -p no:cacheprovider
+browser:
+	bash scripts/ensure_browser.sh
+
+# The session runs on its own PostgreSQL cluster and Redis (initdb/pg_ctl and redis-server on free
+# ports, removed afterwards): the recovery tests restart those, never the machine's.
+test: setup browser
+	$(PY) -m tests.services -- $(PY) -m pytest -q -p no:cacheprovider
 
 serve: setup
 	bash scripts/serve.sh
@@ -41,5 +47,6 @@ $(VENV)/.bench-installed: bench/requirements.txt $(VENV)/.installed
 bench-peers: setup $(VENV)/.bench-installed
 	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/peers.py $(BENCH_ARGS)
 
-chaos: setup services
-	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/chaos.py
+# The chaos run starts (and restarts) its own PostgreSQL cluster and Redis.
+chaos: setup
+	$(PY) bench/chaos.py

@@ -240,6 +240,8 @@ CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE") or (f"runs-test-{os.getpid()
 SWEEP_QUEUE = env_str("CELERY_SWEEP_QUEUE") or f"{CELERY_TASK_DEFAULT_QUEUE}.sweeper"
 CELERY_TASK_ROUTES = {"runs.tasks.sweep": {"queue": SWEEP_QUEUE}}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Survives a Redis restart that kombu 5.7 would turn into a worker exit (see agentplatform/celery.py).
+CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
 }

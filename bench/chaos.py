@@ -1,32 +1,45 @@
 """Chaos run: many runs through the REST API while workers are killed, stalled and cut off.
 
-    DATABASE_URL=postgres://root@127.0.0.1:5432/test CELERY_BROKER_URL=redis://127.0.0.1:6379/15 \\
-        .venv/bin/python bench/chaos.py [--runs 200] [--seconds 120] [--seed N]
-                                        [--settle-seconds 600] [--keep-database]
+    .venv/bin/python bench/chaos.py [--runs 200] [--seconds 120] [--seed N]
+                                    [--settle-seconds 600] [--keep-database]
 
-DATABASE_URL only says where PostgreSQL is: the run creates its own database `chaos_<pid>`,
-migrates it (`manage.py migrate`) and drops it at the end. It starts the API (gunicorn), Celery
-beat (sweeping every second), two Celery workers (threads pool) with short leases, and two
-example bank servers: `bank` over MCP and `bank2` over plain HTTP. Every run of the agent calls
-four tools, one per effect class:
+The run brings its own PostgreSQL cluster and Redis (tests/services.py: initdb + pg_ctl and
+redis-server on free ports, removed at the end) and restarts only those: the machine's
+PostgreSQL and Redis are never touched. It starts the API (gunicorn), Celery beat (sweeping
+every second), two Celery workers (threads pool) with short leases, and two example bank
+servers: `bank` over MCP and `bank2` over plain HTTP. Every run of the agent calls five tools:
 
     bank__lookup_transaction    read_only      MCP
     bank__issue_refund          idempotent     MCP (the bank honours the idempotency key)
     bank2__issue_refund         reconcilable   HTTP, status_url GET /http/status/{key}
+    bank2__make_payment         reconcilable   HTTP, status_url GET /http/payment_status/{key}; the
+                                               bank applies EVERY POST (no de-duplication) and often
+                                               applies it seconds after our timeout (settle window)
     bank__send_customer_email   unsafe         MCP
 
-Runs are started over the first 60 % of the chaos window. During --seconds of chaos it SIGKILLs a random worker every few seconds (and starts it again),
-arms faults on the banks (slow calls, calls that time out after their effect was applied, 5xx
-after the effect), restarts Redis once (nothing persisted: every queued message is lost) and
-SIGSTOPs one worker past its lease before SIGCONT. Runs that wait for a person
-(`needs_attention`) are resolved through the API the way a supervisor would: look the
-idempotency key up in the provider's ledger; if the effect is there the call succeeded, if not
-it failed.
+Runs are started over the first 60 % of the chaos window. During --seconds of chaos it SIGKILLs a
+random worker every few seconds (and starts it again), arms faults on the banks (slow calls, calls
+that time out after their effect was applied, 5xx after the effect, payments applied after the
+caller gave up, with "in progress" answers meanwhile), restarts Redis once (nothing persisted:
+every queued message is lost), restarts PostgreSQL twice just as held-back provider answers are
+released (workers are recording outcomes), and SIGSTOPs a worker with calls in flight past its
+lease before SIGCONT. Runs that wait for a person (`needs_attention`) are resolved through the API
+the way a supervisor would: look the idempotency key up in the provider's ledger; if the effect is
+there the call succeeded, if not it failed.
 
-At the end it waits (at most --settle-seconds) until every run has finished, then prints runs by final status, effects applied per
-tool against the effects the platform recorded, duplicate effects, reservations left open on
-finished runs and runs neither finished nor waiting for a person, and exits non-zero if any
-target is missed. Redis is restarted for real: other users of that Redis lose their queues too.
+At the end it waits (at most --settle-seconds) until every run has finished, then prints runs by
+final status, effects applied per tool against the effects the platform recorded, duplicate
+effects per tool, known outcomes that became unknown, late attempts fenced out, messages the
+sweeper sent again per run, reservations left open on finished runs and runs neither finished nor
+waiting for a person, and exits non-zero if any target is missed.
+
+A known outcome that became unknown is a tool step that ended unknown (`outcome_unknown`, or
+resolved by the supervisor) although the provider applied its effect and finished sending a
+normal answer (the bank's call log), for a key that took no fault stalling or failing its answer,
+sent from no worker that was killed, stalled or exited while the call was in flight (matched by
+the call's client port against the worker's open sockets at that moment), and answered more than
+RECORD_GRACE seconds before any such worker loss (a worker lost while recording is not a fault of
+the record).
 """
 from __future__ import annotations
 
@@ -44,47 +57,43 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import urlsplit
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-BASE_URL = os.environ.get("DATABASE_URL", "")
-BROKER_URL = os.environ.get("CELERY_BROKER_URL", "")
-if not BASE_URL.startswith("postgres") or not BROKER_URL.startswith("redis"):
-    sys.exit("DATABASE_URL must point at PostgreSQL and CELERY_BROKER_URL at Redis")
+from tests.services import ThrowawayPostgres, ThrowawayRedis  # noqa: E402  (needs ROOT on the path)
 
 TAG = f"chaos_{os.getpid()}"
 TOOL_TIMEOUT = 3          # seconds; leases are this + LEASE_MARGIN
 LEASE_MARGIN = 2
 MODEL_TIMEOUT = 5
-MAX_FAULT_DELAY = 5       # no armed delay is longer: a supervisor waits this long before judging
+MAX_FAULT_DELAY = 5       # no armed delay on the other tools is longer
+PAYMENT_LAG = 8           # the payment gateway applies a payment at most this long after receiving it
+PAYMENT_SETTLE = 7        # its settle window: longer than it lags past our timeout (PAYMENT_LAG - TOOL_TIMEOUT)
+SETTLE = MAX_FAULT_DELAY  # the other retried tools' settle window (their effects lag at most this)
+ANSWER_DELAY = 1.5        # held-back answers released when PostgreSQL restarts (< TOOL_TIMEOUT: a normal answer)
+RECORD_GRACE = TOOL_TIMEOUT + LEASE_MARGIN   # a worker keeps recording an answer until its lease ends
 WORKERS = 2
 CONCURRENCY = 6
 SUCCESS = ("succeeded", "resolved_succeeded")
+UNKNOWN = ("outcome_unknown", "resolved_succeeded", "resolved_failed")
+WORKER_STEPS_OFF = ["--without-gossip", "--without-mingle", "--without-heartbeat"]   # as scripts/serve.sh
+
+# The environment of every child process; filled in by main() once the throwaway servers run.
+CHILD_ENV: dict[str, str] = {}
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    import psycopg
-
-    with psycopg.connect(with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1),
-                         autocommit=True) as conn:
-        conn.execute(sql)
-
-
-CHILD_ENV = {**os.environ, "DATABASE_URL": with_database(BASE_URL, TAG), "CELERY_BROKER_URL": BROKER_URL,
-             "CELERY_QUEUE": f"chaos-{os.getpid()}", "LEASE_MARGIN_SECONDS": str(LEASE_MARGIN),
-             "QUEUED_TOO_LONG_SECONDS": "6", "SWEEP_INTERVAL_SECONDS": "1", "MAX_STEP_CRASHES": "3",
-             "PYTHONUNBUFFERED": "1", "LOG_LEVEL": "WARNING"}
-CHILD_ENV.pop("DB_POOL_MAX", None)
-os.environ.update(DATABASE_URL=CHILD_ENV["DATABASE_URL"], CELERY_QUEUE=CHILD_ENV["CELERY_QUEUE"],
-                  DJANGO_SETTINGS_MODULE="agentplatform.settings", LOG_LEVEL="ERROR")
+def child_env(database_url: str, broker_url: str) -> dict[str, str]:
+    env = {**os.environ, "DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url,
+           "CELERY_QUEUE": f"chaos-{os.getpid()}", "LEASE_MARGIN_SECONDS": str(LEASE_MARGIN),
+           "QUEUED_TOO_LONG_SECONDS": "6", "SWEEP_INTERVAL_SECONDS": "1", "MAX_STEP_CRASHES": "3",
+           "PYTHONUNBUFFERED": "1", "LOG_LEVEL": "WARNING"}
+    for name in ("DB_POOL_MAX", "TEST_DATABASE_NAME", "THROWAWAY_POSTGRES", "THROWAWAY_REDIS"):
+        env.pop(name, None)
+    return env
 
 
 def log(message: str) -> None:
@@ -165,32 +174,40 @@ class Bank:
     def fault(self, **spec) -> None:
         httpx.post(f"{self.url}/faults", json=spec, timeout=10).raise_for_status()
 
+    def taken(self) -> list[dict]:
+        """Faults consumed by calls, with each call's idempotency key."""
+        return httpx.get(f"{self.url}/faults", timeout=10).json()["taken"]
+
+    def calls(self) -> list[dict]:
+        """Every tool call the bank received: client port, received and answered times, HTTP status."""
+        return httpx.get(f"{self.url}/calls", timeout=30).json()["calls"]
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
 
 
-def redis_port() -> str:
-    return str(urlparse(BROKER_URL).port or 6379)
-
-
-def restart_redis() -> None:
-    port = redis_port()
-    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], capture_output=True)
-    ensure_redis()
-
-
-def ensure_redis() -> None:
-    port = redis_port()
-    if subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).stdout.strip() == b"PONG":
-        return
-    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", port, "--save", "",
-                    "--appendonly", "no"], check=True, capture_output=True)
-    for _ in range(50):
-        if subprocess.run(["redis-cli", "-p", port, "ping"], capture_output=True).stdout.strip() == b"PONG":
-            return
-        time.sleep(0.1)
-    raise RuntimeError("redis did not come back")
+def open_ports(pid: int, remote: set[int]) -> set[int]:
+    """Local ports of the TCP sockets process `pid` holds open to the `remote` ports (its calls in flight)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        ports = set()
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as rows:
+                for row in list(rows)[1:]:
+                    fields = row.split()
+                    if fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) in remote:
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        return ports
+    except OSError:
+        return set()
 
 
 # --- tenant ------------------------------------------------------------------------------------
@@ -220,11 +237,19 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
               "max_attempts": 4, "backoff_seconds": 0.5}
     classes = {"lookup_transaction": "read_only", "issue_refund": "idempotent", "send_customer_email": "unsafe"}
     for remote, effect in classes.items():
-        Tool.objects.filter(server=mcp, remote_name=remote).update(effect_class=effect, **common)
+        Tool.objects.filter(server=mcp, remote_name=remote).update(effect_class=effect, settle_seconds=SETTLE,
+                                                                   **common)
     schema = Tool.objects.get(server=mcp, remote_name="issue_refund").input_schema
     Tool.objects.create(tenant=tenant, server=http, name="bank2__issue_refund", remote_name="issue_refund",
-                        input_schema=schema, effect_class="reconcilable",
+                        input_schema=schema, effect_class="reconcilable", settle_seconds=SETTLE,
                         status_url=f"{bank2.url}/http/status/{{key}}", **common)
+    # A payment gateway without idempotency: every POST pays. Only the settle window keeps a slow
+    # payment from being looked up too early, found missing, and paid again.
+    Tool.objects.create(tenant=tenant, server=http, name="bank2__make_payment", remote_name="make_payment",
+                        input_schema={"type": "object", "required": ["to_account", "amount"], "properties": {
+                            "to_account": {"type": "string"}, "amount": {"type": "number"}}},
+                        effect_class="reconcilable", settle_seconds=PAYMENT_SETTLE,
+                        status_url=f"{bank2.url}/http/payment_status/{{key}}", **common)
     tools = list(Tool.objects.filter(tenant=tenant, enabled=True))
     for tool in tools:
         assign_perm("tools.use_tool", agent_user, tool)
@@ -238,6 +263,7 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
         call("bank__lookup_transaction", {"transaction_id": "TXN-1002"}),
         call("bank__issue_refund", {"transaction_id": "TXN-1002", "amount": "$input.refund", "currency": "INR"}),
         call("bank2__issue_refund", {"transaction_id": "TXN-1001", "amount": "$input.refund2", "currency": "INR"}),
+        call("bank2__make_payment", {"to_account": "$input.account", "amount": "$input.payment"}),
         call("bank__send_customer_email", {"to": "$input.email", "subject": "Your dispute", "body": "Refunded."}),
         {"text": "The dispute is settled."}]})
     version, _ = create_version(tenant=tenant, agent="chaos-agent", spec={
@@ -282,7 +308,9 @@ class Launcher(threading.Thread):
         for i in range(self.count):
             body = {"agent": "chaos-agent", "input": {"refund": self.rng.randint(1, 3200),
                                                       "refund2": self.rng.randint(1, 5000),
-                                                      "email": f"customer{i}@example.com"}}
+                                                      "email": f"customer{i}@example.com",
+                                                      "account": f"ACC-{i:04d}",
+                                                      "payment": self.rng.randint(1, 9000)}}
             response = self.api.call("POST", "/v1/runs", json=body, headers={"Idempotency-Key": f"chaos-{i}"})
             assert response.status_code in (200, 201), response.text
             self.run_ids.append(response.json()["id"])
@@ -311,13 +339,14 @@ class Supervisor(threading.Thread):
         waiting = self.api.call("GET", "/v1/runs", params={"status": "needs_attention", "limit": 1000}).json()
         for run in waiting["results"]:
             for step in self.api.call("GET", f"/v1/runs/{run['id']}/steps").json():
-                if step["status"] == "outcome_unknown":
+                # Model steps can stay outcome_unknown (a held charge); only tool calls wait for a person.
+                if step["status"] == "outcome_unknown" and step.get("kind") == "tool":
                     self.judge(run["id"], step)
 
     def judge(self, run_id: str, step: dict) -> None:
-        # A delayed call may still land: wait out the longest delay before looking at the ledger.
+        # A delayed call may still land: wait out the longest lag before looking at the ledger.
         first = self.first_seen.setdefault((run_id, step["seq"]), time.monotonic())
-        if time.monotonic() - first < MAX_FAULT_DELAY + 1:
+        if time.monotonic() - first < max(MAX_FAULT_DELAY, PAYMENT_LAG) + 1:
             return
         server, remote = step["tool"].split("__", 1)
         effect = next((e for e in self.banks[server].effects()
@@ -330,14 +359,25 @@ class Supervisor(threading.Thread):
 
 
 class Chaos:
-    """Kills, stalls, a Redis restart and provider faults, at random moments for `seconds`."""
+    """Kills, stalls, Redis and PostgreSQL restarts and provider faults, at random moments for `seconds`."""
 
     FAULTS = [("bank", "send_customer_email"), ("bank", "issue_refund"), ("bank", "lookup_transaction"),
-              ("bank2", "issue_refund")]
+              ("bank2", "issue_refund"), ("bank2", "make_payment")]
 
-    def __init__(self, workers: list[Process], others: list[Process], banks: dict[str, Bank], rng: random.Random):
+    def __init__(self, workers: list[Process], others: list[Process], banks: dict[str, Bank], rng: random.Random,
+                 postgres: ThrowawayPostgres, broker: ThrowawayRedis):
         self.workers, self.others, self.banks, self.rng = workers, others, banks, rng
+        self.cluster, self.broker = postgres, broker
         self.counts = collections.Counter()
+        # Worker losses: (epoch time, worker, the local ports of its sockets then: its calls in flight).
+        self.losses: list[tuple[float, str, set[int]]] = []
+
+    def calls_in_flight(self, worker: Process) -> set[int]:
+        """The local ports of the worker's connections to the banks: one per call in flight."""
+        return open_ports(worker.proc.pid, {urlsplit(bank.url).port for bank in self.banks.values()})
+
+    def lose(self, worker: Process) -> None:
+        self.losses.append((time.time(), worker.name, self.calls_in_flight(worker)))
 
     def revive(self) -> None:
         """Play the process supervisor (systemd, Kubernetes): start again what exited by itself."""
@@ -345,6 +385,8 @@ class Chaos:
             if not process.alive:
                 log(f"chaos: {process.name} exited by itself (code {process.proc.returncode}); starting it again")
                 self.counts[f"{process.name.rstrip('0123456789')} exit on its own, restarted"] += 1
+                if process in self.workers:
+                    self.losses.append((time.time(), process.name, set()))
                 process.start()
 
     def fault(self) -> None:
@@ -362,30 +404,69 @@ class Chaos:
         self.banks[server].fault(tool=tool, times=times, **spec)
         self.counts[f"fault {kind}"] += times
 
+    def lagging_payment(self) -> None:
+        """The gateway applies the payment after our timeout; meanwhile its status says 409 or "not found"."""
+        times = self.rng.randint(1, 3)
+        pending = self.rng.random() < 0.5
+        self.banks["bank2"].fault(tool="make_payment", times=times, pending_visible=pending,
+                                  delay_before_effect=self.rng.uniform(TOOL_TIMEOUT + 0.5, PAYMENT_LAG))
+        self.counts["fault payment applied after the timeout" + (" (409 meanwhile)" if pending else "")] += times
+
     def kill(self) -> None:
         worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
         log(f"chaos: SIGKILL {worker.name}")
+        self.lose(worker)
         worker.kill()
         self.counts["worker SIGKILL"] += 1
         worker.start()
 
     def stall(self) -> None:
-        worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
+        """SIGSTOP the worker with the most calls in flight past its lease: when it wakes, it is fenced out."""
+        deadline = time.monotonic() + 15
+        while True:
+            busiest = max((w for w in self.workers if w.alive), key=lambda w: len(self.calls_in_flight(w)))
+            if self.calls_in_flight(busiest) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         seconds = TOOL_TIMEOUT + LEASE_MARGIN + MODEL_TIMEOUT
-        log(f"chaos: SIGSTOP {worker.name} for {seconds} s")
-        worker.signal(signal.SIGSTOP)
+        log(f"chaos: SIGSTOP {busiest.name} for {seconds} s")
+        self.lose(busiest)
+        busiest.signal(signal.SIGSTOP)
         time.sleep(seconds)
-        worker.signal(signal.SIGCONT)
+        busiest.signal(signal.SIGCONT)
         self.counts["worker SIGSTOP past its lease"] += 1
 
     def redis(self) -> None:
         log("chaos: restarting Redis (queued messages are lost)")
-        restart_redis()
+        self.broker.restart()
         self.counts["redis restart"] += 1
 
+    def postgres(self) -> None:
+        """Restart PostgreSQL just as held-back answers are released: workers are recording them."""
+        armed = time.time()
+        for server, tool in (("bank", "send_customer_email"), ("bank2", "make_payment"), ("bank", "issue_refund")):
+            self.banks[server].fault(tool=tool, times=2, delay_after_effect=ANSWER_DELAY)
+        deadline = time.monotonic() + 15
+        taken: list[dict] = []
+        while not taken and time.monotonic() < deadline:
+            taken = [t for bank in self.banks.values() for t in bank.taken()
+                     if t["kind"] == "delay_after_effect" and t["value"] == ANSWER_DELAY and t["at"] >= armed]
+            time.sleep(0.05)
+        if taken:
+            time.sleep(max(min(t["at"] for t in taken) + ANSWER_DELAY - time.time(), 0))
+        when = "as a held-back answer is released" if taken else "no call took the held-back answer fault"
+        log(f"chaos: restarting PostgreSQL ({when})")
+        self.cluster.restart()
+        self.counts["postgresql restart"] += 1
+        self.counts["postgresql restart as answers were released"] += bool(taken)
+
     def play(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        once = {"redis": time.monotonic() + seconds / 3, "stall": time.monotonic() + 2 * seconds / 3}
+        start = time.monotonic()
+        end = start + seconds
+        # Apart from each other: a worker stalled across a PostgreSQL restart wakes past its lease with a
+        # dead connection and gives up its record without the late-attempt event the stall is there to see.
+        once = {"redis": start + 0.25 * seconds, "stall": start + 0.4 * seconds, "postgres": start + 0.6 * seconds,
+                "postgres ": start + 0.85 * seconds}
         next_kill = time.monotonic() + self.rng.uniform(2, 6)
         while time.monotonic() < end:
             self.revive()
@@ -393,18 +474,52 @@ class Chaos:
             for name, at in list(once.items()):
                 if now >= at:
                     del once[name]
-                    getattr(self, name)()
+                    getattr(self, name.strip())()
+                    # No kill while workers record through it: a restart is tested on its own.
+                    next_kill = max(next_kill, time.monotonic() + RECORD_GRACE + 1)
             if now >= next_kill:
                 self.kill()
                 next_kill = time.monotonic() + self.rng.uniform(3, 9)
             if self.rng.random() < 0.5:
                 self.fault()
+            if self.rng.random() < 0.5:
+                self.lagging_payment()
             time.sleep(self.rng.uniform(0.5, 1.5))
         for name in once:                    # a short run still gets one of each
-            getattr(self, name)()
+            getattr(self, name.strip())()
 
 
 # --- the report --------------------------------------------------------------------------------
+
+def answer_spoiled(taken: dict) -> bool:
+    """A fault that stalls the answer past our timeout, fails it, or makes the provider lag behind it."""
+    kind, value = taken["kind"], taken["value"]
+    if kind in ("delay_after_effect", "delay_before_effect"):
+        return float(value) >= TOOL_TIMEOUT - 0.5
+    return bool(value)
+
+
+def why_unknown(tool: str, key: str, bank: dict, losses: list[tuple[float, str, set[int]]]) -> str:
+    """Why a step's outcome was unknown, from what the provider and the chaos saw; "known" if nothing explains it."""
+    if not any(e["tool"] == tool and e["idempotency_key"] == key for e in bank["effects"]):
+        return "nothing applied"
+    if any(t["tool"] == tool and t["key"] == key and answer_spoiled(t) for t in bank["taken"]):
+        return "a fault stalled or failed the answer"
+    calls = [c for c in bank["calls"] if c["tool"] == tool and c["key"] == key]
+    for at, _, ports in losses:
+        if any(c["port"] in ports and c["received"] <= at for c in calls):
+            return "in flight on a worker that was killed or stalled"
+    if any(c["answered"] is None for c in calls):
+        return "the answer never went out"
+    if any(c["status"] != 200 for c in calls):
+        return "the provider answered an error"
+    if any(c["answered"] - c["received"] >= TOOL_TIMEOUT for c in calls):
+        return "answered after our timeout"
+    for at, _, _ in losses:
+        if any(at - RECORD_GRACE <= c["answered"] <= at for c in calls):
+            return "answered just before a worker was killed or stalled"
+    return "known"
+
 
 def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor: Supervisor, args) -> bool:
     from django.db.models import Count
@@ -418,6 +533,8 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
     stuck = runs.exclude(status__in=[*TERMINAL, "needs_attention", "waiting_approval"]).count()
     open_reservations = Reservation.objects.filter(run__in=runs.filter(status__in=TERMINAL),
                                                    status=Reservation.Status.OPEN).count()
+    seen = {name: {"effects": bank.effects(), "taken": bank.taken(), "calls": bank.calls()}
+            for name, bank in banks.items()}
     print()
     print(f"chaos run: {len(run_ids)} runs launched through the API, {args.seconds:g} s of chaos, seed {args.seed}")
     print("chaos:     " + ", ".join(f"{n} {what}" for what, n in sorted(chaos.counts.items())))
@@ -425,45 +542,72 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
     print()
     print(f"{'tool':<27}{'class':<14}{'applied':>8}{'expected':>9}{'unknown':>8}{'mismatched':>11}"
           f"{'same key twice':>15}{'runs with >1':>13}")
-    missed, duplicates, mismatched = [], 0, 0
+    duplicates: dict[str, int] = {}
+    mismatched = 0
+    reasons = collections.Counter()
+    became_unknown: list[str] = []
     for tool in Tool.objects.filter(tenant__slug="chaos", enabled=True).order_by("name"):
         server, remote = tool.name.split("__", 1)
         steps = list(Step.objects.filter(run__in=runs, tool=tool, replayed_from_seq__isnull=True)
                      .values_list("idempotency_key", "status"))
         expected = {key for key, status in steps if status in SUCCESS}
         unknown = {key for key, status in steps if status == "outcome_unknown"}
+        for key, status in steps:
+            if status in UNKNOWN:
+                reason = why_unknown(remote, key, seen[server], chaos.losses)
+                reasons[reason] += 1
+                if reason == "known":
+                    became_unknown.append(f"{tool.name} {key} ({status})")
         if tool.effect_class == "read_only":
             print(f"{tool.name:<27}{tool.effect_class:<14}{'-':>8}{len(expected):>9}{len(unknown):>8}"
                   f"{'-':>11}{'-':>15}{'-':>13}")
             continue
-        keys = [e["idempotency_key"] for e in banks[server].effects() if e["tool"] == remote]
+        keys = [e["idempotency_key"] for e in seen[server]["effects"] if e["tool"] == remote]
         counted = collections.Counter(keys)
         twice = sum(n - 1 for n in counted.values())
         per_run = collections.Counter(key.rsplit(":", 1)[0] for key in counted)
         more_than_one = sum(1 for n in per_run.values() if n > 1)
         wrong = len((set(counted) - expected - unknown) | (expected - set(counted)))
-        duplicates += twice + more_than_one
+        duplicates[tool.name] = twice + more_than_one
         mismatched += wrong
         print(f"{tool.name:<27}{tool.effect_class:<14}{len(keys):>8}{len(expected):>9}{len(unknown):>8}"
               f"{wrong:>11}{twice:>15}{more_than_one:>13}")
     events = dict(RunEvent.objects.filter(run__in=runs).values_list("kind").annotate(n=Count("pk")))
     found = collections.Counter(RunEvent.objects.filter(run__in=runs, kind="recovery")
                                 .values_list("data__found", flat=True))
+    resent = collections.Counter(RunEvent.objects.filter(run__in=runs, kind="recovery", data__found="lost_message")
+                                 .values_list("run_id", flat=True))
+    late = events.get("late_attempt", 0)
     print()
     print(f"recovery:  sweeper found {found.get('expired_lease', 0)} expired leases, "
           f"{found.get('lost_message', 0)} lost messages, {found.get('open_reservation', 0)} open reservations; "
-          f"{events.get('retry_scheduled', 0)} retries scheduled, {events.get('late_attempt', 0)} late attempts "
+          f"{events.get('retry_scheduled', 0)} retries scheduled, {late} late attempts "
           f"fenced out; resolved by the supervisor: {dict(supervisor.resolved) or 'none'}")
+    print(f"re-sent:   the sweeper sent {sum(resent.values())} messages again, for {len(resent)} of "
+          f"{len(run_ids)} runs (at most {max(resent.values(), default=0)} for one run, "
+          f"{sum(resent.values()) / max(len(run_ids), 1):.2f} per run)")
+    print("unknown:   " + (", ".join(f"{n} {why}" for why, n in reasons.most_common()) or "no step ended unknown"))
+    for line in became_unknown[:20]:
+        print(f"           known, became unknown: {line}")
     print()
-    targets = [("duplicate effects (unsafe, idempotent, reconcilable)", duplicates),
+    targets = [*((f"duplicate effects {name}", n) for name, n in duplicates.items()),
+               ("known outcomes that became unknown", len(became_unknown)),
                ("effects not matching the step log", mismatched),
                ("reservations still open on finished runs", open_reservations),
                ("runs neither finished nor waiting for a person", stuck),
                ("runs not launched", args.runs - len(run_ids))]
+    missed = []
     for what, n in targets:
         print(f"{what:<56}{n:>5}   (target 0)")
         if n:
             missed.append(what)
+    print(f"{'late attempts fenced out':<56}{late:>5}   (target > 0: the stall tested fencing)")
+    if not late:
+        missed.append("no late attempt fenced out")
+    restarts = chaos.counts["postgresql restart as answers were released"]
+    print(f"{'PostgreSQL restarts as held-back answers were released':<56}{restarts:>5}   (target > 0)")
+    if not restarts:
+        missed.append("no PostgreSQL restart landed while answers were released")
     print(f"\nresult: {'FAIL: ' + ', '.join(missed) if missed else 'PASS'}")
     return not missed
 
@@ -476,15 +620,24 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--settle-seconds", type=float, default=600, help="how long to wait for quiescence")
-    parser.add_argument("--keep-database", action="store_true", help="leave chaos_<pid> for a post-mortem")
+    parser.add_argument("--keep-database", action="store_true",
+                        help="leave the throwaway PostgreSQL cluster's folder for a post-mortem")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     logs = Path(tempfile.mkdtemp(prefix=f"{TAG}-"))
     processes: list[Process] = []
     banks: dict[str, Bank] = {}
-    log(f"database {TAG}, queue {CHILD_ENV['CELERY_QUEUE']}, logs in {logs}")
-    admin(f'CREATE DATABASE "{TAG}"')
+    postgres, broker = ThrowawayPostgres.create(), ThrowawayRedis.create()
     try:
+        postgres.start()
+        broker.start()
+        postgres.create_database(TAG)
+        CHILD_ENV.update(child_env(postgres.url(TAG), broker.url(15)))
+        os.environ.update(DATABASE_URL=CHILD_ENV["DATABASE_URL"], CELERY_BROKER_URL=CHILD_ENV["CELERY_BROKER_URL"],
+                          CELERY_QUEUE=CHILD_ENV["CELERY_QUEUE"], DJANGO_SETTINGS_MODULE="agentplatform.settings",
+                          LOG_LEVEL="ERROR")
+        log(f"own PostgreSQL on port {postgres.port} ({postgres.folder}), own Redis on port {broker.port}; "
+            f"database {TAG}, queue {CHILD_ENV['CELERY_QUEUE']}, logs in {logs}")
         banks = {"bank": Bank("bank"), "bank2": Bank("bank2")}       # they start while the database migrates
         subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=CHILD_ENV, check=True,
                        stdout=subprocess.DEVNULL)
@@ -501,7 +654,7 @@ def main() -> int:
         queues = f"{CHILD_ENV['CELERY_QUEUE']},{CHILD_ENV['CELERY_QUEUE']}.sweeper"   # beat's sweeps have their own
         workers = [Process(f"worker{i}", [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P",
                                           "threads", "-c", str(CONCURRENCY), "-Q", queues,
-                                          "-n", f"chaos{i}-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
+                                          "-n", f"chaos{i}-{os.getpid()}@%h", *WORKER_STEPS_OFF,
                                           "--loglevel", "INFO"], logs, " ready.") for i in range(1, WORKERS + 1)]
         processes = [api_process, beat, *workers]
         with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
@@ -515,14 +668,14 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         launcher = Launcher(Api(url, agent_token), args.runs, args.seconds * 0.6, rng)
         supervisor = Supervisor(Api(url, supervisor_token), banks)
-        chaos = Chaos(workers, [api_process, beat], banks, rng)
+        chaos = Chaos(workers, [api_process, beat], banks, rng, postgres, broker)
         log(f"launching {args.runs} runs; chaos for {args.seconds:g} s")
         launcher.start()
         supervisor.start()
         chaos.play(args.seconds)
 
         log("chaos over: every process running again, no more faults; waiting for quiescence")
-        ensure_redis()
+        broker.start()
         for worker in workers:
             worker.signal(signal.SIGCONT)
         chaos.revive()
@@ -544,11 +697,14 @@ def main() -> int:
             process.stop()
         for bank in banks.values():
             bank.stop()
-        ensure_redis()
         from django.db import connections
         connections.close_all()
-        if not args.keep_database:
-            admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        broker.destroy()
+        if args.keep_database:
+            postgres.stop()
+            print(f"PostgreSQL cluster kept: {postgres.folder} (start it with pg_ctl -D {postgres.data} start)")
+        else:
+            postgres.destroy()
 
 
 def quiescent(run_ids: list[str], seconds: float, revive) -> bool:

@@ -15,7 +15,11 @@ Plain HTTP routes (streamable mode only):
     POST /ledger/reset
     POST /faults                      {"tool": X, "delay_after_effect": 5 | "delay_before_effect": 3
                                        | "fail_5xx_after_effect": true | "pending_visible": true, "times": 1}
-    GET  /faults                      -> {"faults": [{"tool", "kind", "value", "remaining"}, ...]}
+    GET  /faults                      -> {"faults": [{"tool", "kind", "value", "remaining"}, ...],
+                                          "taken": [{"tool", "key", "kind", "value", "at"}, ...]}
+    GET  /calls                       -> {"calls": [{"tool", "key", "port", "received", "answered",
+                                          "status"}, ...]}  every tool call, MCP or HTTP (client port,
+                                          epoch times; answered = response finished, status = HTTP code)
     POST /faults/reset
     POST /http/{tool}                 body = arguments, header Idempotency-Key
                                       200 result | 400 {"error"} tool failure | 404 unknown tool
@@ -242,6 +246,7 @@ class Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: list[dict[str, Any]] = []
+        self._taken: list[dict[str, Any]] = []
 
     def add(self, spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         tool, times = spec.get("tool"), spec.get("times", 1)
@@ -256,7 +261,7 @@ class Faults:
                 self._entries.append({"tool": tool, "kind": kind, "value": spec[kind], "remaining": times})
             return [dict(e) for e in self._entries]
 
-    def take(self, tool: str, kinds: tuple[str, ...]) -> CallFaults:
+    def take(self, tool: str, kinds: tuple[str, ...], key: str | None = None) -> CallFaults:
         faults = CallFaults()
         with self._lock:
             for kind in kinds:
@@ -265,11 +270,18 @@ class Faults:
                 if entry is not None:
                     entry["remaining"] -= 1
                     setattr(faults, kind, entry["value"])
+                    self._taken.append({"tool": tool, "key": key, "kind": kind, "value": entry["value"],
+                                        "at": time.time()})
         return faults
 
     def armed(self) -> list[dict[str, Any]]:
         with self._lock:
             return [dict(e) for e in self._entries]
+
+    def taken(self) -> list[dict[str, Any]]:
+        """Every fault a call consumed, with the call's idempotency key (what chaos runs audit)."""
+        with self._lock:
+            return [dict(e) for e in self._taken]
 
     def reset(self) -> None:
         with self._lock:
@@ -285,6 +297,7 @@ class BankService:
     faults: Faults = field(default_factory=Faults)
     page_size: int = 0  # 0: tools/list returns everything in one page
     pending: set[str] = field(default_factory=set)  # keys received but not applied (pending_visible)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # every tool call received (GET /calls)
 
     async def execute(self, name: str, raw_args: Mapping[str, Any], call: Call, faults: CallFaults) -> dict[str, Any]:
         spec = HTTP_TOOLS[name]
@@ -452,7 +465,7 @@ def build_mcp_server(svc: BankService) -> Server[Any]:
         key = (params.meta or {}).get(IDEMPOTENCY_META_KEY)
         call = Call(key if isinstance(key, str) else None, "mcp", ctx.protocol_version)
         # fail_5xx needs the HTTP response, so the ASGI wrapper consumes that kind.
-        faults = svc.faults.take(params.name, DELAY_KINDS)
+        faults = svc.faults.take(params.name, DELAY_KINDS, call.idempotency_key)
         try:
             result = await svc.execute(params.name, params.arguments or {}, call, faults)
         except ArgumentError as exc:
@@ -482,7 +495,10 @@ def _http_routes(svc: BankService) -> list[Route]:
         return JSONResponse({"ok": True, "faults": armed})
 
     async def faults_list(request: Request) -> Response:
-        return JSONResponse({"faults": svc.faults.armed()})
+        return JSONResponse({"faults": svc.faults.armed(), "taken": svc.faults.taken()})
+
+    async def calls(request: Request) -> Response:
+        return JSONResponse({"calls": [dict(c) for c in svc.calls]})
 
     async def faults_reset(request: Request) -> Response:
         svc.faults.reset()
@@ -502,7 +518,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         if call.idempotency_key in svc.pending:
             # Like payment APIs that lock a key while its first request runs.
             return JSONResponse({"error": "a request with this idempotency key is in progress"}, status_code=409)
-        faults = svc.faults.take(name, FAULT_KINDS)
+        faults = svc.faults.take(name, FAULT_KINDS, call.idempotency_key)
         pending = call.idempotency_key if faults.pending_visible and call.idempotency_key else None
         if pending:
             svc.pending.add(pending)
@@ -533,6 +549,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         Route("/faults", faults_add, methods=["POST"]),
         Route("/faults", faults_list, methods=["GET"]),
         Route("/faults/reset", faults_reset, methods=["POST"]),
+        Route("/calls", calls, methods=["GET"]),
         Route("/http/status/{key}", http_status, methods=["GET"]),
         Route("/http/payment_status/{key}", http_payment_status, methods=["GET"]),
         Route("/http/{tool_name}", http_tool, methods=["POST"]),
@@ -544,6 +561,15 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _tools_call_key(body: bytes) -> str | None:
+    try:
+        meta = json.loads(body)["params"].get("_meta") or {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    key = meta.get(IDEMPOTENCY_META_KEY) if isinstance(meta, dict) else None
+    return key if isinstance(key, str) else None
 
 
 def _tools_call_name(body: bytes) -> str | None:
@@ -574,15 +600,35 @@ class _Gate:
         is_tool_route = path.startswith("/mcp") or path.startswith("/http/")
         if is_tool_route and self.token and not self._authorised(scope):
             return await _send_json(send, 401, {"error": "missing or invalid bearer token"})
+        if scope["method"] == "POST" and path.startswith("/http/"):
+            key = dict(scope["headers"]).get(IDEMPOTENCY_HEADER.lower().encode(), b"").decode() or None
+            return await self.app(scope, receive, self._logged(scope, path.removeprefix("/http/"), key, send))
         if not (path.startswith("/mcp") and scope["method"] == "POST"):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         replay = _replay(body, receive)
-        name = _tools_call_name(body)
-        if name and self.svc.faults.take(name, ("fail_5xx_after_effect",)).fail_5xx_after_effect:
+        name, key = _tools_call_name(body), _tools_call_key(body)
+        if name:
+            send = self._logged(scope, name, key, send)
+        if name and self.svc.faults.take(name, ("fail_5xx_after_effect",), key).fail_5xx_after_effect:
             await self.app(scope, replay, _swallow(send))
             return await _send_json(send, 500, {"error": "injected fault after effect"})
         await self.app(scope, replay, send)
+
+    def _logged(self, scope: Scope, tool: str, key: str | None, send: Send) -> Send:
+        """Log the call (GET /calls): who sent it (client port), when, and when its answer was out."""
+        call = {"tool": tool, "key": key, "port": (scope.get("client") or ("", 0))[1], "received": time.time(),
+                "answered": None, "status": None}
+        self.svc.calls.append(call)
+
+        async def logged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                call["status"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                call["answered"] = time.time()
+
+        return logged
 
     def _authorised(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

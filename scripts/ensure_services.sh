@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start PostgreSQL and Redis when they are not running, and install Chromium for the browser test.
+# Start the machine's PostgreSQL and Redis when they are not running (for `make bench` and `make serve`).
+# Never stops or restarts them: other users share them.
 set -euo pipefail
 
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
@@ -14,14 +15,4 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   echo "starting Redis"
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
   for _ in $(seq 1 30); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 0.5; done
-fi
-
-if ! command -v chromium >/dev/null 2>&1; then
-  echo "installing Chromium (Debian package) for the admin browser test"
-  if [ "$(id -u)" = "0" ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || echo "warning: chromium could not be installed; the browser test will fail"
-  else
-    echo "warning: not root; install chromium yourself for the browser test"
-  fi
 fi

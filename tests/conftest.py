@@ -1,4 +1,5 @@
-"""Test setup: real PostgreSQL and Redis (the Makefile points DATABASE_URL and the broker at them)."""
+"""Test setup: real PostgreSQL and Redis. `make test` runs the session on throwaway servers of its own
+(tests/services.py); the machine's PostgreSQL and Redis must come out of any session untouched."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ from django.utils import timezone
 
 from runs.models import TERMINAL, WAITING, Run, RunStatus
 from tests import factories
+from tests.services import machine_services
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,6 +19,18 @@ def _require_real_services():
     engine = settings.DATABASES["default"]["ENGINE"]
     if os.environ.get("CI") or os.environ.get("REQUIRE_POSTGRES", "1") == "1":
         assert "postgresql" in engine, f"tests must run on PostgreSQL, not {engine}: use `make test`"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _machine_services_untouched():
+    """Other users share the machine's PostgreSQL (5432) and Redis (6379): no test may restart them."""
+    before = machine_services()
+    yield
+    after = machine_services()
+    changed = [f"{name}: {before[name]} -> {after[name]}" for name in before
+               if before[name] is not None and after[name] != before[name]]
+    if changed:
+        pytest.fail("the machine's services were restarted or stopped during the tests: " + "; ".join(changed))
 
 
 @pytest.fixture(autouse=True)

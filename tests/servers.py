@@ -29,6 +29,10 @@ def process_env(**extra: str) -> dict:
     return env
 
 
+# As in production (scripts/serve.sh): the design uses none of these consumer steps.
+WITHOUT_STEPS = ("gossip", "mingle", "heartbeat")
+
+
 class Worker:
     """A real `celery worker` process consuming the runs queue."""
 
@@ -37,7 +41,7 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile(prefix=f"worker-{name}-", suffix=".log", delete=False)
         self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", pool,
                      "-c", str(concurrency), "-Q", settings.CELERY_TASK_DEFAULT_QUEUE, "-n", f"{name}@%h", "--loglevel", "INFO",
-                     "--without-gossip", "--without-mingle"]
+                     *(f"--without-{step}" for step in WITHOUT_STEPS)]
         self.env = process_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 

@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 
 from tests.observability.conftest import parse, value
-from tests.servers import ROOT, BankServer, wait_for
+from tests.servers import ROOT, BankServer, database_url, wait_for
 
 CONFIG = """
 tenant: {slug: prod-bank, name: Prod Bank, time_zone: Europe/London, daily_budget: 5.0}
@@ -55,11 +55,12 @@ def _free_port() -> int:
 @pytest.fixture
 def prod_database():
     name = f"prodshape_{os.getpid()}"
-    admin = "postgres://root@127.0.0.1:5432/postgres"
+    server = database_url().rsplit("/", 1)[0]          # the server the test database is on
+    admin = f"{server}/postgres"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgres://root@127.0.0.1:5432/{name}"
+    yield f"{server}/{name}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

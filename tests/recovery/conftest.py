@@ -6,7 +6,7 @@ within seconds; the tests play Celery beat by calling the sweeper themselves.
 """
 from __future__ import annotations
 
-import subprocess
+import os
 import time
 from urllib.parse import urlparse
 
@@ -21,6 +21,7 @@ from runs import sweeper
 from runs.models import Run, RunEvent, Step
 from tests import factories
 from tests.servers import wait_for
+from tests.services import Refused, ThrowawayPostgres, ThrowawayRedis
 from tools.models import Tool, ToolServer
 
 # Worker environment: a tool with timeout T holds a lease of T + 1 seconds.
@@ -121,42 +122,63 @@ def supervisor(tenant):
     return factories.make_user(tenant, "meera", staff=True)
 
 
-# --- infrastructure restarts -------------------------------------------------------------------
+# --- infrastructure restarts: only of this session's own servers -----------------------------------
+# The session must run on throwaway servers (`make test`, or `python -m tests.services -- pytest ...`):
+# these helpers act on the servers named by THROWAWAY_POSTGRES / THROWAWAY_REDIS, and only when the
+# test database and the broker are on them. The machine's PostgreSQL and Redis are never touched.
 
 def broker_port() -> int:
     return urlparse(settings.CELERY_BROKER_URL).port or 6379
 
 
-def _redis(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["redis-cli", "-p", str(broker_port()), *args], capture_output=True)
+def session_redis() -> ThrowawayRedis:
+    """The throwaway Redis this session's broker URL points at; refuses any other."""
+    broker = ThrowawayRedis.from_env()
+    if broker.port != broker_port():
+        raise Refused(f"the broker is on port {broker_port()}, not on the throwaway Redis ({broker.port})")
+    return broker
+
+
+def session_postgres() -> ThrowawayPostgres:
+    """The throwaway cluster serving the test database; refuses any other."""
+    cluster = ThrowawayPostgres.from_env()
+    port = int(connection.settings_dict["PORT"] or 5432)
+    if cluster.port != port:
+        raise Refused(f"the test database is on port {port}, not on the throwaway cluster ({cluster.port})")
+    return cluster
+
+
+@pytest.fixture
+def own_services():
+    """Skip (fail on CI) a test that restarts a server when the session does not run on its own servers."""
+    try:
+        return session_postgres(), session_redis()
+    except Refused as exc:
+        message = f"restarts only throwaway servers; run through `make test` or `python -m tests.services`: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def stop_redis() -> None:
     """Shut Redis down without saving: every queued message is gone."""
-    _redis("shutdown", "nosave")
-    wait_for(lambda: _redis("ping").returncode != 0, timeout=10, what="redis down")
+    session_redis().stop()
 
 
 def start_redis() -> None:
-    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(broker_port()),
-                    "--save", "", "--appendonly", "no"], check=True, capture_output=True)
-    wait_for(lambda: _redis("ping").stdout.strip() == b"PONG", timeout=10, what="redis up")
+    session_redis().start()
 
 
 def restart_redis() -> None:
     """A real Redis restart with nothing persisted."""
-    stop_redis()
-    start_redis()
+    session_redis().restart()
 
 
 def postgres(action: str) -> None:
-    """start, stop or restart the PostgreSQL cluster that serves the test database (found by port)."""
-    port = str(connection.settings_dict["PORT"] or 5432)
-    clusters = subprocess.run(["pg_lsclusters", "-h"], check=True, capture_output=True, text=True).stdout
-    version, name = next(line.split()[:2] for line in clusters.splitlines() if line.split()[2] == port)
+    """start, stop, restart or kill the throwaway cluster that serves the test database."""
+    cluster = session_postgres()
     connection.close()
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, action], check=True,
-                   capture_output=True)
+    getattr(cluster, action)()
     close_old_connections()
     connection.close()
 

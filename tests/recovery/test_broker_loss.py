@@ -1,5 +1,7 @@
 """Redis is only the broker: losing it, or every message in it, loses no run (DESIGN.md 1 and 3).
 
+Tests that stop or restart Redis do it to the session's throwaway Redis (tests/services.py).
+
 Runs whose message vanished sit in `queued`/`running` with no lease; the sweeper re-enqueues
 them once they have been untouched for QUEUED_TOO_LONG_SECONDS.
 """
@@ -48,6 +50,7 @@ def test_it_finishes_every_run_whose_queued_message_was_lost(tenant, asha, bank,
     assert keys == sorted(Step.objects.filter(run__in=runs, seq=2).values_list("idempotency_key", flat=True))
 
 
+@pytest.mark.usefixtures("own_services")
 def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, bank, workers):
     tools = factories.make_bank_tools(tenant, bank.mcp_url)
     names = {k: t.name for k, t in tools.items()}
@@ -80,6 +83,7 @@ def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, ban
     assert worker.proc.poll() is None            # the same worker process did all of it
 
 
+@pytest.mark.usefixtures("own_services")
 def test_a_worker_rides_out_a_redis_outage_with_calls_in_flight(tenant, asha, bank, workers):
     lookup = factories.make_bank_tools(tenant, bank.mcp_url)["lookup_transaction"]
     factories.grant(lookup, use=[asha])
@@ -102,6 +106,7 @@ def test_a_worker_rides_out_a_redis_outage_with_calls_in_flight(tenant, asha, ba
     assert worker.proc.poll() is None, worker.output()[-2000:]
 
 
+@pytest.mark.usefixtures("own_services")
 def test_it_admits_a_run_while_redis_is_down_and_runs_it_once_redis_is_back(tenant, asha, bank, workers):
     email = factories.make_bank_tools(tenant, bank.mcp_url)["send_customer_email"]
     single_call_agent(tenant, asha, email, EMAIL, final="emailed")

@@ -1,7 +1,9 @@
-"""The chaos run, short: 20 runs through the API for 30 s of kills, a stall, a Redis restart and
-provider faults (bench/chaos.py; `make chaos` runs the long version). It exits non-zero when a
-target is missed: a duplicate effect, an effect the step log disagrees with, a reservation left
-open, a run stuck neither finished nor waiting for a person."""
+"""The chaos run, short: 20 runs through the API for 30 s of kills, a stall, a Redis restart, two
+PostgreSQL restarts (of the run's own throwaway servers) and provider faults, with a payment gateway
+that applies every POST and lags behind its answers (bench/chaos.py; `make chaos` runs the long
+version). It exits non-zero when a target is missed: a duplicate effect, a known outcome that
+became unknown, no late attempt fenced out, an effect the step log disagrees with, a reservation
+left open, a run stuck neither finished nor waiting for a person."""
 from __future__ import annotations
 
 import os

@@ -13,7 +13,8 @@ from tests.recovery.conftest import (EMAIL, FAST_LEASES, db_retry, http_bank_too
                                      single_call_agent, step_of, sweep_until, until_status)
 from tests.servers import wait_for
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_sweeps")]
+# Both tests restart PostgreSQL: the session's throwaway cluster (tests/services.py), never the machine's.
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_sweeps", "own_services")]
 
 
 def test_it_finishes_every_run_across_a_postgresql_restart(tenant, asha, bank, workers):
