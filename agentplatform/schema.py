@@ -1,6 +1,8 @@
 """OpenAPI post-processing: every operation documents the one error body and the statuses it answers."""
 from __future__ import annotations
 
+import re
+
 from drf_spectacular import openapi
 
 ERROR_SCHEMA = {
@@ -62,3 +64,9 @@ class AutoSchema(openapi.AutoSchema):
         if "." in qualname and not getattr(serializer, "_spectacular_annotation", None):
             return qualname.replace(".", "").replace("Serializer", "")
         return super().get_serializer_name(serializer, direction)
+
+    def get_operation_id(self):
+        """One id per view and method (`RunListApi.get` -> `run_list_get`): drf-spectacular's own
+        ids come from the path, so a list and its detail route (`/v1/runs`, `/v1/runs/{id}`) collide."""
+        name = type(self.view).__name__.removeprefix("_").removesuffix("Api")
+        return f"{re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()}_{self.method.lower()}"

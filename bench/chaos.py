@@ -80,7 +80,7 @@ WORKERS = 2
 CONCURRENCY = 6
 SUCCESS = ("succeeded", "resolved_succeeded")
 UNKNOWN = ("outcome_unknown", "resolved_succeeded", "resolved_failed")
-WORKER_STEPS_OFF = ["--without-gossip", "--without-mingle", "--without-heartbeat"]   # as scripts/serve.sh
+WORKER_STEPS_OFF = ["--without-gossip", "--without-mingle"]   # as scripts/serve.sh
 
 # The environment of every child process; filled in by main() once the throwaway servers run.
 CHILD_ENV: dict[str, str] = {}

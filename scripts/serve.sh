@@ -40,11 +40,12 @@ $PY -m gunicorn agentplatform.wsgi --bind "$BIND" --workers "$GUNICORN_WORKERS" 
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight
 # (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.
-# No gossip, mingle or heartbeat: the platform coordinates through PostgreSQL, not between
-# workers, and gossip's Redis pub/sub consumer is one more way a Redis restart reaches kombu's
-# close bug (agentplatform/celery.py).
+# No gossip or mingle: the platform coordinates through PostgreSQL, not between workers, and
+# gossip's Redis pub/sub consumer is one more way a Redis restart reaches kombu's close bug
+# (agentplatform/celery.py). Heartbeats stay: Flower needs them to see the worker and enable
+# its task events.
 $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
-  --without-gossip --without-mingle --without-heartbeat --loglevel INFO & pids+=($!)
+  --without-gossip --without-mingle --loglevel INFO & pids+=($!)
 # Beat and Flower record no platform metrics: kept out of the shared directory.
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
   --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)

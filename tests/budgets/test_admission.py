@@ -48,7 +48,7 @@ def test_it_learns_the_expected_cost_from_the_p90_of_the_last_succeeded_runs(ten
 
 
 def test_a_configured_expected_cost_wins_and_is_capped_by_the_day(tenant, asha):
-    version = factories.make_agent(tenant, name="costly", expected_cost_micros=10**12)
+    version = factories.make_agent(tenant, name="costly", expected_cost_micros=10**9)
     limits = effective_limits({}, tenant)
     assert admission.expected_cost(version=version, limits=limits, tenant=tenant) == min(
         limits["max_cost_micros"], tenant.daily_budget_micros)
