@@ -47,22 +47,6 @@ class ReservationOutput(serializers.ModelSerializer):
                   "note", "created_at", "closed_at"]
 
 
-class AgentUsageOutput(serializers.Serializer):
-    agent = serializers.CharField()
-    spent_micros = serializers.IntegerField()
-    held_micros = serializers.IntegerField()
-    reserved_micros = serializers.IntegerField()
-    runs = serializers.IntegerField()
-
-
-class UsageOutput(serializers.Serializer):
-    tenant = serializers.CharField()
-    time_zone = serializers.CharField()
-    currency_micros_per_unit = serializers.IntegerField()
-    days = DayOutput(many=True)
-    agents = AgentUsageOutput(many=True)
-
-
 class UsageApi(APIView):
     class FilterSerializer(serializers.Serializer):
         days = serializers.IntegerField(min_value=1, max_value=366, required=False, default=30)
