@@ -336,9 +336,10 @@ class Supervisor(threading.Thread):
             self.stopping.wait(1)
 
     def sweep(self) -> None:
-        waiting = self.api.call("GET", "/v1/runs", params={"status": "needs_attention", "limit": 1000}).json()
+        waiting = self.api.call("GET", "/v1/runs", params={"status": "needs_attention", "limit": 200}).json()
         for run in waiting["results"]:
-            for step in self.api.call("GET", f"/v1/runs/{run['id']}/steps").json():
+            steps = self.api.call("GET", f"/v1/runs/{run['id']}/steps").json()
+            for step in steps["results"] if isinstance(steps, dict) else steps:
                 # Model steps can stay outcome_unknown (a held charge); only tool calls wait for a person.
                 if step["status"] == "outcome_unknown" and step.get("kind") == "tool":
                     self.judge(run["id"], step)
@@ -465,7 +466,9 @@ class Chaos:
         end = start + seconds
         # Apart from each other: a worker stalled across a PostgreSQL restart wakes past its lease with a
         # dead connection and gives up its record without the late-attempt event the stall is there to see.
-        once = {"redis": start + 0.25 * seconds, "stall": start + 0.4 * seconds, "postgres": start + 0.6 * seconds,
+        # The first PostgreSQL restart comes while runs are still being started (the first 60 % of the
+        # window), so calls are there to take the held-back answers it waits for.
+        once = {"redis": start + 0.2 * seconds, "postgres": start + 0.3 * seconds, "stall": start + 0.55 * seconds,
                 "postgres ": start + 0.85 * seconds}
         next_kill = time.monotonic() + self.rng.uniform(2, 6)
         while time.monotonic() < end:

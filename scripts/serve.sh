@@ -42,10 +42,10 @@ $PY -m gunicorn agentplatform.wsgi --bind "$BIND" --workers "$GUNICORN_WORKERS" 
 # (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.
 # No gossip or mingle: the platform coordinates through PostgreSQL, not between workers, and
 # gossip's Redis pub/sub consumer is one more way a Redis restart reaches kombu's close bug
-# (agentplatform/celery.py). Heartbeats stay: Flower needs them to see the worker and enable
-# its task events.
+# (agentplatform/celery.py). Heartbeats stay (Flower sees the worker by them) and task events
+# are on from the start, not only once Flower's periodic broadcast reaches a new worker.
 $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
-  --without-gossip --without-mingle --loglevel INFO & pids+=($!)
+  --without-gossip --without-mingle --task-events --loglevel INFO & pids+=($!)
 # Beat and Flower record no platform metrics: kept out of the shared directory.
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
   --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)

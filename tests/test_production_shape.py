@@ -136,6 +136,11 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert http.get(f"{base}/admin/login/").status_code == 200
         assert http.get(f"{base}/static/admin/css/base.css").status_code == 200
         wait_for(lambda: _ok(f"http://127.0.0.1:{flower_port}/"), timeout=60, what="flower")
+        # A run while Flower is surely listening (the first may have ended before it connected).
+        seen = http.post(f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1002"}}, headers=headers)
+        assert seen.status_code == 201, seen.text
+        wait_for(lambda: http.get(f"{base}/v1/runs/{seen.json()['id']}", headers=headers).json()["status"]
+                 == "succeeded", timeout=60, what="a run Flower sees")
         # Flower lists the engine's steps with what each did; the sweeper's passes stay out of it.
         tasks = wait_for(lambda: (t := httpx.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10).json())
                          and all(task["state"] == "SUCCESS" for task in t.values()) and t, timeout=30,
