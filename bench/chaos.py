@@ -429,7 +429,14 @@ class Chaos:
             if self.calls_in_flight(busiest) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        seconds = TOOL_TIMEOUT + LEASE_MARGIN + MODEL_TIMEOUT
+        # Sweeps run on the workers: the stall must outlast the lease and give another worker (perhaps
+        # just revived after a kill) time to sweep and take the run over, or nobody fences it out.
+        others = [w for w in self.workers if w is not busiest]
+        wait_for_other = time.monotonic() + 20
+        while not any(w.alive for w in others) and time.monotonic() < wait_for_other:
+            self.revive()
+            time.sleep(0.2)
+        seconds = TOOL_TIMEOUT + LEASE_MARGIN + MODEL_TIMEOUT + 10
         log(f"chaos: SIGSTOP {busiest.name} for {seconds} s")
         self.lose(busiest)
         busiest.signal(signal.SIGSTOP)
