@@ -5,20 +5,17 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import MONEY_MAX_MICROS, PAGE_PARAMETERS, paginate, paginated, require_tenant
+from agentplatform.api import (MONEY_MAX_MICROS, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated,
+                                require_tenant)
 from agentplatform.errors import Conflict, Forbidden
 from budgets import selectors, services
 from budgets.models import Reservation
 
 
-class DayOutput(serializers.Serializer):
+class DayOutput(BudgetSerializer):
+    """One budget day: the balances every account shows, and its date."""
+
     day = serializers.DateField()
-    limit_micros = serializers.IntegerField()
-    reserved_micros = serializers.IntegerField()
-    spent_micros = serializers.IntegerField()
-    held_micros = serializers.IntegerField()
-    overage_micros = serializers.IntegerField()
-    remaining_micros = serializers.IntegerField()
 
 
 class AgentUsageOutput(serializers.Serializer):
