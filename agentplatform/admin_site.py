@@ -7,6 +7,7 @@ list every tenant's rows.
 
 Admin code only displays and forwards: writes go through the apps' services.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -201,8 +202,11 @@ def status_filter(choices, *, default: str, field: str = "status"):
         def choices(self, changelist):
             current = self.value() or default
             for value, label in self.lookup_choices:
-                yield {"selected": current == value, "display": label,
-                       "query_string": changelist.get_query_string({self.parameter_name: value})}
+                yield {
+                    "selected": current == value,
+                    "display": label,
+                    "query_string": changelist.get_query_string({self.parameter_name: value}),
+                }
 
     return StatusFilter
 
@@ -238,8 +242,10 @@ def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
         if is_money(key):
             text = format_html('<strong class="amount">{}</strong>', text)
         rows.append((key, text))
-    return format_html('<div class="arguments">{}</div>',
-                       format_html_join("", '<div><span class="arg-key">{}</span>: {}</div>', rows))
+    return format_html(
+        '<div class="arguments">{}</div>',
+        format_html_join("", '<div><span class="arg-key">{}</span>: {}</div>', rows),
+    )
 
 
 def money(micros: int | None) -> str:
@@ -275,21 +281,26 @@ def admin_link(obj, text=None) -> SafeString:
 
 # --- the site ----------------------------------------------------------------------------------
 
+
 class PlatformAdminSite(admin.AdminSite):
     site_header = "Agent platform"
     site_title = "Agent platform admin"
     index_title = "Supervision and operations"
     index_template = "admin/platform/index.html"
-    site_url = None   # the platform has no public site to link to
+    site_url = None  # the platform has no public site to link to
 
     def each_context(self, request):
         context = super().each_context(request)
         user = getattr(request, "user", None)
         if user is not None and user.is_active and user.is_staff:
-            context["platform_nav"] = [("Inbox", reverse("admin:approvals_approval_changelist")),
-                                       ("Runs", reverse("admin:runs_run_changelist"))]
+            context["platform_nav"] = [
+                ("Inbox", reverse("admin:approvals_approval_changelist")),
+                ("Runs", reverse("admin:runs_run_changelist")),
+            ]
             if user.tenant_id:
-                context["platform_nav"].append(("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id])))
+                context["platform_nav"].append(
+                    ("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id]))
+                )
         return context
 
     def index(self, request, extra_context=None):

@@ -1,4 +1,5 @@
 """Small shared pieces of the API layer."""
+
 from __future__ import annotations
 
 from drf_spectacular.utils import OpenApiParameter, inline_serializer
@@ -8,8 +9,8 @@ from rest_framework.pagination import LimitOffsetPagination
 from agentplatform.errors import Forbidden
 
 # Bounds shared by the API and the configuration (documented in the OpenAPI schema).
-MONEY_MAX_MICROS = 10**15        # one billion currency units; far below bigint's 9.2e18
-ID_MAX = 2**63 - 1               # bigint primary keys and sequence numbers
+MONEY_MAX_MICROS = 10**15  # one billion currency units; far below bigint's 9.2e18
+ID_MAX = 2**63 - 1  # bigint primary keys and sequence numbers
 PAGE_MAX = 200
 OFFSET_MAX = 10_000_000
 
@@ -30,8 +31,11 @@ class Pagination(LimitOffsetPagination):
         offset = serializers.IntegerField(min_value=0, max_value=OFFSET_MAX, required=False)
 
     def paginate_queryset(self, queryset, request, view=None):
-        params = self.Params(data={key: request.query_params[key] for key in ("limit", "offset")
-                                   if key in request.query_params})
+        params = self.Params(
+            data={
+                key: request.query_params[key] for key in ("limit", "offset") if key in request.query_params
+            }
+        )
         params.is_valid(raise_exception=True)
         self._bounded = params.validated_data
         return super().paginate_queryset(queryset, request, view)
@@ -44,10 +48,16 @@ class Pagination(LimitOffsetPagination):
 
 
 PAGE_PARAMETERS = [
-    OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": PAGE_MAX, "default": 50},
-                     description="page size"),
-    OpenApiParameter("offset", {"type": "integer", "minimum": 0, "maximum": OFFSET_MAX, "default": 0},
-                     description="items to skip"),
+    OpenApiParameter(
+        "limit",
+        {"type": "integer", "minimum": 1, "maximum": PAGE_MAX, "default": 50},
+        description="page size",
+    ),
+    OpenApiParameter(
+        "offset",
+        {"type": "integer", "minimum": 0, "maximum": OFFSET_MAX, "default": 0},
+        description="items to skip",
+    ),
 ]
 
 
@@ -59,12 +69,15 @@ def paginate(view, request, queryset, serializer_class):
 
 def paginated(serializer_class, name: str):
     """The schema of what paginate() answers: count, next, previous and the page's results."""
-    return inline_serializer(name, {
-        "count": serializers.IntegerField(),
-        "next": serializers.URLField(allow_null=True),
-        "previous": serializers.URLField(allow_null=True),
-        "results": serializer_class(many=True),
-    })
+    return inline_serializer(
+        name,
+        {
+            "count": serializers.IntegerField(),
+            "next": serializers.URLField(allow_null=True),
+            "previous": serializers.URLField(allow_null=True),
+            "results": serializer_class(many=True),
+        },
+    )
 
 
 def money(micros: int | None) -> str | None:

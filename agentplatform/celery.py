@@ -56,7 +56,7 @@ class Consumer(CeleryConsumer):
         try:
             super().on_connection_error_after_connected(exc)
         except AttributeError:
-            if self.connection is not None:     # Celery detaches the old connection before closing it
+            if self.connection is not None:  # Celery detaches the old connection before closing it
                 raise
             logger.warning("lost broker connection: closing it failed inside kombu", exc_info=True)
 
@@ -73,5 +73,7 @@ def _dropped_if_connection_lost(ack, *args, **kwargs):
         transport = getattr(getattr(message, "channel", None), "connection", None)
         if transport is None or getattr(transport, "client", None) is not None:
             raise
-        logger.warning("not acknowledging message %s: its broker connection was lost",
-                       getattr(message, "delivery_tag", "?"))
+        logger.warning(
+            "not acknowledging message %s: its broker connection was lost",
+            getattr(message, "delivery_tag", "?"),
+        )

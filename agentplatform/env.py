@@ -1,4 +1,5 @@
 """Small readers for environment variables that fail loudly on bad values."""
+
 from __future__ import annotations
 
 import math
@@ -86,14 +87,18 @@ SECRET_KEY_MIN_BITS = 128
 def strong_secret_key(name: str, value: str) -> str:
     """`value` if it is a usable secret key; raise ConfigError (without echoing it) otherwise."""
     if value.startswith("django-insecure"):
-        raise ConfigError(f"{name} is Django's generated development key (django-insecure-...); generate a new one")
+        raise ConfigError(
+            f"{name} is Django's generated development key (django-insecure-...); generate a new one"
+        )
     if len(value) < SECRET_KEY_MIN_LENGTH:
         raise ConfigError(f"{name} must be at least {SECRET_KEY_MIN_LENGTH} characters, got {len(value)}")
     counts = Counter(value)
     bits = sum(n * math.log2(len(value) / n) for n in counts.values())
     if len(counts) < 5 or bits < SECRET_KEY_MIN_BITS:
-        raise ConfigError(f"{name} is not random enough ({len(counts)} distinct characters, about {bits:.0f} bits); "
-                          "use e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'")
+        raise ConfigError(
+            f"{name} is not random enough ({len(counts)} distinct characters, about {bits:.0f} bits); "
+            "use e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+        )
     return value
 
 
@@ -108,7 +113,9 @@ def fernet_keys(name: str, keys: list[str]) -> list[str]:
             Fernet(key)
         except (ValueError, TypeError):
             # The key is never echoed: this message ends up in logs.
-            raise ConfigError(f"{name}: key #{index} is not a valid Fernet key (32 url-safe base64-encoded bytes; "
-                              "python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key()"
-                              ".decode())')") from None
+            raise ConfigError(
+                f"{name}: key #{index} is not a valid Fernet key (32 url-safe base64-encoded bytes; "
+                "python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key()"
+                ".decode())')"
+            ) from None
     return keys

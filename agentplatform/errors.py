@@ -7,6 +7,7 @@ Every answer under /v1/ that is not a success has this body: refusals of the ser
 media type), routes that match nothing, oversized or malformed bodies, and unexpected server
 errors (logged with their traceback here, answered without it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,15 @@ API_PREFIX = "/v1/"
 class DomainError(Exception):
     """A refused operation, with a machine-readable code and an HTTP status for the API."""
 
-    def __init__(self, message: str, *, code: str = "invalid", status: int = 400,
-                 fields: dict | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "invalid",
+        status: int = 400,
+        fields: dict | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code
@@ -61,8 +69,14 @@ def error_body(code: str, message: str, fields: dict | None = None) -> dict:
 
 def _flatten(detail) -> dict:
     if isinstance(detail, dict):
-        return {key: [str(m) for m in value] if isinstance(value, list) else _flatten(value)
-                if isinstance(value, dict) else [str(value)] for key, value in detail.items()}
+        return {
+            key: [str(m) for m in value]
+            if isinstance(value, list)
+            else _flatten(value)
+            if isinstance(value, dict)
+            else [str(value)]
+            for key, value in detail.items()
+        }
     return {"non_field_errors": [str(m) for m in detail]} if isinstance(detail, list) else {}
 
 
@@ -76,11 +90,17 @@ def exception_handler(exc, context):
     if response is None:
         # Not an API error: a bug or an outage. The traceback goes to the log, never to the caller.
         request = context.get("request")
-        logger.error("unexpected error in %s %s", getattr(request, "method", "?"),
-                     getattr(request, "path", "?"), exc_info=exc)
+        logger.error(
+            "unexpected error in %s %s",
+            getattr(request, "method", "?"),
+            getattr(request, "path", "?"),
+            exc_info=exc,
+        )
         set_rollback()
-        return Response(error_body("internal_error", "An unexpected error occurred; it has been logged."),
-                        status=status.HTTP_500_INTERNAL_SERVER_ERROR)
+        return Response(
+            error_body("internal_error", "An unexpected error occurred; it has been logged."),
+            status=status.HTTP_500_INTERNAL_SERVER_ERROR,
+        )
     if isinstance(exc, exceptions.ValidationError):
         response.data = error_body("invalid", "The request has invalid fields.", _flatten(exc.detail))
     elif isinstance(exc, exceptions.APIException):
@@ -92,6 +112,7 @@ def exception_handler(exc, context):
 
 
 # --- Django-level answers (outside DRF views) for API paths ---------------------------------------
+
 
 def _is_api(request) -> bool:
     return request.path.startswith(API_PREFIX)

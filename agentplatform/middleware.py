@@ -1,4 +1,5 @@
 """Refuse API requests whose path or query string carries text PostgreSQL cannot store (NUL)."""
+
 from __future__ import annotations
 
 from agentplatform.errors import API_PREFIX, json_error
@@ -20,6 +21,9 @@ class ApiInputGuard:
                 if text_problem(key) or any(text_problem(value) for value in values):
                     problem = f"query parameter {key!r}"
             if problem:
-                return json_error("bad_request", f"{problem} contains characters that are not allowed "
-                                                 f"(NUL or invalid Unicode)", 400)
+                return json_error(
+                    "bad_request",
+                    f"{problem} contains characters that are not allowed (NUL or invalid Unicode)",
+                    400,
+                )
         return self.get_response(request)

@@ -4,6 +4,7 @@ DRF's JSONParser reads the body stream past Django's DATA_UPLOAD_MAX_MEMORY_SIZE
 NaN and Infinity, and lets a RecursionError (deeply nested arrays) and text that PostgreSQL
 refuses (NUL, lone surrogates) through to the database, where each became an HTTP 500.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,9 @@ class StrictJSONParser(BaseParser):
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         try:
             # parse_float: "1e400" would otherwise become Infinity.
-            data = json.loads(raw.decode(encoding), parse_constant=_refuse_constant, parse_float=_finite_float)
+            data = json.loads(
+                raw.decode(encoding), parse_constant=_refuse_constant, parse_float=_finite_float
+            )
         except RecursionError:
             raise ParseError(f"JSON nested more than {settings.API_MAX_JSON_DEPTH} levels deep") from None
         except (ValueError, UnicodeDecodeError) as exc:

@@ -1,4 +1,5 @@
 """OpenAPI post-processing: every operation documents the one error body and the statuses it answers."""
+
 from __future__ import annotations
 
 import re
@@ -8,16 +9,24 @@ from drf_spectacular import openapi
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["code", "message"],
-        "properties": {
-            "code": {"type": "string", "description": "machine-readable, e.g. invalid, not_found, throttled"},
-            "message": {"type": "string"},
-            "fields": {"type": "object", "additionalProperties": True,
-                       "description": "per field path, the list of what is wrong with it"},
-        },
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {
+                    "type": "string",
+                    "description": "machine-readable, e.g. invalid, not_found, throttled",
+                },
+                "message": {"type": "string"},
+                "fields": {
+                    "type": "object",
+                    "additionalProperties": True,
+                    "description": "per field path, the list of what is wrong with it",
+                },
+            },
+        }
+    },
 }
 
 ERRORS = {
@@ -48,10 +57,14 @@ def add_error_responses(result, generator, request, public):
             for code, description in ERRORS.items():
                 if code in BODY_ONLY and method not in ("post", "put", "patch"):
                     continue
-                response = {"description": description, "content": {"application/json": {"schema": reference}}}
+                response = {
+                    "description": description,
+                    "content": {"application/json": {"schema": reference}},
+                }
                 if code == "429":
-                    response["headers"] = {"Retry-After": {"schema": {"type": "integer"},
-                                                           "description": "seconds to wait"}}
+                    response["headers"] = {
+                        "Retry-After": {"schema": {"type": "integer"}, "description": "seconds to wait"}
+                    }
                 responses.setdefault(code, response)
     return result
 

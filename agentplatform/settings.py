@@ -4,6 +4,7 @@ AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS and DATABA
 refuses to start with a weak SECRET_KEY, an invalid encryption key or DEBUG on, and turns on
 HTTPS-only behaviour (HSTS, redirect to HTTPS, secure cookies): `manage.py check --deploy` passes.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -13,8 +14,18 @@ from pathlib import Path
 
 import dj_database_url
 
-from agentplatform.env import (ConfigError, env_bool, env_float, env_int, env_list, env_rate,
-                               env_required, env_str, fernet_keys, strong_secret_key)
+from agentplatform.env import (
+    ConfigError,
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_rate,
+    env_required,
+    env_str,
+    fernet_keys,
+    strong_secret_key,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("AGENTPLATFORM_VAR_DIR", str(BASE_DIR / "var")))
@@ -37,11 +48,13 @@ def _dev_file_secret(name: str, make) -> str:
 
 def _fernet_key() -> str:
     from cryptography.fernet import Fernet
+
     return Fernet.generate_key().decode()
 
 
 def _django_key() -> str:
     import secrets
+
     return secrets.token_urlsafe(50)
 
 
@@ -49,8 +62,10 @@ if PRODUCTION:
     # Both are checked now: a bad key would otherwise surface only when first used (a session
     # signed, a secret decrypted), in the middle of serving.
     SECRET_KEY = strong_secret_key("SECRET_KEY", env_required("SECRET_KEY"))
-    SECRET_ENCRYPTION_KEYS = fernet_keys("SECRET_ENCRYPTION_KEYS", env_list("SECRET_ENCRYPTION_KEYS", [])
-                                         or [env_required("SECRET_ENCRYPTION_KEYS")])
+    SECRET_ENCRYPTION_KEYS = fernet_keys(
+        "SECRET_ENCRYPTION_KEYS",
+        env_list("SECRET_ENCRYPTION_KEYS", []) or [env_required("SECRET_ENCRYPTION_KEYS")],
+    )
     env_required("DATABASE_URL")
     if env_bool("DEBUG", False):
         raise ConfigError("DEBUG must not be on in production: it shows settings and stack traces to anyone")
@@ -70,8 +85,10 @@ if PRODUCTION:
         SECURE_PROXY_SSL_HEADER = ("HTTP_" + _proxy_header.upper().replace("-", "_"), "https")
 else:
     SECRET_KEY = env_str("SECRET_KEY") or _dev_file_secret("django-secret.key", _django_key)
-    SECRET_ENCRYPTION_KEYS = fernet_keys("SECRET_ENCRYPTION_KEYS", env_list("SECRET_ENCRYPTION_KEYS", []) or [
-        _dev_file_secret("encryption.key", _fernet_key)])
+    SECRET_ENCRYPTION_KEYS = fernet_keys(
+        "SECRET_ENCRYPTION_KEYS",
+        env_list("SECRET_ENCRYPTION_KEYS", []) or [_dev_file_secret("encryption.key", _fernet_key)],
+    )
     DEBUG = env_bool("DEBUG", True)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -102,10 +119,10 @@ MIDDLEWARE = [
     # the process by IP) and before sessions and auth, which they do not need.
     "observability.middleware.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",   # admin static files under gunicorn
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # admin static files under gunicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "agentplatform.middleware.ApiInputGuard",     # NUL in /v1/ paths and query strings: 400
+    "agentplatform.middleware.ApiInputGuard",  # NUL in /v1/ paths and query strings: 400
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
@@ -116,16 +133,20 @@ ROOT_URLCONF = "agentplatform.urls"
 WSGI_APPLICATION = "agentplatform.wsgi.application"
 AUTH_USER_MODEL = "tenants.User"
 
-TEMPLATES = [{
-    "BACKEND": "django.template.backends.django.DjangoTemplates",
-    "DIRS": [BASE_DIR / "templates"],
-    "APP_DIRS": True,
-    "OPTIONS": {"context_processors": [
-        "django.template.context_processors.request",
-        "django.contrib.auth.context_processors.auth",
-        "django.contrib.messages.context_processors.messages",
-    ]},
-}]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 
 
 def _database() -> dict:
@@ -171,7 +192,7 @@ USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
-STATIC_ROOT.mkdir(exist_ok=True)   # WhiteNoise expects it even before collectstatic
+STATIC_ROOT.mkdir(exist_ok=True)  # WhiteNoise expects it even before collectstatic
 
 # --- API input bounds (agentplatform/parsers.py) ---
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1_048_576, minimum=1024, maximum=50 * 1_048_576)
@@ -203,7 +224,9 @@ REST_FRAMEWORK = {
 # --- API tokens (tenants/tokens.py) ---
 API_TOKEN_TTL_SECONDS = env_int("API_TOKEN_TTL_SECONDS", 8 * 3600, minimum=60, maximum=7 * 24 * 3600)
 # A token can be refreshed until this long after the password sign-in it descends from.
-API_TOKEN_MAX_AGE_SECONDS = env_int("API_TOKEN_MAX_AGE_SECONDS", 7 * 24 * 3600, minimum=60, maximum=90 * 24 * 3600)
+API_TOKEN_MAX_AGE_SECONDS = env_int(
+    "API_TOKEN_MAX_AGE_SECONDS", 7 * 24 * 3600, minimum=60, maximum=90 * 24 * 3600
+)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",
     "VERSION": "1.0.0",
@@ -212,8 +235,10 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
-    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
-                             "agentplatform.schema.add_error_responses"],
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "agentplatform.schema.add_error_responses",
+    ],
 }
 
 # --- Celery (DESIGN.md section 3) ---
@@ -247,26 +272,33 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 
-
 def _cache() -> dict:
     """Rate limits count in the cache, so it must be shared by every API process in production."""
-    url = env_str("CACHE_URL") or (CELERY_BROKER_URL if PRODUCTION and CELERY_BROKER_URL.startswith(
-        ("redis://", "rediss://")) else "locmem://")
+    url = env_str("CACHE_URL") or (
+        CELERY_BROKER_URL
+        if PRODUCTION and CELERY_BROKER_URL.startswith(("redis://", "rediss://"))
+        else "locmem://"
+    )
     if url.startswith(("redis://", "rediss://")):
-        return {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": url,
-                "KEY_PREFIX": "agentplatform"}
+        return {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": url,
+            "KEY_PREFIX": "agentplatform",
+        }
     if url != "locmem://":
         raise ConfigError(f"CACHE_URL must be redis://… or locmem://, got {url!r}")
     if PRODUCTION:
-        raise ConfigError("production needs a cache shared by all processes (rate limits): set CACHE_URL=redis://… "
-                          "or use a Redis CELERY_BROKER_URL")
+        raise ConfigError(
+            "production needs a cache shared by all processes (rate limits): set CACHE_URL=redis://… "
+            "or use a Redis CELERY_BROKER_URL"
+        )
     return {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 
 
 CACHES = {"default": _cache()}
 
 # --- Platform ---
-LEASE_SECONDS = env_int("LEASE_SECONDS", 60)          # model steps; tool steps: tool timeout + margin
+LEASE_SECONDS = env_int("LEASE_SECONDS", 60)  # model steps; tool steps: tool timeout + margin
 LEASE_MARGIN_SECONDS = env_int("LEASE_MARGIN_SECONDS", 15)
 # Sub-accounts per tenant day on PostgreSQL (SQLite: always 1). Every process of a deployment
 # must use the same value: a day's sub-accounts are opened by whichever process reserves first.
@@ -288,10 +320,13 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "filters": {"run_context": {"()": "observability.logs.RunContextFilter"}},
-    "formatters": {"plain": {"()": "observability.logs.PlainFormatter"},
-                   "json": {"()": "observability.logs.JsonFormatter"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT,
-                             "filters": ["run_context"]}},
+    "formatters": {
+        "plain": {"()": "observability.logs.PlainFormatter"},
+        "json": {"()": "observability.logs.JsonFormatter"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["run_context"]}
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
 }
 # /metrics: open unless a bearer token or an address allowlist is set (either suffices when both are).

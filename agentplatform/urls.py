@@ -1,7 +1,7 @@
-from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin.site` below is ours
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin.site` below is ours
 from agentplatform import errors
 from agents import api as agents_api
 from approvals import api as approvals_api
@@ -32,7 +32,7 @@ v1 = [
     path("reservations/<str:reservation_id>/write-off", budgets_api.ReservationWriteOffApi.as_view()),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
-    re_path(r"", errors.unmatched_route),   # last: anything else under /v1/ is a JSON 404
+    re_path(r"", errors.unmatched_route),  # last: anything else under /v1/ is a JSON 404
 ]
 
 urlpatterns = [

@@ -108,8 +108,9 @@ class AliasAdmin(TenantScopedAdmin):
 
     def save_model(self, request, obj, form, change):
         agent = obj.agent
-        moved = move_alias(tenant=agent.tenant, agent=agent.name, alias=obj.name,
-                           version=form.cleaned_data["version_number"])
+        moved = move_alias(
+            tenant=agent.tenant, agent=agent.name, alias=obj.name, version=form.cleaned_data["version_number"]
+        )
         obj.pk, obj.version = moved.pk, moved.version
 
     def has_delete_permission(self, request, obj=None):

@@ -47,9 +47,13 @@ def _require_editor(user) -> None:
 
 def _check_length(**names: str) -> None:
     """Names in the path are stored as given; refuse what the columns cannot hold (400, not a 500)."""
-    limits = {"name": AgentDefinition._meta.get_field("name").max_length,
-              "alias": Alias._meta.get_field("name").max_length}
-    fields = {key: [f"at most {limits[key]} characters"] for key, value in names.items() if len(value) > limits[key]}
+    limits = {
+        "name": AgentDefinition._meta.get_field("name").max_length,
+        "alias": Alias._meta.get_field("name").max_length,
+    }
+    fields = {
+        key: [f"at most {limits[key]} characters"] for key, value in names.items() if len(value) > limits[key]
+    }
     if fields:
         raise DomainError("the path has invalid names", fields=fields)
 
@@ -79,9 +83,12 @@ class VersionListApi(APIView):
         _check_length(name=name)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        version, created = services.create_version(tenant=request.user.tenant, agent=name,
-                                                   spec=data.validated_data["spec"], user=request.user)
-        return Response(VersionOutput(version).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        version, created = services.create_version(
+            tenant=request.user.tenant, agent=name, spec=data.validated_data["spec"], user=request.user
+        )
+        return Response(
+            VersionOutput(version).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
+        )
 
 
 class VersionDetailApi(APIView):
@@ -105,6 +112,7 @@ class AliasApi(APIView):
         _check_length(name=name, alias=alias)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        moved = services.move_alias(tenant=request.user.tenant, agent=name, alias=alias,
-                                    version=data.validated_data["version"])
+        moved = services.move_alias(
+            tenant=request.user.tenant, agent=name, alias=alias, version=data.validated_data["version"]
+        )
         return Response(VersionOutput(moved.version).data)

@@ -25,10 +25,10 @@ class AgentVersion(models.Model):
     number = models.PositiveIntegerField()
     spec = models.JSONField()
     content_hash = models.CharField(max_length=64)
-    model_endpoint = models.ForeignKey("llm.ModelEndpoint", on_delete=models.PROTECT,
-                                       related_name="+")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.SET_NULL, related_name="+")
+    model_endpoint = models.ForeignKey("llm.ModelEndpoint", on_delete=models.PROTECT, related_name="+")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

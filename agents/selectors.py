@@ -11,10 +11,14 @@ def get_agent(*, tenant, name: str) -> AgentDefinition:
     return agent
 
 
-def resolve_version(*, tenant, agent: str, alias: str | None = None, version: int | None = None) -> AgentVersion:
+def resolve_version(
+    *, tenant, agent: str, alias: str | None = None, version: int | None = None
+) -> AgentVersion:
     """The version a new run pins: an explicit number, else the alias (default `prod`)."""
     if alias and version:
-        raise DomainError("give alias or version, not both", fields={"version": ["give alias or version, not both"]})
+        raise DomainError(
+            "give alias or version, not both", fields={"version": ["give alias or version, not both"]}
+        )
     definition = get_agent(tenant=tenant, name=agent)
     if version:
         pinned = definition.versions.filter(number=version).select_related("agent", "model_endpoint").first()
@@ -22,8 +26,11 @@ def resolve_version(*, tenant, agent: str, alias: str | None = None, version: in
             raise NotFound(f"version {version} of agent {agent}")
         return pinned
     name = alias or "prod"
-    found = Alias.objects.filter(agent=definition, name=name).select_related(
-        "version", "version__agent", "version__model_endpoint").first()
+    found = (
+        Alias.objects.filter(agent=definition, name=name)
+        .select_related("version", "version__agent", "version__model_endpoint")
+        .first()
+    )
     if found is None:
         raise NotFound(f"alias {name} of agent {agent}")
     return found.version

@@ -1,4 +1,5 @@
 """Agent registry writes: versions are inserted, never updated; aliases move."""
+
 from __future__ import annotations
 
 from django.db import IntegrityError, transaction
@@ -30,8 +31,13 @@ def create_version(*, tenant, agent: str, spec: dict, user=None) -> tuple[AgentV
             return latest, False
         number = (definition.versions.aggregate(n=Max("number"))["n"] or 0) + 1
         version = AgentVersion.objects.create(
-            agent=definition, number=number, spec=spec, content_hash=content_hash, created_by=user,
-            model_endpoint=ModelEndpoint.objects.get(tenant=tenant, name=spec["model"]))
+            agent=definition,
+            number=number,
+            spec=spec,
+            content_hash=content_hash,
+            created_by=user,
+            model_endpoint=ModelEndpoint.objects.get(tenant=tenant, name=spec["model"]),
+        )
     return version, True
 
 

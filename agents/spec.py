@@ -1,4 +1,5 @@
 """Validation of an agent version's spec against its tenant. Errors name the field path."""
+
 from __future__ import annotations
 
 from approvals.policy import PolicyError, parse_policy
@@ -6,11 +7,22 @@ from runs.services import DEFAULT_LIMITS, LIMIT_CAPS
 
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
 CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}
-KNOWN_KEYS = {"model", "instructions", "tools", "limits", "context", "approval_overrides", "loop",
-              "on_approval_expired", "max_visible_tools", "description", "expected_cost_micros"}
+KNOWN_KEYS = {
+    "model",
+    "instructions",
+    "tools",
+    "limits",
+    "context",
+    "approval_overrides",
+    "loop",
+    "on_approval_expired",
+    "max_visible_tools",
+    "description",
+    "expected_cost_micros",
+}
 
 
-SETTING_MAX = 1_000_000_000   # loop, context and visibility settings: large, but no overflow downstream
+SETTING_MAX = 1_000_000_000  # loop, context and visibility settings: large, but no overflow downstream
 
 
 def _positive_int(value) -> bool:
@@ -94,8 +106,11 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
     if spec.get("on_approval_expired", "tell_model") not in ("tell_model", "stop"):
         add("on_approval_expired", "must be one of tell_model, stop")
     if "expected_cost_micros" in spec and not _positive_int(spec["expected_cost_micros"]):
-        add("expected_cost_micros", "must be a positive integer (micros a run is expected to cost; "
-            "learned from finished runs when absent)")
+        add(
+            "expected_cost_micros",
+            "must be a positive integer (micros a run is expected to cost; "
+            "learned from finished runs when absent)",
+        )
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
         add("max_visible_tools", f"must be a positive integer up to {SETTING_MAX}")
     return errors

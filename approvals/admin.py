@@ -1,4 +1,5 @@
 """The supervisor inbox: pending calls on tools the user may approve, decided one by one or in bulk."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -13,8 +14,15 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 
-from agentplatform.admin_site import (ReadOnlyAdmin, admin_link, age, arguments_html, site, status_filter,
-                                      time_left)
+from agentplatform.admin_site import (
+    ReadOnlyAdmin,
+    admin_link,
+    age,
+    arguments_html,
+    site,
+    status_filter,
+    time_left,
+)
 from agentplatform.errors import DomainError
 from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
@@ -25,7 +33,7 @@ from runs.admin import conversation
 class AgeFilter(admin.SimpleListFilter):
     title = "age"
     parameter_name = "age"
-    BANDS = {"lt1h": (None, 1), "1to8h": (1, 8), "gt8h": (8, None)}   # (at least, under) hours
+    BANDS = {"lt1h": (None, 1), "1to8h": (1, 8), "gt8h": (8, None)}  # (at least, under) hours
 
     def lookups(self, request, model_admin):
         return [("lt1h", "less than 1 hour"), ("1to8h", "1 to 8 hours"), ("gt8h", "more than 8 hours")]
@@ -43,29 +51,44 @@ class AgeFilter(admin.SimpleListFilter):
 
 
 class ReasonForm(forms.Form):
-    reason = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
-                             help_text="Recorded with the decision and, for a denial, told to the model.")
+    reason = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
+        help_text="Recorded with the decision and, for a denial, told to the model.",
+    )
 
 
 @admin.register(Approval, site=site)
 class ApprovalAdmin(ReadOnlyAdmin):
-    list_display = ["tool_link", "call_arguments", "reason", "requested_by", "waiting", "left", "run_link", "status"]
+    list_display = [
+        "tool_link",
+        "call_arguments",
+        "reason",
+        "requested_by",
+        "waiting",
+        "left",
+        "run_link",
+        "status",
+    ]
     list_display_links = None
-    list_filter = [status_filter(ApprovalStatus.choices, default=ApprovalStatus.PENDING),
-                   ("tool", admin.RelatedOnlyFieldListFilter), AgeFilter]
+    list_filter = [
+        status_filter(ApprovalStatus.choices, default=ApprovalStatus.PENDING),
+        ("tool", admin.RelatedOnlyFieldListFilter),
+        AgeFilter,
+    ]
     list_select_related = ["tool", "requested_by", "run"]
     ordering = ["created_at"]
     actions = ["approve_selected", "deny_selected"]
 
     def get_queryset(self, request):
         if request.user.tenant_id is None:
-            return super().get_queryset(request)   # operators: every tenant's, read-only
+            return super().get_queryset(request)  # operators: every tenant's, read-only
         return approvals_for(request.user)
 
     # Deciding is the only write, and it goes through approvals.services.decide.
     def has_view_permission(self, request, obj=None):
         user = request.user
-        if not (user.is_active and user.is_staff):   # e.g. the anonymous user on the login page
+        if not (user.is_active and user.is_staff):  # e.g. the anonymous user on the login page
             return False
         return user.is_superuser or (user.tenant_id is not None and approvable_tools(user).exists())
 
@@ -124,16 +147,25 @@ class ApprovalAdmin(ReadOnlyAdmin):
             approve = "_approve" in request.POST
             if not approve and "_deny" not in request.POST:
                 messages.error(request, "choose Approve or Deny")
-            elif form.is_valid() and self._decide(request, approval, approve=approve,
-                                                  reason=form.cleaned_data["reason"]):
-                messages.success(request, f"{'approved' if approve else 'denied'}: {approval.tool.name} "
-                                          f"for run {str(approval.run_id)[:8]}")
+            elif form.is_valid() and self._decide(
+                request, approval, approve=approve, reason=form.cleaned_data["reason"]
+            ):
+                messages.success(
+                    request,
+                    f"{'approved' if approve else 'denied'}: {approval.tool.name} "
+                    f"for run {str(approval.run_id)[:8]}",
+                )
                 return redirect(self._inbox_url(request))
         context = {
             **self.admin_site.each_context(request),
-            "opts": self.opts, "title": f"Approve {approval.tool.name}?", "approval": approval,
-            "arguments": arguments_html(approval.arguments), "age": age(approval.created_at),
-            "time_left": time_left(approval.expires_at), "form": form, "inbox_url": self._inbox_url(request),
+            "opts": self.opts,
+            "title": f"Approve {approval.tool.name}?",
+            "approval": approval,
+            "arguments": arguments_html(approval.arguments),
+            "age": age(approval.created_at),
+            "time_left": time_left(approval.expires_at),
+            "form": form,
+            "inbox_url": self._inbox_url(request),
             "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
             "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
         }
@@ -157,19 +189,27 @@ class ApprovalAdmin(ReadOnlyAdmin):
         form = ReasonForm(request.POST if "confirm" in request.POST else None)
         approvals = list(queryset)
         if form.is_bound and form.is_valid():
-            decided = [a for a in approvals
-                       if self._decide(request, a, approve=approve, reason=form.cleaned_data["reason"])]
+            decided = [
+                a
+                for a in approvals
+                if self._decide(request, a, approve=approve, reason=form.cleaned_data["reason"])
+            ]
             if decided:
                 messages.success(request, f"{'approved' if approve else 'denied'} {len(decided)} call(s)")
             gone = len(request.POST.getlist(ACTION_CHECKBOX_NAME)) - len(approvals)
             if gone > 0:
-                messages.warning(request, f"{gone} selected call(s) left this list meanwhile (decided or expired)")
+                messages.warning(
+                    request, f"{gone} selected call(s) left this list meanwhile (decided or expired)"
+                )
             return None
         context = {
             **self.admin_site.each_context(request),
-            "opts": self.opts, "title": f"{'Approve' if approve else 'Deny'} {len(approvals)} call(s)?",
+            "opts": self.opts,
+            "title": f"{'Approve' if approve else 'Deny'} {len(approvals)} call(s)?",
             "approvals": [(a, arguments_html(a.arguments, limit=120)) for a in approvals],
-            "approve": approve, "form": form, "action": "approve_selected" if approve else "deny_selected",
+            "approve": approve,
+            "form": form,
+            "action": "approve_selected" if approve else "deny_selected",
             "action_checkbox_name": ACTION_CHECKBOX_NAME,
         }
         return TemplateResponse(request, "admin/approvals/approval/decide_selected.html", context)

@@ -20,9 +20,25 @@ class ApprovalOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Approval
-        fields = ["id", "status", "tool", "run", "step_seq", "arguments", "reason", "policy", "digest",
-                  "requested_by", "decided_by", "decision_reason", "void_reason", "created_at", "expires_at",
-                  "decided_at", "consumed_at"]
+        fields = [
+            "id",
+            "status",
+            "tool",
+            "run",
+            "step_seq",
+            "arguments",
+            "reason",
+            "policy",
+            "digest",
+            "requested_by",
+            "decided_by",
+            "decision_reason",
+            "void_reason",
+            "created_at",
+            "expires_at",
+            "decided_at",
+            "consumed_at",
+        ]
 
 
 class ApprovalListApi(APIView):
@@ -31,9 +47,15 @@ class ApprovalListApi(APIView):
         tool = serializers.CharField(required=False, max_length=200)
         run = serializers.UUIDField(required=False)
 
-    @extend_schema(parameters=[OpenApiParameter("status", enum=ApprovalStatus.values), OpenApiParameter("tool"),
-                               OpenApiParameter("run", OpenApiTypes.UUID), *PAGE_PARAMETERS],
-                   responses=paginated(ApprovalOutput, "PaginatedApprovals"))
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("status", enum=ApprovalStatus.values),
+            OpenApiParameter("tool"),
+            OpenApiParameter("run", OpenApiTypes.UUID),
+            *PAGE_PARAMETERS,
+        ],
+        responses=paginated(ApprovalOutput, "PaginatedApprovals"),
+    )
     def get(self, request):
         """Approvals of tools the caller may approve, oldest first."""
         require_tenant(request.user)
@@ -61,17 +83,25 @@ class _DecisionApi(APIView):
         require_tenant(request.user)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        approval = services.decide(approval_id=approval_id, user=request.user, approve=self.approve,
-                                   reason=data.validated_data["reason"])
-        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(pk=approval.pk)
+        approval = services.decide(
+            approval_id=approval_id,
+            user=request.user,
+            approve=self.approve,
+            reason=data.validated_data["reason"],
+        )
+        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(
+            pk=approval.pk
+        )
         return Response(ApprovalOutput(approval).data)
 
 
 class ApprovalApproveApi(_DecisionApi):
     """Approve one exact call. The requester may not approve their own request."""
+
     approve = True
 
 
 class ApprovalDenyApi(_DecisionApi):
     """Deny a call; the model is told and may explain or choose another path."""
+
     approve = False

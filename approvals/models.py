@@ -16,8 +16,12 @@ class ApprovalStatus(models.TextChoices):
 
 
 APPROVAL_TRANSITIONS: dict[str, set[str]] = {
-    ApprovalStatus.PENDING: {ApprovalStatus.APPROVED, ApprovalStatus.DENIED, ApprovalStatus.EXPIRED,
-                             ApprovalStatus.VOIDED},
+    ApprovalStatus.PENDING: {
+        ApprovalStatus.APPROVED,
+        ApprovalStatus.DENIED,
+        ApprovalStatus.EXPIRED,
+        ApprovalStatus.VOIDED,
+    },
     ApprovalStatus.APPROVED: {ApprovalStatus.CONSUMED, ApprovalStatus.VOIDED},
 }
 
@@ -34,13 +38,20 @@ class Approval(models.Model):
     digest = models.CharField(max_length=64)
     policy = models.TextField()
     policy_version = models.PositiveIntegerField()
-    reason = models.TextField()   # why the policy fired
-    status = models.CharField(max_length=12, choices=ApprovalStatus.choices,
-                              default=ApprovalStatus.PENDING, db_index=True)
-    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT,
-                                     related_name="approvals_requested")
-    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                                   on_delete=models.PROTECT, related_name="approvals_decided")
+    reason = models.TextField()  # why the policy fired
+    status = models.CharField(
+        max_length=12, choices=ApprovalStatus.choices, default=ApprovalStatus.PENDING, db_index=True
+    )
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="approvals_requested"
+    )
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="approvals_decided",
+    )
     decision_reason = models.TextField(blank=True)
     void_reason = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

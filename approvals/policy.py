@@ -54,7 +54,7 @@ LiteralValue = Union[Scalar, tuple[Scalar, ...]]
 @dataclass(frozen=True)
 class Field:
     # str segments are mapping keys, int segments are list indexes.
-    path: tuple[Union[str, int], ...]
+    path: tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def _read_number(text: str, start: int) -> tuple[Token, int]:
             i += 1
     # "5000abc" or "1e3" is a typo, not a number followed by a field.
     if i < len(text) and _is_name_char(text[i]):
-        raise PolicyError(f"invalid number {text[start:i + 1]!r}", start)
+        raise PolicyError(f"invalid number {text[start : i + 1]!r}", start)
     return Token("number", text[start:i], start), i
 
 
@@ -332,7 +332,7 @@ class _Parser:
         return Literal(self.scalar())
 
     def field(self) -> Field:
-        path: list[Union[str, int]] = [self.advance().text]
+        path: list[str | int] = [self.advance().text]
         while True:
             if self.at("punct", "."):
                 self.advance()
@@ -445,7 +445,7 @@ def _render_operand(operand: Operand) -> str:
     return _render_literal(operand.value)
 
 
-def _render_path(path: tuple[Union[str, int], ...]) -> str:
+def _render_path(path: tuple[str | int, ...]) -> str:
     parts = [str(path[0])]
     for segment in path[1:]:
         parts.append(f"[{segment}]" if isinstance(segment, int) else f".{segment}")
@@ -515,7 +515,16 @@ class _Missing(Exception):
         self.field = field
 
 
-_NEGATED = {"==": "!=", "!=": "==", "<": ">=", ">=": "<", ">": "<=", "<=": ">", "in": "not in", "not in": "in"}
+_NEGATED = {
+    "==": "!=",
+    "!=": "==",
+    "<": ">=",
+    ">=": "<",
+    ">": "<=",
+    "<=": ">",
+    "in": "not in",
+    "not in": "in",
+}
 
 
 def _evaluate(node: Expr, arguments: object, negated: bool) -> _Outcome:
@@ -544,7 +553,9 @@ def _evaluate_compare(node: Compare, arguments: object, negated: bool) -> _Outco
     try:
         result = _apply(node.op, left, right)
     except _Mismatch:
-        subject = next((_render_operand(o) for o in (node.left, node.right) if isinstance(o, Field)), _render(node))
+        subject = next(
+            (_render_operand(o) for o in (node.left, node.right) if isinstance(o, Field)), _render(node)
+        )
         return _Outcome(None, (f"{subject}: cannot compare {_show(left)} with {_show(right)}",))
     # The reason states what actually holds, whichever way the rule went.
     op = node.op if result else _NEGATED[node.op]
@@ -566,9 +577,14 @@ def _resolve(operand: Operand, arguments: object) -> object:
     value = arguments
     # Only item lookups on plain data, never attribute access.
     for segment in operand.path:
-        if isinstance(segment, str) and isinstance(value, Mapping) and segment in value:
-            value = value[segment]
-        elif isinstance(segment, int) and isinstance(value, (list, tuple)) and segment < len(value):
+        if (
+            isinstance(segment, str)
+            and isinstance(value, Mapping)
+            and segment in value
+            or isinstance(segment, int)
+            and isinstance(value, (list, tuple))
+            and segment < len(value)
+        ):
             value = value[segment]
         else:
             raise _Missing(operand)
@@ -584,7 +600,11 @@ def _kind(value: object) -> tuple[str, object]:
     if isinstance(value, int):
         return "number", Decimal(value)
     if isinstance(value, float):
-        return ("number", Decimal(repr(value))) if value == value and abs(value) != float("inf") else ("other", value)
+        return (
+            ("number", Decimal(repr(value)))
+            if value == value and abs(value) != float("inf")
+            else ("other", value)
+        )
     if isinstance(value, Decimal):
         return ("number", value) if value.is_finite() else ("other", value)
     if isinstance(value, str):
@@ -660,7 +680,9 @@ def _show(value: object) -> str:
         return _clip(repr(value))
     if kind == "list":
         assert isinstance(value, (list, tuple))
-        return _clip("[" + ", ".join(_show(item) for item in value[:10]) + (", ..." if len(value) > 10 else "") + "]")
+        return _clip(
+            "[" + ", ".join(_show(item) for item in value[:10]) + (", ..." if len(value) > 10 else "") + "]"
+        )
     if isinstance(value, Mapping):
         return "an object"
     return f"a {type(value).__name__}"

@@ -10,14 +10,20 @@ from tools.models import Tool
 
 
 def approvable_tools(user):
-    return get_objects_for_user(user, "tools.approve_tool", klass=Tool.objects.filter(tenant_id=user.tenant_id),
-                                with_superuser=False, accept_global_perms=False)
+    return get_objects_for_user(
+        user,
+        "tools.approve_tool",
+        klass=Tool.objects.filter(tenant_id=user.tenant_id),
+        with_superuser=False,
+        accept_global_perms=False,
+    )
 
 
 def approvals_for(user, *, status: str | None = None, tool: str | None = None, run: uuid.UUID | None = None):
     """Approvals in the caller's tenant for tools on which the caller holds approve_tool."""
-    approvals = Approval.objects.filter(tenant_id=user.tenant_id, tool__in=approvable_tools(user)) \
-        .select_related("tool", "requested_by", "decided_by", "step", "run")
+    approvals = Approval.objects.filter(
+        tenant_id=user.tenant_id, tool__in=approvable_tools(user)
+    ).select_related("tool", "requested_by", "decided_by", "step", "run")
     if status:
         approvals = approvals.filter(status=status)
     if tool:

@@ -1,4 +1,5 @@
 """Approvals bound to the exact call: request, decide, verify, consume, void, expire."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -12,8 +13,16 @@ from agentplatform.errors import Conflict, Forbidden, NotFound
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import Decision, parse_policy, stricter
 from runs.models import Run, RunStatus, Step, StepStatus, StopReason
-from runs.services import (IllegalTransition, digest, end_run, enqueue, lock_run, record_event,
-                           transition_run, transition_step)
+from runs.services import (
+    IllegalTransition,
+    digest,
+    end_run,
+    enqueue,
+    lock_run,
+    record_event,
+    transition_run,
+    transition_step,
+)
 from tools.models import Tool
 
 
@@ -28,15 +37,28 @@ def decision_for(run: Run, tool: Tool, arguments: dict) -> Decision:
 
 
 def call_digest(*, tool: Tool, arguments: dict, run_id, user_id, policy_version: int) -> str:
-    return digest({"tool": tool.name, "tool_id": tool.pk, "arguments": arguments, "run": str(run_id),
-                   "user": user_id, "policy_version": policy_version})
+    return digest(
+        {
+            "tool": tool.name,
+            "tool_id": tool.pk,
+            "arguments": arguments,
+            "run": str(run_id),
+            "user": user_id,
+            "policy_version": policy_version,
+        }
+    )
 
 
 def can_approve(user, tool: Tool) -> bool:
     if not user.is_active or user.tenant_id != tool.tenant_id:
         return False
-    return get_objects_for_user(user, "tools.approve_tool", klass=Tool.objects.filter(pk=tool.pk),
-                                with_superuser=False, accept_global_perms=False).exists()
+    return get_objects_for_user(
+        user,
+        "tools.approve_tool",
+        klass=Tool.objects.filter(pk=tool.pk),
+        with_superuser=False,
+        accept_global_perms=False,
+    ).exists()
 
 
 def _transition(approval: Approval, to: str, **fields) -> bool:
@@ -54,13 +76,32 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
     tool = step.tool
     ttl = tool.approval_ttl_seconds or run.tenant.approval_ttl_seconds
     approval = Approval.objects.create(
-        tenant_id=run.tenant_id, run=run, step=step, tool=tool, arguments=step.arguments,
-        digest=call_digest(tool=tool, arguments=step.arguments, run_id=run.pk, user_id=run.created_by_id,
-                           policy_version=tool.policy_version),
-        policy=effective_policy(run, tool), policy_version=tool.policy_version, reason=decision.reason,
-        requested_by_id=run.created_by_id, expires_at=timezone.now() + dt.timedelta(seconds=ttl))
-    record_event(run.pk, "approval_requested", f"approval requested for {tool.name}: {decision.reason}",
-                 step_seq=step.seq, approval=str(approval.pk), expires_at=approval.expires_at.isoformat())
+        tenant_id=run.tenant_id,
+        run=run,
+        step=step,
+        tool=tool,
+        arguments=step.arguments,
+        digest=call_digest(
+            tool=tool,
+            arguments=step.arguments,
+            run_id=run.pk,
+            user_id=run.created_by_id,
+            policy_version=tool.policy_version,
+        ),
+        policy=effective_policy(run, tool),
+        policy_version=tool.policy_version,
+        reason=decision.reason,
+        requested_by_id=run.created_by_id,
+        expires_at=timezone.now() + dt.timedelta(seconds=ttl),
+    )
+    record_event(
+        run.pk,
+        "approval_requested",
+        f"approval requested for {tool.name}: {decision.reason}",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+        expires_at=approval.expires_at.isoformat(),
+    )
     return approval
 
 
@@ -73,8 +114,11 @@ def decide(*, approval_id, user, approve: bool, reason: str = "") -> Approval:
         raise NotFound("approval") from None
     expired = False
     with transaction.atomic():
-        run_id = Approval.objects.filter(pk=approval_id, tenant_id=user.tenant_id).values_list(
-            "run_id", flat=True).first()
+        run_id = (
+            Approval.objects.filter(pk=approval_id, tenant_id=user.tenant_id)
+            .values_list("run_id", flat=True)
+            .first()
+        )
         if run_id is None:
             raise NotFound("approval")
         run = lock_run(run_id)
@@ -84,7 +128,8 @@ def decide(*, approval_id, user, approve: bool, reason: str = "") -> Approval:
         if not can_approve(user, approval.tool):
             raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
         repeated = approval.decided_by_id == user.pk and (
-            approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED))
+            approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED)
+        )
         if repeated:
             return approval
         if approval.status != ApprovalStatus.PENDING:
@@ -105,14 +150,26 @@ def _apply_decision(run: Run, approval: Approval, *, user, approve: bool, reason
     _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=now)
     step = approval.step
     verb = "approved" if approve else "denied"
-    record_event(run.pk, f"approval_{verb}", f"{approval.tool.name} {verb} by {user.username}"
-                 + (f": {reason}" if reason else ""), step_seq=step.seq, actor=user, approval=str(approval.pk))
+    record_event(
+        run.pk,
+        f"approval_{verb}",
+        f"{approval.tool.name} {verb} by {user.username}" + (f": {reason}" if reason else ""),
+        step_seq=step.seq,
+        actor=user,
+        approval=str(approval.pk),
+    )
     if approve:
         transition_step(step, StepStatus.APPROVED, actor=user)
     else:
-        transition_step(step, StepStatus.REJECTED, actor=user, finished_at=now, error=reason,
-                        observation=f"ERROR: a supervisor denied this call{': ' + reason if reason else ''}. "
-                                    "Explain this to the user or choose another path.")
+        transition_step(
+            step,
+            StepStatus.REJECTED,
+            actor=user,
+            finished_at=now,
+            error=reason,
+            observation=f"ERROR: a supervisor denied this call{': ' + reason if reason else ''}. "
+            "Explain this to the user or choose another path.",
+        )
     if run.status == RunStatus.WAITING_APPROVAL:
         transition_run(run, RunStatus.RUNNING, actor=user, message=f"resumed: approval {verb}")
         enqueue(run.pk)
@@ -120,8 +177,13 @@ def _apply_decision(run: Run, approval: Approval, *, user, approve: bool, reason
 
 def _expected_digest(step: Step, approval: Approval) -> str:
     tool = step.tool
-    return call_digest(tool=tool, arguments=step.arguments, run_id=step.run_id,
-                       user_id=approval.requested_by_id, policy_version=tool.policy_version)
+    return call_digest(
+        tool=tool,
+        arguments=step.arguments,
+        run_id=step.run_id,
+        user_id=approval.requested_by_id,
+        policy_version=tool.policy_version,
+    )
 
 
 def verify_for_dispatch(step: Step) -> str | None:
@@ -143,35 +205,55 @@ def consume(step: Step) -> bool:
     approval = Approval.objects.filter(step=step).only("requested_by").first()
     if approval is None:
         return False
-    return bool(Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.APPROVED,
-                                        digest=_expected_digest(step, approval)).update(
-        status=ApprovalStatus.CONSUMED, consumed_at=timezone.now()))
+    return bool(
+        Approval.objects.filter(
+            pk=approval.pk, status=ApprovalStatus.APPROVED, digest=_expected_digest(step, approval)
+        ).update(status=ApprovalStatus.CONSUMED, consumed_at=timezone.now())
+    )
 
 
 def void_for_step(step: Step, *, reason: str) -> None:
-    if Approval.objects.filter(step=step, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]).update(
-            status=ApprovalStatus.VOIDED, void_reason=reason):
-        record_event(step.run_id, "approval_voided", f"approval for step {step.seq} voided: {reason}",
-                     step_seq=step.seq, reason=reason)
+    if Approval.objects.filter(
+        step=step, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
+    ).update(status=ApprovalStatus.VOIDED, void_reason=reason):
+        record_event(
+            step.run_id,
+            "approval_voided",
+            f"approval for step {step.seq} voided: {reason}",
+            step_seq=step.seq,
+            reason=reason,
+        )
 
 
 def void_open_approvals(run: Run, *, reason: str) -> None:
-    for step_id, seq in Approval.objects.filter(run=run, status__in=[
-            ApprovalStatus.PENDING, ApprovalStatus.APPROVED]).values_list("step_id", "step__seq"):
+    for step_id, seq in Approval.objects.filter(
+        run=run, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
+    ).values_list("step_id", "step__seq"):
         void_for_step(Step(pk=step_id, seq=seq, run_id=run.pk), reason=reason)
 
 
 def _expire(run: Run, approval: Approval) -> None:
     _transition(approval, ApprovalStatus.EXPIRED)
     step = approval.step
-    record_event(run.pk, "approval_expired", f"approval for {approval.tool.name} expired undecided",
-                 step_seq=step.seq, approval=str(approval.pk))
-    transition_step(step, StepStatus.EXPIRED, finished_at=timezone.now(),
-                    observation="ERROR: the approval request expired without a decision; the call was not made.")
+    record_event(
+        run.pk,
+        "approval_expired",
+        f"approval for {approval.tool.name} expired undecided",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+    )
+    transition_step(
+        step,
+        StepStatus.EXPIRED,
+        finished_at=timezone.now(),
+        observation="ERROR: the approval request expired without a decision; the call was not made.",
+    )
     if run.status != RunStatus.WAITING_APPROVAL:
         return
     if run.version.spec.get("on_approval_expired") == "stop":
-        end_run(run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired")
+        end_run(
+            run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired"
+        )
     else:
         transition_run(run, RunStatus.RUNNING, message="resumed: approval expired, the model is told")
         enqueue(run.pk)
@@ -180,8 +262,9 @@ def _expire(run: Run, approval: Approval) -> None:
 def expire_due(*, now: dt.datetime | None = None, limit: int = 500) -> int:
     now = now or timezone.now()
     count = 0
-    for approval_id, run_id in Approval.objects.filter(status=ApprovalStatus.PENDING, expires_at__lte=now) \
-            .values_list("pk", "run_id")[:limit]:
+    for approval_id, run_id in Approval.objects.filter(
+        status=ApprovalStatus.PENDING, expires_at__lte=now
+    ).values_list("pk", "run_id")[:limit]:
         with transaction.atomic():
             run = lock_run(run_id)
             approval = Approval.objects.select_for_update().select_related("tool", "step").get(pk=approval_id)

@@ -26,6 +26,7 @@ left reserved, and the ledger (budgets.selectors.ledger_mismatches) agrees with 
 Options (environment): BENCH_SECONDS (10), BENCH_CLIENTS (64), BENCH_PROCESSES (8),
 BENCH_RACE_ROOM (500), BUDGET_DAY_SHARDS (8).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -43,7 +44,7 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", 64))
 PROCESSES = int(os.environ.get("BENCH_PROCESSES", 8))
 RACE_ROOM = int(os.environ.get("BENCH_RACE_ROOM", 500))
-AMOUNT = 10_000          # micros reserved per call
+AMOUNT = 10_000  # micros reserved per call
 TAG = f"bench_budget_{os.getpid()}"
 
 BASE_URL = os.environ.get("DATABASE_URL", "")
@@ -59,19 +60,21 @@ def admin(sql: str) -> None:
     """CREATE/DROP DATABASE run on a connection to the server's maintenance database."""
     import psycopg
 
-    with psycopg.connect(with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1),
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
+    ) as conn:
         conn.execute(sql)
 
 
 os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
-os.environ["CELERY_BROKER_URL"] = "memory://"   # start_run enqueues; nothing consumes here
-os.environ.pop("DB_POOL_MAX", None)             # one plain connection per client thread
+os.environ["CELERY_BROKER_URL"] = "memory://"  # start_run enqueues; nothing consumes here
+os.environ.pop("DB_POOL_MAX", None)  # one plain connection per client thread
 os.environ.setdefault("LOG_LEVEL", "ERROR")
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 
 
 # --- setup -------------------------------------------------------------------------------------
+
 
 def make_runs(count: int, *, daily_budget: int):
     from guardian.shortcuts import assign_perm
@@ -82,18 +85,27 @@ def make_runs(count: int, *, daily_budget: int):
     from tenants.models import Tenant, User
 
     slug = f"t{time.monotonic_ns()}"
-    tenant = Tenant.objects.create(slug=slug, name=slug, daily_budget_micros=daily_budget,
-                                   max_active_runs=10_000, max_starts_per_minute=10_000,
-                                   max_cost_micros_cap=10**15)
+    tenant = Tenant.objects.create(
+        slug=slug,
+        name=slug,
+        daily_budget_micros=daily_budget,
+        max_active_runs=10_000,
+        max_starts_per_minute=10_000,
+        max_cost_micros_cap=10**15,
+    )
     user = User.objects.create_user(username=f"{slug}-user", password="pw", tenant=tenant)
     ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted")
-    version, _ = create_version(tenant=tenant, agent="bench", spec={
-        "model": "scripted", "instructions": "bench", "limits": {"max_cost_micros": 10**14}})
+    version, _ = create_version(
+        tenant=tenant,
+        agent="bench",
+        spec={"model": "scripted", "instructions": "bench", "limits": {"max_cost_micros": 10**14}},
+    )
     assign_perm("agents.run_agent", user, version.agent)
     return tenant, [start_run(user=user, agent="bench", version=1, input={"i": i})[0] for i in range(count)]
 
 
 # --- clients -----------------------------------------------------------------------------------
+
 
 class Client(threading.Thread):
     """Reserve+settle pairs in a loop until told to stop (or until refused, in a race)."""
@@ -105,7 +117,7 @@ class Client(threading.Thread):
         self.refused = 0
         self.error: BaseException | None = None
 
-    def run(self) -> None:  # noqa: D102 (threading API)
+    def run(self) -> None:
         from django.db import connection
 
         from budgets import services as budgets
@@ -115,8 +127,9 @@ class Client(threading.Thread):
             while not self.stop_event.is_set():
                 started = time.perf_counter()
                 try:
-                    reservation = budgets.reserve(tenant=self.tenant, run=self.agent_run, amount_micros=AMOUNT,
-                                                  purpose="model")
+                    reservation = budgets.reserve(
+                        tenant=self.tenant, run=self.agent_run, amount_micros=AMOUNT, purpose="model"
+                    )
                 except budgets.BudgetExceeded:
                     self.refused += 1
                     if self.until_refused:
@@ -137,6 +150,7 @@ def drive(tenant, runs, seconds: float | None, *, until_refused: bool = False) -
     clients = [Client(tenant, run, stop, until_refused=until_refused) for run in runs]
     # Open every connection first so the timed window measures pairs, not connects.
     from django.db import connection
+
     connection.ensure_connection()
     started = time.perf_counter()
     for client in clients:
@@ -155,6 +169,7 @@ def drive(tenant, runs, seconds: float | None, *, until_refused: bool = False) -
 
 # --- checks ------------------------------------------------------------------------------------
 
+
 def check_accounts(tenant) -> dict:
     from budgets.models import BudgetAccount, Reservation
     from budgets.selectors import ledger_mismatches
@@ -168,18 +183,20 @@ def check_accounts(tenant) -> dict:
         assert not problems, f"ledger of {a} disagrees: {problems}"
     assert not Reservation.objects.filter(tenant=tenant, status="open").exists()
     from budgets.services import local_day, tenant_day_account
-    day = tenant_day_account(tenant, local_day(tenant))     # the sums of the day's sub-accounts
+
+    day = tenant_day_account(tenant, local_day(tenant))  # the sums of the day's sub-accounts
     assert day.spent_micros <= day.limit_micros, f"the day overspent: {day.spent_micros} > {day.limit_micros}"
     return {"spent": day.spent_micros, "limit": day.limit_micros}
 
 
 # --- scenarios ---------------------------------------------------------------------------------
 
+
 def _client_process(tenant, runs, start_at: float, results) -> None:
     """One client process: its share of the clients as threads, from a common start time."""
     from django.db import connections
 
-    connections.close_all()         # connections inherited from the parent are not ours to use
+    connections.close_all()  # connections inherited from the parent are not ours to use
     time.sleep(max(start_at - time.time(), 0))
     elapsed, clients = drive(tenant, runs, SECONDS)
     results.put(([x for c in clients for x in c.latencies], elapsed))
@@ -193,12 +210,14 @@ def throughput(clients_n: int, processes: int = 1) -> dict:
     else:
         from django.db import connections
 
-        connections.close_all()     # before fork: each child opens its own
+        connections.close_all()  # before fork: each child opens its own
         context = multiprocessing.get_context("fork")
         results = context.Queue()
         start_at = time.time() + 2  # every child connected and waiting
-        children = [context.Process(target=_client_process, args=(tenant, runs[i::processes], start_at, results))
-                    for i in range(processes)]
+        children = [
+            context.Process(target=_client_process, args=(tenant, runs[i::processes], start_at, results))
+            for i in range(processes)
+        ]
         for child in children:
             child.start()
         parts = [results.get(timeout=SECONDS + 120) for _ in children]
@@ -207,10 +226,14 @@ def throughput(clients_n: int, processes: int = 1) -> dict:
         latencies = sorted(x for part, _ in parts for x in part)
         elapsed = max(seconds for _, seconds in parts)
     check_accounts(tenant)
-    return {"clients": clients_n, "processes": processes, "pairs": len(latencies),
-            "pairs_s": len(latencies) / elapsed,
-            "p50_ms": 1000 * latencies[len(latencies) // 2],
-            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
+    return {
+        "clients": clients_n,
+        "processes": processes,
+        "pairs": len(latencies),
+        "pairs_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+    }
 
 
 def limit_race() -> dict:
@@ -220,8 +243,14 @@ def limit_race() -> dict:
     granted = sum(len(c.latencies) for c in clients)
     assert granted == RACE_ROOM, f"granted {granted} reservations for room {RACE_ROOM}"
     assert totals["spent"] == totals["limit"]
-    return {"room": RACE_ROOM, "granted": granted, "refused": sum(c.refused for c in clients),
-            "spent": totals["spent"], "limit": totals["limit"], "seconds": elapsed}
+    return {
+        "room": RACE_ROOM,
+        "granted": granted,
+        "refused": sum(c.refused for c in clients),
+        "spent": totals["spent"],
+        "limit": totals["limit"],
+        "seconds": elapsed,
+    }
 
 
 def step_overhead(repeats: int = 500) -> dict:
@@ -242,14 +271,13 @@ def step_overhead(repeats: int = 500) -> dict:
     def backend_cpu() -> float | None:
         try:
             fields = Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:     # PostgreSQL on another machine
+        except OSError:  # PostgreSQL on another machine
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def noop() -> None:
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1")
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
 
     def pair() -> None:
         reservation = budgets.reserve(tenant=tenant, run=run, amount_micros=AMOUNT, purpose="model")
@@ -262,9 +290,11 @@ def step_overhead(repeats: int = 500) -> dict:
         for _ in range(repeats):
             fn()
         after = backend_cpu()
-        return {"wall_ms": 1000 * (time.perf_counter() - wall) / repeats,
-                "python_cpu_ms": 1000 * (time.process_time() - cpu) / repeats,
-                "postgres_cpu_ms": None if pg is None else 1000 * (after - pg) / repeats}
+        return {
+            "wall_ms": 1000 * (time.perf_counter() - wall) / repeats,
+            "python_cpu_ms": 1000 * (time.process_time() - cpu) / repeats,
+            "postgres_cpu_ms": None if pg is None else 1000 * (after - pg) / repeats,
+        }
 
     noop_row, pair_row = measure(noop), measure(pair)
     check_accounts(tenant)
@@ -280,19 +310,26 @@ def main() -> None:
 
         django.setup()
         call_command("migrate", verbosity=0)
-        print(f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run, "
-              f"load average before: {os.getloadavg()[0]:.1f}\n")
+        print(
+            f"budget benchmark on {os.cpu_count()} CPUs, database {TAG}, {SECONDS:.0f}s per throughput run, "
+            f"load average before: {os.getloadavg()[0]:.1f}\n"
+        )
         from budgets.services import day_shards
+
         rows = [throughput(1), throughput(CLIENTS), throughput(CLIENTS, PROCESSES)]
         print(f"one tenant day in {day_shards()} sub-accounts (BUDGET_DAY_SHARDS)")
         print(f"{'clients':>8} {'processes':>10} {'pairs':>8} {'pairs/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
         for row in rows:
-            print(f"{row['clients']:>8} {row['processes']:>10} {row['pairs']:>8} {row['pairs_s']:>9.0f} "
-                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
+            print(
+                f"{row['clients']:>8} {row['processes']:>10} {row['pairs']:>8} {row['pairs_s']:>9.0f} "
+                f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
+            )
         race = limit_race()
-        print(f"\nlimit race: {CLIENTS} clients, room for {race['room']} reservations: granted {race['granted']}, "
-              f"refused {race['refused']}, spent {race['spent']} of {race['limit']} micros "
-              f"({race['seconds']:.2f}s)")
+        print(
+            f"\nlimit race: {CLIENTS} clients, room for {race['room']} reservations: granted {race['granted']}, "
+            f"refused {race['refused']}, spent {race['spent']} of {race['limit']} micros "
+            f"({race['seconds']:.2f}s)"
+        )
         overhead = step_overhead()
         print("\nper step, one uncontended run (mean of 500):")
         print(f"{'':>20} {'wall ms':>8} {'python cpu ms':>14} {'postgres cpu ms':>16}")
@@ -301,12 +338,17 @@ def main() -> None:
             print(f"{label:>20} {row['wall_ms']:>8.3f} {row['python_cpu_ms']:>14.3f} {pg:>16}")
         print(f"{'added per step':>20} {overhead['added_ms']:>8.3f}")
         pair_cpu = overhead["pair"]["python_cpu_ms"] + (overhead["pair"]["postgres_cpu_ms"] or 0)
-        print(f"CPU per pair {pair_cpu:.2f} ms: at best about {1000 * (os.cpu_count() or 1) / pair_cpu:.0f} pairs/s "
-              f"on {os.cpu_count()} cores if nothing else ran")
-        print(f"\nload average after: {os.getloadavg()[0]:.1f} (other work on this machine skews the figures)")
+        print(
+            f"CPU per pair {pair_cpu:.2f} ms: at best about {1000 * (os.cpu_count() or 1) / pair_cpu:.0f} pairs/s "
+            f"on {os.cpu_count()} cores if nothing else ran"
+        )
+        print(
+            f"\nload average after: {os.getloadavg()[0]:.1f} (other work on this machine skews the figures)"
+        )
         print("checks passed: no negative balance, spent <= limit, nothing left reserved, ledger = balances")
     finally:
         from django.db import connections
+
         connections.close_all()
         admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
 

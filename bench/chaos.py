@@ -41,6 +41,7 @@ the call's client port against the worker's open sockets at that moment), and an
 RECORD_GRACE seconds before any such worker loss (a worker lost while recording is not a fault of
 the record).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,33 +65,41 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.services import ThrowawayPostgres, ThrowawayRedis  # noqa: E402  (needs ROOT on the path)
+from tests.services import ThrowawayPostgres, ThrowawayRedis
 
 TAG = f"chaos_{os.getpid()}"
-TOOL_TIMEOUT = 3          # seconds; leases are this + LEASE_MARGIN
+TOOL_TIMEOUT = 3  # seconds; leases are this + LEASE_MARGIN
 LEASE_MARGIN = 2
 MODEL_TIMEOUT = 5
-MAX_FAULT_DELAY = 5       # no armed delay on the other tools is longer
-PAYMENT_LAG = 8           # the payment gateway applies a payment at most this long after receiving it
-PAYMENT_SETTLE = 7        # its settle window: longer than it lags past our timeout (PAYMENT_LAG - TOOL_TIMEOUT)
+MAX_FAULT_DELAY = 5  # no armed delay on the other tools is longer
+PAYMENT_LAG = 8  # the payment gateway applies a payment at most this long after receiving it
+PAYMENT_SETTLE = 7  # its settle window: longer than it lags past our timeout (PAYMENT_LAG - TOOL_TIMEOUT)
 SETTLE = MAX_FAULT_DELAY  # the other retried tools' settle window (their effects lag at most this)
-ANSWER_DELAY = 1.5        # held-back answers released when PostgreSQL restarts (< TOOL_TIMEOUT: a normal answer)
-RECORD_GRACE = TOOL_TIMEOUT + LEASE_MARGIN   # a worker keeps recording an answer until its lease ends
+ANSWER_DELAY = 1.5  # held-back answers released when PostgreSQL restarts (< TOOL_TIMEOUT: a normal answer)
+RECORD_GRACE = TOOL_TIMEOUT + LEASE_MARGIN  # a worker keeps recording an answer until its lease ends
 WORKERS = 2
 CONCURRENCY = 6
 SUCCESS = ("succeeded", "resolved_succeeded")
 UNKNOWN = ("outcome_unknown", "resolved_succeeded", "resolved_failed")
-WORKER_STEPS_OFF = ["--without-gossip", "--without-mingle"]   # as scripts/serve.sh
+WORKER_STEPS_OFF = ["--without-gossip", "--without-mingle"]  # as scripts/serve.sh
 
 # The environment of every child process; filled in by main() once the throwaway servers run.
 CHILD_ENV: dict[str, str] = {}
 
 
 def child_env(database_url: str, broker_url: str) -> dict[str, str]:
-    env = {**os.environ, "DATABASE_URL": database_url, "CELERY_BROKER_URL": broker_url,
-           "CELERY_QUEUE": f"chaos-{os.getpid()}", "LEASE_MARGIN_SECONDS": str(LEASE_MARGIN),
-           "QUEUED_TOO_LONG_SECONDS": "6", "SWEEP_INTERVAL_SECONDS": "1", "MAX_STEP_CRASHES": "3",
-           "PYTHONUNBUFFERED": "1", "LOG_LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "CELERY_BROKER_URL": broker_url,
+        "CELERY_QUEUE": f"chaos-{os.getpid()}",
+        "LEASE_MARGIN_SECONDS": str(LEASE_MARGIN),
+        "QUEUED_TOO_LONG_SECONDS": "6",
+        "SWEEP_INTERVAL_SECONDS": "1",
+        "MAX_STEP_CRASHES": "3",
+        "PYTHONUNBUFFERED": "1",
+        "LOG_LEVEL": "WARNING",
+    }
     for name in ("DB_POOL_MAX", "TEST_DATABASE_NAME", "THROWAWAY_POSTGRES", "THROWAWAY_REDIS"):
         env.pop(name, None)
     return env
@@ -108,6 +117,7 @@ def free_port() -> int:
 
 # --- processes -----------------------------------------------------------------------------------
 
+
 class Process:
     """A child process with its log in the run's temporary directory."""
 
@@ -117,11 +127,13 @@ class Process:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self, timeout: float = 180) -> "Process":
+    def start(self, timeout: float = 180) -> Process:
         self.starts += 1
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0   # earlier lives' output
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0  # earlier lives' output
         log_file = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=CHILD_ENV, stdout=log_file, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=CHILD_ENV, stdout=log_file, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout
         while self.ready and self.ready.encode() not in self.log_path.read_bytes()[offset:]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -157,11 +169,15 @@ class Bank:
 
     def __init__(self, label: str):
         self.label, self.url = label, ""
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0",
-                                      "--label", label], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0", "--label", label],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
-    def wait_ready(self) -> "Bank":
+    def wait_ready(self) -> Bank:
         line = self.proc.stdout.readline()
         if not line.startswith("BANK_SERVER_READY"):
             raise RuntimeError(f"bank {self.label} did not start")
@@ -212,44 +228,87 @@ def open_ports(pid: int, remote: set[int]) -> set[int]:
 
 # --- tenant ------------------------------------------------------------------------------------
 
+
 def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     """The tenant, its tools (one per effect class), the agent; returns (agent token, supervisor token)."""
     from guardian.shortcuts import assign_perm
-    from tenants.tokens import issue_token
 
     from agents.models import Alias
     from agents.services import create_version
     from llm.models import ModelEndpoint
     from tenants.models import Tenant, User
+    from tenants.tokens import issue_token
     from tools.catalog import refresh
     from tools.models import Tool, ToolServer
 
-    tenant = Tenant.objects.create(slug="chaos", name="Chaos", daily_budget_micros=10**12, max_active_runs=100_000,
-                                   max_starts_per_minute=100_000, max_cost_micros_cap=10**12)
+    tenant = Tenant.objects.create(
+        slug="chaos",
+        name="Chaos",
+        daily_budget_micros=10**12,
+        max_active_runs=100_000,
+        max_starts_per_minute=100_000,
+        max_cost_micros_cap=10**12,
+    )
     agent_user = User.objects.create_user(username="asha", password="pw", tenant=tenant)
     supervisor = User.objects.create_user(username="meera", password="pw", tenant=tenant, is_staff=True)
-    mcp = ToolServer.objects.create(tenant=tenant, name="bank", kind=ToolServer.Kind.MCP,
-                                    transport=ToolServer.Transport.STREAMABLE_HTTP, url=f"{bank.url}/mcp",
-                                    status_tool="refund_status")
+    mcp = ToolServer.objects.create(
+        tenant=tenant,
+        name="bank",
+        kind=ToolServer.Kind.MCP,
+        transport=ToolServer.Transport.STREAMABLE_HTTP,
+        url=f"{bank.url}/mcp",
+        status_tool="refund_status",
+    )
     refresh(mcp)
-    http = ToolServer.objects.create(tenant=tenant, name="bank2", kind=ToolServer.Kind.HTTP, url=f"{bank2.url}/http")
-    common = {"enabled": True, "timeout_seconds": TOOL_TIMEOUT, "approval_policy": "never", "price_micros": 1000,
-              "max_attempts": 4, "backoff_seconds": 0.5}
-    classes = {"lookup_transaction": "read_only", "issue_refund": "idempotent", "send_customer_email": "unsafe"}
+    http = ToolServer.objects.create(
+        tenant=tenant, name="bank2", kind=ToolServer.Kind.HTTP, url=f"{bank2.url}/http"
+    )
+    common = {
+        "enabled": True,
+        "timeout_seconds": TOOL_TIMEOUT,
+        "approval_policy": "never",
+        "price_micros": 1000,
+        "max_attempts": 4,
+        "backoff_seconds": 0.5,
+    }
+    classes = {
+        "lookup_transaction": "read_only",
+        "issue_refund": "idempotent",
+        "send_customer_email": "unsafe",
+    }
     for remote, effect in classes.items():
-        Tool.objects.filter(server=mcp, remote_name=remote).update(effect_class=effect, settle_seconds=SETTLE,
-                                                                   **common)
+        Tool.objects.filter(server=mcp, remote_name=remote).update(
+            effect_class=effect, settle_seconds=SETTLE, **common
+        )
     schema = Tool.objects.get(server=mcp, remote_name="issue_refund").input_schema
-    Tool.objects.create(tenant=tenant, server=http, name="bank2__issue_refund", remote_name="issue_refund",
-                        input_schema=schema, effect_class="reconcilable", settle_seconds=SETTLE,
-                        status_url=f"{bank2.url}/http/status/{{key}}", **common)
+    Tool.objects.create(
+        tenant=tenant,
+        server=http,
+        name="bank2__issue_refund",
+        remote_name="issue_refund",
+        input_schema=schema,
+        effect_class="reconcilable",
+        settle_seconds=SETTLE,
+        status_url=f"{bank2.url}/http/status/{{key}}",
+        **common,
+    )
     # A payment gateway without idempotency: every POST pays. Only the settle window keeps a slow
     # payment from being looked up too early, found missing, and paid again.
-    Tool.objects.create(tenant=tenant, server=http, name="bank2__make_payment", remote_name="make_payment",
-                        input_schema={"type": "object", "required": ["to_account", "amount"], "properties": {
-                            "to_account": {"type": "string"}, "amount": {"type": "number"}}},
-                        effect_class="reconcilable", settle_seconds=PAYMENT_SETTLE,
-                        status_url=f"{bank2.url}/http/payment_status/{{key}}", **common)
+    Tool.objects.create(
+        tenant=tenant,
+        server=http,
+        name="bank2__make_payment",
+        remote_name="make_payment",
+        input_schema={
+            "type": "object",
+            "required": ["to_account", "amount"],
+            "properties": {"to_account": {"type": "string"}, "amount": {"type": "number"}},
+        },
+        effect_class="reconcilable",
+        settle_seconds=PAYMENT_SETTLE,
+        status_url=f"{bank2.url}/http/payment_status/{{key}}",
+        **common,
+    )
     tools = list(Tool.objects.filter(tenant=tenant, enabled=True))
     for tool in tools:
         assign_perm("tools.use_tool", agent_user, tool)
@@ -258,23 +317,50 @@ def configure(bank: Bank, bank2: Bank) -> tuple[str, str]:
     def call(name: str, arguments: dict) -> dict:
         return {"tool_calls": [{"name": name, "arguments": arguments}]}
 
-    ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted", model="scripted",
-                                 timeout_seconds=MODEL_TIMEOUT, config={"latency_ms": 30, "turns": [
-        call("bank__lookup_transaction", {"transaction_id": "TXN-1002"}),
-        call("bank__issue_refund", {"transaction_id": "TXN-1002", "amount": "$input.refund", "currency": "INR"}),
-        call("bank2__issue_refund", {"transaction_id": "TXN-1001", "amount": "$input.refund2", "currency": "INR"}),
-        call("bank2__make_payment", {"to_account": "$input.account", "amount": "$input.payment"}),
-        call("bank__send_customer_email", {"to": "$input.email", "subject": "Your dispute", "body": "Refunded."}),
-        {"text": "The dispute is settled."}]})
-    version, _ = create_version(tenant=tenant, agent="chaos-agent", spec={
-        "model": "scripted", "instructions": "Settle the dispute.", "tools": sorted(t.name for t in tools)})
+    ModelEndpoint.objects.create(
+        tenant=tenant,
+        name="scripted",
+        kind="scripted",
+        model="scripted",
+        timeout_seconds=MODEL_TIMEOUT,
+        config={
+            "latency_ms": 30,
+            "turns": [
+                call("bank__lookup_transaction", {"transaction_id": "TXN-1002"}),
+                call(
+                    "bank__issue_refund",
+                    {"transaction_id": "TXN-1002", "amount": "$input.refund", "currency": "INR"},
+                ),
+                call(
+                    "bank2__issue_refund",
+                    {"transaction_id": "TXN-1001", "amount": "$input.refund2", "currency": "INR"},
+                ),
+                call("bank2__make_payment", {"to_account": "$input.account", "amount": "$input.payment"}),
+                call(
+                    "bank__send_customer_email",
+                    {"to": "$input.email", "subject": "Your dispute", "body": "Refunded."},
+                ),
+                {"text": "The dispute is settled."},
+            ],
+        },
+    )
+    version, _ = create_version(
+        tenant=tenant,
+        agent="chaos-agent",
+        spec={
+            "model": "scripted",
+            "instructions": "Settle the dispute.",
+            "tools": sorted(t.name for t in tools),
+        },
+    )
     Alias.objects.create(agent=version.agent, name="prod", version=version)
     assign_perm("agents.run_agent", agent_user, version.agent)
-    assign_perm("tenants.view_runs", supervisor, tenant)   # the supervisor resolves runs it did not start
+    assign_perm("tenants.view_runs", supervisor, tenant)  # the supervisor resolves runs it did not start
     return issue_token(user=agent_user).token, issue_token(user=supervisor).token
 
 
 # --- the actors --------------------------------------------------------------------------------
+
 
 class Api:
     def __init__(self, url: str, token: str):
@@ -306,11 +392,16 @@ class Launcher(threading.Thread):
 
     def run(self) -> None:
         for i in range(self.count):
-            body = {"agent": "chaos-agent", "input": {"refund": self.rng.randint(1, 3200),
-                                                      "refund2": self.rng.randint(1, 5000),
-                                                      "email": f"customer{i}@example.com",
-                                                      "account": f"ACC-{i:04d}",
-                                                      "payment": self.rng.randint(1, 9000)}}
+            body = {
+                "agent": "chaos-agent",
+                "input": {
+                    "refund": self.rng.randint(1, 3200),
+                    "refund2": self.rng.randint(1, 5000),
+                    "email": f"customer{i}@example.com",
+                    "account": f"ACC-{i:04d}",
+                    "payment": self.rng.randint(1, 9000),
+                },
+            }
             response = self.api.call("POST", "/v1/runs", json=body, headers={"Idempotency-Key": f"chaos-{i}"})
             assert response.status_code in (200, 201), response.text
             self.run_ids.append(response.json()["id"])
@@ -350,10 +441,19 @@ class Supervisor(threading.Thread):
         if time.monotonic() - first < max(MAX_FAULT_DELAY, PAYMENT_LAG) + 1:
             return
         server, remote = step["tool"].split("__", 1)
-        effect = next((e for e in self.banks[server].effects()
-                       if e["tool"] == remote and e["idempotency_key"] == step["idempotency_key"]), None)
-        body = ({"outcome": "succeeded", "reason": "the provider's ledger has it", "result": effect["result"]}
-                if effect else {"outcome": "failed", "reason": "the provider's ledger has no such call"})
+        effect = next(
+            (
+                e
+                for e in self.banks[server].effects()
+                if e["tool"] == remote and e["idempotency_key"] == step["idempotency_key"]
+            ),
+            None,
+        )
+        body = (
+            {"outcome": "succeeded", "reason": "the provider's ledger has it", "result": effect["result"]}
+            if effect
+            else {"outcome": "failed", "reason": "the provider's ledger has no such call"}
+        )
         answer = self.api.call("POST", f"/v1/runs/{run_id}/steps/{step['seq']}/resolve", json=body)
         if answer.status_code == 200:
             self.resolved[body["outcome"]] += 1
@@ -362,11 +462,23 @@ class Supervisor(threading.Thread):
 class Chaos:
     """Kills, stalls, Redis and PostgreSQL restarts and provider faults, at random moments for `seconds`."""
 
-    FAULTS = [("bank", "send_customer_email"), ("bank", "issue_refund"), ("bank", "lookup_transaction"),
-              ("bank2", "issue_refund"), ("bank2", "make_payment")]
+    FAULTS = [
+        ("bank", "send_customer_email"),
+        ("bank", "issue_refund"),
+        ("bank", "lookup_transaction"),
+        ("bank2", "issue_refund"),
+        ("bank2", "make_payment"),
+    ]
 
-    def __init__(self, workers: list[Process], others: list[Process], banks: dict[str, Bank], rng: random.Random,
-                 postgres: ThrowawayPostgres, broker: ThrowawayRedis):
+    def __init__(
+        self,
+        workers: list[Process],
+        others: list[Process],
+        banks: dict[str, Bank],
+        rng: random.Random,
+        postgres: ThrowawayPostgres,
+        broker: ThrowawayRedis,
+    ):
         self.workers, self.others, self.banks, self.rng = workers, others, banks, rng
         self.cluster, self.broker = postgres, broker
         self.counts = collections.Counter()
@@ -384,7 +496,9 @@ class Chaos:
         """Play the process supervisor (systemd, Kubernetes): start again what exited by itself."""
         for process in self.workers + self.others:
             if not process.alive:
-                log(f"chaos: {process.name} exited by itself (code {process.proc.returncode}); starting it again")
+                log(
+                    f"chaos: {process.name} exited by itself (code {process.proc.returncode}); starting it again"
+                )
                 self.counts[f"{process.name.rstrip('0123456789')} exit on its own, restarted"] += 1
                 if process in self.workers:
                     self.losses.append((time.time(), process.name, set()))
@@ -394,9 +508,9 @@ class Chaos:
         server, tool = self.rng.choice(self.FAULTS)
         kind = self.rng.choice(["delay_after_effect", "delay_before_effect", "fail_5xx_after_effect", "slow"])
         times = self.rng.randint(1, 3)
-        if kind == "delay_after_effect":      # applied, then the caller times out
+        if kind == "delay_after_effect":  # applied, then the caller times out
             spec = {"delay_after_effect": self.rng.uniform(TOOL_TIMEOUT + 0.5, MAX_FAULT_DELAY)}
-        elif kind == "delay_before_effect":   # times out before the effect lands (it lands later)
+        elif kind == "delay_before_effect":  # times out before the effect lands (it lands later)
             spec = {"delay_before_effect": self.rng.uniform(TOOL_TIMEOUT + 0.5, MAX_FAULT_DELAY)}
         elif kind == "slow":
             spec = {"delay_before_effect": self.rng.uniform(0.5, TOOL_TIMEOUT - 1)}
@@ -409,9 +523,15 @@ class Chaos:
         """The gateway applies the payment after our timeout; meanwhile its status says 409 or "not found"."""
         times = self.rng.randint(1, 3)
         pending = self.rng.random() < 0.5
-        self.banks["bank2"].fault(tool="make_payment", times=times, pending_visible=pending,
-                                  delay_before_effect=self.rng.uniform(TOOL_TIMEOUT + 0.5, PAYMENT_LAG))
-        self.counts["fault payment applied after the timeout" + (" (409 meanwhile)" if pending else "")] += times
+        self.banks["bank2"].fault(
+            tool="make_payment",
+            times=times,
+            pending_visible=pending,
+            delay_before_effect=self.rng.uniform(TOOL_TIMEOUT + 0.5, PAYMENT_LAG),
+        )
+        self.counts["fault payment applied after the timeout" + (" (409 meanwhile)" if pending else "")] += (
+            times
+        )
 
     def kill(self) -> None:
         worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
@@ -452,13 +572,21 @@ class Chaos:
     def postgres(self) -> None:
         """Restart PostgreSQL just as held-back answers are released: workers are recording them."""
         armed = time.time()
-        for server, tool in (("bank", "send_customer_email"), ("bank2", "make_payment"), ("bank", "issue_refund")):
+        for server, tool in (
+            ("bank", "send_customer_email"),
+            ("bank2", "make_payment"),
+            ("bank", "issue_refund"),
+        ):
             self.banks[server].fault(tool=tool, times=2, delay_after_effect=ANSWER_DELAY)
         deadline = time.monotonic() + 15
         taken: list[dict] = []
         while not taken and time.monotonic() < deadline:
-            taken = [t for bank in self.banks.values() for t in bank.taken()
-                     if t["kind"] == "delay_after_effect" and t["value"] == ANSWER_DELAY and t["at"] >= armed]
+            taken = [
+                t
+                for bank in self.banks.values()
+                for t in bank.taken()
+                if t["kind"] == "delay_after_effect" and t["value"] == ANSWER_DELAY and t["at"] >= armed
+            ]
             time.sleep(0.05)
         if taken:
             time.sleep(max(min(t["at"] for t in taken) + ANSWER_DELAY - time.time(), 0))
@@ -475,8 +603,12 @@ class Chaos:
         # dead connection and gives up its record without the late-attempt event the stall is there to see.
         # The first PostgreSQL restart comes while runs are still being started (the first 60 % of the
         # window), so calls are there to take the held-back answers it waits for.
-        once = {"redis": start + 0.2 * seconds, "postgres": start + 0.3 * seconds, "stall": start + 0.55 * seconds,
-                "postgres ": start + 0.85 * seconds}
+        once = {
+            "redis": start + 0.2 * seconds,
+            "postgres": start + 0.3 * seconds,
+            "stall": start + 0.55 * seconds,
+            "postgres ": start + 0.85 * seconds,
+        }
         next_kill = time.monotonic() + self.rng.uniform(2, 6)
         while time.monotonic() < end:
             self.revive()
@@ -495,11 +627,12 @@ class Chaos:
             if self.rng.random() < 0.5:
                 self.lagging_payment()
             time.sleep(self.rng.uniform(0.5, 1.5))
-        for name in once:                    # a short run still gets one of each
+        for name in once:  # a short run still gets one of each
             getattr(self, name.strip())()
 
 
 # --- the report --------------------------------------------------------------------------------
+
 
 def answer_spoiled(taken: dict) -> bool:
     """A fault that stalls the answer past our timeout, fails it, or makes the provider lag behind it."""
@@ -541,25 +674,35 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
     runs = Run.objects.filter(pk__in=run_ids)
     by_status = dict(runs.values_list("status").annotate(n=Count("pk")).order_by("status"))
     stuck = runs.exclude(status__in=[*TERMINAL, "needs_attention", "waiting_approval"]).count()
-    open_reservations = Reservation.objects.filter(run__in=runs.filter(status__in=TERMINAL),
-                                                   status=Reservation.Status.OPEN).count()
-    seen = {name: {"effects": bank.effects(), "taken": bank.taken(), "calls": bank.calls()}
-            for name, bank in banks.items()}
+    open_reservations = Reservation.objects.filter(
+        run__in=runs.filter(status__in=TERMINAL), status=Reservation.Status.OPEN
+    ).count()
+    seen = {
+        name: {"effects": bank.effects(), "taken": bank.taken(), "calls": bank.calls()}
+        for name, bank in banks.items()
+    }
     print()
-    print(f"chaos run: {len(run_ids)} runs launched through the API, {args.seconds:g} s of chaos, seed {args.seed}")
+    print(
+        f"chaos run: {len(run_ids)} runs launched through the API, {args.seconds:g} s of chaos, seed {args.seed}"
+    )
     print("chaos:     " + ", ".join(f"{n} {what}" for what, n in sorted(chaos.counts.items())))
     print("runs by final status: " + ", ".join(f"{status} {n}" for status, n in by_status.items()))
     print()
-    print(f"{'tool':<27}{'class':<14}{'applied':>8}{'expected':>9}{'unknown':>8}{'mismatched':>11}"
-          f"{'same key twice':>15}{'runs with >1':>13}")
+    print(
+        f"{'tool':<27}{'class':<14}{'applied':>8}{'expected':>9}{'unknown':>8}{'mismatched':>11}"
+        f"{'same key twice':>15}{'runs with >1':>13}"
+    )
     duplicates: dict[str, int] = {}
     mismatched = 0
     reasons = collections.Counter()
     became_unknown: list[str] = []
     for tool in Tool.objects.filter(tenant__slug="chaos", enabled=True).order_by("name"):
         server, remote = tool.name.split("__", 1)
-        steps = list(Step.objects.filter(run__in=runs, tool=tool, replayed_from_seq__isnull=True)
-                     .values_list("idempotency_key", "status"))
+        steps = list(
+            Step.objects.filter(run__in=runs, tool=tool, replayed_from_seq__isnull=True).values_list(
+                "idempotency_key", "status"
+            )
+        )
         expected = {key for key, status in steps if status in SUCCESS}
         unknown = {key for key, status in steps if status == "outcome_unknown"}
         for key, status in steps:
@@ -569,8 +712,10 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
                 if reason == "known":
                     became_unknown.append(f"{tool.name} {key} ({status})")
         if tool.effect_class == "read_only":
-            print(f"{tool.name:<27}{tool.effect_class:<14}{'-':>8}{len(expected):>9}{len(unknown):>8}"
-                  f"{'-':>11}{'-':>15}{'-':>13}")
+            print(
+                f"{tool.name:<27}{tool.effect_class:<14}{'-':>8}{len(expected):>9}{len(unknown):>8}"
+                f"{'-':>11}{'-':>15}{'-':>13}"
+            )
             continue
         keys = [e["idempotency_key"] for e in seen[server]["effects"] if e["tool"] == remote]
         counted = collections.Counter(keys)
@@ -580,32 +725,47 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
         wrong = len((set(counted) - expected - unknown) | (expected - set(counted)))
         duplicates[tool.name] = twice + more_than_one
         mismatched += wrong
-        print(f"{tool.name:<27}{tool.effect_class:<14}{len(keys):>8}{len(expected):>9}{len(unknown):>8}"
-              f"{wrong:>11}{twice:>15}{more_than_one:>13}")
+        print(
+            f"{tool.name:<27}{tool.effect_class:<14}{len(keys):>8}{len(expected):>9}{len(unknown):>8}"
+            f"{wrong:>11}{twice:>15}{more_than_one:>13}"
+        )
     events = dict(RunEvent.objects.filter(run__in=runs).values_list("kind").annotate(n=Count("pk")))
-    found = collections.Counter(RunEvent.objects.filter(run__in=runs, kind="recovery")
-                                .values_list("data__found", flat=True))
-    resent = collections.Counter(RunEvent.objects.filter(run__in=runs, kind="recovery", data__found="lost_message")
-                                 .values_list("run_id", flat=True))
+    found = collections.Counter(
+        RunEvent.objects.filter(run__in=runs, kind="recovery").values_list("data__found", flat=True)
+    )
+    resent = collections.Counter(
+        RunEvent.objects.filter(run__in=runs, kind="recovery", data__found="lost_message").values_list(
+            "run_id", flat=True
+        )
+    )
     late = events.get("late_attempt", 0)
     print()
-    print(f"recovery:  sweeper found {found.get('expired_lease', 0)} expired leases, "
-          f"{found.get('lost_message', 0)} lost messages, {found.get('open_reservation', 0)} open reservations; "
-          f"{events.get('retry_scheduled', 0)} retries scheduled, {late} late attempts "
-          f"fenced out; resolved by the supervisor: {dict(supervisor.resolved) or 'none'}")
-    print(f"re-sent:   the sweeper sent {sum(resent.values())} messages again, for {len(resent)} of "
-          f"{len(run_ids)} runs (at most {max(resent.values(), default=0)} for one run, "
-          f"{sum(resent.values()) / max(len(run_ids), 1):.2f} per run)")
-    print("unknown:   " + (", ".join(f"{n} {why}" for why, n in reasons.most_common()) or "no step ended unknown"))
+    print(
+        f"recovery:  sweeper found {found.get('expired_lease', 0)} expired leases, "
+        f"{found.get('lost_message', 0)} lost messages, {found.get('open_reservation', 0)} open reservations; "
+        f"{events.get('retry_scheduled', 0)} retries scheduled, {late} late attempts "
+        f"fenced out; resolved by the supervisor: {dict(supervisor.resolved) or 'none'}"
+    )
+    print(
+        f"re-sent:   the sweeper sent {sum(resent.values())} messages again, for {len(resent)} of "
+        f"{len(run_ids)} runs (at most {max(resent.values(), default=0)} for one run, "
+        f"{sum(resent.values()) / max(len(run_ids), 1):.2f} per run)"
+    )
+    print(
+        "unknown:   "
+        + (", ".join(f"{n} {why}" for why, n in reasons.most_common()) or "no step ended unknown")
+    )
     for line in became_unknown[:20]:
         print(f"           known, became unknown: {line}")
     print()
-    targets = [*((f"duplicate effects {name}", n) for name, n in duplicates.items()),
-               ("known outcomes that became unknown", len(became_unknown)),
-               ("effects not matching the step log", mismatched),
-               ("reservations still open on finished runs", open_reservations),
-               ("runs neither finished nor waiting for a person", stuck),
-               ("runs not launched", args.runs - len(run_ids))]
+    targets = [
+        *((f"duplicate effects {name}", n) for name, n in duplicates.items()),
+        ("known outcomes that became unknown", len(became_unknown)),
+        ("effects not matching the step log", mismatched),
+        ("reservations still open on finished runs", open_reservations),
+        ("runs neither finished nor waiting for a person", stuck),
+        ("runs not launched", args.runs - len(run_ids)),
+    ]
     missed = []
     for what, n in targets:
         print(f"{what:<56}{n:>5}   (target 0)")
@@ -624,14 +784,18 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
 
 # --- main --------------------------------------------------------------------------------------
 
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="chaos run against real processes")
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--settle-seconds", type=float, default=600, help="how long to wait for quiescence")
-    parser.add_argument("--keep-database", action="store_true",
-                        help="leave the throwaway PostgreSQL cluster's folder for a post-mortem")
+    parser.add_argument(
+        "--keep-database",
+        action="store_true",
+        help="leave the throwaway PostgreSQL cluster's folder for a post-mortem",
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     logs = Path(tempfile.mkdtemp(prefix=f"{TAG}-"))
@@ -643,34 +807,102 @@ def main() -> int:
         broker.start()
         postgres.create_database(TAG)
         CHILD_ENV.update(child_env(postgres.url(TAG), broker.url(15)))
-        os.environ.update(DATABASE_URL=CHILD_ENV["DATABASE_URL"], CELERY_BROKER_URL=CHILD_ENV["CELERY_BROKER_URL"],
-                          CELERY_QUEUE=CHILD_ENV["CELERY_QUEUE"], DJANGO_SETTINGS_MODULE="agentplatform.settings",
-                          LOG_LEVEL="ERROR")
-        log(f"own PostgreSQL on port {postgres.port} ({postgres.folder}), own Redis on port {broker.port}; "
-            f"database {TAG}, queue {CHILD_ENV['CELERY_QUEUE']}, logs in {logs}")
-        banks = {"bank": Bank("bank"), "bank2": Bank("bank2")}       # they start while the database migrates
-        subprocess.run([sys.executable, "manage.py", "migrate", "--noinput"], cwd=ROOT, env=CHILD_ENV, check=True,
-                       stdout=subprocess.DEVNULL)
+        os.environ.update(
+            DATABASE_URL=CHILD_ENV["DATABASE_URL"],
+            CELERY_BROKER_URL=CHILD_ENV["CELERY_BROKER_URL"],
+            CELERY_QUEUE=CHILD_ENV["CELERY_QUEUE"],
+            DJANGO_SETTINGS_MODULE="agentplatform.settings",
+            LOG_LEVEL="ERROR",
+        )
+        log(
+            f"own PostgreSQL on port {postgres.port} ({postgres.folder}), own Redis on port {broker.port}; "
+            f"database {TAG}, queue {CHILD_ENV['CELERY_QUEUE']}, logs in {logs}"
+        )
+        banks = {"bank": Bank("bank"), "bank2": Bank("bank2")}  # they start while the database migrates
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput"],
+            cwd=ROOT,
+            env=CHILD_ENV,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         for bank in banks.values():
             bank.wait_ready()
         import django
+
         django.setup()
 
         port = free_port()
-        api_process = Process("api", [sys.executable, "-m", "gunicorn", "agentplatform.wsgi", "-b",
-                                      f"127.0.0.1:{port}", "-w", "3", "--timeout", "60"], logs, "Booting worker")
-        beat = Process("beat", [sys.executable, "-m", "celery", "-A", "agentplatform", "beat", "-s",
-                                str(logs / "beat-schedule"), "--loglevel", "INFO"], logs, "beat: Starting")
-        queues = f"{CHILD_ENV['CELERY_QUEUE']},{CHILD_ENV['CELERY_QUEUE']}.sweeper"   # beat's sweeps have their own
-        workers = [Process(f"worker{i}", [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P",
-                                          "threads", "-c", str(CONCURRENCY), "-Q", queues,
-                                          "-n", f"chaos{i}-{os.getpid()}@%h", *WORKER_STEPS_OFF,
-                                          "--loglevel", "INFO"], logs, " ready.") for i in range(1, WORKERS + 1)]
+        api_process = Process(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "agentplatform.wsgi",
+                "-b",
+                f"127.0.0.1:{port}",
+                "-w",
+                "3",
+                "--timeout",
+                "60",
+            ],
+            logs,
+            "Booting worker",
+        )
+        beat = Process(
+            "beat",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "agentplatform",
+                "beat",
+                "-s",
+                str(logs / "beat-schedule"),
+                "--loglevel",
+                "INFO",
+            ],
+            logs,
+            "beat: Starting",
+        )
+        queues = (
+            f"{CHILD_ENV['CELERY_QUEUE']},{CHILD_ENV['CELERY_QUEUE']}.sweeper"  # beat's sweeps have their own
+        )
+        workers = [
+            Process(
+                f"worker{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "agentplatform",
+                    "worker",
+                    "-P",
+                    "threads",
+                    "-c",
+                    str(CONCURRENCY),
+                    "-Q",
+                    queues,
+                    "-n",
+                    f"chaos{i}-{os.getpid()}@%h",
+                    *WORKER_STEPS_OFF,
+                    "--loglevel",
+                    "INFO",
+                ],
+                logs,
+                " ready.",
+            )
+            for i in range(1, WORKERS + 1)
+        ]
         processes = [api_process, beat, *workers]
         with concurrent.futures.ThreadPoolExecutor(len(processes)) as pool:
             starting = [pool.submit(p.start) for p in processes]
             agent_token, supervisor_token = configure(banks["bank"], banks["bank2"])
             from django.db import connection
+
             connection.close()
             for started in starting:
                 started.result()
@@ -708,11 +940,14 @@ def main() -> int:
         for bank in banks.values():
             bank.stop()
         from django.db import connections
+
         connections.close_all()
         broker.destroy()
         if args.keep_database:
             postgres.stop()
-            print(f"PostgreSQL cluster kept: {postgres.folder} (start it with pg_ctl -D {postgres.data} start)")
+            print(
+                f"PostgreSQL cluster kept: {postgres.folder} (start it with pg_ctl -D {postgres.data} start)"
+            )
         else:
             postgres.destroy()
 

@@ -28,6 +28,7 @@ Options (environment): BENCH_RUNS (100), BENCH_STEPS (25 -> tool_turns 12), BENC
 (threads), BENCH_CONCURRENCY (128), BENCH_DB_POOL_MAX (20), BENCH_LATENCY_MS (200),
 BENCH_SCENARIOS (raw,floor,engine0,engine200), BENCH_TIMEOUT (900 s per scenario).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RUNS = int(os.environ.get("BENCH_RUNS", 100))
-STEPS = int(os.environ.get("BENCH_STEPS", 25))          # odd: model, tool, model, ..., model
+STEPS = int(os.environ.get("BENCH_STEPS", 25))  # odd: model, tool, model, ..., model
 TOOL_TURNS = (STEPS - 1) // 2
 POOL = os.environ.get("BENCH_POOL", "threads")
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", 128))
@@ -71,19 +72,21 @@ def admin(sql: str) -> None:
     """CREATE/DROP DATABASE run on a connection to the server's maintenance database."""
     import psycopg
 
-    with psycopg.connect(with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1),
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
+    ) as conn:
         conn.execute(sql)
 
 
 BENCH_URL = with_database(BASE_URL, TAG)
 os.environ["DATABASE_URL"] = BENCH_URL
-os.environ["CELERY_QUEUE"] = TAG        # settings: the default queue, here and in the worker
+os.environ["CELERY_QUEUE"] = TAG  # settings: the default queue, here and in the worker
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
-os.environ.pop("DB_POOL_MAX", None)      # the benchmark process itself: plain connections
+os.environ.pop("DB_POOL_MAX", None)  # the benchmark process itself: plain connections
 
 
 # --- processes ---------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -93,10 +96,24 @@ def free_port() -> int:
 
 def start_fake_model(latency_ms: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.model_servers", "--kind", "openai",
-                             "--port", str(port), "--latency-ms", str(latency_ms),
-                             "--tool-turns", str(TOOL_TURNS)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.fakes.model_servers",
+            "--kind",
+            "openai",
+            "--port",
+            str(port),
+            "--latency-ms",
+            str(latency_ms),
+            "--tool-turns",
+            str(TOOL_TURNS),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -104,7 +121,7 @@ def start_fake_model(latency_ms: int) -> tuple[subprocess.Popen, str]:
             return proc, f"http://127.0.0.1:{port}/v1"
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError("fake model server exited")
+                raise RuntimeError("fake model server exited") from None
             time.sleep(0.05)
     raise RuntimeError("fake model server did not start")
 
@@ -112,23 +129,46 @@ def start_fake_model(latency_ms: int) -> tuple[subprocess.Popen, str]:
 class Worker:
     def __init__(self):
         self.log = tempfile.NamedTemporaryFile(prefix=f"{TAG}-worker-", suffix=".log", delete=False)
-        self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", POOL,
-                     "-c", str(CONCURRENCY), "-Q", TAG, "-n", f"{TAG}@%h", "-I", "bench.noop_tasks",
-                     "--loglevel", os.environ.get("BENCH_LOGLEVEL", "WARNING"),
-                     "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "agentplatform",
+            "worker",
+            "-P",
+            POOL,
+            "-c",
+            str(CONCURRENCY),
+            "-Q",
+            TAG,
+            "-n",
+            f"{TAG}@%h",
+            "-I",
+            "bench.noop_tasks",
+            "--loglevel",
+            os.environ.get("BENCH_LOGLEVEL", "WARNING"),
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         # DEBUG off as in production: with DEBUG on, Django keeps every query of every connection.
-        self.env = dict(os.environ, DATABASE_URL=BENCH_URL, CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1",
-                        DEBUG="false")
+        self.env = dict(
+            os.environ, DATABASE_URL=BENCH_URL, CELERY_QUEUE=TAG, PYTHONUNBUFFERED="1", DEBUG="false"
+        )
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Worker":
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+    def start(self) -> Worker:
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         # Ready when it consumes: a ping task round trip through the queue.
-        from bench.noop_tasks import noop_step
         import redis
         from django.conf import settings
+
+        from bench.noop_tasks import noop_step
 
         r = redis.Redis.from_url(settings.CELERY_BROKER_URL)
         key = f"{TAG}:ping"
@@ -193,7 +233,7 @@ class RssSampler:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            total += int(fields[11]) + int(fields[12])      # utime, stime
+            total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / ticks
 
     def sample(self) -> int:
@@ -224,11 +264,13 @@ class RssSampler:
 
 # --- data ----------------------------------------------------------------------------------------
 
+
 def setup_tenant(fake_urls: dict[int, str]):
     from tests import factories
 
-    tenant = factories.make_tenant("bench", max_active_runs=10_000, max_starts_per_minute=100_000,
-                                   daily_budget_micros=10**15)
+    tenant = factories.make_tenant(
+        "bench", max_active_runs=10_000, max_starts_per_minute=100_000, daily_budget_micros=10**15
+    )
     user = factories.make_user(tenant, "bench")
     noop = factories.make_builtin_tools(tenant)["noop"]
     factories.grant(noop, use=[user])
@@ -254,7 +296,7 @@ class HeldMessages:
         return self
 
     def __exit__(self, *exc):
-        del self.task.apply_async   # back to the class attribute
+        del self.task.apply_async  # back to the class attribute
 
     def release(self) -> None:
         for args, options in self.held:
@@ -272,6 +314,7 @@ def create_runs(user, agent: str, n: int):
 
 
 # --- scenarios -----------------------------------------------------------------------------------
+
 
 def scenario_raw(sampler: RssSampler, task=None) -> dict:
     import redis
@@ -295,8 +338,12 @@ def scenario_raw(sampler: RssSampler, task=None) -> dict:
         time.sleep(0.02)
     end = max(float(item.split()[1]) for item in r.lrange(key, 0, -1))
     r.delete(key)
-    return {"steps": RUNS * STEPS, "seconds": end - start, "rss": sampler.peak(),
-            "cpu": sampler.cpu_seconds() - cpu}
+    return {
+        "steps": RUNS * STEPS,
+        "seconds": end - start,
+        "rss": sampler.peak(),
+        "cpu": sampler.cpu_seconds() - cpu,
+    }
 
 
 def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
@@ -314,7 +361,7 @@ def scenario_engine(sampler: RssSampler, user, agent: str) -> dict:
     while runs.exclude(status__in=TERMINAL).exists():
         if time.monotonic() > deadline:
             raise RuntimeError(f"engine: runs not finished in {TIMEOUT}s: {stuck_report(runs)}")
-        time.sleep(0.25)   # the end time comes from finished_at, not from this poll
+        time.sleep(0.25)  # the end time comes from finished_at, not from this poll
     rss = sampler.peak()
     cpu = sampler.cpu_seconds() - cpu
     bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
@@ -338,12 +385,17 @@ def stuck_report(runs) -> str:
     by_status = dict(runs.values_list("status").annotate(n=Count("pk")).order_by())
     leased = runs.filter(lease_token__isnull=False, lease_expires_at__gt=now).count()
     expired = runs.filter(lease_token__isnull=False, lease_expires_at__lte=now).count()
-    return (f"runs by status {by_status}; leased {leased}, lease expired {expired}; queue length "
-            f"{r.llen(TAG)}, unacked {r.hlen('unacked')}")
+    return (
+        f"runs by status {by_status}; leased {leased}, lease expired {expired}; queue length "
+        f"{r.llen(TAG)}, unacked {r.hlen('unacked')}"
+    )
 
 
-TABLE = re.compile(r'(?:from|into|update|join)\s+"?((?:runs|budgets|tools|tenants|llm|agents|guardian|auth|'
-                   r'approvals)_[a-z_]+)', re.IGNORECASE)
+TABLE = re.compile(
+    r'(?:from|into|update|join)\s+"?((?:runs|budgets|tools|tenants|llm|agents|guardian|auth|'
+    r"approvals)_[a-z_]+)",
+    re.IGNORECASE,
+)
 
 
 def queries_per_step(user, agent: str) -> dict:
@@ -355,7 +407,7 @@ def queries_per_step(user, agent: str) -> dict:
     from runs.engine import advance
     from runs.models import READY, TERMINAL, Run, Step
 
-    ids, _held, _ = create_runs(user, agent, 1)   # its message is never sent
+    ids, _held, _ = create_runs(user, agent, 1)  # its message is never sent
     run_id = ids[0]
     per_kind: dict[str, list[int]] = {"model": [], "tool": []}
     tables: dict[str, int] = {}
@@ -372,10 +424,13 @@ def queries_per_step(user, agent: str) -> dict:
 
     psycopg.Cursor.execute = counting
     try:
-        with HeldMessages():                          # nor are the ones advance() enqueues
+        with HeldMessages():  # nor are the ones advance() enqueues
             for _ in range(STEPS * 2):
-                kind_next = "tool" if Step.objects.filter(run_id=run_id, kind="tool",
-                                                          status__in=READY).exists() else "model"
+                kind_next = (
+                    "tool"
+                    if Step.objects.filter(run_id=run_id, kind="tool", status__in=READY).exists()
+                    else "model"
+                )
                 sent["on"] = True
                 with CaptureQueriesContext(connection) as ctx:
                     advance(run_id)
@@ -389,9 +444,16 @@ def queries_per_step(user, agent: str) -> dict:
     run = Run.objects.get(pk=run_id)
     steps = Step.objects.filter(run_id=run_id).count()
     total = sum(per_kind["model"]) + sum(per_kind["tool"])
-    return {"status": run.status, "steps": steps, "tasks": len(per_kind["model"]) + len(per_kind["tool"]),
-            "total": total, "model": per_kind["model"], "tool": per_kind["tool"], "tables": tables,
-            "sent": sent["n"]}
+    return {
+        "status": run.status,
+        "steps": steps,
+        "tasks": len(per_kind["model"]) + len(per_kind["tool"]),
+        "total": total,
+        "model": per_kind["model"],
+        "tool": per_kind["tool"],
+        "tables": tables,
+        "sent": sent["n"],
+    }
 
 
 def count_statements(captured: list[dict], tables: dict[str, int]) -> None:
@@ -399,13 +461,17 @@ def count_statements(captured: list[dict], tables: dict[str, int]) -> None:
         sql = q["sql"].lstrip()
         verb = sql.split()[0].upper().lstrip("(")
         found = TABLE.search(sql)
-        table = "" if verb in {"SAVEPOINT", "RELEASE", "BEGIN", "COMMIT", "ROLLBACK"} else (
-            found.group(1) if found else "?")
+        table = (
+            ""
+            if verb in {"SAVEPOINT", "RELEASE", "BEGIN", "COMMIT", "ROLLBACK"}
+            else (found.group(1) if found else "?")
+        )
         key = f"{verb} {table}".strip()
         tables[key] = tables.get(key, 0) + 1
 
 
 # --- main ------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     fakes: dict[int, subprocess.Popen] = {}
@@ -413,9 +479,14 @@ def main() -> None:
     sampler: RssSampler | None = None
     admin(f'CREATE DATABASE "{TAG}"')
     try:
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], cwd=ROOT, check=True,
-                       env=dict(os.environ, DATABASE_URL=BENCH_URL))
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "-v", "0"],
+            cwd=ROOT,
+            check=True,
+            env=dict(os.environ, DATABASE_URL=BENCH_URL),
+        )
         import django
+
         django.setup()
         from django.db import connection
 
@@ -437,6 +508,7 @@ def main() -> None:
             results["raw"] = scenario_raw(sampler)
         if "floor" in SCENARIOS:
             from bench.noop_tasks import create_floor_table, floor_step
+
             create_floor_table(RUNS)
             results["floor"] = scenario_raw(sampler, floor_step)
         if "engine0" in SCENARIOS:
@@ -457,6 +529,7 @@ def main() -> None:
             proc.wait(10)
         try:
             from django.db import connections
+
             connections.close_all()
         except Exception:
             pass
@@ -474,20 +547,31 @@ def drop_queue() -> None:
 
 def report(results: dict, qps: dict, max_connections: int, connections_now: int) -> None:
     rate = {k: v["steps"] / v["seconds"] for k, v in results.items()}
-    names = {"raw": f"raw celery chain {RUNS}x{STEPS} no-op",
-             "floor": f"floor: 3 commits/task {RUNS}x{STEPS}",
-             "engine0": f"engine {RUNS}x{STEPS}, model 0 ms",
-             "engine200": f"engine {RUNS}x{STEPS}, model {LATENCY_MS} ms"}
-    ratio_of = {"raw": ("raw", "1.00 (ceiling)"), "floor": ("raw", "vs raw"),
-                "engine0": ("raw", "vs raw, target >= 0.60"),
-                "engine200": ("engine0", "vs 0 ms, target >= 0.80")}
+    names = {
+        "raw": f"raw celery chain {RUNS}x{STEPS} no-op",
+        "floor": f"floor: 3 commits/task {RUNS}x{STEPS}",
+        "engine0": f"engine {RUNS}x{STEPS}, model 0 ms",
+        "engine200": f"engine {RUNS}x{STEPS}, model {LATENCY_MS} ms",
+    }
+    ratio_of = {
+        "raw": ("raw", "1.00 (ceiling)"),
+        "floor": ("raw", "vs raw"),
+        "engine0": ("raw", "vs raw, target >= 0.60"),
+        "engine200": ("engine0", "vs 0 ms, target >= 0.80"),
+    }
     print()
-    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on "
-          f"{os.cpu_count()} CPUs")
-    print(f"worker: 1 process, pool={POOL}, concurrency={CONCURRENCY}, DB_POOL_MAX={DB_POOL_MAX or 'off'} "
-          f"(PostgreSQL max_connections={max_connections}); queue {TAG}")
-    header = (f"{'scenario':<34} | {'steps':>6} | {'seconds':>7} | {'steps/s':>8} | {'ratio':>30} | "
-              f"{'peak RSS MB':>11} | {'worker CPU ms/step':>18}")
+    print(
+        f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(
+        f"worker: 1 process, pool={POOL}, concurrency={CONCURRENCY}, DB_POOL_MAX={DB_POOL_MAX or 'off'} "
+        f"(PostgreSQL max_connections={max_connections}); queue {TAG}"
+    )
+    header = (
+        f"{'scenario':<34} | {'steps':>6} | {'seconds':>7} | {'steps/s':>8} | {'ratio':>30} | "
+        f"{'peak RSS MB':>11} | {'worker CPU ms/step':>18}"
+    )
     print(header)
     print("-" * len(header))
     for key, r in results.items():
@@ -498,22 +582,30 @@ def report(results: dict, qps: dict, max_connections: int, connections_now: int)
             ratio = f"{rate[key] / rate[base]:.2f} ({label})"
         else:
             ratio = "n/a"
-        print(f"{names[key]:<34} | {r['steps']:>6} | {r['seconds']:>7.2f} | {rate[key]:>8.1f} | {ratio:>30} | "
-              f"{r['rss'] / 2**20:>11.1f} | {r['cpu'] * 1000 / r['steps']:>18.2f}")
+        print(
+            f"{names[key]:<34} | {r['steps']:>6} | {r['seconds']:>7.2f} | {rate[key]:>8.1f} | {ratio:>30} | "
+            f"{r['rss'] / 2**20:>11.1f} | {r['cpu'] * 1000 / r['steps']:>18.2f}"
+        )
     for key, r in results.items():
         if "created" in r:
             print(f"  {names[key]}: creating {RUNS} runs with start_run took {r['created']:.2f}s (not timed)")
     model, tool = qps["model"], qps["tool"]
     print()
-    print(f"queries per step (one run in-process, CaptureQueriesContext around runs.engine.advance): "
-          f"{qps['total'] / max(qps['steps'], 1):.1f} over {qps['steps']} steps / {qps['tasks']} tasks "
-          f"(run {qps['status']})")
-    print(f"  model step: avg {sum(model) / max(len(model), 1):.1f} (first {model[:1]}, last {model[-1:]}), "
-          f"tool step: avg {sum(tool) / max(len(tool), 1):.1f}")
+    print(
+        f"queries per step (one run in-process, CaptureQueriesContext around runs.engine.advance): "
+        f"{qps['total'] / max(qps['steps'], 1):.1f} over {qps['steps']} steps / {qps['tasks']} tasks "
+        f"(run {qps['status']})"
+    )
+    print(
+        f"  model step: avg {sum(model) / max(len(model), 1):.1f} (first {model[:1]}, last {model[-1:]}), "
+        f"tool step: avg {sum(tool) / max(len(tool), 1):.1f}"
+    )
     top = sorted(qps["tables"].items(), key=lambda kv: -kv[1])
     print("  by statement: " + ", ".join(f"{k} {v}" for k, v in top))
-    print(f"  statements sent through any psycopg cursor (raw ones included, BEGIN/COMMIT not): "
-          f"{qps['sent'] / max(qps['steps'], 1):.1f} per step")
+    print(
+        f"  statements sent through any psycopg cursor (raw ones included, BEGIN/COMMIT not): "
+        f"{qps['sent'] / max(qps['steps'], 1):.1f} per step"
+    )
     print(f"  connections to the bench database at the end: {connections_now}")
 
 

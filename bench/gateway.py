@@ -20,6 +20,7 @@ through a group); the agent version allowlists 40, of which 36 are among the 60.
              (what a model call is offered today) and the narrowed set (relevance, plus
              search_tools) at the default VISIBLE_TOOLS_MAX and at 12.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,49 +39,245 @@ CALLS = int(os.environ.get("BENCH_CALLS", 500))
 SEED = 7
 
 SERVERS = {
-    "cards": ("card", ["block", "unblock", "replace", "activate", "set_limit", "get_limits", "list_transactions",
-                       "dispute_transaction", "get_statement", "set_pin_retry", "toggle_international",
-                       "list_cards", "get_card", "report_lost", "convert_to_emi", "get_reward_points"]),
-    "payments": ("payment", ["initiate", "cancel", "get_status", "list_payees", "add_payee", "remove_payee",
-                             "schedule", "list_scheduled", "refund", "get_refund_status", "validate_iban",
-                             "get_fees", "create_mandate", "cancel_mandate"]),
-    "loans": ("loan", ["get_offer", "apply", "get_schedule", "prepay", "foreclose", "get_balance", "list_loans",
-                       "restructure", "get_interest_certificate", "update_emi_date", "get_noc"]),
-    "crm": ("customer", ["get_profile", "update_address", "update_phone", "update_email", "add_note",
-                         "list_notes", "get_segment", "list_interactions", "merge_duplicates", "flag_vip",
-                         "get_consents", "record_consent"]),
-    "kyc": ("kyc", ["get_status", "request_documents", "verify_document", "reject_document", "schedule_video_kyc",
-                    "get_risk_score", "refresh_screening", "list_alerts", "close_alert"]),
-    "statements": ("statement", ["generate", "email", "get_tax_certificate", "list_periods", "get_balance_history",
-                                 "get_interest_summary", "get_charges", "reverse_charge"]),
-    "disputes": ("dispute", ["open", "get", "list", "add_evidence", "escalate", "withdraw", "get_chargeback_status",
-                             "assign", "close", "reopen"]),
-    "notify": ("message", ["send_email", "send_sms", "send_push", "get_delivery_status", "list_templates",
-                           "render_template", "schedule", "cancel_scheduled"]),
-    "fx": ("fx", ["get_rate", "get_rates", "book_deal", "cancel_deal", "get_forex_card_balance", "load_forex_card",
-                  "list_currencies", "get_limits"]),
-    "insurance": ("policy", ["get_quote", "purchase", "get", "list", "file_claim", "get_claim_status",
-                             "cancel", "add_nominee", "renew"]),
-    "invest": ("investment", ["list_funds", "get_fund", "buy_units", "redeem_units", "start_sip", "stop_sip",
-                              "get_portfolio", "get_capital_gains", "open_deposit", "break_deposit"]),
-    "branch": ("branch", ["locate", "get_hours", "book_appointment", "cancel_appointment", "list_atms",
-                          "get_queue_status", "request_cheque_book", "stop_cheque"]),
+    "cards": (
+        "card",
+        [
+            "block",
+            "unblock",
+            "replace",
+            "activate",
+            "set_limit",
+            "get_limits",
+            "list_transactions",
+            "dispute_transaction",
+            "get_statement",
+            "set_pin_retry",
+            "toggle_international",
+            "list_cards",
+            "get_card",
+            "report_lost",
+            "convert_to_emi",
+            "get_reward_points",
+        ],
+    ),
+    "payments": (
+        "payment",
+        [
+            "initiate",
+            "cancel",
+            "get_status",
+            "list_payees",
+            "add_payee",
+            "remove_payee",
+            "schedule",
+            "list_scheduled",
+            "refund",
+            "get_refund_status",
+            "validate_iban",
+            "get_fees",
+            "create_mandate",
+            "cancel_mandate",
+        ],
+    ),
+    "loans": (
+        "loan",
+        [
+            "get_offer",
+            "apply",
+            "get_schedule",
+            "prepay",
+            "foreclose",
+            "get_balance",
+            "list_loans",
+            "restructure",
+            "get_interest_certificate",
+            "update_emi_date",
+            "get_noc",
+        ],
+    ),
+    "crm": (
+        "customer",
+        [
+            "get_profile",
+            "update_address",
+            "update_phone",
+            "update_email",
+            "add_note",
+            "list_notes",
+            "get_segment",
+            "list_interactions",
+            "merge_duplicates",
+            "flag_vip",
+            "get_consents",
+            "record_consent",
+        ],
+    ),
+    "kyc": (
+        "kyc",
+        [
+            "get_status",
+            "request_documents",
+            "verify_document",
+            "reject_document",
+            "schedule_video_kyc",
+            "get_risk_score",
+            "refresh_screening",
+            "list_alerts",
+            "close_alert",
+        ],
+    ),
+    "statements": (
+        "statement",
+        [
+            "generate",
+            "email",
+            "get_tax_certificate",
+            "list_periods",
+            "get_balance_history",
+            "get_interest_summary",
+            "get_charges",
+            "reverse_charge",
+        ],
+    ),
+    "disputes": (
+        "dispute",
+        [
+            "open",
+            "get",
+            "list",
+            "add_evidence",
+            "escalate",
+            "withdraw",
+            "get_chargeback_status",
+            "assign",
+            "close",
+            "reopen",
+        ],
+    ),
+    "notify": (
+        "message",
+        [
+            "send_email",
+            "send_sms",
+            "send_push",
+            "get_delivery_status",
+            "list_templates",
+            "render_template",
+            "schedule",
+            "cancel_scheduled",
+        ],
+    ),
+    "fx": (
+        "fx",
+        [
+            "get_rate",
+            "get_rates",
+            "book_deal",
+            "cancel_deal",
+            "get_forex_card_balance",
+            "load_forex_card",
+            "list_currencies",
+            "get_limits",
+        ],
+    ),
+    "insurance": (
+        "policy",
+        [
+            "get_quote",
+            "purchase",
+            "get",
+            "list",
+            "file_claim",
+            "get_claim_status",
+            "cancel",
+            "add_nominee",
+            "renew",
+        ],
+    ),
+    "invest": (
+        "investment",
+        [
+            "list_funds",
+            "get_fund",
+            "buy_units",
+            "redeem_units",
+            "start_sip",
+            "stop_sip",
+            "get_portfolio",
+            "get_capital_gains",
+            "open_deposit",
+            "break_deposit",
+        ],
+    ),
+    "branch": (
+        "branch",
+        [
+            "locate",
+            "get_hours",
+            "book_appointment",
+            "cancel_appointment",
+            "list_atms",
+            "get_queue_status",
+            "request_cheque_book",
+            "stop_cheque",
+        ],
+    ),
 }
 FIELDS = [
-    ("account_id", {"type": "string", "pattern": "^ACC-[0-9]{6}$", "description": "Customer account id, e.g. ACC-004211."}),
+    (
+        "account_id",
+        {
+            "type": "string",
+            "pattern": "^ACC-[0-9]{6}$",
+            "description": "Customer account id, e.g. ACC-004211.",
+        },
+    ),
     ("customer_id", {"type": "string", "description": "Customer id from the CRM (CUS-...)."}),
     ("amount", {"type": "number", "exclusiveMinimum": 0, "description": "Amount in the account currency."}),
-    ("currency", {"type": "string", "enum": ["INR", "USD", "EUR", "GBP", "AED", "SGD"],
-                  "description": "ISO 4217 currency code."}),
-    ("reason", {"type": "string", "maxLength": 500, "description": "Free-text reason, shown to the customer."}),
+    (
+        "currency",
+        {
+            "type": "string",
+            "enum": ["INR", "USD", "EUR", "GBP", "AED", "SGD"],
+            "description": "ISO 4217 currency code.",
+        },
+    ),
+    (
+        "reason",
+        {"type": "string", "maxLength": 500, "description": "Free-text reason, shown to the customer."},
+    ),
     ("from_date", {"type": "string", "format": "date", "description": "Start of the period (YYYY-MM-DD)."}),
-    ("to_date", {"type": "string", "format": "date", "description": "End of the period, inclusive (YYYY-MM-DD)."}),
-    ("channel", {"type": "string", "enum": ["branch", "phone", "web", "app"], "description": "Where the request came from."}),
+    (
+        "to_date",
+        {"type": "string", "format": "date", "description": "End of the period, inclusive (YYYY-MM-DD)."},
+    ),
+    (
+        "channel",
+        {
+            "type": "string",
+            "enum": ["branch", "phone", "web", "app"],
+            "description": "Where the request came from.",
+        },
+    ),
     ("reference", {"type": "string", "description": "External reference or ticket number."}),
-    ("limit", {"type": "integer", "minimum": 1, "maximum": 100, "description": "Maximum number of items to return."}),
+    (
+        "limit",
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 100,
+            "description": "Maximum number of items to return.",
+        },
+    ),
     ("notify_customer", {"type": "boolean", "description": "Send the customer a confirmation."}),
-    ("metadata", {"type": "object", "additionalProperties": {"type": "string"},
-                  "description": "Extra key-value pairs stored with the request."}),
+    (
+        "metadata",
+        {
+            "type": "object",
+            "additionalProperties": {"type": "string"},
+            "description": "Extra key-value pairs stored with the request.",
+        },
+    ),
 ]
 PURPOSES = [
     "Use this when the customer asks about it on a support call.",
@@ -101,15 +298,21 @@ def catalogue(rng: random.Random) -> list[tuple[str, str, str, dict]]:
                 if len(rows) >= 400:
                     break
                 fields = rng.sample(FIELDS, rng.randint(2, 6))
-                required = [name for name, _ in fields[:rng.randint(1, len(fields))]]
+                required = [name for name, _ in fields[: rng.randint(1, len(fields))]]
                 action = verb.replace("_", " ")
-                description = (f"{action.capitalize()} for a {noun}{' (bulk: up to 50 items)' if variant == '_bulk' else ''}"
-                               f"{' using the v2 rules' if variant == '_v2' else ''}. "
-                               + " ".join(rng.sample(PURPOSES, 2)))
-                schema = {"type": "object", "properties": dict(fields), "required": required,
-                          "additionalProperties": False}
+                description = (
+                    f"{action.capitalize()} for a {noun}{' (bulk: up to 50 items)' if variant == '_bulk' else ''}"
+                    f"{' using the v2 rules' if variant == '_v2' else ''}. "
+                    + " ".join(rng.sample(PURPOSES, 2))
+                )
+                schema = {
+                    "type": "object",
+                    "properties": dict(fields),
+                    "required": required,
+                    "additionalProperties": False,
+                }
                 rows.append((server, f"{noun}_{verb}{variant}", description, schema))
-    while len(rows) < 400:   # top up evenly if the lists above come out short
+    while len(rows) < 400:  # top up evenly if the lists above come out short
         server, name, description, schema = rows[len(rows) % 300]
         rows.append((server, f"{name}_alt{len(rows)}", description, schema))
     return rows[:400]
@@ -150,39 +353,86 @@ def build(rng: random.Random):
     servers = {}
     for i, name in enumerate(SERVERS):
         kind = ToolServer.Kind.BUILTIN if i % 3 == 0 else ToolServer.Kind.HTTP
-        servers[name] = ToolServer.objects.create(tenant=tenant, name=name, kind=kind,
-                                                  url="" if kind == "builtin" else f"http://{name}.bank.internal")
-    tools = Tool.objects.bulk_create([
-        Tool(tenant=tenant, server=servers[server], name=f"{server}__{remote}", remote_name=remote,
-             description=description, input_schema=schema, enabled=True, effect_class="read_only")
-        for server, remote, description, schema in catalogue(rng)])
+        servers[name] = ToolServer.objects.create(
+            tenant=tenant,
+            name=name,
+            kind=kind,
+            url="" if kind == "builtin" else f"http://{name}.bank.internal",
+        )
+    tools = Tool.objects.bulk_create(
+        [
+            Tool(
+                tenant=tenant,
+                server=servers[server],
+                name=f"{server}__{remote}",
+                remote_name=remote,
+                description=description,
+                input_schema=schema,
+                enabled=True,
+                effect_class="read_only",
+            )
+            for server, remote, description, schema in catalogue(rng)
+        ]
+    )
     permitted = rng.sample(tools, 60)
     for n, tool in enumerate(permitted):
         assign_perm("tools.use_tool", user if n % 2 else group, tool)
     others = [t for t in tools if t not in permitted]
     allowlist = rng.sample(permitted, 36) + rng.sample(others, 4)
-    version, _ = create_version(tenant=tenant, agent="support", spec={
-        "model": "m", "instructions": "You help bank support agents.", "tools": [t.name for t in allowlist]})
+    version, _ = create_version(
+        tenant=tenant,
+        agent="support",
+        spec={
+            "model": "m",
+            "instructions": "You help bank support agents.",
+            "tools": [t.name for t in allowlist],
+        },
+    )
     Alias.objects.create(agent=version.agent, name="prod", version=version)
-    run = Run.objects.create(tenant=tenant, created_by=user, agent=version.agent, version=version,
-                             input={"ask": "The customer wants to dispute a card transaction and get a refund "
-                                           "of the payment; check the card statement first."},
-                             limits=dict(DEFAULT_LIMITS), status="running")
+    run = Run.objects.create(
+        tenant=tenant,
+        created_by=user,
+        agent=version.agent,
+        version=version,
+        input={
+            "ask": "The customer wants to dispute a card transaction and get a refund "
+            "of the payment; check the card statement first."
+        },
+        limits=dict(DEFAULT_LIMITS),
+        status="running",
+    )
     create_run_account(run=run, limit_micros=DEFAULT_LIMITS["max_cost_micros"])
     allowed = next(t for t in allowlist if t in permitted)
     denied = next(t for t in allowlist if t not in permitted)
     offered = sorted(t.name for t in allowlist)
-    Step.objects.create(run=run, seq=1, kind=StepKind.MODEL, status=StepStatus.SUCCEEDED,
-                        request={"tools": offered})
+    Step.objects.create(
+        run=run, seq=1, kind=StepKind.MODEL, status=StepStatus.SUCCEEDED, request={"tools": offered}
+    )
 
     def call(seq, tool):
         arguments = example_arguments(tool.input_schema)
-        return Step.objects.create(run=run, seq=seq, kind=StepKind.TOOL, status=StepStatus.PROPOSED, parent_seq=1,
-                                   tool=tool, tool_name=tool.name, call_id=f"c{seq}", arguments=arguments,
-                                   args_digest=digest(arguments), idempotency_key=idempotency_key(run, seq))
+        return Step.objects.create(
+            run=run,
+            seq=seq,
+            kind=StepKind.TOOL,
+            status=StepStatus.PROPOSED,
+            parent_seq=1,
+            tool=tool,
+            tool_name=tool.name,
+            call_id=f"c{seq}",
+            arguments=arguments,
+            args_digest=digest(arguments),
+            idempotency_key=idempotency_key(run, seq),
+        )
 
-    return {"tools": tools, "permitted": permitted, "allowlist": allowlist, "run": run,
-            "allowed_step": call(2, allowed), "denied_step": call(3, denied)}
+    return {
+        "tools": tools,
+        "permitted": permitted,
+        "allowlist": allowlist,
+        "run": run,
+        "allowed_step": call(2, allowed),
+        "denied_step": call(3, denied),
+    }
 
 
 def example_arguments(schema: dict) -> dict:
@@ -190,8 +440,11 @@ def example_arguments(schema: dict) -> dict:
     arguments = {}
     for name in schema.get("required", []):
         spec = schema["properties"][name]
-        arguments[name] = spec["enum"][0] if "enum" in spec else (
-            "2025-01-14" if spec.get("format") == "date" else samples[spec["type"]])
+        arguments[name] = (
+            spec["enum"][0]
+            if "enum" in spec
+            else ("2025-01-14" if spec.get("format") == "date" else samples[spec["type"]])
+        )
     return arguments
 
 
@@ -206,7 +459,7 @@ def timed(fn, calls: int) -> tuple[float, float, float, int]:
     from django.test.utils import CaptureQueriesContext
 
     for _ in range(20):
-        fn()   # warm caches (content types, compiled queries, schema validators)
+        fn()  # warm caches (content types, compiled queries, schema validators)
     with CaptureQueriesContext(connection) as queries:
         fn()
     per_call = len(queries.captured_queries)
@@ -242,13 +495,17 @@ def main() -> None:
         assert gateway.check_dispatch(run, allowed) is None, gateway.check_dispatch(run, allowed)
         assert "may not use" in (gateway.check_dispatch(run, denied) or "")
 
-        print(f"tool gateway benchmark: PostgreSQL {connection.pg_version // 10000}, {CALLS} calls per figure")
+        print(
+            f"tool gateway benchmark: PostgreSQL {connection.pg_version // 10000}, {CALLS} calls per figure"
+        )
         print()
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall times include it)")
         print(f"{'check':<44}{'queries':>8}{'wall mean µs':>14}{'wall p95 µs':>13}{'CPU mean µs':>13}")
-        for label, fn in (("check_dispatch, allowed call", lambda: gateway.check_dispatch(run, allowed)),
-                          ("check_dispatch, denied call (no use_tool)", lambda: gateway.check_dispatch(run, denied)),
-                          ("offered_tools (once per model call)", lambda: gateway.offered_tools(run))):
+        for label, fn in (
+            ("check_dispatch, allowed call", lambda: gateway.check_dispatch(run, allowed)),
+            ("check_dispatch, denied call (no use_tool)", lambda: gateway.check_dispatch(run, denied)),
+            ("offered_tools (once per model call)", lambda: gateway.offered_tools(run)),
+        ):
             mean, p95, cpu, queries = timed(fn, CALLS)
             print(f"{label:<44}{queries:>8}{mean:>14.0f}{p95:>13.0f}{cpu:>13.0f}")
 
@@ -263,12 +520,13 @@ def main() -> None:
         print(f"{'tool set offered to the model':<44}{'tools':>8}{'tokens':>10}{'per call vs all':>17}")
         everything = schema_tokens(spec(t) for t in data["tools"])
         for label, specs in (
-                ("all tools in the catalogue", [spec(t) for t in data["tools"]]),
-                ("permitted to the user (use_tool)", [spec(t) for t in data["permitted"]]),
-                ("agent allowlist", [spec(t) for t in data["allowlist"]]),
-                ("permitted ∩ allowlist", [spec(t) for t in both]),
-                (f"narrowed, VISIBLE_TOOLS_MAX={settings.VISIBLE_TOOLS_MAX} (+search_tools)", narrowed),
-                ("narrowed, max_visible_tools=12 (+search_tools)", narrowed_small)):
+            ("all tools in the catalogue", [spec(t) for t in data["tools"]]),
+            ("permitted to the user (use_tool)", [spec(t) for t in data["permitted"]]),
+            ("agent allowlist", [spec(t) for t in data["allowlist"]]),
+            ("permitted ∩ allowlist", [spec(t) for t in both]),
+            (f"narrowed, VISIBLE_TOOLS_MAX={settings.VISIBLE_TOOLS_MAX} (+search_tools)", narrowed),
+            ("narrowed, max_visible_tools=12 (+search_tools)", narrowed_small),
+        ):
             tokens = schema_tokens(specs)
             print(f"{label:<44}{len(specs):>8}{tokens:>10}{tokens / everything:>16.0%}")
     finally:

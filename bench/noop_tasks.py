@@ -4,6 +4,7 @@ Each task enqueues the next one of its chain, like advance_run does, with the sa
 options (acks_late, reject_on_worker_lost, no result). The last task of a chain pushes its
 finish time to a Redis list that bench/engine.py waits on.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,6 +19,7 @@ def _client():
     global _redis
     if _redis is None:
         import redis
+
         _redis = redis.Redis.from_url(settings.CELERY_BROKER_URL)
     return _redis
 
@@ -38,8 +40,10 @@ def create_floor_table(chains: int) -> None:
 
     with connection.cursor() as cur:
         cur.execute(f"DROP TABLE IF EXISTS {FLOOR_TABLE}")
-        cur.execute(f"CREATE TABLE {FLOOR_TABLE} (chain int PRIMARY KEY, step int NOT NULL DEFAULT 0,"
-                    " state text NOT NULL DEFAULT 'idle', lease uuid)")
+        cur.execute(
+            f"CREATE TABLE {FLOOR_TABLE} (chain int PRIMARY KEY, step int NOT NULL DEFAULT 0,"
+            " state text NOT NULL DEFAULT 'idle', lease uuid)"
+        )
         cur.execute(f"INSERT INTO {FLOOR_TABLE} (chain) SELECT generate_series(0, %s)", [chains - 1])
 
 
@@ -55,15 +59,22 @@ def floor_step(done_key: str, chain: int, remaining: int) -> None:
     from django.db import connection
 
     with connection.cursor() as cur:
-        cur.execute(f"UPDATE {FLOOR_TABLE} SET lease = gen_random_uuid() WHERE chain = %s AND state = 'idle'"
-                    " RETURNING lease", [chain])
+        cur.execute(
+            f"UPDATE {FLOOR_TABLE} SET lease = gen_random_uuid() WHERE chain = %s AND state = 'idle'"
+            " RETURNING lease",
+            [chain],
+        )
         lease = cur.fetchone()[0]
-        cur.execute(f"UPDATE {FLOOR_TABLE} SET state = 'dispatching' WHERE chain = %s AND lease = %s",
-                    [chain, lease])
-    connection.close()      # the call happens here, holding no connection
+        cur.execute(
+            f"UPDATE {FLOOR_TABLE} SET state = 'dispatching' WHERE chain = %s AND lease = %s", [chain, lease]
+        )
+    connection.close()  # the call happens here, holding no connection
     with connection.cursor() as cur:
-        cur.execute(f"UPDATE {FLOOR_TABLE} SET state = 'idle', step = step + 1, lease = NULL"
-                    " WHERE chain = %s AND lease = %s", [chain, lease])
+        cur.execute(
+            f"UPDATE {FLOOR_TABLE} SET state = 'idle', step = step + 1, lease = NULL"
+            " WHERE chain = %s AND lease = %s",
+            [chain, lease],
+        )
     connection.close()
     if remaining > 1:
         floor_step.apply_async((done_key, chain, remaining - 1))

@@ -37,7 +37,9 @@ class StepFailed(RuntimeError):
 
 
 def make_client() -> httpx.Client:
-    return httpx.Client(timeout=TIMEOUT, limits=httpx.Limits(max_connections=256, max_keepalive_connections=128))
+    return httpx.Client(
+        timeout=TIMEOUT, limits=httpx.Limits(max_connections=256, max_keepalive_connections=128)
+    )
 
 
 def first_messages(run: int) -> list[dict[str, Any]]:

@@ -92,7 +92,10 @@ def main() -> None:
     def one_run(run: int) -> float:
         # A thread id of this process only: the database outlives a round, and an old thread would
         # go on with its finished conversation.
-        config = {"configurable": {"thread_id": f"run-{os.getpid()}-{run}"}, "recursion_limit": args.steps + 10}
+        config = {
+            "configurable": {"thread_id": f"run-{os.getpid()}-{run}"},
+            "recursion_limit": args.steps + 10,
+        }
         state = app.invoke({"messages": peer_agent.first_messages(run)}, config, durability=args.durability)
         peer_agent.check_run(state["messages"], args.steps)
         return time.time()

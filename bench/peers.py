@@ -66,7 +66,9 @@ from bench import peer_agent, pgstats, sqlcount
 BASE_URL = os.environ["DATABASE_URL"]
 BROKER_URL = os.environ["CELERY_BROKER_URL"]
 TAG = f"bench_peers_{os.getpid()}"
-DB_URLS = {kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")}
+DB_URLS = {
+    kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")
+}
 ALL_SCENARIOS = ["engine-1", "chain", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
 PY = sys.executable
 
@@ -113,7 +115,7 @@ def wait_port(proc: subprocess.Popen, port: int, what: str) -> None:
             return
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited")
+                raise RuntimeError(f"{what} exited") from None
             time.sleep(0.05)
     raise RuntimeError(f"{what} did not start")
 
@@ -172,7 +174,9 @@ class Worker:
 
     def start(self) -> None:
         with self.log.open("wb") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def wait_ready(self) -> None:
         import redis
@@ -261,7 +265,9 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
         "bench", max_active_runs=10_000, max_starts_per_minute=100_000, daily_budget_micros=10**15
     )
     user = factories.make_user(tenant, "bench")
-    server = ToolServer.objects.create(tenant=tenant, name="bench", kind=ToolServer.Kind.HTTP, url=f"{tool_url}/tools")
+    server = ToolServer.objects.create(
+        tenant=tenant, name="bench", kind=ToolServer.Kind.HTTP, url=f"{tool_url}/tools"
+    )
     tool = Tool.objects.create(
         tenant=tenant,
         server=server,
@@ -279,7 +285,11 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
     for latency, url in model_urls.items():
         endpoint = factories.make_endpoint(tenant, name=f"fake-{latency}ms", kind="openai", base_url=url)
         factories.make_agent(
-            tenant, name=f"bench-{latency}ms", tools=[tool], endpoint=endpoint, instructions=peer_agent.INSTRUCTIONS
+            tenant,
+            name=f"bench-{latency}ms",
+            tools=[tool],
+            endpoint=endpoint,
+            instructions=peer_agent.INSTRUCTIONS,
         )
         agents[latency] = f"bench-{latency}ms"
     return user, agents
@@ -416,7 +426,9 @@ def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: 
         str(opts.db_pool),
         *extra,
     ]
-    done = subprocess.run(args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120)
+    done = subprocess.run(
+        args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120
+    )
     load_end = os.getloadavg()[0]
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
@@ -515,11 +527,16 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         print(line)
     checks = [f"{r.scenario} r{r.round} {r.per_step(r.checks)}" for r in results if r.checks]
     if checks:
-        print("pool checks per step (empty statements, in commits/step, not in stmts/step): " + ", ".join(checks))
+        print(
+            "pool checks per step (empty statements, in commits/step, not in stmts/step): "
+            + ", ".join(checks)
+        )
     chain_sql = [r.statements for r in results if r.scenario == "chain" and r.statements]
     if chain_sql:
         print(f"note: the chain's workers sent {chain_sql} SQL statements (none expected)")
-    print(f"total {time.time() - started:.0f} s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"total {time.time() - started:.0f} s; load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 def span(values: list[float], fmt: str) -> str:
@@ -533,7 +550,9 @@ def span(values: list[float], fmt: str) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="The engine against a plain Celery chain, LangGraph and DBOS.")
+    parser = argparse.ArgumentParser(
+        description="The engine against a plain Celery chain, LangGraph and DBOS."
+    )
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--steps", type=int, default=25, help="odd: model, tool, ..., model")
     parser.add_argument("--rounds", type=int, default=2)
@@ -542,8 +561,12 @@ def parse_args() -> argparse.Namespace:
         default=",".join(ALL_SCENARIOS),
         help=f"comma-separated, run in this order every round; any of {','.join(ALL_SCENARIOS)}",
     )
-    parser.add_argument("--concurrency", type=int, default=128, help="threads per worker process (all scenarios)")
-    parser.add_argument("--db-pool", type=int, default=20, help="PostgreSQL connections per process (all scenarios)")
+    parser.add_argument(
+        "--concurrency", type=int, default=128, help="threads per worker process (all scenarios)"
+    )
+    parser.add_argument(
+        "--db-pool", type=int, default=20, help="PostgreSQL connections per process (all scenarios)"
+    )
     parser.add_argument("--latency-ms", type=int, default=200, help="model latency of engine-1-200ms")
     parser.add_argument("--langgraph-durability", choices=["sync", "async", "exit"], default="sync")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")

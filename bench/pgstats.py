@@ -58,5 +58,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict[str, int]:
             time.sleep(0.2)
             return counters(url)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{now['backends']} connections to {database_name(url)} still open after {timeout}s")
+            raise RuntimeError(
+                f"{now['backends']} connections to {database_name(url)} still open after {timeout}s"
+            )
         time.sleep(0.2)

@@ -1,4 +1,5 @@
 """Run every benchmark in turn (each creates and drops its own database) and print their tables."""
+
 from __future__ import annotations
 
 import subprocess

@@ -50,7 +50,9 @@ def build_app() -> Starlette:
     async def count(request: Request) -> JSONResponse:
         return JSONResponse({"calls": seen["n"]})
 
-    return Starlette(routes=[Route("/tools/{name}", tool, methods=["POST"]), Route("/count", count, methods=["GET"])])
+    return Starlette(
+        routes=[Route("/tools/{name}", tool, methods=["POST"]), Route("/count", count, methods=["GET"])]
+    )
 
 
 def main() -> None:

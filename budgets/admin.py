@@ -1,4 +1,5 @@
 """Usage per tenant (a server-rendered chart) and the holds operators reconcile or write off."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -42,36 +43,77 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
         held = account.held_micros if account else 0
         x = LEFT + i * slot
         spent_h, held_h = height(spent), height(held)
-        bars.append({
-            "x": round(x + slot * 0.15, 1), "width": round(slot * 0.7, 1),
-            "spent_y": round(y(0) - spent_h, 1), "spent_h": spent_h,
-            "held_y": round(y(0) - spent_h - held_h, 1), "held_h": held_h,
-            "label_x": round(x + slot / 2, 1), "label": day.strftime("%m-%d") if i % 5 == 4 or i == 0 else "",
-            "title": f"{day}: spent {money(spent)}, held {money(held)}, limit "
-                     f"{money(account.limit_micros) if account else '—'}",
-        })
+        bars.append(
+            {
+                "x": round(x + slot * 0.15, 1),
+                "width": round(slot * 0.7, 1),
+                "spent_y": round(y(0) - spent_h, 1),
+                "spent_h": spent_h,
+                "held_y": round(y(0) - spent_h - held_h, 1),
+                "held_h": held_h,
+                "label_x": round(x + slot / 2, 1),
+                "label": day.strftime("%m-%d") if i % 5 == 4 or i == 0 else "",
+                "title": f"{day}: spent {money(spent)}, held {money(held)}, limit "
+                f"{money(account.limit_micros) if account else '—'}",
+            }
+        )
         if account:
             limit_y = y(account.limit_micros)
-            limit_path.append(f"{'L' if previous else 'M'}{round(x, 1)},{limit_y} L{round(x + slot, 1)},{limit_y}")
+            limit_path.append(
+                f"{'L' if previous else 'M'}{round(x, 1)},{limit_y} L{round(x + slot, 1)},{limit_y}"
+            )
         previous = account is not None
     ticks = [{"y": y(v), "label": money(v)} for v in (0, peak // 2, peak)]
-    return {"width": WIDTH, "height": HEIGHT, "left": LEFT, "right": WIDTH - RIGHT, "bottom": y(0),
-            "bars": bars, "limit_path": " ".join(limit_path), "ticks": ticks, "days": days}
+    return {
+        "width": WIDTH,
+        "height": HEIGHT,
+        "left": LEFT,
+        "right": WIDTH - RIGHT,
+        "bottom": y(0),
+        "bars": bars,
+        "limit_path": " ".join(limit_path),
+        "ticks": ticks,
+        "days": days,
+    }
 
 
 def usage_page(model_admin, request, tenant):
     accounts = selectors.tenant_days(tenant, days=DAYS)
     context = {
         **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts, "title": f"Usage of {tenant.name}, last {DAYS} days", "tenant": tenant,
+        "opts": model_admin.opts,
+        "title": f"Usage of {tenant.name}, last {DAYS} days",
+        "tenant": tenant,
         "chart": usage_chart(accounts, today=services.local_day(tenant)),
-        "days": [{"day": a.day, "limit": money(a.limit_micros), "reserved": money(a.reserved_micros),
-                  "spent": money(a.spent_micros), "held": money(a.held_micros),
-                  "remaining": money(a.remaining_micros)} for a in reversed(accounts)],
-        "agents": [{**row, "spent": money(row["spent_micros"]), "held": money(row["held_micros"]),
-                    "reserved": money(row["reserved_micros"])} for row in selectors.per_agent(tenant, days=DAYS)],
-        "top_runs": [{"run": run, "link": admin_link(run, str(run.pk)[:8]), "spent": money(run.budget.spent_micros),
-                      "held": money(run.budget.held_micros)} for run in selectors.top_runs(tenant, days=DAYS)],
+        "days": [
+            {
+                "day": a.day,
+                "limit": money(a.limit_micros),
+                "reserved": money(a.reserved_micros),
+                "spent": money(a.spent_micros),
+                "held": money(a.held_micros),
+                "remaining": money(a.remaining_micros),
+            }
+            for a in reversed(accounts)
+        ],
+        "agents": [
+            {
+                **row,
+                "spent": money(row["spent_micros"]),
+                "held": money(row["held_micros"]),
+                "reserved": money(row["reserved_micros"]),
+            }
+            for row in selectors.per_agent(tenant, days=DAYS)
+        ],
+        "top_runs": [
+            {
+                "run": run,
+                "link": admin_link(run, str(run.pk)[:8]),
+                "spent": money(run.budget.spent_micros),
+                "held": money(run.budget.held_micros),
+            }
+            for run in selectors.top_runs(tenant, days=DAYS)
+        ],
     }
     return TemplateResponse(request, "admin/budgets/usage.html", context)
 
@@ -88,14 +130,17 @@ class LedgerInline(admin.TabularInline):
 
 
 class NoteForm(forms.Form):
-    note = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
-                           help_text="Why: kept in the ledger for audit.")
+    note = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}), help_text="Why: kept in the ledger for audit."
+    )
 
 
 def reconcile_form(reservations, data=None) -> forms.Form:
     """A note plus, per reservation, the actual charge the provider reported (in micros)."""
-    fields = {f"actual_{r.pk}": forms.IntegerField(min_value=0, label=f"actual micros for {str(r.pk)[:8]}")
-              for r in reservations}
+    fields = {
+        f"actual_{r.pk}": forms.IntegerField(min_value=0, label=f"actual micros for {str(r.pk)[:8]}")
+        for r in reservations
+    }
     return type("ReconcileForm", (NoteForm,), fields)(data)
 
 
@@ -103,8 +148,18 @@ def reconcile_form(reservations, data=None) -> forms.Form:
 class ReservationAdmin(ReadOnlyAdmin):
     """Held reservations are possible charges of lost calls; people clear them with a reason."""
 
-    list_display = ["short_id", "run_link", "step_seq", "purpose", "day", "amount", "actual", "status", "note",
-                    "created_at"]
+    list_display = [
+        "short_id",
+        "run_link",
+        "step_seq",
+        "purpose",
+        "day",
+        "amount",
+        "actual",
+        "status",
+        "note",
+        "created_at",
+    ]
     list_filter = [status_filter(Reservation.Status.choices, default=Reservation.Status.HELD), "purpose"]
     list_select_related = ["run", "step"]
     ordering = ["-created_at"]
@@ -134,14 +189,22 @@ class ReservationAdmin(ReadOnlyAdmin):
     def has_settle_permission(self, request, obj=None):
         return request.user.has_perm("budgets.change_reservation")
 
-    @admin.action(description="Reconcile selected holds with the provider's actual charge…", permissions=["settle"])
+    @admin.action(
+        description="Reconcile selected holds with the provider's actual charge…", permissions=["settle"]
+    )
     def reconcile_selected(self, request, queryset):
         held = list(queryset.filter(status=Reservation.Status.HELD))
         form = reconcile_form(held, request.POST if "confirm" in request.POST else None)
         if form.is_bound and form.is_valid():
             note = form.cleaned_data["note"]
-            return self._close_each(request, held, "reconciled", lambda r: services.reconcile(
-                r.pk, actual_micros=form.cleaned_data[f"actual_{r.pk}"], actor=request.user, note=note))
+            return self._close_each(
+                request,
+                held,
+                "reconciled",
+                lambda r: services.reconcile(
+                    r.pk, actual_micros=form.cleaned_data[f"actual_{r.pk}"], actor=request.user, note=note
+                ),
+            )
         return self._confirm(request, "reconcile_selected", "Reconcile holds", held, form, with_actual=True)
 
     @admin.action(description="Write off selected holds (nothing counted as spent)…", permissions=["settle"])
@@ -150,8 +213,12 @@ class ReservationAdmin(ReadOnlyAdmin):
         form = NoteForm(request.POST if "confirm" in request.POST else None)
         if form.is_bound and form.is_valid():
             note = form.cleaned_data["note"]
-            return self._close_each(request, held, "written off", lambda r: services.write_off(
-                r.pk, actor=request.user, note=note))
+            return self._close_each(
+                request,
+                held,
+                "written off",
+                lambda r: services.write_off(r.pk, actor=request.user, note=note),
+            )
         return self._confirm(request, "write_off_selected", "Write off holds", held, form)
 
     def _close_each(self, request, reservations, verb: str, close) -> None:
@@ -172,9 +239,22 @@ class ReservationAdmin(ReadOnlyAdmin):
         if not held:
             messages.warning(request, "none of the selected reservations is held")
             return None
-        rows = [{"reservation": r, "amount": money(r.amount_micros),
-                 "actual": form[f"actual_{r.pk}"] if with_actual else None} for r in held]
-        context = {**self.admin_site.each_context(request), "opts": self.opts, "title": title, "rows": rows,
-                   "form": form, "action": action, "action_checkbox_name": ACTION_CHECKBOX_NAME,
-                   "with_actual": with_actual}
+        rows = [
+            {
+                "reservation": r,
+                "amount": money(r.amount_micros),
+                "actual": form[f"actual_{r.pk}"] if with_actual else None,
+            }
+            for r in held
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": title,
+            "rows": rows,
+            "form": form,
+            "action": action,
+            "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            "with_actual": with_actual,
+        }
         return TemplateResponse(request, "admin/budgets/reservation/close_selected.html", context)

@@ -5,8 +5,14 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import (MONEY_MAX_MICROS, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated,
-                                require_tenant)
+from agentplatform.api import (
+    MONEY_MAX_MICROS,
+    PAGE_PARAMETERS,
+    BudgetSerializer,
+    paginate,
+    paginated,
+    require_tenant,
+)
 from agentplatform.errors import Conflict, Forbidden
 from budgets import selectors, services
 from budgets.models import Reservation
@@ -40,16 +46,32 @@ class ReservationOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Reservation
-        fields = ["id", "run", "step_seq", "purpose", "day", "amount_micros", "actual_micros", "status", "overage",
-                  "note", "created_at", "closed_at"]
+        fields = [
+            "id",
+            "run",
+            "step_seq",
+            "purpose",
+            "day",
+            "amount_micros",
+            "actual_micros",
+            "status",
+            "overage",
+            "note",
+            "created_at",
+            "closed_at",
+        ]
 
 
 class UsageApi(APIView):
     class FilterSerializer(serializers.Serializer):
         days = serializers.IntegerField(min_value=1, max_value=366, required=False, default=30)
 
-    @extend_schema(parameters=[OpenApiParameter("days", {"type": "integer", "minimum": 1, "maximum": 366,
-                                                         "default": 30})], responses=UsageOutput)
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("days", {"type": "integer", "minimum": 1, "maximum": 366, "default": 30})
+        ],
+        responses=UsageOutput,
+    )
     def get(self, request):
         """The tenant's budget days (limit, reserved, spent, held) and a per-agent breakdown."""
         require_tenant(request.user)
@@ -57,23 +79,35 @@ class UsageApi(APIView):
         filters.is_valid(raise_exception=True)
         tenant = request.user.tenant
         days = filters.validated_data["days"]
-        return Response({"tenant": tenant.slug, "time_zone": tenant.time_zone, "currency_micros_per_unit": 1_000_000,
-                         "days": DayOutput(selectors.tenant_days(tenant, days=days), many=True).data,
-                         "agents": selectors.per_agent(tenant, days=days)})
+        return Response(
+            {
+                "tenant": tenant.slug,
+                "time_zone": tenant.time_zone,
+                "currency_micros_per_unit": 1_000_000,
+                "days": DayOutput(selectors.tenant_days(tenant, days=days), many=True).data,
+                "agents": selectors.per_agent(tenant, days=days),
+            }
+        )
 
 
 class ReservationListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         status = serializers.ChoiceField(choices=Reservation.Status.choices, required=False)
 
-    @extend_schema(parameters=[OpenApiParameter("status", enum=Reservation.Status.values), *PAGE_PARAMETERS],
-                   responses=paginated(ReservationOutput, "PaginatedReservations"))
+    @extend_schema(
+        parameters=[OpenApiParameter("status", enum=Reservation.Status.values), *PAGE_PARAMETERS],
+        responses=paginated(ReservationOutput, "PaginatedReservations"),
+    )
     def get(self, request):
         require_tenant(request.user)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        return paginate(self, request, selectors.reservations_for(request.user, **filters.validated_data)
-                        .order_by("-created_at"), ReservationOutput)
+        return paginate(
+            self,
+            request,
+            selectors.reservations_for(request.user, **filters.validated_data).order_by("-created_at"),
+            ReservationOutput,
+        )
 
 
 def _require_staff(user) -> None:

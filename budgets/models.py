@@ -17,10 +17,12 @@ class BudgetAccount(models.Model):
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="budget_accounts")
     scope = models.CharField(max_length=12, choices=Scope.choices)
-    run = models.OneToOneField("runs.Run", null=True, blank=True, on_delete=models.CASCADE,
-                               related_name="budget")
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
-                             related_name="+")
+    run = models.OneToOneField(
+        "runs.Run", null=True, blank=True, on_delete=models.CASCADE, related_name="budget"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     day = models.DateField(null=True, blank=True)
     # A tenant's day is split into BUDGET_DAY_SHARDS sub-accounts (DESIGN.md section 9) whose
     # limits add up to the daily budget: concurrent runs lock different rows. budgets.services
@@ -37,10 +39,14 @@ class BudgetAccount(models.Model):
             models.CheckConstraint(condition=Q(reserved_micros__gte=0), name="budget_reserved_gte_0"),
             models.CheckConstraint(condition=Q(spent_micros__gte=0), name="budget_spent_gte_0"),
             models.CheckConstraint(condition=Q(held_micros__gte=0), name="budget_held_gte_0"),
-            models.UniqueConstraint(fields=["tenant", "day", "shard"], condition=Q(scope="tenant_day"),
-                                    name="uniq_tenant_day_shard"),
-            models.UniqueConstraint(fields=["tenant", "user", "day"], condition=Q(scope="user_day"),
-                                    name="uniq_user_day_account"),
+            models.UniqueConstraint(
+                fields=["tenant", "day", "shard"],
+                condition=Q(scope="tenant_day"),
+                name="uniq_tenant_day_shard",
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "user", "day"], condition=Q(scope="user_day"), name="uniq_user_day_account"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -69,23 +75,46 @@ class Reservation(models.Model):
     # by budgets.services' reserve statements carry no database FK check (db_constraint=False):
     # those ids come from the rows the same statement has just locked, and the deferred checks
     # cost about a seventh of PostgreSQL's CPU per reservation. Django still cascades deletes.
-    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False,
-                               db_constraint=False)
-    run = models.ForeignKey("runs.Run", null=True, blank=True, on_delete=models.CASCADE,
-                            related_name="reservations", db_constraint=False)
-    step = models.ForeignKey("runs.Step", null=True, blank=True, on_delete=models.SET_NULL,
-                             related_name="reservations")
+    tenant = models.ForeignKey(
+        "tenants.Tenant", on_delete=models.CASCADE, related_name="+", db_index=False, db_constraint=False
+    )
+    run = models.ForeignKey(
+        "runs.Run",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="reservations",
+        db_constraint=False,
+    )
+    step = models.ForeignKey(
+        "runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="reservations"
+    )
     # Fixed lock order: day account, user-day account, run account. Nothing looks reservations
     # up by account except the ledger audit (budgets.selectors.ledger_mismatches, which narrows
     # by run or by tenant and day first), so these carry no index; an account is deleted only
     # with its run or tenant, whose own cascades delete the reservations (DO_NOTHING: no scan).
-    day_account = models.ForeignKey(BudgetAccount, on_delete=models.DO_NOTHING, related_name="+",
-                                    db_index=False, db_constraint=False)
-    user_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.DO_NOTHING,
-                                     related_name="+", db_index=False, db_constraint=False)
-    run_account = models.ForeignKey(BudgetAccount, null=True, blank=True, on_delete=models.DO_NOTHING,
-                                    related_name="+", db_index=False, db_constraint=False)
-    purpose = models.CharField(max_length=20)     # "model" | "tool"
+    day_account = models.ForeignKey(
+        BudgetAccount, on_delete=models.DO_NOTHING, related_name="+", db_index=False, db_constraint=False
+    )
+    user_account = models.ForeignKey(
+        BudgetAccount,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
+    )
+    run_account = models.ForeignKey(
+        BudgetAccount,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
+    )
+    purpose = models.CharField(max_length=20)  # "model" | "tool"
     day = models.DateField()
     amount_micros = models.BigIntegerField()
     actual_micros = models.BigIntegerField(null=True, blank=True)
@@ -93,8 +122,14 @@ class Reservation(models.Model):
     overage = models.BooleanField(default=False)
     note = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
-    closed_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
-                                  related_name="+", db_index=False)
+    closed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
+    )
     closed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -121,12 +156,19 @@ class LedgerEntry(models.Model):
         WRITE_OFF = "write_off"
         OVERAGE = "overage"
 
-    reservation = models.ForeignKey(Reservation, on_delete=models.CASCADE, related_name="entries",
-                                    db_constraint=False)   # written with its reservation (see Reservation)
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.CASCADE, related_name="entries", db_constraint=False
+    )  # written with its reservation (see Reservation)
     kind = models.CharField(max_length=12, choices=Kind.choices)
     amount_micros = models.BigIntegerField()
-    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
-                              related_name="+", db_index=False)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
+    )
     note = models.TextField(blank=True)
     at = models.DateTimeField(auto_now_add=True)
 

@@ -15,31 +15,59 @@ def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
     """One unsaved account per day with the sums of that day's sub-accounts, oldest first."""
     since = local_day(tenant) - dt.timedelta(days=days - 1)
     fields = BudgetAccount.BALANCES
-    rows = (BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
-            .values("day").annotate(**{f"total_{f}": Sum(f) for f in fields}).order_by("day"))
-    return [BudgetAccount(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day=row["day"],
-                          **{f: row[f"total_{f}"] for f in fields}) for row in rows]
+    rows = (
+        BudgetAccount.objects.filter(tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day__gte=since)
+        .values("day")
+        .annotate(**{f"total_{f}": Sum(f) for f in fields})
+        .order_by("day")
+    )
+    return [
+        BudgetAccount(
+            tenant=tenant,
+            scope=BudgetAccount.Scope.TENANT_DAY,
+            day=row["day"],
+            **{f: row[f"total_{f}"] for f in fields},
+        )
+        for row in rows
+    ]
 
 
 def per_agent(tenant, *, days: int = 30) -> list[dict]:
     since = local_day(tenant) - dt.timedelta(days=days - 1)
-    rows = (Reservation.objects.filter(tenant=tenant, day__gte=since, run__isnull=False)
-            .values("run__agent__name")
-            .annotate(spent=Sum("actual_micros", filter=Q(status__in=["settled", "reconciled"])),
-                      held=Sum("amount_micros", filter=Q(status="held")),
-                      reserved=Sum("amount_micros", filter=Q(status="open")),
-                      runs=Count("run", distinct=True))
-            .order_by("run__agent__name"))
-    return [{"agent": r["run__agent__name"], "spent_micros": r["spent"] or 0, "held_micros": r["held"] or 0,
-             "reserved_micros": r["reserved"] or 0, "runs": r["runs"]} for r in rows]
+    rows = (
+        Reservation.objects.filter(tenant=tenant, day__gte=since, run__isnull=False)
+        .values("run__agent__name")
+        .annotate(
+            spent=Sum("actual_micros", filter=Q(status__in=["settled", "reconciled"])),
+            held=Sum("amount_micros", filter=Q(status="held")),
+            reserved=Sum("amount_micros", filter=Q(status="open")),
+            runs=Count("run", distinct=True),
+        )
+        .order_by("run__agent__name")
+    )
+    return [
+        {
+            "agent": r["run__agent__name"],
+            "spent_micros": r["spent"] or 0,
+            "held_micros": r["held"] or 0,
+            "reserved_micros": r["reserved"] or 0,
+            "runs": r["runs"],
+        }
+        for r in rows
+    ]
 
 
 def top_runs(tenant, *, days: int = 30, limit: int = 10):
     from runs.models import Run
 
-    since = dt.datetime.combine(local_day(tenant) - dt.timedelta(days=days - 1), dt.time(0, 0), tzinfo=tenant.zone)
-    return (Run.objects.filter(tenant=tenant, created_at__gte=since, budget__isnull=False)
-            .select_related("budget", "agent", "created_by").order_by("-budget__spent_micros")[:limit])
+    since = dt.datetime.combine(
+        local_day(tenant) - dt.timedelta(days=days - 1), dt.time(0, 0), tzinfo=tenant.zone
+    )
+    return (
+        Run.objects.filter(tenant=tenant, created_at__gte=since, budget__isnull=False)
+        .select_related("budget", "agent", "created_by")
+        .order_by("-budget__spent_micros")[:limit]
+    )
 
 
 def reservations_for(user, *, status: str | None = None):
@@ -73,18 +101,38 @@ def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
 
     if account.scope == BudgetAccount.Scope.RUN:
         of_account = Q(reservation__run_id=account.run_id, reservation__run_account=account)
-    else:   # the reservations of that tenant day, then the ones naming this (sub-)account
+    else:  # the reservations of that tenant day, then the ones naming this (sub-)account
         of_account = Q(reservation__tenant_id=account.tenant_id, reservation__day=account.day) & (
-            Q(reservation__day_account=account) | Q(reservation__user_account=account))
+            Q(reservation__day_account=account) | Q(reservation__user_account=account)
+        )
     sums = LedgerEntry.objects.filter(of_account).aggregate(
-        reserve=total(K.RESERVE), settle=total(K.SETTLE), reconcile=total(K.RECONCILE),
-        release=total(K.RELEASE), overage=total(K.OVERAGE), write_off=total(K.WRITE_OFF), hold=total(K.HOLD),
+        reserve=total(K.RESERVE),
+        settle=total(K.SETTLE),
+        reconcile=total(K.RECONCILE),
+        release=total(K.RELEASE),
+        overage=total(K.OVERAGE),
+        write_off=total(K.WRITE_OFF),
+        hold=total(K.HOLD),
         held_closed=total(K.RECONCILE, K.RELEASE, K.WRITE_OFF, extra=from_held),
-        held_overage=total(K.OVERAGE, extra=from_held))
+        held_overage=total(K.OVERAGE, extra=from_held),
+    )
     held = sums["hold"] - sums["held_closed"] + sums["held_overage"]
-    open_total = (sums["reserve"] - sums["settle"] - sums["reconcile"] - sums["release"] - sums["write_off"]
-                  + sums["overage"])
-    expected = {"spent_micros": sums["settle"] + sums["reconcile"], "overage_micros": sums["overage"],
-                "held_micros": held, "reserved_micros": open_total - held}
-    return {name: (getattr(account, name), value) for name, value in expected.items()
-            if getattr(account, name) != value}
+    open_total = (
+        sums["reserve"]
+        - sums["settle"]
+        - sums["reconcile"]
+        - sums["release"]
+        - sums["write_off"]
+        + sums["overage"]
+    )
+    expected = {
+        "spent_micros": sums["settle"] + sums["reconcile"],
+        "overage_micros": sums["overage"],
+        "held_micros": held,
+        "reserved_micros": open_total - held,
+    }
+    return {
+        name: (getattr(account, name), value)
+        for name, value in expected.items()
+        if getattr(account, name) != value
+    }

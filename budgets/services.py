@@ -36,6 +36,7 @@ leaves an open reservation on a `dispatching` step, which recovery holds. releas
 write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
 ORM in one transaction.)
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -58,11 +59,13 @@ Kind = LedgerEntry.Kind
 LOCK_ORDER = (Scope.TENANT_DAY, Scope.USER_DAY, Scope.RUN)
 
 
-
 class BudgetExceeded(DomainError):
     def __init__(self, scope: str, amount: int, remaining: int):
-        super().__init__(f"{scope} budget exceeded: needs {amount} micros, {max(remaining, 0)} left",
-                         code=f"{scope}_budget_exhausted", status=429)
+        super().__init__(
+            f"{scope} budget exceeded: needs {amount} micros, {max(remaining, 0)} left",
+            code=f"{scope}_budget_exhausted",
+            status=429,
+        )
         self.scope = scope
 
 
@@ -93,20 +96,35 @@ def _open_day(tenant, day: dt.date) -> None:
     no limit of its own and gets room when the day's room is next spread.)
     """
     n = day_shards()
-    existing = set(BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
-                   .values_list("shard", flat=True))
+    existing = set(
+        BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day).values_list(
+            "shard", flat=True
+        )
+    )
     limit = tenant.daily_budget_micros
-    BudgetAccount.objects.bulk_create([
-        BudgetAccount(tenant=tenant, scope=Scope.TENANT_DAY, day=day, shard=shard,
-                      limit_micros=0 if existing else limit // n + (limit % n if shard == 0 else 0))
-        for shard in range(n) if shard not in existing], ignore_conflicts=True)
+    BudgetAccount.objects.bulk_create(
+        [
+            BudgetAccount(
+                tenant=tenant,
+                scope=Scope.TENANT_DAY,
+                day=day,
+                shard=shard,
+                limit_micros=0 if existing else limit // n + (limit % n if shard == 0 else 0),
+            )
+            for shard in range(n)
+            if shard not in existing
+        ],
+        ignore_conflicts=True,
+    )
 
 
 def _open_user_day(tenant, day: dt.date, user) -> None:
     lookup = {"tenant": tenant, "scope": Scope.USER_DAY, "day": day, "user": user}
     try:
         with transaction.atomic():
-            BudgetAccount.objects.get_or_create(**lookup, defaults={"limit_micros": tenant.user_daily_budget_micros})
+            BudgetAccount.objects.get_or_create(
+                **lookup, defaults={"limit_micros": tenant.user_daily_budget_micros}
+            )
     except IntegrityError:  # a concurrent first reservation of the day created it
         pass
 
@@ -123,7 +141,8 @@ def tenant_day_account(tenant, day: dt.date) -> BudgetAccount:
 
 def _day_totals(tenant, day: dt.date) -> dict:
     return BudgetAccount.objects.filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day).aggregate(
-        shards=Count("id"), **{f: Coalesce(Sum(f), 0) for f in BudgetAccount.BALANCES})
+        shards=Count("id"), **{f: Coalesce(Sum(f), 0) for f in BudgetAccount.BALANCES}
+    )
 
 
 def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:
@@ -135,8 +154,11 @@ def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:
     would still have room of its own and the day would go over its limit.)
     """
     with transaction.atomic():
-        shards = list(BudgetAccount.objects.select_for_update().filter(
-            tenant=tenant, scope=Scope.TENANT_DAY, day=day).order_by("shard"))
+        shards = list(
+            BudgetAccount.objects.select_for_update()
+            .filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
+            .order_by("shard")
+        )
         if not shards or sum(a.limit_micros for a in shards) == limit_micros:
             return False
         used = [a.reserved_micros + a.spent_micros + a.held_micros for a in shards]
@@ -149,8 +171,9 @@ def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:
 
 
 def create_run_account(*, run, limit_micros: int) -> BudgetAccount:
-    return BudgetAccount.objects.create(tenant_id=run.tenant_id, scope=Scope.RUN, run=run,
-                                        limit_micros=limit_micros)
+    return BudgetAccount.objects.create(
+        tenant_id=run.tenant_id, scope=Scope.RUN, run=run, limit_micros=limit_micros
+    )
 
 
 def _make_day_accounts(tenant, *, day: dt.date, user) -> None:
@@ -166,7 +189,7 @@ def _execute(sql: str, params: dict) -> tuple:
     on every call; prepared (server-side binding, cached per connection) they are planned once.
     A connection pooler in front of PostgreSQL must therefore support prepared statements.
     """
-    db = connections[DEFAULT_DB_ALIAS]    # one thread-local lookup, not one per attribute
+    db = connections[DEFAULT_DB_ALIAS]  # one thread-local lookup, not one per attribute
     db.ensure_connection()
     with db.wrap_database_errors, psycopg.Cursor(db.connection) as cursor:
         cursor.execute(sql, params, prepare=True)
@@ -178,25 +201,34 @@ def _relaxed_commit() -> bool:
     return not connection.in_atomic_block
 
 
-def reserve(*, tenant, amount_micros: int, purpose: str, run=None, user=None,
-            now: dt.datetime | None = None, note: str = "") -> Reservation:
+def reserve(
+    *,
+    tenant,
+    amount_micros: int,
+    purpose: str,
+    run=None,
+    user=None,
+    now: dt.datetime | None = None,
+    note: str = "",
+) -> Reservation:
     """Reserve amount on the tenant's day, the user's day (if limited) and the run, or raise."""
     if amount_micros < 0:
         raise ValueError("amount must not be negative")
     day = local_day(tenant, now)
     if tenant.user_daily_budget_micros is None:
         user = None
-    reservation = Reservation(tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros,
-                              note=note)
+    reservation = Reservation(
+        tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros, note=note
+    )
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
     shards = day_shards()
     shard = _shard_for(reservation, shards)
     short = None
-    if shards > 1:          # any free sub-account with room; none free: wait for the run's own
+    if shards > 1:  # any free sub-account with room; none free: wait for the run's own
         short = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
     if short is None:
         short = take(reservation, user=user, shard=shard)
-    if short is None:   # the first reservation of the day (or of this user's day) opens its accounts
+    if short is None:  # the first reservation of the day (or of this user's day) opens its accounts
         _make_day_accounts(tenant, day=day, user=user)
         short = take(reservation, user=user, shard=shard)
     if short is None:
@@ -217,10 +249,20 @@ def _shard_for(reservation: Reservation, shards: int) -> int:
 
 
 def _params(reservation: Reservation, *, user, shard: int) -> dict:
-    return {"tenant": reservation.tenant_id, "day": reservation.day, "user": user.pk if user else None,
-            "run": reservation.run_id, "wanted": 1 + (user is not None) + (reservation.run_id is not None),
-            "amount": reservation.amount_micros, "id": reservation.pk, "purpose": reservation.purpose,
-            "note": reservation.note, "shard": shard, "shards": day_shards(), "relaxed": _relaxed_commit()}
+    return {
+        "tenant": reservation.tenant_id,
+        "day": reservation.day,
+        "user": user.pk if user else None,
+        "run": reservation.run_id,
+        "wanted": 1 + (user is not None) + (reservation.run_id is not None),
+        "amount": reservation.amount_micros,
+        "id": reservation.pk,
+        "purpose": reservation.purpose,
+        "note": reservation.note,
+        "shard": shard,
+        "shards": day_shards(),
+        "relaxed": _relaxed_commit(),
+    }
 
 
 def _reserved(reservation: Reservation, created_at, day_account, user_account, run_account) -> bool:
@@ -230,29 +272,35 @@ def _reserved(reservation: Reservation, created_at, day_account, user_account, r
     return False
 
 
-def _reserve_in_one_statement(reservation: Reservation, *, user, shard: int,
-                              any_free: bool = False) -> tuple[str, int] | bool | None:
+def _reserve_in_one_statement(
+    reservation: Reservation, *, user, shard: int, any_free: bool = False
+) -> tuple[str, int] | bool | None:
     """False: reserved. None: an account is missing (any_free: or no sub-account of the day was
     free). Else the first scope without room and its room."""
     params = _params(reservation, user=user, shard=shard)
     wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        RESERVE_ANY if any_free else RESERVE_OWN, params)
+        RESERVE_ANY if any_free else RESERVE_OWN, params
+    )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if found < wanted:
         if any_free:
             return None
-        if reservation.run_id is not None and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists():
+        if (
+            reservation.run_id is not None
+            and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists()
+        ):
             raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
         return None
-    return short_scopes[0], short_rooms[0]   # `locked` keeps lock order: the first account refused
+    return short_scopes[0], short_rooms[0]  # `locked` keeps lock order: the first account refused
 
 
 def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool:
     """The day as a whole decides (budgets.statements.RESERVE_POOLED); answers as _reserve_in_one_statement."""
     fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        RESERVE_POOLED, _params(reservation, user=user, shard=shard))
+        RESERVE_POOLED, _params(reservation, user=user, shard=shard)
+    )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if free is None or free >= reservation.amount_micros:
@@ -278,8 +326,12 @@ def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[st
     reservation.user_account, reservation.run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
     with transaction.atomic():
         reservation.save(force_insert=True)
-        LedgerEntry.objects.create(reservation=reservation, kind=Kind.RESERVE, amount_micros=reservation.amount_micros)
-        moved = _move_portable([a.pk for a in accounts], reserved=reservation.amount_micros, within_limit=True)
+        LedgerEntry.objects.create(
+            reservation=reservation, kind=Kind.RESERVE, amount_micros=reservation.amount_micros
+        )
+        moved = _move_portable(
+            [a.pk for a in accounts], reserved=reservation.amount_micros, within_limit=True
+        )
         short = next((a for a in accounts if a.pk not in moved), None)
         if short is None:
             return False
@@ -288,8 +340,15 @@ def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[st
     return short.scope, short.remaining_micros
 
 
-def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0, held: int = 0,
-                   overage: int = 0, within_limit: bool = False) -> set[int]:
+def _move_portable(
+    account_ids: list[int],
+    *,
+    reserved: int = 0,
+    spent: int = 0,
+    held: int = 0,
+    overage: int = 0,
+    within_limit: bool = False,
+) -> set[int]:
     """The movement of budgets.statements' RESERVE_*/CLOSE, one conditional UPDATE per account (SQLite).
 
     SQLite runs with immediate transactions, so writers are already serialised.
@@ -298,10 +357,15 @@ def _move_portable(account_ids: list[int], *, reserved: int = 0, spent: int = 0,
     for account_id in account_ids:
         accounts = BudgetAccount.objects.filter(pk=account_id)
         if within_limit:
-            accounts = accounts.filter(limit_micros__gte=F("reserved_micros") + F("spent_micros")
-                                       + F("held_micros") + reserved)
-        if accounts.update(reserved_micros=F("reserved_micros") + reserved, spent_micros=F("spent_micros") + spent,
-                           held_micros=F("held_micros") + held, overage_micros=F("overage_micros") + overage):
+            accounts = accounts.filter(
+                limit_micros__gte=F("reserved_micros") + F("spent_micros") + F("held_micros") + reserved
+            )
+        if accounts.update(
+            reserved_micros=F("reserved_micros") + reserved,
+            spent_micros=F("spent_micros") + spent,
+            held_micros=F("held_micros") + held,
+            overage_micros=F("overage_micros") + overage,
+        ):
             moved.add(account_id)
     return moved
 
@@ -310,55 +374,111 @@ def _movement(amount: int, actual: int | None, *, from_status: str, to_status: s
     """How closing a reservation moves its accounts, and the ledger entries it writes."""
     actual = actual or 0
     settles = kind in (Kind.SETTLE, Kind.RECONCILE)
-    moves = {"reserved": -amount if from_status == Status.OPEN else 0,
-             "held": amount if to_status == Status.HELD else -amount if from_status == Status.HELD else 0,
-             "spent": actual, "overage": max(actual - amount, 0)}
-    entries = [(kind, actual if settles else amount), (Kind.RELEASE, max(amount - actual, 0) if settles else 0),
-               (Kind.OVERAGE, max(actual - amount, 0))]
+    moves = {
+        "reserved": -amount if from_status == Status.OPEN else 0,
+        "held": amount if to_status == Status.HELD else -amount if from_status == Status.HELD else 0,
+        "spent": actual,
+        "overage": max(actual - amount, 0),
+    }
+    entries = [
+        (kind, actual if settles else amount),
+        (Kind.RELEASE, max(amount - actual, 0) if settles else 0),
+        (Kind.OVERAGE, max(actual - amount, 0)),
+    ]
     return moves, [(k, a) for k, a in entries if a]
 
 
-def _close(reservation_id, *, from_status: str, to_status: str, kind: str, actual: int | None, actor=None,
-           note: str = "", durable: bool = True, unlinked_only: bool = False) -> bool:
+def _close(
+    reservation_id,
+    *,
+    from_status: str,
+    to_status: str,
+    kind: str,
+    actual: int | None,
+    actor=None,
+    note: str = "",
+    durable: bool = True,
+    unlinked_only: bool = False,
+) -> bool:
     """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
     if connection.vendor == "postgresql":
-        closed, _ = _execute(CLOSE, {
-            "id": reservation_id, "from_status": from_status, "to_status": to_status, "kind": str(kind),
-            "actual": actual, "actor": actor.pk if actor else None, "note": note, "unlinked_only": unlinked_only,
-            "relaxed": not durable and _relaxed_commit()})
+        closed, _ = _execute(
+            CLOSE,
+            {
+                "id": reservation_id,
+                "from_status": from_status,
+                "to_status": to_status,
+                "kind": str(kind),
+                "actual": actual,
+                "actor": actor.pk if actor else None,
+                "note": note,
+                "unlinked_only": unlinked_only,
+                "relaxed": not durable and _relaxed_commit(),
+            },
+        )
         return closed == 1
     with transaction.atomic():
         reservation = Reservation.objects.filter(pk=reservation_id).first()
         unlinked = {"step__isnull": True} if unlinked_only else {}
         if reservation is None or not Reservation.objects.filter(
-                pk=reservation_id, status=from_status, **unlinked).update(
-                status=to_status, actual_micros=actual, closed_at=timezone.now(), closed_by=actor,
-                overage=(actual or 0) > reservation.amount_micros):
+            pk=reservation_id, status=from_status, **unlinked
+        ).update(
+            status=to_status,
+            actual_micros=actual,
+            closed_at=timezone.now(),
+            closed_by=actor,
+            overage=(actual or 0) > reservation.amount_micros,
+        ):
             return False
-        moves, entries = _movement(reservation.amount_micros, actual, from_status=from_status, to_status=to_status,
-                                   kind=kind)
-        LedgerEntry.objects.bulk_create([
-            LedgerEntry(reservation=reservation, kind=k, amount_micros=a, actor=actor, note=note) for k, a in entries])
+        moves, entries = _movement(
+            reservation.amount_micros, actual, from_status=from_status, to_status=to_status, kind=kind
+        )
+        LedgerEntry.objects.bulk_create(
+            [
+                LedgerEntry(reservation=reservation, kind=k, amount_micros=a, actor=actor, note=note)
+                for k, a in entries
+            ]
+        )
         _move_portable(reservation.accounts(), **moves)
     return True
 
 
 def settle(reservation_id, *, actual_micros: int, note: str = "") -> bool:
     """Record the actual cost and release the rest. An overage is recorded and flagged."""
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.SETTLED, kind=Kind.SETTLE,
-                  actual=actual_micros, note=note, durable=False)
+    return _close(
+        reservation_id,
+        from_status=Status.OPEN,
+        to_status=Status.SETTLED,
+        kind=Kind.SETTLE,
+        actual=actual_micros,
+        note=note,
+        durable=False,
+    )
 
 
 def release(reservation_id, *, note: str = "") -> bool:
     """The call was provably not made: give the whole reservation back."""
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.RELEASED, kind=Kind.RELEASE, actual=0,
-                  note=note)
+    return _close(
+        reservation_id,
+        from_status=Status.OPEN,
+        to_status=Status.RELEASED,
+        kind=Kind.RELEASE,
+        actual=0,
+        note=note,
+    )
 
 
 def hold(reservation_id, *, note: str = "") -> bool:
     """The call may have been charged and we cannot know: keep the money out of reach."""
-    return _close(reservation_id, from_status=Status.OPEN, to_status=Status.HELD, kind=Kind.HOLD, actual=None,
-                  note=note, durable=False)
+    return _close(
+        reservation_id,
+        from_status=Status.OPEN,
+        to_status=Status.HELD,
+        kind=Kind.HOLD,
+        actual=None,
+        note=note,
+        durable=False,
+    )
 
 
 # A reservation is the call's worst case; a charge this many times larger is a typing mistake
@@ -372,21 +492,41 @@ def reconcile(reservation_id, *, actual_micros: int, actor, note: str) -> bool:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
     amount = Reservation.objects.filter(pk=reservation_id).values_list("amount_micros", flat=True).first()
     if amount is not None and actual_micros > max(amount, 1) * RECONCILE_MAX_FACTOR:
-        raise DomainError("the actual charge is implausibly large", fields={"actual_micros": [
-            f"at most {RECONCILE_MAX_FACTOR} times the reservation ({amount} micros)"]})
-    return _close(reservation_id, from_status=Status.HELD, to_status=Status.RECONCILED, kind=Kind.RECONCILE,
-                  actual=actual_micros, actor=actor, note=note)
+        raise DomainError(
+            "the actual charge is implausibly large",
+            fields={
+                "actual_micros": [f"at most {RECONCILE_MAX_FACTOR} times the reservation ({amount} micros)"]
+            },
+        )
+    return _close(
+        reservation_id,
+        from_status=Status.HELD,
+        to_status=Status.RECONCILED,
+        kind=Kind.RECONCILE,
+        actual=actual_micros,
+        actor=actor,
+        note=note,
+    )
 
 
 def write_off(reservation_id, *, actor, note: str) -> bool:
     """Clear a hold without provider usage: nothing is counted as spent; the reason is kept."""
     if not note:
         raise DomainError("a reason is required", fields={"note": ["This field is required."]})
-    return _close(reservation_id, from_status=Status.HELD, to_status=Status.WRITTEN_OFF, kind=Kind.WRITE_OFF,
-                  actual=0, actor=actor, note=note)
+    return _close(
+        reservation_id,
+        from_status=Status.HELD,
+        to_status=Status.WRITTEN_OFF,
+        kind=Kind.WRITE_OFF,
+        actual=0,
+        actor=actor,
+        note=note,
+    )
 
 
-def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta = dt.timedelta(minutes=15)) -> int:
+def release_orphans(
+    *, now: dt.datetime | None = None, older_than: dt.timedelta = dt.timedelta(minutes=15)
+) -> int:
     """Release run reservations that never got a step: their worker died before dispatching.
 
     The engine links a reservation to its step in the same transaction that commits the step as
@@ -394,8 +534,18 @@ def release_orphans(*, now: dt.datetime | None = None, older_than: dt.timedelta 
     for a call that was never sent. (Reservations with a step are recovery's business: held.)
     """
     cutoff = (now or timezone.now()) - older_than
-    orphans = Reservation.objects.filter(status=Status.OPEN, step__isnull=True, run__isnull=False,
-                                         created_at__lt=cutoff).values_list("pk", flat=True)[:500]
-    return sum(_close(pk, from_status=Status.OPEN, to_status=Status.RELEASED, kind=Kind.RELEASE, actual=0,
-                      note="never dispatched: its worker stopped before the call", unlinked_only=True)
-               for pk in orphans)
+    orphans = Reservation.objects.filter(
+        status=Status.OPEN, step__isnull=True, run__isnull=False, created_at__lt=cutoff
+    ).values_list("pk", flat=True)[:500]
+    return sum(
+        _close(
+            pk,
+            from_status=Status.OPEN,
+            to_status=Status.RELEASED,
+            kind=Kind.RELEASE,
+            actual=0,
+            note="never dispatched: its worker stopped before the call",
+            unlinked_only=True,
+        )
+        for pk in orphans
+    )

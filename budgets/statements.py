@@ -4,6 +4,7 @@ Each is prepared once per connection (budgets.services._execute) and commits alo
 accounts it locks stay locked only while it runs. Lock order everywhere: tenant-day sub-accounts
 by shard, then the user day, then the run account.
 """
+
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 
 ACCOUNTS = BudgetAccount._meta.db_table
@@ -64,13 +65,23 @@ SELECT verdict.fits, verdict.found, created.created_at, verdict.day_account, ver
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict LEFT JOIN created ON true
 """
-RESERVE_ANY = _RESERVE.format(accounts=ACCOUNTS, reservations=RESERVATIONS, entries=ENTRIES, day_rows="""
+RESERVE_ANY = _RESERVE.format(
+    accounts=ACCOUNTS,
+    reservations=RESERVATIONS,
+    entries=ENTRIES,
+    day_rows="""
            limit_micros - reserved_micros - spent_micros - held_micros >= %(amount)s
      ORDER BY (shard + %(shards)s - %(shard)s) %% %(shards)s
-       FOR NO KEY UPDATE SKIP LOCKED LIMIT 1""")
-RESERVE_OWN = _RESERVE.format(accounts=ACCOUNTS, reservations=RESERVATIONS, entries=ENTRIES, day_rows="""
+       FOR NO KEY UPDATE SKIP LOCKED LIMIT 1""",
+)
+RESERVE_OWN = _RESERVE.format(
+    accounts=ACCOUNTS,
+    reservations=RESERVATIONS,
+    entries=ENTRIES,
+    day_rows="""
            shard = %(shard)s
-       FOR NO KEY UPDATE""")
+       FOR NO KEY UPDATE""",
+)
 # The run's sub-account of the day is short: lock all of the day's sub-accounts (in shard order,
 # before the user-day and run accounts, as everywhere), and reserve if the day as a whole has
 # room. The free room is then spread evenly again, the run's sub-account getting `amount` on top:

@@ -4,6 +4,7 @@ Starts the example bank MCP server, applies examples/dispute.yaml, runs an in-pr
 worker on the in-memory broker and the REST API on a local port, then plays the console
 (as asha) and the supervisor (as ravi) over HTTP and prints the run's timeline.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-STORY_INPUT = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR",
-               "customer_email": "meera@example.com",
-               "message": "Customer Meera says she was charged twice for INR 12,499 at Croma on 12 Nov."}
+STORY_INPUT = {
+    "transaction_id": "TXN-1001",
+    "amount": 12499,
+    "currency": "INR",
+    "customer_email": "meera@example.com",
+    "message": "Customer Meera says she was charged twice for INR 12,499 at Croma on 12 Nov.",
+}
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -36,8 +41,13 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 @contextmanager
 def bank_server():
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         line = proc.stdout.readline()
         if not line.startswith("BANK_SERVER_READY"):
@@ -52,8 +62,9 @@ def bank_server():
 def api_server():
     from django.core.wsgi import get_wsgi_application
 
-    server = make_server("127.0.0.1", 0, get_wsgi_application(), server_class=_ThreadingServer,
-                         handler_class=_QuietHandler)
+    server = make_server(
+        "127.0.0.1", 0, get_wsgi_application(), server_class=_ThreadingServer, handler_class=_QuietHandler
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -68,8 +79,9 @@ def inprocess_worker():
 
     from agentplatform.celery import app
 
-    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING",
-                      shutdown_timeout=30):
+    with start_worker(
+        app, pool="threads", concurrency=4, perform_ping_check=False, loglevel="WARNING", shutdown_timeout=30
+    ):
         yield
 
 
@@ -96,8 +108,9 @@ class Console:
         return response.json()
 
 
-def _wait_status(console: Console, run_id: str, statuses: set[str], out, printed: list, t0: float,
-                 timeout: float = 120) -> dict:
+def _wait_status(
+    console: Console, run_id: str, statuses: set[str], out, printed: list, t0: float, timeout: float = 120
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         _print_new_events(console, run_id, out, printed, t0)
@@ -114,8 +127,13 @@ def _print_new_events(console: Console, run_id: str, out, printed: list, t0: flo
     after = printed[-1] if printed else 0
     for event in console.get(f"/v1/runs/{run_id}/events?after={after}"):
         printed.append(event["id"])
-        marker = {"budget": "   $", "status": " ==>", "approval_requested": "  ??", "approval_approved": "  OK",
-                  "step": "    "}.get(event["kind"], "  - ")
+        marker = {
+            "budget": "   $",
+            "status": " ==>",
+            "approval_requested": "  ??",
+            "approval_approved": "  OK",
+            "step": "    ",
+        }.get(event["kind"], "  - ")
         out.write(f"{time.monotonic() - t0:6.2f}s {marker} {event['message']}\n")
 
 
@@ -139,20 +157,32 @@ def _story(api: str, bank_url: str, out) -> int:
     t0 = time.monotonic()
     printed: list[int] = []
     out.write("\n== asha (support console) opens a dispute: POST /v1/runs\n")
-    run = asha.post("/v1/runs", {"agent": "dispute-agent", "alias": "prod", "input": STORY_INPUT},
-                    **{"Idempotency-Key": f"demo-{uuid.uuid4()}"})
+    run = asha.post(
+        "/v1/runs",
+        {"agent": "dispute-agent", "alias": "prod", "input": STORY_INPUT},
+        **{"Idempotency-Key": f"demo-{uuid.uuid4()}"},
+    )
     out.write(f"run {run['id']} pinned dispute-agent v{run['version']} (alias prod)\n\n")
-    run = _wait_status(asha, run["id"], {"waiting_approval", "succeeded", "failed", "stopped", "cancelled"},
-                       out, printed, t0)
+    run = _wait_status(
+        asha, run["id"], {"waiting_approval", "succeeded", "failed", "stopped", "cancelled"}, out, printed, t0
+    )
     if run["status"] == "waiting_approval":
         pending = ravi.get(f"/v1/approvals?status=pending&run={run['id']}")["results"]
         approval = pending[0]
-        out.write(f"\n== the run waits, holding no worker. ravi (supervisor) sees {approval['tool']} "
-                  f"{approval['arguments']} because: {approval['reason']}\n")
+        out.write(
+            f"\n== the run waits, holding no worker. ravi (supervisor) sees {approval['tool']} "
+            f"{approval['arguments']} because: {approval['reason']}\n"
+        )
         ravi.post(f"/v1/approvals/{approval['id']}/approve", {"reason": "duplicate charge verified"})
         out.write("== ravi approves: POST /v1/approvals/{id}/approve\n\n")
-        run = _wait_status(asha, run["id"], {"succeeded", "failed", "stopped", "cancelled", "needs_attention"},
-                           out, printed, t0)
+        run = _wait_status(
+            asha,
+            run["id"],
+            {"succeeded", "failed", "stopped", "cancelled", "needs_attention"},
+            out,
+            printed,
+            t0,
+        )
     _print_summary(asha, run, bank_url, out)
     return 0 if run["status"] == "succeeded" else 1
 
@@ -161,14 +191,20 @@ def _print_summary(console: Console, run: dict, bank_url: str, out) -> None:
     out.write("\n== steps\n")
     out.write(f"{'seq':>3} {'kind':<5} {'tool':<28} {'status':<12} {'cost':>10} {'ms':>6}\n")
     for step in console.get(f"/v1/runs/{run['id']}/steps"):
-        out.write(f"{step['seq']:>3} {step['kind']:<5} {step['tool'] or '(model)':<28} {step['status']:<12} "
-                  f"{_money(step['cost_micros']):>10} {step['duration_ms'] or 0:>6}\n")
+        out.write(
+            f"{step['seq']:>3} {step['kind']:<5} {step['tool'] or '(model)':<28} {step['status']:<12} "
+            f"{_money(step['cost_micros']):>10} {step['duration_ms'] or 0:>6}\n"
+        )
     budget = run["budget"]
-    out.write(f"\n== budget: limit {_money(budget['limit_micros'])}, spent {_money(budget['spent_micros'])}, "
-              f"reserved {_money(budget['reserved_micros'])}, held {_money(budget['held_micros'])}\n")
+    out.write(
+        f"\n== budget: limit {_money(budget['limit_micros'])}, spent {_money(budget['spent_micros'])}, "
+        f"reserved {_money(budget['reserved_micros'])}, held {_money(budget['held_micros'])}\n"
+    )
     effects = httpx.get(f"{bank_url}/ledger", timeout=10).json()["effects"]
     counts: dict[str, int] = {}
     for effect in effects:
         counts[effect["tool"]] = counts.get(effect["tool"], 0) + 1
-    out.write(f"== effects applied at the bank: {counts or 'none'} (transfer_funds: {counts.get('transfer_funds', 0)})\n")
+    out.write(
+        f"== effects applied at the bank: {counts or 'none'} (transfer_funds: {counts.get('transfer_funds', 0)})\n"
+    )
     out.write(f"== final status: {run['status']}\n== answer: {run['final_output']}\n")

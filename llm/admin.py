@@ -13,8 +13,10 @@ class ModelEndpointAdmin(TenantScopedAdmin):
     search_fields = ["name", "model"]
     fieldsets = [
         (None, {"fields": ["tenant", "name", "kind", "model", "base_url", "secret", "timeout_seconds"]}),
-        ("Prices per million tokens", {"fields": ["price_input", "price_cached_input", "price_cache_write",
-                                                  "price_output"]}),
+        (
+            "Prices per million tokens",
+            {"fields": ["price_input", "price_cached_input", "price_cache_write", "price_output"]},
+        ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
 

@@ -14,6 +14,7 @@ The policy is part of the agent version's spec (`context`), so it is as immutabl
 Defaults were chosen by measurement on the reference run of `bench/context.py` (25 tool turns,
 6,000-token prefix, 6,000-character results), where they meet the targets on both wires.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,10 +25,16 @@ READ_RESULT = "read_result"
 READ_RESULT_SPEC = ToolSpec(
     name=READ_RESULT,
     description="Read a stored tool result that was shortened or masked in this conversation: give the step "
-                "number from its [platform: ...] note, and the offset to read from.",
-    input_schema={"type": "object", "properties": {"step": {"type": "integer", "minimum": 1},
-                                                   "offset": {"type": "integer", "minimum": 0}},
-                  "required": ["step"]})
+    "number from its [platform: ...] note, and the offset to read from.",
+    input_schema={
+        "type": "object",
+        "properties": {
+            "step": {"type": "integer", "minimum": 1},
+            "offset": {"type": "integer", "minimum": 0},
+        },
+        "required": ["step"],
+    },
+)
 
 # Measured with bench/context.py (docs/context.md has the table).
 DEFAULT_RESULT_LIMIT_CHARS = 2_000
@@ -62,7 +69,7 @@ class Result:
 
     seq: int
     tool_name: str
-    total_chars: int     # of the full stored result (the observation may already be capped)
+    total_chars: int  # of the full stored result (the observation may already be capped)
 
 
 def offered(tools: list[ToolSpec], policy: ContextPolicy) -> list[ToolSpec]:
@@ -74,15 +81,19 @@ def offered(tools: list[ToolSpec], policy: ContextPolicy) -> list[ToolSpec]:
 
 
 def pointer(seq: int, shown: int, total: int) -> str:
-    return (f"[platform: result of step {seq}, {total} characters, showing {shown}; "
-            f"call {READ_RESULT} with step={seq} and offset={shown} to read on]")
+    return (
+        f"[platform: result of step {seq}, {total} characters, showing {shown}; "
+        f"call {READ_RESULT} with step={seq} and offset={shown} to read on]"
+    )
 
 
 def masked(result: Result, message: Message) -> str:
     head = message.content[:120].replace("\n", " ")
     total = max(result.total_chars, len(message.content))
-    return f"{head}… [platform: older result of step {result.seq} masked ({total} characters); " \
-           f"call {READ_RESULT} with step={result.seq} to see it again]"
+    return (
+        f"{head}… [platform: older result of step {result.seq} masked ({total} characters); "
+        f"call {READ_RESULT} with step={result.seq} to see it again]"
+    )
 
 
 def shape(messages: list[Message], results: dict[int, Result], policy: ContextPolicy) -> list[Message]:
@@ -95,7 +106,7 @@ def shape(messages: list[Message], results: dict[int, Result], policy: ContextPo
         return messages
     positions = [i for i, m in enumerate(messages) if m.role == "tool" and i in results]
     hidden = max(len(positions) - policy.keep_recent_results, 0)
-    hidden -= hidden % policy.mask_batch        # the boundary moves in whole batches only
+    hidden -= hidden % policy.mask_batch  # the boundary moves in whole batches only
     mask = set(positions[:hidden])
     shaped = list(messages)
     for i in positions:
@@ -113,16 +124,23 @@ def shape(messages: list[Message], results: dict[int, Result], policy: ContextPo
 
 
 def _with(message: Message, content: str) -> Message:
-    return Message(role=message.role, content=content, tool_call_id=message.tool_call_id,
-                   is_error=message.is_error)
+    return Message(
+        role=message.role, content=content, tool_call_id=message.tool_call_id, is_error=message.is_error
+    )
 
 
 def page(text: str, *, seq: int, offset: int, limit: int) -> str:
     """One page of a stored result for read_result, with a pointer to the next one."""
     offset = max(offset, 0)
-    chunk = text[offset:offset + limit]
+    chunk = text[offset : offset + limit]
     end = offset + len(chunk)
     if end < len(text):
-        return chunk + "\n" + (f"[platform: result of step {seq}, characters {offset}-{end} of {len(text)}; "
-                               f"call {READ_RESULT} with step={seq} and offset={end} to read on]")
+        return (
+            chunk
+            + "\n"
+            + (
+                f"[platform: result of step {seq}, characters {offset}-{end} of {len(text)}; "
+                f"call {READ_RESULT} with step={seq} and offset={end} to read on]"
+            )
+        )
     return chunk + f"\n[platform: end of the result of step {seq} ({len(text)} characters)]"

@@ -5,6 +5,7 @@ a run so provider prompt caches hit; history grows at the end only and is shaped
 context policy (llm/context.py): large results shown as a head and a pointer, old results masked
 in batches, so the cached prefix is rewritten once per batch, not every step.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ from decimal import Decimal
 
 from llm import context
 from llm.models import ModelEndpoint
-from llm.tokens import estimate_input_tokens, estimate_text
+from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 from runs.models import OBSERVED, StepKind, StepStatus
 
@@ -35,23 +36,31 @@ def build_messages(run, steps, results: dict | None = None) -> list[Message]:
     messages = [Message(role="user", content=_input_text(run.input))]
     for step in steps:
         if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
-            calls = [ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
-                     for c in step.result.get("tool_calls", [])]
+            calls = [
+                ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
+                for c in step.result.get("tool_calls", [])
+            ]
             messages.append(Message(role="assistant", content=step.result.get("text", ""), tool_calls=calls))
         elif step.kind == StepKind.TOOL and step.status in OBSERVED:
             is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
-                (step.result or {}).get("is_error"))
+                (step.result or {}).get("is_error")
+            )
             if results is not None:
                 stored = (step.result or {}).get("text")
                 results[len(messages)] = context.Result(
-                    seq=step.seq, tool_name=step.tool_name,
-                    total_chars=len(stored) if isinstance(stored, str) else len(step.observation))
-            messages.append(Message(role="tool", content=step.observation, tool_call_id=step.call_id,
-                                    is_error=is_error))
+                    seq=step.seq,
+                    tool_name=step.tool_name,
+                    total_chars=len(stored) if isinstance(stored, str) else len(step.observation),
+                )
+            messages.append(
+                Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)
+            )
     return messages
 
 
-def build_request(run, steps, tools: list[ToolSpec], *, policy: context.ContextPolicy | None = None) -> ModelRequest:
+def build_request(
+    run, steps, tools: list[ToolSpec], *, policy: context.ContextPolicy | None = None
+) -> ModelRequest:
     """The request for the run's next model call, shaped by the version's context policy."""
     version = run.version
     spec = version.spec
@@ -60,10 +69,15 @@ def build_request(run, steps, tools: list[ToolSpec], *, policy: context.ContextP
         policy = context.ContextPolicy.from_spec(spec.get("context"))
     results: dict[int, context.Result] = {}
     messages = context.shape(build_messages(run, steps, results), results, policy)
-    return ModelRequest(model=endpoint.model, instructions=spec["instructions"], messages=messages,
-                        tools=context.offered(tools, policy),
-                        max_output_tokens=run.limits["max_output_tokens"],
-                        timeout_seconds=endpoint.timeout_seconds, cache_key=f"run-{run.pk}")
+    return ModelRequest(
+        model=endpoint.model,
+        instructions=spec["instructions"],
+        messages=messages,
+        tools=context.offered(tools, policy),
+        max_output_tokens=run.limits["max_output_tokens"],
+        timeout_seconds=endpoint.timeout_seconds,
+        cache_key=f"run-{run.pk}",
+    )
 
 
 def _micros(tokens: int, price_per_million: Decimal) -> Decimal:
@@ -71,7 +85,9 @@ def _micros(tokens: int, price_per_million: Decimal) -> Decimal:
     return Decimal(tokens) * price_per_million
 
 
-def estimate_cost_micros(endpoint: ModelEndpoint, request: ModelRequest, *, input_tokens: int | None = None) -> int:
+def estimate_cost_micros(
+    endpoint: ModelEndpoint, request: ModelRequest, *, input_tokens: int | None = None
+) -> int:
     """Worst case: every input token uncached (or written to cache), every output token used.
 
     `input_tokens`: estimate_input_tokens(request), if the caller has it already.
@@ -84,16 +100,20 @@ def estimate_cost_micros(endpoint: ModelEndpoint, request: ModelRequest, *, inpu
 
 
 def cost_micros(endpoint: ModelEndpoint, usage: Usage) -> int:
-    cost = (_micros(usage.input_tokens, endpoint.price_input)
-            + _micros(usage.cached_input_tokens, endpoint.price_cached_input)
-            + _micros(usage.cache_write_tokens, endpoint.price_cache_write)
-            + _micros(usage.output_tokens, endpoint.price_output))
+    cost = (
+        _micros(usage.input_tokens, endpoint.price_input)
+        + _micros(usage.cached_input_tokens, endpoint.price_cached_input)
+        + _micros(usage.cache_write_tokens, endpoint.price_cache_write)
+        + _micros(usage.output_tokens, endpoint.price_output)
+    )
     return math.ceil(cost)
 
 
 def prefix_hash(request: ModelRequest) -> str:
-    prefix = json.dumps([request.instructions, [[t.name, t.description, t.input_schema] for t in request.tools]],
-                        sort_keys=True)
+    prefix = json.dumps(
+        [request.instructions, [[t.name, t.description, t.input_schema] for t in request.tools]],
+        sort_keys=True,
+    )
     return hashlib.sha256(prefix.encode()).hexdigest()[:16]
 
 
@@ -101,9 +121,14 @@ def request_summary(request: ModelRequest, *, input_tokens: int | None = None) -
     """What the step stores about its request: enough to audit, nothing secret."""
     if input_tokens is None:
         input_tokens = estimate_input_tokens(request)
-    return {"model": request.model, "messages": len(request.messages), "tools": [t.name for t in request.tools],
-            "max_output_tokens": request.max_output_tokens,
-            "estimated_input_tokens": input_tokens, "prefix_hash": prefix_hash(request)}
+    return {
+        "model": request.model,
+        "messages": len(request.messages),
+        "tools": [t.name for t in request.tools],
+        "max_output_tokens": request.max_output_tokens,
+        "estimated_input_tokens": input_tokens,
+        "prefix_hash": prefix_hash(request),
+    }
 
 
 def _provider(endpoint: ModelEndpoint):
@@ -112,17 +137,25 @@ def _provider(endpoint: ModelEndpoint):
     if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
         return ScriptedProvider(endpoint.config)
     api_key = endpoint.secret.reveal() if endpoint.secret_id else None
-    key = (endpoint.kind, endpoint.base_url, endpoint.model, endpoint.send_cache_key,
-           hashlib.sha256((api_key or "").encode()).hexdigest())
+    key = (
+        endpoint.kind,
+        endpoint.base_url,
+        endpoint.model,
+        endpoint.send_cache_key,
+        hashlib.sha256((api_key or "").encode()).hexdigest(),
+    )
     with _providers_lock:
         provider = _providers.get(key)
         if provider is None:
             if endpoint.kind == ModelEndpoint.Kind.OPENAI:
                 from llm.providers.openai import OpenAIProvider
-                provider = OpenAIProvider(endpoint.base_url, api_key, endpoint.model,
-                                          send_cache_key=endpoint.send_cache_key)
+
+                provider = OpenAIProvider(
+                    endpoint.base_url, api_key, endpoint.model, send_cache_key=endpoint.send_cache_key
+                )
             else:
                 from llm.providers.anthropic import AnthropicProvider
+
                 provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)
             _providers[key] = provider
     return provider
@@ -137,5 +170,10 @@ def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
         return provider.complete(request)
     except ProviderError as exc:
         secret = [endpoint.secret.reveal()] if endpoint.secret_id else []
-        raise ProviderError(redact(str(exc), secret), retryable=exc.retryable, sent=exc.sent,
-                            status=exc.status, retry_after=exc.retry_after) from None
+        raise ProviderError(
+            redact(str(exc), secret),
+            retryable=exc.retryable,
+            sent=exc.sent,
+            status=exc.status,
+            retry_after=exc.retry_after,
+        ) from None

@@ -21,8 +21,9 @@ class ModelEndpoint(models.Model):
     kind = models.CharField(max_length=16, choices=Kind.choices)
     base_url = models.URLField(blank=True)
     model = models.CharField(max_length=200, blank=True)
-    secret = models.ForeignKey("tenants.Secret", null=True, blank=True, on_delete=models.PROTECT,
-                               related_name="+")
+    secret = models.ForeignKey(
+        "tenants.Secret", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     price_input = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
     price_cached_input = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))
     price_cache_write = models.DecimalField(max_digits=12, decimal_places=4, default=Decimal("0"))

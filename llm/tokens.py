@@ -14,6 +14,7 @@ traffic (bank tools, 0-25 steps of JSON tool results, 6 kB of instructions with 
 with emoji, a large tool result, plain chat): estimate / reported is 1.06 to 1.25, median
 1.15, for both providers, never below 1; the test fails if any falls below 1 or above 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,10 @@ import math
 from llm.types import ModelRequest
 
 CHARS_PER_TOKEN = 3.5
-REQUEST_OVERHEAD = 24     # model name, output limit, the system message wrapper
-MESSAGE_OVERHEAD = 16     # {"role": ..., "content": ..., "tool_call_id": ...}
-TOOL_CALL_OVERHEAD = 24   # {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}
-TOOL_OVERHEAD = 20        # {"type": "function", "function": {"name", "description", "parameters"}}
+REQUEST_OVERHEAD = 24  # model name, output limit, the system message wrapper
+MESSAGE_OVERHEAD = 16  # {"role": ..., "content": ..., "tool_call_id": ...}
+TOOL_CALL_OVERHEAD = 24  # {"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}
+TOOL_OVERHEAD = 20  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
 def estimate_text(text: str) -> int:
@@ -41,12 +42,20 @@ def _estimate_json(value) -> int:
 def estimate_input_tokens(request: ModelRequest) -> int:
     total = REQUEST_OVERHEAD + estimate_text(request.instructions)
     for tool in request.tools:
-        total += TOOL_OVERHEAD + estimate_text(tool.name) + estimate_text(tool.description) + \
-            _estimate_json(tool.input_schema)
+        total += (
+            TOOL_OVERHEAD
+            + estimate_text(tool.name)
+            + estimate_text(tool.description)
+            + _estimate_json(tool.input_schema)
+        )
     for message in request.messages:
         total += MESSAGE_OVERHEAD + estimate_text(message.content)
         for call in message.tool_calls:
             # OpenAI sends the arguments as a JSON string: escaped once more on the wire.
-            total += TOOL_CALL_OVERHEAD + estimate_text(call.id) + estimate_text(call.name) + \
-                estimate_text(json.dumps(call.arguments, sort_keys=True))
+            total += (
+                TOOL_CALL_OVERHEAD
+                + estimate_text(call.id)
+                + estimate_text(call.name)
+                + estimate_text(json.dumps(call.arguments, sort_keys=True))
+            )
     return total

@@ -1,4 +1,5 @@
 """Provider-neutral shapes that cross the model gateway."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,9 +52,9 @@ class ModelRequest:
 
 @dataclass(frozen=True)
 class Usage:
-    input_tokens: int = 0          # uncached input tokens
-    cached_input_tokens: int = 0   # input tokens read from the provider's prompt cache
-    cache_write_tokens: int = 0    # input tokens written to the prompt cache (Anthropic)
+    input_tokens: int = 0  # uncached input tokens
+    cached_input_tokens: int = 0  # input tokens read from the provider's prompt cache
+    cache_write_tokens: int = 0  # input tokens written to the prompt cache (Anthropic)
     output_tokens: int = 0
 
     @property
@@ -76,8 +77,15 @@ class ProviderError(Exception):
     sent: the request may have reached the provider (so it may have been charged).
     """
 
-    def __init__(self, message: str, *, retryable: bool, sent: bool, status: int | None = None,
-                 retry_after: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        sent: bool,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.retryable = retryable
         self.sent = sent

@@ -3,6 +3,7 @@ columns, so what is stored and what is reported cannot drift apart (nothing to k
 across processes). Terminal runs are counted by the transitions counter, not here: counting them
 would scan a table that only grows.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from approvals.models import Approval, ApprovalStatus
 from budgets.models import Reservation
 from observability import health
-from runs.models import TERMINAL, RunEvent, Run, RunStatus
+from runs.models import TERMINAL, Run, RunEvent, RunStatus
 from tenants.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class DatabaseCollector:
         up = GaugeMetricFamily("agentplatform_database_up", "1 if /metrics could read the database.")
         try:
             families = list(self._families())
-        except Exception:   # a scrape must still answer (with database_up 0) when the database is down
+        except Exception:  # a scrape must still answer (with database_up 0) when the database is down
             log.warning("metrics: database unreachable", exc_info=True)
             up.add_metric([], 0)
             yield up
@@ -46,36 +47,61 @@ class DatabaseCollector:
         now = timezone.now()
         tenants = list(Tenant.objects.values_list("pk", "slug"))
 
-        runs = GaugeMetricFamily("agentplatform_runs", "Runs not yet ended, by tenant and status.",
-                                 labels=["tenant", "status"])
-        counts = {(tenant_id, status): n for tenant_id, status, n in Run.objects.filter(status__in=ACTIVE)
-                  .values("tenant_id", "status").annotate(n=Count("id")).values_list("tenant_id", "status", "n")
-                  .order_by()}
+        runs = GaugeMetricFamily(
+            "agentplatform_runs", "Runs not yet ended, by tenant and status.", labels=["tenant", "status"]
+        )
+        counts = {
+            (tenant_id, status): n
+            for tenant_id, status, n in Run.objects.filter(status__in=ACTIVE)
+            .values("tenant_id", "status")
+            .annotate(n=Count("id"))
+            .values_list("tenant_id", "status", "n")
+            .order_by()
+        }
         for tenant_id, tenant_slug in tenants:
             for status in ACTIVE:
                 runs.add_metric([tenant_slug, status], counts.get((tenant_id, status), 0))
         yield runs
 
-        attention = GaugeMetricFamily("agentplatform_runs_needing_attention",
-                                      "Runs waiting for a person to resolve an unknown outcome.")
-        attention.add_metric([], sum(n for (_, status), n in counts.items() if status == RunStatus.NEEDS_ATTENTION))
+        attention = GaugeMetricFamily(
+            "agentplatform_runs_needing_attention", "Runs waiting for a person to resolve an unknown outcome."
+        )
+        attention.add_metric(
+            [], sum(n for (_, status), n in counts.items() if status == RunStatus.NEEDS_ATTENTION)
+        )
         yield attention
         # When each such run last entered needs_attention (its status event), the oldest of those.
-        entered = (RunEvent.objects.filter(run__status=RunStatus.NEEDS_ATTENTION, kind="status",
-                                           data__to=RunStatus.NEEDS_ATTENTION)
-                   .values("run_id").annotate(entered=Max("at")).aggregate(oldest=Min("entered"))["oldest"])
-        oldest = GaugeMetricFamily("agentplatform_runs_needing_attention_oldest_age_seconds",
-                                   "Seconds since the longest-waiting run entered needs_attention (0: none).")
+        entered = (
+            RunEvent.objects.filter(
+                run__status=RunStatus.NEEDS_ATTENTION, kind="status", data__to=RunStatus.NEEDS_ATTENTION
+            )
+            .values("run_id")
+            .annotate(entered=Max("at"))
+            .aggregate(oldest=Min("entered"))["oldest"]
+        )
+        oldest = GaugeMetricFamily(
+            "agentplatform_runs_needing_attention_oldest_age_seconds",
+            "Seconds since the longest-waiting run entered needs_attention (0: none).",
+        )
         oldest.add_metric([], _age(entered, now))
         yield oldest
 
-        pending = GaugeMetricFamily("agentplatform_approvals_pending", "Approvals waiting for a decision.",
-                                    labels=["tenant"])
-        pending_age = GaugeMetricFamily("agentplatform_approvals_pending_oldest_age_seconds",
-                                        "Age of the oldest pending approval (0: none).", labels=["tenant"])
-        rows = {tenant_id: (n, first) for tenant_id, n, first in Approval.objects
-                .filter(status=ApprovalStatus.PENDING).values("tenant_id")
-                .annotate(n=Count("id"), first=Min("created_at")).values_list("tenant_id", "n", "first").order_by()}
+        pending = GaugeMetricFamily(
+            "agentplatform_approvals_pending", "Approvals waiting for a decision.", labels=["tenant"]
+        )
+        pending_age = GaugeMetricFamily(
+            "agentplatform_approvals_pending_oldest_age_seconds",
+            "Age of the oldest pending approval (0: none).",
+            labels=["tenant"],
+        )
+        rows = {
+            tenant_id: (n, first)
+            for tenant_id, n, first in Approval.objects.filter(status=ApprovalStatus.PENDING)
+            .values("tenant_id")
+            .annotate(n=Count("id"), first=Min("created_at"))
+            .values_list("tenant_id", "n", "first")
+            .order_by()
+        }
         for tenant_id, tenant_slug in tenants:
             n, first = rows.get(tenant_id, (0, None))
             pending.add_metric([tenant_slug], n)
@@ -83,16 +109,29 @@ class DatabaseCollector:
         yield pending
         yield pending_age
 
-        held = GaugeMetricFamily("agentplatform_reservations_held",
-                                 "Reservations held as possible charges until reconciled.", labels=["tenant"])
-        held_micros = GaugeMetricFamily("agentplatform_reservations_held_micros",
-                                        "Amount held, in micro-units of the budget currency.", labels=["tenant"])
-        held_age = GaugeMetricFamily("agentplatform_reservations_held_oldest_age_seconds",
-                                     "Age of the oldest held reservation (0: none).", labels=["tenant"])
-        rows = {tenant_id: (n, amount, first) for tenant_id, n, amount, first in Reservation.objects
-                .filter(status=Reservation.Status.HELD).values("tenant_id")
-                .annotate(n=Count("id"), amount=Sum("amount_micros"), first=Min("created_at"))
-                .values_list("tenant_id", "n", "amount", "first").order_by()}
+        held = GaugeMetricFamily(
+            "agentplatform_reservations_held",
+            "Reservations held as possible charges until reconciled.",
+            labels=["tenant"],
+        )
+        held_micros = GaugeMetricFamily(
+            "agentplatform_reservations_held_micros",
+            "Amount held, in micro-units of the budget currency.",
+            labels=["tenant"],
+        )
+        held_age = GaugeMetricFamily(
+            "agentplatform_reservations_held_oldest_age_seconds",
+            "Age of the oldest held reservation (0: none).",
+            labels=["tenant"],
+        )
+        rows = {
+            tenant_id: (n, amount, first)
+            for tenant_id, n, amount, first in Reservation.objects.filter(status=Reservation.Status.HELD)
+            .values("tenant_id")
+            .annotate(n=Count("id"), amount=Sum("amount_micros"), first=Min("created_at"))
+            .values_list("tenant_id", "n", "amount", "first")
+            .order_by()
+        }
         for tenant_id, tenant_slug in tenants:
             n, amount, first = rows.get(tenant_id, (0, 0, None))
             held.add_metric([tenant_slug], n)
@@ -108,11 +147,14 @@ class BrokerCollector:
 
     def collect(self):
         up = GaugeMetricFamily("agentplatform_broker_up", "1 if /metrics could reach the broker.")
-        depth = GaugeMetricFamily("agentplatform_broker_queue_messages", "Messages waiting in a queue.",
-                                  labels=["queue"])
+        depth = GaugeMetricFamily(
+            "agentplatform_broker_queue_messages", "Messages waiting in a queue.", labels=["queue"]
+        )
         try:
             with health.broker_connection() as conn:
-                conn.ensure_connection(max_retries=1, interval_start=0, timeout=settings.READY_TIMEOUT_SECONDS)
+                conn.ensure_connection(
+                    max_retries=1, interval_start=0, timeout=settings.READY_TIMEOUT_SECONDS
+                )
                 for queue in (settings.CELERY_TASK_DEFAULT_QUEUE, settings.SWEEP_QUEUE):
                     depth.add_metric([queue], _depth(conn, queue))
         except Exception:
@@ -131,5 +173,5 @@ def _depth(conn, queue: str) -> int:
     with conn.channel() as channel:
         try:
             return channel.queue_declare(queue, passive=True).message_count
-        except ChannelError:   # never declared: no worker has consumed it yet, so nothing waits in it
+        except ChannelError:  # never declared: no worker has consumed it yet, so nothing waits in it
             return 0

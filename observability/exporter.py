@@ -4,6 +4,7 @@ Started by the worker when WORKER_METRICS_PORT is set (agentplatform/celery.py);
 same token and allowlist as the API's /metrics, only what this worker recorded (steps, calls,
 tokens, spend, sweeper recoveries). The database gauges stay with the API's /metrics.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,7 +22,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):   # a scrape every 15 s is not worth a log line
+    def log_message(self, format, *args):  # a scrape every 15 s is not worth a log line
         pass
 
 
@@ -38,7 +39,12 @@ def serve() -> int | None:
     """Start the exporter if configured; return the port it listens on."""
     if not settings.WORKER_METRICS_PORT:
         return None
-    server = make_server(settings.WORKER_METRICS_ADDR, settings.WORKER_METRICS_PORT, _app, server_class=_Server,
-                         handler_class=_QuietHandler)
+    server = make_server(
+        settings.WORKER_METRICS_ADDR,
+        settings.WORKER_METRICS_PORT,
+        _app,
+        server_class=_Server,
+        handler_class=_QuietHandler,
+    )
     threading.Thread(target=server.serve_forever, name="metrics-exporter", daemon=True).start()
     return server.server_port

@@ -4,6 +4,7 @@ The database is checked on a connection of its own with a short connect timeout,
 the process's pool: a pool waits up to its own timeout for a free or new connection, which would
 make a probe hang instead of answer.
 """
+
 from __future__ import annotations
 
 import threading
@@ -63,9 +64,16 @@ def broker_connection():
     from kombu import Connection
 
     timeout = settings.READY_TIMEOUT_SECONDS
-    return Connection(settings.CELERY_BROKER_URL, connect_timeout=timeout,
-                      transport_options={**settings.CELERY_BROKER_TRANSPORT_OPTIONS, "socket_timeout": timeout,
-                                         "socket_connect_timeout": timeout, "max_retries": 0})
+    return Connection(
+        settings.CELERY_BROKER_URL,
+        connect_timeout=timeout,
+        transport_options={
+            **settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "max_retries": 0,
+        },
+    )
 
 
 def check_broker() -> None:

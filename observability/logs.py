@@ -4,6 +4,7 @@ works in; a filter on the handler copies them onto every record written meanwhil
 Context variables, not thread-locals: each Celery task (a thread of the threads pool) and each
 request sees only what it bound, and `scope` puts back what was there before when it ends.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -13,7 +14,9 @@ import logging
 from contextlib import contextmanager
 
 FIELDS = ("tenant", "run_id", "step_seq", "tool")
-_context: contextvars.ContextVar[dict | None] = contextvars.ContextVar("agentplatform_log_context", default=None)
+_context: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "agentplatform_log_context", default=None
+)
 
 
 @contextmanager
@@ -56,12 +59,19 @@ class PlainFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        known = [f"{label}={value}" for label, value in (
-            ("tenant", getattr(record, "tenant", None)), ("run", getattr(record, "run_id", None)),
-            ("step", getattr(record, "step_seq", None)), ("tool", getattr(record, "tool", None))) if value]
+        known = [
+            f"{label}={value}"
+            for label, value in (
+                ("tenant", getattr(record, "tenant", None)),
+                ("run", getattr(record, "run_id", None)),
+                ("step", getattr(record, "step_seq", None)),
+                ("tool", getattr(record, "tool", None)),
+            )
+            if value
+        ]
         if not known:
             return line
-        head, sep, trace = line.partition("\n")   # keep a traceback after the bracket
+        head, sep, trace = line.partition("\n")  # keep a traceback after the bracket
         return f"{head} [{' '.join(known)}]{sep}{trace}"
 
 
@@ -69,8 +79,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line; the four run fields are always present (null when unknown)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        data = {"time": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(timespec="milliseconds"),
-                "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        data = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         for name in FIELDS:
             value = getattr(record, name, None)
             data[name] = str(value) if name == "run_id" and value is not None else value

@@ -6,6 +6,7 @@ worker processes each record their own, so the variable must be set before they 
 Gauges of what is stored (runs by status, pending approvals, held reservations) are not kept
 here: /metrics computes them from the database when scraped (observability/collector.py).
 """
+
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
@@ -14,20 +15,33 @@ from prometheus_client import Counter, Histogram
 CALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 RUN_TRANSITIONS = Counter(
-    "agentplatform_run_transitions", "Runs entering a status (reason: the stop reason, if any).",
-    ["tenant", "status", "reason"])
+    "agentplatform_run_transitions",
+    "Runs entering a status (reason: the stop reason, if any).",
+    ["tenant", "status", "reason"],
+)
 STEPS = Counter(
-    "agentplatform_steps", "Steps reaching an outcome, by kind, tool and outcome (the step status).",
-    ["kind", "tool", "outcome"])
+    "agentplatform_steps",
+    "Steps reaching an outcome, by kind, tool and outcome (the step status).",
+    ["kind", "tool", "outcome"],
+)
 STEP_SECONDS = Histogram(
-    "agentplatform_step_call_seconds", "Duration of a step's model or tool call, by kind and outcome.",
-    ["kind", "outcome"], buckets=CALL_BUCKETS)
+    "agentplatform_step_call_seconds",
+    "Duration of a step's model or tool call, by kind and outcome.",
+    ["kind", "outcome"],
+    buckets=CALL_BUCKETS,
+)
 MODEL_TOKENS = Counter(
-    "agentplatform_model_tokens", "Model tokens reported by providers, by tenant, model and type "
-    "(input: uncached input; cached_input; cache_write; output).", ["tenant", "model", "type"])
+    "agentplatform_model_tokens",
+    "Model tokens reported by providers, by tenant, model and type "
+    "(input: uncached input; cached_input; cache_write; output).",
+    ["tenant", "model", "type"],
+)
 SPEND = Counter(
-    "agentplatform_spend_micros", "Settled cost in micro-units of the budget currency, by tenant and kind.",
-    ["tenant", "kind"])
+    "agentplatform_spend_micros",
+    "Settled cost in micro-units of the budget currency, by tenant and kind.",
+    ["tenant", "kind"],
+)
 SWEEPS = Counter("agentplatform_sweeps", "Sweeper passes completed.")
 SWEEPER_RECOVERIES = Counter(
-    "agentplatform_sweeper_recoveries", "What the sweeper found and fixed, by kind.", ["kind"])
+    "agentplatform_sweeper_recoveries", "What the sweeper found and fixed, by kind.", ["kind"]
+)

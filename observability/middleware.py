@@ -4,6 +4,7 @@ Kubernetes probes and Prometheus address a pod by its IP, which is not in ALLOWE
 host check (CommonMiddleware) would answer 400. These paths also need no session, user or CSRF
 token, so they skip that work. Nothing else is served here.
 """
+
 from __future__ import annotations
 
 from observability import views

@@ -13,6 +13,7 @@ never raise into the engine: observing must not change what the engine does.
                            and spend by tenant
     swept(found)           a sweeper pass: recoveries by kind
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -36,9 +37,17 @@ BUDGET_STOPS = {StopReason.BUDGET_EXHAUSTED, StopReason.TENANT_BUDGET_EXHAUSTED}
 WARN_RUN = {RunStatus.NEEDS_ATTENTION, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.WAITING_BUDGET}
 WARN_STEP = {StepStatus.DENIED, StepStatus.OUTCOME_UNKNOWN}
 # A step's outcome: what the steps counter counts.
-OUTCOMES = {StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN, StepStatus.DENIED,
-            StepStatus.REJECTED, StepStatus.EXPIRED, StepStatus.SKIPPED, StepStatus.RESOLVED_SUCCEEDED,
-            StepStatus.RESOLVED_FAILED}
+OUTCOMES = {
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.OUTCOME_UNKNOWN,
+    StepStatus.DENIED,
+    StepStatus.REJECTED,
+    StepStatus.EXPIRED,
+    StepStatus.SKIPPED,
+    StepStatus.RESOLVED_SUCCEEDED,
+    StepStatus.RESOLVED_FAILED,
+}
 # Sweeper findings that mean something was lost (a worker, a message); the rest is routine.
 LOSSES = {"expired_leases", "lost_messages", "orphan_reservations", "lost_attempts_held"}
 
@@ -56,12 +65,13 @@ class StepReport:
         if self.run_status:
             result["run_status"] = self.run_status
         if not self.step and not self.run_status:
-            result["outcome"] = "nothing to do"   # waiting, ended, leased elsewhere, or a superseded message
+            result["outcome"] = "nothing to do"  # waiting, ended, leased elsewhere, or a superseded message
         return result
 
 
-_report: contextvars.ContextVar[StepReport | None] = contextvars.ContextVar("agentplatform_step_report",
-                                                                            default=None)
+_report: contextvars.ContextVar[StepReport | None] = contextvars.ContextVar(
+    "agentplatform_step_report", default=None
+)
 
 
 @contextmanager
@@ -81,6 +91,7 @@ def bind(*, tenant: str | None = None, step_seq: int | None = None, tool: str | 
 
 # --- transitions -----------------------------------------------------------------------------
 
+
 def _tenant_of(run) -> str | None:
     """The tenant's slug if it is at hand (the engine's run carries its tenant); never a query."""
     if type(run).tenant.is_cached(run):
@@ -94,15 +105,28 @@ def run_moved(run, old: str, to: str, *, reason: str = "", message: str = "") ->
     def committed() -> None:
         metrics.RUN_TRANSITIONS.labels(tenant or "", to, reason or "").inc()
         if to in WARN_RUN:
-            what = {RunStatus.NEEDS_ATTENTION: "run needs attention", RunStatus.FAILED: "run failed",
-                    RunStatus.WAITING_BUDGET: "run paused by budget"}.get(
-                to, "run stopped by budget" if reason in BUDGET_STOPS else "run stopped")
+            what = {
+                RunStatus.NEEDS_ATTENTION: "run needs attention",
+                RunStatus.FAILED: "run failed",
+                RunStatus.WAITING_BUDGET: "run paused by budget",
+            }.get(to, "run stopped by budget" if reason in BUDGET_STOPS else "run stopped")
             level = logging.WARNING
         else:
             what, level = "run", logging.INFO
-        log.log(level, "%s: %s -> %s%s: %s", what, old, to, f" ({reason})" if reason else "", message,
-                extra={"tenant": tenant, "run_id": run_id,
-                       "event": {"kind": "run_status", "from": old, "to": to, "reason": reason}})
+        log.log(
+            level,
+            "%s: %s -> %s%s: %s",
+            what,
+            old,
+            to,
+            f" ({reason})" if reason else "",
+            message,
+            extra={
+                "tenant": tenant,
+                "run_id": run_id,
+                "event": {"kind": "run_status", "from": old, "to": to, "reason": reason},
+            },
+        )
         report = _report.get()
         if report is not None and report.run_id == run_id:
             report.run_status = to
@@ -118,10 +142,24 @@ def step_moved(step, old: str, to: str, *, error: str = "", message: str = "") -
             metrics.STEPS.labels(kind, tool or "", to).inc()
         level = logging.WARNING if to in WARN_STEP else logging.INFO
         what = "call denied" if to == StepStatus.DENIED else "step"
-        log.log(level, "%s: %s", what, message or f"step {seq} {tool or kind}: {old} -> {to}",
-                extra={"run_id": run_id, "step_seq": seq, "tool": tool,
-                       "event": {"kind": "step_status", "step_kind": kind, "from": old, "to": to,
-                                 **({"error": error} if error else {})}})
+        log.log(
+            level,
+            "%s: %s",
+            what,
+            message or f"step {seq} {tool or kind}: {old} -> {to}",
+            extra={
+                "run_id": run_id,
+                "step_seq": seq,
+                "tool": tool,
+                "event": {
+                    "kind": "step_status",
+                    "step_kind": kind,
+                    "from": old,
+                    "to": to,
+                    **({"error": error} if error else {}),
+                },
+            },
+        )
         report = _report.get()
         if report is not None and report.run_id == run_id and report.step.get("step") in (None, seq):
             report.step = {"step": seq, "kind": kind, **({"tool": tool} if tool else {}), "outcome": to}
@@ -130,6 +168,7 @@ def step_moved(step, old: str, to: str, *, error: str = "", message: str = "") -
 
 
 # --- calls -----------------------------------------------------------------------------------
+
 
 class _Call:
     def __init__(self, span, kind: str):
@@ -143,17 +182,24 @@ class ModelCall(_Call):
 
     def replied(self, reply, cost_micros: int) -> None:
         usage = reply.usage
-        self.span.set_attributes({
-            "gen_ai.usage.input_tokens": usage.total_input,
-            "gen_ai.usage.output_tokens": usage.output_tokens,
-            "gen_ai.usage.cache_read.input_tokens": usage.cached_input_tokens,
-            "gen_ai.usage.cache_creation.input_tokens": usage.cache_write_tokens,
-            "gen_ai.response.finish_reasons": [reply.stop_reason] if reply.stop_reason else [],
-            "agentplatform.cost_micros": cost_micros,
-            "agentplatform.tool_calls": len(reply.tool_calls)})
+        self.span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": usage.total_input,
+                "gen_ai.usage.output_tokens": usage.output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": usage.cached_input_tokens,
+                "gen_ai.usage.cache_creation.input_tokens": usage.cache_write_tokens,
+                "gen_ai.response.finish_reasons": [reply.stop_reason] if reply.stop_reason else [],
+                "agentplatform.cost_micros": cost_micros,
+                "agentplatform.tool_calls": len(reply.tool_calls),
+            }
+        )
         tenant = logs.current().get("tenant") or ""
-        for kind, count in (("input", usage.input_tokens), ("cached_input", usage.cached_input_tokens),
-                            ("cache_write", usage.cache_write_tokens), ("output", usage.output_tokens)):
+        for kind, count in (
+            ("input", usage.input_tokens),
+            ("cached_input", usage.cached_input_tokens),
+            ("cache_write", usage.cache_write_tokens),
+            ("output", usage.output_tokens),
+        ):
             if count:
                 metrics.MODEL_TOKENS.labels(tenant, self.model, kind).inc(count)
         if cost_micros:
@@ -173,15 +219,34 @@ class ToolCall(_Call):
 
 
 @contextmanager
-def _call(call_class, kind: str, name: str, *, run_id, seq: int, span_kind: SpanKind, attributes: dict,
-          **call_fields):
+def _call(
+    call_class,
+    kind: str,
+    name: str,
+    *,
+    run_id,
+    seq: int,
+    span_kind: SpanKind,
+    attributes: dict,
+    **call_fields,
+):
     bound = logs.current()
-    attributes = {**attributes, "gen_ai.conversation.id": str(run_id), "agentplatform.run.id": str(run_id),
-                  "agentplatform.step.seq": seq, "agentplatform.tenant": bound.get("tenant") or ""}
+    attributes = {
+        **attributes,
+        "gen_ai.conversation.id": str(run_id),
+        "agentplatform.run.id": str(run_id),
+        "agentplatform.step.seq": seq,
+        "agentplatform.tenant": bound.get("tenant") or "",
+    }
     started = time.perf_counter()
-    with tracing.tracer().start_as_current_span(name, context=tracing.run_context(run_id), kind=span_kind,
-                                                attributes=attributes, record_exception=False,
-                                                set_status_on_exception=False) as span:
+    with tracing.tracer().start_as_current_span(
+        name,
+        context=tracing.run_context(run_id),
+        kind=span_kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
         call = call_class(span, kind)
         for name_, value in call_fields.items():
             setattr(call, name_, value)
@@ -208,15 +273,31 @@ def model_call(*, run_id, seq: int, endpoint, request):
     bind(step_seq=seq)
     logs.bind(tool=None)
     model = endpoint.model or endpoint.name
-    attributes = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": endpoint.kind,
-                  "gen_ai.system": endpoint.kind, "gen_ai.request.model": model,
-                  "gen_ai.request.max_tokens": request.max_output_tokens}
+    attributes = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": endpoint.kind,
+        "gen_ai.system": endpoint.kind,
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": request.max_output_tokens,
+    }
     if endpoint.base_url:
         url = urlparse(endpoint.base_url)
-        attributes.update({"server.address": url.hostname or "", "server.port": url.port or
-                           (443 if url.scheme == "https" else 80)})
-    return _call(ModelCall, "model", f"chat {model}", run_id=run_id, seq=seq, span_kind=SpanKind.CLIENT,
-                 attributes=attributes, model=model)
+        attributes.update(
+            {
+                "server.address": url.hostname or "",
+                "server.port": url.port or (443 if url.scheme == "https" else 80),
+            }
+        )
+    return _call(
+        ModelCall,
+        "model",
+        f"chat {model}",
+        run_id=run_id,
+        seq=seq,
+        span_kind=SpanKind.CLIENT,
+        attributes=attributes,
+        model=model,
+    )
 
 
 def tool_call(step):
@@ -225,18 +306,30 @@ def tool_call(step):
     Reads only what the step already holds: the call runs with no database connection.
     """
     bind(step_seq=step.seq, tool=step.tool_name)
-    attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": step.tool_name,
-                  "gen_ai.tool.call.id": step.call_id, "agentplatform.step.attempt": step.attempts,
-                  "agentplatform.idempotency_key": step.idempotency_key}
+    attributes = {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": step.tool_name,
+        "gen_ai.tool.call.id": step.call_id,
+        "agentplatform.step.attempt": step.attempts,
+        "agentplatform.idempotency_key": step.idempotency_key,
+    }
     if type(step).tool.is_cached(step) and step.tool is not None:
         attributes["agentplatform.tool.effect_class"] = step.tool.effect_class
         if type(step.tool).server.is_cached(step.tool):
             attributes["gen_ai.tool.type"] = "function" if step.tool.server.kind == "builtin" else "extension"
-    return _call(ToolCall, "tool", f"execute_tool {step.tool_name}", run_id=step.run_id, seq=step.seq,
-                 span_kind=SpanKind.INTERNAL, attributes=attributes)
+    return _call(
+        ToolCall,
+        "tool",
+        f"execute_tool {step.tool_name}",
+        run_id=step.run_id,
+        seq=step.seq,
+        span_kind=SpanKind.INTERNAL,
+        attributes=attributes,
+    )
 
 
 # --- sweeper ---------------------------------------------------------------------------------
+
 
 def swept(found: dict[str, int]) -> dict[str, int]:
     """Count a sweeper pass; return only what it found (the task's result)."""
@@ -246,6 +339,10 @@ def swept(found: dict[str, int]) -> dict[str, int]:
         metrics.SWEEPER_RECOVERIES.labels(kind).inc(count)
     if found:
         level = logging.WARNING if LOSSES & found.keys() else logging.INFO
-        sweeper_log.log(level, "sweeper: %s", ", ".join(f"{kind}={count}" for kind, count in sorted(found.items())),
-                        extra={"event": {"kind": "sweep", **found}})
+        sweeper_log.log(
+            level,
+            "sweeper: %s",
+            ", ".join(f"{kind}={count}" for kind, count in sorted(found.items())),
+            extra={"event": {"kind": "sweep", **found}},
+        )
     return found

@@ -9,6 +9,7 @@ whole run. Each step's span is instead a child of the run's own trace: trace id 
 (its 128 bits, so a trace search by run id finds every step), parent span id = derived from it.
 That parent is never exported; backends show the steps under a missing root.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,9 @@ TRACER_NAME = "agentplatform"
 
 def configure() -> bool:
     """Export spans by OTLP/HTTP when an endpoint is configured; return whether it is."""
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    ):
         return False
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
@@ -47,6 +50,10 @@ def tracer() -> trace.Tracer:
 def run_context(run_id) -> otel_context.Context:
     """The context whose current span is the run's (virtual) root span."""
     value = uuid.UUID(str(run_id)).int
-    parent = SpanContext(trace_id=value, span_id=(value & 0xFFFF_FFFF_FFFF_FFFF) or 1, is_remote=True,
-                         trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    parent = SpanContext(
+        trace_id=value,
+        span_id=(value & 0xFFFF_FFFF_FFFF_FFFF) or 1,
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+    )
     return trace.set_span_in_context(NonRecordingSpan(parent))

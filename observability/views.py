@@ -1,4 +1,5 @@
 """/healthz, /readyz and /metrics (served by observability.middleware.ProbeMiddleware)."""
+
 from __future__ import annotations
 
 import hmac
@@ -21,7 +22,9 @@ def healthz(request) -> JsonResponse:
 def readyz(request) -> JsonResponse:
     """Database reachable, migrations applied, broker reachable: 200, or 503 saying what failed."""
     ready, checks = health.readiness()
-    return JsonResponse({"status": "ready" if ready else "not ready", "checks": checks}, status=200 if ready else 503)
+    return JsonResponse(
+        {"status": "ready" if ready else "not ready", "checks": checks}, status=200 if ready else 503
+    )
 
 
 def metrics(request) -> HttpResponse:
@@ -29,8 +32,10 @@ def metrics(request) -> HttpResponse:
     refusal = _refusal(request)
     if refusal is not None:
         return refusal
-    return HttpResponse(generate_latest(_Scrape(_recorded(), DatabaseCollector(), BrokerCollector())),
-                        content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(
+        generate_latest(_Scrape(_recorded(), DatabaseCollector(), BrokerCollector())),
+        content_type=CONTENT_TYPE_LATEST,
+    )
 
 
 def worker_metrics(request) -> HttpResponse:

@@ -27,22 +27,41 @@ def conversation(run: Run, *, highlight_seq: int | None = None) -> list[dict]:
     for step in steps_of(run):
         if step.kind == StepKind.MODEL:
             result = step.result or {}
-            entries.append({"role": "assistant", "seq": step.seq, "label": f"model (step {step.seq})",
-                            "body": result.get("text") or "", "status": step.status,
-                            "calls": [(call["name"], arguments_html(call.get("arguments")))
-                                      for call in result.get("tool_calls", [])]})
+            entries.append(
+                {
+                    "role": "assistant",
+                    "seq": step.seq,
+                    "label": f"model (step {step.seq})",
+                    "body": result.get("text") or "",
+                    "status": step.status,
+                    "calls": [
+                        (call["name"], arguments_html(call.get("arguments")))
+                        for call in result.get("tool_calls", [])
+                    ],
+                }
+            )
         else:
-            entries.append({"role": "tool", "seq": step.seq, "label": f"{step.tool_name} (step {step.seq})",
-                            "body": step.observation or step.error, "status": step.status,
-                            "current": step.seq == highlight_seq})
+            entries.append(
+                {
+                    "role": "tool",
+                    "seq": step.seq,
+                    "label": f"{step.tool_name} (step {step.seq})",
+                    "body": step.observation or step.error,
+                    "status": step.status,
+                    "current": step.seq == highlight_seq,
+                }
+            )
     return entries
 
 
 class ResolveForm(forms.Form):
     outcome = forms.ChoiceField(choices=[(o, o) for o in OUTCOMES], widget=forms.RadioSelect)
     reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
-    result = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
-                             help_text="For “succeeded”: what the tool did (shown to the model).")
+    result = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="For “succeeded”: what the tool did (shown to the model).",
+    )
     override = forms.BooleanField(required=False, label="Retry anyway: I accept the effect may happen twice")
 
 
@@ -77,8 +96,11 @@ class RunAdmin(ReadOnlyAdmin):
         view = self.admin_site.admin_view
         return [
             path("<path:object_id>/cancel/", view(require_POST(self.cancel_view)), name="runs_run_cancel"),
-            path("<path:object_id>/steps/<int:seq>/resolve/", view(require_POST(self.resolve_view)),
-                 name="runs_run_resolve"),
+            path(
+                "<path:object_id>/steps/<int:seq>/resolve/",
+                view(require_POST(self.resolve_view)),
+                name="runs_run_resolve",
+            ),
             *super().get_urls(),
         ]
 
@@ -88,7 +110,9 @@ class RunAdmin(ReadOnlyAdmin):
             raise PermissionDenied
         context = {
             **self.admin_site.each_context(request),
-            "opts": self.opts, "title": f"Run {run.pk}", "run": run,
+            "opts": self.opts,
+            "title": f"Run {run.pk}",
+            "run": run,
             "budget": self._budget(run),
             "cache": self._cache(run),
             "expected_cost": money(run.expected_cost_micros) if run.expected_cost_micros else "",
@@ -104,15 +128,20 @@ class RunAdmin(ReadOnlyAdmin):
         account = BudgetAccount.objects.filter(run=run).first()
         if account is None:
             return None
-        return {name: money(getattr(account, f"{name}_micros"))
-                for name in ("limit", "reserved", "spent", "held", "remaining")}
+        return {
+            name: money(getattr(account, f"{name}_micros"))
+            for name in ("limit", "reserved", "spent", "held", "remaining")
+        }
 
     def _cache(self, run) -> dict | None:
         """Input tokens of the run's model calls by how the provider billed them, and the share read
         from its prompt cache (what the context policy and the cache breakpoints are for)."""
         totals = {"uncached": 0, "read": 0, "written": 0}
-        for usage in Step.objects.filter(run=run, kind=StepKind.MODEL, usage__isnull=False).order_by() \
-                .values_list("usage", flat=True):
+        for usage in (
+            Step.objects.filter(run=run, kind=StepKind.MODEL, usage__isnull=False)
+            .order_by()
+            .values_list("usage", flat=True)
+        ):
             totals["uncached"] += usage.get("input_tokens", 0)
             totals["read"] += usage.get("cached_input_tokens", 0)
             totals["written"] += usage.get("cache_write_tokens", 0)
@@ -122,8 +151,12 @@ class RunAdmin(ReadOnlyAdmin):
         return {**totals, "total": total, "share": f"{100 * totals['read'] / total:.1f}%"}
 
     def _step_row(self, request, step) -> dict:
-        row = {"step": step, "cost": money(step.cost_micros), "duration": duration(step.duration_ms),
-               "arguments": arguments_html(step.arguments, limit=200) if step.kind == StepKind.TOOL else ""}
+        row = {
+            "step": step,
+            "cost": money(step.cost_micros),
+            "duration": duration(step.duration_ms),
+            "arguments": arguments_html(step.arguments, limit=200) if step.kind == StepKind.TOOL else "",
+        }
         if step.status == StepStatus.OUTCOME_UNKNOWN and step.tool and can_approve(request.user, step.tool):
             row["resolve_form"] = ResolveForm(prefix=f"s{step.seq}")
             row["unsafe"] = step.tool.effect_class == EffectClass.UNSAFE
@@ -161,9 +194,15 @@ class RunAdmin(ReadOnlyAdmin):
         else:
             data = form.cleaned_data
             try:
-                resolve_step(run_id=run.pk, seq=seq, user=request.user, outcome=data["outcome"],
-                             reason=data["reason"], result=data["result"] if data["outcome"] == "succeeded" else None,
-                             override=data["override"])
+                resolve_step(
+                    run_id=run.pk,
+                    seq=seq,
+                    user=request.user,
+                    outcome=data["outcome"],
+                    reason=data["reason"],
+                    result=data["result"] if data["outcome"] == "succeeded" else None,
+                    override=data["override"],
+                )
             except DomainError as exc:
                 messages.error(request, f"step {seq} not resolved: {exc.message}")
             else:

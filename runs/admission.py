@@ -30,6 +30,7 @@ lock it), and room is read in one statement, so the day's balances and the admit
 spending are one consistent snapshot. The ledger still refuses any reservation that does not fit:
 admission decides who starts, the ledger guarantees the limit.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,14 +56,17 @@ def expected_cost(*, version, limits: dict, tenant) -> int:
     if configured:
         expected = int(configured)
     else:
-        peaks = [spent + held + (reserved or 0) for spent, held, reserved in Run.objects.filter(
-            version=version, status=RunStatus.SUCCEEDED).order_by("-finished_at").annotate(
-            largest_reservation=Max("steps__reserved_micros")).values_list(
-            "budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
-            if spent is not None]
+        peaks = [
+            spent + held + (reserved or 0)
+            for spent, held, reserved in Run.objects.filter(version=version, status=RunStatus.SUCCEEDED)
+            .order_by("-finished_at")
+            .annotate(largest_reservation=Max("steps__reserved_micros"))
+            .values_list("budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
+            if spent is not None
+        ]
         if len(peaks) >= MIN_LEARNED:
             costs = sorted(peaks)
-            expected = costs[math.ceil(0.9 * len(costs)) - 1]     # nearest-rank 90th percentile
+            expected = costs[math.ceil(0.9 * len(costs)) - 1]  # nearest-rank 90th percentile
         else:
             expected = limits["max_cost_micros"]
     return max(min(expected, limits["max_cost_micros"], tenant.daily_budget_micros), 1)
@@ -72,16 +76,18 @@ def room_micros(tenant) -> tuple[int, int]:
     """(room for new runs, the day's remaining budget), read in one statement. The day is the
     budget clock's (budgets.clock), the one reservations are charged to."""
     day = budgets.local_day(tenant)
-    budgets.tenant_day_account(tenant, day)     # opens the day's accounts if need be
+    budgets.tenant_day_account(tenant, day)  # opens the day's accounts if need be
     terminal = sorted(TERMINAL)
     marks = ", ".join(["%s"] * len(terminal))
     accounts = rows.table(BudgetAccount)
     unspent = "(r.expected_cost_micros - b.spent_micros - b.reserved_micros - b.held_micros)"
-    sql = (f"SELECT (SELECT COALESCE(SUM(d.limit_micros - d.reserved_micros - d.spent_micros - d.held_micros), 0) "
-           f"FROM {accounts} d WHERE d.tenant_id = %s AND d.scope = %s AND d.day = %s), "
-           f"(SELECT COALESCE(SUM(CASE WHEN {unspent} > 0 THEN {unspent} ELSE 0 END), 0) "
-           f"FROM {rows.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
-           f"WHERE r.tenant_id = %s AND r.admitted_at IS NOT NULL AND r.status NOT IN ({marks}))")
+    sql = (
+        f"SELECT (SELECT COALESCE(SUM(d.limit_micros - d.reserved_micros - d.spent_micros - d.held_micros), 0) "
+        f"FROM {accounts} d WHERE d.tenant_id = %s AND d.scope = %s AND d.day = %s), "
+        f"(SELECT COALESCE(SUM(CASE WHEN {unspent} > 0 THEN {unspent} ELSE 0 END), 0) "
+        f"FROM {rows.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
+        f"WHERE r.tenant_id = %s AND r.admitted_at IS NOT NULL AND r.status NOT IN ({marks}))"
+    )
     with connection.cursor() as cursor:
         cursor.execute(sql, [tenant.pk, BudgetAccount.Scope.TENANT_DAY, day, tenant.pk, *terminal])
         remaining, committed = cursor.fetchone()

@@ -20,10 +20,31 @@ class RunOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Run
-        fields = ["id", "agent", "version", "status", "stop_reason", "error", "final_output", "input", "metadata",
-                  "limits", "created_by", "cancel_requested", "step_count", "tool_call_count", "model_call_count",
-                  "budget", "expected_cost_micros", "admitted_at", "created_at", "started_at", "finished_at",
-                  "deadline_at", "resume_at"]
+        fields = [
+            "id",
+            "agent",
+            "version",
+            "status",
+            "stop_reason",
+            "error",
+            "final_output",
+            "input",
+            "metadata",
+            "limits",
+            "created_by",
+            "cancel_requested",
+            "step_count",
+            "tool_call_count",
+            "model_call_count",
+            "budget",
+            "expected_cost_micros",
+            "admitted_at",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "deadline_at",
+            "resume_at",
+        ]
 
 
 class StepOutput(serializers.ModelSerializer):
@@ -32,10 +53,31 @@ class StepOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Step
-        fields = ["seq", "kind", "status", "tool", "parent_seq", "arguments", "idempotency_key", "request", "result",
-                  "observation", "error", "usage", "cost_micros", "reserved_micros", "attempts",
-                  "replayed_from_seq", "created_at", "started_at", "dispatched_at", "finished_at", "duration_ms",
-                  "resolved_at", "resolution"]
+        fields = [
+            "seq",
+            "kind",
+            "status",
+            "tool",
+            "parent_seq",
+            "arguments",
+            "idempotency_key",
+            "request",
+            "result",
+            "observation",
+            "error",
+            "usage",
+            "cost_micros",
+            "reserved_micros",
+            "attempts",
+            "replayed_from_seq",
+            "created_at",
+            "started_at",
+            "dispatched_at",
+            "finished_at",
+            "duration_ms",
+            "resolved_at",
+            "resolution",
+        ]
 
 
 class EventOutput(serializers.ModelSerializer):
@@ -59,9 +101,11 @@ class RunListApi(APIView):
         input = serializers.JSONField()
         metadata = serializers.DictField(required=False, default=dict)
         wait = serializers.BooleanField(
-            required=False, default=True,
+            required=False,
+            default=True,
             help_text="If the tenant's day cannot carry this run now, wait in waiting_budget (true, the default) "
-                      "or answer 429 with Retry-After (false).")
+            "or answer 429 with Retry-After (false).",
+        )
 
         def validate(self, attrs):
             if "alias" in attrs and "version" in attrs:
@@ -73,17 +117,26 @@ class RunListApi(APIView):
         agent = serializers.CharField(max_length=100, required=False)
         created_by = serializers.CharField(max_length=150, required=False)
 
-    @extend_schema(parameters=[OpenApiParameter("status", enum=RunStatus.values), OpenApiParameter("agent"),
-                               OpenApiParameter("created_by"), *PAGE_PARAMETERS],
-                   responses=paginated(RunOutput, "PaginatedRuns"))
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("status", enum=RunStatus.values),
+            OpenApiParameter("agent"),
+            OpenApiParameter("created_by"),
+            *PAGE_PARAMETERS,
+        ],
+        responses=paginated(RunOutput, "PaginatedRuns"),
+    )
     def get(self, request):
         require_tenant(request.user)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         return paginate(self, request, selectors.runs_for(request.user, **filters.validated_data), RunOutput)
 
-    @extend_schema(request=InputSerializer, responses={201: RunOutput, 200: RunOutput},
-                   parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)])
+    @extend_schema(
+        request=InputSerializer,
+        responses={201: RunOutput, 200: RunOutput},
+        parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)],
+    )
     def post(self, request):
         """Start a run as the caller. The same Idempotency-Key and body replay the same run (200).
 
@@ -98,7 +151,9 @@ class RunListApi(APIView):
             raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
         run, created = services.start_run(user=request.user, idempotency_key=key, **data.validated_data)
         run = selectors.get_run(request.user, run.pk)
-        return Response(RunOutput(run).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        return Response(
+            RunOutput(run).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
+        )
 
 
 class RunDetailApi(APIView):
@@ -120,16 +175,24 @@ class RunEventsApi(APIView):
     class FilterSerializer(serializers.Serializer):
         after = serializers.IntegerField(min_value=0, max_value=ID_MAX, required=False)
 
-    @extend_schema(parameters=[OpenApiParameter("after", {"type": "integer", "minimum": 0, "maximum": ID_MAX},
-                                                description="only events with a larger id (seq) in this run")],
-                   responses=EventOutput(many=True))
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "after",
+                {"type": "integer", "minimum": 0, "maximum": ID_MAX},
+                description="only events with a larger id (seq) in this run",
+            )
+        ],
+        responses=EventOutput(many=True),
+    )
     def get(self, request, run_id):
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        return Response(EventOutput(selectors.events_of(run, after=filters.validated_data.get("after")),
-                                    many=True).data)
+        return Response(
+            EventOutput(selectors.events_of(run, after=filters.validated_data.get("after")), many=True).data
+        )
 
 
 class RunCancelApi(APIView):

@@ -4,6 +4,7 @@ Only a Redis broker can be asked cheaply: Kombu keeps a queue as a list (LPUSH t
 BRPOP to consume), so its oldest message is the list's last element. Any other broker answers
 "unknown", and the sweeper relies on its back-off alone.
 """
+
 from __future__ import annotations
 
 import base64

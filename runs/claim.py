@@ -4,6 +4,7 @@ Everything here runs in the claim's one short transaction with the run row locke
 network: denials, approval requests, replays and stops are applied here; a model or tool call is
 handed on as a `Plan`.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -18,8 +19,15 @@ from observability import observe
 from runs import rows
 from runs.engine import Plan, continue_run
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
-from runs.services import (atomic_with_events, end_run, lease_seconds_for, lock_run, record_event, transition_run,
-                           transition_step)
+from runs.services import (
+    atomic_with_events,
+    end_run,
+    lease_seconds_for,
+    lock_run,
+    record_event,
+    transition_run,
+    transition_step,
+)
 from tenants.permissions import may_run_agent
 from tools.models import EffectClass
 
@@ -34,16 +42,24 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
         except Run.DoesNotExist:
             return None
         observe.bind(tenant=run.tenant.slug)
-        if enqueued_at is not None and run.last_enqueued_at is not None and enqueued_at < run.last_enqueued_at:
-            return None          # superseded: a newer message for this run is on its way
+        if (
+            enqueued_at is not None
+            and run.last_enqueued_at is not None
+            and enqueued_at < run.last_enqueued_at
+        ):
+            return None  # superseded: a newer message for this run is on its way
         now = timezone.now()
         if run.is_terminal or run.status in WAITING:
             return None
         if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
             return None
         if run.lease_token is not None:
-            record_event(run.pk, "lease_expired", "previous worker's lease expired; taking over",
-                         expired_at=run.lease_expires_at.isoformat())
+            record_event(
+                run.pk,
+                "lease_expired",
+                "previous worker's lease expired; taking over",
+                expired_at=run.lease_expires_at.isoformat(),
+            )
             Run.objects.filter(pk=run.pk).update(lease_token=None, lease_expires_at=None)
             run.lease_token = None
             # What the lost worker reserved but never dispatched goes back now, not after
@@ -62,8 +78,14 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
 
 def _step_log(run: Run) -> list[Step]:
     """The run's steps in order (tools are read where needed, fresh: check_dispatch)."""
-    steps = [step for step, in rows.fetch(f"SELECT {rows.columns(Step, 's')} FROM {rows.table(Step)} s "
-                                          "WHERE s.run_id = %s ORDER BY s.seq", [run.pk], Step)]
+    steps = [
+        step
+        for (step,) in rows.fetch(
+            f"SELECT {rows.columns(Step, 's')} FROM {rows.table(Step)} s WHERE s.run_id = %s ORDER BY s.seq",
+            [run.pk],
+            Step,
+        )
+    ]
     for step in steps:
         step.run = run
     return steps
@@ -74,7 +96,9 @@ def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
     if inflight is not None:
         return _plan_recovery(run, inflight, now)
     if any(s.kind == StepKind.TOOL and s.status == StepStatus.OUTCOME_UNKNOWN for s in steps):
-        transition_run(run, RunStatus.NEEDS_ATTENTION, message="waiting for a person to resolve an unknown outcome")
+        transition_run(
+            run, RunStatus.NEEDS_ATTENTION, message="waiting for a person to resolve an unknown outcome"
+        )
         return None
     if any(s.status == StepStatus.AWAITING_APPROVAL for s in steps):
         transition_run(run, RunStatus.WAITING_APPROVAL, message="waiting for approval")
@@ -82,8 +106,9 @@ def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
     ready = next((s for s in steps if s.kind == StepKind.TOOL and s.status in READY), None)
     if ready is not None:
         return _plan_tool(run, ready, steps, now)
-    last_model = next((s for s in reversed(steps) if s.kind == StepKind.MODEL
-                       and s.status == StepStatus.SUCCEEDED), None)
+    last_model = next(
+        (s for s in reversed(steps) if s.kind == StepKind.MODEL and s.status == StepStatus.SUCCEEDED), None
+    )
     if last_model is not None and not last_model.result.get("tool_calls"):
         end_run(run, RunStatus.SUCCEEDED, message="succeeded")
         return None
@@ -94,10 +119,14 @@ def _take_lease(run: Run, seconds: int) -> uuid.UUID:
     token = uuid.uuid4()
     expires = timezone.now() + dt.timedelta(seconds=seconds)
     with connection.cursor() as cursor:
-        rows.execute(cursor, f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
-                     [token, expires, run.pk])
+        rows.execute(
+            cursor,
+            f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
+            [token, expires, run.pk],
+        )
     run.lease_token, run.lease_expires_at = token, expires
     return token
+
 
 def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
     from llm import gateway as model_gateway
@@ -107,14 +136,22 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
         # The run acts with its creator's authority, and a model call spends money on their
         # behalf: a deactivated user's runs stop here, at the next model turn. Tool steps the
         # model already proposed were denied by the gateway's fresh check and are on record.
-        end_run(run, RunStatus.STOPPED, reason=StopReason.USER_DEACTIVATED,
-                message="stopped: the user who started this run was deactivated")
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.USER_DEACTIVATED,
+            message="stopped: the user who started this run was deactivated",
+        )
         return None
     if not may_run_agent(run.created_by, run.agent_id):
         # Starting a run needs run_agent, and so does every model turn: a revoked grant (direct
         # or through a group) stops the run here, before anything is reserved for the call.
-        end_run(run, RunStatus.STOPPED, reason=StopReason.RUN_AGENT_REVOKED,
-                message=f"stopped: {run.created_by.username} may no longer run this agent (run_agent revoked)")
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.RUN_AGENT_REVOKED,
+            message=f"stopped: {run.created_by.username} may no longer run this agent (run_agent revoked)",
+        )
         return None
     if run.step_count >= run.limits["max_steps"]:
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
@@ -126,22 +163,37 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
         if step.status in (StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN):
             failures += 1
     if failures >= MAX_MODEL_FAILURES:
-        end_run(run, RunStatus.FAILED, error=f"model call failed {failures} times in a row",
-                message="failed: model unavailable")
+        end_run(
+            run,
+            RunStatus.FAILED,
+            error=f"model call failed {failures} times in a row",
+            message="failed: model unavailable",
+        )
         return None
-    offered = tool_gateway.offered_tools(run, user=run.created_by)   # the user row this claim read
+    offered = tool_gateway.offered_tools(run, user=run.created_by)  # the user row this claim read
     request = model_gateway.build_request(run, steps, offered)
     endpoint = run.version.model_endpoint
     if endpoint.secret_id:
-        endpoint.secret   # read now: the call itself then needs no database connection
+        endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)
     estimate = model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens)
     lease = lease_seconds_for(endpoint.timeout_seconds)
     token = _take_lease(run, lease)
-    return Plan(run.pk, token, "model", lease,
-                extra={"request": request, "estimate": estimate, "endpoint_id": endpoint.pk,
-                       "endpoint": endpoint, "seq": (steps[-1].seq if steps else 0) + 1, "run": run,
-                       "summary": model_gateway.request_summary(request, input_tokens=input_tokens)})
+    return Plan(
+        run.pk,
+        token,
+        "model",
+        lease,
+        extra={
+            "request": request,
+            "estimate": estimate,
+            "endpoint_id": endpoint.pk,
+            "endpoint": endpoint,
+            "seq": (steps[-1].seq if steps else 0) + 1,
+            "run": run,
+            "summary": model_gateway.request_summary(request, input_tokens=input_tokens),
+        },
+    )
 
 
 def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
@@ -161,9 +213,18 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         deny(step, denial)
         _continue_unless_looping(run, steps, step)
         return None
-    prior = next((s for s in steps if s.seq < step.seq and s.kind == StepKind.TOOL
-                  and s.tool_id == step.tool_id and s.args_digest == step.args_digest
-                  and s.status in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED)), None)
+    prior = next(
+        (
+            s
+            for s in steps
+            if s.seq < step.seq
+            and s.kind == StepKind.TOOL
+            and s.tool_id == step.tool_id
+            and s.args_digest == step.args_digest
+            and s.status in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED)
+        ),
+        None,
+    )
     if prior is not None:
         _replay(run, step, prior, steps)
         return None
@@ -171,9 +232,14 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         decision = approvals.decision_for(run, step.tool, step.arguments)
         if decision.required:
             approvals.request_approval(run=run, step=step, decision=decision)
-            transition_step(step, StepStatus.AWAITING_APPROVAL, message=f"step {step.seq} {step.tool_name}: "
-                            f"approval required ({decision.reason})")
-            transition_run(run, RunStatus.WAITING_APPROVAL, message=f"waiting for approval of {step.tool_name}")
+            transition_step(
+                step,
+                StepStatus.AWAITING_APPROVAL,
+                message=f"step {step.seq} {step.tool_name}: approval required ({decision.reason})",
+            )
+            transition_run(
+                run, RunStatus.WAITING_APPROVAL, message=f"waiting for approval of {step.tool_name}"
+            )
             return None
     elif step.status == StepStatus.APPROVED:
         problem = approvals.verify_for_dispatch(step)
@@ -189,14 +255,25 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
         return None
     lease = lease_seconds_for(step.tool.timeout_seconds)
-    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
-                extra={"step": step, "run": run, "steps": steps})
+    return Plan(
+        run.pk,
+        _take_lease(run, lease),
+        "tool",
+        lease,
+        step_id=step.pk,
+        extra={"step": step, "run": run, "steps": steps},
+    )
 
 
 def deny(step: Step, reason: str) -> None:
-    transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
-                    error=reason, observation=f"ERROR: call denied by the platform: {reason}",
-                    finished_at=timezone.now())
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied by the platform: {reason}",
+        finished_at=timezone.now(),
+    )
 
 
 def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
@@ -209,11 +286,19 @@ def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
 
 def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:
     """An identical call already succeeded in this run: answer from the record, call nothing."""
-    note = (f"[platform] This exact call was already made at step {prior.seq}; "
-            f"returning the recorded result without calling the tool again.")
-    transition_step(step, StepStatus.SUCCEEDED, message=f"step {step.seq} {step.tool_name}: replayed from "
-                    f"step {prior.seq}", result=prior.result, observation=f"{prior.observation}\n{note}",
-                    replayed_from_seq=prior.seq, finished_at=timezone.now())
+    note = (
+        f"[platform] This exact call was already made at step {prior.seq}; "
+        f"returning the recorded result without calling the tool again."
+    )
+    transition_step(
+        step,
+        StepStatus.SUCCEEDED,
+        message=f"step {step.seq} {step.tool_name}: replayed from step {prior.seq}",
+        result=prior.result,
+        observation=f"{prior.observation}\n{note}",
+        replayed_from_seq=prior.seq,
+        finished_at=timezone.now(),
+    )
     _continue_unless_looping(run, steps, step)
 
 
@@ -230,51 +315,97 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
         step.crashes += 1
         Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
         if step.crashes >= settings.MAX_STEP_CRASHES:
-            record_event(run.pk, "recovery", f"step {step.seq} crashed its worker {step.crashes} times",
-                         step_seq=step.seq, action="fail_run")
+            record_event(
+                run.pk,
+                "recovery",
+                f"step {step.seq} crashed its worker {step.crashes} times",
+                step_seq=step.seq,
+                action="fail_run",
+            )
             no_effect = step.kind == StepKind.MODEL or step.tool.effect_class == EffectClass.READ_ONLY
-            transition_step(step, StepStatus.FAILED if no_effect else StepStatus.OUTCOME_UNKNOWN,
-                            error=f"worker died {step.crashes} times during this step")
-            end_run(run, RunStatus.FAILED, error=f"step {step.seq} crashed its worker {step.crashes} times",
-                    message="failed: poison step")
+            transition_step(
+                step,
+                StepStatus.FAILED if no_effect else StepStatus.OUTCOME_UNKNOWN,
+                error=f"worker died {step.crashes} times during this step",
+            )
+            end_run(
+                run,
+                RunStatus.FAILED,
+                error=f"step {step.seq} crashed its worker {step.crashes} times",
+                message="failed: poison step",
+            )
             return None
     if step.kind == StepKind.MODEL:
-        record_event(run.pk, "recovery", f"model step {step.seq} lost with its worker: its reservation is "
-                     "held and the call is made again", step_seq=step.seq, action="hold_and_retry")
+        record_event(
+            run.pk,
+            "recovery",
+            f"model step {step.seq} lost with its worker: its reservation is held and the call is made again",
+            step_seq=step.seq,
+            action="hold_and_retry",
+        )
         lease = lease_seconds_for(5)
         return Plan(run.pk, _take_lease(run, lease), "recover_model", lease, step_id=step.pk)
     tool = step.tool
     effect = tool.effect_class
     found = "found in dispatching after its worker was lost" if crashed else "retry due"
     if effect == EffectClass.UNSAFE:
-        mark_unknown(run, step, f"step {step.seq} {step.tool_name} {found}; unsafe tool: never retried "
-                     "automatically")
+        mark_unknown(
+            run, step, f"step {step.seq} {step.tool_name} {found}; unsafe tool: never retried automatically"
+        )
         return None
     if step.attempts >= tool.max_attempts:
         if effect == EffectClass.READ_ONLY:
-            transition_step(step, StepStatus.FAILED, error=f"gave up after {step.attempts} attempts",
-                            observation=f"ERROR: {step.tool_name} did not answer after {step.attempts} attempts",
-                            finished_at=now)
+            transition_step(
+                step,
+                StepStatus.FAILED,
+                error=f"gave up after {step.attempts} attempts",
+                observation=f"ERROR: {step.tool_name} did not answer after {step.attempts} attempts",
+                finished_at=now,
+            )
             continue_run(run)
         else:
-            mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {step.attempts} attempts, outcome "
-                         "still unknown")
+            mark_unknown(
+                run,
+                step,
+                f"step {step.seq} {step.tool_name}: {step.attempts} attempts, outcome still unknown",
+            )
         return None
     due = settle_due(step)
     if crashed and effect != EffectClass.READ_ONLY and now < due:
         # The provider may still make the lost attempt visible (or de-duplicate its key) until
         # then: a "not found" or a retry before it proves nothing (DESIGN.md 5.1).
-        wait_to_settle(run, step, due, f"attempt {step.attempts} was lost with its worker; settle window: the "
-                       f"provider may make it visible up to {tool.settle_window}s after its "
-                       f"{tool.timeout_seconds:g}s timeout, and a status lookup or a retry before then proves nothing")
+        wait_to_settle(
+            run,
+            step,
+            due,
+            f"attempt {step.attempts} was lost with its worker; settle window: the "
+            f"provider may make it visible up to {tool.settle_window}s after its "
+            f"{tool.timeout_seconds:g}s timeout, and a status lookup or a retry before then proves nothing",
+        )
         return None
-    action = {EffectClass.READ_ONLY: "retry", EffectClass.IDEMPOTENT: "retry with the same key",
-              EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen"}[effect]
-    record_event(run.pk, "recovery", f"step {step.seq} {step.tool_name} {found}: {action}",
-                 step_seq=step.seq, action=action, effect_class=effect, attempts=step.attempts)
+    action = {
+        EffectClass.READ_ONLY: "retry",
+        EffectClass.IDEMPOTENT: "retry with the same key",
+        EffectClass.RECONCILABLE: "ask the provider, then retry only if it did not happen",
+    }[effect]
+    record_event(
+        run.pk,
+        "recovery",
+        f"step {step.seq} {step.tool_name} {found}: {action}",
+        step_seq=step.seq,
+        action=action,
+        effect_class=effect,
+        attempts=step.attempts,
+    )
     lease = lease_seconds_for(tool.timeout_seconds)
-    return Plan(run.pk, _take_lease(run, lease), "tool", lease, step_id=step.pk,
-                reconcile_first=effect == EffectClass.RECONCILABLE)
+    return Plan(
+        run.pk,
+        _take_lease(run, lease),
+        "tool",
+        lease,
+        step_id=step.pk,
+        reconcile_first=effect == EffectClass.RECONCILABLE,
+    )
 
 
 def _release_undispatched(run_id) -> None:
@@ -282,22 +413,30 @@ def _release_undispatched(run_id) -> None:
     without a step paid for a call that was never sent."""
     from budgets.models import Reservation
 
-    for reservation_id in Reservation.objects.filter(run_id=run_id, step__isnull=True,
-                                                     status=Reservation.Status.OPEN).values_list("pk", flat=True):
+    for reservation_id in Reservation.objects.filter(
+        run_id=run_id, step__isnull=True, status=Reservation.Status.OPEN
+    ).values_list("pk", flat=True):
         budgets.release(reservation_id, note="its worker lost the lease before dispatching")
 
 
 def _hold_lost_reservations(step_id: int) -> None:
     from budgets.models import Reservation
 
-    for reservation_id in Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN) \
-            .values_list("pk", flat=True):
+    for reservation_id in Reservation.objects.filter(
+        step_id=step_id, status=Reservation.Status.OPEN
+    ).values_list("pk", flat=True):
         budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
 
 
 def mark_unknown(run: Run, step: Step, message: str) -> None:
-    transition_step(step, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
-                    next_attempt_at=None, finished_at=timezone.now())
+    transition_step(
+        step,
+        StepStatus.OUTCOME_UNKNOWN,
+        message=message,
+        error=message,
+        next_attempt_at=None,
+        finished_at=timezone.now(),
+    )
     transition_run(run, RunStatus.NEEDS_ATTENTION, message="needs attention: " + message)
 
 
@@ -318,8 +457,11 @@ def wait_to_settle(run: Run, step: Step, until: dt.datetime, why: str) -> None:
     """Park the run as a row (no lease, no message) until `until`; the sweeper wakes it."""
     Step.objects.filter(pk=step.pk).update(next_attempt_at=until)
     step.next_attempt_at = until
-    transition_run(run, RunStatus.WAITING_SETTLE, resume_at=until,
-                   message=f"waiting until {until.isoformat(timespec='seconds')} to ask about step {step.seq} "
-                           f"{step.tool_name}: {why}",
-                   event_data={"step_seq": step.seq, "tool": step.tool_name, "until": until.isoformat(),
-                               "reason": why})
+    transition_run(
+        run,
+        RunStatus.WAITING_SETTLE,
+        resume_at=until,
+        message=f"waiting until {until.isoformat(timespec='seconds')} to ask about step {step.seq} "
+        f"{step.tool_name}: {why}",
+        event_data={"step_seq": step.seq, "tool": step.tool_name, "until": until.isoformat(), "reason": why},
+    )

@@ -3,6 +3,7 @@
 Before it: reserve budget in its own transaction, then commit the step as `dispatching` under the
 run lock. After it: write the outcome through a database outage, and record the budget event.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -18,20 +19,29 @@ from runs import heartbeat, rows
 from runs.claim import deny
 from runs.engine import Plan, continue_run, fenced
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
-from runs.services import (atomic_with_events, bump_counters, end_run, lock_run, record_event, transition_run,
-                           transition_step)
+from runs.services import (
+    atomic_with_events,
+    bump_counters,
+    end_run,
+    lock_run,
+    record_event,
+    transition_run,
+    transition_step,
+)
 
 log = logging.getLogger(__name__)
 
 
 # --- reserve and mark ------------------------------------------------------------------------
 
+
 def reserve(plan: Plan, *, amount: int, purpose: str) -> bool:
     # The run, tenant and user rows the claim just read (recovery plans carry none: read them).
     run = plan.extra.get("run") or Run.objects.select_related("tenant", "created_by").get(pk=plan.run_id)
     try:
-        reservation = budgets.reserve(tenant=run.tenant, run=run, user=run.created_by,
-                                      amount_micros=amount, purpose=purpose)
+        reservation = budgets.reserve(
+            tenant=run.tenant, run=run, user=run.created_by, amount_micros=amount, purpose=purpose
+        )
     except budgets.BudgetExceeded as exc:
         _record_budget_refusal(plan, exc)
         return False
@@ -46,15 +56,31 @@ def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
             return
         record_event(run.pk, "budget", f"refused: {exc.message}", decision="refused", scope=exc.scope)
         if exc.scope == BudgetAccount.Scope.RUN:
-            end_run(run, RunStatus.STOPPED, reason=StopReason.BUDGET_EXHAUSTED, error=exc.message,
-                    message="stopped: run budget exhausted")
+            end_run(
+                run,
+                RunStatus.STOPPED,
+                reason=StopReason.BUDGET_EXHAUSTED,
+                error=exc.message,
+                message="stopped: run budget exhausted",
+            )
         elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
             resume = budgets.next_local_midnight(run.tenant)
-            transition_run(run, RunStatus.WAITING_BUDGET, message=f"paused until {resume.isoformat()}: "
-                           f"{exc.scope} budget spent", resume_at=resume, lease_token=None, lease_expires_at=None)
+            transition_run(
+                run,
+                RunStatus.WAITING_BUDGET,
+                message=f"paused until {resume.isoformat()}: {exc.scope} budget spent",
+                resume_at=resume,
+                lease_token=None,
+                lease_expires_at=None,
+            )
         else:
-            end_run(run, RunStatus.STOPPED, reason=StopReason.TENANT_BUDGET_EXHAUSTED, error=exc.message,
-                    message=f"stopped: {exc.scope} budget exhausted")
+            end_run(
+                run,
+                RunStatus.STOPPED,
+                reason=StopReason.TENANT_BUDGET_EXHAUSTED,
+                error=exc.message,
+                message=f"stopped: {exc.scope} budget exhausted",
+            )
 
 
 def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
@@ -65,11 +91,24 @@ def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None
         if new_step is not None:
             if not _bump_if_leased(plan, step_count=1, model_call_count=1):
                 return _not_dispatching(plan)
-            step = Step(run_id=plan.run_id, status=StepStatus.DISPATCHING, attempts=1, started_at=now,
-                        dispatched_at=now, reserved_micros=new_step.pop("reserved"), **new_step)
+            step = Step(
+                run_id=plan.run_id,
+                status=StepStatus.DISPATCHING,
+                attempts=1,
+                started_at=now,
+                dispatched_at=now,
+                reserved_micros=new_step.pop("reserved"),
+                **new_step,
+            )
             rows.insert([step])
-            record_event(plan.run_id, "step", f"step {step.seq} model call dispatched", step_seq=step.seq,
-                         to=StepStatus.DISPATCHING, step_kind=StepKind.MODEL)
+            record_event(
+                plan.run_id,
+                "step",
+                f"step {step.seq} model call dispatched",
+                step_seq=step.seq,
+                to=StepStatus.DISPATCHING,
+                step_kind=StepKind.MODEL,
+            )
         elif step.status == StepStatus.APPROVED:
             step = _mark_approved_dispatching(plan, step, now)
             if step is None:
@@ -94,8 +133,12 @@ def _bump_if_leased(plan: Plan, **counters: int) -> bool:
     """
     sets = ", ".join([f"{name} = {name} + %s" for name in counters] + ["lease_token = lease_token"])
     with connection.cursor() as cursor:
-        rows.execute(cursor, f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
-                     "AND NOT cancel_requested", [*counters.values(), plan.run_id, plan.token])
+        rows.execute(
+            cursor,
+            f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
+            "AND NOT cancel_requested",
+            [*counters.values(), plan.run_id, plan.token],
+        )
         return cursor.rowcount == 1
 
 
@@ -108,10 +151,16 @@ def _not_dispatching(plan: Plan) -> None:
 
 
 def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
-    transition_step(step, StepStatus.DISPATCHING, attempts=step.attempts + 1, next_attempt_at=None,
-                    started_at=step.started_at or now, dispatched_at=now,
-                    message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
-                            f"key {step.idempotency_key})")
+    transition_step(
+        step,
+        StepStatus.DISPATCHING,
+        attempts=step.attempts + 1,
+        next_attempt_at=None,
+        started_at=step.started_at or now,
+        dispatched_at=now,
+        message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
+        f"key {step.idempotency_key})",
+    )
 
 
 def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step | None:
@@ -135,6 +184,7 @@ def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step
 
 
 # --- settle and record -----------------------------------------------------------------------
+
 
 def through_database_outage(record, *, seconds: float) -> None:
     """Record an outcome held only in memory, retried from scratch while the database is unreachable.
@@ -179,27 +229,49 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
     is charged at that price; every other hold goes back. Run after the record commits: budget
     rows are never locked while the run row is.
     """
-    reservations = list(Reservation.objects.filter(step_id=step_id).order_by("created_at")
-                        .values_list("pk", "status"))
+    reservations = list(
+        Reservation.objects.filter(step_id=step_id).order_by("created_at").values_list("pk", "status")
+    )
     charged = any(status == Reservation.Status.SETTLED for _, status in reservations)
     for reservation_id, status in reservations:
         if status != Reservation.Status.HELD:
             continue
         actual = price_micros if happened and not charged else 0
         charged = charged or actual > 0
-        budgets.reconcile(reservation_id, actual_micros=actual, actor=None,
-                          note=f"the step's outcome is known: {'it happened' if happened else 'it did not happen'}")
+        budgets.reconcile(
+            reservation_id,
+            actual_micros=actual,
+            actor=None,
+            note=f"the step's outcome is known: {'it happened' if happened else 'it did not happen'}",
+        )
 
 
 def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:
     # The run's account as settle left it: only the balance columns (the ledger's own table).
-    balances = ", ".join(rows.column(BudgetAccount, name) for name in
-                         ("limit_micros", "reserved_micros", "spent_micros", "held_micros"))
+    balances = ", ".join(
+        rows.column(BudgetAccount, name)
+        for name in ("limit_micros", "reserved_micros", "spent_micros", "held_micros")
+    )
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {balances} FROM {rows.table(BudgetAccount)} "
-                       f"WHERE {rows.column(BudgetAccount, 'run')} = %s", [rows.adapt(run.pk)])
+        cursor.execute(
+            f"SELECT {balances} FROM {rows.table(BudgetAccount)} "
+            f"WHERE {rows.column(BudgetAccount, 'run')} = %s",
+            [rows.adapt(run.pk)],
+        )
         limit, reserved_now, spent, held = cursor.fetchone()
-    account = BudgetAccount(limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held)
-    record_event(run.pk, "budget", f"step {step.seq}: reserved {reserved}, settled {settled}, "
-                 f"run remaining {account.remaining_micros} micros", step_seq=step.seq, reserved=reserved,
-                 settled=settled, spent=spent, held=held, remaining=account.remaining_micros, limit=limit)
+    account = BudgetAccount(
+        limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held
+    )
+    record_event(
+        run.pk,
+        "budget",
+        f"step {step.seq}: reserved {reserved}, settled {settled}, "
+        f"run remaining {account.remaining_micros} micros",
+        step_seq=step.seq,
+        reserved=reserved,
+        settled=settled,
+        spent=spent,
+        held=held,
+        remaining=account.remaining_micros,
+        limit=limit,
+    )

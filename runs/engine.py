@@ -25,6 +25,7 @@ This module holds the entry point, the `Plan` a claim hands on, the `ToolOutcome
 and the two helpers every phase uses (`continue_run`, `fenced`). The phase modules import from
 here, so `advance` imports them when it is called.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -41,7 +42,7 @@ from tools.types import ToolResult
 class Plan:
     run_id: uuid.UUID
     token: uuid.UUID
-    kind: str                         # "model" | "tool" | "recover_model"
+    kind: str  # "model" | "tool" | "recover_model"
     lease_seconds: int
     step_id: int | None = None
     reservation_id: uuid.UUID | None = None
@@ -51,12 +52,12 @@ class Plan:
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    kind: str                         # "succeeded" | "failed" | "unknown"
+    kind: str  # "succeeded" | "failed" | "unknown"
     result: ToolResult | None = None
     error: str = ""
     retry_after: float | None = None
     reconciled: bool = False
-    sent: bool = False                # "in_progress": the call itself was answered so (not a lookup)
+    sent: bool = False  # "in_progress": the call itself was answered so (not a lookup)
 
 
 def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
@@ -69,7 +70,7 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
     from runs.model_step import do_model, recover_model
     from runs.tool_step import do_tool
 
-    with observe.step_scope(run_id) as report:   # log lines carry the run id; Flower shows the report
+    with observe.step_scope(run_id) as report:  # log lines carry the run id; Flower shows the report
         plan = claim(run_id, enqueued_at)
         if plan is None:
             return report.summary()
@@ -83,7 +84,7 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
 
 
 def continue_run(run: Run, *, countdown: float | None = None) -> None:
-    enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)   # one UPDATE
+    enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)  # one UPDATE
 
 
 def fenced(run: Run, plan: Plan) -> bool:

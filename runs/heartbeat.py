@@ -3,6 +3,7 @@
 A stalled or killed process stops extending, so its lease runs out and the sweeper hands the
 run to another worker, which then fences the stale one out.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -13,7 +14,7 @@ from django.db import close_old_connections, connection
 from django.utils import timezone
 
 _lock = threading.Lock()
-_active: dict[str, tuple[str, int]] = {}   # run id -> (lease token, lease seconds)
+_active: dict[str, tuple[str, int]] = {}  # run id -> (lease token, lease seconds)
 _thread: threading.Thread | None = None
 TICK_SECONDS = 1.0
 
@@ -47,7 +48,8 @@ def _loop() -> None:
                 if now - last.get(run_id, 0) < seconds / 3:
                     continue
                 Run.objects.filter(pk=run_id, lease_token=token).update(
-                    lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds))
+                    lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds)
+                )
                 last[run_id] = now
             for run_id in set(last) - {r for r, _ in items}:
                 last.pop(run_id)

@@ -15,6 +15,7 @@ run is warned once. So a model that keeps repeating an empty search costs at mos
 tool calls (identical ones are replayed from the record by the engine, not sent again) and
 `limit` model calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,10 @@ from runs.services import bump_counters, end_run, record_event
 
 DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
-WARNING = ("[platform] You are not making progress ({pattern}). Do not repeat this call; change your "
-           "approach or give your final answer.")
+WARNING = (
+    "[platform] You are not making progress ({pattern}). Do not repeat this call; change your "
+    "approach or give your final answer."
+)
 FINISHED = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.DENIED)
 
 
@@ -75,7 +78,9 @@ def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
         while alternating < len(keys) and keys[-alternating - 1] == keys[-alternating + 1]:
             alternating += 1
     if alternating >= 3:
-        found.append(("alternating between the same two calls", alternating, 2 * limits["alternation_cycles"]))
+        found.append(
+            ("alternating between the same two calls", alternating, 2 * limits["alternation_cycles"])
+        )
     repeats = keys.count(_key(last))
     found.append((f"the same call {last.tool_name} was made {repeats} times", repeats, limits["max_repeats"]))
     empties = 0
@@ -106,14 +111,24 @@ def check(run: Run, steps: list[Step], step: Step) -> bool:
         return False
     level, pattern = verdict
     if level == "stop":
-        end_run(run, RunStatus.STOPPED, reason=StopReason.LOOP_DETECTED, error=pattern,
-                message=f"stopped: loop detected ({pattern})")
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.LOOP_DETECTED,
+            error=pattern,
+            message=f"stopped: loop detected ({pattern})",
+        )
         return True
     if run.loop_warnings == 0:
         warning = WARNING.format(pattern=pattern)
         Step.objects.filter(pk=step.pk).update(observation=f"{step.observation}\n{warning}")
         step.observation = f"{step.observation}\n{warning}"
         bump_counters(run, loop_warnings=1)
-        record_event(run.pk, "loop_warning", f"no progress: {pattern}; the model was told to change approach",
-                     step_seq=step.seq, pattern=pattern)
+        record_event(
+            run.pk,
+            "loop_warning",
+            f"no progress: {pattern}; the model was told to change approach",
+            step_seq=step.seq,
+            pattern=pattern,
+        )
     return False

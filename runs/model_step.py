@@ -1,4 +1,5 @@
 """A model step: reserve, mark, call the model, settle, record (runs/engine.py)."""
+
 from __future__ import annotations
 
 from django.db import close_old_connections
@@ -22,15 +23,22 @@ def do_model(plan: Plan) -> None:
     estimate = plan.extra["estimate"]
     if not reserve(plan, amount=estimate, purpose="model"):
         return
-    step = mark_dispatching(plan, new_step={
-        "seq": plan.extra["seq"], "kind": StepKind.MODEL, "reserved": estimate,
-        "request": plan.extra.get("summary") or model_gateway.request_summary(request)})
+    step = mark_dispatching(
+        plan,
+        new_step={
+            "seq": plan.extra["seq"],
+            "kind": StepKind.MODEL,
+            "reserved": estimate,
+            "request": plan.extra.get("summary") or model_gateway.request_summary(request),
+        },
+    )
     if step is None:
         budgets.release(plan.reservation_id, note="call not made")
         return
     # The endpoint (and its secret) the claim read: the call itself needs no database connection.
     endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
-        pk=plan.extra["endpoint_id"])
+        pk=plan.extra["endpoint_id"]
+    )
     try:
         with observe.model_call(run_id=plan.run_id, seq=step.seq, endpoint=endpoint, request=request) as call:
             reply = model_gateway.call_model(endpoint, request)
@@ -39,9 +47,10 @@ def do_model(plan: Plan) -> None:
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
-        failure = exc   # `exc` is unbound once the except block ends
-        through_database_outage(lambda retry: _record_model_failure(plan, step, failure, retry=retry),
-                                seconds=plan.lease_seconds)
+        failure = exc  # `exc` is unbound once the except block ends
+        through_database_outage(
+            lambda retry: _record_model_failure(plan, step, failure, retry=retry), seconds=plan.lease_seconds
+        )
         return
     finally:
         heartbeat.untrack(plan.run_id)
@@ -56,8 +65,11 @@ def do_model(plan: Plan) -> None:
             # reservation. This reply carries the provider's own usage for that call, which is
             # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
             reconciled = reconciled or budgets.reconcile(
-                plan.reservation_id, actual_micros=cost, actor=None,
-                note=f"late reply of step {step.seq}: provider-reported usage")
+                plan.reservation_id,
+                actual_micros=cost,
+                actor=None,
+                note=f"late reply of step {step.seq}: provider-reported usage",
+            )
         _record_model(plan, step, reply, cost, estimate, reconciled=reconciled, retry=retry)
 
     through_database_outage(settle_and_record, seconds=plan.lease_seconds)
@@ -71,7 +83,7 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
     else:
         budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
     began = plan.extra.setdefault("record_began", timezone.now())
-    if retry:   # the failed attempt's writes to `step` in memory were rolled back in the database
+    if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id)
@@ -86,14 +98,19 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not exc.retryable:
-            end_run(run, RunStatus.FAILED, error=f"model provider refused the request: {exc}",
-                    message="failed: model request refused")
+            end_run(
+                run,
+                RunStatus.FAILED,
+                error=f"model provider refused the request: {exc}",
+                message="failed: model request refused",
+            )
         else:
             continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
 
 
-def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False,
-                  retry: bool = False) -> None:
+def _record_model(
+    plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False, retry: bool = False
+) -> None:
     """Write the reply under the run lock if this worker still holds the lease; on a retry, from
     the step as stored (the failed attempt's in-memory writes were rolled back)."""
     from tools import gateway as tool_gateway
@@ -106,18 +123,34 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, re
         if not fenced(run, plan):
             if retry and recorded_before(run, step, began):
                 return
-            record_event(run.pk, "late_attempt", f"step {step.seq} model reply arrived after the lease was lost"
-                         + (f"; its held charge is reconciled at {cost} micros" if reconciled else ""),
-                         step_seq=step.seq, cost_micros=cost, hold_reconciled=reconciled)
+            record_event(
+                run.pk,
+                "late_attempt",
+                f"step {step.seq} model reply arrived after the lease was lost"
+                + (f"; its held charge is reconciled at {cost} micros" if reconciled else ""),
+                step_seq=step.seq,
+                cost_micros=cost,
+                hold_reconciled=reconciled,
+            )
             return
         # Known secrets are redacted from what the model said before it is stored or acted on.
         text, calls = tool_gateway.redact_reply(run, reply)
-        usage = {"input_tokens": reply.usage.input_tokens, "cached_input_tokens": reply.usage.cached_input_tokens,
-                 "cache_write_tokens": reply.usage.cache_write_tokens, "output_tokens": reply.usage.output_tokens}
-        transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "tool_calls": calls},
-                        usage=usage, cost_micros=cost, finished_at=timezone.now(),
-                        observation=text,
-                        message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros")
+        usage = {
+            "input_tokens": reply.usage.input_tokens,
+            "cached_input_tokens": reply.usage.cached_input_tokens,
+            "cache_write_tokens": reply.usage.cache_write_tokens,
+            "output_tokens": reply.usage.output_tokens,
+        }
+        transition_step(
+            step,
+            StepStatus.SUCCEEDED,
+            result={"text": text, "tool_calls": calls},
+            usage=usage,
+            cost_micros=cost,
+            finished_at=timezone.now(),
+            observation=text,
+            message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
+        )
         budget_event(run, step, reserved=estimate, settled=cost)
         tool_gateway.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
@@ -131,14 +164,19 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, estimate: int, *, re
 def recover_model(plan: Plan) -> None:
     from budgets.models import Reservation
 
-    for reservation_id in Reservation.objects.filter(step_id=plan.step_id, status=Reservation.Status.OPEN) \
-            .values_list("pk", flat=True):
+    for reservation_id in Reservation.objects.filter(
+        step_id=plan.step_id, status=Reservation.Status.OPEN
+    ).values_list("pk", flat=True):
         budgets.hold(reservation_id, note="model call lost with its worker")
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
             return
         step = Step.objects.get(pk=plan.step_id)
-        transition_step(step, StepStatus.OUTCOME_UNKNOWN, error="worker lost during the call; charge held",
-                        finished_at=timezone.now())
+        transition_step(
+            step,
+            StepStatus.OUTCOME_UNKNOWN,
+            error="worker lost during the call; charge held",
+            finished_at=timezone.now(),
+        )
         continue_run(run)

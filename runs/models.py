@@ -11,7 +11,7 @@ class RunStatus(models.TextChoices):
     RUNNING = "running"
     WAITING_APPROVAL = "waiting_approval"
     WAITING_BUDGET = "waiting_budget"
-    WAITING_SETTLE = "waiting_settle"     # a call's outcome is not knowable yet (DESIGN.md 5.1)
+    WAITING_SETTLE = "waiting_settle"  # a call's outcome is not knowable yet (DESIGN.md 5.1)
     NEEDS_ATTENTION = "needs_attention"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -20,8 +20,12 @@ class RunStatus(models.TextChoices):
 
 
 TERMINAL = {RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
-WAITING = {RunStatus.WAITING_APPROVAL, RunStatus.WAITING_BUDGET, RunStatus.WAITING_SETTLE,
-           RunStatus.NEEDS_ATTENTION}
+WAITING = {
+    RunStatus.WAITING_APPROVAL,
+    RunStatus.WAITING_BUDGET,
+    RunStatus.WAITING_SETTLE,
+    RunStatus.NEEDS_ATTENTION,
+}
 _END = {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
 
 RUN_TRANSITIONS: dict[str, set[str]] = {
@@ -55,15 +59,15 @@ class StopReason(models.TextChoices):
 class Run(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="runs")
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT,
-                                   related_name="runs")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="runs")
     agent = models.ForeignKey("agents.AgentDefinition", on_delete=models.PROTECT, related_name="runs")
     version = models.ForeignKey("agents.AgentVersion", on_delete=models.PROTECT, related_name="runs")
     input = models.JSONField()
     metadata = models.JSONField(default=dict, blank=True)
-    limits = models.JSONField(default=dict)   # snapshot at admission, capped by the tenant
-    status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.QUEUED,
-                              db_index=True)
+    limits = models.JSONField(default=dict)  # snapshot at admission, capped by the tenant
+    status = models.CharField(
+        max_length=20, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+    )
     stop_reason = models.CharField(max_length=32, choices=StopReason.choices, blank=True)
     error = models.TextField(blank=True)
     final_output = models.TextField(blank=True)
@@ -74,28 +78,33 @@ class Run(models.Model):
     tool_call_count = models.PositiveIntegerField(default=0)
     model_call_count = models.PositiveIntegerField(default=0)
     loop_warnings = models.PositiveIntegerField(default=0)
-    revealed_tools = models.JSONField(default=list, blank=True)   # found through search_tools
+    revealed_tools = models.JSONField(default=list, blank=True)  # found through search_tools
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
     request_hash = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
-    resume_at = models.DateTimeField(null=True, blank=True)   # waiting_budget / waiting_settle: wake-up time
+    resume_at = models.DateTimeField(null=True, blank=True)  # waiting_budget / waiting_settle: wake-up time
     # Admission (runs/admission.py): when the run was let start (null while it waits to be), and
     # what it was expected to cost then; admitted runs' unspent expectations are kept free.
     admitted_at = models.DateTimeField(null=True, blank=True)
     expected_cost_micros = models.BigIntegerField(default=0)
     last_enqueued_at = models.DateTimeField(null=True, blank=True)
-    event_seq = models.PositiveIntegerField(default=0)   # the seq of the run's latest event
+    event_seq = models.PositiveIntegerField(default=0)  # the seq of the run's latest event
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "created_by", "idempotency_key"],
-                                    condition=models.Q(idempotency_key__isnull=False),
-                                    name="uniq_run_idempotency_key"),
+            models.UniqueConstraint(
+                fields=["tenant", "created_by", "idempotency_key"],
+                condition=models.Q(idempotency_key__isnull=False),
+                name="uniq_run_idempotency_key",
+            ),
         ]
-        indexes = [models.Index(fields=["tenant", "status"]), models.Index(fields=["status", "lease_expires_at"])]
+        indexes = [
+            models.Index(fields=["tenant", "status"]),
+            models.Index(fields=["status", "lease_expires_at"]),
+        ]
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
@@ -129,22 +138,45 @@ class StepStatus(models.TextChoices):
 
 
 # Statuses whose observation the model can be given.
-OBSERVED = {StepStatus.DENIED, StepStatus.REJECTED, StepStatus.EXPIRED, StepStatus.SUCCEEDED,
-            StepStatus.FAILED, StepStatus.RESOLVED_SUCCEEDED, StepStatus.RESOLVED_FAILED,
-            StepStatus.SKIPPED}
+OBSERVED = {
+    StepStatus.DENIED,
+    StepStatus.REJECTED,
+    StepStatus.EXPIRED,
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.RESOLVED_SUCCEEDED,
+    StepStatus.RESOLVED_FAILED,
+    StepStatus.SKIPPED,
+}
 # Tool steps the engine may dispatch next.
 READY = {StepStatus.PROPOSED, StepStatus.APPROVED, StepStatus.RETRIED}
 
 STEP_TRANSITIONS: dict[str, set[str]] = {
-    StepStatus.PROPOSED: {StepStatus.DENIED, StepStatus.AWAITING_APPROVAL, StepStatus.DISPATCHING,
-                          StepStatus.SUCCEEDED, StepStatus.SKIPPED},
-    StepStatus.AWAITING_APPROVAL: {StepStatus.APPROVED, StepStatus.REJECTED, StepStatus.EXPIRED,
-                                   StepStatus.SKIPPED},
+    StepStatus.PROPOSED: {
+        StepStatus.DENIED,
+        StepStatus.AWAITING_APPROVAL,
+        StepStatus.DISPATCHING,
+        StepStatus.SUCCEEDED,
+        StepStatus.SKIPPED,
+    },
+    StepStatus.AWAITING_APPROVAL: {
+        StepStatus.APPROVED,
+        StepStatus.REJECTED,
+        StepStatus.EXPIRED,
+        StepStatus.SKIPPED,
+    },
     StepStatus.APPROVED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
-    StepStatus.DISPATCHING: {StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN,
-                             StepStatus.DISPATCHING},
-    StepStatus.OUTCOME_UNKNOWN: {StepStatus.RESOLVED_SUCCEEDED, StepStatus.RESOLVED_FAILED,
-                                 StepStatus.RETRIED},
+    StepStatus.DISPATCHING: {
+        StepStatus.SUCCEEDED,
+        StepStatus.FAILED,
+        StepStatus.OUTCOME_UNKNOWN,
+        StepStatus.DISPATCHING,
+    },
+    StepStatus.OUTCOME_UNKNOWN: {
+        StepStatus.RESOLVED_SUCCEEDED,
+        StepStatus.RESOLVED_FAILED,
+        StepStatus.RETRIED,
+    },
     StepStatus.RETRIED: {StepStatus.DISPATCHING, StepStatus.SKIPPED},
 }
 
@@ -156,31 +188,32 @@ class Step(models.Model):
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=8, choices=StepKind.choices)
     status = models.CharField(max_length=20, choices=StepStatus.choices)
-    parent_seq = models.PositiveIntegerField(null=True, blank=True)   # tool step: model step that proposed it
-    tool = models.ForeignKey("tools.Tool", null=True, blank=True, on_delete=models.PROTECT,
-                             related_name="steps")
+    parent_seq = models.PositiveIntegerField(null=True, blank=True)  # tool step: model step that proposed it
+    tool = models.ForeignKey(
+        "tools.Tool", null=True, blank=True, on_delete=models.PROTECT, related_name="steps"
+    )
     tool_name = models.CharField(max_length=200, blank=True)
     call_id = models.CharField(max_length=200, blank=True)
     arguments = models.JSONField(null=True, blank=True)
     args_digest = models.CharField(max_length=64, blank=True)
     idempotency_key = models.CharField(max_length=200, blank=True)
-    request = models.JSONField(null=True, blank=True)      # redacted
-    result = models.JSONField(null=True, blank=True)       # redacted, full
-    observation = models.TextField(blank=True)             # what the model is given
+    request = models.JSONField(null=True, blank=True)  # redacted
+    result = models.JSONField(null=True, blank=True)  # redacted, full
+    observation = models.TextField(blank=True)  # what the model is given
     error = models.TextField(blank=True)
     usage = models.JSONField(null=True, blank=True)
     cost_micros = models.BigIntegerField(default=0)
     reserved_micros = models.BigIntegerField(default=0)
     attempts = models.PositiveIntegerField(default=0)
-    crashes = models.PositiveIntegerField(default=0)   # attempts that ended with no recorded outcome
+    crashes = models.PositiveIntegerField(default=0)  # attempts that ended with no recorded outcome
     next_attempt_at = models.DateTimeField(null=True, blank=True)
     replayed_from_seq = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
-    dispatched_at = models.DateTimeField(null=True, blank=True)   # when the latest attempt was sent
-    finished_at = models.DateTimeField(null=True, blank=True)     # when the call's outcome was known
-    resolved_at = models.DateTimeField(null=True, blank=True)     # when a person resolved an unknown outcome
-    resolution = models.TextField(blank=True)                     # what they decided, and why
+    dispatched_at = models.DateTimeField(null=True, blank=True)  # when the latest attempt was sent
+    finished_at = models.DateTimeField(null=True, blank=True)  # when the call's outcome was known
+    resolved_at = models.DateTimeField(null=True, blank=True)  # when a person resolved an unknown outcome
+    resolution = models.TextField(blank=True)  # what they decided, and why
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_step_seq")]
@@ -208,8 +241,9 @@ class RunEvent(models.Model):
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     kind = models.CharField(max_length=40)
     step_seq = models.PositiveIntegerField(null=True, blank=True)
-    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
-                              on_delete=models.SET_NULL, related_name="+")
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     message = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)
 

@@ -8,6 +8,7 @@ the same conversions (the backend's and the field's), related rows attached as i
 The SQL is portable between PostgreSQL and SQLite (the demo): parameters go through `adapt`,
 lists through `in_list`, row locks through `for_update`.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -99,7 +100,7 @@ def split(row, *models) -> list:
     found, start = [], 0
     for model in models:
         width = len(_fields(model)[0])
-        found.append(build(model, row[start:start + width]))
+        found.append(build(model, row[start : start + width]))
         start += width
     return found
 
@@ -126,8 +127,11 @@ def insert(objs: list) -> None:
         params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
     row = "(" + ", ".join(["%s"] * len(fields)) + ")"
     with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {table(model)} ({', '.join(quote(f.column) for f in fields)}) "
-                       f"VALUES {', '.join([row] * len(objs))} RETURNING {quote(meta.pk.column)}", params)
+        cursor.execute(
+            f"INSERT INTO {table(model)} ({', '.join(quote(f.column) for f in fields)}) "
+            f"VALUES {', '.join([row] * len(objs))} RETURNING {quote(meta.pk.column)}",
+            params,
+        )
         for obj, (pk,) in zip(objs, cursor.fetchall()):
             setattr(obj, meta.pk.attname, pk)
             obj._state.adding = False
@@ -146,8 +150,12 @@ def take(model, pk, field: str, count: int) -> int:
     ranges (`new - count + 1` .. `new`) without reading first.
     """
     with connection.cursor() as cursor:
-        execute(cursor, f"UPDATE {table(model)} SET {column(model, field)} = {column(model, field)} + %s "
-                        f"WHERE {quote(model._meta.pk.column)} = %s RETURNING {column(model, field)}", [count, pk])
+        execute(
+            cursor,
+            f"UPDATE {table(model)} SET {column(model, field)} = {column(model, field)} + %s "
+            f"WHERE {quote(model._meta.pk.column)} = %s RETURNING {column(model, field)}",
+            [count, pk],
+        )
         return cursor.fetchone()[0]
 
 
@@ -166,5 +174,7 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
         conditions.append(f"{quote(field.column)} = %s")
         params.append(field.get_db_prep_value(value, connection))
     with connection.cursor() as cursor:
-        cursor.execute(f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params)
+        cursor.execute(
+            f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params
+        )
         return cursor.rowcount

@@ -1,4 +1,5 @@
 """Reads of runs, always scoped to the caller's tenant (another tenant's run answers 404)."""
+
 from __future__ import annotations
 
 import uuid
@@ -10,7 +11,9 @@ from tenants.permissions import may_view_all_runs
 
 def runs_for(user, *, status: str | None = None, agent: str | None = None, created_by: str | None = None):
     """The runs `user` may read: every run of the tenant with view_runs, else the ones they started."""
-    runs = Run.objects.filter(tenant_id=user.tenant_id).select_related("agent", "version", "created_by", "budget")
+    runs = Run.objects.filter(tenant_id=user.tenant_id).select_related(
+        "agent", "version", "created_by", "budget"
+    )
     if not may_view_all_runs(user):
         runs = runs.filter(created_by_id=user.pk)
     if status:

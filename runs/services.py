@@ -1,4 +1,5 @@
 """Writes on runs: admission, guarded transitions with events, cancellation, enqueueing."""
+
 from __future__ import annotations
 
 import collections
@@ -17,8 +18,19 @@ from django.utils import timezone
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from observability import observe
 from runs import admission, rows
-from runs.models import (READY, RUN_TRANSITIONS, STEP_TRANSITIONS, TERMINAL, WAITING, Run, RunEvent,
-                         RunStatus, Step, StepKind, StepStatus)
+from runs.models import (
+    READY,
+    RUN_TRANSITIONS,
+    STEP_TRANSITIONS,
+    TERMINAL,
+    WAITING,
+    Run,
+    RunEvent,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+)
 from tenants.permissions import may_run_agent
 
 DEFAULT_LIMITS = {
@@ -62,11 +74,19 @@ def effective_limits(spec_limits: dict, tenant) -> dict:
 _batch = threading.local()
 
 
-def record_event(run_id, kind: str, message: str = "", *, step_seq: int | None = None,
-                 actor=None, **data) -> RunEvent:
+def record_event(
+    run_id, kind: str, message: str = "", *, step_seq: int | None = None, actor=None, **data
+) -> RunEvent:
     """Append an event; inside `atomic_with_events` it is inserted with the others at the end."""
-    event = RunEvent(run_id=run_id, kind=kind, message=message, step_seq=step_seq, actor=actor, data=data,
-                     at=timezone.now())
+    event = RunEvent(
+        run_id=run_id,
+        kind=kind,
+        message=message,
+        step_seq=step_seq,
+        actor=actor,
+        data=data,
+        at=timezone.now(),
+    )
     pending = getattr(_batch, "events", None)
     if pending is None:
         write_events([event])
@@ -106,13 +126,14 @@ def atomic_with_events():
         with transaction.atomic():
             yield
             _batch.events = None
-            write_events(pending)   # one INSERT, in order
+            write_events(pending)  # one INSERT, in order
     finally:
         _batch.events = None
 
 
-def transition_run(run: Run, to: str, *, message: str = "", actor=None, event_data: dict | None = None,
-                   **fields) -> None:
+def transition_run(
+    run: Run, to: str, *, message: str = "", actor=None, event_data: dict | None = None, **fields
+) -> None:
     """Move a run from its current status to `to`, or raise. One conditional UPDATE plus an event."""
     old = run.status
     if to not in RUN_TRANSITIONS[old]:
@@ -128,8 +149,13 @@ def transition_run(run: Run, to: str, *, message: str = "", actor=None, event_da
     run.status = to
     for name, value in fields.items():
         setattr(run, name, value)
-    record_event(run.pk, "status", message or f"{old} → {to}", actor=actor,
-                 **{"from": old, "to": to, **(event_data or {})})
+    record_event(
+        run.pk,
+        "status",
+        message or f"{old} → {to}",
+        actor=actor,
+        **{"from": old, "to": to, **(event_data or {})},
+    )
     observe.run_moved(run, old, to, reason=fields.get("stop_reason", ""), message=message)
 
 
@@ -143,9 +169,14 @@ def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fie
     for name, value in fields.items():
         setattr(step, name, value)
     label = step.tool_name or step.kind
-    record_event(step.run_id, "step", message or f"step {step.seq} {label}: {old} → {to}",
-                 step_seq=step.seq, actor=actor, **{"from": old, "to": to, "step_kind": step.kind,
-                                                    "tool": step.tool_name})
+    record_event(
+        step.run_id,
+        "step",
+        message or f"step {step.seq} {label}: {old} → {to}",
+        step_seq=step.seq,
+        actor=actor,
+        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name},
+    )
     observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
 
 
@@ -169,8 +200,9 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
     # superseded (the claim drops it), so duplicates never fork the run into two message chains.
     # robust: with the broker down the commit stands (a started run is not answered with a 500)
     # and the sweeper sends the message again later; the error is logged.
-    transaction.on_commit(lambda: advance_run.apply_async((str(run_id), now.isoformat()), countdown=countdown),
-                          robust=True)
+    transaction.on_commit(
+        lambda: advance_run.apply_async((str(run_id), now.isoformat()), countdown=countdown), robust=True
+    )
 
 
 def resend(run_id, *, enqueued_at) -> None:
@@ -178,7 +210,9 @@ def resend(run_id, *, enqueued_at) -> None:
     copy arrives first moves the run, and the other is then older than the run's next message."""
     from runs.tasks import advance_run
 
-    transaction.on_commit(lambda: advance_run.apply_async((str(run_id), enqueued_at.isoformat())), robust=True)
+    transaction.on_commit(
+        lambda: advance_run.apply_async((str(run_id), enqueued_at.isoformat())), robust=True
+    )
 
 
 def lock_run(run_id, *, for_step: bool = False) -> Run:
@@ -193,15 +227,22 @@ def lock_run(run_id, *, for_step: bool = False) -> Run:
     except ValueError:
         raise Run.DoesNotExist(f"no run {run_id}") from None
     models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
-    joins = (f"JOIN {rows.table(Tenant)} t ON t.id = r.tenant_id "
-             f"JOIN {rows.table(AgentVersion)} v ON v.id = r.version_id ")
+    joins = (
+        f"JOIN {rows.table(Tenant)} t ON t.id = r.tenant_id "
+        f"JOIN {rows.table(AgentVersion)} v ON v.id = r.version_id "
+    )
     select = f"{rows.columns(Run, 'r')}, {rows.columns(Tenant, 't')}, {rows.columns(AgentVersion, 'v')}"
     if for_step:
-        joins += (f"JOIN {rows.table(User)} u ON u.id = r.created_by_id "
-                  f"JOIN {rows.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id ")
+        joins += (
+            f"JOIN {rows.table(User)} u ON u.id = r.created_by_id "
+            f"JOIN {rows.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
+        )
         select += f", {rows.columns(User, 'u')}, {rows.columns(ModelEndpoint, 'e')}"
-    found = rows.fetch(f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}",
-                       [run_id], *models)
+    found = rows.fetch(
+        f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}",
+        [run_id],
+        *models,
+    )
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")
     run, tenant, version, *more = found[0]
@@ -211,16 +252,18 @@ def lock_run(run_id, *, for_step: bool = False) -> Run:
     return run
 
 
-def end_run(run: Run, status: str, *, reason: str = "", error: str = "", actor=None,
-            message: str = "", **fields) -> None:
+def end_run(
+    run: Run, status: str, *, reason: str = "", error: str = "", actor=None, message: str = "", **fields
+) -> None:
     """Finish a run: skip steps that will never run and void approvals that can no longer be used.
 
     `fields`: more columns of the run to write in the same UPDATE (final_output, say)."""
     from approvals.services import void_open_approvals
 
     fields.update(stop_reason=reason, error=error)
-    transition_run(run, status, actor=actor, message=message, event_data={"reason": reason, "error": error},
-                   **fields)
+    transition_run(
+        run, status, actor=actor, message=message, event_data={"reason": reason, "error": error}, **fields
+    )
     for step in Step.objects.filter(run=run, status__in=READY | {StepStatus.AWAITING_APPROVAL}):
         transition_step(step, StepStatus.SKIPPED, message=f"step {step.seq} skipped: run {status}")
     void_open_approvals(run, reason=f"run {status}" + (f" ({reason})" if reason else ""))
@@ -228,20 +271,37 @@ def end_run(run: Run, status: str, *, reason: str = "", error: str = "", actor=N
 
 # --- Admission -------------------------------------------------------------------------------
 
+
 def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
     active = Run.objects.filter(tenant=tenant).exclude(status__in=TERMINAL).count()
     if active >= tenant.max_active_runs:
-        raise DomainError(f"tenant has {active} active runs (quota {tenant.max_active_runs})",
-                          code="active_run_quota_exceeded", status=429, retry_after=30)
+        raise DomainError(
+            f"tenant has {active} active runs (quota {tenant.max_active_runs})",
+            code="active_run_quota_exceeded",
+            status=429,
+            retry_after=30,
+        )
     recent = Run.objects.filter(created_by=user, created_at__gte=now - dt.timedelta(minutes=1)).count()
     if recent >= tenant.max_starts_per_minute:
-        raise DomainError(f"{recent} runs started in the last minute (limit {tenant.max_starts_per_minute})",
-                          code="start_rate_exceeded", status=429, retry_after=60)
+        raise DomainError(
+            f"{recent} runs started in the last minute (limit {tenant.max_starts_per_minute})",
+            code="start_rate_exceeded",
+            status=429,
+            retry_after=60,
+        )
 
 
-def start_run(*, user, agent: str, alias: str | None = None, version: int | None = None,
-              input, metadata: dict | None = None, idempotency_key: str | None = None,
-              wait: bool = True) -> tuple[Run, bool]:
+def start_run(
+    *,
+    user,
+    agent: str,
+    alias: str | None = None,
+    version: int | None = None,
+    input,
+    metadata: dict | None = None,
+    idempotency_key: str | None = None,
+    wait: bool = True,
+) -> tuple[Run, bool]:
     """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
 
     The run is admitted (queued) only if the tenant's day can carry its expected cost on top of
@@ -255,18 +315,24 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
     metadata = metadata or {}
-    request_hash = digest({"agent": agent, "alias": alias, "version": version, "input": input,
-                           "metadata": metadata})
+    request_hash = digest(
+        {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
+    )
     if idempotency_key:
         existing = Run.objects.filter(tenant=tenant, created_by=user, idempotency_key=idempotency_key).first()
         if existing is not None:
             if existing.request_hash != request_hash:
-                raise DomainError("this Idempotency-Key was used with a different request body",
-                                  code="idempotency_key_reused", status=422)
+                raise DomainError(
+                    "this Idempotency-Key was used with a different request body",
+                    code="idempotency_key_reused",
+                    status=422,
+                )
             return existing, False
     pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
     if not may_run_agent(user, pinned.agent_id):
-        raise Forbidden(f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted")
+        raise Forbidden(
+            f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
+        )
     now = timezone.now()
     limits = effective_limits(pinned.spec.get("limits", {}), tenant)
     expected = admission.expected_cost(version=pinned, limits=limits, tenant=tenant)
@@ -278,28 +344,54 @@ def start_run(*, user, agent: str, alias: str | None = None, version: int | None
             _check_quotas(tenant=tenant, user=user, now=now)
             admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
             if not admitted and not wait:
-                raise DomainError(f"the tenant's budget for today cannot carry another run now ({expected} micros "
-                                  "expected)", code="tenant_budget_exhausted", status=429, retry_after=retry_after)
+                raise DomainError(
+                    f"the tenant's budget for today cannot carry another run now ({expected} micros "
+                    "expected)",
+                    code="tenant_budget_exhausted",
+                    status=429,
+                    retry_after=retry_after,
+                )
             run = Run.objects.create(
-                tenant=tenant, created_by=user, agent=pinned.agent, version=pinned, input=input,
-                metadata=metadata, limits=limits, idempotency_key=idempotency_key or None,
-                request_hash=request_hash, expected_cost_micros=expected,
+                tenant=tenant,
+                created_by=user,
+                agent=pinned.agent,
+                version=pinned,
+                input=input,
+                metadata=metadata,
+                limits=limits,
+                idempotency_key=idempotency_key or None,
+                request_hash=request_hash,
+                expected_cost_micros=expected,
                 admitted_at=now if admitted else None,
-                deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None)
+                deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None,
+            )
             create_run_account(run=run, limit_micros=limits["max_cost_micros"])
-            record_event(run.pk, "created", f"run created by {user.username} on {pinned}",
-                         actor=user, agent=pinned.agent.name, version=pinned.number,
-                         alias=alias or "", limits=limits, expected_cost_micros=expected)
+            record_event(
+                run.pk,
+                "created",
+                f"run created by {user.username} on {pinned}",
+                actor=user,
+                agent=pinned.agent.name,
+                version=pinned.number,
+                alias=alias or "",
+                limits=limits,
+                expected_cost_micros=expected,
+            )
             if admitted:
                 enqueue(run.pk)
             else:
                 # A row, not a task: the sweeper admits it in order of arrival (admission.admit_waiting).
-                transition_run(run, RunStatus.WAITING_BUDGET, message=f"waiting for budget: {expected} micros "
-                               "expected, more than today's budget can carry on top of the runs already admitted",
-                               event_data={"expected_cost_micros": expected, "admission": True})
+                transition_run(
+                    run,
+                    RunStatus.WAITING_BUDGET,
+                    message=f"waiting for budget: {expected} micros "
+                    "expected, more than today's budget can carry on top of the runs already admitted",
+                    event_data={"expected_cost_micros": expected, "admission": True},
+                )
     except IntegrityError:
-        raise Conflict("a request with this Idempotency-Key is in progress",
-                       code="idempotency_key_in_flight") from None
+        raise Conflict(
+            "a request with this Idempotency-Key is in progress", code="idempotency_key_in_flight"
+        ) from None
     return run, True
 
 
@@ -328,10 +420,19 @@ def cancel_run(*, run_id, actor, reason: str = "") -> Run:
         if inflight is None:
             end_run(run, RunStatus.CANCELLED, actor=actor, message="cancelled")
         else:
-            message = (f"step {inflight.seq} {inflight.tool_name}: outcome unknown and run cancelled; "
-                       "resolve it, then the run ends as cancelled")
-            transition_step(inflight, StepStatus.OUTCOME_UNKNOWN, message=message, error=message,
-                            next_attempt_at=None, finished_at=timezone.now(), actor=actor)
+            message = (
+                f"step {inflight.seq} {inflight.tool_name}: outcome unknown and run cancelled; "
+                "resolve it, then the run ends as cancelled"
+            )
+            transition_step(
+                inflight,
+                StepStatus.OUTCOME_UNKNOWN,
+                message=message,
+                error=message,
+                next_attempt_at=None,
+                finished_at=timezone.now(),
+                actor=actor,
+            )
             transition_run(run, RunStatus.NEEDS_ATTENTION, actor=actor, message="needs attention: " + message)
     return run
 

@@ -2,14 +2,25 @@
 
 Each recovery writes a RunEvent saying what was found and what was done.
 """
+
 from __future__ import annotations
 
 import datetime as dt
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import (Count, DateTimeField, DurationField, ExpressionWrapper, F, Max, OuterRef, Q,
-                              Subquery, Value)
+from django.db.models import (
+    Count,
+    DateTimeField,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    Max,
+    OuterRef,
+    Q,
+    Subquery,
+    Value,
+)
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
@@ -41,13 +52,20 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
 
 def _requeue_expired_leases(now: dt.datetime) -> int:
     # Once per expiry: if that message goes unanswered too, it is a lost message (below).
-    ids = list(Run.objects.filter(status=RunStatus.RUNNING, lease_expires_at__lt=now)
-               .filter(Q(last_enqueued_at__isnull=True) | Q(last_enqueued_at__lt=F("lease_expires_at")))
-               .values_list("pk", flat=True)[:BATCH])
+    ids = list(
+        Run.objects.filter(status=RunStatus.RUNNING, lease_expires_at__lt=now)
+        .filter(Q(last_enqueued_at__isnull=True) | Q(last_enqueued_at__lt=F("lease_expires_at")))
+        .values_list("pk", flat=True)[:BATCH]
+    )
     for run_id in ids:
         with transaction.atomic():
-            record_event(run_id, "recovery", "lease expired: the worker died or stalled; re-enqueued",
-                         action="requeue", found="expired_lease")
+            record_event(
+                run_id,
+                "recovery",
+                "lease expired: the worker died or stalled; re-enqueued",
+                action="requeue",
+                found="expired_lease",
+            )
             enqueue(run_id)
     return len(ids)
 
@@ -61,16 +79,24 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     (its recovery events count the times), so a backlog is not fed faster than it drains.
     """
     wait = dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
-    resent = RunEvent.objects.filter(run=OuterRef("pk"), kind="recovery", data__found="lost_message",
-                                     at__gt=OuterRef("last_enqueued_at")).values("run")
+    resent = RunEvent.objects.filter(
+        run=OuterRef("pk"), kind="recovery", data__found="lost_message", at__gt=OuterRef("last_enqueued_at")
+    ).values("run")
     times = Coalesce(Subquery(resent.annotate(n=Count("pk")).values("n")), 0)
     since = Coalesce(Subquery(resent.annotate(last=Max("at")).values("last")), F("last_enqueued_at"))
-    due_at = ExpressionWrapper(since + ExpressionWrapper(Value(wait) * Power(2, times), output_field=DurationField()),
-                               output_field=DateTimeField())
-    unleased = Q(lease_token__isnull=True) | Q(lease_expires_at__lt=now, last_enqueued_at__gte=F("lease_expires_at"))
-    runs = list(Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
-                .alias(due_at=due_at).filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
-                .values_list("pk", "last_enqueued_at")[:BATCH])
+    due_at = ExpressionWrapper(
+        since + ExpressionWrapper(Value(wait) * Power(2, times), output_field=DurationField()),
+        output_field=DateTimeField(),
+    )
+    unleased = Q(lease_token__isnull=True) | Q(
+        lease_expires_at__lt=now, last_enqueued_at__gte=F("lease_expires_at")
+    )
+    runs = list(
+        Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
+        .alias(due_at=due_at)
+        .filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
+        .values_list("pk", "last_enqueued_at")[:BATCH]
+    )
     # A run enqueued no earlier than the oldest message still queued may be waiting behind it:
     # its message is late, not lost, and a copy would only lengthen the backlog.
     backlog_since = broker.oldest_queued_enqueue() if runs else None
@@ -81,8 +107,13 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
         resent += 1
         silent = int((now - enqueued_at).total_seconds()) if enqueued_at else 0
         with transaction.atomic():
-            record_event(run_id, "recovery", f"no progress for {silent}s (message lost or queue backed up); "
-                         "sent again", action="requeue", found="lost_message")
+            record_event(
+                run_id,
+                "recovery",
+                f"no progress for {silent}s (message lost or queue backed up); sent again",
+                action="requeue",
+                found="lost_message",
+            )
             if enqueued_at is None:
                 enqueue(run_id)
             else:
@@ -92,8 +123,11 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
 
 def _stop_past_deadline(now: dt.datetime) -> int:
     count = 0
-    for run_id in Run.objects.exclude(status__in=TERMINAL).filter(deadline_at__lt=now) \
-            .values_list("pk", flat=True)[:BATCH]:
+    for run_id in (
+        Run.objects.exclude(status__in=TERMINAL)
+        .filter(deadline_at__lt=now)
+        .values_list("pk", flat=True)[:BATCH]
+    ):
         with transaction.atomic():
             run = lock_run(run_id)
             if run.is_terminal:
@@ -101,10 +135,20 @@ def _stop_past_deadline(now: dt.datetime) -> int:
             if run.lease_token is not None and run.lease_expires_at and run.lease_expires_at > now:
                 # The holder's next claim stops it (reason: deadline). A cancel flag here would
                 # end it as `cancelled`, which nobody asked for.
-                record_event(run.pk, "recovery", "deadline passed during a call; the run stops after it",
-                             action="stop_after_call", found="deadline")
+                record_event(
+                    run.pk,
+                    "recovery",
+                    "deadline passed during a call; the run stops after it",
+                    action="stop_after_call",
+                    found="deadline",
+                )
                 continue
-            end_run(run, RunStatus.STOPPED, reason=StopReason.DEADLINE, message="stopped: deadline passed (sweeper)")
+            end_run(
+                run,
+                RunStatus.STOPPED,
+                reason=StopReason.DEADLINE,
+                message="stopped: deadline passed (sweeper)",
+            )
             count += 1
     return count
 
@@ -118,24 +162,37 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
     oldest one's expected cost fits: as admitted runs finish under their expectation, holds are
     settled, or a new local day begins."""
     admitted = 0
-    tenant_ids = sorted(set(Run.objects.filter(status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
-                            .values_list("tenant_id", flat=True).distinct()))
+    tenant_ids = sorted(
+        set(
+            Run.objects.filter(status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
+            .values_list("tenant_id", flat=True)
+            .distinct()
+        )
+    )
     for tenant_id in tenant_ids:
         with atomic_with_events():
             # The lock start_run takes: one admission decision at a time per tenant.
             tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
             room, _ = admission.room_micros(tenant)
-            for run_id, expected in admission.waiting_runs(tenant).order_by("created_at", "id") \
-                    .values_list("pk", "expected_cost_micros")[:BATCH]:
+            for run_id, expected in (
+                admission.waiting_runs(tenant)
+                .order_by("created_at", "id")
+                .values_list("pk", "expected_cost_micros")[:BATCH]
+            ):
                 if expected > room:
-                    break       # strictly in order of arrival: nobody overtakes the oldest
+                    break  # strictly in order of arrival: nobody overtakes the oldest
                 run = lock_run(run_id)
                 if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
                     continue
-                transition_run(run, RunStatus.QUEUED, admitted_at=now, resume_at=None,
-                               deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
-                               message=f"admitted: {expected} micros expected, {room} micros of room",
-                               event_data={"expected_cost_micros": expected, "room_micros": room})
+                transition_run(
+                    run,
+                    RunStatus.QUEUED,
+                    admitted_at=now,
+                    resume_at=None,
+                    deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
+                    message=f"admitted: {expected} micros expected, {room} micros of room",
+                    event_data={"expected_cost_micros": expected, "room_micros": room},
+                )
                 enqueue(run.pk)
                 room -= expected
                 admitted += 1
@@ -170,13 +227,22 @@ def _hold_lost_attempts() -> int:
     from budgets import services as budgets
     from budgets.models import Reservation
 
-    lost = list(Reservation.objects.filter(status=Reservation.Status.OPEN, step__isnull=False)
-                .exclude(step__status=StepStatus.DISPATCHING)
-                .values_list("pk", "run_id", "step__seq", "amount_micros")[:BATCH])
+    lost = list(
+        Reservation.objects.filter(status=Reservation.Status.OPEN, step__isnull=False)
+        .exclude(step__status=StepStatus.DISPATCHING)
+        .values_list("pk", "run_id", "step__seq", "amount_micros")[:BATCH]
+    )
     held = 0
     for reservation_id, run_id, seq, amount in lost:
         if budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged"):
-            record_event(run_id, "recovery", f"step {seq}: reservation of {amount} micros left open by a lost "
-                         "worker; held until reconciled", step_seq=seq, action="hold", found="open_reservation")
+            record_event(
+                run_id,
+                "recovery",
+                f"step {seq}: reservation of {amount} micros left open by a lost "
+                "worker; held until reconciled",
+                step_seq=seq,
+                action="hold",
+                found="open_reservation",
+            )
             held += 1
     return held

@@ -1,4 +1,5 @@
 """Thin Celery entry points: take ids, call services."""
+
 from __future__ import annotations
 
 import logging
@@ -11,9 +12,16 @@ from observability import observe
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="runs.tasks.advance_run", acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-             autoretry_for=(OperationalError, InterfaceError), retry_backoff=1, retry_backoff_max=30,
-             max_retries=None)
+@shared_task(
+    name="runs.tasks.advance_run",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    max_retries=None,
+)
 def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
     """Perform at most one step of the run (database errors: retried; the claim makes it safe).
 

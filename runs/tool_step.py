@@ -1,4 +1,5 @@
 """A tool step: reconcile, reserve, mark, call the tool, settle, record (runs/engine.py)."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -12,12 +13,25 @@ from budgets import services as budgets
 from observability import observe
 from runs import heartbeat
 from runs.claim import mark_unknown, settle_due, wait_to_settle
-from runs.dispatch import (budget_event, close_tool_holds, mark_dispatching, recorded_before, reserve,
-                           through_database_outage)
+from runs.dispatch import (
+    budget_event,
+    close_tool_holds,
+    mark_dispatching,
+    recorded_before,
+    reserve,
+    through_database_outage,
+)
 from runs.engine import Plan, ToolOutcome, continue_run, fenced
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus
-from runs.services import (atomic_with_events, end_run, enqueue, lock_run, record_event, transition_run,
-                           transition_step)
+from runs.services import (
+    atomic_with_events,
+    end_run,
+    enqueue,
+    lock_run,
+    record_event,
+    transition_run,
+    transition_step,
+)
 from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, EffectClass
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
 
@@ -31,8 +45,9 @@ def do_tool(plan: Plan) -> None:
     if plan.reconcile_first:
         found = _reconcile(plan, step)
         if found is not None:
-            through_database_outage(lambda retry: _record_tool(plan, step, found, retry=retry),
-                                    seconds=plan.lease_seconds)
+            through_database_outage(
+                lambda retry: _record_tool(plan, step, found, retry=retry), seconds=plan.lease_seconds
+            )
             return
     if not reserve(plan, amount=step.tool.price_micros, purpose="tool"):
         return
@@ -92,21 +107,25 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
         # needs_attention after max_attempts instead of an endless loop of lookups.
         _lookup_event(plan, step, f" failed: {exc}", found=None, count_attempt=True)
         return ToolOutcome("unknown", error=f"status lookup failed: {exc}")
-    _lookup_event(plan, step, ": found, not retrying" if result else ": not found, retrying",
-                  found=result is not None)
+    _lookup_event(
+        plan, step, ": found, not retrying" if result else ": not found, retrying", found=result is not None
+    )
     if result is None:
         return None
     return ToolOutcome("succeeded", result=result, reconciled=True)
 
 
-def _lookup_event(plan: Plan, step: Step, what: str, *, found: bool | None, count_attempt: bool = False) -> None:
+def _lookup_event(
+    plan: Plan, step: Step, what: str, *, found: bool | None, count_attempt: bool = False
+) -> None:
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if fenced(run, plan):
             if count_attempt:
                 Step.objects.filter(pk=step.pk).update(attempts=F("attempts") + 1)
-            record_event(run.pk, "recovery", f"status lookup for step {step.seq}{what}", step_seq=step.seq,
-                         found=found)
+            record_event(
+                run.pk, "recovery", f"status lookup for step {step.seq}{what}", step_seq=step.seq, found=found
+            )
 
 
 def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = False) -> None:
@@ -135,19 +154,32 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         steps = plan.extra.get("steps")
         if outcome.kind == "succeeded":
             stored, observation = tool_gateway.shape_result(run, step, outcome.result)
-            transition_step(step, StepStatus.SUCCEEDED, result=stored, observation=observation,
-                            cost_micros=step.tool.price_micros, finished_at=now, error="",
-                            message=f"step {step.seq} {step.tool_name}: "
-                                    f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
-                                    f"{' (found by status lookup)' if outcome.reconciled else ''}")
+            transition_step(
+                step,
+                StepStatus.SUCCEEDED,
+                result=stored,
+                observation=observation,
+                cost_micros=step.tool.price_micros,
+                finished_at=now,
+                error="",
+                message=f"step {step.seq} {step.tool_name}: "
+                f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
+                f"{' (found by status lookup)' if outcome.reconciled else ''}",
+            )
             budget_event(run, step, reserved=step.tool.price_micros, settled=step.tool.price_micros)
             if outcome.reconciled:
                 # The lookup found the lost attempt's effect: its held reservation is that call's charge.
                 _close_holds_on_commit(step, happened=True)
         elif outcome.kind == "failed":
             error = tool_gateway.redact_text(run, outcome.error)
-            transition_step(step, StepStatus.FAILED, error=error, observation=f"ERROR: {error}", finished_at=now,
-                            message=f"step {step.seq} {step.tool_name} failed: {error}")
+            transition_step(
+                step,
+                StepStatus.FAILED,
+                error=error,
+                observation=f"ERROR: {error}",
+                finished_at=now,
+                message=f"step {step.seq} {step.tool_name} failed: {error}",
+            )
         elif outcome.kind == "in_progress":
             _wait_in_progress(run, step, outcome)
             return
@@ -158,13 +190,15 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
             steps = list(run.steps.all())
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
-        elif not loops.check(run, steps, step):   # failed calls count as repeats too
+        elif not loops.check(run, steps, step):  # failed calls count as repeats too
             continue_run(run)
 
 
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
     price = step.tool.price_micros
-    transaction.on_commit(lambda: close_tool_holds(step.pk, happened=happened, price_micros=price), robust=True)
+    transaction.on_commit(
+        lambda: close_tool_holds(step.pk, happened=happened, price_micros=price), robust=True
+    )
 
 
 def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
@@ -174,8 +208,13 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     error = tool_gateway.redact_text(run, outcome.error)
     if tool.effect_class == EffectClass.UNSAFE or step.attempts >= tool.max_attempts:
         if tool.effect_class == EffectClass.READ_ONLY:
-            transition_step(step, StepStatus.FAILED, error=error, finished_at=timezone.now(),
-                            observation=f"ERROR: {step.tool_name} did not answer: {error}")
+            transition_step(
+                step,
+                StepStatus.FAILED,
+                error=error,
+                finished_at=timezone.now(),
+                observation=f"ERROR: {step.tool_name} did not answer: {error}",
+            )
             continue_run(run)
             return
         mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown ({error})")
@@ -183,20 +222,33 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     if run.cancel_requested:
         mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown and run cancelled")
         return
-    delay = outcome.retry_after if outcome.retry_after is not None else \
-        tool.backoff_seconds * 2 ** (step.attempts - 1) * random.uniform(0.5, 1.0)
+    delay = (
+        outcome.retry_after
+        if outcome.retry_after is not None
+        else tool.backoff_seconds * 2 ** (step.attempts - 1) * random.uniform(0.5, 1.0)
+    )
     retry_at = timezone.now() + dt.timedelta(seconds=delay)
     Step.objects.filter(pk=step.pk).update(error=error)
     # The call ended now (this worker saw it end): the window runs from here.
     due = settle_due(step, ended=timezone.now())
     if tool.effect_class in SETTLING and due > retry_at:
-        wait_to_settle(run, step, due, f"outcome unknown ({error}); settle window: the provider may make the "
-                       f"call visible up to {tool.settle_window}s after it ended, and a status lookup or a retry "
-                       "before then proves nothing")
+        wait_to_settle(
+            run,
+            step,
+            due,
+            f"outcome unknown ({error}); settle window: the provider may make the "
+            f"call visible up to {tool.settle_window}s after it ended, and a status lookup or a retry "
+            "before then proves nothing",
+        )
         return
     Step.objects.filter(pk=step.pk).update(next_attempt_at=retry_at)
-    record_event(run.pk, "retry_scheduled", f"step {step.seq} {step.tool_name}: outcome unknown ({error}); "
-                 f"retry in {delay:.1f}s", step_seq=step.seq, effect_class=tool.effect_class)
+    record_event(
+        run.pk,
+        "retry_scheduled",
+        f"step {step.seq} {step.tool_name}: outcome unknown ({error}); retry in {delay:.1f}s",
+        step_seq=step.seq,
+        effect_class=tool.effect_class,
+    )
     continue_run(run, countdown=delay)
 
 
@@ -212,32 +264,59 @@ def _wait_in_progress(run: Run, step: Step, outcome: ToolOutcome) -> None:
     patience = max(tool.settle_window * IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE)
     give_up = settle_due(step) + dt.timedelta(seconds=patience)
     if now >= give_up or run.cancel_requested:
-        why = "run cancelled" if run.cancel_requested else f"still in progress {patience}s after its settle window"
+        why = (
+            "run cancelled"
+            if run.cancel_requested
+            else f"still in progress {patience}s after its settle window"
+        )
         mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {why} ({outcome.error})")
         return
     if outcome.sent:
         # A repeat answered 409 did nothing: it does not use up one of max_attempts (waiting
         # has its own bound, above).
         Step.objects.filter(pk=step.pk).update(attempts=F("attempts") - 1)
-    wait = outcome.retry_after if outcome.retry_after is not None else min(max(tool.settle_window / 4, 1.0), 30.0)
-    wait_to_settle(run, step, now + dt.timedelta(seconds=wait),
-                   f"the provider says the call is still in progress ({outcome.error}); it is asked again, not re-sent")
+    wait = (
+        outcome.retry_after
+        if outcome.retry_after is not None
+        else min(max(tool.settle_window / 4, 1.0), 30.0)
+    )
+    wait_to_settle(
+        run,
+        step,
+        now + dt.timedelta(seconds=wait),
+        f"the provider says the call is still in progress ({outcome.error}); it is asked again, not re-sent",
+    )
 
 
 def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
     """A fenced-out worker may only leave a record — unless it proves an unknown step succeeded."""
-    record_event(run.pk, "late_attempt", f"step {step.seq} {step.tool_name}: result from a worker that lost "
-                 f"its lease ({outcome.kind})", step_seq=step.seq, outcome=outcome.kind)
+    record_event(
+        run.pk,
+        "late_attempt",
+        f"step {step.seq} {step.tool_name}: result from a worker that lost its lease ({outcome.kind})",
+        step_seq=step.seq,
+        outcome=outcome.kind,
+    )
     if outcome.kind == "succeeded" and step.status == StepStatus.OUTCOME_UNKNOWN:
         from tools import gateway as tool_gateway
 
         stored, observation = tool_gateway.shape_result(run, step, outcome.result)
-        transition_step(step, StepStatus.RESOLVED_SUCCEEDED, result=stored, observation=observation,
-                        resolved_at=timezone.now(), error="",
-                        resolution="happened: a late result from the lost attempt proves it",
-                        message=f"step {step.seq} resolved automatically: the late result proves it succeeded")
+        transition_step(
+            step,
+            StepStatus.RESOLVED_SUCCEEDED,
+            result=stored,
+            observation=observation,
+            resolved_at=timezone.now(),
+            error="",
+            resolution="happened: a late result from the lost attempt proves it",
+            message=f"step {step.seq} resolved automatically: the late result proves it succeeded",
+        )
         _close_holds_on_commit(step, happened=True)
-        if run.status == RunStatus.NEEDS_ATTENTION and not run.steps.filter(
-                status=StepStatus.OUTCOME_UNKNOWN, kind=StepKind.TOOL).exists():
-            transition_run(run, RunStatus.RUNNING, message="resumed: unknown outcome resolved by a late result")
+        if (
+            run.status == RunStatus.NEEDS_ATTENTION
+            and not run.steps.filter(status=StepStatus.OUTCOME_UNKNOWN, kind=StepKind.TOOL).exists()
+        ):
+            transition_run(
+                run, RunStatus.RUNNING, message="resumed: unknown outcome resolved by a late result"
+            )
             enqueue(run.pk)

@@ -27,7 +27,9 @@ class TenantAdmin(TenantScopedAdmin):
 
     @admin.display(description="usage")
     def usage_link(self, tenant):
-        return format_html('<a href="{}">last 30 days</a>', reverse("admin:tenants_tenant_usage", args=[tenant.pk]))
+        return format_html(
+            '<a href="{}">last 30 days</a>', reverse("admin:tenants_tenant_usage", args=[tenant.pk])
+        )
 
     def has_add_permission(self, request):
         return is_operator(request.user) and super().has_add_permission(request)
@@ -36,8 +38,14 @@ class TenantAdmin(TenantScopedAdmin):
         return is_operator(request.user) and super().has_delete_permission(request, obj)
 
     def get_urls(self):
-        return [path("<path:object_id>/usage/", self.admin_site.admin_view(self.usage_view),
-                     name="tenants_tenant_usage"), *super().get_urls()]
+        return [
+            path(
+                "<path:object_id>/usage/",
+                self.admin_site.admin_view(self.usage_view),
+                name="tenants_tenant_usage",
+            ),
+            *super().get_urls(),
+        ]
 
     def usage_view(self, request, object_id):
         tenant = self.get_object(request, object_id)
@@ -69,7 +77,9 @@ class UserAdmin(TenantScopedAdmin, DjangoUserAdmin):
         ("Permissions", {"fields": ["is_active", "is_staff", "is_superuser", "groups", "user_permissions"]}),
         ("Important dates", {"fields": ["last_login", "date_joined"]}),
     ]
-    add_fieldsets = [(None, {"classes": ["wide"], "fields": ["username", "tenant", "password1", "password2"]})]
+    add_fieldsets = [
+        (None, {"classes": ["wide"], "fields": ["username", "tenant", "password1", "password2"]})
+    ]
 
     def get_form(self, request, obj=None, **kwargs):
         form = super().get_form(request, obj, **kwargs)
@@ -128,8 +138,11 @@ class GroupAdmin(TenantScopedAdmin, DjangoGroupAdmin):
 
 class SecretForm(forms.ModelForm):
     value = forms.CharField(
-        required=False, strip=False, widget=forms.PasswordInput(render_value=False),
-        help_text="Write-only: stored encrypted and never shown again. Leave empty to keep the current value.")
+        required=False,
+        strip=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="Write-only: stored encrypted and never shown again. Leave empty to keep the current value.",
+    )
 
     class Meta:
         model = Secret

@@ -12,20 +12,27 @@ from tenants import tokens
 from tenants.auth import ApiTokenAuthentication, TokenAddressThrottle, TokenUsernameThrottle
 from tenants.models import ApiToken
 
-TokenOutput = inline_serializer("Token", {
-    "token": serializers.CharField(),
-    "token_type": serializers.ChoiceField(choices=["Bearer"]),
-    "expires_at": serializers.DateTimeField(),
-})
+TokenOutput = inline_serializer(
+    "Token",
+    {
+        "token": serializers.CharField(),
+        "token_type": serializers.ChoiceField(choices=["Bearer"]),
+        "expires_at": serializers.DateTimeField(),
+    },
+)
 
 
 def _issued(issued: tokens.Issued, code: int = status.HTTP_200_OK) -> Response:
-    return Response({"token": issued.token, "token_type": "Bearer", "expires_at": issued.expires_at}, status=code)
+    return Response(
+        {"token": issued.token, "token_type": "Bearer", "expires_at": issued.expires_at}, status=code
+    )
 
 
 def _caller_token(request) -> ApiToken:
     if not isinstance(request.auth, ApiToken):
-        raise DomainError("this needs an API token in the Authorization header", code="token_required", status=401)
+        raise DomainError(
+            "this needs an API token in the Authorization header", code="token_required", status=401
+        )
     return request.auth
 
 

@@ -1,4 +1,5 @@
 """DRF authentication by API token: `Authorization: Bearer <token>` or `Authorization: Token <token>`."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,9 @@ class ApiTokenAuthentication(BaseAuthentication):
         if not parts or parts[0].lower() not in KEYWORDS:
             return None
         if len(parts) != 2:
-            raise exceptions.AuthenticationFailed("Invalid Authorization header: give the scheme and one token.")
+            raise exceptions.AuthenticationFailed(
+                "Invalid Authorization header: give the scheme and one token."
+            )
         try:
             token = parts[1].decode("ascii")
         except UnicodeDecodeError:
@@ -40,11 +43,15 @@ class ApiTokenScheme(OpenApiAuthenticationExtension):
     name = "bearerAuth"
 
     def get_security_definition(self, auto_schema):
-        return {"type": "http", "scheme": "bearer",
-                "description": "a token from POST /v1/auth/token; `Token <token>` is accepted too"}
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "a token from POST /v1/auth/token; `Token <token>` is accepted too",
+        }
 
 
 # --- rate limits (on the shared cache, so every API process counts together) ---------------------
+
 
 class _SettingsRate:
     """Read the rate when used: DRF copies DEFAULT_THROTTLE_RATES into the class at import."""

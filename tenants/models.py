@@ -27,8 +27,9 @@ class Tenant(models.Model):
     time_zone = models.CharField(max_length=64, default="UTC", validators=[validate_time_zone])
     daily_budget_micros = models.BigIntegerField(default=50_000_000)
     user_daily_budget_micros = models.BigIntegerField(null=True, blank=True)
-    on_budget_exhausted = models.CharField(max_length=8, choices=OnBudgetExhausted.choices,
-                                           default=OnBudgetExhausted.STOP)
+    on_budget_exhausted = models.CharField(
+        max_length=8, choices=OnBudgetExhausted.choices, default=OnBudgetExhausted.STOP
+    )
     max_active_runs = models.PositiveIntegerField(default=100)
     max_starts_per_minute = models.PositiveIntegerField(default=60)  # per user
     approval_ttl_seconds = models.PositiveIntegerField(default=24 * 3600)
@@ -59,8 +60,7 @@ class Tenant(models.Model):
 class User(AbstractUser):
     """A user belongs to one tenant; platform operators (superusers) may have none."""
 
-    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.PROTECT,
-                               related_name="users")
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.PROTECT, related_name="users")
 
 
 class TenantGroup(models.Model):
@@ -93,10 +93,12 @@ class Secret(models.Model):
 
     def set_value(self, plaintext: str) -> None:
         from tenants.crypto import encrypt
+
         self.ciphertext = encrypt(plaintext, settings.SECRET_ENCRYPTION_KEYS)
 
     def reveal(self) -> str:
         from tenants.crypto import decrypt
+
         return decrypt(self.ciphertext, settings.SECRET_ENCRYPTION_KEYS)
 
 

@@ -6,6 +6,7 @@ creator only. `holds` answers what guardian's get_objects_for_user(user, perm, k
 with_superuser=False, accept_global_perms=False) does, for one row: granted to the user or to one
 of their groups (tools.gateway does the same for use_tool over many tools at once).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,13 +25,17 @@ def _sql(app_label: str, model: str, codename: str) -> str:
         return connection.ops.quote_name(m._meta.db_table)
 
     memberships = get_user_model().groups.through
-    permission = (f"SELECT p.id FROM {table(Permission)} p JOIN {table(ContentType)} c ON c.id = p.content_type_id "
-                  f"WHERE c.app_label = '{app_label}' AND c.model = '{model}' AND p.codename = '{codename}'")
-    return (f"SELECT 1 FROM {table(UserObjectPermission)} WHERE user_id = %(user)s AND object_pk = %(pk)s "
-            f"AND permission_id IN ({permission}) "
-            f"UNION ALL SELECT 1 FROM {table(GroupObjectPermission)} g JOIN {table(memberships)} m "
-            f"ON m.group_id = g.group_id WHERE m.user_id = %(user)s AND g.object_pk = %(pk)s "
-            f"AND g.permission_id IN ({permission}) LIMIT 1")
+    permission = (
+        f"SELECT p.id FROM {table(Permission)} p JOIN {table(ContentType)} c ON c.id = p.content_type_id "
+        f"WHERE c.app_label = '{app_label}' AND c.model = '{model}' AND p.codename = '{codename}'"
+    )
+    return (
+        f"SELECT 1 FROM {table(UserObjectPermission)} WHERE user_id = %(user)s AND object_pk = %(pk)s "
+        f"AND permission_id IN ({permission}) "
+        f"UNION ALL SELECT 1 FROM {table(GroupObjectPermission)} g JOIN {table(memberships)} m "
+        f"ON m.group_id = g.group_id WHERE m.user_id = %(user)s AND g.object_pk = %(pk)s "
+        f"AND g.permission_id IN ({permission}) LIMIT 1"
+    )
 
 
 def holds(user, perm: str, obj_model, pk) -> bool:

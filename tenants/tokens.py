@@ -3,6 +3,7 @@
 A token is 32 random bytes (256 bits), so an unsalted sha256 is a safe way to store it: nothing
 shorter than the token itself can be guessed, and a stolen table gives nobody a usable token.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -17,12 +18,12 @@ from django.utils.crypto import constant_time_compare, salted_hmac
 
 from tenants.models import ApiToken, User
 
-PREFIX = "ap_"   # lets secret scanners recognise a leaked token
+PREFIX = "ap_"  # lets secret scanners recognise a leaked token
 
 
 @dataclass(frozen=True)
 class Issued:
-    token: str           # shown to the caller once, never stored
+    token: str  # shown to the caller once, never stored
     expires_at: dt.datetime
 
 
@@ -39,20 +40,30 @@ def token_digest(token: str) -> str:
 
 def credentials_fingerprint(password_hash: str) -> str:
     """Keyed so that the stored value says nothing about the password hash it came from."""
-    return salted_hmac("agentplatform.tenants.ApiToken.credentials", password_hash, algorithm="sha256").hexdigest()
+    return salted_hmac(
+        "agentplatform.tenants.ApiToken.credentials", password_hash, algorithm="sha256"
+    ).hexdigest()
 
 
 def issue_token(*, user: User, signed_in_at: dt.datetime | None = None) -> Issued:
     """A new token for `user` (who just proved their password, or refreshed a live token)."""
     now = timezone.now()
     signed_in_at = signed_in_at or now
-    expires_at = min(now + dt.timedelta(seconds=settings.API_TOKEN_TTL_SECONDS),
-                     signed_in_at + dt.timedelta(seconds=settings.API_TOKEN_MAX_AGE_SECONDS))
+    expires_at = min(
+        now + dt.timedelta(seconds=settings.API_TOKEN_TTL_SECONDS),
+        signed_in_at + dt.timedelta(seconds=settings.API_TOKEN_MAX_AGE_SECONDS),
+    )
     token = PREFIX + secrets.token_urlsafe(32)
     # Expired tokens of this user are dead weight; clearing them here keeps the table small.
     ApiToken.objects.filter(user=user, expires_at__lte=now).delete()
-    ApiToken.objects.create(user=user, digest=token_digest(token), credentials=credentials_fingerprint(user.password),
-                            created_at=now, expires_at=expires_at, signed_in_at=signed_in_at)
+    ApiToken.objects.create(
+        user=user,
+        digest=token_digest(token),
+        credentials=credentials_fingerprint(user.password),
+        created_at=now,
+        expires_at=expires_at,
+        signed_in_at=signed_in_at,
+    )
     return Issued(token, expires_at)
 
 
@@ -65,7 +76,9 @@ def authenticate_token(token: str) -> tuple[User, ApiToken]:
         row.delete()
         raise TokenRefused("Token expired; sign in again or refresh before expiry.")
     user = row.user
-    if not user.is_active or not constant_time_compare(row.credentials, credentials_fingerprint(user.password)):
+    if not user.is_active or not constant_time_compare(
+        row.credentials, credentials_fingerprint(user.password)
+    ):
         # Deactivated, or the password changed since this token was issued: every token goes.
         revoke_all(user=user)
         raise TokenRefused("Token revoked.")

@@ -1,4 +1,5 @@
 """Builders for test data: a tenant with an agent user, a supervisor and builtin tools."""
+
 from __future__ import annotations
 
 from decimal import Decimal
@@ -18,8 +19,9 @@ def make_tenant(slug: str = "acme", **fields) -> Tenant:
     return Tenant.objects.create(slug=slug, name=slug.title(), **fields)
 
 
-def make_user(tenant: Tenant, username: str, *, staff: bool = False, password: str = "pw",
-              view_runs: bool | None = None) -> User:
+def make_user(
+    tenant: Tenant, username: str, *, staff: bool = False, password: str = "pw", view_runs: bool | None = None
+) -> User:
     """A user of the tenant. Staff users in these tests are supervisors: they hold view_runs on the
     tenant (read every run) unless `view_runs` says otherwise."""
     user = User.objects.create_user(username=username, password=password, tenant=tenant, is_staff=staff)
@@ -44,13 +46,33 @@ def make_group(tenant: Tenant, name: str) -> Group:
     return group
 
 
-def make_endpoint(tenant: Tenant, *, name: str = "scripted", kind: str = "scripted", config: dict | None = None,
-                  base_url: str = "", secret=None, **fields) -> ModelEndpoint:
-    prices = {"price_input": Decimal("3"), "price_cached_input": Decimal("0.3"),
-              "price_cache_write": Decimal("3.75"), "price_output": Decimal("15")}
+def make_endpoint(
+    tenant: Tenant,
+    *,
+    name: str = "scripted",
+    kind: str = "scripted",
+    config: dict | None = None,
+    base_url: str = "",
+    secret=None,
+    **fields,
+) -> ModelEndpoint:
+    prices = {
+        "price_input": Decimal("3"),
+        "price_cached_input": Decimal("0.3"),
+        "price_cache_write": Decimal("3.75"),
+        "price_output": Decimal("15"),
+    }
     prices.update(fields)
-    return ModelEndpoint.objects.create(tenant=tenant, name=name, kind=kind, base_url=base_url, model="test-model",
-                                        config=config or {}, secret=secret, **prices)
+    return ModelEndpoint.objects.create(
+        tenant=tenant,
+        name=name,
+        kind=kind,
+        base_url=base_url,
+        model="test-model",
+        config=config or {},
+        secret=secret,
+        **prices,
+    )
 
 
 def make_builtin_tools(tenant: Tenant, *, effect: str = "read_only", **fields) -> dict[str, Tool]:
@@ -67,20 +89,36 @@ def grant(tool: Tool, *, use=(), approve=()) -> None:
         assign_perm("tools.approve_tool", who, tool)
 
 
-def make_agent(tenant: Tenant, *, name: str = "agent", tools=(), turns=(), endpoint: ModelEndpoint | None = None,
-               alias: str = "prod", runners=None, **spec_fields):
+def make_agent(
+    tenant: Tenant,
+    *,
+    name: str = "agent",
+    tools=(),
+    turns=(),
+    endpoint: ModelEndpoint | None = None,
+    alias: str = "prod",
+    runners=None,
+    **spec_fields,
+):
     """A version of agent `name` (created if new) behind `alias`.
 
     `runners`: users or groups granted run_agent on the agent; None grants it to every user the
     tenant has at this point, which is what most tests want (pass () to grant nobody).
     """
-    endpoint = endpoint or ModelEndpoint.objects.filter(tenant=tenant).first() or make_endpoint(
-        tenant, config={"turns": list(turns)})
+    endpoint = (
+        endpoint
+        or ModelEndpoint.objects.filter(tenant=tenant).first()
+        or make_endpoint(tenant, config={"turns": list(turns)})
+    )
     if turns and endpoint.kind == "scripted":
         endpoint.config = {**endpoint.config, "turns": list(turns)}
         endpoint.save()
-    spec = {"model": endpoint.name, "instructions": "You help bank support agents.",
-            "tools": [t.name if isinstance(t, Tool) else t for t in tools], **spec_fields}
+    spec = {
+        "model": endpoint.name,
+        "instructions": "You help bank support agents.",
+        "tools": [t.name if isinstance(t, Tool) else t for t in tools],
+        **spec_fields,
+    }
     version, _ = create_version(tenant=tenant, agent=name, spec=spec)
     Alias.objects.update_or_create(agent=version.agent, name=alias, defaults={"version": version})
     grant_run_agent(version.agent, *(User.objects.filter(tenant=tenant) if runners is None else runners))
@@ -100,14 +138,21 @@ BANK_SETTINGS = {
 
 def make_bank_tools(tenant: Tenant, url: str, *, name: str = "bank", **server_fields) -> dict[str, Tool]:
     """The example bank MCP server's tools, discovered, then enabled with the story's settings."""
-    server = ToolServer.objects.create(tenant=tenant, name=name, kind=ToolServer.Kind.MCP,
-                                       transport=ToolServer.Transport.STREAMABLE_HTTP, url=url,
-                                       status_tool="refund_status", **server_fields)
+    server = ToolServer.objects.create(
+        tenant=tenant,
+        name=name,
+        kind=ToolServer.Kind.MCP,
+        transport=ToolServer.Transport.STREAMABLE_HTTP,
+        url=url,
+        status_tool="refund_status",
+        **server_fields,
+    )
     refresh(server)
     tools = {t.remote_name: t for t in Tool.objects.filter(server=server)}
     for remote, settings in BANK_SETTINGS.items():
         # settle_seconds 0: the example bank applies and shows a call before answering it.
-        Tool.objects.filter(pk=tools[remote].pk).update(enabled=True, timeout_seconds=10, price_micros=1000,
-                                                        settle_seconds=0, **settings)
+        Tool.objects.filter(pk=tools[remote].pk).update(
+            enabled=True, timeout_seconds=10, price_micros=1000, settle_seconds=0, **settings
+        )
         tools[remote].refresh_from_db()
     return tools

@@ -1,4 +1,5 @@
 """Processes the end-to-end tests run: Celery workers, the example bank server."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,13 @@ def database_url() -> str:
 
 def process_env(**extra: str) -> dict:
     env = dict(os.environ)
-    env.update(DATABASE_URL=database_url(), CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
-               CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE, PYTHONUNBUFFERED="1", **extra)
+    env.update(
+        DATABASE_URL=database_url(),
+        CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
+        CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     return env
 
 
@@ -39,15 +45,33 @@ class Worker:
     def __init__(self, name: str, *, concurrency: int = 4, pool: str = "threads", env: dict | None = None):
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"worker-{name}-", suffix=".log", delete=False)
-        self.args = [sys.executable, "-m", "celery", "-A", "agentplatform", "worker", "-P", pool,
-                     "-c", str(concurrency), "-Q", settings.CELERY_TASK_DEFAULT_QUEUE, "-n", f"{name}@%h", "--loglevel", "INFO",
-                     *(f"--without-{step}" for step in WITHOUT_STEPS)]
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "agentplatform",
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            settings.CELERY_TASK_DEFAULT_QUEUE,
+            "-n",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+            *(f"--without-{step}" for step in WITHOUT_STEPS),
+        ]
         self.env = process_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30) -> "Worker":
+    def start(self, timeout: float = 30) -> Worker:
         self.log.truncate(0)
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if b" ready." in Path(self.log.name).read_bytes():
@@ -90,10 +114,22 @@ class BankServer:
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, timeout: float = 30) -> "BankServer":
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "bank_server.py"), "--port", "0",
-                                      "--label", self.label, *self.extra], cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+    def start(self, timeout: float = 30) -> BankServer:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "examples" / "bank_server.py"),
+                "--port",
+                "0",
+                "--label",
+                self.label,
+                *self.extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

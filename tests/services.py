@@ -16,6 +16,7 @@ in THROWAWAY_POSTGRES / THROWAWAY_REDIS), then removes both; `make test` runs py
 initdb and pg_ctl refuse to run as root: as root they run as the `postgres` user (runuser), which
 then owns the folder.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -119,7 +120,9 @@ class ThrowawayPostgres(_Throwaway):
 
     @staticmethod
     def binaries() -> Path:
-        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parent.parent.name))
+        found = sorted(
+            Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parent.parent.name)
+        )
         if found:
             return found[-1].parent
         pg_ctl = shutil.which("pg_ctl")
@@ -132,11 +135,16 @@ class ThrowawayPostgres(_Throwaway):
         return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
 
     def _pg(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(self._as_owner([str(self.binaries() / tool), *args]), capture_output=True, text=True,
-                              check=check, cwd=self.folder)
+        return subprocess.run(
+            self._as_owner([str(self.binaries() / tool), *args]),
+            capture_output=True,
+            text=True,
+            check=check,
+            cwd=self.folder,
+        )
 
     @classmethod
-    def create(cls) -> "ThrowawayPostgres":
+    def create(cls) -> ThrowawayPostgres:
         """initdb a new cluster (not started); its superuser has this process's user name, trust auth."""
         folder, port = cls._make_folder()
         superuser = getpass.getuser()
@@ -147,14 +155,33 @@ class ThrowawayPostgres(_Throwaway):
             os.chown(folder, owner.pw_uid, owner.pw_gid)
         self = cls(folder, port)
         try:
-            self._pg("initdb", "-D", str(self.data), "-U", superuser, "--auth=trust", "-E", "UTF8", "--locale=C",
-                     "--no-sync", "--no-instructions")
+            self._pg(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                superuser,
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+                "--no-instructions",
+            )
         except subprocess.CalledProcessError as exc:
             shutil.rmtree(folder, ignore_errors=True)
             raise RuntimeError(f"initdb failed: {exc.stderr}") from exc
-        settings = {"port": port, "listen_addresses": "'127.0.0.1'", "unix_socket_directories": "''",
-                    "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off",
-                    "max_connections": 300, "shared_buffers": "'64MB'", "log_min_messages": "warning"}
+        settings = {
+            "port": port,
+            "listen_addresses": "'127.0.0.1'",
+            "unix_socket_directories": "''",
+            "fsync": "off",
+            "synchronous_commit": "off",
+            "full_page_writes": "off",
+            "max_connections": 300,
+            "shared_buffers": "'64MB'",
+            "log_min_messages": "warning",
+        }
         with open(self.data / "postgresql.conf", "a") as conf:
             conf.write("\n# throwaway cluster (tests/services.py)\n")
             conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
@@ -169,7 +196,9 @@ class ThrowawayPostgres(_Throwaway):
 
     def start(self) -> None:
         self._check()
-        self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.folder / "postgres.log"), "-w", "-t", "60", "start")
+        self._pg(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.folder / "postgres.log"), "-w", "-t", "60", "start"
+        )
 
     def stop(self) -> None:
         """A clean shutdown: sessions are disconnected (`-m fast`)."""
@@ -178,8 +207,19 @@ class ThrowawayPostgres(_Throwaway):
 
     def restart(self) -> None:
         self._check()
-        self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.folder / "postgres.log"), "-m", "fast", "-w",
-                 "-t", "60", "restart")
+        self._pg(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.folder / "postgres.log"),
+            "-m",
+            "fast",
+            "-w",
+            "-t",
+            "60",
+            "restart",
+        )
 
     def kill(self) -> None:
         """Stop as a crash would: no shutdown checkpoint, crash recovery at the next start."""
@@ -213,12 +253,25 @@ class ThrowawayRedis(_Throwaway):
         return self.folder / "redis.pid"
 
     @classmethod
-    def create(cls) -> "ThrowawayRedis":
+    def create(cls) -> ThrowawayRedis:
         folder, port = cls._make_folder()
         self = cls(folder, port)
-        self.config.write_text("\n".join([
-            f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {folder}", "daemonize yes",
-            f"pidfile {self.pidfile}", f"logfile {folder / 'redis.log'}", "loglevel warning", ""]))
+        self.config.write_text(
+            "\n".join(
+                [
+                    f"port {port}",
+                    "bind 127.0.0.1",
+                    'save ""',
+                    "appendonly no",
+                    f"dir {folder}",
+                    "daemonize yes",
+                    f"pidfile {self.pidfile}",
+                    f"logfile {folder / 'redis.log'}",
+                    "loglevel warning",
+                    "",
+                ]
+            )
+        )
         return self
 
     def url(self, db: int = 0) -> str:
@@ -274,7 +327,7 @@ class ThrowawayRedis(_Throwaway):
         try:
             self._client().shutdown(nosave=True)
         except redis.ConnectionError:
-            pass   # the server closes the connection as it exits
+            pass  # the server closes the connection as it exits
         _wait(lambda: self._gone(pid) and self.info() is None, timeout=15, what=f"redis {pid} to exit")
 
     def kill(self) -> None:
@@ -295,11 +348,13 @@ def _redis_client(port: int):
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2,
-                       retry=Retry(NoBackoff(), 0))
+    return redis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0)
+    )
 
 
 # --- the machine's own services: read, never touched ---------------------------------------------
+
 
 def postmaster_start_time(url: str) -> str:
     import psycopg
@@ -315,7 +370,9 @@ def machine_services(postgres_port: int = 5432, redis_port: int = 6379) -> dict[
 
     seen: dict[str, str | None] = {"postgres": None, "redis": None}
     try:
-        seen["postgres"] = postmaster_start_time(f"postgres://{getpass.getuser()}@127.0.0.1:{postgres_port}/postgres")
+        seen["postgres"] = postmaster_start_time(
+            f"postgres://{getpass.getuser()}@127.0.0.1:{postgres_port}/postgres"
+        )
     except psycopg.Error:
         pass
     try:
@@ -327,6 +384,7 @@ def machine_services(postgres_port: int = 5432, redis_port: int = 6379) -> dict[
 
 
 # --- python -m tests.services COMMAND ------------------------------------------------------------
+
 
 def main(argv: list[str]) -> int:
     command = argv[1:] if argv[:1] == ["--"] else argv
@@ -340,9 +398,17 @@ def main(argv: list[str]) -> int:
         postgres.start()
         broker.start()
         postgres.create_database("test")
-        env = dict(os.environ, DATABASE_URL=postgres.url("test"), CELERY_BROKER_URL=broker.url(15),
-                   **{POSTGRES_ENV: str(postgres.folder), REDIS_ENV: str(broker.folder)})
-        print(f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}", file=sys.stderr, flush=True)
+        env = dict(
+            os.environ,
+            DATABASE_URL=postgres.url("test"),
+            CELERY_BROKER_URL=broker.url(15),
+            **{POSTGRES_ENV: str(postgres.folder), REDIS_ENV: str(broker.folder)},
+        )
+        print(
+            f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}",
+            file=sys.stderr,
+            flush=True,
+        )
         child = subprocess.Popen(command, env=env)
         return child.wait()
     except KeyboardInterrupt:

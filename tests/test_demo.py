@@ -4,6 +4,7 @@ The rest of the suite runs on PostgreSQL, so this is the test that keeps the eng
 budget ledger's portable path and the demo itself working on SQLite. It runs `manage.py demo`
 as a user would, in a fresh var directory, with no database or broker configured.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,17 +16,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_dispute_demo_runs_end_to_end_on_sqlite_with_no_services(tmp_path):
-    env = {key: value for key, value in os.environ.items()
-           if key not in {"DATABASE_URL", "CELERY_BROKER_URL", "CELERY_QUEUE", "DB_POOL_MAX"}}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"DATABASE_URL", "CELERY_BROKER_URL", "CELERY_QUEUE", "DB_POOL_MAX"}
+    }
     env.update(AGENTPLATFORM_VAR_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, "manage.py", "demo"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert (tmp_path / "agentplatform.sqlite3").exists()
     assert "bank__transfer_funds         denied" in out, out[-4000:]
     assert "approval requested for bank__issue_refund" in out
-    assert "effects applied at the bank: {'issue_refund': 1, 'send_customer_email': 1} (transfer_funds: 0)" in out
+    assert (
+        "effects applied at the bank: {'issue_refund': 1, 'send_customer_email': 1} (transfer_funds: 0)"
+        in out
+    )
     assert "== final status: succeeded" in out
     assert "== budget: limit $2.0000" in out and "reserved $0.0000, held $0.0000" in out
     assert "No hostname was supplied" not in out

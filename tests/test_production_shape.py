@@ -1,5 +1,6 @@
 """The production shape: scripts/serve.sh with gunicorn, a worker, beat and Flower on PostgreSQL + Redis,
 configured only by environment variables."""
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def _free_port() -> int:
 @pytest.fixture
 def prod_database():
     name = f"prodshape_{os.getpid()}"
-    server = database_url().rsplit("/", 1)[0]          # the server the test database is on
+    server = database_url().rsplit("/", 1)[0]  # the server the test database is on
     admin = f"{server}/postgres"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
@@ -69,46 +70,96 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     bank = BankServer().start()
     port, flower_port = _free_port(), _free_port()
     from tenants.crypto import generate_key
+
     # TLS ends at a proxy in front of gunicorn; the test plays the proxy with X-Forwarded-Proto.
-    env = dict(os.environ, AGENTPLATFORM_ENV="production", SECRET_KEY=secrets.token_urlsafe(50),
-               SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
-               SECRET_ENCRYPTION_KEYS=generate_key(), DATABASE_URL=prod_database,
-               CELERY_BROKER_URL=settings.CELERY_BROKER_URL, CELERY_QUEUE=f"prodshape-{os.getpid()}",
-               BIND=f"127.0.0.1:{port}", FLOWER_PORT=str(flower_port), WORKER_CONCURRENCY="8",
-               SWEEP_INTERVAL_SECONDS="1", QUEUED_TOO_LONG_SECONDS="2", AGENTPLATFORM_VAR_DIR=str(tmp_path),
-               BANK_MCP_URL=bank.mcp_url, PY=str(ROOT / ".venv/bin/python"), METRICS_TOKEN="metrics-token-1",
-               FLOWER_UNAUTHENTICATED_API="true")
+    env = dict(
+        os.environ,
+        AGENTPLATFORM_ENV="production",
+        SECRET_KEY=secrets.token_urlsafe(50),
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        SECRET_ENCRYPTION_KEYS=generate_key(),
+        DATABASE_URL=prod_database,
+        CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
+        CELERY_QUEUE=f"prodshape-{os.getpid()}",
+        BIND=f"127.0.0.1:{port}",
+        FLOWER_PORT=str(flower_port),
+        WORKER_CONCURRENCY="8",
+        SWEEP_INTERVAL_SECONDS="1",
+        QUEUED_TOO_LONG_SECONDS="2",
+        AGENTPLATFORM_VAR_DIR=str(tmp_path),
+        BANK_MCP_URL=bank.mcp_url,
+        PY=str(ROOT / ".venv/bin/python"),
+        METRICS_TOKEN="metrics-token-1",
+        FLOWER_UNAUTHENTICATED_API="true",
+    )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
-    serve = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=(tmp_path / "serve.log").open("w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    serve = subprocess.Popen(
+        ["bash", "scripts/serve.sh"],
+        cwd=ROOT,
+        env=env,
+        stdout=(tmp_path / "serve.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         http = httpx.Client(headers=PROXIED)
         wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="gunicorn")
-        assert httpx.get(f"{base}/v1/schema").status_code == 301   # plain HTTP is sent to HTTPS
+        assert httpx.get(f"{base}/v1/schema").status_code == 301  # plain HTTP is sent to HTTPS
         config = tmp_path / "prod.yaml"
         config.write_text(CONFIG)
-        subprocess.run([str(ROOT / ".venv/bin/python"), "manage.py", "apply", str(config)], cwd=ROOT, env=env,
-                       check=True, capture_output=True)
-        token = http.post(f"{base}/v1/auth/token", json={"username": "pat", "password": "pat-password"}).json()["token"]
+        subprocess.run(
+            [str(ROOT / ".venv/bin/python"), "manage.py", "apply", str(config)],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        token = http.post(
+            f"{base}/v1/auth/token", json={"username": "pat", "password": "pat-password"}
+        ).json()["token"]
         headers = {"Authorization": f"Token {token}"}
-        run = http.post(f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1001"}}, headers=headers)
+        run = http.post(
+            f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1001"}}, headers=headers
+        )
         assert run.status_code == 201, run.text
         run_id = run.json()["id"]
-        done = wait_for(lambda: (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
-                        in ("succeeded", "failed", "stopped") and r, timeout=90, what="run end")
+        done = wait_for(
+            lambda: (
+                (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
+                in ("succeeded", "failed", "stopped")
+                and r
+            ),
+            timeout=90,
+            what="run end",
+        )
         assert done["status"] == "succeeded", done
         steps = http.get(f"{base}/v1/runs/{run_id}/steps", headers=headers).json()
-        assert [(s["kind"], s["status"]) for s in steps] == [("model", "succeeded"), ("tool", "succeeded"),
-                                                            ("model", "succeeded")]
+        assert [(s["kind"], s["status"]) for s in steps] == [
+            ("model", "succeeded"),
+            ("tool", "succeeded"),
+            ("model", "succeeded"),
+        ]
         assert "TXN-1001" in steps[1]["observation"]
         # The start-up output ends with where everything is and how to begin.
-        log = wait_for(lambda: "== agent platform started (ready)" in (
-            text := (tmp_path / "serve.log").read_text()) and text, timeout=60, what="start-up banner")
-        banner = log[log.index("== agent platform started"):]
-        for needle in (f"{base}/v1/docs", f"{base}/admin/", f"{base}/healthz", f"{base}/metrics",
-                       f"http://127.0.0.1:{flower_port}/", "manage.py createsuperuser", "manage.py apply"):
+        log = wait_for(
+            lambda: (
+                "== agent platform started (ready)" in (text := (tmp_path / "serve.log").read_text()) and text
+            ),
+            timeout=60,
+            what="start-up banner",
+        )
+        banner = log[log.index("== agent platform started") :]
+        for needle in (
+            f"{base}/v1/docs",
+            f"{base}/admin/",
+            f"{base}/healthz",
+            f"{base}/metrics",
+            f"http://127.0.0.1:{flower_port}/",
+            "manage.py createsuperuser",
+            "manage.py apply",
+        ):
             assert needle in banner, banner
         assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
@@ -118,18 +169,35 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert metrics.status_code == 200
         samples = parse(metrics.text)
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
-        assert value(samples, "agentplatform_steps_total", kind="tool", tool="bank__lookup_transaction",
-                     outcome="succeeded") == 1
+        assert (
+            value(
+                samples,
+                "agentplatform_steps_total",
+                kind="tool",
+                tool="bank__lookup_transaction",
+                outcome="succeeded",
+            )
+            == 1
+        )
         assert value(samples, "agentplatform_runs", tenant="prod-bank", status="running") == 0
         assert value(samples, "agentplatform_broker_up") == 1
         # Beat runs the sweeper: a run whose message never reached the broker still finishes.
         with psycopg.connect(prod_database, autocommit=True) as conn:
-            conn.execute("UPDATE runs_run SET status='queued', finished_at=NULL, last_enqueued_at=NULL, "
-                         "started_at=NULL WHERE id=%s", (run_id,))
+            conn.execute(
+                "UPDATE runs_run SET status='queued', finished_at=NULL, last_enqueued_at=NULL, "
+                "started_at=NULL WHERE id=%s",
+                (run_id,),
+            )
             conn.execute("UPDATE budgets_reservation SET step_id=NULL WHERE run_id=%s", (run_id,))
             conn.execute("DELETE FROM runs_step WHERE run_id=%s", (run_id,))
-        again = wait_for(lambda: (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"]
-                         == "succeeded" and r, timeout=60, what="sweeper recovery")
+        again = wait_for(
+            lambda: (
+                (r := http.get(f"{base}/v1/runs/{run_id}", headers=headers).json())["status"] == "succeeded"
+                and r
+            ),
+            timeout=60,
+            what="sweeper recovery",
+        )
         events = http.get(f"{base}/v1/runs/{run_id}/events", headers=headers).json()
         assert any(e["kind"] == "recovery" for e in events), events
         assert again["status"] == "succeeded"
@@ -137,17 +205,33 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert http.get(f"{base}/static/admin/css/base.css").status_code == 200
         wait_for(lambda: _ok(f"http://127.0.0.1:{flower_port}/"), timeout=60, what="flower")
         # A run while Flower is surely listening (the first may have ended before it connected).
-        seen = http.post(f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1002"}}, headers=headers)
+        seen = http.post(
+            f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1002"}}, headers=headers
+        )
         assert seen.status_code == 201, seen.text
-        wait_for(lambda: http.get(f"{base}/v1/runs/{seen.json()['id']}", headers=headers).json()["status"]
-                 == "succeeded", timeout=60, what="a run Flower sees")
+        wait_for(
+            lambda: (
+                http.get(f"{base}/v1/runs/{seen.json()['id']}", headers=headers).json()["status"]
+                == "succeeded"
+            ),
+            timeout=60,
+            what="a run Flower sees",
+        )
         # Flower lists the engine's steps with what each did; the sweeper's passes stay out of it.
-        tasks = wait_for(lambda: (t := httpx.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10).json())
-                         and all(task["state"] == "SUCCESS" for task in t.values()) and t, timeout=30,
-                         what="flower tasks")
+        tasks = wait_for(
+            lambda: (
+                (t := httpx.get(f"http://127.0.0.1:{flower_port}/api/tasks", timeout=10).json())
+                and all(task["state"] == "SUCCESS" for task in t.values())
+                and t
+            ),
+            timeout=30,
+            what="flower tasks",
+        )
         assert {task["name"] for task in tasks.values()} == {"runs.tasks.advance_run"}, tasks
-        assert any("'kind': 'tool', 'tool': 'bank__lookup_transaction', 'outcome': 'succeeded'" in task["result"]
-                   for task in tasks.values()), tasks
+        assert any(
+            "'kind': 'tool', 'tool': 'bank__lookup_transaction', 'outcome': 'succeeded'" in task["result"]
+            for task in tasks.values()
+        ), tasks
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
         try:
@@ -172,7 +256,14 @@ def test_every_variable_serve_sh_reads_is_in_the_readme():
     script = (ROOT / "scripts" / "serve.sh").read_text()
     readme = (ROOT / "README.md").read_text()
     names = set(re.findall(r"\$\{([A-Z_]+):-", script))
-    assert {"PY", "BIND", "FLOWER_PORT", "WORKER_CONCURRENCY", "GUNICORN_WORKERS", "AGENTPLATFORM_VAR_DIR"} <= names
+    assert {
+        "PY",
+        "BIND",
+        "FLOWER_PORT",
+        "WORKER_CONCURRENCY",
+        "GUNICORN_WORKERS",
+        "AGENTPLATFORM_VAR_DIR",
+    } <= names
     assert not [name for name in names if f"`{name}`" not in readme]
     concurrency = re.search(r"WORKER_CONCURRENCY:-(\d+)", script).group(1)
     assert f"-c {concurrency}" in readme and f"`WORKER_CONCURRENCY` | `{concurrency}`" in readme

@@ -32,8 +32,10 @@ class ToolServerAdmin(TenantScopedAdmin):
         # A server is a destination: created by apply or by an operator.
         return is_operator(request.user) and super().has_add_permission(request)
 
-    @admin.action(description="Sync the tool list from the server (changed tools are quarantined)",
-                  permissions=["change"])
+    @admin.action(
+        description="Sync the tool list from the server (changed tools are quarantined)",
+        permissions=["change"],
+    )
     def sync_tools(self, request, queryset):
         for server in queryset:
             try:
@@ -41,15 +43,21 @@ class ToolServerAdmin(TenantScopedAdmin):
             except (ToolFailed, SecretKeyError) as exc:
                 messages.error(request, f"{server}: {exc}")
                 continue
-            messages.success(request, f"{server}: {len(report.added)} new (disabled until reviewed), "
-                                      f"{len(report.quarantined)} quarantined, {len(report.unchanged)} unchanged, "
-                                      f"{len(report.missing)} no longer listed")
+            messages.success(
+                request,
+                f"{server}: {len(report.added)} new (disabled until reviewed), "
+                f"{len(report.quarantined)} quarantined, {len(report.unchanged)} unchanged, "
+                f"{len(report.missing)} no longer listed",
+            )
 
 
 def hints_html(annotations: dict) -> str:
     """MCP annotations as the server declared them: hints to a reviewer, never trusted."""
-    hints = [(name.removesuffix("Hint"), "yes" if value is True else "no" if value is False else value)
-             for name, value in sorted((annotations or {}).items()) if name.endswith("Hint")]
+    hints = [
+        (name.removesuffix("Hint"), "yes" if value is True else "no" if value is False else value)
+        for name, value in sorted((annotations or {}).items())
+        if name.endswith("Hint")
+    ]
     if not hints:
         return "—"
     return format_html_join(", ", '<span class="hint">{}: {}</span>', hints)
@@ -73,8 +81,17 @@ class ToolAdmin(TenantGuardedAdmin):
     """
 
     form = ToolForm
-    list_display = ["name", "server", "effect_class", "approval_policy", "enabled", "quarantined",
-                    "quarantine_note", "hints", "price"]
+    list_display = [
+        "name",
+        "server",
+        "effect_class",
+        "approval_policy",
+        "enabled",
+        "quarantined",
+        "quarantine_note",
+        "hints",
+        "price",
+    ]
     list_filter = ["enabled", "quarantined", "effect_class", ("server", admin.RelatedOnlyFieldListFilter)]
     list_select_related = ["server"]
     search_fields = ["name", "description"]
@@ -83,20 +100,40 @@ class ToolAdmin(TenantGuardedAdmin):
         (None, {"fields": ["name", "server", "tenant", "description", "input_schema", "hints"]}),
         ("Review", {"fields": ["enabled", "quarantined", "quarantine_reason"]}),
         ("Effects and approval", {"fields": ["effect_class", "approval_policy", "approval_ttl_seconds"]}),
-        ("Calls", {"fields": ["timeout_seconds", "settle_seconds", "price_micros", "max_attempts", "backoff_seconds",
-                              "http_url", "status_url"],
-                   "description": "settle seconds: how long the provider may take, after the timeout, to make an "
-                                  "accepted call visible to a status lookup or to de-duplicate its key. No lookup "
-                                  "or retry of an idempotent or reconcilable call happens before sent + timeout + "
-                                  "settle. Empty: 60 s for idempotent and reconcilable tools, 0 otherwise."}),
+        (
+            "Calls",
+            {
+                "fields": [
+                    "timeout_seconds",
+                    "settle_seconds",
+                    "price_micros",
+                    "max_attempts",
+                    "backoff_seconds",
+                    "http_url",
+                    "status_url",
+                ],
+                "description": "settle seconds: how long the provider may take, after the timeout, to make an "
+                "accepted call visible to a status lookup or to de-duplicate its key. No lookup "
+                "or retry of an idempotent or reconcilable call happens before sent + timeout + "
+                "settle. Empty: 60 s for idempotent and reconcilable tools, 0 otherwise.",
+            },
+        ),
     ]
-    readonly_fields = ["name", "server", "tenant", "description", "input_schema", "hints", "quarantined",
-                       "quarantine_reason"]
+    readonly_fields = [
+        "name",
+        "server",
+        "tenant",
+        "description",
+        "input_schema",
+        "hints",
+        "quarantined",
+        "quarantine_reason",
+    ]
 
     def get_readonly_fields(self, request, obj=None):
         readonly = list(super().get_readonly_fields(request, obj))
         if not is_operator(request.user):
-            readonly += Tool.DESTINATION_FIELDS   # see ToolServerAdmin.get_readonly_fields
+            readonly += Tool.DESTINATION_FIELDS  # see ToolServerAdmin.get_readonly_fields
         return readonly
 
     @admin.display(description="hints (from the server, untrusted)")

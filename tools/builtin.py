@@ -1,10 +1,11 @@
 """Tools implemented inside the platform (server kind `builtin`)."""
+
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tools.types import ToolResult
 
@@ -31,6 +32,7 @@ def _sleep(arguments: dict) -> ToolResult:
 
 def _clock(arguments: dict) -> ToolResult:
     from django.utils import timezone
+
     return ToolResult(text=timezone.now().isoformat())
 
 
@@ -38,8 +40,14 @@ _OBJECT = {"type": "object", "additionalProperties": True}
 BUILTINS: dict[str, Builtin] = {
     "echo": Builtin("Return the arguments unchanged.", _OBJECT, _echo),
     "noop": Builtin("Do nothing and answer ok.", _OBJECT, _noop),
-    "sleep": Builtin("Wait for the given number of seconds.",
-                     {"type": "object", "properties": {"seconds": {"type": "number", "minimum": 0}},
-                      "required": ["seconds"]}, _sleep),
+    "sleep": Builtin(
+        "Wait for the given number of seconds.",
+        {
+            "type": "object",
+            "properties": {"seconds": {"type": "number", "minimum": 0}},
+            "required": ["seconds"],
+        },
+        _sleep,
+    ),
     "clock": Builtin("Current time (UTC, ISO 8601).", {"type": "object", "properties": {}}, _clock),
 }

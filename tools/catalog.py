@@ -3,6 +3,7 @@
 fetch_remote() talks to the server (never call it inside a transaction); sync_server() only
 writes rows, so callers fetch first and then sync in one short transaction.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,12 +39,15 @@ def tool_name(server: ToolServer, remote_name: str) -> str:
 
 def fetch_remote(server: ToolServer) -> list[RemoteTool]:
     if server.kind == ToolServer.Kind.BUILTIN:
-        return [RemoteTool(name, b.description, b.input_schema, {"readOnlyHint": name != "sleep"})
-                for name, b in sorted(BUILTINS.items())]
+        return [
+            RemoteTool(name, b.description, b.input_schema, {"readOnlyHint": name != "sleep"})
+            for name, b in sorted(BUILTINS.items())
+        ]
     if server.kind == ToolServer.Kind.MCP:
         from tools import gateway, mcp_client
+
         return mcp_client.list_tools(gateway.mcp_config(server))
-    return []   # http tools are declared in the tenant configuration
+    return []  # http tools are declared in the tenant configuration
 
 
 def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
@@ -54,28 +58,45 @@ def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
     # Descriptions and schemas go to the model verbatim; a server could echo the credential we
     # send it into them.
     secrets = known_secrets(server.tenant_id)
-    remote = [RemoteTool(r.name, redact(r.description, secrets), redact_obj(r.input_schema, secrets),
-                         r.annotations) for r in remote]
+    remote = [
+        RemoteTool(r.name, redact(r.description, secrets), redact_obj(r.input_schema, secrets), r.annotations)
+        for r in remote
+    ]
     for item in remote:
         digest = schema_hash(item.description, item.input_schema)
         tool = existing.get(item.name)
         if tool is None:
-            Tool.objects.create(tenant_id=server.tenant_id, server=server, name=tool_name(server, item.name),
-                                remote_name=item.name, description=item.description,
-                                input_schema=item.input_schema, schema_hash=digest,
-                                annotations=dict(item.annotations), enabled=False,
-                                effect_class=EffectClass.UNSAFE)
+            Tool.objects.create(
+                tenant_id=server.tenant_id,
+                server=server,
+                name=tool_name(server, item.name),
+                remote_name=item.name,
+                description=item.description,
+                input_schema=item.input_schema,
+                schema_hash=digest,
+                annotations=dict(item.annotations),
+                enabled=False,
+                effect_class=EffectClass.UNSAFE,
+            )
             report.added.append(item.name)
         elif tool.schema_hash and tool.schema_hash != digest:
             Tool.objects.filter(pk=tool.pk).update(
-                quarantined=True, description=item.description, input_schema=item.input_schema,
-                schema_hash=digest, annotations=dict(item.annotations),
+                quarantined=True,
+                description=item.description,
+                input_schema=item.input_schema,
+                schema_hash=digest,
+                annotations=dict(item.annotations),
                 quarantine_reason=f"the server changed this tool's description or input schema "
-                                  f"on {timezone.now():%Y-%m-%d %H:%M} UTC; review and re-enable it")
+                f"on {timezone.now():%Y-%m-%d %H:%M} UTC; review and re-enable it",
+            )
             report.quarantined.append(item.name)
         else:
-            Tool.objects.filter(pk=tool.pk).update(annotations=dict(item.annotations), schema_hash=digest,
-                                                   description=item.description, input_schema=item.input_schema)
+            Tool.objects.filter(pk=tool.pk).update(
+                annotations=dict(item.annotations),
+                schema_hash=digest,
+                description=item.description,
+                input_schema=item.input_schema,
+            )
             report.unchanged.append(item.name)
     report.missing = sorted(set(existing) - {r.name for r in remote})
     ToolServer.objects.filter(pk=server.pk).update(last_synced_at=timezone.now())
@@ -86,7 +107,9 @@ def refresh(server: ToolServer) -> SyncReport:
     if server.kind == ToolServer.Kind.HTTP:
         # Declared, not discovered: there is no server-side list to compare with (syncing an
         # empty list would report every declared tool as missing).
-        return SyncReport(unchanged=sorted(Tool.objects.filter(server=server).values_list("remote_name", flat=True)))
+        return SyncReport(
+            unchanged=sorted(Tool.objects.filter(server=server).values_list("remote_name", flat=True))
+        )
     remote = fetch_remote(server)
     with transaction.atomic():
         return sync_server(server, remote)

@@ -5,6 +5,7 @@ each time (_USE_TOOL below; guardian's ObjectPermissionChecker caches per object
 superusers everything, so it is never used here). The engine passes the user row it read in
 the same transaction, under the run lock; other callers let the gateway read it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,20 +30,28 @@ from tools import relevance
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer
 from tools.origins import origin_text, same_origin
-from tools.types import (IDEMPOTENCY_HEADER, McpServerConfig, ToolFailed, ToolInProgress, ToolOutcomeUnknown,
-                         ToolResult)
+from tools.types import (
+    IDEMPOTENCY_HEADER,
+    McpServerConfig,
+    ToolFailed,
+    ToolInProgress,
+    ToolOutcomeUnknown,
+    ToolResult,
+)
 
 SEARCH_TOOLS = "search_tools"
 SEARCH_TOOLS_SPEC = ToolSpec(
     name=SEARCH_TOOLS,
     description="Find more tools you are allowed to use. Describe the task; matching tools are added to your list.",
-    input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})
+    input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+)
 SEARCH_REVEAL = 5
 # Tools the platform answers itself, from the run's own rows: no server, no network.
 PLATFORM_TOOLS = {SEARCH_TOOLS, context.READ_RESULT}
 
 
 # --- what the model sees -----------------------------------------------------------------------
+
 
 def _fresh_user(run: Run):
     return get_user_model().objects.get(pk=run.created_by_id)
@@ -59,14 +68,18 @@ def _use_tool_sql() -> str:
     from guardian.models import GroupObjectPermission, UserObjectPermission
 
     memberships = get_user_model().groups.through
-    permission = (f"SELECT p.id FROM {rows.table(Permission)} p JOIN {rows.table(ContentType)} c "
-                  "ON c.id = p.content_type_id WHERE c.app_label = 'tools' AND c.model = 'tool' "
-                  "AND p.codename = 'use_tool'")
-    return (f"CAST(t.id AS TEXT) IN (SELECT object_pk FROM {rows.table(UserObjectPermission)} "
-            f"WHERE user_id = %(user)s AND permission_id IN ({permission}) "
-            f"UNION ALL SELECT g.object_pk FROM {rows.table(GroupObjectPermission)} g "
-            f"JOIN {rows.table(memberships)} m ON m.group_id = g.group_id "
-            f"WHERE m.user_id = %(user)s AND g.permission_id IN ({permission}))")
+    permission = (
+        f"SELECT p.id FROM {rows.table(Permission)} p JOIN {rows.table(ContentType)} c "
+        "ON c.id = p.content_type_id WHERE c.app_label = 'tools' AND c.model = 'tool' "
+        "AND p.codename = 'use_tool'"
+    )
+    return (
+        f"CAST(t.id AS TEXT) IN (SELECT object_pk FROM {rows.table(UserObjectPermission)} "
+        f"WHERE user_id = %(user)s AND permission_id IN ({permission}) "
+        f"UNION ALL SELECT g.object_pk FROM {rows.table(GroupObjectPermission)} g "
+        f"JOIN {rows.table(memberships)} m ON m.group_id = g.group_id "
+        f"WHERE m.user_id = %(user)s AND g.permission_id IN ({permission}))"
+    )
 
 
 def permitted_tools(run: Run, *, user=None) -> list[Tool]:
@@ -79,10 +92,15 @@ def permitted_tools(run: Run, *, user=None) -> list[Tool]:
         return []
     params = {"tenant": run.tenant_id, "user": user.pk}
     names = rows.in_list("name", list(run.version.spec.get("tools", [])), params)
-    return [tool for tool, in rows.fetch(
-        f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t WHERE t.tenant_id = %(tenant)s "
-        f"AND t.name {names} AND t.enabled AND NOT t.quarantined AND {_use_tool_sql()} ORDER BY t.name",
-        params, Tool)]
+    return [
+        tool
+        for (tool,) in rows.fetch(
+            f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t WHERE t.tenant_id = %(tenant)s "
+            f"AND t.name {names} AND t.enabled AND NOT t.quarantined AND {_use_tool_sql()} ORDER BY t.name",
+            params,
+            Tool,
+        )
+    ]
 
 
 def _spec(tool: Tool) -> ToolSpec:
@@ -101,7 +119,7 @@ def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
     by_name = {t.name: t for t in tools}
     ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
     chosen = [n for n in run.revealed_tools if n in by_name]
-    chosen += [n for n in ranked if n not in chosen][:max(limit - 1 - len(chosen), 0)]
+    chosen += [n for n in ranked if n not in chosen][: max(limit - 1 - len(chosen), 0)]
     return sorted([_spec(by_name[n]) for n in chosen], key=lambda s: s.name) + [SEARCH_TOOLS_SPEC]
 
 
@@ -117,9 +135,14 @@ def _deny_unoffered(step: Step) -> bool:
     if step.tool_name in _offered_on(step):
         return False
     reason = f"tool {step.tool_name} was not offered on this call"
-    transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {step.tool_name} denied: {reason}",
-                    error=reason, observation=f"ERROR: call denied by the platform: {reason}",
-                    finished_at=timezone.now())
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied by the platform: {reason}",
+        finished_at=timezone.now(),
+    )
     return True
 
 
@@ -131,8 +154,12 @@ def run_read_result(run: Run, step: Step) -> None:
     seq, offset = arguments.get("step"), arguments.get("offset", 0)
     found = None
     if isinstance(seq, int) and isinstance(offset, int) and offset >= 0:
-        found = Step.objects.filter(run_id=run.pk, seq=seq, kind=StepKind.TOOL).order_by().values_list(
-            "result", "observation").first()
+        found = (
+            Step.objects.filter(run_id=run.pk, seq=seq, kind=StepKind.TOOL)
+            .order_by()
+            .values_list("result", "observation")
+            .first()
+        )
     if found is None:
         text = f"ERROR: no tool result at step {seq!r} of this run (give step as a number, offset >= 0)"
         transition_step(step, StepStatus.FAILED, error=text, observation=text, finished_at=timezone.now())
@@ -142,17 +169,27 @@ def run_read_result(run: Run, step: Step) -> None:
     text = stored if isinstance(stored, str) else observation
     policy = context.ContextPolicy.from_spec(run.version.spec.get("context"))
     shown = context.page(text, seq=seq, offset=offset, limit=policy.limit_for(context.READ_RESULT))
-    transition_step(step, StepStatus.SUCCEEDED, result={"text": shown, "step": seq, "offset": offset},
-                    observation=shown, finished_at=timezone.now())
+    transition_step(
+        step,
+        StepStatus.SUCCEEDED,
+        result={"text": shown, "step": seq, "offset": offset},
+        observation=shown,
+        finished_at=timezone.now(),
+    )
 
 
 def run_search_tools(run: Run, step: Step) -> None:
     """Built-in search_tools: reveal more tools, only from the permitted set."""
     if SEARCH_TOOLS not in _offered_on(step):
         reason = f"tool {SEARCH_TOOLS} was not offered on this call"
-        transition_step(step, StepStatus.DENIED, message=f"step {step.seq} {SEARCH_TOOLS} denied: {reason}",
-                        error=reason, observation=f"ERROR: call denied by the platform: {reason}",
-                        finished_at=timezone.now())
+        transition_step(
+            step,
+            StepStatus.DENIED,
+            message=f"step {step.seq} {SEARCH_TOOLS} denied: {reason}",
+            error=reason,
+            observation=f"ERROR: call denied by the platform: {reason}",
+            finished_at=timezone.now(),
+        )
         return
     query = str((step.arguments or {}).get("query", ""))
     tools = permitted_tools(run)
@@ -161,12 +198,17 @@ def run_search_tools(run: Run, step: Step) -> None:
     Run.objects.filter(pk=run.pk).update(revealed_tools=run.revealed_tools + found)
     by_name = {t.name: t for t in tools}
     text = "\n".join(f"- {n}: {by_name[n].description}" for n in found) or "no further tools match"
-    transition_step(step, StepStatus.SUCCEEDED, result={"text": text, "revealed": found},
-                    observation=f"Tools added to your list:\n{text}" if found else text,
-                    finished_at=timezone.now())
+    transition_step(
+        step,
+        StepStatus.SUCCEEDED,
+        result={"text": text, "revealed": found},
+        observation=f"Tools added to your list:\n{text}" if found else text,
+        finished_at=timezone.now(),
+    )
 
 
 # --- proposals and checks at dispatch -----------------------------------------------------------
+
 
 def idempotency_key(run: Run, seq: int) -> str:
     """Stable for the step: the same on every attempt, never derived from the attempt."""
@@ -180,17 +222,47 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
     names = {call["name"] for call in calls} - PLATFORM_TOOLS
     params = {"tenant": run.tenant_id}
     in_names = rows.in_list("name", sorted(names), params)
-    tools = {t.name: t for t, in rows.fetch(f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "
-                                            f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}", params, Tool)}
+    tools = {
+        t.name: t
+        for (t,) in rows.fetch(
+            f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "
+            f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}",
+            params,
+            Tool,
+        )
+    }
     steps = []
     for seq, call in enumerate(calls, start=parent_seq + 1):
         name = call["name"]
-        arguments = call.get("arguments") if isinstance(call.get("arguments"), dict) else {"_raw": call.get("arguments")}
-        steps.append(Step(run=run, seq=seq, kind=StepKind.TOOL, status=StepStatus.PROPOSED, parent_seq=parent_seq,
-                          tool=tools.get(name), tool_name=name, call_id=call["id"], arguments=arguments,
-                          args_digest=digest(arguments), idempotency_key=idempotency_key(run, seq)))
-        record_event(run.pk, "step", f"step {seq} proposed: {name}", step_seq=seq, to=StepStatus.PROPOSED,
-                     step_kind=StepKind.TOOL, tool=name)
+        arguments = (
+            call.get("arguments")
+            if isinstance(call.get("arguments"), dict)
+            else {"_raw": call.get("arguments")}
+        )
+        steps.append(
+            Step(
+                run=run,
+                seq=seq,
+                kind=StepKind.TOOL,
+                status=StepStatus.PROPOSED,
+                parent_seq=parent_seq,
+                tool=tools.get(name),
+                tool_name=name,
+                call_id=call["id"],
+                arguments=arguments,
+                args_digest=digest(arguments),
+                idempotency_key=idempotency_key(run, seq),
+            )
+        )
+        record_event(
+            run.pk,
+            "step",
+            f"step {seq} proposed: {name}",
+            step_seq=seq,
+            to=StepStatus.PROPOSED,
+            step_kind=StepKind.TOOL,
+            tool=name,
+        )
     rows.insert(steps)
     return steps
 
@@ -209,8 +281,10 @@ def use_tool_pks(user, tool_pks) -> set[str]:
     with connection.cursor() as cursor:
         params = {"user": user.pk}
         in_keys = rows.in_list("key", keys, params)
-        cursor.execute(f"SELECT t.id FROM {rows.table(Tool)} t WHERE t.id {in_keys} AND {_use_tool_sql()}", params)
-        return {str(pk) for pk, in cursor.fetchall()}
+        cursor.execute(
+            f"SELECT t.id FROM {rows.table(Tool)} t WHERE t.id {in_keys} AND {_use_tool_sql()}", params
+        )
+        return {str(pk) for (pk,) in cursor.fetchall()}
 
 
 def has_use_tool(user, tool: Tool) -> bool:
@@ -223,8 +297,12 @@ def _offered_on(step: Step, steps=None) -> list[str]:
         parent = next((s for s in steps if s.seq == step.parent_seq), None)
         return ((parent.request if parent else None) or {}).get("tools", [])
     # order_by(): Step's default ordering would join the run table for nothing.
-    request = Step.objects.filter(run_id=step.run_id, seq=step.parent_seq).order_by().values_list(
-        "request", flat=True).first()
+    request = (
+        Step.objects.filter(run_id=step.run_id, seq=step.parent_seq)
+        .order_by()
+        .values_list("request", flat=True)
+        .first()
+    )
     return (request or {}).get("tools", [])
 
 
@@ -244,9 +322,12 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
     if step.tool_id is None:
         return f"unknown tool {step.tool_name!r}"
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {rows.columns(Tool, 't')}, {rows.columns(ToolServer, 's')}, {_use_tool_sql()} "
-                       f"FROM {rows.table(Tool)} t JOIN {rows.table(ToolServer)} s ON s.id = t.server_id "
-                       "WHERE t.id = %(tool)s", {"tool": step.tool_id, "user": user.pk})
+        cursor.execute(
+            f"SELECT {rows.columns(Tool, 't')}, {rows.columns(ToolServer, 's')}, {_use_tool_sql()} "
+            f"FROM {rows.table(Tool)} t JOIN {rows.table(ToolServer)} s ON s.id = t.server_id "
+            "WHERE t.id = %(tool)s",
+            {"tool": step.tool_id, "user": user.pk},
+        )
         row = cursor.fetchone()
     tool, server = rows.split(row[:-1], Tool, ToolServer)
     may_use = row[-1]
@@ -286,6 +367,7 @@ def _validator(schema_json: str):
 
 # --- calling -----------------------------------------------------------------------------------
 
+
 def _secret_header(server: ToolServer) -> dict:
     if not server.secret_id:
         return {}
@@ -294,8 +376,12 @@ def _secret_header(server: ToolServer) -> dict:
 
 
 def mcp_config(server: ToolServer) -> McpServerConfig:
-    return McpServerConfig(transport=server.transport or ToolServer.Transport.STREAMABLE_HTTP, url=server.url,
-                           command=tuple(server.command or ()), headers=_secret_header(server))
+    return McpServerConfig(
+        transport=server.transport or ToolServer.Transport.STREAMABLE_HTTP,
+        url=server.url,
+        command=tuple(server.command or ()),
+        headers=_secret_header(server),
+    )
 
 
 def dispatch(step: Step) -> ToolResult:
@@ -308,13 +394,19 @@ def dispatch(step: Step) -> ToolResult:
             raise ToolFailed(f"no builtin tool {tool.remote_name}")
         try:
             return builtin.run(step.arguments)
-        except Exception as exc:  # noqa: BLE001 - it ran here, so its failure is known, not unknown
+        except Exception as exc:
             raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
     if server.kind == ToolServer.Kind.HTTP:
         return _http_call(server, tool, step)
     from tools import mcp_client
-    return mcp_client.call_tool(mcp_config(server), tool.remote_name, step.arguments,
-                                idempotency_key=step.idempotency_key, timeout=tool.timeout_seconds)
+
+    return mcp_client.call_tool(
+        mcp_config(server),
+        tool.remote_name,
+        step.arguments,
+        idempotency_key=step.idempotency_key,
+        timeout=tool.timeout_seconds,
+    )
 
 
 def http_tool_url(server: ToolServer, tool: Tool) -> str:
@@ -350,20 +442,28 @@ def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
     try:
         # Redirects are never followed (httpx's default, said here because it matters): the
         # secret goes to the configured origin and nowhere else.
-        response = httpx.post(url, json=step.arguments, headers=headers, follow_redirects=False,
-                              timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)))
+        response = httpx.post(
+            url,
+            json=step.arguments,
+            headers=headers,
+            follow_redirects=False,
+            timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)),
+        )
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise ToolFailed(f"could not connect to {server.name}: {type(exc).__name__}") from None
     except httpx.HTTPError as exc:
         raise ToolOutcomeUnknown(f"{type(exc).__name__} after sending to {server.name}") from None
     if response.status_code >= 500:
-        raise ToolOutcomeUnknown(f"{server.name} answered {response.status_code}",
-                                 retry_after=_retry_after(response))
+        raise ToolOutcomeUnknown(
+            f"{server.name} answered {response.status_code}", retry_after=_retry_after(response)
+        )
     if response.status_code == 409 and step.attempts > 1:
         # A repeat of a call whose first attempt went unanswered: the provider still holds the
         # key ("in use"), so that attempt is alive. Wait for it; a second send could double it.
-        raise ToolInProgress(f"{server.name} answered 409: the request with this key is still in progress",
-                             retry_after=_retry_after(response))
+        raise ToolInProgress(
+            f"{server.name} answered 409: the request with this key is still in progress",
+            retry_after=_retry_after(response),
+        )
     if response.status_code >= 400:
         raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
     if response.is_redirect:
@@ -375,8 +475,10 @@ def _redirected(server: ToolServer, response: httpx.Response) -> None:
     """A redirect is not followed. 307/308 say the request was not handled here (a failure);
     after any other redirect the provider may have acted, so the outcome is unknown."""
     where = response.headers.get("Location", "")
-    note = f"{server.name} redirected the call ({response.status_code}); not followed: calls and secrets go only " \
-           f"to the server's configured origin"
+    note = (
+        f"{server.name} redirected the call ({response.status_code}); not followed: calls and secrets go only "
+        f"to the server's configured origin"
+    )
     if not same_origin(str(response.url.join(where)), server.url):
         note += ", and the redirect pointed elsewhere"
     if response.status_code in (307, 308):
@@ -410,23 +512,33 @@ def lookup_status(step: Step) -> ToolResult | None:
             # Nothing is learnt about the call itself: its outcome stays unknown.
             raise ToolOutcomeUnknown(f"status lookup {refusal}")
         try:
-            response = httpx.get(url, headers=_secret_header(server), timeout=tool.timeout_seconds,
-                                 follow_redirects=False)
+            response = httpx.get(
+                url, headers=_secret_header(server), timeout=tool.timeout_seconds, follow_redirects=False
+            )
         except httpx.HTTPError as exc:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
         if response.status_code == 409:
-            raise ToolInProgress("status lookup answered 409: in progress", retry_after=_retry_after(response))
+            raise ToolInProgress(
+                "status lookup answered 409: in progress", retry_after=_retry_after(response)
+            )
         if response.status_code >= 300:
-            raise ToolOutcomeUnknown(f"status lookup answered {response.status_code} (redirects are not followed)")
+            raise ToolOutcomeUnknown(
+                f"status lookup answered {response.status_code} (redirects are not followed)"
+            )
         try:
             body = response.json()
         except ValueError:
             raise ToolOutcomeUnknown("status lookup answered something other than JSON") from None
     elif server.kind == ToolServer.Kind.MCP and server.status_tool:
         from tools import mcp_client
-        answer = mcp_client.call_tool(mcp_config(server), server.status_tool,
-                                      {"idempotency_key": step.idempotency_key},
-                                      idempotency_key=f"{step.idempotency_key}:status", timeout=tool.timeout_seconds)
+
+        answer = mcp_client.call_tool(
+            mcp_config(server),
+            server.status_tool,
+            {"idempotency_key": step.idempotency_key},
+            idempotency_key=f"{step.idempotency_key}:status",
+            timeout=tool.timeout_seconds,
+        )
         body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
     else:
         raise ToolOutcomeUnknown(f"{tool.name} has no status lookup configured")
@@ -442,7 +554,7 @@ def lookup_status(step: Step) -> ToolResult | None:
 
 # --- results -----------------------------------------------------------------------------------
 
-_secrets: dict[int, tuple[tuple, list[str]]] = {}   # tenant id -> ((id, ciphertext) pairs, values)
+_secrets: dict[int, tuple[tuple, list[str]]] = {}  # tenant id -> ((id, ciphertext) pairs, values)
 _secrets_lock = threading.Lock()
 
 
@@ -487,8 +599,10 @@ def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
     limit = settings.TOOL_RESULT_MODEL_CHARS
     observation = text
     if len(text) > limit:
-        observation = (text[:limit] + f"\n[truncated by the platform: showing {limit} of {len(text)} characters; "
-                       "the full result is stored]")
+        observation = (
+            text[:limit] + f"\n[truncated by the platform: showing {limit} of {len(text)} characters; "
+            "the full result is stored]"
+        )
     if result.is_error:
         observation = f"ERROR: {observation}"
     return stored, observation

@@ -20,6 +20,7 @@ Error contract for `call_tool`:
   reset / stream closed, HTTP 5xx, 404 (session lost), JSON-RPC internal or unrecognised errors.
 - `ToolResult(is_error=True)`: the tool ran and reported a failure (`isError: true`).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,10 +56,17 @@ MAX_TOOL_PAGES = 100
 # JSON-RPC errors that mean "the server refused the request". Everything else (INTERNAL_ERROR,
 # REQUEST_TIMEOUT, CONNECTION_CLOSED, PARSE_ERROR - which the SDK also synthesises for a garbled
 # response - and server-defined codes) leaves the outcome open.
-REJECTION_CODES = frozenset({
-    mt.INVALID_PARAMS, mt.METHOD_NOT_FOUND, mt.INVALID_REQUEST, mt.HEADER_MISMATCH,
-    mt.UNSUPPORTED_PROTOCOL_VERSION, mt.MISSING_REQUIRED_CLIENT_CAPABILITY, mt.URL_ELICITATION_REQUIRED,
-})
+REJECTION_CODES = frozenset(
+    {
+        mt.INVALID_PARAMS,
+        mt.METHOD_NOT_FOUND,
+        mt.INVALID_REQUEST,
+        mt.HEADER_MISMATCH,
+        mt.UNSUPPORTED_PROTOCOL_VERSION,
+        mt.MISSING_REQUIRED_CLIENT_CAPABILITY,
+        mt.URL_ELICITATION_REQUIRED,
+    }
+)
 
 # Extra wall-clock allowance on top of the per-request timeout for connect, teardown and
 # stdio process start/stop, so a wedged transport cannot hang a worker forever.
@@ -68,6 +76,7 @@ _T = TypeVar("_T")
 
 
 # --- public API -------------------------------------------------------------------------
+
 
 def list_tools(config: McpServerConfig, *, timeout: float = 30) -> list[RemoteTool]:
     """All tools the server lists (every page). Any failure raises ToolFailed: listing has no effect."""
@@ -80,8 +89,9 @@ def list_tools(config: McpServerConfig, *, timeout: float = 30) -> list[RemoteTo
         raise ToolFailed(f"tools/list failed{tap.note()}: {_describe(exc)}") from exc
 
 
-def call_tool(config: McpServerConfig, name: str, arguments: dict, *, idempotency_key: str,
-              timeout: float) -> ToolResult:
+def call_tool(
+    config: McpServerConfig, name: str, arguments: dict, *, idempotency_key: str, timeout: float
+) -> ToolResult:
     """Call one tool, sending `idempotency_key` in the request `_meta`; see the module docstring."""
     tap = _HttpTap()
     progress = _Progress()
@@ -121,6 +131,7 @@ def _block_text(block: mt.ContentBlock) -> str:
 
 # --- connection -------------------------------------------------------------------------
 
+
 def _run(coro: Awaitable[_T], timeout: float) -> _T:
     async def bounded() -> _T:
         with anyio.fail_after(timeout + HARD_DEADLINE_SLACK):
@@ -140,16 +151,25 @@ async def _connect(config: McpServerConfig, timeout: float, tap: _HttpTap) -> As
             timeout=httpx2.Timeout(timeout, connect=min(timeout, 10.0), read=timeout + 5.0),
             transport=tap.wrap(httpx2.AsyncHTTPTransport(), only_to=config.url),
         )
-        async with http:
-            async with Client(streamable_http_client(config.url, http_client=http), mode="legacy",
-                              cache=None, read_timeout_seconds=timeout) as client:
-                yield client
+        async with (
+            http,
+            Client(
+                streamable_http_client(config.url, http_client=http),
+                mode="legacy",
+                cache=None,
+                read_timeout_seconds=timeout,
+            ) as client,
+        ):
+            yield client
     elif config.transport == "stdio":
         if not config.command:
             raise ToolFailed("stdio server config has no command")
-        params = StdioServerParameters(command=config.command[0], args=list(config.command[1:]),
-                                       env=dict(config.env) or None)
-        async with Client(stdio_client(params), mode="legacy", cache=None, read_timeout_seconds=timeout) as client:
+        params = StdioServerParameters(
+            command=config.command[0], args=list(config.command[1:]), env=dict(config.env) or None
+        )
+        async with Client(
+            stdio_client(params), mode="legacy", cache=None, read_timeout_seconds=timeout
+        ) as client:
             yield client
     else:
         raise ToolFailed(f"unsupported MCP transport: {config.transport!r}")
@@ -190,18 +210,29 @@ class _Progress:
     result: mt.CallToolResult | None = None
 
 
-async def _call_tool(config: McpServerConfig, name: str, arguments: dict, idempotency_key: str, timeout: float,
-                     tap: _HttpTap, progress: _Progress) -> mt.CallToolResult:
+async def _call_tool(
+    config: McpServerConfig,
+    name: str,
+    arguments: dict,
+    idempotency_key: str,
+    timeout: float,
+    tap: _HttpTap,
+    progress: _Progress,
+) -> mt.CallToolResult:
     try:
         async with _connect(config, timeout, tap) as client:
-            request = mt.CallToolRequest(params=mt.CallToolRequestParams(
-                name=name, arguments=arguments, _meta={IDEMPOTENCY_META_KEY: idempotency_key}))
+            request = mt.CallToolRequest(
+                params=mt.CallToolRequestParams(
+                    name=name, arguments=arguments, _meta={IDEMPOTENCY_META_KEY: idempotency_key}
+                )
+            )
             progress.call_sent = True
             # session.send_request, not Client.call_tool: the latter re-lists tools after a
             # successful call to validate output schemas, an extra round trip that could fail
             # after the effect has already happened.
             progress.result = await client.session.send_request(
-                request, mt.CallToolResult, request_read_timeout_seconds=timeout)
+                request, mt.CallToolResult, request_read_timeout_seconds=timeout
+            )
     except Exception:
         if progress.result is None:
             raise
@@ -212,6 +243,7 @@ async def _call_tool(config: McpServerConfig, name: str, arguments: dict, idempo
 
 
 # --- error classification ---------------------------------------------------------------
+
 
 @dataclass
 class _HttpTap:
@@ -224,7 +256,7 @@ class _HttpTap:
     statuses: dict[str, int] = field(default_factory=dict)
     retry_after: dict[str, float] = field(default_factory=dict)
     connect_failed: set[str] = field(default_factory=set)
-    refused: list[str] = field(default_factory=list)   # URLs not sent: another origin than the server's
+    refused: list[str] = field(default_factory=list)  # URLs not sent: another origin than the server's
 
     def wrap(self, inner: httpx2.AsyncBaseTransport, *, only_to: str) -> httpx2.AsyncBaseTransport:
         return _TapTransport(inner, self, only_to)
@@ -307,7 +339,9 @@ def _classify(exc: Exception, progress: _Progress, tap: _HttpTap) -> Exception:
         return ToolFailed(f"could not connect to send tools/call: {detail}")
     status = tap.statuses.get(call)
     if status is not None and status >= 500:
-        return ToolOutcomeUnknown(f"tools/call got HTTP {status}: {detail}", retry_after=tap.retry_after.get(call))
+        return ToolOutcomeUnknown(
+            f"tools/call got HTTP {status}: {detail}", retry_after=tap.retry_after.get(call)
+        )
     if status == 404:
         return ToolOutcomeUnknown(f"MCP session lost during tools/call (HTTP 404): {detail}")
     if status == 202:

@@ -12,8 +12,12 @@ class EffectClass(models.TextChoices):
 
 # How long a provider may take, after our call ended, to make an accepted request visible to a
 # status lookup or to de-duplicate a repeated key (DESIGN.md 5.1). Only classes that retry need one.
-DEFAULT_SETTLE_SECONDS = {EffectClass.READ_ONLY: 0, EffectClass.IDEMPOTENT: 60, EffectClass.RECONCILABLE: 60,
-                          EffectClass.UNSAFE: 0}
+DEFAULT_SETTLE_SECONDS = {
+    EffectClass.READ_ONLY: 0,
+    EffectClass.IDEMPOTENT: 60,
+    EffectClass.RECONCILABLE: 60,
+    EffectClass.UNSAFE: 0,
+}
 # An "in progress" answer is waited on; past this many settle windows (and at least this many
 # seconds) it is a person's problem.
 IN_PROGRESS_PATIENCE = 10
@@ -25,8 +29,16 @@ class ToolServer(models.Model):
     # platform operators, read-only to everyone else in the admin (DESIGN.md section 7).
     # status_tool too: it names the remote tool that recovery calls on its own (an effectful one
     # named there would be called without the model, the user or an approval).
-    DESTINATION_FIELDS = ("kind", "transport", "url", "command", "secret", "auth_header", "auth_scheme",
-                          "status_tool")
+    DESTINATION_FIELDS = (
+        "kind",
+        "transport",
+        "url",
+        "command",
+        "secret",
+        "auth_header",
+        "auth_scheme",
+        "status_tool",
+    )
 
     class Kind(models.TextChoices):
         MCP = "mcp"
@@ -38,16 +50,17 @@ class ToolServer(models.Model):
         STDIO = "stdio"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tool_servers")
-    name = models.SlugField(max_length=50)   # prefix of its tools' names: "<name>.<tool>"
+    name = models.SlugField(max_length=50)  # prefix of its tools' names: "<name>.<tool>"
     kind = models.CharField(max_length=16, choices=Kind.choices)
     transport = models.CharField(max_length=16, choices=Transport.choices, blank=True)
     url = models.CharField(max_length=500, blank=True)
     command = models.JSONField(default=list, blank=True)
-    secret = models.ForeignKey("tenants.Secret", null=True, blank=True, on_delete=models.PROTECT,
-                               related_name="+")
+    secret = models.ForeignKey(
+        "tenants.Secret", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     auth_header = models.CharField(max_length=100, default="Authorization", blank=True)
     auth_scheme = models.CharField(max_length=20, default="Bearer", blank=True)
-    status_tool = models.CharField(max_length=200, blank=True)   # MCP: reconciliation lookup
+    status_tool = models.CharField(max_length=200, blank=True)  # MCP: reconciliation lookup
     last_synced_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -60,21 +73,20 @@ class ToolServer(models.Model):
 class Tool(models.Model):
     """A tool under tenant control. Discovered tools start disabled; hints grant nothing."""
 
-    DESTINATION_FIELDS = ("http_url", "status_url")   # see ToolServer.DESTINATION_FIELDS
+    DESTINATION_FIELDS = ("http_url", "status_url")  # see ToolServer.DESTINATION_FIELDS
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="tools")
     server = models.ForeignKey(ToolServer, on_delete=models.CASCADE, related_name="tools")
-    name = models.CharField(max_length=200)          # "<server>.<remote_name>", what the model sees
+    name = models.CharField(max_length=200)  # "<server>.<remote_name>", what the model sees
     remote_name = models.CharField(max_length=200)
     description = models.TextField(blank=True)
     input_schema = models.JSONField(default=dict, blank=True)
     schema_hash = models.CharField(max_length=64, blank=True)
-    annotations = models.JSONField(default=dict, blank=True)   # provider hints, display only
+    annotations = models.JSONField(default=dict, blank=True)  # provider hints, display only
     enabled = models.BooleanField(default=False)
     quarantined = models.BooleanField(default=False)
     quarantine_reason = models.TextField(blank=True)
-    effect_class = models.CharField(max_length=16, choices=EffectClass.choices,
-                                    default=EffectClass.UNSAFE)
+    effect_class = models.CharField(max_length=16, choices=EffectClass.choices, default=EffectClass.UNSAFE)
     approval_policy = models.TextField(default="never")
     policy_version = models.PositiveIntegerField(default=1)
     approval_ttl_seconds = models.PositiveIntegerField(null=True, blank=True)
@@ -82,9 +94,9 @@ class Tool(models.Model):
     price_micros = models.BigIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=3)
     backoff_seconds = models.FloatField(default=1.0)
-    settle_seconds = models.PositiveIntegerField(null=True, blank=True)   # None: DEFAULT_SETTLE_SECONDS
-    http_url = models.CharField(max_length=500, blank=True)     # http tools: POST target
-    status_url = models.CharField(max_length=500, blank=True)   # http reconcilable: GET {key}
+    settle_seconds = models.PositiveIntegerField(null=True, blank=True)  # None: DEFAULT_SETTLE_SECONDS
+    http_url = models.CharField(max_length=500, blank=True)  # http tools: POST target
+    status_url = models.CharField(max_length=500, blank=True)  # http reconcilable: GET {key}
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_tool_name")]

@@ -5,6 +5,7 @@ carries it (an HTTP tool's POST, its status lookup, each request of an MCP sessi
 that origin; anything else is refused before a byte is sent. Egress lists (a tenant's allowed
 hosts, checked by `manage.py apply`) use the same parsing.
 """
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
@@ -72,7 +73,7 @@ def split_host_port(entry: str) -> tuple[str, int | None]:
         end = text.find("]")
         if end < 0:
             raise OriginError(f"bad host {entry!r}")
-        host, rest = text[1:end], text[end + 1:]
+        host, rest = text[1:end], text[end + 1 :]
         if rest:
             if not rest.startswith(":"):
                 raise OriginError(f"bad host {entry!r}")

@@ -1,4 +1,5 @@
 """BM25 ranking of tools by name and description, offline, for large catalogues."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Writes on the tool catalogue that more than one entry point needs (admin, `manage.py apply`)."""
+
 from __future__ import annotations
 
 from django.db.models import F
@@ -22,14 +23,18 @@ def configure_tool(tool: Tool, values: dict) -> list[str]:
     longer match the digest of the call. Quarantine is never cleared here: releasing it is a
     person's decision (tools.catalog.release_quarantine).
     """
-    changes = {name: value for name, value in values.items()
-               if name != "approval_policy" and getattr(tool, name) != value}
+    changes = {
+        name: value
+        for name, value in values.items()
+        if name != "approval_policy" and getattr(tool, name) != value
+    }
     if "approval_policy" in values and not same_policy(tool.approval_policy, values["approval_policy"]):
         changes["approval_policy"] = canonical(values["approval_policy"])
         changes["policy_version"] = F("policy_version") + 1
     if {"description", "input_schema"} & set(changes):
-        changes["schema_hash"] = schema_hash(values.get("description", tool.description),
-                                             values.get("input_schema", tool.input_schema))
+        changes["schema_hash"] = schema_hash(
+            values.get("description", tool.description), values.get("input_schema", tool.input_schema)
+        )
     if changes:
         Tool.objects.filter(pk=tool.pk).update(**changes)
     return [name for name in changes if name not in ("policy_version", "schema_hash")]

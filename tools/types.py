@@ -1,4 +1,5 @@
 """Shapes that cross the tool gateway, independent of the transport (MCP, HTTP, builtin)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,11 +30,11 @@ class ToolResult:
 
 @dataclass(frozen=True)
 class McpServerConfig:
-    transport: str                       # "streamable_http" | "stdio"
-    url: str = ""                        # streamable_http
-    command: tuple[str, ...] = ()        # stdio: argv
+    transport: str  # "streamable_http" | "stdio"
+    url: str = ""  # streamable_http
+    command: tuple[str, ...] = ()  # stdio: argv
     env: dict = field(default_factory=dict)
-    headers: dict = field(default_factory=dict)   # already-decrypted auth headers
+    headers: dict = field(default_factory=dict)  # already-decrypted auth headers
 
 
 class ToolFailed(Exception):

@@ -10,6 +10,7 @@ to a breakpoint and reads it back at a later breakpoint only at a block boundary
 however many blocks one turn adds (parallel tool calls), so each request reads what the previous
 one wrote and writes only its new turn.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,9 +37,15 @@ class AnthropicProvider:
         self._client.close()
 
     def complete(self, request: ModelRequest) -> ModelReply:
-        data = post_json(self._client, f"{self.base_url}/v1/messages", headers=self._headers(),
-                         body=self.build_body(request), timeout_seconds=request.timeout_seconds,
-                         provider=PROVIDER, secret=self._api_key)
+        data = post_json(
+            self._client,
+            f"{self.base_url}/v1/messages",
+            headers=self._headers(),
+            body=self.build_body(request),
+            timeout_seconds=request.timeout_seconds,
+            provider=PROVIDER,
+            secret=self._api_key,
+        )
         return parse_reply(data)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
@@ -49,8 +56,7 @@ class AnthropicProvider:
             "messages": mark_conversation(build_messages(request.messages)),
         }
         if request.instructions:  # the API rejects empty text blocks
-            body["system"] = [{"type": "text", "text": request.instructions,
-                               "cache_control": _EPHEMERAL}]
+            body["system"] = [{"type": "text", "text": request.instructions, "cache_control": _EPHEMERAL}]
         if request.tools:
             body["tools"] = build_tools(request.tools)
         return body
@@ -94,7 +100,7 @@ def mark_conversation(wire: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Put the moving breakpoints on the newest message and on the previous request's end."""
     marked = [len(wire) - 1]
     if len(wire) >= 3:
-        marked.append(len(wire) - 3)   # the user turn before the newest assistant turn
+        marked.append(len(wire) - 3)  # the user turn before the newest assistant turn
     for index in marked:
         wire[index]["content"][-1]["cache_control"] = _EPHEMERAL
     return wire
@@ -109,8 +115,11 @@ def results_first(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def message_blocks(message: Message) -> list[dict[str, Any]]:
     if message.role == "tool":
-        block: dict[str, Any] = {"type": "tool_result", "tool_use_id": message.tool_call_id,
-                                 "content": message.content}
+        block: dict[str, Any] = {
+            "type": "tool_result",
+            "tool_use_id": message.tool_call_id,
+            "content": message.content,
+        }
         if message.is_error:
             block["is_error"] = True
         return [block]
@@ -119,8 +128,10 @@ def message_blocks(message: Message) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if message.content or not message.tool_calls:
         blocks.append({"type": "text", "text": message.content})
-    blocks.extend({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
-                  for call in message.tool_calls)
+    blocks.extend(
+        {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+        for call in message.tool_calls
+    )
     return blocks
 
 
@@ -128,13 +139,24 @@ def parse_reply(data: dict[str, Any]) -> ModelReply:
     try:
         blocks = data["content"]
         text = "".join(block["text"] for block in blocks if block.get("type") == "text")
-        calls = [ToolCall(id=block["id"], name=block["name"], arguments=parse_input(block.get("input")))
-                 for block in blocks if block.get("type") == "tool_use"]
+        calls = [
+            ToolCall(id=block["id"], name=block["name"], arguments=parse_input(block.get("input")))
+            for block in blocks
+            if block.get("type") == "tool_use"
+        ]
     except (KeyError, TypeError) as exc:
-        raise ProviderError(f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
-                            retryable=False, sent=True, status=200) from None
-    return ModelReply(text=text, tool_calls=calls, usage=parse_usage(data.get("usage")),
-                      stop_reason=data.get("stop_reason") or "")
+        raise ProviderError(
+            f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
+            retryable=False,
+            sent=True,
+            status=200,
+        ) from None
+    return ModelReply(
+        text=text,
+        tool_calls=calls,
+        usage=parse_usage(data.get("usage")),
+        stop_reason=data.get("stop_reason") or "",
+    )
 
 
 def parse_input(raw: Any) -> dict:
@@ -145,7 +167,9 @@ def parse_input(raw: Any) -> dict:
 def parse_usage(raw: Any) -> Usage:
     if not isinstance(raw, dict):
         return Usage()
-    return Usage(input_tokens=raw.get("input_tokens") or 0,
-                 cached_input_tokens=raw.get("cache_read_input_tokens") or 0,
-                 cache_write_tokens=raw.get("cache_creation_input_tokens") or 0,
-                 output_tokens=raw.get("output_tokens") or 0)
+    return Usage(
+        input_tokens=raw.get("input_tokens") or 0,
+        cached_input_tokens=raw.get("cache_read_input_tokens") or 0,
+        cache_write_tokens=raw.get("cache_creation_input_tokens") or 0,
+        output_tokens=raw.get("output_tokens") or 0,
+    )

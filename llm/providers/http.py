@@ -3,6 +3,7 @@
 No retries happen here on purpose: the caller owns the retry/budget policy and needs to
 know whether a failed attempt may have been charged (ProviderError.sent).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +31,16 @@ def request_timeout(seconds: float) -> httpx.Timeout:
     return httpx.Timeout(seconds, connect=min(5.0, seconds))
 
 
-def post_json(client: httpx.Client, url: str, *, headers: dict[str, str], body: dict[str, Any],
-              timeout_seconds: float, provider: str, secret: str | None) -> dict[str, Any]:
+def post_json(
+    client: httpx.Client,
+    url: str,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    timeout_seconds: float,
+    provider: str,
+    secret: str | None,
+) -> dict[str, Any]:
     """POST a JSON body and return the decoded JSON reply, or raise ProviderError."""
     try:
         response = client.post(url, json=body, headers=headers, timeout=request_timeout(timeout_seconds))
@@ -43,11 +52,16 @@ def post_json(client: httpx.Client, url: str, *, headers: dict[str, str], body: 
         data = response.json()
     except ValueError:
         # A 2xx that is not JSON is most likely a proxy hiccup; the call may still be billed.
-        raise ProviderError(f"{provider}: HTTP {response.status_code} with a non-JSON body",
-                            retryable=True, sent=True, status=response.status_code) from None
+        raise ProviderError(
+            f"{provider}: HTTP {response.status_code} with a non-JSON body",
+            retryable=True,
+            sent=True,
+            status=response.status_code,
+        ) from None
     if not isinstance(data, dict):
-        raise ProviderError(f"{provider}: reply is not a JSON object", retryable=False, sent=True,
-                            status=response.status_code)
+        raise ProviderError(
+            f"{provider}: reply is not a JSON object", retryable=False, sent=True, status=response.status_code
+        )
     return data
 
 
@@ -56,8 +70,7 @@ def transport_error(exc: httpx.TransportError, *, provider: str, secret: str | N
     # ConnectTimeout is a TimeoutException, so it must be checked before the timeout branch.
     never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
     detail = redact(str(exc) or "no detail", secret)
-    return ProviderError(f"{provider}: {type(exc).__name__}: {detail}", retryable=True,
-                         sent=not never_sent)
+    return ProviderError(f"{provider}: {type(exc).__name__}: {detail}", retryable=True, sent=not never_sent)
 
 
 def status_error(response: httpx.Response, *, provider: str, secret: str | None) -> ProviderError:
@@ -66,8 +79,13 @@ def status_error(response: httpx.Response, *, provider: str, secret: str | None)
     retryable = status == 429 or status == 408 or status >= 500
     retry_after = parse_retry_after(response.headers) if retryable else None
     detail = redact(error_detail(response), secret)
-    return ProviderError(f"{provider}: HTTP {status}: {detail}", retryable=retryable, sent=True,
-                         status=status, retry_after=retry_after)
+    return ProviderError(
+        f"{provider}: HTTP {status}: {detail}",
+        retryable=retryable,
+        sent=True,
+        status=status,
+        retry_after=retry_after,
+    )
 
 
 def error_detail(response: httpx.Response) -> str:
@@ -104,7 +122,7 @@ def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float
     except (TypeError, ValueError):
         return None
     if when.tzinfo is None:  # "-0000" parses as naive; HTTP dates are always GMT
-        when = when.replace(tzinfo=datetime.timezone.utc)
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 

@@ -10,6 +10,7 @@ cache key, the run, goes out as `prompt_cache_key` so requests of one run reach 
 shard; servers that reject unknown fields are configured with send_cache_key=False
 (ModelEndpoint.send_cache_key).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ PROVIDER = "openai"
 
 
 class OpenAIProvider:
-    def __init__(self, base_url: str, api_key: str | None, model: str, *,
-                 max_tokens_param: str = "max_completion_tokens", send_cache_key: bool = True):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        model: str,
+        *,
+        max_tokens_param: str = "max_completion_tokens",
+        send_cache_key: bool = True,
+    ):
         self.base_url = base_url.rstrip("/")
         self.send_cache_key = send_cache_key
         self.model = model
@@ -38,9 +46,15 @@ class OpenAIProvider:
         self._client.close()
 
     def complete(self, request: ModelRequest) -> ModelReply:
-        data = post_json(self._client, f"{self.base_url}/chat/completions", headers=self._headers(),
-                         body=self.build_body(request), timeout_seconds=request.timeout_seconds,
-                         provider=PROVIDER, secret=self._api_key)
+        data = post_json(
+            self._client,
+            f"{self.base_url}/chat/completions",
+            headers=self._headers(),
+            body=self.build_body(request),
+            timeout_seconds=request.timeout_seconds,
+            provider=PROVIDER,
+            secret=self._api_key,
+        )
         return parse_reply(data)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
@@ -62,9 +76,10 @@ class OpenAIProvider:
 
 
 def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
-    return {"type": "function",
-            "function": {"name": tool.name, "description": tool.description,
-                         "parameters": tool.input_schema}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.input_schema},
+    }
 
 
 def build_messages(instructions: str, messages: list[Message]) -> list[dict[str, Any]]:
@@ -83,18 +98,23 @@ def message_to_wire(message: Message) -> dict[str, Any]:
         content = message.content if marked else f"ERROR: {message.content}"
         return {"role": "tool", "tool_call_id": message.tool_call_id, "content": content}
     if message.role == "assistant" and message.tool_calls:
-        return {"role": "assistant",
-                # null (not "") is the canonical "no text" for a tool-calling turn
-                "content": message.content or None,
-                "tool_calls": [call_to_wire(call) for call in message.tool_calls]}
+        return {
+            "role": "assistant",
+            # null (not "") is the canonical "no text" for a tool-calling turn
+            "content": message.content or None,
+            "tool_calls": [call_to_wire(call) for call in message.tool_calls],
+        }
     if message.role in ("user", "assistant"):
         return {"role": message.role, "content": message.content}
     raise ValueError(f"unknown message role {message.role!r}")
 
 
 def call_to_wire(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+    }
 
 
 def parse_reply(data: dict[str, Any]) -> ModelReply:
@@ -103,17 +123,23 @@ def parse_reply(data: dict[str, Any]) -> ModelReply:
         message = choice["message"]
         calls = [parse_call(raw) for raw in message.get("tool_calls") or []]
     except (KeyError, IndexError, TypeError) as exc:
-        raise ProviderError(f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
-                            retryable=False, sent=True, status=200) from None
-    return ModelReply(text=message.get("content") or "", tool_calls=calls,
-                      usage=parse_usage(data.get("usage")),
-                      stop_reason=choice.get("finish_reason") or "")
+        raise ProviderError(
+            f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
+            retryable=False,
+            sent=True,
+            status=200,
+        ) from None
+    return ModelReply(
+        text=message.get("content") or "",
+        tool_calls=calls,
+        usage=parse_usage(data.get("usage")),
+        stop_reason=choice.get("finish_reason") or "",
+    )
 
 
 def parse_call(raw: dict[str, Any]) -> ToolCall:
     function = raw["function"]
-    return ToolCall(id=raw["id"], name=function["name"],
-                    arguments=parse_arguments(function.get("arguments")))
+    return ToolCall(id=raw["id"], name=function["name"], arguments=parse_arguments(function.get("arguments")))
 
 
 def parse_arguments(raw: Any) -> dict:
@@ -139,5 +165,8 @@ def parse_usage(raw: Any) -> Usage:
     prompt = raw.get("prompt_tokens") or 0
     details = raw.get("prompt_tokens_details") or {}
     cached = min(details.get("cached_tokens") or 0, prompt)
-    return Usage(input_tokens=prompt - cached, cached_input_tokens=cached,
-                 output_tokens=raw.get("completion_tokens") or 0)
+    return Usage(
+        input_tokens=prompt - cached,
+        cached_input_tokens=cached,
+        output_tokens=raw.get("completion_tokens") or 0,
+    )

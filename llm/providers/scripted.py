@@ -7,6 +7,7 @@ the form "$input.field" is replaced by that field of the run's input (the first 
 when it is JSON). After the turns: `auto_tool` is called until `auto_tool_turns` tool results
 exist, then the model answers "done".
 """
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,20 @@ class ScriptedProvider:
         else:
             turn = self._auto_turn(request)
         values = _input_values(request)
-        calls = [ToolCall(id=f"call_{turn_index}_{i}", name=c["name"], arguments=_fill(c.get("arguments", {}), values))
-                 for i, c in enumerate(turn.get("tool_calls", []))]
+        calls = [
+            ToolCall(
+                id=f"call_{turn_index}_{i}", name=c["name"], arguments=_fill(c.get("arguments", {}), values)
+            )
+            for i, c in enumerate(turn.get("tool_calls", []))
+        ]
         text = turn.get("text", "")
         output = estimate_text(text + json.dumps([c.arguments for c in calls]))
-        return ModelReply(text=text, tool_calls=calls, stop_reason="tool_use" if calls else "end_turn",
-                          usage=Usage(input_tokens=estimate_input_tokens(request), output_tokens=output))
+        return ModelReply(
+            text=text,
+            tool_calls=calls,
+            stop_reason="tool_use" if calls else "end_turn",
+            usage=Usage(input_tokens=estimate_input_tokens(request), output_tokens=output),
+        )
 
     def _auto_turn(self, request: ModelRequest) -> dict:
         results = sum(1 for m in request.messages if m.role == "tool")
@@ -58,7 +67,7 @@ def _input_values(request: ModelRequest) -> dict:
 def _fill(value, values: dict):
     if isinstance(value, str) and value.startswith("$input."):
         current = values
-        for part in value[len("$input."):].split("."):
+        for part in value[len("$input.") :].split("."):
             current = current.get(part) if isinstance(current, dict) else None
         return current
     if isinstance(value, dict):

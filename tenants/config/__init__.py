@@ -16,6 +16,7 @@ Reading the file (size, duplicate keys, aliases, text) is in loading.py; phase 1
 (field values through convert.py), phase 2 in discovery.py, phase 3 in
 writing.py; report.py holds what apply_config returns or raises.
 """
+
 from __future__ import annotations
 
 from django.db import DataError, transaction
@@ -31,6 +32,7 @@ __all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file", "load_text
 
 
 # --- entry points --------------------------------------------------------------------------------
+
 
 def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error."""
@@ -49,6 +51,8 @@ def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
                 transaction.set_rollback(True)
     except DataError as exc:
         # Parsing bounds every value a column holds; this is the net under that, never a traceback.
-        raise ConfigError([*problems.in_file_order(), ("", f"the database refused a value: {exc}".strip())]) from None
+        raise ConfigError(
+            [*problems.in_file_order(), ("", f"the database refused a value: {exc}".strip())]
+        ) from None
     report.dry_run = dry_run
     return report

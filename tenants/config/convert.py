@@ -1,4 +1,5 @@
 """Converters from YAML values to model field values, one per kind of field."""
+
 from __future__ import annotations
 
 import decimal
@@ -22,6 +23,7 @@ MICROS = 1_000_000
 
 # --- converters: raise _Invalid; messages never echo values that could be secrets ----------------
 
+
 class _Invalid(Exception):
     def __init__(self, message: str, at: str = ""):
         super().__init__(message)
@@ -32,8 +34,8 @@ class _Invalid(Exception):
 Convert = Callable[[Any], Any]
 
 
-TEXT_MAX = 10_000          # free text (descriptions, secret values) without a column limit of its own
-INT_MAX = 2**31 - 1        # PositiveIntegerField
+TEXT_MAX = 10_000  # free text (descriptions, secret values) without a column limit of its own
+INT_MAX = 2**31 - 1  # PositiveIntegerField
 JSON_DEPTH_MAX = 64
 
 
@@ -49,6 +51,7 @@ def _text(max_length: int = TEXT_MAX, *, empty: bool = True) -> Convert:
         if problem:
             raise _Invalid(problem)
         return value
+
     return convert
 
 
@@ -60,6 +63,7 @@ def _slug(max_length: int) -> Convert:
         except ValidationError:
             raise _Invalid("must be a slug: letters, digits, hyphens and underscores") from None
         return text
+
     return convert
 
 
@@ -71,13 +75,14 @@ def _django(validator: Callable[[Any], None], message: str, max_length: int = 0)
         except ValidationError:
             raise _Invalid(message) from None
         return text
+
     return convert
 
 
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    if value in ("true", "false"):   # what ${VAR} substitution produces
+    if value in ("true", "false"):  # what ${VAR} substitution produces
         return value == "true"
     raise _Invalid("must be true or false")
 
@@ -109,16 +114,19 @@ def _int(minimum: int = 1, maximum: int = INT_MAX) -> Convert:
         if number != number.to_integral_value():
             raise _Invalid("must be a whole number")
         return int(number)
+
     return convert
 
 
 def _seconds(maximum: int) -> Convert:
     """A duration in seconds, greater than 0 and at most `maximum`."""
+
     def convert(value: Any) -> float:
         number = _within(_decimal(value), 0, maximum)
         if number <= 0:
             raise _Invalid("must be greater than 0")
         return float(number)
+
     return convert
 
 
@@ -141,7 +149,7 @@ def _money(value: Any) -> int:
     return int(micros)
 
 
-PRICE_MAX = Decimal("99999999.9999")   # DecimalField(max_digits=12, decimal_places=4)
+PRICE_MAX = Decimal("99999999.9999")  # DecimalField(max_digits=12, decimal_places=4)
 
 
 def _price(value: Any) -> Decimal:
@@ -156,6 +164,7 @@ def _choice(options: list[str]) -> Convert:
         if value not in options:
             raise _Invalid(f"must be one of {', '.join(options)}")
         return value
+
     return convert
 
 

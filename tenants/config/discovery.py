@@ -1,4 +1,5 @@
 """Phase 2: list the tools of MCP and builtin servers, before the write transaction opens."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +14,7 @@ from tools.models import ToolServer
 from tools.types import McpServerConfig, RemoteTool
 
 # --- phase 2: discover (network, outside any transaction) ----------------------------------------
+
 
 def discover(plan: Plan, problems: Problems) -> dict[str, list[RemoteTool]]:
     """List the tools of MCP servers with discover: true and of builtin servers."""
@@ -36,7 +38,7 @@ def discover(plan: Plan, problems: Problems) -> dict[str, list[RemoteTool]]:
 
 
 def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list[RemoteTool] | None:
-    from tools import mcp_client   # the MCP SDK is only needed here, as in tools.catalog
+    from tools import mcp_client  # the MCP SDK is only needed here, as in tools.catalog
 
     existing = ToolServer.objects.filter(tenant__slug=slug, name=item.key).select_related("secret").first()
     secret_name = item.values.get("secret", existing.secret.name if existing and existing.secret else None)
@@ -91,6 +93,7 @@ def server_config(values: dict, existing: ToolServer | None, secret: str | None)
 
     The secret is passed as plaintext because it may be new in this file, so not yet stored.
     """
+
     def pick(key: str, default: Any) -> Any:
         return values[key] if key in values else getattr(existing, key, default)
 
@@ -98,5 +101,9 @@ def server_config(values: dict, existing: ToolServer | None, secret: str | None)
     if secret is not None:
         scheme = pick("auth_scheme", "Bearer")
         headers[pick("auth_header", "Authorization") or "Authorization"] = f"{scheme} {secret}".strip()
-    return McpServerConfig(transport=pick("transport", ToolServer.Transport.STREAMABLE_HTTP),
-                           url=pick("url", ""), command=tuple(pick("command", ())), headers=headers)
+    return McpServerConfig(
+        transport=pick("transport", ToolServer.Transport.STREAMABLE_HTTP),
+        url=pick("url", ""),
+        command=tuple(pick("command", ())),
+        headers=headers,
+    )

@@ -6,6 +6,7 @@ restriction. A server or endpoint outside the list is an error at its URL's path
 so nothing of the file is applied. Servers and endpoints already stored but not in this file are
 checked too (an error at `tenant.egress_hosts`): a narrower list must not leave them reaching out.
 """
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
@@ -17,7 +18,10 @@ from tools.models import ToolServer
 from tools.origins import OriginError, host_allowed
 
 # (section, the URL's key in the file, model field, model)
-_TARGETS = (("tool_servers", "url", "url", ToolServer), ("model_endpoints", "base_url", "base_url", ModelEndpoint))
+_TARGETS = (
+    ("tool_servers", "url", "url", ToolServer),
+    ("model_endpoints", "base_url", "base_url", ModelEndpoint),
+)
 
 
 def check_egress(plan: Plan, problems: Problems) -> None:
@@ -34,17 +38,22 @@ def check_egress(plan: Plan, problems: Problems) -> None:
         listed = set()
         for item in list(plan.sections.get(section, [])):
             listed.add(item.key)
-            url = item.values.get(field)   # always set: phase 1 fills omitted destinations with defaults
+            url = item.values.get(field)  # always set: phase 1 fills omitted destinations with defaults
             if url and not _allowed(url, allowed):
                 problems.add(f"{item.path}.{key}", f"host is not in tenant.egress_hosts ({_host(url)})")
                 plan.sections[section].remove(item)
                 plan.drop(section, item.key)
         if stored is None:
             continue
-        for name, url in model.objects.filter(tenant=stored).exclude(**{field: ""}).values_list("name", field):
+        for name, url in (
+            model.objects.filter(tenant=stored).exclude(**{field: ""}).values_list("name", field)
+        ):
             if name not in listed and not _allowed(url, allowed):
-                problems.add("tenant.egress_hosts", f"{section[:-1].replace('_', ' ')} {name!r} (stored, not in this "
-                                                    f"file) reaches {_host(url)}, which the list does not allow")
+                problems.add(
+                    "tenant.egress_hosts",
+                    f"{section[:-1].replace('_', ' ')} {name!r} (stored, not in this "
+                    f"file) reaches {_host(url)}, which the list does not allow",
+                )
 
 
 def _allowed(url: str, allowed: list[str]) -> bool:

@@ -6,6 +6,7 @@ through text that PostgreSQL refuses (NUL) or that is not Unicode at all (lone s
 Here the file is composed into nodes first, the node graph is checked (every problem with its
 path in the file), and only then constructed into Python values.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,10 +17,10 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from agentplatform.parsers import text_problem
 from tenants.config.report import ConfigError
 
-MAX_FILE_BYTES = 1_048_576      # a large tenant's file is tens of kilobytes
-MAX_NODES = 100_000             # values in the file, counting every use of an alias
-MAX_DEPTH = 64                  # nesting of mappings and lists
-MAX_TEXT = 100_000              # characters in one value; fields have tighter limits of their own
+MAX_FILE_BYTES = 1_048_576  # a large tenant's file is tens of kilobytes
+MAX_NODES = 100_000  # values in the file, counting every use of an alias
+MAX_DEPTH = 64  # nesting of mappings and lists
+MAX_TEXT = 100_000  # characters in one value; fields have tighter limits of their own
 MERGE_KEY = "tag:yaml.org,2002:merge"
 
 
@@ -40,7 +41,7 @@ def load_file(path: str | Path) -> dict:
 
 def load_text(text: str) -> dict:
     try:
-        loader = yaml.SafeLoader(text)   # the reader refuses unprintable characters at once
+        loader = yaml.SafeLoader(text)  # the reader refuses unprintable characters at once
     except yaml.YAMLError as exc:
         raise ConfigError([_yaml_error(exc)]) from None
     try:
@@ -57,7 +58,7 @@ def load_text(text: str) -> dict:
             data = loader.construct_document(node) if node is not None else None
         except yaml.YAMLError as exc:
             raise ConfigError([_yaml_error(exc)]) from None
-        except ValueError as exc:   # e.g. a timestamp such as 2026-02-30
+        except ValueError as exc:  # e.g. a timestamp such as 2026-02-30
             raise ConfigError([("", f"invalid YAML value: {exc}")]) from None
     finally:
         loader.dispose()
@@ -84,8 +85,13 @@ def check_nodes(root: Node) -> list[tuple[str, str]]:
         seen += 1
         if seen > MAX_NODES:
             # Stop here: walking on is what a YAML bomb wants.
-            return problems + [("", f"the file has more than {MAX_NODES} values once its aliases are "
-                                    f"expanded (a YAML alias bomb?)")]
+            return problems + [
+                (
+                    "",
+                    f"the file has more than {MAX_NODES} values once its aliases are "
+                    f"expanded (a YAML alias bomb?)",
+                )
+            ]
         if depth > MAX_DEPTH:
             problems.append((path, f"nested more than {MAX_DEPTH} levels deep"))
             continue
@@ -94,18 +100,22 @@ def check_nodes(root: Node) -> list[tuple[str, str]]:
             if problem:
                 problems.append((path, problem))
         elif isinstance(node, SequenceNode):
-            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in reversed(list(enumerate(node.value))))
+            stack.extend(
+                (child, f"{path}[{i}]", depth + 1) for i, child in reversed(list(enumerate(node.value)))
+            )
         elif isinstance(node, MappingNode):
             stack.extend(reversed(_mapping_children(node, path, depth, problems)))
     return problems
 
 
-def _mapping_children(node: MappingNode, path: str, depth: int, problems: list) -> list[tuple[Node, str, int]]:
+def _mapping_children(
+    node: MappingNode, path: str, depth: int, problems: list
+) -> list[tuple[Node, str, int]]:
     children: list[tuple[Node, str, int]] = []
     first_line: dict[str, int] = {}
     for key_node, value_node in node.value:
         if key_node.tag == MERGE_KEY:
-            children.append((value_node, path, depth))   # "<<: *base" merges the mapping into this one
+            children.append((value_node, path, depth))  # "<<: *base" merges the mapping into this one
             continue
         if not isinstance(key_node, ScalarNode):
             problems.append((path, "keys must be plain values, not lists or mappings"))
@@ -117,8 +127,7 @@ def _mapping_children(node: MappingNode, path: str, depth: int, problems: list) 
             problems.append((path, f"a key {problem}"))
             continue
         if key in first_line:
-            problems.append((where, f"duplicate key (first at line {first_line[key]}); "
-                                    f"give each key once"))
+            problems.append((where, f"duplicate key (first at line {first_line[key]}); give each key once"))
             continue
         first_line[key] = key_node.start_mark.line + 1
         children.append((value_node, where, depth + 1))

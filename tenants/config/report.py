@@ -1,10 +1,23 @@
 """What apply did, per kind and object, and the error that rejects a file as a whole."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("tenant", "secrets", "groups", "users", "model_endpoints", "tool_servers", "tools", "grants",
-         "agents", "versions", "aliases", "budgets")
+KINDS = (
+    "tenant",
+    "secrets",
+    "groups",
+    "users",
+    "model_endpoints",
+    "tool_servers",
+    "tools",
+    "grants",
+    "agents",
+    "versions",
+    "aliases",
+    "budgets",
+)
 
 
 class ConfigError(Exception):
@@ -12,7 +25,9 @@ class ConfigError(Exception):
 
     def __init__(self, errors: list[tuple[str, str]]):
         self.errors = list(errors)
-        super().__init__("\n".join(f"{path}: {message}" if path else message for path, message in self.errors))
+        super().__init__(
+            "\n".join(f"{path}: {message}" if path else message for path, message in self.errors)
+        )
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -45,7 +60,9 @@ class ApplyReport:
         """Destination or credential fields of a stored object that differed from the file and were
         set back: a change made outside the file (the admin, the database) that apply undid."""
         if fields:
-            self.drift.append(f"{kind} {label}: {', '.join(fields)} differed from this file and were restored")
+            self.drift.append(
+                f"{kind} {label}: {', '.join(fields)} differed from this file and were restored"
+            )
 
     def counts(self, kind: str) -> dict[str, int]:
         values = list(self.outcomes[kind].values())
@@ -60,13 +77,17 @@ class ApplyReport:
         return "dry run, nothing written" if self.dry_run else ("applied" if self.changed else "unchanged")
 
     def __str__(self) -> str:
-        totals = {name: sum(self.counts(kind)[name] for kind in KINDS)
-                  for name in ("created", "updated", "unchanged", "removed")}
+        totals = {
+            name: sum(self.counts(kind)[name] for kind in KINDS)
+            for name in ("created", "updated", "unchanged", "removed")
+        }
         return f"tenant {self.tenant}: {self.state} ({', '.join(f'{n} {v}' for n, v in totals.items())})"
 
     def render(self) -> str:
-        lines = [f"tenant {self.tenant}: {self.state}",
-                 f"{'kind':<16}{'created':>8}{'updated':>8}{'unchanged':>10}{'removed':>8}"]
+        lines = [
+            f"tenant {self.tenant}: {self.state}",
+            f"{'kind':<16}{'created':>8}{'updated':>8}{'unchanged':>10}{'removed':>8}",
+        ]
         for kind in KINDS:
             c = self.counts(kind)
             lines.append(f"{kind:<16}{c['created']:>8}{c['updated']:>8}{c['unchanged']:>10}{c['removed']:>8}")

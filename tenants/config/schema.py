@@ -1,4 +1,5 @@
 """Phase 1: the shapes and types of the whole file, without the database; errors name their path."""
+
 from __future__ import annotations
 
 import os
@@ -9,17 +10,37 @@ from typing import Any
 
 from llm.models import ModelEndpoint
 from tenants.config.convert import (
-    Convert, _aliases, _bool, _choice, _email, _hosts, _int, _Invalid, _json_schema, _mapping, _money,
-    _non_negative, _nullable, _policy, _price, _seconds, _slug, _spec_list, _text, _text_list,
-    _time_zone, _url, _username,
+    Convert,
+    _aliases,
+    _bool,
+    _choice,
+    _email,
+    _hosts,
+    _int,
+    _Invalid,
+    _json_schema,
+    _mapping,
+    _money,
+    _non_negative,
+    _nullable,
+    _policy,
+    _price,
+    _seconds,
+    _slug,
+    _spec_list,
+    _text,
+    _text_list,
+    _time_zone,
+    _url,
+    _username,
 )
 from tenants.models import Tenant
 from tools.models import EffectClass, ToolServer
 
 # Grant verbs in the file and the object permissions they stand for, per kind of object.
-PERMS = {"use": "use_tool", "approve": "approve_tool"}          # grants[] with tool:
-AGENT_PERMS = {"run": "run_agent"}                             # grants[] with agent:
-TENANT_PERMS = {"view_runs": "view_runs"}                      # tenant.view_runs
+PERMS = {"use": "use_tool", "approve": "approve_tool"}  # grants[] with tool:
+AGENT_PERMS = {"run": "run_agent"}  # grants[] with agent:
+TENANT_PERMS = {"view_runs": "view_runs"}  # tenant.view_runs
 DAY = 24 * 3600
 APPROVAL_TTL_MAX = 30 * DAY
 # A call must end inside one worker task (CELERY_TASK_SOFT_TIME_LIMIT, 330 s by default); a longer
@@ -28,6 +49,7 @@ CALL_TIMEOUT_MAX = 300
 
 
 # --- problems and plan ---------------------------------------------------------------------------
+
 
 class Problems:
     def __init__(self) -> None:
@@ -54,9 +76,9 @@ class Problems:
 
 @dataclass
 class Item:
-    path: str      # "tools[2]"
-    key: str       # identity within its kind: a name, or "<server>__<remote>" for tools
-    values: dict   # converted values, keyed by model field (plus a few non-model keys)
+    path: str  # "tools[2]"
+    key: str  # identity within its kind: a name, or "<server>__<remote>" for tools
+    values: dict  # converted values, keyed by model field (plus a few non-model keys)
 
 
 @dataclass
@@ -109,6 +131,7 @@ def _join(path: str, key: Any) -> str:
 
 # --- field specifications ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Field:
     target: str
@@ -128,70 +151,90 @@ TENANT: Spec = {
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1, APPROVAL_TTL_MAX)),
     "view_runs": Field("view_runs", _text_list),
     "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
-    "quotas": {"max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
-               "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000))},
-    "caps": {"max_steps": Field("max_steps_cap", _int(1, 100_000)),
-             "max_tool_calls": Field("max_tool_calls_cap", _int(1, 100_000)),
-             "max_wall_seconds": Field("max_wall_seconds_cap", _int(1, 90 * DAY)),
-             "max_output_tokens": Field("max_output_tokens_cap", _int(1, 1_000_000)),
-             "max_cost": Field("max_cost_micros_cap", _money)},
+    "quotas": {
+        "max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
+        "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000)),
+    },
+    "caps": {
+        "max_steps": Field("max_steps_cap", _int(1, 100_000)),
+        "max_tool_calls": Field("max_tool_calls_cap", _int(1, 100_000)),
+        "max_wall_seconds": Field("max_wall_seconds_cap", _int(1, 90 * DAY)),
+        "max_output_tokens": Field("max_output_tokens_cap", _int(1, 1_000_000)),
+        "max_cost": Field("max_cost_micros_cap", _money),
+    },
 }
-SECRET: Spec = {"name": Field("name", _text(100, empty=False), required=True),
-                "value": Field("value", _text(empty=False)),
-                "value_env": Field("value_env", _text(empty=False))}
+SECRET: Spec = {
+    "name": Field("name", _text(100, empty=False), required=True),
+    "value": Field("value", _text(empty=False)),
+    "value_env": Field("value_env", _text(empty=False)),
+}
 GROUP: Spec = {"name": Field("name", _text(100, empty=False), required=True)}
-USER: Spec = {"username": Field("username", _username, required=True),
-              "email": Field("email", _email),
-              "password": Field("password", _text(4096, empty=False)),
-              "password_env": Field("password_env", _text(empty=False)),
-              "groups": Field("groups", _text_list),
-              "staff": Field("is_staff", _bool),
-              "active": Field("is_active", _bool)}
-ENDPOINT: Spec = {"name": Field("name", _slug(100), required=True),
-                  "kind": Field("kind", _choice(ModelEndpoint.Kind.values), required=True),
-                  "base_url": Field("base_url", _url),
-                  "model": Field("model", _text(200)),
-                  "secret": Field("secret", _nullable(_text(100, empty=False))),
-                  "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
-                  "send_cache_key": Field("send_cache_key", _bool),
-                  "prices": {"input": Field("price_input", _price),
-                             "cached_input": Field("price_cached_input", _price),
-                             "cache_write": Field("price_cache_write", _price),
-                             "output": Field("price_output", _price)},
-                  "config": Field("config", _mapping)}
-SERVER: Spec = {"name": Field("name", _slug(50), required=True),
-                "kind": Field("kind", _choice(ToolServer.Kind.values), required=True),
-                "transport": Field("transport", _choice(ToolServer.Transport.values)),
-                "url": Field("url", _url),
-                "command": Field("command", _text_list),
-                "secret": Field("secret", _nullable(_text(100, empty=False))),
-                "auth_header": Field("auth_header", _text(100)),
-                "auth_scheme": Field("auth_scheme", _text(20)),
-                "status_tool": Field("status_tool", _text(200)),
-                "discover": Field("discover", _bool)}
-TOOL: Spec = {"server": Field("server", _slug(50), required=True),
-              "name": Field("remote_name", _text(150, empty=False), required=True),
-              "enabled": Field("enabled", _bool),
-              "effect": Field("effect_class", _choice(EffectClass.values)),
-              "approval": Field("approval_policy", _policy),
-              "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1, APPROVAL_TTL_MAX))),
-              "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
-              "price": Field("price_micros", _money),
-              "max_attempts": Field("max_attempts", _int(1, 20)),
-              "backoff_seconds": Field("backoff_seconds", _non_negative(3600)),
-              "settle_seconds": Field("settle_seconds", _nullable(_int(0, DAY))),
-              "description": Field("description", _text()),
-              "input_schema": Field("input_schema", _json_schema),
-              "http_url": Field("http_url", _url),
-              "status_url": Field("status_url", _text(500, empty=False))}
-GRANT: Spec = {"tool": Field("tool", _text(200, empty=False)),
-               "agent": Field("agent", _slug(100)),
-               "use": Field("use", _text_list),
-               "approve": Field("approve", _text_list),
-               "run": Field("run", _text_list)}
-AGENT: Spec = {"name": Field("name", _slug(100), required=True),
-               "versions": Field("versions", _spec_list),
-               "aliases": Field("aliases", _aliases)}
+USER: Spec = {
+    "username": Field("username", _username, required=True),
+    "email": Field("email", _email),
+    "password": Field("password", _text(4096, empty=False)),
+    "password_env": Field("password_env", _text(empty=False)),
+    "groups": Field("groups", _text_list),
+    "staff": Field("is_staff", _bool),
+    "active": Field("is_active", _bool),
+}
+ENDPOINT: Spec = {
+    "name": Field("name", _slug(100), required=True),
+    "kind": Field("kind", _choice(ModelEndpoint.Kind.values), required=True),
+    "base_url": Field("base_url", _url),
+    "model": Field("model", _text(200)),
+    "secret": Field("secret", _nullable(_text(100, empty=False))),
+    "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
+    "send_cache_key": Field("send_cache_key", _bool),
+    "prices": {
+        "input": Field("price_input", _price),
+        "cached_input": Field("price_cached_input", _price),
+        "cache_write": Field("price_cache_write", _price),
+        "output": Field("price_output", _price),
+    },
+    "config": Field("config", _mapping),
+}
+SERVER: Spec = {
+    "name": Field("name", _slug(50), required=True),
+    "kind": Field("kind", _choice(ToolServer.Kind.values), required=True),
+    "transport": Field("transport", _choice(ToolServer.Transport.values)),
+    "url": Field("url", _url),
+    "command": Field("command", _text_list),
+    "secret": Field("secret", _nullable(_text(100, empty=False))),
+    "auth_header": Field("auth_header", _text(100)),
+    "auth_scheme": Field("auth_scheme", _text(20)),
+    "status_tool": Field("status_tool", _text(200)),
+    "discover": Field("discover", _bool),
+}
+TOOL: Spec = {
+    "server": Field("server", _slug(50), required=True),
+    "name": Field("remote_name", _text(150, empty=False), required=True),
+    "enabled": Field("enabled", _bool),
+    "effect": Field("effect_class", _choice(EffectClass.values)),
+    "approval": Field("approval_policy", _policy),
+    "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1, APPROVAL_TTL_MAX))),
+    "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
+    "price": Field("price_micros", _money),
+    "max_attempts": Field("max_attempts", _int(1, 20)),
+    "backoff_seconds": Field("backoff_seconds", _non_negative(3600)),
+    "settle_seconds": Field("settle_seconds", _nullable(_int(0, DAY))),
+    "description": Field("description", _text()),
+    "input_schema": Field("input_schema", _json_schema),
+    "http_url": Field("http_url", _url),
+    "status_url": Field("status_url", _text(500, empty=False)),
+}
+GRANT: Spec = {
+    "tool": Field("tool", _text(200, empty=False)),
+    "agent": Field("agent", _slug(100)),
+    "use": Field("use", _text_list),
+    "approve": Field("approve", _text_list),
+    "run": Field("run", _text_list),
+}
+AGENT: Spec = {
+    "name": Field("name", _slug(100), required=True),
+    "versions": Field("versions", _spec_list),
+    "aliases": Field("aliases", _aliases),
+}
 HTTP_ONLY = ("description", "input_schema", "http_url", "status_url")
 
 
@@ -221,6 +264,7 @@ def _read(raw: Any, path: str, spec: Spec, problems: Problems) -> dict:
 
 # --- phase 1: parse ------------------------------------------------------------------------------
 
+
 def _check_secret(values: dict, path: str, problems: Problems) -> None:
     _exactly_one(values, path, "value", "value_env", problems)
     _from_env(values, path, "value_env", "value", problems)
@@ -235,8 +279,15 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
 # Where calls go and which secret they carry is owned by the file: an omitted destination field
 # is set to its default, not left as stored, so a change made elsewhere (say in the admin) is
 # undone by the next apply and reported as drift.
-SERVER_DESTINATION = {"transport": "", "url": "", "command": [], "secret": None, "auth_header": "Authorization",
-                      "auth_scheme": "Bearer", "status_tool": ""}
+SERVER_DESTINATION = {
+    "transport": "",
+    "url": "",
+    "command": [],
+    "secret": None,
+    "auth_header": "Authorization",
+    "auth_scheme": "Bearer",
+    "status_tool": "",
+}
 ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
 TOOL_DESTINATION = {"http_url": "", "status_url": ""}
 

@@ -1,4 +1,5 @@
 """Phase 3: create or update rows, idempotently, inside the one transaction of apply_config."""
+
 from __future__ import annotations
 
 import re
@@ -19,17 +20,28 @@ from budgets.services import local_day, set_day_limit
 from llm.models import ModelEndpoint
 from runs.services import digest
 from tenants.config.report import ApplyReport
-from tenants.config.schema import (AGENT_PERMS, HTTP_ONLY, PERMS, TENANT_PERMS, TOOL, TOOL_DESTINATION, Field, Item,
-                                   Plan, Problems)
+from tenants.config.schema import (
+    AGENT_PERMS,
+    HTTP_ONLY,
+    PERMS,
+    TENANT_PERMS,
+    TOOL,
+    TOOL_DESTINATION,
+    Field,
+    Item,
+    Plan,
+    Problems,
+)
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
-from tools.services import configure_tool
 from tools.models import Tool, ToolServer
 from tools.origins import OriginError, origin_text, same_origin
+from tools.services import configure_tool
 from tools.types import RemoteTool
 
 # --- phase 3: write ------------------------------------------------------------------------------
+
 
 @dataclass
 class _Context:
@@ -63,9 +75,16 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
     report = ApplyReport(tenant=plan.tenant.key)
     ctx = _Context(_apply_tenant(plan.tenant, report), plan, problems, report, remote)
     steps: list[tuple[str, Callable[[Item, _Context], None]]] = [
-        ("secrets", _apply_secret), ("groups", _apply_group), ("users", _apply_user),
-        ("model_endpoints", _apply_endpoint), ("tool_servers", _apply_server), ("tools", _apply_tool),
-        ("grants", _apply_grant), ("agents", _apply_agent), ("grants", _apply_agent_grant)]
+        ("secrets", _apply_secret),
+        ("groups", _apply_group),
+        ("users", _apply_user),
+        ("model_endpoints", _apply_endpoint),
+        ("tool_servers", _apply_server),
+        ("tools", _apply_tool),
+        ("grants", _apply_grant),
+        ("agents", _apply_agent),
+        ("grants", _apply_agent_grant),
+    ]
     for section, apply_item in steps:
         for item in plan.sections[section]:
             apply_item(item, ctx)
@@ -91,14 +110,18 @@ def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
 def _update_today_limits(tenant: Tenant, report: ApplyReport) -> None:
     """Today's accounts were opened with the old limit; the new one applies from now on."""
     day = local_day(tenant)
-    if BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.TENANT_DAY).exists() \
-            and set_day_limit(tenant, day, tenant.daily_budget_micros):
+    if BudgetAccount.objects.filter(
+        tenant=tenant, day=day, scope=BudgetAccount.Scope.TENANT_DAY
+    ).exists() and set_day_limit(tenant, day, tenant.daily_budget_micros):
         report.record("budgets", f"tenant_day {day}", "updated", ["limit"])
     limit = tenant.user_daily_budget_micros
     if limit is None:
         return
-    accounts = BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.USER_DAY) \
-        .exclude(limit_micros=limit).select_related("user")
+    accounts = (
+        BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.USER_DAY)
+        .exclude(limit_micros=limit)
+        .select_related("user")
+    )
     for account in accounts:
         BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
         report.record("budgets", f"user_day {day} {account.user.username}", "updated", ["limit"])
@@ -128,7 +151,9 @@ def _apply_group(item: Item, ctx: _Context) -> None:
     # Django group names are global, so the tenant's slug keeps tenants apart.
     group, _ = Group.objects.get_or_create(name=f"{ctx.tenant.slug}:{item.key}")
     if TenantGroup.objects.filter(group=group).exists():
-        ctx.problems.add(f"{item.path}.name", f"the auth group {group.name!r} belongs to another tenant group")
+        ctx.problems.add(
+            f"{item.path}.name", f"the auth group {group.name!r} belongs to another tenant group"
+        )
         ctx.skip("groups", item)
         return
     TenantGroup.objects.create(group=group, tenant=ctx.tenant, name=item.key)
@@ -136,8 +161,10 @@ def _apply_group(item: Item, ctx: _Context) -> None:
 
 
 def _tenant_groups(names: list[str], path: str, ctx: _Context) -> list[Group] | None:
-    found = {link.name: link.group for link in
-             TenantGroup.objects.filter(tenant=ctx.tenant, name__in=names).select_related("group")}
+    found = {
+        link.name: link.group
+        for link in TenantGroup.objects.filter(tenant=ctx.tenant, name__in=names).select_related("group")
+    }
     ok = True
     for i, name in enumerate(names):
         if name not in found:
@@ -253,8 +280,9 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
     for remote_name in sync.quarantined:
         name = tool_name(server, remote_name)
         ctx.report.record("tools", name, "updated", ["quarantined"])
-        ctx.report.notes.append(f"tool {name} changed on the server and is quarantined until an admin "
-                                f"releases it")
+        ctx.report.notes.append(
+            f"tool {name} changed on the server and is quarantined until an admin releases it"
+        )
     for remote_name in sync.missing:
         ctx.report.notes.append(f"tool {tool_name(server, remote_name)} is no longer listed by {server.name}")
     listed = {item.key for item in ctx.plan.sections["tools"]}
@@ -273,7 +301,9 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         return
     server = ToolServer.objects.filter(tenant=ctx.tenant, name=server_name).first()
     if server is None:
-        ctx.missing("tool_servers", server_name, f"{item.path}.server", f"no tool server named {server_name!r}")
+        ctx.missing(
+            "tool_servers", server_name, f"{item.path}.server", f"no tool server named {server_name!r}"
+        )
         ctx.skip("tools", item)
         return
     if not _tool_fields_fit(server, values, item.path, ctx):
@@ -285,7 +315,9 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         return
     if tool is None:
         hint = "" if server_name in ctx.remote else " (is discover: true set on the server?)"
-        ctx.problems.add(f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}")
+        ctx.problems.add(
+            f"{item.path}.name", f"server {server_name!r} has no tool named {remote_name!r}{hint}"
+        )
         ctx.skip("tools", item)
         return
     # Every tool in the file gets its destination from the file: stored URLs that differ
@@ -308,8 +340,10 @@ def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context)
             # The server's secret is only ever sent to the server's origin (tools.origins).
             url = values.get(key, "").replace("{key}", "k")
             if url and not same_origin(url, server.url):
-                ctx.problems.add(f"{path}.{key}", f"must be on the origin of server {server.name!r} "
-                                                  f"({_origin_or_none(server.url)})")
+                ctx.problems.add(
+                    f"{path}.{key}",
+                    f"must be on the origin of server {server.name!r} ({_origin_or_none(server.url)})",
+                )
                 ok = False
         return ok
     wrong = [key for key in HTTP_ONLY if key in values]
@@ -332,13 +366,19 @@ def _file_key(target: str) -> str:
 
 def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> None:
     values.setdefault("description", "")
-    Tool.objects.create(tenant=ctx.tenant, server=server, name=tool_name(server, remote_name),
-                        remote_name=remote_name, schema_hash=schema_hash(values["description"],
-                                                                         values["input_schema"]), **values)
+    Tool.objects.create(
+        tenant=ctx.tenant,
+        server=server,
+        name=tool_name(server, remote_name),
+        remote_name=remote_name,
+        schema_hash=schema_hash(values["description"], values["input_schema"]),
+        **values,
+    )
     ctx.report.record("tools", tool_name(server, remote_name), "created")
 
 
 # --- grants ---
+
 
 def _apply_grant(item: Item, ctx: _Context) -> None:
     """grants[] with tool: use_tool and approve_tool on the tool (agents' grants come after agents)."""
@@ -389,10 +429,12 @@ def _set_grants(obj: Any, label: str, verbs: dict[str, str], values: dict, path:
         ctx.report.record("grants", f"{label} {perm} {who}", "unchanged")
 
 
-GrantKey = tuple[str, str, int]   # (codename, "user" | "group", pk)
+GrantKey = tuple[str, str, int]  # (codename, "user" | "group", pk)
 
 
-def _wanted_grants(values: dict, verbs: dict[str, str], path: str, ctx: _Context) -> dict[GrantKey, tuple] | None:
+def _wanted_grants(
+    values: dict, verbs: dict[str, str], path: str, ctx: _Context
+) -> dict[GrantKey, tuple] | None:
     wanted: dict[GrantKey, tuple] = {}
     ok = True
     for verb, perm in verbs.items():
@@ -420,28 +462,40 @@ def _holder(holder: str, path: str, ctx: _Context) -> User | Group | None:
 
 def _current_grants(obj: Any, codenames: list[str]) -> dict[GrantKey, tuple]:
     """Direct object permissions on `obj`, read from guardian's tables (no checker cache)."""
-    lookup = {"content_type": ContentType.objects.get_for_model(type(obj)), "object_pk": str(obj.pk),
-              "permission__codename__in": codenames}
+    lookup = {
+        "content_type": ContentType.objects.get_for_model(type(obj)),
+        "object_pk": str(obj.pk),
+        "permission__codename__in": codenames,
+    }
     current: dict[GrantKey, tuple] = {}
     for row in get_user_obj_perms_model(obj).objects.filter(**lookup).select_related("user", "permission"):
         current[(row.permission.codename, "user", row.user_id)] = (
-            row.permission.codename, row.user, f"user:{row.user.username}")
+            row.permission.codename,
+            row.user,
+            f"user:{row.user.username}",
+        )
     for row in get_group_obj_perms_model(obj).objects.filter(**lookup).select_related("group", "permission"):
         link = TenantGroup.objects.filter(group=row.group).first()
         current[(row.permission.codename, "group", row.group_id)] = (
-            row.permission.codename, row.group, f"group:{link.name if link else row.group.name}")
+            row.permission.codename,
+            row.group,
+            f"group:{link.name if link else row.group.name}",
+        )
     return current
 
 
 # --- agents ---
 
+
 def _apply_agent(item: Item, ctx: _Context) -> None:
     definition, created = AgentDefinition.objects.get_or_create(tenant=ctx.tenant, name=item.key)
     ctx.report.record("agents", item.key, "created" if created else "unchanged")
-    stored = [_apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
-              for j, spec in enumerate(item.values.get("versions", []))]
+    stored = [
+        _apply_version(definition, spec, f"{item.path}.versions[{j}]", ctx)
+        for j, spec in enumerate(item.values.get("versions", []))
+    ]
     if not all(stored):
-        return   # the numbers the aliases name may belong to the versions that failed
+        return  # the numbers the aliases name may belong to the versions that failed
     for alias, number in item.values.get("aliases", {}).items():
         _apply_alias(definition, alias, number, f"{item.path}.aliases.{alias}", ctx)
 

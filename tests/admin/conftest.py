@@ -34,8 +34,9 @@ def globex(transactional_db):
     gina = make_supervisor(tenant, "gina")
     factories.grant(tools["echo"], use=[bob], approve=[gina])
     echo_call_agent(tenant, tools["echo"], name="refunder", arguments=REFUND)
-    return SimpleNamespace(tenant=tenant, tools=tools, bob=bob, gina=gina,
-                           approval=park_on_approval(bob, "refunder"))
+    return SimpleNamespace(
+        tenant=tenant, tools=tools, bob=bob, gina=gina, approval=park_on_approval(bob, "refunder")
+    )
 
 
 @pytest.fixture

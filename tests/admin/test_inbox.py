@@ -1,4 +1,5 @@
 """The supervisor inbox: what is listed, deciding one by one and in bulk, errors as messages."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -94,7 +95,10 @@ def test_it_approves_from_the_detail_page_and_the_run_finishes(as_ravi, acme):
     assert response.status_code == 302 and response.url == INBOX
     approval.refresh_from_db()
     assert (approval.status, approval.decided_by, approval.decision_reason) == (
-        ApprovalStatus.APPROVED, acme.ravi, "customer verified")
+        ApprovalStatus.APPROVED,
+        acme.ravi,
+        "customer verified",
+    )
     assert Run.objects.get(pk=approval.run_id).status == RunStatus.RUNNING
     run = drive(approval.run_id)
     assert run.status == RunStatus.SUCCEEDED, run.error

@@ -3,6 +3,7 @@
 The live server and a real Celery worker share the test database, so the run continues on the
 worker after the approval, exactly as in production.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,14 @@ from tests.admin.helpers import park_on_approval
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def in_browser(script, *, timeout: float = 180):
@@ -30,13 +37,17 @@ def in_browser(script, *, timeout: float = 180):
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium` (scripts/ensure_services.sh does it)")
+        pytest.fail(
+            f"{CHROMIUM} is missing: `apt-get install -y chromium` (scripts/ensure_services.sh does it)"
+        )
     outcome: dict = {}
 
     def target():
         try:
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+                browser = playwright.chromium.launch(
+                    executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+                )
                 try:
                     page = browser.new_page()
                     page.set_default_timeout(20_000)
@@ -72,7 +83,7 @@ def test_a_supervisor_approves_from_the_inbox_and_the_run_succeeds(live_server, 
         page.fill("textarea[name=reason]", "customer identity verified")
         page.click("input[name=_approve]")
         assert f"Approved: {tool} for run {run_id[:8]}" in page.locator("ul.messagelist").inner_text()
-        assert page.locator("#result_list").count() == 0   # nothing else is waiting
+        assert page.locator("#result_list").count() == 0  # nothing else is waiting
 
         page.goto(f"{live_server.url}/admin/runs/run/{run_id}/change/")
         deadline = time.monotonic() + 60

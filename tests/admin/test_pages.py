@@ -1,4 +1,5 @@
 """Every registered admin page renders for an operator and for a tenant admin (no 500s, no leaks)."""
+
 from __future__ import annotations
 
 from django.contrib.auth.models import Permission
@@ -11,7 +12,7 @@ from tests.admin.helpers import park_on_approval
 
 def pages(user):
     """(url, expected statuses) for the changelist, add and first change page of every model."""
-    for model, model_admin in site._registry.items():
+    for model, _model_admin in site._registry.items():
         opts = model._meta
         base = f"/admin/{opts.app_label}/{opts.model_name}/"
         yield base, {200, 403}

@@ -1,4 +1,5 @@
 """The run page: status, budget, steps and events; cancelling; resolving unknown outcomes."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,7 @@ def unknown_step(acme) -> Step:
     echo = acme.tools["echo"]
     Tool.objects.filter(pk=echo.pk).update(approval_policy="never", effect_class="unsafe")
     run, _ = start_run(user=acme.asha, agent="refunder", input={"case": "lost"})
-    advance(run.pk)   # the model step proposes the echo call
+    advance(run.pk)  # the model step proposes the echo call
     step = Step.objects.get(run=run, seq=2)
     # What a worker leaves behind when it dies right after marking the step dispatching.
     Step.objects.filter(pk=step.pk).update(status=StepStatus.DISPATCHING, attempts=1)
@@ -54,7 +55,10 @@ def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
     assert budget["limit"] == "2.00" and budget["reserved"] == "0.00" and budget["spent"] != "0.00"
     steps = response.context["steps"]
     assert [(r["step"].seq, r["step"].kind, r["step"].status) for r in steps] == [
-        (1, "model", "succeeded"), (2, "tool", "succeeded"), (3, "model", "succeeded")]
+        (1, "model", "succeeded"),
+        (2, "tool", "succeeded"),
+        (3, "model", "succeeded"),
+    ]
     assert "platform__echo approved by ravi: verified" in html
     assert "Cancel run" not in html
 
@@ -92,9 +96,15 @@ def test_it_resolves_an_unknown_outcome_as_succeeded_and_the_run_finishes(as_rav
     page = as_ravi.get(run_url(unknown_step.run_id))
     assert "Resolve step 2" in page.content.decode()
 
-    response = as_ravi.post(run_url(unknown_step.run_id, "steps/2/resolve/"), {
-        "s2-outcome": "succeeded", "s2-result": "echoed, provider ref E-7", "s2-reason": "checked the provider log"},
-        follow=True)
+    response = as_ravi.post(
+        run_url(unknown_step.run_id, "steps/2/resolve/"),
+        {
+            "s2-outcome": "succeeded",
+            "s2-result": "echoed, provider ref E-7",
+            "s2-reason": "checked the provider log",
+        },
+        follow=True,
+    )
 
     assert "step 2 resolved as succeeded" in messages_of(response)
     unknown_step.refresh_from_db()
@@ -124,8 +134,11 @@ def test_a_user_without_approve_tool_may_not_resolve(client, acme, unknown_step)
     client.force_login(nina)
 
     assert "Resolve step" not in client.get(run_url(unknown_step.run_id)).content.decode()
-    response = client.post(run_url(unknown_step.run_id, "steps/2/resolve/"), {
-        "s2-outcome": "failed", "s2-reason": "guess"}, follow=True)
+    response = client.post(
+        run_url(unknown_step.run_id, "steps/2/resolve/"),
+        {"s2-outcome": "failed", "s2-reason": "guess"},
+        follow=True,
+    )
 
     assert any("resolving needs approve_tool" in m for m in messages_of(response))
     unknown_step.refresh_from_db()
@@ -138,15 +151,19 @@ def test_it_shows_the_share_of_input_read_from_the_prompt_cache(as_ravi, acme):
     run = drive(approval.run_id)
     # What a provider reported for the two model calls (the scripted model reports no cache use).
     first, second = Step.objects.filter(run=run, kind="model").order_by("seq")
-    Step.objects.filter(pk=first.pk).update(usage={"input_tokens": 100, "cached_input_tokens": 0,
-                                                   "cache_write_tokens": 900, "output_tokens": 5})
-    Step.objects.filter(pk=second.pk).update(usage={"input_tokens": 20, "cached_input_tokens": 900,
-                                                    "cache_write_tokens": 80, "output_tokens": 5})
+    Step.objects.filter(pk=first.pk).update(
+        usage={"input_tokens": 100, "cached_input_tokens": 0, "cache_write_tokens": 900, "output_tokens": 5}
+    )
+    Step.objects.filter(pk=second.pk).update(
+        usage={"input_tokens": 20, "cached_input_tokens": 900, "cache_write_tokens": 80, "output_tokens": 5}
+    )
 
     html = as_ravi.get(run_url(run.pk)).content.decode()
 
-    assert ('<tr id="run-cache"><td>2000</td><td>900</td><td>980</td>\n        <td>120</td><td>45.0%</td></tr>'
-            in html)
+    assert (
+        '<tr id="run-cache"><td>2000</td><td>900</td><td>980</td>\n        <td>120</td><td>45.0%</td></tr>'
+        in html
+    )
 
 
 def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
@@ -160,5 +177,7 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
     html = as_ravi.get(run_url(run.pk)).content.decode()
 
     assert '<td class="status-badge" id="run-status">waiting_budget</td>' in html
-    assert ('<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (2.00); '
-            'started in order of arrival</td>') in html
+    assert (
+        '<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (2.00); '
+        "started in order of arrival</td>"
+    ) in html

@@ -1,4 +1,5 @@
 """Tenant scoping on every page, write-only secrets, immutable versions, tools and their grants."""
+
 from __future__ import annotations
 
 from django.contrib.auth.models import Permission
@@ -13,8 +14,9 @@ PLAINTEXT = "sk-live-very-secret-value-42"
 
 
 def test_a_secret_is_write_only(as_ravi, acme):
-    response = as_ravi.post("/admin/tenants/secret/add/", {"tenant": acme.tenant.pk, "name": "bank-token",
-                                                           "value": PLAINTEXT})
+    response = as_ravi.post(
+        "/admin/tenants/secret/add/", {"tenant": acme.tenant.pk, "name": "bank-token", "value": PLAINTEXT}
+    )
     assert response.status_code == 302, response.context["adminform"].form.errors
     secret = Secret.objects.get(tenant=acme.tenant, name="bank-token")
     assert secret.reveal() == PLAINTEXT
@@ -44,7 +46,9 @@ def test_an_empty_value_keeps_the_secret_and_a_new_one_replaces_it(as_ravi, acme
 
 
 def test_a_secret_cannot_be_added_to_another_tenant(as_ravi, acme, globex):
-    response = as_ravi.post("/admin/tenants/secret/add/", {"tenant": globex.tenant.pk, "name": "x", "value": "abcd"})
+    response = as_ravi.post(
+        "/admin/tenants/secret/add/", {"tenant": globex.tenant.pk, "name": "x", "value": "abcd"}
+    )
 
     assert response.status_code == 200
     assert "tenant" in response.context["adminform"].form.errors
@@ -102,8 +106,9 @@ def test_the_tool_page_shows_hints_and_releases_quarantine_after_review(as_ravi,
     assert "the server changed this tool" in listing
     assert '<span class="hint">readOnly: yes</span>' in listing
 
-    response = as_ravi.post("/admin/tools/tool/", {"action": "release_selected", "_selected_action": [echo.pk]},
-                            follow=True)
+    response = as_ravi.post(
+        "/admin/tools/tool/", {"action": "release_selected", "_selected_action": [echo.pk]}, follow=True
+    )
 
     assert "released 1 tool(s) from quarantine" in [str(m) for m in response.context["messages"]]
     echo.refresh_from_db()
@@ -112,8 +117,15 @@ def test_the_tool_page_shows_hints_and_releases_quarantine_after_review(as_ravi,
 
 def test_an_invalid_approval_policy_is_refused(as_ravi, acme):
     echo = acme.tools["echo"]
-    data = {"enabled": "on", "effect_class": "read_only", "approval_policy": "amount >", "timeout_seconds": 30,
-            "price_micros": 0, "max_attempts": 3, "backoff_seconds": 1}
+    data = {
+        "enabled": "on",
+        "effect_class": "read_only",
+        "approval_policy": "amount >",
+        "timeout_seconds": 30,
+        "price_micros": 0,
+        "max_attempts": 3,
+        "backoff_seconds": 1,
+    }
 
     response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
 
@@ -130,8 +142,13 @@ def test_tool_grants_are_made_in_the_admin_within_the_tenant(as_ravi, acme, glob
 
     assert response.status_code == 302
     assert set(get_perms(acme.asha, noop)) >= {"use_tool", "approve_tool"}
-    assert as_ravi.get(f"/admin/tools/tool/{noop.pk}/permissions/user-manage/{globex.bob.pk}/").status_code == 404
-    picked = as_ravi.post(f"/admin/tools/tool/{noop.pk}/permissions/", {"user": "bob", "submit_manage_user": "1"})
+    assert (
+        as_ravi.get(f"/admin/tools/tool/{noop.pk}/permissions/user-manage/{globex.bob.pk}/").status_code
+        == 404
+    )
+    picked = as_ravi.post(
+        f"/admin/tools/tool/{noop.pk}/permissions/", {"user": "bob", "submit_manage_user": "1"}
+    )
     assert picked.status_code == 200 and picked.context["user_form"].errors
 
 
@@ -149,8 +166,14 @@ def test_a_tenant_admin_cannot_promote_anyone_to_superuser(client, acme):
 def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_ravi, acme):
     acme.ravi.user_permissions.add(*Permission.objects.filter(codename__in=["view_alias", "change_alias"]))
     alias = Alias.objects.get(agent__tenant=acme.tenant, agent__name="refunder", name="prod")
-    factories.make_agent(acme.tenant, name="refunder", alias="canary", tools=[acme.tools["echo"]],
-                         endpoint=alias.version.model_endpoint, instructions="Second version.")
+    factories.make_agent(
+        acme.tenant,
+        name="refunder",
+        alias="canary",
+        tools=[acme.tools["echo"]],
+        endpoint=alias.version.model_endpoint,
+        instructions="Second version.",
+    )
     url = f"/admin/agents/alias/{alias.pk}/change/"
 
     refused = as_ravi.post(url, {"version_number": 7})
@@ -162,11 +185,17 @@ def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_r
     assert alias.version.number == 2
 
 
-
 def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
     echo = acme.tools["echo"]
-    data = {"enabled": "on", "effect_class": "read_only", "approval_policy": "x > 1", "timeout_seconds": 30,
-            "price_micros": 0, "max_attempts": 3, "backoff_seconds": 1}
+    data = {
+        "enabled": "on",
+        "effect_class": "read_only",
+        "approval_policy": "x > 1",
+        "timeout_seconds": 30,
+        "price_micros": 0,
+        "max_attempts": 3,
+        "backoff_seconds": 1,
+    }
 
     response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
 
@@ -183,8 +212,9 @@ def test_run_agent_is_granted_in_the_admin_within_the_tenant(client, acme, globe
     from tenants.permissions import may_run_agent
 
     ada = factories.make_user(acme.tenant, "ada", staff=True)
-    ada.user_permissions.add(*Permission.objects.filter(codename__in=["view_agentdefinition",
-                                                                       "change_agentdefinition"]))
+    ada.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_agentdefinition", "change_agentdefinition"])
+    )
     client.force_login(ada)
     refunder = AgentDefinition.objects.get(tenant=acme.tenant, name="refunder")
     bea = factories.make_user(acme.tenant, "bea")

@@ -1,4 +1,5 @@
 """The usage page per tenant and the held reservations people reconcile or write off."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,7 @@ def test_the_usage_page_charts_the_last_30_days_and_the_costliest_runs(as_ravi, 
     html = response.content.decode()
     assert '<svg class="usage"' in html and '<rect class="spent"' in html
     assert [row["run"] for row in response.context["top_runs"]] == [run]
-    assert f'/admin/runs/run/{run.pk}/change/' in html
+    assert f"/admin/runs/run/{run.pk}/change/" in html
 
 
 def test_another_tenants_usage_page_is_404(as_ravi, globex):
@@ -55,8 +56,11 @@ def test_it_reconciles_a_hold_with_the_actual_charge(as_ravi, hold):
     confirmation = as_ravi.post(RESERVATIONS, {**selected, "index": "0"})
     assert f'name="actual_{hold.pk}"' in confirmation.content.decode()
 
-    done = as_ravi.post(RESERVATIONS, {**selected, "confirm": "yes", f"actual_{hold.pk}": "3000",
-                                       "note": "provider usage export"}, follow=True)
+    done = as_ravi.post(
+        RESERVATIONS,
+        {**selected, "confirm": "yes", f"actual_{hold.pk}": "3000", "note": "provider usage export"},
+        follow=True,
+    )
 
     assert "reconciled 1 hold(s)" in messages_of(done)
     hold.refresh_from_db()
@@ -78,5 +82,7 @@ def test_it_writes_off_a_hold_only_with_a_note(as_ravi, hold):
 
     hold.refresh_from_db()
     assert hold.status == "written_off"
-    assert hold.entries.filter(kind="write_off", note="provider confirms no charge", actor__username="ravi").exists()
+    assert hold.entries.filter(
+        kind="write_off", note="provider confirms no charge", actor__username="ravi"
+    ).exists()
     assert BudgetAccount.objects.get(run=hold.run).held_micros == 0

@@ -2,6 +2,7 @@
 
 Settings are read once per process, so each case runs manage.py in a subprocess with its own environment.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,26 @@ from cryptography.fernet import Fernet
 from tests.servers import ROOT
 
 DATABASE_URL = "postgres://root@127.0.0.1:5432/postgres"
-SHOW = ("from django.conf import settings as s; import json; print(json.dumps({k: getattr(s, k, None) for k in "
-        "['DEBUG', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS', 'SECURE_SSL_REDIRECT', "
-        "'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'SECURE_PROXY_SSL_HEADER']}))")
+SHOW = (
+    "from django.conf import settings as s; import json; print(json.dumps({k: getattr(s, k, None) for k in "
+    "['DEBUG', 'SECURE_HSTS_SECONDS', 'SECURE_HSTS_INCLUDE_SUBDOMAINS', 'SECURE_SSL_REDIRECT', "
+    "'SESSION_COOKIE_SECURE', 'CSRF_COOKIE_SECURE', 'SECURE_PROXY_SSL_HEADER']}))"
+)
 
 
 def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "SECRET_KEY", "SECRET_ENCRYPTION_KEYS")}
-    full = {**base, "AGENTPLATFORM_ENV": "production", "DATABASE_URL": DATABASE_URL,
-            "SECRET_KEY": secrets.token_urlsafe(50), "SECRET_ENCRYPTION_KEYS": Fernet.generate_key().decode(), **env}
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True,
-                          timeout=120)
+    full = {
+        **base,
+        "AGENTPLATFORM_ENV": "production",
+        "DATABASE_URL": DATABASE_URL,
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "SECRET_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_deploy_check_finds_nothing_to_warn_about():
@@ -41,23 +51,31 @@ def test_it_turns_on_hsts_https_redirect_and_secure_cookies():
 
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
-        "DEBUG": False, "SECURE_HSTS_SECONDS": 31_536_000, "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
-        "SECURE_SSL_REDIRECT": True, "SESSION_COOKIE_SECURE": True, "CSRF_COOKIE_SECURE": True,
-        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"]}
+        "DEBUG": False,
+        "SECURE_HSTS_SECONDS": 31_536_000,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
+        "SECURE_SSL_REDIRECT": True,
+        "SESSION_COOKIE_SECURE": True,
+        "CSRF_COOKIE_SECURE": True,
+        "SECURE_PROXY_SSL_HEADER": ["HTTP_X_FORWARDED_PROTO", "https"],
+    }
 
 
-@pytest.mark.parametrize(("key", "complaint"), [
-    ("x" * 64, "not random enough"),
-    ("abcd" * 20, "not random enough"),
-    ("django-insecure-" + secrets.token_urlsafe(50), "django-insecure"),
-    (secrets.token_urlsafe(20), "at least 50 characters"),
-])
+@pytest.mark.parametrize(
+    ("key", "complaint"),
+    [
+        ("x" * 64, "not random enough"),
+        ("abcd" * 20, "not random enough"),
+        ("django-insecure-" + secrets.token_urlsafe(50), "django-insecure"),
+        (secrets.token_urlsafe(20), "at least 50 characters"),
+    ],
+)
 def test_it_refuses_to_start_with_a_weak_secret_key(key, complaint):
     done = manage("check", SECRET_KEY=key)
 
     assert done.returncode != 0
     assert "ConfigError" in done.stderr and complaint in done.stderr
-    assert key not in done.stderr                    # the key itself is never printed
+    assert key not in done.stderr  # the key itself is never printed
 
 
 @pytest.mark.parametrize("keys", ["not-a-fernet-key", f"{Fernet.generate_key().decode()},short"])

@@ -2,6 +2,7 @@
 
 Each probe here was an HTTP 500 with Django's HTML page before (found by schemathesis and by hand).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,9 @@ def test_text_the_database_cannot_hold_is_refused_in_bodies_and_query_strings(as
 
 def test_deep_large_and_non_finite_json_is_refused(asha, agent, settings):
     deep = "[" * 5000 + "]" * 5000
-    assert_error(raw(api(asha), "POST", "/v1/runs", f'{{"agent": "agent", "input": {deep}}}'), 400, "parse_error")
+    assert_error(
+        raw(api(asha), "POST", "/v1/runs", f'{{"agent": "agent", "input": {deep}}}'), 400, "parse_error"
+    )
     nested = json.dumps({"agent": "agent", "input": json.loads("[" * 70 + "]" * 70)})
     assert "nested more than 64" in assert_error(raw(api(asha), "POST", "/v1/runs", nested), 400)["message"]
     for number in ("NaN", "Infinity", "-Infinity", "1e400"):
@@ -73,9 +76,14 @@ def test_deep_large_and_non_finite_json_is_refused(asha, agent, settings):
 def test_numbers_in_query_strings_are_bounded(asha, agent):
     run = api(asha).post("/v1/runs", {"agent": "agent", "input": {}}, format="json").json()
     # "²".isdigit() is True but int("²") raises: both were 500s.
-    assert "after" in assert_error(api(asha).get(f"/v1/runs/{run['id']}/events?after=²"), 400, "invalid")["fields"]
+    assert (
+        "after"
+        in assert_error(api(asha).get(f"/v1/runs/{run['id']}/events?after=²"), 400, "invalid")["fields"]
+    )
     assert "days" in assert_error(api(asha).get("/v1/usage?days=²"), 400, "invalid")["fields"]
-    assert "after" in assert_error(api(asha).get(f"/v1/runs/{run['id']}/events?after={10**30}"), 400)["fields"]
+    assert (
+        "after" in assert_error(api(asha).get(f"/v1/runs/{run['id']}/events?after={10**30}"), 400)["fields"]
+    )
     assert "limit" in assert_error(api(asha).get(f"/v1/runs?limit={10**30}"), 400, "invalid")["fields"]
     assert "offset" in assert_error(api(asha).get(f"/v1/runs?offset={10**30}"), 400, "invalid")["fields"]
     assert "limit" in assert_error(api(asha).get("/v1/reservations?limit=0"), 400, "invalid")["fields"]
@@ -90,7 +98,9 @@ def test_names_longer_than_their_columns_are_a_400(asha, ravi, agent):
     long_agent = api(asha).post("/v1/runs", {"agent": "a" * 101, "input": {}}, format="json")
     assert "agent" in assert_error(long_agent, 400, "invalid")["fields"]
     spec = {"model": "scripted", "instructions": "x"}
-    assert_error(api(ravi).post(f"/v1/agents/{'b' * 101}/versions", {"spec": spec}, format="json"), 400, "invalid")
+    assert_error(
+        api(ravi).post(f"/v1/agents/{'b' * 101}/versions", {"spec": spec}, format="json"), 400, "invalid"
+    )
     huge_version = api(ravi).put("/v1/agents/agent/aliases/prod", {"version": 10**30}, format="json")
     assert "version" in assert_error(huge_version, 400, "invalid")["fields"]
 
@@ -143,8 +153,10 @@ def test_django_level_errors_under_v1_are_json_and_elsewhere_html(rf):
     from agentplatform import errors
 
     assert errors.bad_request(rf.post("/v1/runs"), RequestDataTooBig()).status_code == 413
-    assert json.loads(errors.bad_request(rf.get("/v1/runs"), SuspiciousOperation()).content)["error"]["code"] \
+    assert (
+        json.loads(errors.bad_request(rf.get("/v1/runs"), SuspiciousOperation()).content)["error"]["code"]
         == "bad_request"
+    )
     assert json.loads(errors.server_error(rf.get("/v1/runs")).content)["error"]["code"] == "internal_error"
     assert json.loads(errors.page_not_found(rf.get("/v1/x"), None).content)["error"]["code"] == "not_found"
     assert b"<" in errors.page_not_found(rf.get("/admin/x"), None).content

@@ -3,6 +3,7 @@
 Outcomes are counted where they happen: refunds in the bank server's ledger, approval and step
 rows, run statuses.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -55,8 +56,14 @@ def refund(tenant, asha, ravi, bank):
 
 
 def refund_call(tool, amount: int = 12499, transaction_id: str = "TXN-1001") -> dict:
-    return {"tool_calls": [{"name": tool.name, "arguments": {
-        "transaction_id": transaction_id, "amount": amount, "currency": "INR"}}]}
+    return {
+        "tool_calls": [
+            {
+                "name": tool.name,
+                "arguments": {"transaction_id": transaction_id, "amount": amount, "currency": "INR"},
+            }
+        ]
+    }
 
 
 def waiting_run(tenant, user, tool, *turns, **spec) -> tuple[Run, Approval]:
@@ -73,6 +80,7 @@ def refund_step(run) -> Step:
 
 
 # --- the path that works -------------------------------------------------------------------
+
 
 def test_it_dispatches_an_approved_call_once_with_the_step_key(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
@@ -91,9 +99,11 @@ def test_it_dispatches_an_approved_call_once_with_the_step_key(tenant, asha, rav
 
 # --- the requester loses authority while the run waits ---------------------------------------
 
+
 @pytest.mark.parametrize("how", ["revoke_use_tool", "leave_group", "deactivate"])
-def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(how, tenant, asha, ravi, bank,
-                                                                               refund):
+def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
+    how, tenant, asha, ravi, bank, refund
+):
     if how == "leave_group":
         remove_perm("tools.use_tool", asha, refund)
         clerks = factories.make_group(tenant, "clerks")
@@ -117,7 +127,7 @@ def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
     step = refund_step(run)
     assert step.status == StepStatus.DENIED and step.error == approval.void_reason
     assert RunEvent.objects.filter(run=run, kind="approval_voided", step_seq=step.seq).exists()
-    if how == "deactivate":   # a deactivated user's run is not handed back to the model
+    if how == "deactivate":  # a deactivated user's run is not handed back to the model
         assert run.status == RunStatus.STOPPED and run.stop_reason == "user_deactivated"
     else:
         assert run.status == RunStatus.SUCCEEDED  # the model was told and finished
@@ -125,11 +135,12 @@ def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
 
 # --- single use, exact call --------------------------------------------------------------------
 
+
 def test_it_never_dispatches_on_an_approval_that_was_already_used(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
     approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
     step = refund_step(run)
-    assert approvals.consume(step) is True   # used elsewhere first (a replayed message, say)
+    assert approvals.consume(step) is True  # used elsewhere first (a replayed message, say)
     assert approvals.consume(step) is False
 
     run = drive(run.pk)
@@ -138,8 +149,9 @@ def test_it_never_dispatches_on_an_approval_that_was_already_used(tenant, asha, 
     assert refund_step(run).status == StepStatus.DENIED
 
 
-def test_it_replays_the_same_call_from_the_record_and_asks_again_for_a_different_amount(tenant, asha, ravi,
-                                                                                        bank, refund):
+def test_it_replays_the_same_call_from_the_record_and_asks_again_for_a_different_amount(
+    tenant, asha, ravi, bank, refund
+):
     run, first = waiting_run(tenant, asha, refund, refund_call(refund), refund_call(refund, amount=12000))
     approvals.decide(approval_id=first.pk, user=ravi, approve=True)
 
@@ -171,7 +183,7 @@ def test_it_refuses_to_dispatch_when_the_arguments_change_after_approval(tenant,
     Step.objects.filter(pk=refund_step(run).pk).update(arguments=tampered)
     step = refund_step(run)
     assert approvals.verify_for_dispatch(step) is not None
-    assert approvals.consume(step) is False   # consuming checks the exact call too
+    assert approvals.consume(step) is False  # consuming checks the exact call too
 
     run = drive(run.pk)
 
@@ -182,6 +194,7 @@ def test_it_refuses_to_dispatch_when_the_arguments_change_after_approval(tenant,
 
 
 # --- expiry ------------------------------------------------------------------------------------
+
 
 def test_it_expires_approvals_after_24_hours_by_default_or_the_tool_ttl(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
@@ -219,7 +232,7 @@ def test_it_refuses_a_decision_after_expiry_even_before_the_sweeper_ran(tenant, 
 
 
 def test_it_stops_the_run_when_an_approval_expires_and_the_agent_says_stop(tenant, asha, ravi, bank, refund):
-    refund.approval_ttl_seconds = 600   # expires well before the run's deadline
+    refund.approval_ttl_seconds = 600  # expires well before the run's deadline
     refund.save(update_fields=["approval_ttl_seconds"])
     run, approval = waiting_run(tenant, asha, refund, on_approval_expired="stop")
 
@@ -234,18 +247,24 @@ def test_it_stops_the_run_when_an_approval_expires_and_the_agent_says_stop(tenan
 
 # --- policy --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("override", "amount", "waits"), [
-    (None, 3000, False),             # the tool's own rule: amount > 5000
-    ("never", 12499, True),          # an override cannot loosen it
-    ("amount > 1000", 3000, True),   # but can tighten it
-    ("amount > 1000", 500, False),
-    ("always", 1, True),
-])
-def test_it_applies_agent_policy_overrides_only_when_stricter(override, amount, waits, tenant, asha, ravi, bank,
-                                                             refund):
+
+@pytest.mark.parametrize(
+    ("override", "amount", "waits"),
+    [
+        (None, 3000, False),  # the tool's own rule: amount > 5000
+        ("never", 12499, True),  # an override cannot loosen it
+        ("amount > 1000", 3000, True),  # but can tighten it
+        ("amount > 1000", 500, False),
+        ("always", 1, True),
+    ],
+)
+def test_it_applies_agent_policy_overrides_only_when_stricter(
+    override, amount, waits, tenant, asha, ravi, bank, refund
+):
     overrides = {"approval_overrides": {refund.name: override}} if override else {}
-    factories.make_agent(tenant, tools=[refund], turns=[refund_call(refund, amount=amount), {"text": "done"}],
-                         **overrides)
+    factories.make_agent(
+        tenant, tools=[refund], turns=[refund_call(refund, amount=amount), {"text": "done"}], **overrides
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
 
     run = drive(run.pk)
@@ -256,6 +275,7 @@ def test_it_applies_agent_policy_overrides_only_when_stricter(override, amount, 
 
 
 # --- cancellation ----------------------------------------------------------------------------
+
 
 def test_it_voids_the_approval_of_a_cancelled_run_and_refuses_to_approve_it(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
@@ -273,6 +293,7 @@ def test_it_voids_the_approval_of_a_cancelled_run_and_refuses_to_approve_it(tena
 
 # --- races -------------------------------------------------------------------------------------
 
+
 def _race(*calls):
     """Run the calls at the same moment on their own database connections; results or exceptions."""
     barrier = threading.Barrier(len(calls))
@@ -281,7 +302,7 @@ def _race(*calls):
         try:
             barrier.wait()
             return call()
-        except Exception as exc:  # noqa: BLE001 - the outcome is what the test inspects
+        except Exception as exc:
             return exc
         finally:
             connection.close()
@@ -291,14 +312,17 @@ def _race(*calls):
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_concurrent_approve_and_deny_have_one_winner_and_at_most_one_dispatch(attempt, tenant, asha, ravi, bank,
-                                                                             refund):
+def test_concurrent_approve_and_deny_have_one_winner_and_at_most_one_dispatch(
+    attempt, tenant, asha, ravi, bank, refund
+):
     meera = factories.make_user(tenant, "meera", staff=True)
     factories.grant(refund, approve=[meera])
     run, approval = waiting_run(tenant, asha, refund)
 
-    approve, deny = _race(lambda: approvals.decide(approval_id=approval.pk, user=ravi, approve=True),
-                          lambda: approvals.decide(approval_id=approval.pk, user=meera, approve=False))
+    approve, deny = _race(
+        lambda: approvals.decide(approval_id=approval.pk, user=ravi, approve=True),
+        lambda: approvals.decide(approval_id=approval.pk, user=meera, approve=False),
+    )
 
     outcomes = [r for r in (approve, deny) if isinstance(r, Approval)]
     assert len(outcomes) == 1, (approve, deny)
@@ -345,7 +369,9 @@ def clone_waiting_run(template: Run, count: int) -> list:
     from tools.gateway import idempotency_key
 
     def copy(obj, **changes):
-        fields = {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields if not f.primary_key}
+        fields = {
+            f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields if not f.primary_key
+        }
         return type(obj)(**{**fields, **changes})
 
     steps = list(template.steps.order_by("seq"))
@@ -355,18 +381,44 @@ def clone_waiting_run(template: Run, count: int) -> list:
     for run in runs:
         run.tenant = template.tenant
     BudgetAccount.objects.bulk_create([copy(account, run_id=run.pk) for run in runs])
-    copies = Step.objects.bulk_create([copy(step, run_id=run.pk, idempotency_key=idempotency_key(run, step.seq)
-                                            if step.idempotency_key else "") for run in runs for step in steps])
+    copies = Step.objects.bulk_create(
+        [
+            copy(
+                step,
+                run_id=run.pk,
+                idempotency_key=idempotency_key(run, step.seq) if step.idempotency_key else "",
+            )
+            for run in runs
+            for step in steps
+        ]
+    )
     waiting = [s for s in copies if s.seq == approval.step.seq]
-    Approval.objects.bulk_create([copy(approval, id=uuid.uuid4(), run_id=step.run_id, step_id=step.pk, digest=(
-        approvals.call_digest(tool=approval.tool, arguments=step.arguments, run_id=step.run_id,
-                              user_id=approval.requested_by_id, policy_version=approval.policy_version)))
-        for step in waiting])
+    Approval.objects.bulk_create(
+        [
+            copy(
+                approval,
+                id=uuid.uuid4(),
+                run_id=step.run_id,
+                step_id=step.pk,
+                digest=(
+                    approvals.call_digest(
+                        tool=approval.tool,
+                        arguments=step.arguments,
+                        run_id=step.run_id,
+                        user_id=approval.requested_by_id,
+                        policy_version=approval.policy_version,
+                    )
+                ),
+            )
+            for step in waiting
+        ]
+    )
     return [run.pk for run in runs]
 
 
 def test_a_thousand_waiting_runs_hold_no_message_and_no_worker_and_one_approval_resumes_one_run(
-        tenant, asha, ravi, bank, refund, workers):
+    tenant, asha, ravi, bank, refund, workers
+):
     from rest_framework.test import APIClient
 
     broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
@@ -374,19 +426,22 @@ def test_a_thousand_waiting_runs_hold_no_message_and_no_worker_and_one_approval_
     worker = workers("w1")
     factories.make_agent(tenant, tools=[refund], turns=[refund_call(refund), {"text": "done"}])
     template, _ = start_run(user=asha, agent="agent", input={"n": "template"})
-    wait_for(lambda: Run.objects.get(pk=template.pk).status == RunStatus.WAITING_APPROVAL, timeout=60,
-             what="the worker to park the first run")
+    wait_for(
+        lambda: Run.objects.get(pk=template.pk).status == RunStatus.WAITING_APPROVAL,
+        timeout=60,
+        what="the worker to park the first run",
+    )
     template.refresh_from_db()
     run_ids = [template.pk, *clone_waiting_run(template, WAITING_RUNS - 1)]
     assert Run.objects.filter(status=RunStatus.WAITING_APPROVAL).count() == WAITING_RUNS
     assert Approval.objects.filter(status=ApprovalStatus.PENDING).count() == WAITING_RUNS
 
     swept = sweep()
-    assert not any(swept.values()), swept   # nothing to requeue, stop or expire
+    assert not any(swept.values()), swept  # nothing to requeue, stop or expire
     tasks_so_far = worker.output().count(" received")
     time.sleep(2)
     assert broker.llen(queue) == 0
-    assert worker.output().count(" received") == tasks_so_far   # no task for any waiting run
+    assert worker.output().count(" received") == tasks_so_far  # no task for any waiting run
 
     steps_before = Step.objects.count()
     target = run_ids[WAITING_RUNS // 2]
@@ -402,5 +457,5 @@ def test_a_thousand_waiting_runs_hold_no_message_and_no_worker_and_one_approval_
     assert effect["idempotency_key"] == Step.objects.get(run_id=target, seq=2).idempotency_key
     assert Run.objects.filter(status=RunStatus.WAITING_APPROVAL).count() == WAITING_RUNS - 1
     assert set(RunEvent.objects.filter(at__gte=decided_at).values_list("run_id", flat=True)) == {target}
-    assert Step.objects.count() == steps_before + 1   # the approved run's final model step
+    assert Step.objects.count() == steps_before + 1  # the approved run's final model step
     assert broker.llen(queue) == 0

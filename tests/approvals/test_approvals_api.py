@@ -1,4 +1,5 @@
 """The approvals API (issue #4): who sees what, who may decide, and what a second decision gets."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -58,8 +59,11 @@ def client_for(user) -> APIClient:
 def park(tenant, user, tool, arguments) -> tuple[Run, Approval]:
     """A run of its own agent and script, parked on the approval of one call."""
     name = f"agent-{uuid.uuid4().hex[:8]}"
-    endpoint = factories.make_endpoint(tenant, name=name, config={"turns": [
-        {"tool_calls": [{"name": tool.name, "arguments": arguments}]}, {"text": "done"}]})
+    endpoint = factories.make_endpoint(
+        tenant,
+        name=name,
+        config={"turns": [{"tool_calls": [{"name": tool.name, "arguments": arguments}]}, {"text": "done"}]},
+    )
     factories.make_agent(tenant, name=name, endpoint=endpoint, tools=[tool])
     run, _ = start_run(user=user, agent=name, input={})
     run = drive(run.pk)
@@ -77,7 +81,10 @@ def error_code(response) -> str:
 
 # --- listing -----------------------------------------------------------------------------------
 
-def test_it_lists_only_approvals_of_tools_the_caller_may_approve_with_filters(tenant, asha, ravi, bank, tools):
+
+def test_it_lists_only_approvals_of_tools_the_caller_may_approve_with_filters(
+    tenant, asha, ravi, bank, tools
+):
     kiran = User.objects.get(username="kiran")
     refund_run, pending_refund = park(tenant, asha, tools["issue_refund"], REFUND)
     done_run, done_refund = park(tenant, asha, tools["issue_refund"], {**REFUND, "amount": 6000})
@@ -92,7 +99,7 @@ def test_it_lists_only_approvals_of_tools_the_caller_may_approve_with_filters(te
 
     assert ids(ravi) == [str(pending_refund.pk), str(done_refund.pk)]
     assert ids(kiran) == [str(transfer.pk)]
-    assert ids(asha) == []   # the requester holds no approve_tool
+    assert ids(asha) == []  # the requester holds no approve_tool
     assert ids(ravi, "?status=pending") == [str(pending_refund.pk)]
     assert ids(ravi, "?status=consumed") == [str(done_refund.pk)]
     assert ids(ravi, f"?tool={tools['issue_refund'].name}") == [str(pending_refund.pk), str(done_refund.pk)]
@@ -100,7 +107,9 @@ def test_it_lists_only_approvals_of_tools_the_caller_may_approve_with_filters(te
     assert ids(ravi, f"?run={refund_run.pk}") == [str(pending_refund.pk)]
     assert ids(ravi, f"?run={refund_run.pk}&status=denied") == []
     detail = client_for(ravi).get(f"/v1/approvals/{pending_refund.pk}").json()
-    assert detail["arguments"] == REFUND and detail["requested_by"] == "asha" and detail["status"] == "pending"
+    assert (
+        detail["arguments"] == REFUND and detail["requested_by"] == "asha" and detail["status"] == "pending"
+    )
     assert client_for(ravi).get(f"/v1/approvals/{transfer.pk}").status_code == 404
 
 
@@ -115,7 +124,7 @@ def test_it_answers_404_for_another_tenants_approval(tenant, asha, ravi, bank, t
     olga, oscar = factories.make_user(other, "olga"), factories.make_user(other, "oscar", staff=True)
     their_refund = factories.make_bank_tools(other, bank.mcp_url)["issue_refund"]
     factories.grant(their_refund, use=[olga], approve=[oscar])
-    factories.grant(their_refund, approve=[ravi])   # even a stray grant across tenants changes nothing
+    factories.grant(their_refund, approve=[ravi])  # even a stray grant across tenants changes nothing
     their_run, theirs = park(other, olga, their_refund, REFUND)
 
     assert client_for(ravi).get(f"/v1/approvals/{theirs.pk}").status_code == 404
@@ -128,8 +137,9 @@ def test_it_answers_404_for_another_tenants_approval(tenant, asha, ravi, bank, t
 
 # --- deciding ----------------------------------------------------------------------------------
 
+
 def test_it_forbids_approving_your_own_request(tenant, asha, bank, tools):
-    factories.grant(tools["issue_refund"], approve=[asha])   # she could approve anyone else's
+    factories.grant(tools["issue_refund"], approve=[asha])  # she could approve anyone else's
     run, approval = park(tenant, asha, tools["issue_refund"], REFUND)
 
     response = approve(asha, approval)
@@ -158,7 +168,7 @@ def test_it_dispatches_once_and_answers_409_to_a_second_decision_after_use(tenan
     assert first.json()["decided_by"] == "ravi" and first.json()["decision_reason"] == "receipt checked"
     assert drive(run.pk).status == RunStatus.SUCCEEDED
 
-    again = approve(ravi, approval)   # the same person repeating the same decision: the same answer
+    again = approve(ravi, approval)  # the same person repeating the same decision: the same answer
     assert again.status_code == 200 and again.json()["status"] == "consumed"
     for verb in ("approve", "deny"):
         late = approve(meera, approval, verb)

@@ -441,7 +441,9 @@ def test_stricter_refuses_results_that_would_be_too_long() -> None:
 
 
 def _random_operand(rng: random.Random) -> str:
-    return rng.choice(["amount", "currency", "customer.tier", "items[0].price", "5000", "'INR'", "true", "null"])
+    return rng.choice(
+        ["amount", "currency", "customer.tier", "items[0].price", "5000", "'INR'", "true", "null"]
+    )
 
 
 def _random_comparison(rng: random.Random) -> str:

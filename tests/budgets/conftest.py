@@ -2,6 +2,7 @@
 
 Money is asserted on rows (accounts, reservations, ledger entries), never on calls made.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ MODEL_KEY = "sk-ant-budget-tests-5b1d"
 
 @pytest.fixture
 def fake_openai():
-    fake = FakeOpenAI(min_cacheable_tokens=0)   # tiny prompts: cache them anyway
+    fake = FakeOpenAI(min_cacheable_tokens=0)  # tiny prompts: cache them anyway
     fake.start()
     yield fake
     fake.stop()
@@ -47,8 +48,9 @@ def anthropic_endpoint(tenant, fake: FakeAnthropic, *, name: str = "claude", **f
     secret = Secret(tenant=tenant, name=f"{name}-key")
     secret.set_value(MODEL_KEY)
     secret.save()
-    return factories.make_endpoint(tenant, name=name, kind="anthropic", base_url=fake.base_url, secret=secret,
-                                   **fields)
+    return factories.make_endpoint(
+        tenant, name=name, kind="anthropic", base_url=fake.base_url, secret=secret, **fields
+    )
 
 
 class SearchServer:
@@ -61,7 +63,7 @@ class SearchServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server API)
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 server.calls[str(body.get("query"))] += 1
                 payload = json.dumps(server.answer).encode()
@@ -93,12 +95,21 @@ def search_server():
 
 
 def search_tool(tenant, user, server: SearchServer, *, price_micros: int = 0) -> Tool:
-    tool_server = ToolServer.objects.create(tenant=tenant, name="kb", kind=ToolServer.Kind.HTTP, url=server.url)
-    tool = Tool.objects.create(tenant=tenant, server=tool_server, name="kb__search", remote_name="search",
-                               description="Search the knowledge base.", enabled=True, effect_class="read_only",
-                               price_micros=price_micros, timeout_seconds=5,
-                               input_schema={"type": "object", "properties": {"query": {"type": "string"}},
-                                             "required": ["query"]})
+    tool_server = ToolServer.objects.create(
+        tenant=tenant, name="kb", kind=ToolServer.Kind.HTTP, url=server.url
+    )
+    tool = Tool.objects.create(
+        tenant=tenant,
+        server=tool_server,
+        name="kb__search",
+        remote_name="search",
+        description="Search the knowledge base.",
+        enabled=True,
+        effect_class="read_only",
+        price_micros=price_micros,
+        timeout_seconds=5,
+        input_schema={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    )
     factories.grant(tool, use=[user])
     return tool
 

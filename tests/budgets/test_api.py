@@ -1,4 +1,5 @@
 """Budget-facing API: admission quotas (429 + Retry-After), GET /v1/usage, a run's budget."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -48,12 +49,12 @@ def test_it_refuses_a_run_over_the_start_rate(tenant, asha, ravi, agent):
     tenant.save()
     for i in range(2):
         run = Run.objects.get(pk=start(asha, input={"i": i}).json()["id"])
-        drive(run.pk)   # finished runs do not count as active; only the rate applies
+        drive(run.pk)  # finished runs do not count as active; only the rate applies
     refused = start(asha, input={"i": 3})
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "start_rate_exceeded"
     assert refused["Retry-After"] == "60"
-    assert start(ravi).status_code == 201    # the rate is per user
+    assert start(ravi).status_code == 201  # the rate is per user
 
 
 def test_it_refuses_a_run_that_asked_not_to_wait_when_the_tenant_day_is_spent(tenant, asha, agent):
@@ -69,8 +70,9 @@ def test_it_refuses_a_run_that_asked_not_to_wait_when_the_tenant_day_is_spent(te
     assert not Run.objects.exists()
 
 
-def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next_day(tenant, asha, agent,
-                                                                                       monkeypatch):
+def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next_day(
+    tenant, asha, agent, monkeypatch
+):
     from runs import sweeper
 
     spent = budgets.reserve(tenant=tenant, amount_micros=tenant.daily_budget_micros, purpose="model")
@@ -83,14 +85,17 @@ def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next
     run = Run.objects.get(pk=body["id"])
     assert not run.steps.exists() and run.lease_token is None
     assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == ["waiting_budget"]
-    assert sweeper._admit_waiting_runs(timezone.now()) == 0          # still no room today
+    assert sweeper._admit_waiting_runs(timezone.now()) == 0  # still no room today
 
     tomorrow = timezone.now() + dt.timedelta(days=1)
     monkeypatch.setattr(budgets, "clock", lambda: tomorrow)
     assert sweeper._admit_waiting_runs(timezone.now()) == 1
     run.refresh_from_db()
     assert run.status == "queued" and run.admitted_at is not None and run.deadline_at is not None
-    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == ["waiting_budget", "queued"]
+    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == [
+        "waiting_budget",
+        "queued",
+    ]
 
 
 def test_concurrent_starts_never_exceed_the_active_run_quota(tenant, asha, agent):
@@ -100,7 +105,9 @@ def test_concurrent_starts_never_exceed_the_active_run_quota(tenant, asha, agent
     answers = in_threads(12, lambda i: start(asha, input={"i": i}))
     codes = sorted(a.status_code for a in answers)
     assert codes == [201] * 3 + [429] * 9
-    assert {a.json()["error"]["code"] for a in answers if a.status_code == 429} == {"active_run_quota_exceeded"}
+    assert {a.json()["error"]["code"] for a in answers if a.status_code == 429} == {
+        "active_run_quota_exceeded"
+    }
     assert Run.objects.count() == 3
 
 
@@ -120,18 +127,40 @@ def test_usage_shows_days_and_agents_and_a_run_shows_its_budget(tenant, asha, ra
     assert body["time_zone"] == tenant.time_zone
     (today,) = body["days"]
     spent = alpha.budget.spent_micros + beta.budget.spent_micros
-    assert today == {"day": budgets.local_day(tenant).isoformat(), "limit_micros": tenant.daily_budget_micros,
-                     "reserved_micros": 0, "spent_micros": spent, "held_micros": 4_000, "overage_micros": 0,
-                     "remaining_micros": tenant.daily_budget_micros - spent - 4_000}
+    assert today == {
+        "day": budgets.local_day(tenant).isoformat(),
+        "limit_micros": tenant.daily_budget_micros,
+        "reserved_micros": 0,
+        "spent_micros": spent,
+        "held_micros": 4_000,
+        "overage_micros": 0,
+        "remaining_micros": tenant.daily_budget_micros - spent - 4_000,
+    }
     assert body["agents"] == [
-        {"agent": "alpha", "spent_micros": alpha.budget.spent_micros, "held_micros": 0, "reserved_micros": 0,
-         "runs": 1},
-        {"agent": "beta", "spent_micros": beta.budget.spent_micros, "held_micros": 4_000, "reserved_micros": 0,
-         "runs": 1}]
+        {
+            "agent": "alpha",
+            "spent_micros": alpha.budget.spent_micros,
+            "held_micros": 0,
+            "reserved_micros": 0,
+            "runs": 1,
+        },
+        {
+            "agent": "beta",
+            "spent_micros": beta.budget.spent_micros,
+            "held_micros": 4_000,
+            "reserved_micros": 0,
+            "runs": 1,
+        },
+    ]
     assert api(asha).get("/v1/usage?days=0").status_code == 400
 
     detail = api(ravi).get(f"/v1/runs/{beta.pk}").json()
-    assert detail["budget"] == {"limit_micros": 700_000, "reserved_micros": 0,
-                                "spent_micros": beta.budget.spent_micros, "held_micros": 4_000,
-                                "overage_micros": 0, "remaining_micros": 700_000 - beta.budget.spent_micros - 4_000}
+    assert detail["budget"] == {
+        "limit_micros": 700_000,
+        "reserved_micros": 0,
+        "spent_micros": beta.budget.spent_micros,
+        "held_micros": 4_000,
+        "overage_micros": 0,
+        "remaining_micros": 700_000 - beta.budget.spent_micros - 4_000,
+    }
     assert detail["limits"]["max_cost_micros"] == 700_000

@@ -5,6 +5,7 @@ under a lock of all sub-accounts. These tests check the rows: the day never goes
 refusals happen only when the whole day is short, and the sub-accounts' limits always add up to
 the daily budget.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,11 @@ def make_runs(tenant, user, count: int) -> list:
 
 
 def sub_accounts(tenant) -> list[BudgetAccount]:
-    return list(BudgetAccount.objects.filter(tenant=tenant, scope="tenant_day", day=budgets.local_day(tenant))
-                .order_by("shard"))
+    return list(
+        BudgetAccount.objects.filter(
+            tenant=tenant, scope="tenant_day", day=budgets.local_day(tenant)
+        ).order_by("shard")
+    )
 
 
 def test_the_day_opens_as_sub_accounts_whose_limits_add_up_to_the_daily_budget(tenant):
@@ -47,13 +51,13 @@ def test_the_day_opens_as_sub_accounts_whose_limits_add_up_to_the_daily_budget(t
 
 
 def test_a_run_whose_sub_account_is_short_draws_on_the_rest_of_the_day(tenant, asha):
-    tenant.daily_budget_micros = 80_005        # 10,000 per sub-account, 10,005 on the first
+    tenant.daily_budget_micros = 80_005  # 10,000 per sub-account, 10,005 on the first
     tenant.save()
     (run,) = make_runs(tenant, asha, 1)
     first = budgets.reserve(tenant=tenant, run=run, amount_micros=70_003, purpose="model")
     own = BudgetAccount.objects.get(pk=first.day_account_id)
     assert own.shard == run.pk.int % SHARDS and own.reserved_micros == 70_003
-    assert budgets.reserve(tenant=tenant, run=run, amount_micros=10_002, purpose="model")   # exactly full
+    assert budgets.reserve(tenant=tenant, run=run, amount_micros=10_002, purpose="model")  # exactly full
     with pytest.raises(budgets.BudgetExceeded) as refused:
         budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
     assert (refused.value.scope, refused.value.code) == ("tenant_day", "tenant_day_budget_exhausted")
@@ -73,13 +77,15 @@ def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant,
     tenant.daily_budget_micros = 40 * 10_000 + 5_003
     tenant.save()
     runs = make_runs(tenant, asha, 64)
-    budgets.tenant_day_account(tenant, budgets.local_day(tenant))   # opened before the race
+    budgets.tenant_day_account(tenant, budgets.local_day(tenant))  # opened before the race
 
     def attempt(i: int) -> int:
         granted = 0
         while True:
             try:
-                reservation = budgets.reserve(tenant=tenant, run=runs[i], amount_micros=10_000, purpose="model")
+                reservation = budgets.reserve(
+                    tenant=tenant, run=runs[i], amount_micros=10_000, purpose="model"
+                )
             except budgets.BudgetExceeded:
                 return granted
             granted += 1
@@ -99,7 +105,7 @@ def test_lowering_the_limit_below_what_is_used_leaves_no_sub_account_any_room(te
     tenant.save()
     runs = make_runs(tenant, asha, 16)
     for run in runs:
-        budgets.reserve(tenant=tenant, run=run, amount_micros=20_000, purpose="model")   # 320,000 used
+        budgets.reserve(tenant=tenant, run=run, amount_micros=20_000, purpose="model")  # 320,000 used
     today = budgets.local_day(tenant)
 
     assert budgets.set_day_limit(tenant, today, 300_000)
@@ -108,7 +114,7 @@ def test_lowering_the_limit_below_what_is_used_leaves_no_sub_account_any_room(te
         with pytest.raises(budgets.BudgetExceeded):
             budgets.reserve(tenant=tenant, run=run, amount_micros=1, purpose="model")
 
-    assert budgets.set_day_limit(tenant, today, 340_000)      # 20,000 free again, spread over the day
+    assert budgets.set_day_limit(tenant, today, 340_000)  # 20,000 free again, spread over the day
     granted = 0
     for run in runs:
         try:

@@ -4,6 +4,7 @@ The worker that takes the run over cannot know whether the lost call was charged
 the reservation (DESIGN.md section 6). When the stalled worker's reply does come back, it carries
 the provider's usage for that very call: the hold is reconciled from it, with no person needed.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -50,11 +51,11 @@ def test_a_late_reply_reconciles_the_held_charge_of_its_call(tenant, asha, fake_
     stalled = threading.Thread(target=stalling_worker)
     stalled.start()
     first = _wait(lambda: Step.objects.filter(run=run, seq=1, status="dispatching").first(), "the first call")
-    heartbeat.untrack(run.pk)                                           # it stops renewing its lease
+    heartbeat.untrack(run.pk)  # it stops renewing its lease
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
     fake_openai.latency_ms = 0
 
-    engine.advance(run.pk)      # another worker takes over: the lost call's charge is held
+    engine.advance(run.pk)  # another worker takes over: the lost call's charge is held
     lost = Reservation.objects.get(run=run, step=first)
     assert lost.status == "held"
     assert BudgetAccount.objects.get(run=run).held_micros == lost.amount_micros > 0
@@ -63,15 +64,16 @@ def test_a_late_reply_reconciles_the_held_charge_of_its_call(tenant, asha, fake_
     assert not stalled.is_alive()
     lost.refresh_from_db()
     assert lost.status == "reconciled" and lost.closed_by is None
-    assert lost.actual_micros > 0            # priced from the usage the provider reported
+    assert lost.actual_micros > 0  # priced from the usage the provider reported
     account = BudgetAccount.objects.get(run=run)
     assert account.held_micros == 0
     late = RunEvent.objects.get(run=run, kind="late_attempt", step_seq=1)
     assert late.data["hold_reconciled"] is True and late.data["cost_micros"] == lost.actual_micros
-    assert Step.objects.get(pk=first.pk).status == "outcome_unknown"    # the run moved on without it
+    assert Step.objects.get(pk=first.pk).status == "outcome_unknown"  # the run moved on without it
 
     run = drive(run.pk)
     assert run.status == "succeeded" and run.final_output == "second answer"
     assert account.__class__.objects.get(pk=account.pk).spent_micros == sum(
-        r.actual_micros for r in Reservation.objects.filter(run=run))
+        r.actual_micros for r in Reservation.objects.filter(run=run)
+    )
     assert_books_balance(tenant)

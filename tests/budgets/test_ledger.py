@@ -3,6 +3,7 @@
 Every test checks the rows: account balances, reservation status, and that the ledger entries of
 each account add up to its balances (budgets.selectors.ledger_mismatches).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -57,7 +58,7 @@ def test_it_refuses_a_reservation_any_account_cannot_fit_and_moves_nothing(tenan
         budgets.reserve(tenant=tenant, run=run, amount_micros=100_001, purpose="model")
     assert refused.value.scope == "run" and refused.value.code == "run_budget_exhausted"
     day, account = accounts(run)
-    assert day.reserved_micros == account.reserved_micros == 0   # the day's take was rolled back
+    assert day.reserved_micros == account.reserved_micros == 0  # the day's take was rolled back
     assert not Reservation.objects.exists() and not LedgerEntry.objects.exists()
 
     budgets.set_day_limit(tenant, budgets.local_day(tenant), 50_000)
@@ -119,8 +120,14 @@ def test_it_keeps_a_hold_out_of_reach_until_reconciled_or_written_off(tenant, ra
 def test_it_closes_a_reservation_once_when_a_late_worker_and_recovery_race(tenant, run):
     for _ in range(10):
         reservation = budgets.reserve(tenant=tenant, run=run, amount_micros=1_000, purpose="model")
-        outcomes = in_threads(2, lambda i: budgets.settle(reservation.pk, actual_micros=900) if i == 0
-                              else budgets.hold(reservation.pk, note="recovery"))
+        outcomes = in_threads(
+            2,
+            lambda i: (
+                budgets.settle(reservation.pk, actual_micros=900)
+                if i == 0
+                else budgets.hold(reservation.pk, note="recovery")
+            ),
+        )
         assert sorted(outcomes) == [False, True]
     day, account = accounts(run)
     settled = Reservation.objects.filter(status="settled").count()
@@ -132,6 +139,7 @@ def test_it_closes_a_reservation_once_when_a_late_worker_and_recovery_race(tenan
 
 def test_it_never_lets_concurrent_reservations_of_one_run_overshoot(tenant, run):
     """Retries and parallel tool calls of one run all draw on the same run account."""
+
     def attempt(i: int) -> int:
         granted = 0
         for _ in range(10):
@@ -145,7 +153,7 @@ def test_it_never_lets_concurrent_reservations_of_one_run_overshoot(tenant, run)
         return granted
 
     granted = sum(in_threads(16, attempt))
-    assert granted == 99_000    # 33 of 160 attempts fit under 100,000; none more
+    assert granted == 99_000  # 33 of 160 attempts fit under 100,000; none more
     _, account = accounts(run)
     assert account.reserved_micros + account.spent_micros == 99_000 <= account.limit_micros
     assert Reservation.objects.count() == 33
@@ -160,19 +168,34 @@ def test_the_database_refuses_a_negative_balance(tenant, run):
         BudgetAccount.objects.filter(pk=account.pk).update(reserved_micros=-1)
 
 
-@pytest.mark.parametrize("zone, before, after", [
-    ("Asia/Kolkata", dt.datetime(2025, 3, 14, 18, 29, 59, tzinfo=dt.UTC), dt.datetime(2025, 3, 14, 18, 30, tzinfo=dt.UTC)),
-    ("America/Los_Angeles", dt.datetime(2025, 3, 15, 6, 59, 59, tzinfo=dt.UTC),
-     dt.datetime(2025, 3, 15, 7, 0, tzinfo=dt.UTC)),   # PDT: local midnight is 07:00 UTC
-])
+@pytest.mark.parametrize(
+    "zone, before, after",
+    [
+        (
+            "Asia/Kolkata",
+            dt.datetime(2025, 3, 14, 18, 29, 59, tzinfo=dt.UTC),
+            dt.datetime(2025, 3, 14, 18, 30, tzinfo=dt.UTC),
+        ),
+        (
+            "America/Los_Angeles",
+            dt.datetime(2025, 3, 15, 6, 59, 59, tzinfo=dt.UTC),
+            dt.datetime(2025, 3, 15, 7, 0, tzinfo=dt.UTC),
+        ),  # PDT: local midnight is 07:00 UTC
+    ],
+)
 def test_it_charges_the_local_day_the_reservation_was_made_on(tenant, run, zone, before, after):
     tenant.time_zone = zone
     tenant.save()
     late = budgets.reserve(tenant=tenant, run=run, amount_micros=10_000, purpose="model", now=before)
     early = budgets.reserve(tenant=tenant, run=run, amount_micros=20_000, purpose="model", now=after)
-    assert budgets.local_day(tenant, before).isoformat() == before.astimezone(zoneinfo.ZoneInfo(zone)).date().isoformat()
-    assert (late.day, early.day) == (budgets.local_day(tenant, before), budgets.local_day(tenant, before)
-                                     + dt.timedelta(days=1))
+    assert (
+        budgets.local_day(tenant, before).isoformat()
+        == before.astimezone(zoneinfo.ZoneInfo(zone)).date().isoformat()
+    )
+    assert (late.day, early.day) == (
+        budgets.local_day(tenant, before),
+        budgets.local_day(tenant, before) + dt.timedelta(days=1),
+    )
     assert budgets.next_local_midnight(tenant, before) == after
     # Settled after midnight, the late charge stays on the day it was reserved on.
     budgets.settle(late.pk, actual_micros=9_000)
@@ -180,7 +203,7 @@ def test_it_charges_the_local_day_the_reservation_was_made_on(tenant, run, zone,
     old_day, run_account = accounts(run, late.day)
     new_day, _ = accounts(run, early.day)
     assert (old_day.spent_micros, new_day.spent_micros) == (9_000, 19_000)
-    assert run_account.spent_micros == 28_000   # the run's budget does not reset at midnight
+    assert run_account.spent_micros == 28_000  # the run's budget does not reset at midnight
     assert_books_balance(tenant)
 
 
@@ -197,10 +220,16 @@ def test_every_movement_writes_one_entry_that_moves_all_accounts_of_its_reservat
 
     three = {settled.day_account_id, settled.user_account_id, settled.run_account_id}
     assert None not in three and len(three) == 3
-    expected = {settled: ["reserve", "settle"], released: ["reserve", "release"],
-                held: ["reserve", "hold", "reconcile", "overage"]}
+    expected = {
+        settled: ["reserve", "settle"],
+        released: ["reserve", "release"],
+        held: ["reserve", "hold", "reconcile", "overage"],
+    }
     for reservation, entry_kinds in expected.items():
-        assert list(LedgerEntry.objects.filter(reservation=reservation).values_list("kind", flat=True)) == entry_kinds
+        assert (
+            list(LedgerEntry.objects.filter(reservation=reservation).values_list("kind", flat=True))
+            == entry_kinds
+        )
     assert LedgerEntry.objects.get(reservation=held, kind="reconcile").actor == ravi
     for account in BudgetAccount.objects.filter(pk__in=three):
         assert (account.spent_micros, account.overage_micros) == (8_500, 500)
@@ -219,7 +248,8 @@ def test_the_sweeper_releases_a_reservation_whose_worker_died_before_dispatching
     Reservation.objects.filter(pk=in_flight.pk).update(step=step)
     recent = budgets.reserve(tenant=tenant, run=run, amount_micros=9_000, purpose="model")
     Reservation.objects.filter(pk__in=[orphan.pk, in_flight.pk]).update(
-        created_at=timezone.now() - dt.timedelta(hours=1))
+        created_at=timezone.now() - dt.timedelta(hours=1)
+    )
 
     assert sweeper.sweep()["orphan_reservations"] == 1
     statuses = dict(Reservation.objects.values_list("pk", "status"))

@@ -3,6 +3,7 @@
 The model endpoints are the fake OpenAI and Anthropic servers (tests/fakes/model_servers.py),
 which report usage like the real APIs and can hang, time out or refuse on request.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,10 +38,12 @@ def day_account(tenant) -> BudgetAccount:
 
 def price(usage: dict, endpoint) -> int:
     """What the reported usage costs at the endpoint's prices (per million tokens, in micros)."""
-    return math.ceil(Decimal(usage.get("input_tokens", 0)) * endpoint.price_input
-                     + Decimal(usage.get("cache_read_input_tokens", 0)) * endpoint.price_cached_input
-                     + Decimal(usage.get("cache_creation_input_tokens", 0)) * endpoint.price_cache_write
-                     + Decimal(usage.get("output_tokens", 0)) * endpoint.price_output)
+    return math.ceil(
+        Decimal(usage.get("input_tokens", 0)) * endpoint.price_input
+        + Decimal(usage.get("cache_read_input_tokens", 0)) * endpoint.price_cached_input
+        + Decimal(usage.get("cache_creation_input_tokens", 0)) * endpoint.price_cache_write
+        + Decimal(usage.get("output_tokens", 0)) * endpoint.price_output
+    )
 
 
 def model_reservations(run) -> list[Reservation]:
@@ -63,12 +66,21 @@ def test_it_prices_cache_reads_and_writes_at_their_own_prices(tenant, asha, buil
     assert 0 < second["cache_creation_input_tokens"] < first["cache_creation_input_tokens"]
     steps = list(Step.objects.filter(run=run, kind="model").order_by("seq"))
     assert [s.cost_micros for s in steps] == [price(first, endpoint), price(second, endpoint)]
-    assert steps[1].usage == {"input_tokens": second["input_tokens"], "output_tokens": second["output_tokens"],
-                              "cached_input_tokens": second["cache_read_input_tokens"],
-                              "cache_write_tokens": second["cache_creation_input_tokens"]}
+    assert steps[1].usage == {
+        "input_tokens": second["input_tokens"],
+        "output_tokens": second["output_tokens"],
+        "cached_input_tokens": second["cache_read_input_tokens"],
+        "cache_write_tokens": second["cache_creation_input_tokens"],
+    }
     # The cache read is cheaper than the same tokens uncached (0.3 vs 3 per million).
-    uncached = {**second, "input_tokens": second["input_tokens"] + second["cache_read_input_tokens"]
-                + second["cache_creation_input_tokens"], "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    uncached = {
+        **second,
+        "input_tokens": second["input_tokens"]
+        + second["cache_read_input_tokens"]
+        + second["cache_creation_input_tokens"],
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+    }
     assert price(second, endpoint) < price(uncached, endpoint)
 
     reservations = model_reservations(run)
@@ -103,7 +115,7 @@ def test_it_records_and_flags_an_answer_that_cost_more_than_reserved(tenant, ash
 def test_a_timeout_after_sending_is_held_and_the_call_is_made_again(tenant, asha, fake_openai):
     endpoint = openai_endpoint(tenant, fake_openai, timeout_seconds=0.5)
     factories.make_agent(tenant, endpoint=endpoint)
-    fake_openai.queue({"fault": "timeout", "seconds": 3})   # received, answered too late: charged
+    fake_openai.queue({"fault": "timeout", "seconds": 3})  # received, answered too late: charged
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
     assert run.status == "succeeded", run.error
@@ -135,21 +147,25 @@ def test_a_refusal_by_the_provider_is_released_not_held(tenant, asha, fake_opena
 
 
 def test_a_model_call_lost_with_its_worker_is_held_until_a_person_reconciles_it(
-        tenant, asha, ravi, fake_openai, workers):
+    tenant, asha, ravi, fake_openai, workers
+):
     endpoint = openai_endpoint(tenant, fake_openai, timeout_seconds=60)
     factories.make_agent(tenant, endpoint=endpoint)
-    fake_openai.queue({"fault": "timeout", "seconds": 30})   # the call hangs while the worker dies
+    fake_openai.queue({"fault": "timeout", "seconds": 30})  # the call hangs while the worker dies
     w1 = workers("w1")
     run, _ = start_run(user=asha, agent="agent", input={})
     wait_for(lambda: fake_openai.requests, timeout=30, what="the model call to arrive")
     w1.kill()
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s", [run.pk])
+        cursor.execute(
+            "UPDATE runs_run SET lease_expires_at = now() - interval '1 second' WHERE id = %s", [run.pk]
+        )
     workers("w2")
 
-    def swept_and_ended():      # play Celery beat: a lost message is re-sent too
+    def swept_and_ended():  # play Celery beat: a lost message is re-sent too
         sweeper.sweep()
         return (r := Run.objects.get(pk=run.pk)).is_terminal and r
+
     run = wait_for(swept_and_ended, timeout=90, interval=0.5, what="run end")
     assert run.status == "succeeded", run.error
 
@@ -164,11 +180,15 @@ def test_a_model_call_lost_with_its_worker_is_held_until_a_person_reconciles_it(
 
     # Only tenant staff clear holds, once, with a reason.
     path = f"/v1/reservations/{lost.pk}"
-    assert api(asha).post(f"{path}/reconcile", {"actual_micros": 1, "note": "x"}, format="json").status_code == 403
+    assert (
+        api(asha).post(f"{path}/reconcile", {"actual_micros": 1, "note": "x"}, format="json").status_code
+        == 403
+    )
     assert api(ravi).post(f"{path}/reconcile", {"actual_micros": 1}, format="json").status_code == 400
     actual = lost.amount_micros // 3
-    answer = api(ravi).post(f"{path}/reconcile", {"actual_micros": actual, "note": "usage export row 17"},
-                            format="json")
+    answer = api(ravi).post(
+        f"{path}/reconcile", {"actual_micros": actual, "note": "usage export row 17"}, format="json"
+    )
     assert answer.status_code == 200, answer.content
     assert (answer.json()["status"], answer.json()["actual_micros"]) == ("reconciled", actual)
     again = api(ravi).post(f"{path}/write-off", {"note": "twice"}, format="json")
@@ -188,20 +208,24 @@ def test_staff_write_off_a_hold_and_cannot_touch_other_tenants(tenant, asha, rav
 
     other_tenant = factories.make_tenant("globex")
     outsider = factories.make_user(other_tenant, "otto", staff=True)
-    assert api(outsider).post(f"/v1/reservations/{held.pk}/write-off", {"note": "mine"},
-                              format="json").status_code == 404
+    assert (
+        api(outsider)
+        .post(f"/v1/reservations/{held.pk}/write-off", {"note": "mine"}, format="json")
+        .status_code
+        == 404
+    )
     refused = api(ravi).post(f"/v1/reservations/{settled.pk}/write-off", {"note": "oops"}, format="json")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_held"
     listed = api(ravi).get("/v1/reservations?status=held").json()["results"]
     assert [r["id"] for r in listed] == [str(held.pk)]
 
-    done = api(ravi).post(f"/v1/reservations/{held.pk}/write-off", {"note": "provider shows no charge"},
-                          format="json")
+    done = api(ravi).post(
+        f"/v1/reservations/{held.pk}/write-off", {"note": "provider shows no charge"}, format="json"
+    )
     assert done.status_code == 200 and done.json()["status"] == "written_off"
     held.refresh_from_db()
     assert (held.closed_by, held.note) == (ravi, "")
-    assert LedgerEntry.objects.get(reservation=held, kind="write_off").note == \
-        "provider shows no charge"
+    assert LedgerEntry.objects.get(reservation=held, kind="write_off").note == "provider shows no charge"
     run.budget.refresh_from_db()
     assert (run.budget.held_micros, run.budget.spent_micros) == (0, 1_000)
     assert_books_balance(tenant)
@@ -209,11 +233,11 @@ def test_staff_write_off_a_hold_and_cannot_touch_other_tenants(tenant, asha, rav
 
 def test_a_success_answer_that_cannot_be_read_is_held_not_released(tenant, asha):
     """A 2xx was billed by the provider even if its body is garbage (a proxy error page)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Garbage(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
             self.send_header("Content-Type", "text/html")
@@ -227,8 +251,9 @@ def test_a_success_answer_that_cannot_be_read_is_held_not_released(tenant, asha)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        endpoint = factories.make_endpoint(tenant, name="proxy", kind="openai",
-                                           base_url=f"http://127.0.0.1:{server.server_address[1]}/v1")
+        endpoint = factories.make_endpoint(
+            tenant, name="proxy", kind="openai", base_url=f"http://127.0.0.1:{server.server_address[1]}/v1"
+        )
         factories.make_agent(tenant, endpoint=endpoint)
         run = drive(start_run(user=asha, agent="agent", input={})[0].pk)
     finally:

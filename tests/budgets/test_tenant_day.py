@@ -3,12 +3,14 @@
 Time is controlled through the budget clock (budgets.services.clock), the one seam the engine
 and the budget services read "today" from; the sweeper takes `now` as an argument.
 """
+
 from __future__ import annotations
 
 import datetime as dt
 import zoneinfo
 
 import pytest
+from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
@@ -17,7 +19,6 @@ from runs import sweeper
 from runs.engine import advance
 from runs.models import Run, Step
 from runs.services import DEFAULT_LIMITS, start_run
-from django.utils import timezone
 from tests import factories
 from tests.budgets.conftest import assert_books_balance
 from tests.conftest import drive
@@ -47,11 +48,17 @@ def two_call_agent(tenant, asha, builtins):
     factories.grant(echo, use=[asha])
     # A low configured expected cost: admitted on a nearly spent day, so these tests reach the
     # pause and the midnight rules of a run already under way.
-    return factories.make_agent(tenant, tools=[echo], limits={"max_wall_seconds": 2 * 24 * 3600},
-                                expected_cost_micros=1_000, turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"n": 1}}]},
-        {"tool_calls": [{"name": echo.name, "arguments": {"n": 2}}]},
-        {"text": "done"}])
+    return factories.make_agent(
+        tenant,
+        tools=[echo],
+        limits={"max_wall_seconds": 2 * 24 * 3600},
+        expected_cost_micros=1_000,
+        turns=[
+            {"tool_calls": [{"name": echo.name, "arguments": {"n": 1}}]},
+            {"tool_calls": [{"name": echo.name, "arguments": {"n": 2}}]},
+            {"text": "done"},
+        ],
+    )
 
 
 def day_account(tenant, day: dt.date) -> BudgetAccount:
@@ -59,29 +66,36 @@ def day_account(tenant, day: dt.date) -> BudgetAccount:
 
 
 def first_call_estimate(version, user) -> int:
-    probe = Run(tenant=version.agent.tenant, created_by=user, version=version, input={},
-                limits=dict(DEFAULT_LIMITS))
-    return gateway.estimate_cost_micros(version.model_endpoint,
-                                        gateway.build_request(probe, [], tool_gateway.offered_tools(probe)))
+    probe = Run(
+        tenant=version.agent.tenant, created_by=user, version=version, input={}, limits=dict(DEFAULT_LIMITS)
+    )
+    return gateway.estimate_cost_micros(
+        version.model_endpoint, gateway.build_request(probe, [], tool_gateway.offered_tools(probe))
+    )
 
 
 def test_a_run_crossing_midnight_keeps_its_run_budget_and_charges_each_day_its_own_calls(
-        tenant, asha, two_call_agent, monkeypatch):
+    tenant, asha, two_call_agent, monkeypatch
+):
     tenant.time_zone = "Asia/Kolkata"
     tenant.save()
     clock = Clock(monkeypatch, "Asia/Kolkata")
     clock.set(DAY, 23, 58)
     run, _ = start_run(user=asha, agent="agent", input={})
-    advance(run.pk)     # model call 1
-    advance(run.pk)     # tool call 2
+    advance(run.pk)  # model call 1
+    advance(run.pk)  # tool call 2
     clock.set(DAY + dt.timedelta(days=1), 0, 2)
     run = drive(run.pk)
     assert run.status == "succeeded", run.error
 
     reservations = list(Reservation.objects.filter(run=run).order_by("created_at"))
     assert [(r.purpose, r.day) for r in reservations] == [
-        ("model", DAY), ("tool", DAY), ("model", DAY + dt.timedelta(days=1)), ("tool", DAY + dt.timedelta(days=1)),
-        ("model", DAY + dt.timedelta(days=1))]
+        ("model", DAY),
+        ("tool", DAY),
+        ("model", DAY + dt.timedelta(days=1)),
+        ("tool", DAY + dt.timedelta(days=1)),
+        ("model", DAY + dt.timedelta(days=1)),
+    ]
     before, after = reservations[:2], reservations[2:]
     assert day_account(tenant, DAY).spent_micros == sum(r.actual_micros for r in before)
     assert day_account(tenant, DAY + dt.timedelta(days=1)).spent_micros == sum(r.actual_micros for r in after)
@@ -93,17 +107,20 @@ def test_a_run_crossing_midnight_keeps_its_run_budget_and_charges_each_day_its_o
 
 
 def test_a_paused_run_resumes_after_local_midnight_and_charges_the_new_day(
-        tenant, asha, two_call_agent, monkeypatch):
+    tenant, asha, two_call_agent, monkeypatch
+):
     tenant.time_zone = "America/Los_Angeles"
     tenant.on_budget_exhausted = "pause"
     tenant.daily_budget_micros = 1_000_000
     tenant.save()
     clock = Clock(monkeypatch, "America/Los_Angeles")
-    today = timezone.now().astimezone(clock.zone).date()     # the sweeper also checks real deadlines
+    today = timezone.now().astimezone(clock.zone).date()  # the sweeper also checks real deadlines
     clock.set(today, 22, 0)
     # Other work spent today's budget but for one model call and one tool call.
     room = first_call_estimate(two_call_agent, asha) + 1_000
-    earlier = budgets.reserve(tenant=tenant, amount_micros=1_000_000 - room, purpose="model", note="other runs")
+    earlier = budgets.reserve(
+        tenant=tenant, amount_micros=1_000_000 - room, purpose="model", note="other runs"
+    )
     budgets.settle(earlier.pk, actual_micros=earlier.amount_micros)
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
@@ -120,14 +137,21 @@ def test_a_paused_run_resumes_after_local_midnight_and_charges_the_new_day(
     assert run.status == "succeeded", run.error
     days = list(Reservation.objects.filter(run=run).order_by("created_at").values_list("purpose", "day"))
     tomorrow = today + dt.timedelta(days=1)
-    assert days == [("model", today), ("tool", today), ("model", tomorrow), ("tool", tomorrow), ("model", tomorrow)]
+    assert days == [
+        ("model", today),
+        ("tool", today),
+        ("model", tomorrow),
+        ("tool", tomorrow),
+        ("model", tomorrow),
+    ]
     old = day_account(tenant, today)
     assert old.spent_micros <= old.limit_micros
     assert_books_balance(tenant)
 
 
-def test_a_run_stops_when_the_tenant_day_is_spent_and_the_tenant_says_stop(tenant, asha, two_call_agent,
-                                                                            monkeypatch):
+def test_a_run_stops_when_the_tenant_day_is_spent_and_the_tenant_says_stop(
+    tenant, asha, two_call_agent, monkeypatch
+):
     tenant.daily_budget_micros = first_call_estimate(two_call_agent, asha) + 1_000
     tenant.save()
     Clock(monkeypatch, "UTC").set(DAY, 12, 0)

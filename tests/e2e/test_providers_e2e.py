@@ -1,4 +1,5 @@
 """Real provider clients through a real worker: fake OpenAI-compatible and Anthropic servers."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.mark.parametrize("kind,fake_class", [("openai", FakeOpenAI), ("anthropic", FakeAnthropic)])
 def test_it_runs_a_tool_loop_on_a_real_provider_protocol_and_prices_cached_tokens(
-        kind, fake_class, tenant, asha, builtins, workers):
-    fake = fake_class(tool_turns=3, api_key="sk-canary-4242", min_cacheable_tokens=0)   # tiny prompts
+    kind, fake_class, tenant, asha, builtins, workers
+):
+    fake = fake_class(tool_turns=3, api_key="sk-canary-4242", min_cacheable_tokens=0)  # tiny prompts
     base_url = fake.start()
     try:
         secret = Secret(tenant=tenant, name="provider-key")
@@ -28,7 +30,9 @@ def test_it_runs_a_tool_loop_on_a_real_provider_protocol_and_prices_cached_token
         factories.make_agent(tenant, tools=[echo], endpoint=endpoint, limits={"max_output_tokens": 333})
         workers("w1")
         run, _ = start_run(user=asha, agent="agent", input={"message": "echo three times"})
-        run = wait_for(lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=90, what="run end")
+        run = wait_for(
+            lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=90, what="run end"
+        )
         assert run.status == "succeeded", run.error
         assert run.final_output == "done"
         model_steps = list(Step.objects.filter(run=run, kind="model").order_by("seq"))
@@ -39,8 +43,12 @@ def test_it_runs_a_tool_loop_on_a_real_provider_protocol_and_prices_cached_token
         # Cached tokens cost a tenth of input tokens here: the cost reflects it.
         for step in model_steps:
             u = step.usage
-            expected = (u["input_tokens"] * 3 + u["cached_input_tokens"] * 0.3 + u["cache_write_tokens"] * 3.75
-                        + u["output_tokens"] * 15)
+            expected = (
+                u["input_tokens"] * 3
+                + u["cached_input_tokens"] * 0.3
+                + u["cache_write_tokens"] * 3.75
+                + u["output_tokens"] * 15
+            )
             assert step.cost_micros == pytest.approx(expected, abs=1)
         limit_field = "max_completion_tokens" if kind == "openai" else "max_tokens"
         assert all(body[limit_field] == 333 for body in fake.requests)

@@ -30,6 +30,7 @@ offered tool with {"i": n} until the request holds `tool_turns` tool results, th
 
     python -m tests.fakes.model_servers --kind openai --port 8001 --latency-ms 200 --tool-turns 12
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,8 @@ def approx_tokens(value: Any) -> int:
     return max(1, len(json.dumps(value)) // 4)
 
 
-CACHE_STEP = 128         # OpenAI: cached prefixes grow in 128-token increments
-CACHE_LOOKBACK = 20      # Anthropic: blocks searched before a breakpoint for a cached prefix
+CACHE_STEP = 128  # OpenAI: cached prefixes grow in 128-token increments
+CACHE_LOOKBACK = 20  # Anthropic: blocks searched before a breakpoint for a cached prefix
 
 
 class FakeModelServer:
@@ -82,8 +83,14 @@ class FakeModelServer:
     path = ""
     url_suffix = ""
 
-    def __init__(self, *, tool_turns: int = 0, latency_ms: int = 0, api_key: str | None = None,
-                 min_cacheable_tokens: int = 1024):
+    def __init__(
+        self,
+        *,
+        tool_turns: int = 0,
+        latency_ms: int = 0,
+        api_key: str | None = None,
+        min_cacheable_tokens: int = 1024,
+    ):
         self.tool_turns = tool_turns
         self.min_cacheable_tokens = min_cacheable_tokens
         self.latency_ms = latency_ms
@@ -94,7 +101,7 @@ class FakeModelServer:
         self.base_url = ""
         self._queue: deque[dict[str, Any]] = deque()
         self._seen_prefixes: set[str] = set()
-        self._cached_prompts: list[tuple[str, list[str]]] = []   # OpenAI: (model, pieces) seen
+        self._cached_prompts: list[tuple[str, list[str]]] = []  # OpenAI: (model, pieces) seen
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._server: uvicorn.Server | None = None
@@ -113,8 +120,12 @@ class FakeModelServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((HOST, 0))  # binding here (not in uvicorn) avoids a free-port race
         self._server = uvicorn.Server(self._config())
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        daemon=True, name=f"{type(self).__name__}-server")
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            daemon=True,
+            name=f"{type(self).__name__}-server",
+        )
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:
@@ -137,8 +148,15 @@ class FakeModelServer:
         self._server.run()
 
     def _config(self) -> uvicorn.Config:
-        return uvicorn.Config(self.app, host=HOST, log_level="warning", access_log=False,
-                              lifespan="off", backlog=2048, timeout_graceful_shutdown=1)
+        return uvicorn.Config(
+            self.app,
+            host=HOST,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            backlog=2048,
+            timeout_graceful_shutdown=1,
+        )
 
     # --- request handling -------------------------------------------------------------------
 
@@ -220,9 +238,26 @@ class FakeModelServer:
 
 # --- OpenAI Chat Completions ------------------------------------------------------------------
 
-_OPENAI_KEYS = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls",
-                "max_completion_tokens", "max_tokens", "temperature", "top_p", "stream", "stop",
-                "seed", "user", "n", "response_format", "metadata", "store", "prompt_cache_key"}
+_OPENAI_KEYS = {
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_completion_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stop",
+    "seed",
+    "user",
+    "n",
+    "response_format",
+    "metadata",
+    "store",
+    "prompt_cache_key",
+}
 
 
 class FakeOpenAI(FakeModelServer):
@@ -236,16 +271,19 @@ class FakeOpenAI(FakeModelServer):
         return None if given == self.api_key else f"Incorrect API key provided: {given}."
 
     def error(self, status: int, kind: str, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                            status_code=status)
+        return JSONResponse(
+            {"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status
+        )
 
     def validate(self, body: Any, headers: Any) -> None:
         require(isinstance(body, dict), "request body must be a JSON object")
         unknown = sorted(set(body) - _OPENAI_KEYS)
         require(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown)}")
         require(isinstance(body.get("model"), str) and body["model"] != "", "model is required")
-        require(not ("max_tokens" in body and "max_completion_tokens" in body),
-                "max_tokens and max_completion_tokens cannot both be set")
+        require(
+            not ("max_tokens" in body and "max_completion_tokens" in body),
+            "max_tokens and max_completion_tokens cannot both be set",
+        )
         for key in ("max_tokens", "max_completion_tokens"):
             require(key not in body or is_positive_int(body[key]), f"{key} must be a positive integer")
         require(not body.get("stream"), "fake: streaming is not supported")
@@ -264,7 +302,7 @@ class FakeOpenAI(FakeModelServer):
         system = list(itertools.takewhile(lambda m: m["role"] == "system", body["messages"]))
         pieces = [json.dumps(message, sort_keys=True) for message in system]
         pieces.append(json.dumps(body.get("tools") or [], sort_keys=True))
-        pieces += [json.dumps(message, sort_keys=True) for message in body["messages"][len(system):]]
+        pieces += [json.dumps(message, sort_keys=True) for message in body["messages"][len(system) :]]
         best = 0
         with self._lock:
             for model, earlier in self._cached_prompts:
@@ -273,16 +311,21 @@ class FakeOpenAI(FakeModelServer):
             self._cached_prompts.append((body["model"], pieces))
         tokens = best // 4
         floor = self.min_cacheable_tokens
-        if floor == 0:      # tiny test prompts: any shared prefix counts, to the token
+        if floor == 0:  # tiny test prompts: any shared prefix counts, to the token
             return tokens
         if tokens < floor:
             return 0
         return floor + (tokens - floor) // CACHE_STEP * CACHE_STEP
 
     def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
-        calls = [{"id": f"call_{reply_id}_{index}", "type": "function",
-                  "function": {"name": call["name"], "arguments": openai_arguments(call.get("arguments", {}))}}
-                 for index, call in enumerate(reply.get("tool_calls", []))]
+        calls = [
+            {
+                "id": f"call_{reply_id}_{index}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": openai_arguments(call.get("arguments", {}))},
+            }
+            for index, call in enumerate(reply.get("tool_calls", []))
+        ]
         message: dict[str, Any] = {"role": "assistant", "content": reply.get("text") or None}
         if calls:
             message["tool_calls"] = calls
@@ -290,12 +333,17 @@ class FakeOpenAI(FakeModelServer):
         cached = min(self.openai_cached_tokens(body), prompt)
         completion = approx_tokens([message["content"], calls])
         return {
-            "id": f"chatcmpl-fake-{reply_id}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-fake-{reply_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body["model"],
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion,
-                      "prompt_tokens_details": {"cached_tokens": cached}},
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
         }
 
 
@@ -328,16 +376,22 @@ def validate_openai_tools(tools: Any) -> None:
         require(isinstance(tool, dict) and tool.get("type") == "function", f"{where}.type must be 'function'")
         function = tool.get("function")
         require(isinstance(function, dict), f"{where}.function is required")
-        require(set(function) <= {"name", "description", "parameters", "strict"},
-                f"{where}.function has unknown fields")
+        require(
+            set(function) <= {"name", "description", "parameters", "strict"},
+            f"{where}.function has unknown fields",
+        )
         name = function.get("name")
         require(isinstance(name, str) and bool(TOOL_NAME.match(name)), f"{where}.function.name is invalid")
         require(name not in names, f"{where}: duplicate tool name {name!r}")
         names.add(name)
-        require(isinstance(function.get("description", ""), str), f"{where}.function.description must be a string")
+        require(
+            isinstance(function.get("description", ""), str), f"{where}.function.description must be a string"
+        )
         parameters = function.get("parameters", {"type": "object"})
-        require(isinstance(parameters, dict) and parameters.get("type") == "object",
-                f"{where}.function.parameters must be a JSON schema of type 'object'")
+        require(
+            isinstance(parameters, dict) and parameters.get("type") == "object",
+            f"{where}.function.parameters must be a JSON schema of type 'object'",
+        )
 
 
 def validate_openai_messages(messages: Any) -> None:
@@ -349,13 +403,19 @@ def validate_openai_messages(messages: Any) -> None:
         role = message.get("role")
         if role == "tool":
             call_id = message.get("tool_call_id")
-            require(call_id in pending, f"{where}: messages with role 'tool' must be a response to a "
-                                        f"preceding message with 'tool_calls' (tool_call_id {call_id!r})")
+            require(
+                call_id in pending,
+                f"{where}: messages with role 'tool' must be a response to a "
+                f"preceding message with 'tool_calls' (tool_call_id {call_id!r})",
+            )
             require(isinstance(message.get("content"), str), f"{where}.content must be a string")
             pending.remove(call_id)
             continue
-        require(not pending, f"{where}: an assistant message with 'tool_calls' must be followed by tool "
-                             f"messages responding to each 'tool_call_id'; missing {pending}")
+        require(
+            not pending,
+            f"{where}: an assistant message with 'tool_calls' must be followed by tool "
+            f"messages responding to each 'tool_call_id'; missing {pending}",
+        )
         if role in ("system", "user"):
             require(set(message) <= {"role", "content", "name"}, f"{where} has unknown fields")
             require(isinstance(message.get("content"), str), f"{where}.content must be a string")
@@ -379,7 +439,10 @@ def validate_openai_assistant(message: dict[str, Any], where: str) -> list[str]:
         require(isinstance(call, dict) and call.get("type") == "function", f"{at}.type must be 'function'")
         require(isinstance(call.get("id"), str) and call["id"] != "", f"{at}.id is required")
         function = call.get("function")
-        require(isinstance(function, dict) and isinstance(function.get("name"), str), f"{at}.function.name is required")
+        require(
+            isinstance(function, dict) and isinstance(function.get("name"), str),
+            f"{at}.function.name is required",
+        )
         require(isinstance(function.get("arguments"), str), f"{at}.function.arguments must be a JSON string")
         ids.append(call["id"])
     require(len(set(ids)) == len(ids), f"{where}: duplicate tool call ids")
@@ -388,8 +451,20 @@ def validate_openai_assistant(message: dict[str, Any], where: str) -> list[str]:
 
 # --- Anthropic Messages -----------------------------------------------------------------------
 
-_ANTHROPIC_KEYS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature",
-                   "top_p", "top_k", "stop_sequences", "stream", "metadata"}
+_ANTHROPIC_KEYS = {
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+}
 ANTHROPIC_VERSION = "2023-06-01"
 MAX_CACHE_BREAKPOINTS = 4
 
@@ -404,11 +479,15 @@ class FakeAnthropic(FakeModelServer):
         return None if self.api_key is None or given == self.api_key else "invalid x-api-key"
 
     def error(self, status: int, kind: str, message: str) -> JSONResponse:
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+        return JSONResponse(
+            {"type": "error", "error": {"type": kind, "message": message}}, status_code=status
+        )
 
     def validate(self, body: Any, headers: Any) -> None:
-        require(headers.get("anthropic-version") == ANTHROPIC_VERSION,
-                f"anthropic-version header must be {ANTHROPIC_VERSION}")
+        require(
+            headers.get("anthropic-version") == ANTHROPIC_VERSION,
+            f"anthropic-version header must be {ANTHROPIC_VERSION}",
+        )
         require(isinstance(body, dict), "request body must be a JSON object")
         unknown = sorted(set(body) - _ANTHROPIC_KEYS)
         require(not unknown, f"{', '.join(unknown)}: Extra inputs are not permitted")
@@ -419,12 +498,19 @@ class FakeAnthropic(FakeModelServer):
         if "tools" in body:
             breakpoints += validate_anthropic_tools(body["tools"])
         breakpoints += validate_anthropic_messages(body.get("messages"))
-        require(breakpoints <= MAX_CACHE_BREAKPOINTS,
-                f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {breakpoints}.")
+        require(
+            breakpoints <= MAX_CACHE_BREAKPOINTS,
+            f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {breakpoints}.",
+        )
 
     def count_tool_results(self, body: dict[str, Any]) -> int:
-        return sum(1 for message in body["messages"] if isinstance(message["content"], list)
-                   for block in message["content"] if block["type"] == "tool_result")
+        return sum(
+            1
+            for message in body["messages"]
+            if isinstance(message["content"], list)
+            for block in message["content"]
+            if block["type"] == "tool_result"
+        )
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
         return [tool["name"] for tool in body.get("tools", [])]
@@ -433,17 +519,30 @@ class FakeAnthropic(FakeModelServer):
         content: list[dict[str, Any]] = []
         if reply.get("text"):
             content.append({"type": "text", "text": reply["text"]})
-        content.extend({"type": "tool_use", "id": f"toolu_{reply_id}_{index}", "name": call["name"],
-                        "input": anthropic_input(call.get("arguments", {}))}
-                       for index, call in enumerate(reply.get("tool_calls", [])))
+        content.extend(
+            {
+                "type": "tool_use",
+                "id": f"toolu_{reply_id}_{index}",
+                "name": call["name"],
+                "input": anthropic_input(call.get("arguments", {})),
+            }
+            for index, call in enumerate(reply.get("tool_calls", []))
+        )
         usage = self._usage(body)
         usage["output_tokens"] = approx_tokens(content)
-        return {"id": f"msg_fake_{reply_id}", "type": "message", "role": "assistant", "model": body["model"],
-                "content": content, "stop_reason": "tool_use" if reply.get("tool_calls") else "end_turn",
-                "stop_sequence": None, "usage": usage}
+        return {
+            "id": f"msg_fake_{reply_id}",
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": content,
+            "stop_reason": "tool_use" if reply.get("tool_calls") else "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
-        prompt = approx_tokens(without_cache_control(body))   # markers are not billed as tokens
+        prompt = approx_tokens(without_cache_control(body))  # markers are not billed as tokens
         blocks = anthropic_blocks(body)
         breakpoints = [i for i, (_, _, marked) in enumerate(blocks) if marked]
         if not breakpoints:
@@ -463,8 +562,11 @@ class FakeAnthropic(FakeModelServer):
                 if blocks[point][1] >= floor:
                     self._seen_prefixes.add(f"{model}:{blocks[point][0]}")
         read, write = min(read, prompt), min(write, prompt - read)
-        return {"input_tokens": prompt - read - write, "cache_creation_input_tokens": write,
-                "cache_read_input_tokens": read}
+        return {
+            "input_tokens": prompt - read - write,
+            "cache_creation_input_tokens": write,
+            "cache_read_input_tokens": read,
+        }
 
 
 def anthropic_input(arguments: Any) -> dict[str, Any]:
@@ -505,16 +607,21 @@ def anthropic_blocks(body: dict[str, Any]) -> list[tuple[str, int, bool]]:
 def validate_cache_control(block: dict[str, Any], where: str) -> int:
     if "cache_control" not in block:
         return 0
-    require(block["cache_control"] in ({"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"},
-                                       {"type": "ephemeral", "ttl": "1h"}),
-            f"{where}.cache_control: invalid value")
+    require(
+        block["cache_control"]
+        in ({"type": "ephemeral"}, {"type": "ephemeral", "ttl": "5m"}, {"type": "ephemeral", "ttl": "1h"}),
+        f"{where}.cache_control: invalid value",
+    )
     return 1
 
 
 def validate_text_block(block: Any, where: str) -> int:
     require(isinstance(block, dict) and block.get("type") == "text", f"{where}.type must be 'text'")
     require(set(block) <= {"type", "text", "cache_control"}, f"{where}: Extra inputs are not permitted")
-    require(isinstance(block.get("text"), str) and block["text"] != "", f"{where}: text content blocks must be non-empty")
+    require(
+        isinstance(block.get("text"), str) and block["text"] != "",
+        f"{where}: text content blocks must be non-empty",
+    )
     return validate_cache_control(block, where)
 
 
@@ -531,16 +638,20 @@ def validate_anthropic_tools(tools: Any) -> int:
     for index, tool in enumerate(tools):
         where = f"tools.{index}"
         require(isinstance(tool, dict), f"{where}: Input should be an object")
-        require(set(tool) <= {"name", "description", "input_schema", "cache_control"},
-                f"{where}: Extra inputs are not permitted")
+        require(
+            set(tool) <= {"name", "description", "input_schema", "cache_control"},
+            f"{where}: Extra inputs are not permitted",
+        )
         name = tool.get("name")
         require(isinstance(name, str) and bool(TOOL_NAME.match(name)), f"{where}.name: invalid tool name")
         require(name not in names, f"tools: Tool names must be unique ({name})")
         names.add(name)
         require(isinstance(tool.get("description", ""), str), f"{where}.description must be a string")
         schema = tool.get("input_schema")
-        require(isinstance(schema, dict) and schema.get("type") == "object",
-                f"{where}.input_schema: type must be 'object'")
+        require(
+            isinstance(schema, dict) and schema.get("type") == "object",
+            f"{where}.input_schema: type must be 'object'",
+        )
         breakpoints += validate_cache_control(tool, where)
     return breakpoints
 
@@ -551,8 +662,10 @@ def validate_anthropic_messages(messages: Any) -> int:
     open_calls: list[str] = []  # tool_use ids of the previous assistant turn
     for index, message in enumerate(messages):
         where = f"messages.{index}"
-        require(isinstance(message, dict) and set(message) == {"role", "content"},
-                f"{where}: a message needs exactly 'role' and 'content'")
+        require(
+            isinstance(message, dict) and set(message) == {"role", "content"},
+            f"{where}: a message needs exactly 'role' and 'content'",
+        )
         expected = "user" if index % 2 == 0 else "assistant"
         require(message["role"] == expected, f"{where}.role: roles must alternate, starting with 'user'")
         blocks = message["content"]
@@ -560,8 +673,10 @@ def validate_anthropic_messages(messages: Any) -> int:
             require(blocks != "", f"{where}: content must be non-empty")
             blocks = [{"type": "text", "text": blocks}]
         require(isinstance(blocks, list) and len(blocks) > 0, f"{where}.content must be a non-empty list")
-        breakpoints += sum(validate_content_block(block, message["role"], f"{where}.content.{i}")
-                           for i, block in enumerate(blocks))
+        breakpoints += sum(
+            validate_content_block(block, message["role"], f"{where}.content.{i}")
+            for i, block in enumerate(blocks)
+        )
         if message["role"] == "user":
             check_tool_results(blocks, open_calls, where)
             open_calls = []
@@ -577,15 +692,20 @@ def validate_content_block(block: Any, role: str, where: str) -> int:
         return validate_text_block(block, where)
     if kind == "tool_use":
         require(role == "assistant", f"{where}: tool_use blocks are only allowed in assistant messages")
-        require(set(block) <= {"type", "id", "name", "input", "cache_control"}, f"{where}: Extra inputs are not permitted")
+        require(
+            set(block) <= {"type", "id", "name", "input", "cache_control"},
+            f"{where}: Extra inputs are not permitted",
+        )
         require(isinstance(block.get("id"), str) and block["id"] != "", f"{where}.id: Field required")
         require(isinstance(block.get("name"), str) and block["name"] != "", f"{where}.name: Field required")
         require(isinstance(block.get("input"), dict), f"{where}.input: Input should be an object")
         return validate_cache_control(block, where)
     if kind == "tool_result":
         require(role == "user", f"{where}: tool_result blocks are only allowed in user messages")
-        require(set(block) <= {"type", "tool_use_id", "content", "is_error", "cache_control"},
-                f"{where}: Extra inputs are not permitted")
+        require(
+            set(block) <= {"type", "tool_use_id", "content", "is_error", "cache_control"},
+            f"{where}: Extra inputs are not permitted",
+        )
         require(isinstance(block.get("tool_use_id"), str), f"{where}.tool_use_id: Field required")
         content = block.get("content", "")
         if isinstance(content, list):
@@ -593,7 +713,9 @@ def validate_content_block(block: Any, role: str, where: str) -> int:
                 validate_text_block(inner, f"{where}.content.{i}")
         else:
             require(isinstance(content, str), f"{where}.content: Input should be a string or list")
-        require(isinstance(block.get("is_error", False), bool), f"{where}.is_error: Input should be a boolean")
+        require(
+            isinstance(block.get("is_error", False), bool), f"{where}.is_error: Input should be a boolean"
+        )
         return validate_cache_control(block, where)
     raise BadRequest(f"{where}.type: unsupported block type {kind!r}")
 
@@ -602,18 +724,27 @@ def check_tool_results(blocks: list[dict[str, Any]], open_calls: list[str], wher
     """Mirror the API: every tool_use is answered in the very next user message, results first."""
     answered = [block["tool_use_id"] for block in blocks if block["type"] == "tool_result"]
     unexpected = [call_id for call_id in answered if call_id not in open_calls]
-    require(not unexpected, f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {unexpected}. "
-                            "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
+    require(
+        not unexpected,
+        f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {unexpected}. "
+        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
+    )
     missing = [call_id for call_id in open_calls if call_id not in answered]
-    require(not missing, f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
-                         f"{missing}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.")
+    require(
+        not missing,
+        f"{where}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+        f"{missing}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
+    )
     require(len(set(answered)) == len(answered), f"{where}: duplicate tool_result for one tool_use")
     kinds = [block["type"] for block in blocks]
-    require(kinds[:len(answered)] == ["tool_result"] * len(answered),
-            f"{where}: tool_result blocks must come first in the message content")
+    require(
+        kinds[: len(answered)] == ["tool_result"] * len(answered),
+        f"{where}: tool_result blocks must come first in the message content",
+    )
 
 
 # --- command line -----------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run a fake model server in the foreground (127.0.0.1).")

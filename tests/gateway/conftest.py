@@ -1,4 +1,5 @@
 """Fixtures for the tool gateway tests: the bank MCP server's tools, a recording model server."""
+
 from __future__ import annotations
 
 import httpx
@@ -63,7 +64,9 @@ def advance_until(run_id, predicate, *, max_tasks: int = 50) -> Run:
 
 def tool_step_done(seq: int):
     """Predicate: the tool step with this seq has an outcome."""
+
     def done(run: Run) -> bool:
         step = run.steps.filter(seq=seq).first()
         return step is not None and step.status not in ("proposed", "approved", "dispatching")
+
     return done

@@ -3,6 +3,7 @@
 Every denial is checked where it matters: the bank server's ledger (nothing applied), the step
 row (denied, with a reason), the run's events, and what the model is told next.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,24 +36,34 @@ def assert_denied(run, step: Step, reason: str) -> None:
     assert step.status == StepStatus.DENIED, (step.status, step.error)
     assert reason in step.error
     assert RunEvent.objects.filter(run=run, step_seq=step.seq, kind="step", data__to="denied").exists()
-    told = [m for m in build_messages(run, list(run.steps.all())) if m.role == "tool"
-            and m.tool_call_id == step.call_id]
+    told = [
+        m
+        for m in build_messages(run, list(run.steps.all()))
+        if m.role == "tool" and m.tool_call_id == step.call_id
+    ]
     assert len(told) == 1 and told[0].is_error and "denied by the platform" in told[0].content
 
 
 # --- prompt injection ------------------------------------------------------------------------
 
-def test_it_denies_the_transfer_a_ticket_injects_and_the_run_ends_cleanly(tenant, asha, bank, bank_tools, claude):
+
+def test_it_denies_the_transfer_a_ticket_injects_and_the_run_ends_cleanly(
+    tenant, asha, bank, bank_tools, claude
+):
     names = {k: t.name for k, t in bank_tools.items()}
     factories.grant(bank_tools["search_tickets"], use=[asha])
     factories.grant(bank_tools["lookup_transaction"], use=[asha])
-    factories.make_agent(tenant, endpoint=_endpoint(tenant, "claude"), tools=[bank_tools[k] for k in (
-        "lookup_transaction", "search_tickets", "transfer_funds")])
+    factories.make_agent(
+        tenant,
+        endpoint=_endpoint(tenant, "claude"),
+        tools=[bank_tools[k] for k in ("lookup_transaction", "search_tickets", "transfer_funds")],
+    )
     claude.queue(
         {"tool_calls": [{"name": names["search_tickets"], "arguments": {"query": "TXN-1001"}}]},
         # The model obeys the ticket's "SYSTEM OVERRIDE" text.
         {"tool_calls": [{"name": names["transfer_funds"], "arguments": TRANSFER}]},
-        {"text": "I could not move money; the refund needs a supervisor."})
+        {"text": "I could not move money; the refund needs a supervisor."},
+    )
     run, _ = start_run(user=asha, agent="agent", input={"transaction_id": "TXN-1001"})
 
     run = drive(run.pk)
@@ -65,25 +76,43 @@ def test_it_denies_the_transfer_a_ticket_injects_and_the_run_ends_cleanly(tenant
     assert_denied(run, transfer, f"may not use {names['transfer_funds']}")
     # On the wire: the tool was never offered, and the denial came back as an error tool result.
     assert names["transfer_funds"] not in [t["name"] for t in claude.requests[1]["tools"]]
-    results = [b for m in claude.requests[2]["messages"] if isinstance(m["content"], list)
-               for b in m["content"] if b["type"] == "tool_result"]
+    results = [
+        b
+        for m in claude.requests[2]["messages"]
+        if isinstance(m["content"], list)
+        for b in m["content"]
+        if b["type"] == "tool_result"
+    ]
     assert results[-1]["is_error"] is True and "denied by the platform" in str(results[-1]["content"])
 
 
 def _endpoint(tenant, name):
     from llm.models import ModelEndpoint
+
     return ModelEndpoint.objects.get(tenant=tenant, name=name)
 
 
 # --- calls outside the offered set -----------------------------------------------------------
+
 
 def _tenant_b_tool(bank) -> str:
     other = factories.make_tenant("globex")
     return factories.make_bank_tools(other, bank.mcp_url, name="vault")["transfer_funds"].name
 
 
-@pytest.mark.parametrize("case", ["not_permitted", "not_allowlisted", "disabled", "other_tenant", "misspelled",
-                                  "wrong_type", "extra_field", "missing_field"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_permitted",
+        "not_allowlisted",
+        "disabled",
+        "other_tenant",
+        "misspelled",
+        "wrong_type",
+        "extra_field",
+        "missing_field",
+    ],
+)
 def test_it_denies_calls_outside_the_offered_set_and_sends_nothing(case, tenant, asha, bank, bank_tools):
     refund, transfer = bank_tools["issue_refund"], bank_tools["transfer_funds"]
     allowlist = [bank_tools["lookup_transaction"], refund, transfer]
@@ -127,8 +156,11 @@ def test_it_allows_the_same_call_once_it_is_permitted(tenant, asha, bank, bank_t
     """Control for the denials above: the same refund, permitted, reaches the bank once."""
     refund = bank_tools["issue_refund"]
     factories.grant(refund, use=[asha])
-    factories.make_agent(tenant, tools=[refund], turns=[
-        {"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[refund],
+        turns=[{"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
     assert [s.status for s in tool_steps(run)] == ["succeeded"]
@@ -141,8 +173,12 @@ def test_it_denies_a_permitted_tool_that_was_not_offered_on_that_call(tenant, as
     lookup = bank_tools["lookup_transaction"]
     for tool in (refund, lookup, bank_tools["search_tickets"]):
         factories.grant(tool, use=[asha])
-    factories.make_agent(tenant, tools=[lookup, refund, bank_tools["search_tickets"]], max_visible_tools=2,
-                         turns=[{"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[lookup, refund, bank_tools["search_tickets"]],
+        max_visible_tools=2,
+        turns=[{"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={"task": "look up transaction TXN-1001"})
     run = drive(run.pk)
     offered = Step.objects.get(run=run, seq=1).request["tools"]
@@ -154,11 +190,17 @@ def test_it_denies_a_permitted_tool_that_was_not_offered_on_that_call(tenant, as
 
 # --- permissions change during a run ---------------------------------------------------------
 
+
 def _two_refunds_agent(tenant, refund):
-    factories.make_agent(tenant, tools=[refund], turns=[
-        {"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]},
-        {"tool_calls": [{"name": refund.name, "arguments": REFUND_OTHER}]},
-        {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[refund],
+        turns=[
+            {"tool_calls": [{"name": refund.name, "arguments": REFUND_SMALL}]},
+            {"tool_calls": [{"name": refund.name, "arguments": REFUND_OTHER}]},
+            {"text": "ok"},
+        ],
+    )
 
 
 def test_it_denies_the_next_call_after_use_tool_is_revoked(tenant, asha, bank, bank_tools):
@@ -179,8 +221,9 @@ def test_it_denies_the_next_call_after_use_tool_is_revoked(tenant, asha, bank, b
     assert refund.name not in Step.objects.get(run=run, seq=3).request["tools"]
 
 
-def test_it_denies_the_next_call_after_the_user_leaves_the_group_that_held_use_tool(tenant, asha, bank,
-                                                                                   bank_tools):
+def test_it_denies_the_next_call_after_the_user_leaves_the_group_that_held_use_tool(
+    tenant, asha, bank, bank_tools
+):
     refund = bank_tools["issue_refund"]
     agents = factories.make_group(tenant, "agents")
     asha.groups.add(agents)
@@ -209,20 +252,22 @@ def test_it_stops_a_deactivated_users_run_before_any_model_call(tenant, asha, ba
     run = drive(run.pk)
 
     assert run.status == RunStatus.STOPPED and run.stop_reason == "user_deactivated"
-    assert not Step.objects.filter(run=run).exists()          # no model call, nothing proposed
-    assert not Reservation.objects.filter(run=run).exists()   # and no money reserved for one
-    assert RunEvent.objects.filter(run=run, kind="status", data__to="stopped",
-                                   data__reason="user_deactivated").exists()
+    assert not Step.objects.filter(run=run).exists()  # no model call, nothing proposed
+    assert not Reservation.objects.filter(run=run).exists()  # and no money reserved for one
+    assert RunEvent.objects.filter(
+        run=run, kind="status", data__to="stopped", data__reason="user_deactivated"
+    ).exists()
     assert bank.effects() == []
 
 
-def test_it_denies_the_proposed_call_and_stops_when_the_user_is_deactivated_mid_run(tenant, asha, bank,
-                                                                                  bank_tools):
+def test_it_denies_the_proposed_call_and_stops_when_the_user_is_deactivated_mid_run(
+    tenant, asha, bank, bank_tools
+):
     refund = bank_tools["issue_refund"]
     factories.grant(refund, use=[asha])
     _two_refunds_agent(tenant, refund)
     run, _ = start_run(user=asha, agent="agent", input={})
-    advance_until(run.pk, lambda r: r.steps.filter(seq=4).exists())   # the second refund is proposed
+    advance_until(run.pk, lambda r: r.steps.filter(seq=4).exists())  # the second refund is proposed
     assert len(bank.effects("issue_refund")) == 1
     User.objects.filter(pk=asha.pk).update(is_active=False)
 
@@ -238,6 +283,7 @@ def test_it_denies_the_proposed_call_and_stops_when_the_user_is_deactivated_mid_
 
 
 # --- no implicit authority -------------------------------------------------------------------
+
 
 def test_it_gives_a_superuser_no_implicit_tool_access(tenant, bank, bank_tools):
     root = User.objects.create_superuser(username="root", password="pw", tenant=tenant)

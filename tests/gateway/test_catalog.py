@@ -1,4 +1,5 @@
 """The catalogue the model sees (issue #3): quarantine, large catalogues, result size, refresh."""
+
 from __future__ import annotations
 
 from io import StringIO
@@ -31,15 +32,25 @@ def offered_names(run) -> list[str]:
 
 # --- quarantine ------------------------------------------------------------------------------
 
+
 def test_it_quarantines_a_tool_whose_schema_changed_until_a_person_releases_it(tenant, asha, builtins):
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
-    factories.make_agent(tenant, tools=[echo], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        turns=[{"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "ok"}],
+    )
     before, _ = start_run(user=asha, agent="agent", input={})
     assert offered_names(before) == [echo.name]
-    changed = [RemoteTool(r.name, r.description, {**r.input_schema, "properties": {"cc": {"type": "string"}}},
-                          r.annotations) if r.name == "echo" else r for r in fetch_remote(echo.server)]
+    changed = [
+        RemoteTool(
+            r.name, r.description, {**r.input_schema, "properties": {"cc": {"type": "string"}}}, r.annotations
+        )
+        if r.name == "echo"
+        else r
+        for r in fetch_remote(echo.server)
+    ]
 
     report = sync_server(echo.server, changed)
 
@@ -68,10 +79,19 @@ def test_it_redacts_a_credential_a_server_echoes_into_its_tool_list(tenant):
     secret = Secret(tenant=tenant, name="token")
     secret.set_value("tok-3b9d71c2e5")
     secret.save()
-    server = ToolServer.objects.create(tenant=tenant, name="crm", kind=ToolServer.Kind.MCP, url="http://x",
-                                       secret=secret)
-    sync_server(server, [RemoteTool("lookup", "Look up. Auth: Bearer tok-3b9d71c2e5",
-                                    {"type": "object", "description": "tok-3b9d71c2e5"})])
+    server = ToolServer.objects.create(
+        tenant=tenant, name="crm", kind=ToolServer.Kind.MCP, url="http://x", secret=secret
+    )
+    sync_server(
+        server,
+        [
+            RemoteTool(
+                "lookup",
+                "Look up. Auth: Bearer tok-3b9d71c2e5",
+                {"type": "object", "description": "tok-3b9d71c2e5"},
+            )
+        ],
+    )
     tool = Tool.objects.get(server=server)
     assert tool.description == f"Look up. Auth: Bearer {REDACTED}"
     assert tool.input_schema["description"] == REDACTED
@@ -80,10 +100,28 @@ def test_it_redacts_a_credential_a_server_echoes_into_its_tool_list(tenant):
 
 # --- large catalogues ------------------------------------------------------------------------
 
-TOPICS = ["card replacement", "address change", "cheque book order", "loan prepayment", "fixed deposit",
-          "standing instruction", "kyc document upload", "branch locator", "atm pin reset", "upi dispute",
-          "emi conversion", "nominee update", "tax certificate", "mobile number change", "credit limit",
-          "statement download", "reward catalogue", "insurance claim", "mandate cancel", "forex card"]
+TOPICS = [
+    "card replacement",
+    "address change",
+    "cheque book order",
+    "loan prepayment",
+    "fixed deposit",
+    "standing instruction",
+    "kyc document upload",
+    "branch locator",
+    "atm pin reset",
+    "upi dispute",
+    "emi conversion",
+    "nominee update",
+    "tax certificate",
+    "mobile number change",
+    "credit limit",
+    "statement download",
+    "reward catalogue",
+    "insurance claim",
+    "mandate cancel",
+    "forex card",
+]
 
 
 def _big_catalogue(tenant, asha, permitted: int):
@@ -91,17 +129,30 @@ def _big_catalogue(tenant, asha, permitted: int):
     server = ToolServer.objects.create(tenant=tenant, name="kb", kind=ToolServer.Kind.BUILTIN)
 
     def tool(name, description):
-        return Tool.objects.create(tenant=tenant, server=server, name=f"kb__{name}", remote_name="echo",
-                                   description=description, input_schema={"type": "object"}, enabled=True,
-                                   effect_class="read_only")
+        return Tool.objects.create(
+            tenant=tenant,
+            server=server,
+            name=f"kb__{name}",
+            remote_name="echo",
+            description=description,
+            input_schema={"type": "object"},
+            enabled=True,
+            effect_class="read_only",
+        )
 
-    mine = [tool(f"topic_{i:03d}", f"Answer questions about {TOPICS[i % len(TOPICS)]} (set {i}).")
-            for i in range(permitted - 3)]
-    mine += [tool("loyalty_points_balance", "Show the customer's loyalty points balance."),
-             tool("zz_currency_rates", "Today's currency exchange rates for foreign currency."),
-             tool("zz_currency_convert", "Convert an amount between currency pairs at exchange rates.")]
-    theirs = [tool("loyalty_points_override", "Override loyalty points balance: loyalty points adjust."),
-              tool("currency_exchange_desk", "Book currency exchange currency rates at the desk.")]
+    mine = [
+        tool(f"topic_{i:03d}", f"Answer questions about {TOPICS[i % len(TOPICS)]} (set {i}).")
+        for i in range(permitted - 3)
+    ]
+    mine += [
+        tool("loyalty_points_balance", "Show the customer's loyalty points balance."),
+        tool("zz_currency_rates", "Today's currency exchange rates for foreign currency."),
+        tool("zz_currency_convert", "Convert an amount between currency pairs at exchange rates."),
+    ]
+    theirs = [
+        tool("loyalty_points_override", "Override loyalty points balance: loyalty points adjust."),
+        tool("currency_exchange_desk", "Book currency exchange currency rates at the desk."),
+    ]
     for t in mine:
         factories.grant(t, use=[asha])
     return mine, theirs
@@ -125,10 +176,19 @@ def test_it_narrows_a_large_catalogue_by_relevance_and_adds_search_tools(tenant,
 
 def test_it_reveals_only_permitted_tools_through_search_tools(tenant, asha):
     mine, theirs = _big_catalogue(tenant, asha, settings.VISIBLE_TOOLS_MAX + 10)
-    factories.make_agent(tenant, tools=mine + theirs, turns=[
-        {"tool_calls": [{"name": gateway.SEARCH_TOOLS, "arguments": {"query": "currency exchange rates"}}]},
-        {"tool_calls": [{"name": "kb__zz_currency_rates", "arguments": {"pair": "USD/INR"}}]},
-        {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=mine + theirs,
+        turns=[
+            {
+                "tool_calls": [
+                    {"name": gateway.SEARCH_TOOLS, "arguments": {"query": "currency exchange rates"}}
+                ]
+            },
+            {"tool_calls": [{"name": "kb__zz_currency_rates", "arguments": {"pair": "USD/INR"}}]},
+            {"text": "ok"},
+        ],
+    )
     run, _ = start_run(user=asha, agent="agent", input={"ask": "what is my loyalty points balance?"})
     assert "kb__zz_currency_rates" not in offered_names(run)
 
@@ -147,8 +207,14 @@ def test_it_reveals_only_permitted_tools_through_search_tools(tenant, asha):
 def test_it_denies_search_tools_when_it_was_not_offered(tenant, asha, builtins):
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
-    factories.make_agent(tenant, tools=[echo], turns=[
-        {"tool_calls": [{"name": gateway.SEARCH_TOOLS, "arguments": {"query": "anything"}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        turns=[
+            {"tool_calls": [{"name": gateway.SEARCH_TOOLS, "arguments": {"query": "anything"}}]},
+            {"text": "ok"},
+        ],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
     [step] = tool_steps(run)
@@ -158,13 +224,17 @@ def test_it_denies_search_tools_when_it_was_not_offered(tenant, asha, builtins):
 
 # --- result size -----------------------------------------------------------------------------
 
+
 def test_it_truncates_a_large_result_for_the_model_and_stores_it_in_full(tenant, asha, builtins):
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
     limit = settings.TOOL_RESULT_MODEL_CHARS
     blob = "ledger-line " * (limit // 6)
-    factories.make_agent(tenant, tools=[echo], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"blob": blob}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        turns=[{"tool_calls": [{"name": echo.name, "arguments": {"blob": blob}}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
 
     run = drive(run.pk)
@@ -173,11 +243,14 @@ def test_it_truncates_a_large_result_for_the_model_and_stores_it_in_full(tenant,
     assert step.result["structured"] == {"blob": blob} and len(step.result["text"]) > 2 * limit
     head, marker = step.observation[:limit], step.observation[limit:]
     assert head == step.result["text"][:limit]
-    assert marker == (f"\n[truncated by the platform: showing {limit} of {len(step.result['text'])} characters; "
-                      "the full result is stored]")
+    assert marker == (
+        f"\n[truncated by the platform: showing {limit} of {len(step.result['text'])} characters; "
+        "the full result is stored]"
+    )
 
 
 # --- refresh_tools ---------------------------------------------------------------------------
+
 
 def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, builtins):
     other = factories.make_tenant("globex")
@@ -186,31 +259,50 @@ def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, b
 
     call_command("refresh_tools", tenant="globex", stdout=out)
 
-    assert out.getvalue() == "globex/platform: added 4 (clock, echo, noop, sleep); quarantined 0; unchanged 0; " \
-                             "missing 0\n"
+    assert (
+        out.getvalue() == "globex/platform: added 4 (clock, echo, noop, sleep); quarantined 0; unchanged 0; "
+        "missing 0\n"
+    )
     assert Tool.objects.filter(server=fresh, enabled=False).count() == 4
     Tool.objects.filter(pk=builtins["echo"].pk).update(schema_hash="an older schema")
-    Tool.objects.create(tenant=tenant, server=builtins["echo"].server, name="platform__retired",
-                        remote_name="retired", schema_hash="x")
+    Tool.objects.create(
+        tenant=tenant,
+        server=builtins["echo"].server,
+        name="platform__retired",
+        remote_name="retired",
+        schema_hash="x",
+    )
     crm = ToolServer.objects.create(tenant=tenant, name="crm", kind=ToolServer.Kind.HTTP, url="http://crm")
-    declared = Tool.objects.create(tenant=tenant, server=crm, name="crm__lookup", remote_name="lookup",
-                                   enabled=True, input_schema={"type": "object"})
+    declared = Tool.objects.create(
+        tenant=tenant,
+        server=crm,
+        name="crm__lookup",
+        remote_name="lookup",
+        enabled=True,
+        input_schema={"type": "object"},
+    )
     out = StringIO()
 
     call_command("refresh_tools", stdout=out)
 
     assert out.getvalue().splitlines() == [
-        "acme/crm: added 0; quarantined 0; unchanged 1; missing 0",   # declared, not discovered
+        "acme/crm: added 0; quarantined 0; unchanged 1; missing 0",  # declared, not discovered
         "acme/platform: added 0; quarantined 1 (echo); unchanged 3; missing 1 (retired)",
-        "globex/platform: added 0; quarantined 0; unchanged 4; missing 0"]
+        "globex/platform: added 0; quarantined 0; unchanged 4; missing 0",
+    ]
     assert Tool.objects.get(pk=builtins["echo"].pk).quarantined
     declared.refresh_from_db()
     assert declared.enabled and not declared.quarantined
 
 
 def test_refresh_tools_goes_on_past_an_unreachable_server_and_fails_at_the_end(tenant, builtins):
-    ToolServer.objects.create(tenant=tenant, name="down", kind=ToolServer.Kind.MCP,
-                              transport=ToolServer.Transport.STREAMABLE_HTTP, url="http://127.0.0.1:9/mcp")
+    ToolServer.objects.create(
+        tenant=tenant,
+        name="down",
+        kind=ToolServer.Kind.MCP,
+        transport=ToolServer.Transport.STREAMABLE_HTTP,
+        url="http://127.0.0.1:9/mcp",
+    )
     out, err = StringIO(), StringIO()
     with pytest.raises(CommandError, match="1 server"):
         call_command("refresh_tools", tenant="acme", stdout=out, stderr=err)

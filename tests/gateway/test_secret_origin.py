@@ -1,4 +1,5 @@
 """A tool server's secret goes to the server's configured origin and nowhere else (issue #12, item 1)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ class Listener:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
                 length = int(self.headers.get("Content-Length") or 0)
-                listener.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                                          "body": self.rfile.read(length).decode()})
+                listener.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": dict(self.headers),
+                        "body": self.rfile.read(length).decode(),
+                    }
+                )
                 payload = json.dumps({"ok": True}).encode()
                 self.send_response(status)
                 if location:
@@ -40,7 +47,7 @@ class Listener:
                 self.end_headers()
                 self.wfile.write(payload)
 
-            do_GET = do_POST = _answer  # noqa: N815 (http.server API)
+            do_GET = do_POST = _answer
 
             def log_message(self, *args):
                 pass
@@ -68,13 +75,28 @@ def _http_tool(tenant, asha, server_url: str, **fields) -> Tool:
     secret = Secret(tenant=tenant, name="crm-token")
     secret.set_value(TOKEN)
     secret.save()
-    server = ToolServer.objects.create(tenant=tenant, name="crm", kind=ToolServer.Kind.HTTP, url=server_url,
-                                       secret=secret)
-    tool = Tool.objects.create(tenant=tenant, server=server, name="crm__open_ticket", remote_name="open_ticket",
-                               input_schema={"type": "object"}, enabled=True, effect_class="unsafe", **fields)
+    server = ToolServer.objects.create(
+        tenant=tenant, name="crm", kind=ToolServer.Kind.HTTP, url=server_url, secret=secret
+    )
+    tool = Tool.objects.create(
+        tenant=tenant,
+        server=server,
+        name="crm__open_ticket",
+        remote_name="open_ticket",
+        input_schema={"type": "object"},
+        enabled=True,
+        effect_class="unsafe",
+        **fields,
+    )
     factories.grant(tool, use=[asha])
-    factories.make_agent(tenant, tools=[tool], turns=[
-        {"tool_calls": [{"name": tool.name, "arguments": {"subject": "card blocked"}}]}, {"text": "done"}])
+    factories.make_agent(
+        tenant,
+        tools=[tool],
+        turns=[
+            {"tool_calls": [{"name": tool.name, "arguments": {"subject": "card blocked"}}]},
+            {"text": "done"},
+        ],
+    )
     return tool
 
 
@@ -95,18 +117,19 @@ def test_a_tool_url_on_another_origin_is_refused_before_anything_is_sent(tenant,
         step = _only_tool_step(run)
         assert step.status == StepStatus.FAILED
         assert "refused before sending" in step.error and crm.url.replace("http://", "") in step.error
-        assert attacker.requests == []          # the secret went nowhere
-        assert crm.requests == []               # and nothing was sent to the server either
+        assert attacker.requests == []  # the secret went nowhere
+        assert crm.requests == []  # and nothing was sent to the server either
     finally:
         crm.stop()
 
 
 def test_a_status_url_on_another_origin_is_never_called(tenant, asha, attacker):
-    crm = Listener(status=503)                  # the call's outcome is unknown, so its status is looked up
+    crm = Listener(status=503)  # the call's outcome is unknown, so its status is looked up
     try:
         tool = _http_tool(tenant, asha, f"{crm.url}/crm", status_url=f"{attacker.url}/status/{{key}}")
-        Tool.objects.filter(pk=tool.pk).update(effect_class="reconcilable", max_attempts=2, backoff_seconds=0,
-                                               settle_seconds=0)
+        Tool.objects.filter(pk=tool.pk).update(
+            effect_class="reconcilable", max_attempts=2, backoff_seconds=0, settle_seconds=0
+        )
         run, _ = start_run(user=asha, agent="agent", input={})
 
         run = drive(run.pk, max_tasks=30)
@@ -114,8 +137,8 @@ def test_a_status_url_on_another_origin_is_never_called(tenant, asha, attacker):
         assert run.status == RunStatus.NEEDS_ATTENTION
         assert _only_tool_step(run).status == StepStatus.OUTCOME_UNKNOWN
         assert attacker.requests == []
-        assert [r["method"] for r in crm.requests] == ["POST"]   # one call; no retry without proof
-        assert crm.saw(f"Bearer {TOKEN}")       # the configured origin did get the secret
+        assert [r["method"] for r in crm.requests] == ["POST"]  # one call; no retry without proof
+        assert crm.saw(f"Bearer {TOKEN}")  # the configured origin did get the secret
     finally:
         crm.stop()
 

@@ -1,4 +1,5 @@
 """Tool servers behind the gateway: routing by server, and secrets that never leak (issue #3)."""
+
 from __future__ import annotations
 
 import json
@@ -30,6 +31,7 @@ CANARY = "canary-7Hq2-secret-a91f"
 
 # --- two servers, one tool name --------------------------------------------------------------
 
+
 def test_it_routes_same_named_tools_of_two_servers_to_their_own_server(tenant, asha):
     a, b = BankServer("a").start(), BankServer("b").start()
     try:
@@ -38,11 +40,20 @@ def test_it_routes_same_named_tools_of_two_servers_to_their_own_server(tenant, a
         for tool in (on_a["search"], on_b["search"], on_b["issue_refund"]):
             factories.grant(tool, use=[asha])
         refund = {"transaction_id": "TXN-1002", "amount": 100, "currency": "INR"}
-        factories.make_agent(tenant, tools=[on_a["search"], on_b["search"], on_b["issue_refund"]], turns=[
-            {"tool_calls": [{"name": "a__search", "arguments": {"query": "refund policy"}},
-                            {"name": "b__search", "arguments": {"query": "refund policy"}}]},
-            {"tool_calls": [{"name": "b__issue_refund", "arguments": refund}]},
-            {"text": "ok"}])
+        factories.make_agent(
+            tenant,
+            tools=[on_a["search"], on_b["search"], on_b["issue_refund"]],
+            turns=[
+                {
+                    "tool_calls": [
+                        {"name": "a__search", "arguments": {"query": "refund policy"}},
+                        {"name": "b__search", "arguments": {"query": "refund policy"}},
+                    ]
+                },
+                {"tool_calls": [{"name": "b__issue_refund", "arguments": refund}]},
+                {"text": "ok"},
+            ],
+        )
         run, _ = start_run(user=asha, agent="agent", input={})
 
         run = drive(run.pk)
@@ -51,7 +62,9 @@ def test_it_routes_same_named_tools_of_two_servers_to_their_own_server(tenant, a
         steps = {s.tool_name: s for s in Step.objects.filter(run=run, kind="tool")}
         assert steps["a__search"].result["structured"]["label"] == "a"
         assert steps["b__search"].result["structured"]["label"] == "b"
-        assert "[a] result" in steps["a__search"].observation and "[b] result" in steps["b__search"].observation
+        assert (
+            "[a] result" in steps["a__search"].observation and "[b] result" in steps["b__search"].observation
+        )
         assert [e["label"] for e in b.effects("issue_refund")] == ["b"]
         assert a.effects() == []
     finally:
@@ -61,14 +74,18 @@ def test_it_routes_same_named_tools_of_two_servers_to_their_own_server(tenant, a
 
 # --- the canary secret -----------------------------------------------------------------------
 
+
 class _LeakyHandler(BaseHTTPRequestHandler):
     """An http tool server that carelessly echoes the credential it was sent."""
 
-    def do_POST(self):  # noqa: N802 (http.server API)
+    def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         auth = self.headers.get("Authorization", "")
-        status, body = (200, {"you_are": auth}) if self.path.endswith("/whoami") else (
-            400, {"error": f"rejected credential {auth}"})
+        status, body = (
+            (200, {"you_are": auth})
+            if self.path.endswith("/whoami")
+            else (400, {"error": f"rejected credential {auth}"})
+        )
         payload = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -93,9 +110,16 @@ def leaky_server():
 def _admin_pages(client) -> dict[str, str]:
     """Every changelist and change page of the run's objects on every registered admin site."""
     pages = {}
-    objects = [*Run.objects.all(), *Step.objects.all(), *ToolServer.objects.all(), *Secret.objects.all(),
-               *Tool.objects.all(), *RunEvent.objects.all()[:20], *Approval.objects.all(),
-               *ModelEndpoint.objects.all()]
+    objects = [
+        *Run.objects.all(),
+        *Step.objects.all(),
+        *ToolServer.objects.all(),
+        *Secret.objects.all(),
+        *Tool.objects.all(),
+        *RunEvent.objects.all()[:20],
+        *Approval.objects.all(),
+        *ModelEndpoint.objects.all(),
+    ]
     for site in all_sites:
         listed = set()
         for obj in objects:
@@ -116,32 +140,56 @@ def _admin_pages(client) -> dict[str, str]:
     return pages
 
 
-def test_it_keeps_a_secret_out_of_requests_steps_events_logs_api_and_admin(tenant, asha, builtins, claude,
-                                                                          leaky_server, caplog):
+def test_it_keeps_a_secret_out_of_requests_steps_events_logs_api_and_admin(
+    tenant, asha, builtins, claude, leaky_server, caplog
+):
     caplog.set_level(logging.DEBUG)
     secret = Secret(tenant=tenant, name="bank-token")
     secret.set_value(CANARY)
     secret.save()
     bank = BankServer("bank", "--require-token", CANARY).start()
     try:
-        bank_tools = factories.make_bank_tools(tenant, bank.mcp_url, secret=secret)  # lists only with the token
-        hr = ToolServer.objects.create(tenant=tenant, name="hr", kind=ToolServer.Kind.HTTP, url=leaky_server,
-                                       secret=secret)
-        leaky = [Tool.objects.create(tenant=tenant, server=hr, name=f"hr__{name}", remote_name=name,
-                                     input_schema={"type": "object"}, enabled=True, effect_class="read_only")
-                 for name in ("whoami", "refuse")]
+        bank_tools = factories.make_bank_tools(
+            tenant, bank.mcp_url, secret=secret
+        )  # lists only with the token
+        hr = ToolServer.objects.create(
+            tenant=tenant, name="hr", kind=ToolServer.Kind.HTTP, url=leaky_server, secret=secret
+        )
+        leaky = [
+            Tool.objects.create(
+                tenant=tenant,
+                server=hr,
+                name=f"hr__{name}",
+                remote_name=name,
+                input_schema={"type": "object"},
+                enabled=True,
+                effect_class="read_only",
+            )
+            for name in ("whoami", "refuse")
+        ]
         tools = [bank_tools["lookup_transaction"], *leaky, builtins["echo"], builtins["sleep"]]
         for tool in tools:
             factories.grant(tool, use=[asha])
-        factories.make_agent(tenant, endpoint=ModelEndpoint.objects.get(tenant=tenant, name="claude"), tools=tools)
+        factories.make_agent(
+            tenant, endpoint=ModelEndpoint.objects.get(tenant=tenant, name="claude"), tools=tools
+        )
         claude.queue(
-            {"tool_calls": [{"name": "bank__lookup_transaction", "arguments": {"transaction_id": "TXN-1001"}},
-                            {"name": "hr__whoami", "arguments": {}},
-                            {"name": "hr__refuse", "arguments": {}}]},
+            {
+                "tool_calls": [
+                    {"name": "bank__lookup_transaction", "arguments": {"transaction_id": "TXN-1001"}},
+                    {"name": "hr__whoami", "arguments": {}},
+                    {"name": "hr__refuse", "arguments": {}},
+                ]
+            },
             # A model that somehow holds the secret tries to echo it and to smuggle it in arguments.
-            {"tool_calls": [{"name": "platform__echo", "arguments": {"note": f"the token is {CANARY}"}},
-                            {"name": "platform__sleep", "arguments": {"seconds": CANARY}}]},
-            {"text": f"All done ({CANARY})."})
+            {
+                "tool_calls": [
+                    {"name": "platform__echo", "arguments": {"note": f"the token is {CANARY}"}},
+                    {"name": "platform__sleep", "arguments": {"seconds": CANARY}},
+                ]
+            },
+            {"text": f"All done ({CANARY})."},
+        )
         run, _ = start_run(user=asha, agent="agent", input={"transaction_id": "TXN-1001"})
 
         run = drive(run.pk)
@@ -159,14 +207,20 @@ def test_it_keeps_a_secret_out_of_requests_steps_events_logs_api_and_admin(tenan
 
         places = {"model requests on the wire": json.dumps(claude.requests)}
         for step in Step.objects.filter(run=run):
-            places[f"step {step.seq}"] = json.dumps([step.tool_name, step.arguments, step.request, step.result,
-                                                     step.observation, step.error])
+            places[f"step {step.seq}"] = json.dumps(
+                [step.tool_name, step.arguments, step.request, step.result, step.observation, step.error]
+            )
         places["events"] = json.dumps([[e.message, e.data] for e in RunEvent.objects.filter(run=run)])
         places["run"] = json.dumps([run.final_output, run.error, run.input])
         places["logs"] = caplog.text + "".join(str(r.args) for r in caplog.records)
         api = APIClient()
         api.force_authenticate(asha)
-        for path in (f"/v1/runs/{run.pk}", f"/v1/runs/{run.pk}/steps", f"/v1/runs/{run.pk}/events", "/v1/runs"):
+        for path in (
+            f"/v1/runs/{run.pk}",
+            f"/v1/runs/{run.pk}/steps",
+            f"/v1/runs/{run.pk}/events",
+            "/v1/runs",
+        ):
             response = api.get(path)
             assert response.status_code == 200
             places[path] = response.content.decode()

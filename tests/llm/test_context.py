@@ -1,4 +1,5 @@
 """The context policy (llm/context.py): heads and pointers, masking in batches, read_result."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def test_it_shows_a_large_result_as_its_head_and_a_pointer():
     messages, results = conversation(1)
     [shown] = tool_texts(context.shape(messages, results, ContextPolicy(result_limit_chars=1_000)))
     assert shown.startswith(messages[2].content[:1_000])
-    assert shown[1_000:] == "\n[platform: result of step 2, 3000 characters, showing 1000; call read_result " \
-                            "with step=2 and offset=1000 to read on]"
+    assert (
+        shown[1_000:] == "\n[platform: result of step 2, 3000 characters, showing 1000; call read_result "
+        "with step=2 and offset=1000 to read on]"
+    )
 
 
 def test_a_per_tool_limit_overrides_the_default():
@@ -53,12 +56,12 @@ def test_it_masks_old_results_in_whole_batches_so_the_prefix_changes_once_per_ba
         messages, results = conversation(n)
         texts = tool_texts(context.shape(messages, results, policy))
         masked_counts.append(sum("masked" in t for t in texts))
-        if previous is not None and texts[:len(previous)] != previous:
+        if previous is not None and texts[: len(previous)] != previous:
             rewrites += 1
         previous = texts
     # 2 to 5 results shown whole; the boundary moves 4 at a time
     assert masked_counts == [0, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12]
-    assert rewrites == 3      # everything else only grows at the end: a cache reads it back
+    assert rewrites == 3  # everything else only grows at the end: a cache reads it back
 
 
 def test_a_masked_result_keeps_its_start_and_says_how_to_read_it_again():
@@ -84,15 +87,46 @@ def test_pages_end_with_a_pointer_to_the_next_one():
 def test_the_spec_validates_the_context_policy(tenant):
     factories.make_endpoint(tenant)
     base = {"model": "scripted", "instructions": "x"}
-    assert validate_spec({**base, "context": {"result_limit_chars": 500, "keep_recent_results": 2, "mask_batch": 6,
-                                              "result_limits": {"kb__search": 4000}, "enabled": True}}, tenant) == {}
-    errors = validate_spec({**base, "context": {"mask_batch": 0, "enabled": "yes", "result_limits": {"a": -1},
-                                                "compact_after_tokens": 5}}, tenant)
-    assert set(errors) == {"context.mask_batch", "context.enabled", "context.result_limits.a",
-                           "context.compact_after_tokens"}
+    assert (
+        validate_spec(
+            {
+                **base,
+                "context": {
+                    "result_limit_chars": 500,
+                    "keep_recent_results": 2,
+                    "mask_batch": 6,
+                    "result_limits": {"kb__search": 4000},
+                    "enabled": True,
+                },
+            },
+            tenant,
+        )
+        == {}
+    )
+    errors = validate_spec(
+        {
+            **base,
+            "context": {
+                "mask_batch": 0,
+                "enabled": "yes",
+                "result_limits": {"a": -1},
+                "compact_after_tokens": 5,
+            },
+        },
+        tenant,
+    )
+    assert set(errors) == {
+        "context.mask_batch",
+        "context.enabled",
+        "context.result_limits.a",
+        "context.compact_after_tokens",
+    }
     assert validate_spec({**base, "expected_cost_micros": 0}, tenant) == {
-        "expected_cost_micros": ["must be a positive integer (micros a run is expected to cost; learned from "
-                                 "finished runs when absent)"]}
+        "expected_cost_micros": [
+            "must be a positive integer (micros a run is expected to cost; learned from "
+            "finished runs when absent)"
+        ]
+    }
 
 
 @pytest.mark.django_db(transaction=True)
@@ -102,12 +136,14 @@ def test_the_model_sees_a_head_and_pages_through_the_stored_result_with_read_res
     try:
         echo = builtins["echo"]
         factories.grant(echo, use=[asha])
-        blob = "".join(f"line {i:04d} of the ledger\n" for i in range(300))      # ~7,500 characters
+        blob = "".join(f"line {i:04d} of the ledger\n" for i in range(300))  # ~7,500 characters
         endpoint = factories.make_endpoint(tenant, name="gpt", kind="openai", base_url=fake.base_url)
         factories.make_agent(tenant, endpoint=endpoint, tools=[echo], context={"result_limit_chars": 1_000})
-        fake.queue({"tool_calls": [{"name": echo.name, "arguments": {"blob": blob}}]},
-                   {"tool_calls": [{"name": "read_result", "arguments": {"step": 2, "offset": 1_000}}]},
-                   {"text": "done"})
+        fake.queue(
+            {"tool_calls": [{"name": echo.name, "arguments": {"blob": blob}}]},
+            {"tool_calls": [{"name": "read_result", "arguments": {"step": 2, "offset": 1_000}}]},
+            {"text": "done"},
+        )
         run, _ = start_run(user=asha, agent="agent", input={"case": 1})
         run = drive(run.pk)
         assert run.status == "succeeded", run.error
@@ -117,10 +153,12 @@ def test_the_model_sees_a_head_and_pages_through_the_stored_result_with_read_res
     offered = [tool["function"]["name"] for tool in fake.requests[0]["tools"]]
     assert offered == [echo.name, "read_result"]
     stored = Step.objects.get(run=run, seq=2).result["text"]
-    assert stored == json.dumps({"blob": blob}, sort_keys=True)          # kept in full
+    assert stored == json.dumps({"blob": blob}, sort_keys=True)  # kept in full
     shown = fake.requests[1]["messages"][-1]["content"]
-    assert shown == stored[:1_000] + f"\n[platform: result of step 2, {len(stored)} characters, showing 1000; " \
-                                     "call read_result with step=2 and offset=1000 to read on]"
+    assert (
+        shown == stored[:1_000] + f"\n[platform: result of step 2, {len(stored)} characters, showing 1000; "
+        "call read_result with step=2 and offset=1000 to read on]"
+    )
     page = fake.requests[2]["messages"][-1]["content"]
     assert page.startswith(stored[1_000:2_000]) and "offset=2000 to read on]" in page
     read = Step.objects.get(run=run, seq=4)

@@ -1,13 +1,15 @@
 """Real provider clients against the fake model servers (no network beyond 127.0.0.1)."""
+
 from __future__ import annotations
 
 import email.utils
 import json
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -24,8 +26,11 @@ API_KEY = "sk-test-SECRET-0123456789"
 INSTRUCTIONS = "You are a careful assistant for the test tenant."
 TOOLS = [
     ToolSpec("lookup", "Look a record up.", {"type": "object", "properties": {"q": {"type": "string"}}}),
-    ToolSpec("search", "Search records.", {"type": "object", "properties": {"q": {"type": "string"},
-                                                                             "n": {"type": "integer"}}}),
+    ToolSpec(
+        "search",
+        "Search records.",
+        {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}},
+    ),
 ]
 
 
@@ -35,10 +40,22 @@ class Kit:
     fake: FakeModelServer
     provider: OpenAIProvider | AnthropicProvider
 
-    def request(self, messages: list[Message], *, instructions: str = INSTRUCTIONS,
-                timeout: float = 10.0, max_tokens: int = 123) -> ModelRequest:
-        return ModelRequest(model="fake-model", instructions=instructions, messages=messages,
-                            tools=TOOLS, max_output_tokens=max_tokens, timeout_seconds=timeout)
+    def request(
+        self,
+        messages: list[Message],
+        *,
+        instructions: str = INSTRUCTIONS,
+        timeout: float = 10.0,
+        max_tokens: int = 123,
+    ) -> ModelRequest:
+        return ModelRequest(
+            model="fake-model",
+            instructions=instructions,
+            messages=messages,
+            tools=TOOLS,
+            max_output_tokens=max_tokens,
+            timeout_seconds=timeout,
+        )
 
     def ask(self, text: str = "hello", **kwargs: Any) -> ModelReply:
         return self.provider.complete(self.request([Message("user", text)], **kwargs))
@@ -51,7 +68,7 @@ class Kit:
 
 
 def make_kit(kind: str, **fake_kwargs: Any) -> Kit:
-    fake_kwargs.setdefault("min_cacheable_tokens", 0)   # these prompts are tiny; caching tests below are not
+    fake_kwargs.setdefault("min_cacheable_tokens", 0)  # these prompts are tiny; caching tests below are not
     fake: FakeModelServer = FakeOpenAI(**fake_kwargs) if kind == "openai" else FakeAnthropic(**fake_kwargs)
     base_url = fake.start()
     provider_class = OpenAIProvider if kind == "openai" else AnthropicProvider
@@ -90,6 +107,7 @@ def closed_port() -> int:
 
 # --- happy paths -----------------------------------------------------------------------------
 
+
 def test_text_reply(kit: Kit) -> None:
     kit.fake.queue({"text": "hi there"})
     reply = kit.ask()
@@ -107,10 +125,15 @@ def test_openai_request_shape(kit_factory: Any) -> None:
     kit.ask("hello")
     body, headers = kit.fake.requests[-1], kit.fake.request_headers[-1]
     assert body["model"] == "fake-model"
-    assert body["messages"] == [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "hello"}]
+    assert body["messages"] == [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": "hello"},
+    ]
     assert body["max_completion_tokens"] == 123 and "max_tokens" not in body
-    assert body["tools"][1] == {"type": "function", "function": {
-        "name": "search", "description": "Search records.", "parameters": TOOLS[1].input_schema}}
+    assert body["tools"][1] == {
+        "type": "function",
+        "function": {"name": "search", "description": "Search records.", "parameters": TOOLS[1].input_schema},
+    }
     assert headers["authorization"] == f"Bearer {API_KEY}"
 
 
@@ -133,43 +156,75 @@ def test_anthropic_request_shape(kit_factory: Any) -> None:
     assert "cache_control" not in body["tools"][0]
     assert body["tools"][0]["input_schema"] == TOOLS[0].input_schema
     assert body["max_tokens"] == 123
-    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "hello",
-                                                               "cache_control": {"type": "ephemeral"}}]}]
+    assert body["messages"] == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}],
+        }
+    ]
     assert headers["x-api-key"] == API_KEY
     assert headers["anthropic-version"] == "2023-06-01"
 
 
 def test_tool_call_round_trip(kit: Kit) -> None:
-    kit.fake.queue({"text": "checking", "tool_calls": [{"name": "lookup", "arguments": {"q": "a"}},
-                                                       {"name": "search", "arguments": {"q": "b", "n": 2}}]},
-                   {"text": "final answer"})
+    kit.fake.queue(
+        {
+            "text": "checking",
+            "tool_calls": [
+                {"name": "lookup", "arguments": {"q": "a"}},
+                {"name": "search", "arguments": {"q": "b", "n": 2}},
+            ],
+        },
+        {"text": "final answer"},
+    )
     messages = [Message("user", "find a and b")]
     first = kit.provider.complete(kit.request(messages))
     assert [(call.name, call.arguments) for call in first.tool_calls] == [
-        ("lookup", {"q": "a"}), ("search", {"q": "b", "n": 2})]
+        ("lookup", {"q": "a"}),
+        ("search", {"q": "b", "n": 2}),
+    ]
     assert first.text == "checking"
     assert first.stop_reason == ("tool_calls" if kit.kind == "openai" else "tool_use")
     assert len({call.id for call in first.tool_calls}) == 2
 
     lookup, search = first.tool_calls
-    messages += [Message("assistant", first.text, first.tool_calls),
-                 Message("tool", "result a", tool_call_id=lookup.id),
-                 Message("tool", "boom", tool_call_id=search.id, is_error=True)]
+    messages += [
+        Message("assistant", first.text, first.tool_calls),
+        Message("tool", "result a", tool_call_id=lookup.id),
+        Message("tool", "boom", tool_call_id=search.id, is_error=True),
+    ]
     second = kit.provider.complete(kit.request(messages))
     assert second.text == "final answer" and second.tool_calls == []
 
     sent = kit.fake.requests[-1]["messages"]
     if kit.kind == "openai":
-        assert sent[-3]["tool_calls"][1]["function"] == {"name": "search", "arguments": json.dumps({"q": "b", "n": 2})}
+        assert sent[-3]["tool_calls"][1]["function"] == {
+            "name": "search",
+            "arguments": json.dumps({"q": "b", "n": 2}),
+        }
         assert sent[-2] == {"role": "tool", "tool_call_id": lookup.id, "content": "result a"}
         assert sent[-1] == {"role": "tool", "tool_call_id": search.id, "content": "ERROR: boom"}
     else:
         assert len(sent) == 3  # both results merged into one user turn
-        assert sent[1]["content"][1] == {"type": "tool_use", "id": lookup.id, "name": "lookup", "input": {"q": "a"}}
-        assert sent[2] == {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": lookup.id, "content": "result a"},
-            {"type": "tool_result", "tool_use_id": search.id, "content": "boom", "is_error": True,
-             "cache_control": {"type": "ephemeral"}}]}
+        assert sent[1]["content"][1] == {
+            "type": "tool_use",
+            "id": lookup.id,
+            "name": "lookup",
+            "input": {"q": "a"},
+        }
+        assert sent[2] == {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": lookup.id, "content": "result a"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": search.id,
+                    "content": "boom",
+                    "is_error": True,
+                    "cache_control": {"type": "ephemeral"},
+                },
+            ],
+        }
 
 
 def test_auto_agent_loop(kit_factory: Any) -> None:
@@ -190,13 +245,21 @@ def test_auto_agent_loop(kit_factory: Any) -> None:
 
 def test_openai_broken_arguments_kept_raw(kit_factory: Any) -> None:
     kit = kit_factory("openai")
-    kit.fake.queue({"tool_calls": [{"name": "lookup", "arguments": '{"q": "a"'},
-                                   {"name": "lookup", "arguments": "[1, 2]"}]})
+    kit.fake.queue(
+        {
+            "tool_calls": [
+                {"name": "lookup", "arguments": '{"q": "a"'},
+                {"name": "lookup", "arguments": "[1, 2]"},
+            ]
+        }
+    )
     reply = kit.ask()
     assert [call.arguments for call in reply.tool_calls] == [{"_raw": '{"q": "a"'}, {"_raw": "[1, 2]"}]
     # the raw form must still round-trip so the platform can answer with a schema error
     messages = [Message("user", "hello"), Message("assistant", "", reply.tool_calls)]
-    messages += [Message("tool", "bad arguments", tool_call_id=call.id, is_error=True) for call in reply.tool_calls]
+    messages += [
+        Message("tool", "bad arguments", tool_call_id=call.id, is_error=True) for call in reply.tool_calls
+    ]
     assert kit.provider.complete(kit.request(messages)).text == "done"
 
 
@@ -224,16 +287,22 @@ def test_cached_prefix_on_second_call(kit: Kit) -> None:
         # the newest message carries a breakpoint too: the tools and system are read back, the
         # different question is written
         assert second.usage.cache_write_tokens > 0
-        assert 0 < second.usage.cached_input_tokens == raw["cache_read_input_tokens"] < first.usage.cache_write_tokens
+        assert (
+            0
+            < second.usage.cached_input_tokens
+            == raw["cache_read_input_tokens"]
+            < first.usage.cache_write_tokens
+        )
         assert second.usage.input_tokens == raw["input_tokens"]
     other = kit.ask("third", instructions="Different instructions, different prefix.")
-    if kit.kind == "openai":   # only the JSON framing before the instructions is shared
+    if kit.kind == "openai":  # only the JSON framing before the instructions is shared
         assert other.usage.cached_input_tokens < 8
-    else:   # tools render before system and carry their own breakpoint: only they are read back
+    else:  # tools render before system and carry their own breakpoint: only they are read back
         assert 0 < other.usage.cached_input_tokens < second.usage.cached_input_tokens
 
 
 # --- errors ----------------------------------------------------------------------------------
+
 
 def test_429_retry_after_seconds(kit: Kit) -> None:
     kit.fake.queue({"fault": "429", "retry_after": 2})
@@ -282,8 +351,11 @@ def test_bad_request_is_permanent(kit: Kit) -> None:
 
 def test_malformed_conversation_rejected(kit: Kit) -> None:
     # A tool result that answers no tool call: both real APIs reject this with a 400.
-    messages = [Message("user", "hi"), Message("assistant", "ok"),
-                Message("tool", "orphan", tool_call_id="call_missing")]
+    messages = [
+        Message("user", "hi"),
+        Message("assistant", "ok"),
+        Message("tool", "orphan", tool_call_id="call_missing"),
+    ]
     error = kit.fail(messages)
     assert (error.status, error.retryable) == (400, False)
     assert "tool" in str(error)
@@ -297,12 +369,16 @@ def test_wrong_key_error_never_leaks_key(kit_factory: Any) -> None:
         assert (error.status, error.retryable) == (401, False)
         assert API_KEY not in repr(error.args) and API_KEY not in repr(kit.provider)
         if kind == "openai":  # its 401 body echoes the bad key, like the real API: redaction did work
-            raw = httpx.post(f"{kit.fake.base_url}/chat/completions", json={},
-                             headers={"authorization": f"Bearer {API_KEY}"})
+            raw = httpx.post(
+                f"{kit.fake.base_url}/chat/completions",
+                json={},
+                headers={"authorization": f"Bearer {API_KEY}"},
+            )
             assert API_KEY in raw.text
 
 
 # --- helpers and fake strictness -------------------------------------------------------------
+
 
 def test_parse_retry_after_forms() -> None:
     now = 1_700_000_000.0
@@ -311,16 +387,28 @@ def test_parse_retry_after_forms() -> None:
     assert parse_retry_after(httpx.Headers({"retry-after-ms": "250", "retry-after": "9"})) == 0.25
     date = email.utils.formatdate(now + 12, usegmt=True)
     assert parse_retry_after(httpx.Headers({"retry-after": date}), now=now) == 12.0
-    assert parse_retry_after(httpx.Headers({"retry-after": email.utils.formatdate(now - 60, usegmt=True)}), now=now) == 0.0
+    assert (
+        parse_retry_after(
+            httpx.Headers({"retry-after": email.utils.formatdate(now - 60, usegmt=True)}), now=now
+        )
+        == 0.0
+    )
     assert parse_retry_after(httpx.Headers({"retry-after": "soon"})) is None
     assert parse_retry_after(httpx.Headers({})) is None
 
 
-@pytest.mark.parametrize(("exc", "sent"), [
-    (httpx.ConnectTimeout("t"), False), (httpx.ConnectError("c"), False),
-    (httpx.ReadTimeout("r"), True), (httpx.WriteTimeout("w"), True), (httpx.PoolTimeout("p"), True),
-    (httpx.RemoteProtocolError("peer closed"), True), (httpx.ReadError("reset"), True),
-])
+@pytest.mark.parametrize(
+    ("exc", "sent"),
+    [
+        (httpx.ConnectTimeout("t"), False),
+        (httpx.ConnectError("c"), False),
+        (httpx.ReadTimeout("r"), True),
+        (httpx.WriteTimeout("w"), True),
+        (httpx.PoolTimeout("p"), True),
+        (httpx.RemoteProtocolError("peer closed"), True),
+        (httpx.ReadError("reset"), True),
+    ],
+)
 def test_transport_error_classification(exc: httpx.TransportError, sent: bool) -> None:
     error = transport_error(exc, provider="p", secret=API_KEY)
     assert (error.retryable, error.sent) == (True, sent)
@@ -328,27 +416,39 @@ def test_transport_error_classification(exc: httpx.TransportError, sent: bool) -
 
 def test_fake_anthropic_rejects_unmerged_tool_results(kit_factory: Any) -> None:
     kit = kit_factory("anthropic")
-    use = [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {}},
-           {"type": "tool_use", "id": "t2", "name": "lookup", "input": {}}]
-    unmerged = [{"role": "user", "content": "go"}, {"role": "assistant", "content": use},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "b"}]}]
+    use = [
+        {"type": "tool_use", "id": "t1", "name": "lookup", "input": {}},
+        {"type": "tool_use", "id": "t2", "name": "lookup", "input": {}},
+    ]
+    unmerged = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": use},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "b"}]},
+    ]
     headers = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
     body = {"model": "m", "max_tokens": 5, "messages": unmerged}
     response = httpx.post(f"{kit.fake.base_url}/v1/messages", json=body, headers=headers)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     merged = unmerged[:2] + [{"role": "user", "content": unmerged[2]["content"] + unmerged[3]["content"]}]
-    response = httpx.post(f"{kit.fake.base_url}/v1/messages", json={**body, "messages": merged}, headers=headers)
+    response = httpx.post(
+        f"{kit.fake.base_url}/v1/messages", json={**body, "messages": merged}, headers=headers
+    )
     assert response.status_code == 200, response.text
 
 
 def test_fake_openai_rejects_unanswered_tool_call(kit_factory: Any) -> None:
     kit = kit_factory("openai")
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
-    body = {"model": "m", "messages": [{"role": "user", "content": "go"},
-                                       {"role": "assistant", "content": None, "tool_calls": [call]},
-                                       {"role": "user", "content": "and?"}]}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "user", "content": "and?"},
+        ],
+    }
     response = httpx.post(f"{kit.fake.base_url}/chat/completions", json=body)
     assert response.status_code == 400
     assert "tool_call_id" in response.json()["error"]["message"]
@@ -370,20 +470,29 @@ def test_a_platform_error_observation_carries_one_error_prefix_on_both_wires(kit
     messages = [Message("user", "refund it")]
     first = kit.provider.complete(kit.request(messages))
     denied = "ERROR: call denied by the platform: user asha may not use refund"
-    messages += [Message("assistant", first.text, first.tool_calls),
-                 Message("tool", denied, tool_call_id=first.tool_calls[0].id, is_error=True)]
+    messages += [
+        Message("assistant", first.text, first.tool_calls),
+        Message("tool", denied, tool_call_id=first.tool_calls[0].id, is_error=True),
+    ]
     kit.provider.complete(kit.request(messages))
     sent = kit.fake.requests[-1]["messages"][-1]
     if kit.kind == "openai":
         assert sent == {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": denied}
     else:
-        assert sent["content"] == [{"type": "tool_result", "tool_use_id": first.tool_calls[0].id,
-                                    "content": denied, "is_error": True, "cache_control": {"type": "ephemeral"}}]
+        assert sent["content"] == [
+            {
+                "type": "tool_result",
+                "tool_use_id": first.tool_calls[0].id,
+                "content": denied,
+                "is_error": True,
+                "cache_control": {"type": "ephemeral"},
+            }
+        ]
 
 
 # --- prompt caching as the providers bill it ---------------------------------------------------
 
-LONG_INSTRUCTIONS = "Follow the bank's dispute procedure exactly. " * 200    # about 2,300 tokens
+LONG_INSTRUCTIONS = "Follow the bank's dispute procedure exactly. " * 200  # about 2,300 tokens
 
 
 def _conversation(turns: int, result_chars: int = 2_000) -> list[Message]:
@@ -391,7 +500,9 @@ def _conversation(turns: int, result_chars: int = 2_000) -> list[Message]:
 
     messages = [Message("user", "start")]
     for i in range(turns):
-        messages.append(Message("assistant", "", [ToolCall(id=f"c{i}", name="lookup", arguments={"q": str(i)})]))
+        messages.append(
+            Message("assistant", "", [ToolCall(id=f"c{i}", name="lookup", arguments={"q": str(i)})])
+        )
         messages.append(Message("tool", f"result {i} " + "x" * result_chars, tool_call_id=f"c{i}"))
     return messages
 
@@ -403,9 +514,11 @@ def test_anthropic_reads_the_previous_request_and_writes_only_the_new_turn(kit_f
         request = kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS)
         usages.append(kit.provider.complete(request).usage)
         body = kit.fake.requests[-1]
-        marks = sum("cache_control" in block for block in body["system"]) + \
-            sum("cache_control" in tool for tool in body["tools"]) + \
-            sum("cache_control" in block for message in body["messages"] for block in message["content"])
+        marks = (
+            sum("cache_control" in block for block in body["system"])
+            + sum("cache_control" in tool for tool in body["tools"])
+            + sum("cache_control" in block for message in body["messages"] for block in message["content"])
+        )
         assert marks <= 4
     for before, after in zip(usages, usages[1:]):
         # all of the previous request is read back; what is written is the one new turn (~2,000
@@ -425,8 +538,11 @@ def test_anthropic_without_a_message_breakpoint_reads_only_tools_and_system(kit_
         for message in body["messages"]:
             for block in message["content"]:
                 block.pop("cache_control", None)
-        response = httpx.post(f"{kit.fake.base_url}/v1/messages", json=body,
-                              headers={"x-api-key": API_KEY, "anthropic-version": wire.API_VERSION})
+        response = httpx.post(
+            f"{kit.fake.base_url}/v1/messages",
+            json=body,
+            headers={"x-api-key": API_KEY, "anthropic-version": wire.API_VERSION},
+        )
     usage = response.json()["usage"]
     assert usage["cache_read_input_tokens"] < 2_600 and usage["input_tokens"] > 2_000
 
@@ -441,9 +557,11 @@ def test_anthropic_nothing_below_the_minimum_cacheable_length_is_cached(kit_fact
 def test_openai_caches_the_shared_prefix_in_128_token_steps_from_1024(kit_factory: Any) -> None:
     kit = kit_factory("openai", min_cacheable_tokens=1024)
     kit.ask("short")
-    assert kit.ask("short").usage.cached_input_tokens == 0          # under 1,024 tokens: never cached
-    usages = [kit.provider.complete(kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS)).usage
-              for turns in range(0, 4)]
+    assert kit.ask("short").usage.cached_input_tokens == 0  # under 1,024 tokens: never cached
+    usages = [
+        kit.provider.complete(kit.request(_conversation(turns), instructions=LONG_INSTRUCTIONS)).usage
+        for turns in range(0, 4)
+    ]
     assert usages[0].cached_input_tokens == 0
     for before, after in zip(usages, usages[1:]):
         assert after.cached_input_tokens >= 1024 and (after.cached_input_tokens - 1024) % 128 == 0
@@ -453,8 +571,14 @@ def test_openai_caches_the_shared_prefix_in_128_token_steps_from_1024(kit_factor
 
 def test_openai_sends_the_runs_cache_key_unless_the_endpoint_is_configured_not_to(kit_factory: Any) -> None:
     kit = kit_factory("openai")
-    request = ModelRequest(model="m", instructions=INSTRUCTIONS, messages=[Message("user", "hi")], tools=TOOLS,
-                           max_output_tokens=10, cache_key="run-42")
+    request = ModelRequest(
+        model="m",
+        instructions=INSTRUCTIONS,
+        messages=[Message("user", "hi")],
+        tools=TOOLS,
+        max_output_tokens=10,
+        cache_key="run-42",
+    )
     kit.provider.complete(request)
     assert kit.fake.requests[-1]["prompt_cache_key"] == "run-42"
     quiet = OpenAIProvider(kit.fake.base_url, API_KEY, "m", send_cache_key=False)

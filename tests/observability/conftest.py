@@ -1,4 +1,5 @@
 """Helpers to read /metrics and the engine's log lines as an operator's tools would."""
+
 from __future__ import annotations
 
 import io

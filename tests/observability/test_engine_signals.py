@@ -1,6 +1,7 @@
 """What a run shows an operator: /metrics values, run-correlated log lines, GenAI spans, the task
 result. Runs are driven in-process against PostgreSQL and Redis (commits are real: logs and
 counters are written when a transition commits)."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -46,11 +47,16 @@ def story(tenant, asha, builtins):
     factories.grant(clock, use=[asha])
     type(clock).objects.filter(pk=clock.pk).update(approval_policy="always", price_micros=2500)
     type(echo).objects.filter(pk=echo.pk).update(price_micros=1000)
-    factories.make_agent(tenant, tools=[echo, noop, clock], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]},
-        {"tool_calls": [{"name": noop.name, "arguments": {}}]},
-        {"tool_calls": [{"name": clock.name, "arguments": {}}]},
-        {"text": "done"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo, noop, clock],
+        turns=[
+            {"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]},
+            {"tool_calls": [{"name": noop.name, "arguments": {}}]},
+            {"tool_calls": [{"name": clock.name, "arguments": {}}]},
+            {"text": "done"},
+        ],
+    )
     run, _ = start_run(user=asha, agent="agent", input={"q": 1})
     return run, echo, noop, clock
 
@@ -74,13 +80,23 @@ def test_metrics_report_a_scripted_run_by_value(tenant, asha, builtins):
     assert delta("agentplatform_step_call_seconds_count", kind="model", outcome="succeeded") == 3
     assert delta("agentplatform_step_call_seconds_count", kind="tool", outcome="succeeded") == 1
     assert delta("agentplatform_step_call_seconds_sum", kind="model", outcome="succeeded") > 0
-    assert delta("agentplatform_model_tokens_total", tenant="acme", model="test-model", type="input") == \
-        sum(s.usage["input_tokens"] for s in models) > 0
-    assert delta("agentplatform_model_tokens_total", tenant="acme", model="test-model", type="output") == \
-        sum(s.usage["output_tokens"] for s in models) > 0
-    assert delta("agentplatform_spend_micros_total", tenant="acme", kind="model") == sum(s.cost_micros for s in models)
+    assert (
+        delta("agentplatform_model_tokens_total", tenant="acme", model="test-model", type="input")
+        == sum(s.usage["input_tokens"] for s in models)
+        > 0
+    )
+    assert (
+        delta("agentplatform_model_tokens_total", tenant="acme", model="test-model", type="output")
+        == sum(s.usage["output_tokens"] for s in models)
+        > 0
+    )
+    assert delta("agentplatform_spend_micros_total", tenant="acme", kind="model") == sum(
+        s.cost_micros for s in models
+    )
     assert delta("agentplatform_spend_micros_total", tenant="acme", kind="tool") == 1000
-    assert delta("agentplatform_run_transitions_total", tenant="acme", status="waiting_approval", reason="") == 1
+    assert (
+        delta("agentplatform_run_transitions_total", tenant="acme", status="waiting_approval", reason="") == 1
+    )
     # Gauges read from the database at scrape time.
     assert value(after, "agentplatform_runs", tenant="acme", status="waiting_approval") == 1
     assert value(after, "agentplatform_runs", tenant="acme", status="running") == 0
@@ -95,14 +111,17 @@ def _run_lost_mid_call(tenant, asha, builtins) -> Run:
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
     type(echo).objects.filter(pk=echo.pk).update(price_micros=7000)
-    factories.make_agent(tenant, tools=[echo], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "done"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        turns=[{"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "done"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
-    advance(run.pk)                                           # the model proposes the call
+    advance(run.pk)  # the model proposes the call
     plan = claim(run.pk)
     assert reserve(plan, amount=7000, purpose="tool")
     assert mark_dispatching(plan, step=plan.extra["step"]) is not None
-    heartbeat.untrack(run.pk)                                 # ... and the worker dies here
+    heartbeat.untrack(run.pk)  # ... and the worker dies here
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
     advance(run.pk)
     return Run.objects.get(pk=run.pk)
@@ -118,19 +137,31 @@ def test_metrics_show_runs_needing_attention_and_held_reservations(tenant, asha,
     assert value(samples, "agentplatform_runs", tenant="acme", status="needs_attention") == 1
     assert 0 <= value(samples, "agentplatform_runs_needing_attention_oldest_age_seconds") < 60
     assert value(samples, "agentplatform_reservations_held", tenant="acme") == 1
-    assert value(samples, "agentplatform_reservations_held_micros", tenant="acme") == held.amount_micros == 7000
+    assert (
+        value(samples, "agentplatform_reservations_held_micros", tenant="acme") == held.amount_micros == 7000
+    )
     # The same moment in the log, at WARNING, with the run it concerns.
-    warnings = [line for line in json_lines() if line["level"] == "WARNING" and line["logger"] == "agentplatform.runs"]
+    warnings = [
+        line for line in json_lines() if line["level"] == "WARNING" and line["logger"] == "agentplatform.runs"
+    ]
     attention = [line for line in warnings if "needs attention" in line["message"]]
     assert len(attention) == 1, warnings
     assert attention[0]["run_id"] == str(run.pk) and attention[0]["tenant"] == "acme"
     assert attention[0]["event"]["to"] == "needs_attention"
 
 
-def test_every_engine_line_of_a_run_carries_its_run_id_and_denials_are_warnings(tenant, asha, builtins, json_lines):
+def test_every_engine_line_of_a_run_carries_its_run_id_and_denials_are_warnings(
+    tenant, asha, builtins, json_lines
+):
     run, echo, noop, clock = story(tenant, asha, builtins)
     first = advance(run.pk)
-    assert first == {"run": str(run.pk), "step": 1, "kind": "model", "outcome": "succeeded", "run_status": "running"}
+    assert first == {
+        "run": str(run.pk),
+        "step": 1,
+        "kind": "model",
+        "outcome": "succeeded",
+        "run_status": "running",
+    }
     drive(run.pk)
     lines = json_lines()
     engine = [line for line in lines if line["logger"].startswith("agentplatform.")]
@@ -142,7 +173,8 @@ def test_every_engine_line_of_a_run_carries_its_run_id_and_denials_are_warnings(
     assert all(isinstance(line["step_seq"], int) for line in tool_lines)
     denied = [line for line in engine if line["level"] == "WARNING"]
     assert [(d["message"].split(":")[0], d["step_seq"], d["tool"]) for d in denied] == [
-        ("call denied", 4, noop.name)], denied
+        ("call denied", 4, noop.name)
+    ], denied
 
 
 def test_a_budget_stop_is_a_warning(tenant, asha, builtins, json_lines):
@@ -164,15 +196,22 @@ def test_each_step_call_is_a_genai_span_in_the_runs_trace(tenant, asha, builtins
     drive(run.pk)
     steps = {s.seq: s for s in Step.objects.filter(run=run)}
     finished = spans.get_finished_spans()
-    assert [s.name for s in finished] == ["chat test-model", f"execute_tool {echo.name}", "chat test-model",
-                                          "chat test-model"]
-    assert {s.context.trace_id for s in finished} == {run.pk.int}      # the run is the trace
+    assert [s.name for s in finished] == [
+        "chat test-model",
+        f"execute_tool {echo.name}",
+        "chat test-model",
+        "chat test-model",
+    ]
+    assert {s.context.trace_id for s in finished} == {run.pk.int}  # the run is the trace
     assert len({s.parent.span_id for s in finished}) == 1
     chat = finished[0].attributes
     assert chat["gen_ai.operation.name"] == "chat"
     assert chat["gen_ai.provider.name"] == "scripted"
     assert chat["gen_ai.request.model"] == "test-model"
-    assert chat["gen_ai.usage.input_tokens"] == steps[1].usage["input_tokens"] + steps[1].usage["cached_input_tokens"]
+    assert (
+        chat["gen_ai.usage.input_tokens"]
+        == steps[1].usage["input_tokens"] + steps[1].usage["cached_input_tokens"]
+    )
     assert chat["gen_ai.usage.output_tokens"] == steps[1].usage["output_tokens"] > 0
     assert chat["gen_ai.conversation.id"] == str(run.pk)
     assert chat["agentplatform.step.seq"] == 1 and chat["agentplatform.tenant"] == "acme"
@@ -210,11 +249,15 @@ def test_sweeper_recoveries_are_counted_by_kind(tenant, asha, builtins, json_lin
     before = scrape()
     assert sweep() == {"lost_messages": 1}
     after = scrape()
-    assert value(after, "agentplatform_sweeper_recoveries_total", kind="lost_messages") - \
-        value(before, "agentplatform_sweeper_recoveries_total", kind="lost_messages") == 1
+    assert (
+        value(after, "agentplatform_sweeper_recoveries_total", kind="lost_messages")
+        - value(before, "agentplatform_sweeper_recoveries_total", kind="lost_messages")
+        == 1
+    )
     assert value(after, "agentplatform_sweeps_total") - value(before, "agentplatform_sweeps_total") == 1
     assert [line["message"] for line in json_lines() if line["logger"] == "agentplatform.sweeper"] == [
-        "sweeper: lost_messages=1"]
+        "sweeper: lost_messages=1"
+    ]
 
 
 def test_metrics_need_the_token_or_an_allowed_address_when_configured(db):

@@ -1,5 +1,6 @@
 """/healthz and /readyz in a process of their own, pointed at a dead database and then a dead
 broker (closed local ports): nothing on the machine is stopped."""
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,18 @@ print(json.dumps(out))
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]   # nobody listens once it is closed
+        return s.getsockname()[1]  # nobody listens once it is closed
 
 
 def probe(**env: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**process_env(READY_TIMEOUT_SECONDS="2"), **env})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**process_env(READY_TIMEOUT_SECONDS="2"), **env},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -41,10 +48,16 @@ def probe(**env: str) -> dict:
 @pytest.mark.django_db(transaction=True)
 def test_ready_when_database_migrations_and_broker_answer():
     result = probe()
-    assert result["/healthz"] == {"status": 200, "body": {"status": "ok"}, "seconds": result["/healthz"]["seconds"]}
+    assert result["/healthz"] == {
+        "status": 200,
+        "body": {"status": "ok"},
+        "seconds": result["/healthz"]["seconds"],
+    }
     assert result["/readyz"]["status"] == 200, result
-    assert result["/readyz"]["body"] == {"status": "ready", "checks": {
-        "database": "ok", "migrations": "ok", "broker": "ok"}}
+    assert result["/readyz"]["body"] == {
+        "status": "ready",
+        "checks": {"database": "ok", "migrations": "ok", "broker": "ok"},
+    }
 
 
 @pytest.mark.django_db(transaction=True)
@@ -74,11 +87,21 @@ def test_not_ready_with_the_broker_unreachable():
 
 @pytest.mark.django_db(transaction=True)
 def test_metrics_still_answer_with_the_broker_unreachable():
-    script = ("import django; django.setup(); from django.test import Client; "
-              "r = Client().get('/metrics'); print(r.status_code); print(r.content.decode())")
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**process_env(READY_TIMEOUT_SECONDS="2"),
-                               "CELERY_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0"})
+    script = (
+        "import django; django.setup(); from django.test import Client; "
+        "r = Client().get('/metrics'); print(r.status_code); print(r.content.decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **process_env(READY_TIMEOUT_SECONDS="2"),
+            "CELERY_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0",
+        },
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("200\n")
     assert "agentplatform_broker_up 0.0" in done.stdout and "agentplatform_database_up 1.0" in done.stdout

@@ -1,6 +1,7 @@
 """A real Celery worker process configured as in production: counters in PROMETHEUS_MULTIPROC_DIR
 (read back through /metrics), JSON log lines, spans exported by OTLP/HTTP to a local collector,
 and task results that say what each step did."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from rest_framework.test import APIClient
 from runs.models import Run, Step
 from tests import factories
 from tests.observability.conftest import parse, scrape, value
-from tests.test_production_shape import _free_port
 from tests.servers import wait_for
+from tests.test_production_shape import _free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -52,7 +53,9 @@ class Collector:
         self.server.shutdown()
 
 
-def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant, asha, builtins, workers, tmp_path):
+def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(
+    tenant, asha, builtins, workers, tmp_path
+):
     collector = Collector()
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
@@ -60,11 +63,22 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
         echo = builtins["echo"]
         factories.grant(echo, use=[asha])
         type(echo).objects.filter(pk=echo.pk).update(price_micros=1000)
-        factories.make_agent(tenant, tools=[echo], turns=[
-            {"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "done"}])
-        worker = workers("obs", env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "LOG_FORMAT": "json",
-                                     "LOG_LEVEL": "INFO", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-                                     "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "agent-worker"})
+        factories.make_agent(
+            tenant,
+            tools=[echo],
+            turns=[{"tool_calls": [{"name": echo.name, "arguments": {"say": "hi"}}]}, {"text": "done"}],
+        )
+        worker = workers(
+            "obs",
+            env={
+                "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+                "LOG_FORMAT": "json",
+                "LOG_LEVEL": "INFO",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+                "OTEL_BSP_SCHEDULE_DELAY": "100",
+                "OTEL_SERVICE_NAME": "agent-worker",
+            },
+        )
         run = start_and_finish(asha)
         steps = list(Step.objects.filter(run=run).order_by("seq"))
 
@@ -72,13 +86,24 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
         with override_settings(PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)):
             samples = scrape()
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
-        assert value(samples, "agentplatform_steps_total", kind="tool", tool=echo.name, outcome="succeeded") == 1
+        assert (
+            value(samples, "agentplatform_steps_total", kind="tool", tool=echo.name, outcome="succeeded") == 1
+        )
         assert value(samples, "agentplatform_step_call_seconds_count", kind="tool", outcome="succeeded") == 1
-        assert value(samples, "agentplatform_spend_micros_total", tenant="acme", kind="model") == \
-            sum(s.cost_micros for s in steps if s.kind == "model") > 0
-        assert value(samples, "agentplatform_model_tokens_total", tenant="acme", model="test-model",
-                     type="output") == sum(s.usage["output_tokens"] for s in steps if s.kind == "model")
-        assert value(samples, "agentplatform_run_transitions_total", tenant="acme", status="succeeded", reason="") == 1
+        assert (
+            value(samples, "agentplatform_spend_micros_total", tenant="acme", kind="model")
+            == sum(s.cost_micros for s in steps if s.kind == "model")
+            > 0
+        )
+        assert value(
+            samples, "agentplatform_model_tokens_total", tenant="acme", model="test-model", type="output"
+        ) == sum(s.usage["output_tokens"] for s in steps if s.kind == "model")
+        assert (
+            value(
+                samples, "agentplatform_run_transitions_total", tenant="acme", status="succeeded", reason=""
+            )
+            == 1
+        )
         assert value(samples, "agentplatform_runs", tenant="acme", status="running") == 0
 
         # Spans, exported in batches: wait for the last step's.
@@ -96,8 +121,11 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
     assert {line["tenant"] for line in mine} == {"acme"}
     assert any(line["tool"] == echo.name and line["step_seq"] == 2 for line in mine)
     # Celery's own line for each task shows its result: what the step did, not None.
-    results = [line["message"] for line in lines
-               if "advance_run" in line["message"] and " succeeded in " in line["message"]]
+    results = [
+        line["message"]
+        for line in lines
+        if "advance_run" in line["message"] and " succeeded in " in line["message"]
+    ]
     step_2 = f"'step': 2, 'kind': 'tool', 'tool': '{echo.name}', 'outcome': 'succeeded'"
     assert any(step_2 in r for r in results), results
     assert not any(r.endswith(": None") for r in results), results
@@ -105,17 +133,26 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(tenant
     # A worker on another host or in another container shares no directory with the API: it
     # serves what it recorded itself, behind the same token.
     port = _free_port()
-    workers("loner", env={"WORKER_METRICS_PORT": str(port), "WORKER_METRICS_ADDR": "127.0.0.1",
-                          "METRICS_TOKEN": "worker-token"})
+    workers(
+        "loner",
+        env={
+            "WORKER_METRICS_PORT": str(port),
+            "WORKER_METRICS_ADDR": "127.0.0.1",
+            "METRICS_TOKEN": "worker-token",
+        },
+    )
     second = start_and_finish(asha)
     exported = f"http://127.0.0.1:{port}/metrics"
     assert httpx.get(exported, timeout=10).status_code == 401
     own = parse(httpx.get(exported, headers={"Authorization": "Bearer worker-token"}, timeout=10).text)
     assert value(own, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
     assert value(own, "agentplatform_steps_total", kind="tool", tool=echo.name, outcome="succeeded") == 1
-    assert value(own, "agentplatform_spend_micros_total", tenant="acme", kind="model") == \
-        sum(s.cost_micros for s in Step.objects.filter(run=second, kind="model")) > 0
-    assert not [name for name, _ in own if name.startswith("agentplatform_runs")]   # the gauges are the API's
+    assert (
+        value(own, "agentplatform_spend_micros_total", tenant="acme", kind="model")
+        == sum(s.cost_micros for s in Step.objects.filter(run=second, kind="model"))
+        > 0
+    )
+    assert not [name for name, _ in own if name.startswith("agentplatform_runs")]  # the gauges are the API's
 
 
 def start_and_finish(user) -> Run:

@@ -4,6 +4,7 @@ broker or database, and every test counts the effects at the bank server's ledge
 Workers get short leases (tool timeout + LEASE_MARGIN_SECONDS) so a lost worker is noticed
 within seconds; the tests play Celery beat by calling the sweeper themselves.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,21 +58,28 @@ def step_of(run_id, seq: int) -> Step:
 
 def sweep_until(predicate, *, timeout: float = 60, what: str = "condition"):
     """Play Celery beat: sweep every 0.3 s until predicate() is truthy."""
+
     def tick():
         db_retry(sweeper.sweep)
         return db_retry(predicate)
+
     return wait_for(tick, timeout=timeout, interval=0.3, what=what)
 
 
 def until_status(run_id, *statuses: str, timeout: float = 60):
-    return sweep_until(lambda: (r := Run.objects.get(pk=run_id)).status in statuses and r,
-                       timeout=timeout, what=f"run {run_id} in {statuses}")
+    return sweep_until(
+        lambda: (r := Run.objects.get(pk=run_id)).status in statuses and r,
+        timeout=timeout,
+        what=f"run {run_id} in {statuses}",
+    )
 
 
 def until_dispatching(run_id, seq: int, *, attempt: int = 1, timeout: float = 30) -> Step:
-    return wait_for(lambda: Step.objects.filter(run_id=run_id, seq=seq, status="dispatching",
-                                                attempts=attempt).first(),
-                    timeout=timeout, what=f"step {seq} dispatching (attempt {attempt})")
+    return wait_for(
+        lambda: Step.objects.filter(run_id=run_id, seq=seq, status="dispatching", attempts=attempt).first(),
+        timeout=timeout,
+        what=f"step {seq} dispatching (attempt {attempt})",
+    )
 
 
 def events(run_id, kind: str | None = None) -> list[RunEvent]:
@@ -79,36 +87,66 @@ def events(run_id, kind: str | None = None) -> list[RunEvent]:
     return list(found.filter(kind=kind) if kind else found)
 
 
-def http_bank_tool(tenant, bank, remote: str, *, effect_class: str, server_name: str = "bankhttp",
-                   status: bool = False, **fields) -> Tool:
+def http_bank_tool(
+    tenant,
+    bank,
+    remote: str,
+    *,
+    effect_class: str,
+    server_name: str = "bankhttp",
+    status: bool = False,
+    **fields,
+) -> Tool:
     """One of the bank's tools through its plain HTTP adapter (declared, as tenants do for http)."""
-    server, _ = ToolServer.objects.get_or_create(tenant=tenant, name=server_name,
-                                                 defaults={"kind": ToolServer.Kind.HTTP, "url": f"{bank.url}/http"})
+    server, _ = ToolServer.objects.get_or_create(
+        tenant=tenant, name=server_name, defaults={"kind": ToolServer.Kind.HTTP, "url": f"{bank.url}/http"}
+    )
     # settle_seconds 0: the bank makes an accepted call visible at once (tests of the settle
     # window itself set one, with a provider that lags).
-    values = {"enabled": True, "effect_class": effect_class, "timeout_seconds": 5, "price_micros": 1000,
-              "input_schema": {"type": "object"}, "backoff_seconds": 0.5, "settle_seconds": 0, **fields}
+    values = {
+        "enabled": True,
+        "effect_class": effect_class,
+        "timeout_seconds": 5,
+        "price_micros": 1000,
+        "input_schema": {"type": "object"},
+        "backoff_seconds": 0.5,
+        "settle_seconds": 0,
+        **fields,
+    }
     if status:
         values["status_url"] = f"{bank.url}/http/status/{{key}}"
-    return Tool.objects.create(tenant=tenant, server=server, name=f"{server_name}__{remote}", remote_name=remote,
-                               **values)
+    return Tool.objects.create(
+        tenant=tenant, server=server, name=f"{server_name}__{remote}", remote_name=remote, **values
+    )
 
 
 def until_fault_taken(bank, tool: str, *, timeout: float = 30) -> None:
     """Wait until the bank has consumed every fault armed for `tool` (the request is in the server)."""
-    wait_for(lambda: all(f["remaining"] == 0 for f in httpx.get(f"{bank.url}/faults", timeout=10).json()["faults"]
-                         if f["tool"] == tool), timeout=timeout, interval=0.05, what=f"{tool} request in the server")
+    wait_for(
+        lambda: all(
+            f["remaining"] == 0
+            for f in httpx.get(f"{bank.url}/faults", timeout=10).json()["faults"]
+            if f["tool"] == tool
+        ),
+        timeout=timeout,
+        interval=0.05,
+        what=f"{tool} request in the server",
+    )
 
 
 def single_call_agent(tenant, user, tool: Tool, arguments: dict, *, final: str = "done", **spec):
     """An agent that makes one tool call, then answers `final`."""
     factories.grant(tool, use=[user])
-    return factories.make_agent(tenant, tools=[tool], turns=[
-        {"tool_calls": [{"name": tool.name, "arguments": arguments}]}, {"text": final}], **spec)
+    return factories.make_agent(
+        tenant,
+        tools=[tool],
+        turns=[{"tool_calls": [{"name": tool.name, "arguments": arguments}]}, {"text": final}],
+        **spec,
+    )
 
 
 EMAIL = {"to": "c@example.com", "subject": "Your refund", "body": "Refunded."}
-REFUND = {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"}   # below the approval rule
+REFUND = {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"}  # below the approval rule
 
 
 @pytest.fixture
@@ -126,6 +164,7 @@ def supervisor(tenant):
 # The session must run on throwaway servers (`make test`, or `python -m tests.services -- pytest ...`):
 # these helpers act on the servers named by THROWAWAY_POSTGRES / THROWAWAY_REDIS, and only when the
 # test database and the broker are on them. The machine's PostgreSQL and Redis are never touched.
+
 
 def broker_port() -> int:
     return urlparse(settings.CELERY_BROKER_URL).port or 6379
@@ -154,7 +193,9 @@ def own_services():
     try:
         return session_postgres(), session_redis()
     except Refused as exc:
-        message = f"restarts only throwaway servers; run through `make test` or `python -m tests.services`: {exc}"
+        message = (
+            f"restarts only throwaway servers; run through `make test` or `python -m tests.services`: {exc}"
+        )
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)

@@ -1,5 +1,6 @@
 """Which errors prove that nothing happened (a failure the model is told about) and which leave
 the outcome unknown (recovered per effect class). Driven in-process against real tool servers."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ def _tool(tenant, bank, transport: str, remote: str, effect_class: str) -> Tool:
 def test_it_fails_a_call_the_server_refused_to_connect_and_tells_the_model(transport, tenant, asha, bank):
     email = _tool(tenant, bank, transport, "send_customer_email", "unsafe")
     single_call_agent(tenant, asha, email, EMAIL, final="could not email")
-    bank.stop()                                   # nothing listens: the request is never sent
+    bank.stop()  # nothing listens: the request is never sent
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
     assert run.status == "succeeded" and run.final_output == "could not email"
@@ -92,7 +93,7 @@ def test_it_retries_a_read_only_call_with_backoff_after_5xx(tenant, asha, bank):
     assert step.result["structured"]["transaction_id"] == "TXN-1001"
     retries = events(run.pk, "retry_scheduled")
     delays = [float(e.message.rsplit("retry in ", 1)[1].rstrip("s")) for e in retries]
-    assert len(delays) == 2 and 0.2 <= delays[0] <= 0.4 and 0.4 <= delays[1] <= 0.8   # exponential, jittered
+    assert len(delays) == 2 and 0.2 <= delays[0] <= 0.4 and 0.4 <= delays[1] <= 0.8  # exponential, jittered
 
 
 def test_it_retries_an_idempotent_call_answered_with_a_5xx_with_the_same_key(tenant, asha, bank):
@@ -140,11 +141,23 @@ def busy_server():
 
 
 def test_it_waits_as_long_as_retry_after_says_before_retrying(tenant, asha, busy_server):
-    server = ToolServer.objects.create(tenant=tenant, name="busy", kind=ToolServer.Kind.HTTP,
-                                       url=f"http://127.0.0.1:{busy_server.server_port}")
-    quote = Tool.objects.create(tenant=tenant, server=server, name="busy__quote", remote_name="quote", enabled=True,
-                                effect_class="read_only", timeout_seconds=5, backoff_seconds=0.1,
-                                input_schema={"type": "object"})
+    server = ToolServer.objects.create(
+        tenant=tenant,
+        name="busy",
+        kind=ToolServer.Kind.HTTP,
+        url=f"http://127.0.0.1:{busy_server.server_port}",
+    )
+    quote = Tool.objects.create(
+        tenant=tenant,
+        server=server,
+        name="busy__quote",
+        remote_name="quote",
+        enabled=True,
+        effect_class="read_only",
+        timeout_seconds=5,
+        backoff_seconds=0.1,
+        input_schema={"type": "object"},
+    )
     single_call_agent(tenant, asha, quote, {"symbol": "INR"})
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
@@ -152,18 +165,25 @@ def test_it_waits_as_long_as_retry_after_says_before_retrying(tenant, asha, busy
     assert Step.objects.get(run=run, seq=2).attempts == 2
     assert [e.message.endswith("retry in 2.0s") for e in events(run.pk, "retry_scheduled")] == [True]
     first, second = busy_server.calls
-    assert second - first >= 2.0                  # the backoff alone would have been 0.1 s
+    assert second - first >= 2.0  # the backoff alone would have been 0.1 s
 
 
 def test_it_asks_a_person_when_the_status_lookup_keeps_failing(tenant, asha, bank):
-    refund = http_bank_tool(tenant, bank, "issue_refund", effect_class="reconcilable", max_attempts=3,
-                            backoff_seconds=0.2, status_url="http://127.0.0.1:9/status/{key}")   # nothing listens
+    refund = http_bank_tool(
+        tenant,
+        bank,
+        "issue_refund",
+        effect_class="reconcilable",
+        max_attempts=3,
+        backoff_seconds=0.2,
+        status_url="http://127.0.0.1:9/status/{key}",
+    )  # nothing listens
     single_call_agent(tenant, asha, refund, REFUND)
     bank.fault(tool="issue_refund", fail_5xx_after_effect=True)
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk, max_tasks=30)
     assert run.status == "needs_attention"
     step = Step.objects.get(run=run, seq=2)
-    assert (step.status, step.attempts) == ("outcome_unknown", 3)     # one call, two failed lookups
+    assert (step.status, step.attempts) == ("outcome_unknown", 3)  # one call, two failed lookups
     assert len([e for e in events(run.pk, "recovery") if "status lookup for step 2 failed" in e.message]) == 2
-    assert len(bank.effects("issue_refund")) == 1                    # never sent again without proof
+    assert len(bank.effects("issue_refund")) == 1  # never sent again without proof

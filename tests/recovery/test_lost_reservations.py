@@ -1,4 +1,5 @@
 """Money reserved by a worker that was lost: given back if the call was never sent, held if it was."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -22,8 +23,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def run(tenant, asha):
     echo = factories.make_builtin_tools(tenant, price_micros=1000)["echo"]
     factories.grant(echo, use=[asha])
-    factories.make_agent(tenant, tools=[echo], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"x": 1}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        turns=[{"tool_calls": [{"name": echo.name, "arguments": {"x": 1}}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
     return run
 
@@ -36,9 +40,9 @@ def _lose_the_worker(run) -> None:
 def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
     plan = claim(run.pk)
     assert plan.kind == "model" and reserve(plan, amount=plan.extra["estimate"], purpose="model")
-    _lose_the_worker(run)                 # died between reserving and dispatching
+    _lose_the_worker(run)  # died between reserving and dispatching
 
-    engine.advance(run.pk)                # another worker takes over
+    engine.advance(run.pk)  # another worker takes over
     assert Reservation.objects.get(pk=plan.reservation_id).status == "released"
     assert drive(run.pk).status == "succeeded"
     account = BudgetAccount.objects.get(run=run)
@@ -47,16 +51,16 @@ def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
 
 
 def test_it_holds_what_a_lost_worker_reserved_for_a_call_it_sent(run):
-    engine.advance(run.pk)                # the model proposes the tool call
+    engine.advance(run.pk)  # the model proposes the tool call
     plan = claim(run.pk)
     assert plan.kind == "tool" and reserve(plan, amount=1000, purpose="tool")
     assert mark_dispatching(plan, step=Step.objects.get(pk=plan.step_id)) is not None
-    _lose_the_worker(run)                 # died with the call in flight
+    _lose_the_worker(run)  # died with the call in flight
 
     run = drive(run.pk)
     assert run.status == "succeeded"
     step = Step.objects.get(run=run, seq=2)
     assert (step.status, step.attempts, step.crashes) == ("succeeded", 2, 1)
-    assert Reservation.objects.get(pk=plan.reservation_id).status == "held"   # it may have been charged
+    assert Reservation.objects.get(pk=plan.reservation_id).status == "held"  # it may have been charged
     assert BudgetAccount.objects.get(run=run).held_micros == 1000
     assert not Reservation.objects.filter(run=run, status="open").exists()

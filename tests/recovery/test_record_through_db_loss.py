@@ -5,6 +5,7 @@ The worker holds the provider's answer in memory; its backend is terminated for 
 fresh rows until it lands: the step ends with the provider's answer, the run goes on, and the
 effect is counted once at the provider.
 """
+
 from __future__ import annotations
 
 import threading
@@ -60,7 +61,7 @@ def _email_agent(tenant, asha, bank) -> None:
 
 def _email_run(asha):
     run, _ = start_run(user=asha, agent="agent", input={})
-    advance(run.pk)                       # the model proposes the email
+    advance(run.pk)  # the model proposes the email
     return run
 
 
@@ -68,7 +69,7 @@ def _record_with_kill(run, bank, n: int) -> KillBackendAt:
     sent = len(bank.effects("send_customer_email"))
     killer = KillBackendAt(n, armed=lambda sql, context: len(bank.effects("send_customer_email")) > sent)
     with connection.execute_wrapper(killer):
-        advance(run.pk)                   # the tool step: call, then record
+        advance(run.pk)  # the tool step: call, then record
     return killer
 
 
@@ -125,7 +126,7 @@ def test_it_records_a_model_reply_whatever_statement_the_connection_dies_at(tena
         step = run.steps.get(seq=1)
         assert (step.status, step.attempts) == ("succeeded", 1), f"killed at {n}: {killer.killed_sql[:80]}"
         run = type(run).objects.get(pk=run.pk)
-        assert run.model_call_count == 1, n                   # the reply was not asked for again
+        assert run.model_call_count == 1, n  # the reply was not asked for again
         assert [r.status for r in Reservation.objects.filter(step=step)] == ["settled"], n
         assert run.steps.filter(seq=2, status="proposed").exists(), n
 
@@ -133,7 +134,7 @@ def test_it_records_a_model_reply_whatever_statement_the_connection_dies_at(tena
 def test_a_worker_records_the_answer_while_its_connections_are_being_killed(tenant, asha, bank, workers):
     """A real worker process; every backend it opens is terminated for 1.5 s around the answer."""
     _email_agent(tenant, asha, bank)
-    bank.fault(tool="send_customer_email", delay_after_effect=2)      # answered 2 s after the effect
+    bank.fault(tool="send_customer_email", delay_after_effect=2)  # answered 2 s after the effect
     worker = workers("w1", env={"PGAPPNAME": "record-under-fire", "LEASE_MARGIN_SECONDS": "10"})
     run, _ = start_run(user=asha, agent="agent", input={})
 
@@ -145,8 +146,12 @@ def test_a_worker_records_the_answer_while_its_connections_are_being_killed(tena
     def kill_loop():
         with _admin() as admin:
             while not stop.is_set():
-                killed.extend(admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                            "WHERE application_name = 'record-under-fire'").fetchall())
+                killed.extend(
+                    admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE application_name = 'record-under-fire'"
+                    ).fetchall()
+                )
                 time.sleep(0.002)
 
     killer = threading.Thread(target=kill_loop)
@@ -155,7 +160,9 @@ def test_a_worker_records_the_answer_while_its_connections_are_being_killed(tena
     stop.set()
     killer.join()
 
-    run = wait_for(lambda: (r := type(run).objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="run end")
+    run = wait_for(
+        lambda: (r := type(run).objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="run end"
+    )
     assert killed, "no backend of the worker was terminated"
     assert "retrying" in worker.output(), "the record never met a dead connection"
     assert run.status == "succeeded", run.error

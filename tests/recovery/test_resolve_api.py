@@ -1,4 +1,5 @@
 """POST /v1/runs/{id}/steps/{seq}/resolve: a supervisor settles an unknown outcome."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def parked(tenant, asha, supervisor, bank):
 
 
 def resolve(user, run, seq: int = 2, **body):
-    return client_for(user).post(f"/v1/runs/{run.pk}/steps/{seq}/resolve", {"reason": "checked", **body},
-                                 format="json")
+    return client_for(user).post(
+        f"/v1/runs/{run.pk}/steps/{seq}/resolve", {"reason": "checked", **body}, format="json"
+    )
 
 
 def test_it_refuses_to_retry_an_unsafe_call_without_an_override(parked, supervisor, bank):
@@ -52,7 +54,7 @@ def test_it_retries_an_unsafe_call_on_override_and_records_the_override(parked, 
     assert run.status == "succeeded"
     step = Step.objects.get(run=run, seq=2)
     assert (step.status, step.attempts) == ("succeeded", 2)
-    assert len(bank.effects("send_customer_email")) == 2       # the person chose to send it again
+    assert len(bank.effects("send_customer_email")) == 2  # the person chose to send it again
 
 
 def test_it_resolves_as_failed_and_the_model_is_told(parked, supervisor):
@@ -68,7 +70,7 @@ def test_it_resolves_as_failed_and_the_model_is_told(parked, supervisor):
 def test_it_lets_only_holders_of_approve_tool_resolve(parked, asha, tenant, bank):
     bystander = factories.make_user(tenant, "kiran", staff=True)
     other_tool = factories.make_builtin_tools(tenant)["echo"]
-    factories.grant(other_tool, approve=[bystander])          # approver of another tool only
+    factories.grant(other_tool, approve=[bystander])  # approver of another tool only
     for user in (asha, bystander):
         answer = resolve(user, parked, outcome="succeeded")
         assert answer.status_code == 403
@@ -85,7 +87,9 @@ def test_it_hides_another_tenants_run(parked):
 
 
 def test_it_refuses_to_resolve_a_step_twice_or_a_model_step(parked, supervisor):
-    assert resolve(supervisor, parked, outcome="succeeded", result={"message_id": "MSG-0001"}).status_code == 200
+    assert (
+        resolve(supervisor, parked, outcome="succeeded", result={"message_id": "MSG-0001"}).status_code == 200
+    )
     again = resolve(supervisor, parked, outcome="failed")
     assert again.status_code == 409 and again.json()["error"]["code"] == "step_not_unknown"
     assert resolve(supervisor, parked, seq=1, outcome="failed").status_code == 404
@@ -97,8 +101,10 @@ def _reservations(run):
     from budgets.models import BudgetAccount, Reservation
 
     step = Step.objects.get(run=run, seq=2)
-    return ([(r.status, r.actual_micros) for r in Reservation.objects.filter(step=step)],
-            BudgetAccount.objects.get(run=run))
+    return (
+        [(r.status, r.actual_micros) for r in Reservation.objects.filter(step=step)],
+        BudgetAccount.objects.get(run=run),
+    )
 
 
 def test_resolved_as_happened_it_charges_the_held_reservation_at_the_tools_price(parked, supervisor):
@@ -106,7 +112,9 @@ def test_resolved_as_happened_it_charges_the_held_reservation_at_the_tools_price
     assert before == [("held", None)] and account.held_micros == 1000
     spent = account.spent_micros
 
-    assert resolve(supervisor, parked, outcome="succeeded", result={"message_id": "MSG-0001"}).status_code == 200
+    assert (
+        resolve(supervisor, parked, outcome="succeeded", result={"message_id": "MSG-0001"}).status_code == 200
+    )
     after, account = _reservations(parked)
     assert after == [("reconciled", 1000)]
     assert (account.held_micros, account.spent_micros - spent) == (0, 1000)
@@ -123,11 +131,11 @@ def test_resolved_as_not_happened_it_gives_the_held_reservation_back(parked, sup
 def test_a_resolution_keeps_the_calls_duration_and_the_decision_apart(parked, supervisor):
     import time
 
-    time.sleep(1.5)                                   # the supervisor takes a while
+    time.sleep(1.5)  # the supervisor takes a while
     answer = resolve(supervisor, parked, outcome="failed", reason="no such mail in the log")
     assert answer.status_code == 200
     step = Step.objects.get(run=parked, seq=2)
-    assert step.duration_ms is not None and step.duration_ms < 1000    # the call, not the human wait
+    assert step.duration_ms is not None and step.duration_ms < 1000  # the call, not the human wait
     assert step.resolved_at > step.finished_at
     assert step.error == ""
     assert step.resolution == "failed by meera: no such mail in the log"

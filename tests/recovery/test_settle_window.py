@@ -5,12 +5,12 @@ without idempotency does) and, with `delay_before_effect`, applies it seconds af
 it: our call times out first, and a status lookup in between truthfully answers "not found".
 Each test counts the payments at the bank. A real worker runs the engine; the test plays beat.
 """
+
 from __future__ import annotations
 
 import base64
 import datetime as dt
 import json
-
 import time
 
 import pytest
@@ -19,21 +19,35 @@ from django.conf import settings
 from django.utils import timezone
 
 from runs.services import start_run
-from tests.recovery.conftest import (FAST_LEASES, events, http_bank_tool, single_call_agent, step_of,
-                                     until_fault_taken, until_status)
+from tests.recovery.conftest import (
+    FAST_LEASES,
+    events,
+    http_bank_tool,
+    single_call_agent,
+    step_of,
+    until_fault_taken,
+    until_status,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_sweeps")]
 
 PAYMENT = {"to_account": "ACC-42", "amount": 2500}
-TIMEOUT = 2          # our read timeout
-APPLIES_AFTER = 4    # the provider applies the payment this long after receiving it
-SETTLE = 5           # what the tenant promised for this provider: longer than it lags past our timeout
+TIMEOUT = 2  # our read timeout
+APPLIES_AFTER = 4  # the provider applies the payment this long after receiving it
+SETTLE = 5  # what the tenant promised for this provider: longer than it lags past our timeout
 
 
 def _payment_tool(tenant, bank, *, settle_seconds: int = SETTLE):
-    return http_bank_tool(tenant, bank, "make_payment", effect_class="reconcilable", timeout_seconds=TIMEOUT,
-                          settle_seconds=settle_seconds, status_url=f"{bank.url}/http/payment_status/{{key}}",
-                          max_attempts=3)
+    return http_bank_tool(
+        tenant,
+        bank,
+        "make_payment",
+        effect_class="reconcilable",
+        timeout_seconds=TIMEOUT,
+        settle_seconds=settle_seconds,
+        status_url=f"{bank.url}/http/payment_status/{{key}}",
+        max_attempts=3,
+    )
 
 
 def _messages_for(run_id) -> list[str]:
@@ -87,7 +101,7 @@ def test_it_pays_once_when_the_provider_applies_the_payment_after_our_timeout(te
     assert run.status == "succeeded", run.error
     step = step_of(run.pk, 2)
     payments = _payments_once_settled(bank, step)
-    assert len(payments) == 1                               # every POST is a payment: one POST
+    assert len(payments) == 1  # every POST is a payment: one POST
     assert (step.status, step.attempts) == ("succeeded", 1)
     assert step.result["structured"]["payment_id"] == payments[0]["result"]["payment_id"]
     lookups = _lookups(run.pk)
@@ -101,7 +115,7 @@ def test_it_pays_once_when_the_worker_dies_and_the_provider_is_slow(tenant, asha
     bank.fault(tool="make_payment", delay_before_effect=APPLIES_AFTER)
     w1 = workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
-    until_fault_taken(bank, "make_payment")          # the request is in the provider
+    until_fault_taken(bank, "make_payment")  # the request is in the provider
     w1.kill()
     workers("w2", env=FAST_LEASES)
 
@@ -133,15 +147,27 @@ def test_it_waits_while_the_provider_says_the_payment_is_in_progress(tenant, ash
     assert any("in progress" in a for a in answers) and answers[-1].endswith("found, not retrying")
     assert not any("not found" in a for a in answers)
     step = step_of(run.pk, 2)
-    assert (step.status, step.attempts) == ("succeeded", 1)        # asked again, never sent again
+    assert (step.status, step.attempts) == ("succeeded", 1)  # asked again, never sent again
 
 
 def test_it_waits_on_a_409_for_a_key_in_use_and_then_collects_the_one_refund(tenant, asha, bank, workers):
     """An idempotent provider that locks a key while its first request runs answers a repeat 409."""
-    refund = http_bank_tool(tenant, bank, "issue_refund", effect_class="idempotent", timeout_seconds=TIMEOUT,
-                            settle_seconds=1, max_attempts=2)
-    single_call_agent(tenant, asha, refund, {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"},
-                      final="refunded")
+    refund = http_bank_tool(
+        tenant,
+        bank,
+        "issue_refund",
+        effect_class="idempotent",
+        timeout_seconds=TIMEOUT,
+        settle_seconds=1,
+        max_attempts=2,
+    )
+    single_call_agent(
+        tenant,
+        asha,
+        refund,
+        {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"},
+        final="refunded",
+    )
     bank.fault(tool="issue_refund", delay_before_effect=8, pending_visible=True)
     workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
@@ -153,5 +179,5 @@ def test_it_waits_on_a_409_for_a_key_in_use_and_then_collects_the_one_refund(ten
     step = step_of(run.pk, 2)
     assert step.result["structured"]["refund_id"] == refunds[0]["result"]["refund_id"]
     waits = [e for e in events(run.pk, "status") if e.data.get("to") == "waiting_settle"]
-    assert any("in progress" in e.message for e in waits)      # the 409s were waited on...
-    assert step.attempts <= 2                                   # ...without using up max_attempts
+    assert any("in progress" in e.message for e in waits)  # the 409s were waited on...
+    assert step.attempts <= 2  # ...without using up max_attempts

@@ -3,6 +3,7 @@
 While it is stopped the sweeper hands its run to another worker; when it wakes up, its result
 can only be recorded as a late attempt, except that a late success proves an unknown outcome.
 """
+
 from __future__ import annotations
 
 import signal
@@ -11,8 +12,17 @@ import pytest
 
 from runs.services import start_run
 from tests import factories
-from tests.recovery.conftest import (EMAIL, FAST_LEASES, REFUND, events, http_bank_tool, run_of,
-                                     single_call_agent, step_of, until_status)
+from tests.recovery.conftest import (
+    EMAIL,
+    FAST_LEASES,
+    REFUND,
+    events,
+    http_bank_tool,
+    run_of,
+    single_call_agent,
+    step_of,
+    until_status,
+)
 from tests.servers import wait_for
 from tools.models import Tool
 
@@ -54,7 +64,7 @@ def test_it_records_a_stalled_workers_result_only_as_a_late_attempt(tenant, asha
 def test_it_resolves_an_unsafe_step_from_the_late_success_of_a_stalled_worker(tenant, asha, bank, workers):
     email = http_bank_tool(tenant, bank, "send_customer_email", effect_class="unsafe")
     single_call_agent(tenant, asha, email, EMAIL, final="emailed")
-    bank.fault(tool="send_customer_email", delay_after_effect=2)   # answered while the worker is frozen
+    bank.fault(tool="send_customer_email", delay_after_effect=2)  # answered while the worker is frozen
     w1 = workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
     effect = _stop_once_applied(bank, w1, "send_customer_email")
@@ -73,5 +83,5 @@ def test_it_resolves_an_unsafe_step_from_the_late_success_of_a_stalled_worker(te
     late = events(run.pk, "late_attempt")
     assert [(e.step_seq, e.data["outcome"]) for e in late] == [(2, "succeeded")]
     assert any("resolved automatically" in e.message for e in events(run.pk, "step"))
-    assert not events(run.pk, "resolved")          # nobody had to step in
+    assert not events(run.pk, "resolved")  # nobody had to step in
     assert len(bank.effects("send_customer_email")) == 1

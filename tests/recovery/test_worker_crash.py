@@ -3,6 +3,7 @@
 The sweeper notices the expired lease, another worker claims the run and finds the step still
 `dispatching`; what happens next depends only on the tool's configured effect class.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,9 +14,20 @@ from budgets.models import Reservation
 from runs.models import Run
 from runs.services import start_run
 from tests import factories
-from tests.recovery.conftest import (EMAIL, FAST_LEASES, REFUND, client_for, events, http_bank_tool,
-                                     run_of, single_call_agent, step_of, until_dispatching, until_fault_taken,
-                                     until_status)
+from tests.recovery.conftest import (
+    EMAIL,
+    FAST_LEASES,
+    REFUND,
+    client_for,
+    events,
+    http_bank_tool,
+    run_of,
+    single_call_agent,
+    step_of,
+    until_dispatching,
+    until_fault_taken,
+    until_status,
+)
 from tests.servers import wait_for
 from tools.models import Tool
 
@@ -42,11 +54,12 @@ def _no_open_reservations(run_id) -> None:
 
 
 def test_it_never_repeats_an_unsafe_call_whose_worker_died_and_waits_for_a_person(
-        tenant, asha, supervisor, bank, workers):
+    tenant, asha, supervisor, bank, workers
+):
     email = _bank_tool(tenant, bank, "send_customer_email", effect_class="unsafe")
     factories.grant(email, approve=[supervisor])
     single_call_agent(tenant, asha, email, EMAIL, final="emailed")
-    bank.fault(tool="send_customer_email", delay_after_effect=30)   # sent, but the answer never comes
+    bank.fault(tool="send_customer_email", delay_after_effect=30)  # sent, but the answer never comes
     w1 = workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
     effect = _kill_once_applied(bank, w1, "send_customer_email")
@@ -62,9 +75,15 @@ def test_it_never_repeats_an_unsafe_call_whose_worker_died_and_waits_for_a_perso
     assert len(bank.effects("send_customer_email")) == 1
     assert run_of(run.pk).status == "needs_attention"
 
-    answer = client_for(supervisor).post(f"/v1/runs/{run.pk}/steps/2/resolve", {
-        "outcome": "succeeded", "reason": f"{effect['result']['message_id']} is in the mail log",
-        "result": effect["result"]}, format="json")
+    answer = client_for(supervisor).post(
+        f"/v1/runs/{run.pk}/steps/2/resolve",
+        {
+            "outcome": "succeeded",
+            "reason": f"{effect['result']['message_id']} is in the mail log",
+            "result": effect["result"],
+        },
+        format="json",
+    )
     assert answer.status_code == 200, answer.content
     assert answer.json()["status"] == "resolved_succeeded"
     run = wait_for(lambda: (r := run_of(run.pk)).is_terminal and r, timeout=30, what="run end")
@@ -98,9 +117,17 @@ def test_it_retries_an_idempotent_call_with_the_same_key_after_its_worker_died(t
 
 
 @pytest.mark.parametrize("transport", ["mcp", "http"])
-def test_it_asks_a_reconcilable_provider_and_does_not_retry_what_happened(transport, tenant, asha, bank, workers):
-    refund = _bank_tool(tenant, bank, "issue_refund", transport=transport, effect_class="reconcilable",
-                        **({"status": True} if transport == "http" else {}))
+def test_it_asks_a_reconcilable_provider_and_does_not_retry_what_happened(
+    transport, tenant, asha, bank, workers
+):
+    refund = _bank_tool(
+        tenant,
+        bank,
+        "issue_refund",
+        transport=transport,
+        effect_class="reconcilable",
+        **({"status": True} if transport == "http" else {}),
+    )
     single_call_agent(tenant, asha, refund, REFUND, final="refunded")
     bank.fault(tool="issue_refund", delay_after_effect=30)
     w1 = workers("w1", env=FAST_LEASES)
@@ -111,7 +138,7 @@ def test_it_asks_a_reconcilable_provider_and_does_not_retry_what_happened(transp
     run = until_status(run.pk, "succeeded", "failed", "needs_attention", timeout=40)
     assert run.status == "succeeded", run.error
     step = step_of(run.pk, 2)
-    assert (step.status, step.attempts) == ("succeeded", 1)     # found by the lookup: never sent again
+    assert (step.status, step.attempts) == ("succeeded", 1)  # found by the lookup: never sent again
     assert step.result["structured"]["refund_id"] == effect["result"]["refund_id"]
     assert len(bank.effects("issue_refund")) == 1
     lookups = [e for e in events(run.pk, "recovery") if "status lookup" in e.message]
@@ -121,11 +148,18 @@ def test_it_asks_a_reconcilable_provider_and_does_not_retry_what_happened(transp
 
 @pytest.mark.parametrize("transport", ["mcp", "http"])
 def test_it_retries_a_reconcilable_call_exactly_once_when_the_provider_has_no_record(
-        transport, tenant, asha, bank, workers):
-    refund = _bank_tool(tenant, bank, "issue_refund", transport=transport, effect_class="reconcilable",
-                        **({"status": True} if transport == "http" else {}))
+    transport, tenant, asha, bank, workers
+):
+    refund = _bank_tool(
+        tenant,
+        bank,
+        "issue_refund",
+        transport=transport,
+        effect_class="reconcilable",
+        **({"status": True} if transport == "http" else {}),
+    )
     single_call_agent(tenant, asha, refund, REFUND, final="refunded")
-    bank.fault(tool="issue_refund", delay_before_effect=15)   # the worker dies before the refund lands
+    bank.fault(tool="issue_refund", delay_before_effect=15)  # the worker dies before the refund lands
     w1 = workers("w1", env=FAST_LEASES)
     run, _ = start_run(user=asha, agent="agent", input={})
     until_dispatching(run.pk, 2)

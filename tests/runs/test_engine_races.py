@@ -1,4 +1,5 @@
 """Races, redeliveries, stale workers and cancellation against real PostgreSQL."""
+
 from __future__ import annotations
 
 import threading
@@ -23,9 +24,18 @@ def _email_agent(tenant, asha, bank):
     tools = factories.make_bank_tools(tenant, bank.mcp_url)
     email = tools["send_customer_email"]
     factories.grant(email, use=[asha])
-    factories.make_agent(tenant, tools=[email], turns=[
-        {"tool_calls": [{"name": email.name, "arguments": {"to": "c@example.com", "subject": "s", "body": "b"}}]},
-        {"text": "sent"}])
+    factories.make_agent(
+        tenant,
+        tools=[email],
+        turns=[
+            {
+                "tool_calls": [
+                    {"name": email.name, "arguments": {"to": "c@example.com", "subject": "s", "body": "b"}}
+                ]
+            },
+            {"text": "sent"},
+        ],
+    )
     return email
 
 
@@ -60,19 +70,22 @@ def test_it_executes_each_step_once_when_eight_workers_race_on_one_run(tenant, a
 
 def test_it_treats_a_redelivered_message_as_a_no_op(tenant, asha, builtins):
     factories.grant(builtins["echo"], use=[asha])
-    factories.make_agent(tenant, tools=[builtins["echo"]], turns=[
-        {"tool_calls": [{"name": builtins["echo"].name, "arguments": {"x": 1}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[builtins["echo"]],
+        turns=[{"tool_calls": [{"name": builtins["echo"].name, "arguments": {"x": 1}}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
-    plan = claim(run.pk)                  # a worker holds the lease for the first model call
+    plan = claim(run.pk)  # a worker holds the lease for the first model call
     assert plan is not None
     before = (Step.objects.count(), RunEvent.objects.filter(run=run).count())
-    engine.advance(run.pk)                # the same message delivered again
+    engine.advance(run.pk)  # the same message delivered again
     assert (Step.objects.count(), RunEvent.objects.filter(run=run).count()) == before
     do_model(plan)
     run = drive(run.pk)
     assert run.status == RunStatus.SUCCEEDED
     events = RunEvent.objects.filter(run=run).count()
-    engine.advance(run.pk)                # redelivered after the end
+    engine.advance(run.pk)  # redelivered after the end
     assert RunEvent.objects.filter(run=run).count() == events
     assert Step.objects.filter(run=run).count() == 3
 
@@ -80,19 +93,26 @@ def test_it_treats_a_redelivered_message_as_a_no_op(tenant, asha, builtins):
 def test_it_fences_out_a_stale_worker_whose_lease_was_taken_over(tenant, asha, builtins):
     sleep = builtins["sleep"]
     factories.grant(sleep, use=[asha])
-    factories.make_agent(tenant, tools=[sleep], turns=[
-        {"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 2}}]}, {"text": "ok"}])
+    factories.make_agent(
+        tenant,
+        tools=[sleep],
+        turns=[{"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 2}}]}, {"text": "ok"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
-    engine.advance(run.pk)                # model step proposes the tool call
+    engine.advance(run.pk)  # model step proposes the tool call
     stale = threading.Thread(target=lambda: (engine.advance(run.pk), connection.close()))
     stale.start()
     wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=10)
     taken = Run.objects.get(pk=run.pk).lease_expires_at
     # The stale worker's heartbeat extends its lease once: then it is known to be alive and ticking.
-    wait_for(lambda: Run.objects.get(pk=run.pk).lease_expires_at > taken, timeout=10, interval=0.02,
-             what="the stale worker's heartbeat")
+    wait_for(
+        lambda: Run.objects.get(pk=run.pk).lease_expires_at > taken,
+        timeout=10,
+        interval=0.02,
+        what="the stale worker's heartbeat",
+    )
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
-    engine.advance(run.pk)                 # the new owner takes over and re-runs the read-only call
+    engine.advance(run.pk)  # the new owner takes over and re-runs the read-only call
     stale.join(30)
     step = Step.objects.get(run=run, seq=2)
     assert step.status == StepStatus.SUCCEEDED
@@ -105,8 +125,11 @@ def test_it_fences_out_a_stale_worker_whose_lease_was_taken_over(tenant, asha, b
 def test_it_starts_no_call_after_a_cancel_during_a_long_tool_call(tenant, asha, builtins, workers):
     sleep = builtins["sleep"]
     factories.grant(sleep, use=[asha])
-    factories.make_agent(tenant, tools=[sleep], turns=[
-        {"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 3}}]}, {"text": "never said"}])
+    factories.make_agent(
+        tenant,
+        tools=[sleep],
+        turns=[{"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 3}}]}, {"text": "never said"}],
+    )
     workers("w1")
     run, _ = start_run(user=asha, agent="agent", input={})
     wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=30)

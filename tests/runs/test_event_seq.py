@@ -1,4 +1,5 @@
 """Event ids are per run: 1, 2, 3, ... whatever other runs and tenants do meanwhile (issue #12, item 6)."""
+
 from __future__ import annotations
 
 import threading
@@ -60,13 +61,13 @@ def test_concurrent_writers_of_one_run_get_distinct_consecutive_numbers(tenant, 
         try:
             barrier.wait()
             if n % 2:
-                with atomic_with_events():              # the engine's batched writer
+                with atomic_with_events():  # the engine's batched writer
                     record_event(run.pk, "note", f"batch {n} a")
                     record_event(run.pk, "note", f"batch {n} b")
             else:
-                with transaction.atomic():              # a writer that holds no run lock
+                with transaction.atomic():  # a writer that holds no run lock
                     record_event(run.pk, "note", f"single {n}")
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:
             errors.append(exc)
         finally:
             connection.close()

@@ -1,4 +1,5 @@
 """Who may start an agent (run_agent) and who may read a run (its creator, view_runs) (issue #12, item 4)."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ def test_starting_an_agent_needs_run_agent(tenant, asha, agents):
     assert refused.status_code == 403
     assert refused.json()["error"]["code"] == "not_permitted"
     assert not Run.objects.exists() and not Reservation.objects.exists()
-    factories.grant_run_agent(version.agent, agents)   # through a group
+    factories.grant_run_agent(version.agent, agents)  # through a group
     asha.groups.add(agents)
     assert api(asha).post("/v1/runs", body, format="json").status_code == 201
 
@@ -44,10 +45,14 @@ def test_a_run_whose_user_lost_run_agent_stops_before_its_next_model_call(tenant
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
     asha.groups.add(agents)
-    version = factories.make_agent(tenant, tools=[echo], runners=[agents], turns=[
-        {"tool_calls": [{"name": echo.name, "arguments": {"say": "one"}}]}, {"text": "all done"}])
+    version = factories.make_agent(
+        tenant,
+        tools=[echo],
+        runners=[agents],
+        turns=[{"tool_calls": [{"name": echo.name, "arguments": {"say": "one"}}]}, {"text": "all done"}],
+    )
     run, _ = start_run(user=asha, agent="agent", input={})
-    advance(run.pk)                                     # the first model call proposes the tool call
+    advance(run.pk)  # the first model call proposes the tool call
     assert list(Step.objects.filter(run=run).values_list("kind", flat=True)) == ["model", "tool"]
 
     remove_perm("agents.run_agent", agents, version.agent)
@@ -55,8 +60,10 @@ def test_a_run_whose_user_lost_run_agent_stops_before_its_next_model_call(tenant
 
     assert (run.status, run.stop_reason) == (RunStatus.STOPPED, StopReason.RUN_AGENT_REVOKED)
     assert [(s.kind, s.status) for s in Step.objects.filter(run=run).order_by("seq")] == [
-        ("model", "succeeded"), ("tool", "succeeded")]                  # no second model call
-    assert Reservation.objects.filter(run=run, purpose="model").count() == 1   # nothing reserved for it
+        ("model", "succeeded"),
+        ("tool", "succeeded"),
+    ]  # no second model call
+    assert Reservation.objects.filter(run=run, purpose="model").count() == 1  # nothing reserved for it
     assert run.budget.reserved_micros == 0
 
 
@@ -64,9 +71,9 @@ def test_a_run_is_readable_by_its_creator_and_by_view_runs_holders_only(tenant, 
     factories.make_agent(tenant, turns=[{"text": "hi"}])
     run, _ = start_run(user=asha, agent="agent", input={})
     drive(run.pk)
-    bea = factories.make_user(tenant, "bea")                            # same tenant, no view_runs
+    bea = factories.make_user(tenant, "bea")  # same tenant, no view_runs
     kiran = factories.make_user(tenant, "kiran", staff=True, view_runs=False)
-    meera = factories.make_user(tenant, "meera", view_runs=True)       # a supervisor
+    meera = factories.make_user(tenant, "meera", view_runs=True)  # a supervisor
 
     for path in ("", "/steps", "/events"):
         assert api(asha).get(f"/v1/runs/{run.pk}{path}").status_code == 200

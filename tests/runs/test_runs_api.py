@@ -1,4 +1,5 @@
 """The runs and agents REST API: admission, idempotency, tenancy, errors, schema."""
+
 from __future__ import annotations
 
 import threading
@@ -49,9 +50,12 @@ def test_it_replays_the_same_run_for_the_same_key_and_body(asha, agent):
 
 
 def test_it_refuses_the_same_key_with_a_different_body(asha, agent):
-    api(asha).post("/v1/runs", {"agent": "agent", "input": {"q": 1}}, format="json", HTTP_IDEMPOTENCY_KEY="k1")
-    other = api(asha).post("/v1/runs", {"agent": "agent", "input": {"q": 2}}, format="json",
-                           HTTP_IDEMPOTENCY_KEY="k1")
+    api(asha).post(
+        "/v1/runs", {"agent": "agent", "input": {"q": 1}}, format="json", HTTP_IDEMPOTENCY_KEY="k1"
+    )
+    other = api(asha).post(
+        "/v1/runs", {"agent": "agent", "input": {"q": 2}}, format="json", HTTP_IDEMPOTENCY_KEY="k1"
+    )
     assert other.status_code == 422
     assert other.json()["error"]["code"] == "idempotency_key_reused"
     assert Run.objects.count() == 1
@@ -74,7 +78,7 @@ def test_it_answers_409_to_a_concurrent_duplicate(asha, agent):
         with transaction.atomic():
             start_run(user=asha, agent="agent", input={"q": 1}, idempotency_key="k1")
             inserted.set()
-            threading.Event().wait(1.0)   # keep the insert uncommitted while the twin arrives
+            threading.Event().wait(1.0)  # keep the insert uncommitted while the twin arrives
         connection.close()
 
     def second():
@@ -101,7 +105,9 @@ def test_it_gives_field_errors_for_bad_input(asha, agent):
     assert response.status_code == 400
     fields = response.json()["error"]["fields"]
     assert "agent" in fields
-    both = api(asha).post("/v1/runs", {"agent": "agent", "alias": "prod", "version": 1, "input": {}}, format="json")
+    both = api(asha).post(
+        "/v1/runs", {"agent": "agent", "alias": "prod", "version": 1, "input": {}}, format="json"
+    )
     assert both.status_code == 400 and "version" in both.json()["error"]["fields"]
     missing = api(asha).post("/v1/runs", {"agent": "nope", "input": {}}, format="json")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
@@ -144,8 +150,12 @@ def test_it_pins_the_version_resolved_at_admission(tenant, asha, ravi, agent, bu
 
 
 def test_it_validates_agent_specs_with_field_paths(tenant, ravi, asha, agent):
-    bad = {"model": "missing", "instructions": "", "tools": ["platform__echo", "nope"],
-           "limits": {"max_steps": 10_000, "max_tool_calls": -1}}
+    bad = {
+        "model": "missing",
+        "instructions": "",
+        "tools": ["platform__echo", "nope"],
+        "limits": {"max_steps": 10_000, "max_tool_calls": -1},
+    }
     response = api(ravi).post("/v1/agents/agent/versions", {"spec": bad}, format="json")
     assert response.status_code == 400
     fields = response.json()["error"]["fields"]
@@ -168,9 +178,9 @@ def test_it_serves_the_openapi_schema_and_docs(asha):
 
 def test_it_lets_only_the_creator_or_staff_cancel(tenant, asha, ravi, agent):
     run = api(asha).post("/v1/runs", {"agent": "agent", "input": {}}, format="json").json()
-    bea = factories.make_user(tenant, "bea")                    # may not even read the run
+    bea = factories.make_user(tenant, "bea")  # may not even read the run
     assert api(bea).post(f"/v1/runs/{run['id']}/cancel", {}, format="json").status_code == 404
-    reader = factories.make_user(tenant, "rita", view_runs=True)   # reads every run, is not staff
+    reader = factories.make_user(tenant, "rita", view_runs=True)  # reads every run, is not staff
     refused = api(reader).post(f"/v1/runs/{run['id']}/cancel", {}, format="json")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_run_owner"
     assert Run.objects.get(pk=run["id"]).status == "queued"

@@ -1,4 +1,5 @@
 """`manage.py apply`: declarative tenant configuration (tenants/config/)."""
+
 from __future__ import annotations
 
 import socket
@@ -33,51 +34,104 @@ def _fast_passwords(settings):
 
 
 def spec(*tools: str, **extra) -> dict:
-    return {"model": "scripted", "instructions": "You help support agents.", "tools": list(tools),
-            "limits": {"max_steps": 10, "max_cost_micros": 1_000_000}, **extra}
+    return {
+        "model": "scripted",
+        "instructions": "You help support agents.",
+        "tools": list(tools),
+        "limits": {"max_steps": 10, "max_cost_micros": 1_000_000},
+        **extra,
+    }
 
 
 def config() -> dict:
     """A valid file using builtin and http tools only (no tool server process needed)."""
     return {
-        "tenant": {"slug": SLUG, "name": "Acme Test", "time_zone": "Asia/Kolkata", "daily_budget": 25.0,
-                   "on_budget_exhausted": "stop", "quotas": {"max_active_runs": 10},
-                   "caps": {"max_steps": 50, "max_cost": 5.0}},
+        "tenant": {
+            "slug": SLUG,
+            "name": "Acme Test",
+            "time_zone": "Asia/Kolkata",
+            "daily_budget": 25.0,
+            "on_budget_exhausted": "stop",
+            "quotas": {"max_active_runs": 10},
+            "caps": {"max_steps": 50, "max_cost": 5.0},
+        },
         "secrets": [{"name": "crm-token", "value": "tok-initial-1234"}],
         "groups": [{"name": "support-agents"}, {"name": "supervisors"}],
-        "users": [{"username": "asha", "email": "asha@example.com", "password": "pw-asha",
-                   "groups": ["support-agents"]},
-                  {"username": "ravi", "password": "pw-ravi", "groups": ["supervisors"], "staff": True}],
-        "model_endpoints": [{"name": "scripted", "kind": "scripted",
-                             "prices": {"input": 3.0, "cached_input": 0.3, "cache_write": 3.75, "output": 15.0},
-                             "config": {"turns": [{"text": "hello"}]}}],
-        "tool_servers": [{"name": "platform", "kind": "builtin"},
-                         {"name": "crm", "kind": "http", "url": "http://127.0.0.1:9/crm", "secret": "crm-token"}],
-        "tools": [{"server": "platform", "name": "echo", "enabled": True, "effect": "read_only"},
-                  {"server": "crm", "name": "create_ticket", "enabled": True, "effect": "unsafe",
-                   "approval": "priority == 'high'", "price": 0.01, "description": "Open a ticket.",
-                   "input_schema": {"type": "object", "properties": {"priority": {"type": "string"}}}}],
-        "grants": [{"tool": "platform__echo", "use": ["group:support-agents", "user:ravi"]},
-                   {"tool": "crm__create_ticket", "use": ["group:support-agents"], "approve": ["group:supervisors"]}],
-        "agents": [{"name": "helper", "versions": [spec("platform__echo"),
-                                                   spec("platform__echo", "crm__create_ticket")],
-                    "aliases": {"prod": 2, "canary": 1}}],
+        "users": [
+            {
+                "username": "asha",
+                "email": "asha@example.com",
+                "password": "pw-asha",
+                "groups": ["support-agents"],
+            },
+            {"username": "ravi", "password": "pw-ravi", "groups": ["supervisors"], "staff": True},
+        ],
+        "model_endpoints": [
+            {
+                "name": "scripted",
+                "kind": "scripted",
+                "prices": {"input": 3.0, "cached_input": 0.3, "cache_write": 3.75, "output": 15.0},
+                "config": {"turns": [{"text": "hello"}]},
+            }
+        ],
+        "tool_servers": [
+            {"name": "platform", "kind": "builtin"},
+            {"name": "crm", "kind": "http", "url": "http://127.0.0.1:9/crm", "secret": "crm-token"},
+        ],
+        "tools": [
+            {"server": "platform", "name": "echo", "enabled": True, "effect": "read_only"},
+            {
+                "server": "crm",
+                "name": "create_ticket",
+                "enabled": True,
+                "effect": "unsafe",
+                "approval": "priority == 'high'",
+                "price": 0.01,
+                "description": "Open a ticket.",
+                "input_schema": {"type": "object", "properties": {"priority": {"type": "string"}}},
+            },
+        ],
+        "grants": [
+            {"tool": "platform__echo", "use": ["group:support-agents", "user:ravi"]},
+            {"tool": "crm__create_ticket", "use": ["group:support-agents"], "approve": ["group:supervisors"]},
+        ],
+        "agents": [
+            {
+                "name": "helper",
+                "versions": [spec("platform__echo"), spec("platform__echo", "crm__create_ticket")],
+                "aliases": {"prod": 2, "canary": 1},
+            }
+        ],
     }
 
 
 SNAPSHOT_MODELS = {
-    Tenant: (), Secret: ("updated_at",), Group: (), TenantGroup: (), User: ("last_login",),
-    User.groups.through: (), ModelEndpoint: (), ToolServer: ("last_synced_at",), Tool: (),
-    AgentDefinition: (), AgentVersion: (), Alias: ("updated_at",), BudgetAccount: (),
-    UserObjectPermission: (), GroupObjectPermission: (),
+    Tenant: (),
+    Secret: ("updated_at",),
+    Group: (),
+    TenantGroup: (),
+    User: ("last_login",),
+    User.groups.through: (),
+    ModelEndpoint: (),
+    ToolServer: ("last_synced_at",),
+    Tool: (),
+    AgentDefinition: (),
+    AgentVersion: (),
+    Alias: ("updated_at",),
+    BudgetAccount: (),
+    UserObjectPermission: (),
+    GroupObjectPermission: (),
 }
 
 
 def snapshot() -> dict:
     """Every row the apply command may write, minus timestamps."""
-    return {model.__name__: [{k: v for k, v in row.items() if k not in skip}
-                             for row in model.objects.order_by("pk").values()]
-            for model, skip in SNAPSHOT_MODELS.items()}
+    return {
+        model.__name__: [
+            {k: v for k, v in row.items() if k not in skip} for row in model.objects.order_by("pk").values()
+        ]
+        for model, skip in SNAPSHOT_MODELS.items()
+    }
 
 
 def rejected(data: dict, **kwargs) -> list[tuple[str, str]]:
@@ -94,12 +148,19 @@ def can(user: User, perm: str, tool_name: str) -> bool:
     """A fresh guardian query, as the tool gateway does (no checker cache)."""
     fresh = User.objects.get(pk=user.pk)
     tools = Tool.objects.filter(tenant__slug=SLUG, name=tool_name)
-    return get_objects_for_user(fresh, perm, klass=tools, with_superuser=False, accept_global_perms=False).exists()
+    return get_objects_for_user(
+        fresh, perm, klass=tools, with_superuser=False, accept_global_perms=False
+    ).exists()
 
 
 def test_it_applies_a_file_twice_and_changes_nothing_the_second_time():
     first = apply_config(config())
-    assert first.counts("tools") == {"created": 5, "updated": 0, "unchanged": 0, "removed": 0}  # 4 builtin + 1 http
+    assert first.counts("tools") == {
+        "created": 5,
+        "updated": 0,
+        "unchanged": 0,
+        "removed": 0,
+    }  # 4 builtin + 1 http
     assert first.counts("versions")["created"] == 2 and first.counts("grants")["created"] == 4
     before = snapshot()
 
@@ -114,7 +175,11 @@ def test_it_applies_a_file_twice_and_changes_nothing_the_second_time():
 def test_it_stores_the_file_values():
     apply_config(config())
     tenant = Tenant.objects.get(slug=SLUG)
-    assert (tenant.daily_budget_micros, tenant.max_cost_micros_cap, tenant.max_active_runs) == (25_000_000, 5_000_000, 10)
+    assert (tenant.daily_budget_micros, tenant.max_cost_micros_cap, tenant.max_active_runs) == (
+        25_000_000,
+        5_000_000,
+        10,
+    )
     ticket = Tool.objects.get(tenant=tenant, name="crm__create_ticket")
     assert (ticket.price_micros, ticket.effect_class, ticket.enabled) == (10_000, "unsafe", True)
     assert ticket.approval_policy == "priority == 'high'"
@@ -197,11 +262,11 @@ def test_it_reports_unknown_fields_and_missing_values():
 def test_it_grants_object_permissions_and_removes_holders_dropped_from_the_file():
     apply_config(config())
     asha, ravi = User.objects.get(username="asha"), User.objects.get(username="ravi")
-    assert can(asha, "tools.use_tool", "platform__echo")        # through group:support-agents
-    assert can(ravi, "tools.use_tool", "platform__echo")        # directly
+    assert can(asha, "tools.use_tool", "platform__echo")  # through group:support-agents
+    assert can(ravi, "tools.use_tool", "platform__echo")  # directly
     assert can(ravi, "tools.approve_tool", "crm__create_ticket")
     assert not can(asha, "tools.approve_tool", "crm__create_ticket")
-    assert not can(ravi, "tools.use_tool", "platform__noop")     # discovered, never granted
+    assert not can(ravi, "tools.use_tool", "platform__noop")  # discovered, never granted
 
     data = config()
     data["grants"][0]["use"] = ["group:support-agents"]
@@ -258,7 +323,7 @@ def test_it_bumps_the_policy_version_only_when_the_policy_changes():
     assert Tool.objects.get(name="crm__create_ticket").policy_version == 1
 
     data = config()
-    data["tools"][1]["approval"] = '  priority   == "high" '   # same rule, other layout
+    data["tools"][1]["approval"] = '  priority   == "high" '  # same rule, other layout
     apply_config(data)
     assert Tool.objects.get(name="crm__create_ticket").policy_version == 1
 
@@ -327,7 +392,10 @@ def test_it_substitutes_environment_variables(monkeypatch):
 
     assert ToolServer.objects.get(name="crm").url == "http://127.0.0.1:9/other"
     assert Tenant.objects.get(slug=SLUG).name == "Acme Default"
-    assert ModelEndpoint.objects.get(name="scripted").config == {"note": "${literal}", "turns": [{"text": "$input.x"}]}
+    assert ModelEndpoint.objects.get(name="scripted").config == {
+        "note": "${literal}",
+        "turns": [{"text": "$input.x"}],
+    }
 
     data["users"][0]["password"] = "${APPLY_TEST_MISSING}"
     assert ("users[0].password", "environment variable APPLY_TEST_MISSING is not set") in rejected(data)
@@ -351,7 +419,10 @@ def test_an_edited_version_becomes_a_new_version_and_old_ones_are_reused():
 
     report = apply_config(data)
 
-    assert sorted(report.outcomes["versions"].items()) == [("helper v1", "unchanged"), ("helper v3", "created")]
+    assert sorted(report.outcomes["versions"].items()) == [
+        ("helper v1", "unchanged"),
+        ("helper v3", "created"),
+    ]
     assert report.outcomes["aliases"] == {"helper@prod": "updated", "helper@canary": "unchanged"}
     assert AgentVersion.objects.filter(agent__name="helper").count() == 3
 
@@ -386,8 +457,9 @@ def test_load_file_names_the_line_of_a_yaml_error(tmp_path):
 
 # --- against the example bank MCP server ---
 
-needs_bank = pytest.mark.skipif(not (ROOT / "examples" / "bank_server.py").exists(),
-                                reason="examples/bank_server.py is not there")
+needs_bank = pytest.mark.skipif(
+    not (ROOT / "examples" / "bank_server.py").exists(), reason="examples/bank_server.py is not there"
+)
 
 
 @needs_bank
@@ -403,12 +475,22 @@ def test_the_dispute_example_applies_against_the_bank_server(bank, monkeypatch):
     assert not tools["refund_status"].enabled and tools["transfer_funds"].enabled
     assert tools["issue_refund"].effect_class == "idempotent"
     asha, ravi = User.objects.get(username="asha"), User.objects.get(username="ravi")
-    usable = get_objects_for_user(asha, "tools.use_tool", klass=Tool.objects.filter(tenant__slug="acme-bank"),
-                                  with_superuser=False, accept_global_perms=False)
+    usable = get_objects_for_user(
+        asha,
+        "tools.use_tool",
+        klass=Tool.objects.filter(tenant__slug="acme-bank"),
+        with_superuser=False,
+        accept_global_perms=False,
+    )
     assert sorted(usable.values_list("remote_name", flat=True)) == [
-        "issue_refund", "lookup_transaction", "search_tickets", "send_customer_email"]
-    approvable = get_objects_for_user(ravi, "tools.approve_tool", klass=Tool.objects.all(),
-                                      with_superuser=False, accept_global_perms=False)
+        "issue_refund",
+        "lookup_transaction",
+        "search_tickets",
+        "send_customer_email",
+    ]
+    approvable = get_objects_for_user(
+        ravi, "tools.approve_tool", klass=Tool.objects.all(), with_superuser=False, accept_global_perms=False
+    )
     assert sorted(approvable.values_list("remote_name", flat=True)) == ["issue_refund", "send_customer_email"]
     prod = Alias.objects.get(agent__tenant__slug="acme-bank", agent__name="dispute-agent", name="prod")
     assert prod.version.number == 2 and "bank__issue_refund" in prod.version.spec["tools"]
@@ -420,10 +502,19 @@ def test_it_sends_a_secret_new_in_the_file_to_discovery():
 
     server = BankServer("bank", "--require-token", "tok-bank-9876").start()
     try:
-        data = {"tenant": {"slug": SLUG},
-                "secrets": [{"name": "bank-token", "value": "tok-bank-9876"}],
-                "tool_servers": [{"name": "bank", "kind": "mcp", "url": f"{server.url}/mcp",
-                                  "secret": "bank-token", "discover": True}]}
+        data = {
+            "tenant": {"slug": SLUG},
+            "secrets": [{"name": "bank-token", "value": "tok-bank-9876"}],
+            "tool_servers": [
+                {
+                    "name": "bank",
+                    "kind": "mcp",
+                    "url": f"{server.url}/mcp",
+                    "secret": "bank-token",
+                    "discover": True,
+                }
+            ],
+        }
         assert apply_config(data).counts("tools")["created"] == 7
 
         data["secrets"][0]["value"] = "tok-wrong-0000"
@@ -439,8 +530,9 @@ def test_an_unreachable_server_is_an_error_at_its_url():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     data = config()
-    data["tool_servers"].append({"name": "bank", "kind": "mcp", "url": f"http://127.0.0.1:{port}/mcp",
-                                 "discover": True})
+    data["tool_servers"].append(
+        {"name": "bank", "kind": "mcp", "url": f"http://127.0.0.1:{port}/mcp", "discover": True}
+    )
     data["tools"].append({"server": "bank", "name": "issue_refund", "enabled": True})
 
     errors = rejected(data)
@@ -460,4 +552,7 @@ def test_it_does_not_repeat_an_error_through_the_references_to_the_bad_item():
 
 
 def test_the_report_has_a_one_line_summary():
-    assert str(apply_config(config())) == "tenant acme-test: applied (created 23, updated 0, unchanged 0, removed 0)"
+    assert (
+        str(apply_config(config()))
+        == "tenant acme-test: applied (created 23, updated 0, unchanged 0, removed 0)"
+    )

@@ -1,4 +1,5 @@
 """`manage.py apply` grants run_agent per agent and view_runs on the tenant (issue #12, item 4)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """API tokens: stored hashed, expiring, refreshable, revocable, ended by a password change or
 deactivation, accepted as Bearer or Token; sign-in and run starts are rate limited."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -94,7 +95,9 @@ def test_delete_revokes_the_callers_token_only(asha):
 
 def test_signing_in_works_with_a_stale_token_in_the_header(asha):
     stale = client("ap_revoked")
-    assert stale.post("/v1/auth/token", {"username": "asha", "password": "pw"}, format="json").status_code == 200
+    assert (
+        stale.post("/v1/auth/token", {"username": "asha", "password": "pw"}, format="json").status_code == 200
+    )
 
 
 @pytest.mark.parametrize("how", ["set_password", "changepassword_command"])
@@ -130,9 +133,19 @@ def test_deactivation_in_the_admin_revokes_tokens_at_once(tenant, asha):
     admin.force_login(operator)
     page = admin.get(f"/admin/tenants/user/{asha.pk}/change/")
     assert page.status_code == 200
-    form = {"username": "asha", "tenant": tenant.pk, "email": "", "first_name": "", "last_name": "",
-            "is_staff": "", "is_active": "", "date_joined_0": "2026-01-01", "date_joined_1": "00:00:00",
-            "initial-date_joined_0": "2026-01-01", "initial-date_joined_1": "00:00:00"}
+    form = {
+        "username": "asha",
+        "tenant": tenant.pk,
+        "email": "",
+        "first_name": "",
+        "last_name": "",
+        "is_staff": "",
+        "is_active": "",
+        "date_joined_0": "2026-01-01",
+        "date_joined_1": "00:00:00",
+        "initial-date_joined_0": "2026-01-01",
+        "initial-date_joined_1": "00:00:00",
+    }
     answer = admin.post(f"/admin/tenants/user/{asha.pk}/change/", form)
     assert answer.status_code == 302, answer.content[:2000]
     assert not ApiToken.objects.filter(user=asha).exists()
@@ -143,30 +156,48 @@ def test_deactivation_in_the_admin_revokes_tokens_at_once(tenant, asha):
 
 
 def test_sign_in_is_rate_limited_per_username_with_retry_after(asha, settings):
-    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {
-        **settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "token_username": "5/min", "token_address": "100/min"}}
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_RATES": {
+            **settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"],
+            "token_username": "5/min",
+            "token_address": "100/min",
+        },
+    }
     answers = [sign_in(password="wrong").status_code for _ in range(5)]
     assert answers == [401] * 5
-    throttled = sign_in()   # the right password, too late
+    throttled = sign_in()  # the right password, too late
     assert throttled.status_code == 429 and int(throttled["Retry-After"]) > 0
     assert throttled.json()["error"]["code"] == "throttled"
     assert not ApiToken.objects.exists()
-    assert sign_in(username="ravi").status_code in (200, 401)   # another username is not blocked
+    assert sign_in(username="ravi").status_code in (200, 401)  # another username is not blocked
 
 
 def test_sign_in_is_rate_limited_per_client_address(tenant, settings):
-    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {
-        **settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "token_username": "100/min", "token_address": "3/min"}}
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_RATES": {
+            **settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"],
+            "token_username": "100/min",
+            "token_address": "3/min",
+        },
+    }
     assert [sign_in(username=f"user{i}").status_code for i in range(3)] == [401] * 3
     other_address = APIClient(REMOTE_ADDR="10.0.0.9")
     assert sign_in(username="user9").status_code == 429
-    assert other_address.post("/v1/auth/token", {"username": "user9", "password": "x"},
-                              format="json").status_code == 401
+    assert (
+        other_address.post(
+            "/v1/auth/token", {"username": "user9", "password": "x"}, format="json"
+        ).status_code
+        == 401
+    )
 
 
 def test_run_starts_are_rate_limited_per_user(tenant, asha, ravi, builtins, settings):
-    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {
-        **settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "run_start": "2/min"}}
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_RATES": {**settings.REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"], "run_start": "2/min"},
+    }
     factories.make_agent(tenant, tools=[builtins["echo"]], turns=[{"text": "hi"}])
     asha_api, ravi_api = APIClient(), APIClient()
     asha_api.force_authenticate(asha)
@@ -175,5 +206,5 @@ def test_run_starts_are_rate_limited_per_user(tenant, asha, ravi, builtins, sett
     assert [asha_api.post("/v1/runs", body, format="json").status_code for _ in range(2)] == [201, 201]
     third = asha_api.post("/v1/runs", body, format="json")
     assert third.status_code == 429 and int(third["Retry-After"]) > 0
-    assert asha_api.get("/v1/runs").status_code == 200          # reads are not limited
+    assert asha_api.get("/v1/runs").status_code == 200  # reads are not limited
     assert ravi_api.post("/v1/runs", body, format="json").status_code == 201

@@ -1,4 +1,5 @@
 """tools.mcp_client against the example bank server (streamable HTTP subprocess/thread, and stdio)."""
+
 from __future__ import annotations
 
 import json
@@ -26,12 +27,20 @@ pytestmark = pytest.mark.timeout(90)
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "examples" / "bank_server.py"
-ALL_TOOLS = {"lookup_transaction", "search_tickets", "issue_refund", "send_customer_email",
-             "transfer_funds", "refund_status", "search"}
+ALL_TOOLS = {
+    "lookup_transaction",
+    "search_tickets",
+    "issue_refund",
+    "send_customer_email",
+    "transfer_funds",
+    "refund_status",
+    "search",
+}
 REFUND = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR", "reason": "not delivered"}
 
 
 # --- fixtures ---------------------------------------------------------------------------
+
 
 def _start_subprocess(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, str(SERVER), *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -48,7 +57,9 @@ def _start_subprocess(*args: str) -> tuple[subprocess.Popen[str], str]:
 def bank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The CLI server in a subprocess, paginating tools/list two at a time."""
     ledger = tmp_path_factory.mktemp("bank") / "ledger.json"
-    proc, base = _start_subprocess("--port", "0", "--label", "bank", "--page-size", "2", "--ledger", str(ledger))
+    proc, base = _start_subprocess(
+        "--port", "0", "--label", "bank", "--page-size", "2", "--ledger", str(ledger)
+    )
     yield base
     proc.terminate()
     proc.wait(timeout=10)
@@ -96,6 +107,7 @@ def closed_port() -> int:
 
 # --- listing ----------------------------------------------------------------------------
 
+
 def test_list_tools_follows_pagination_to_the_end(bank: str) -> None:
     tools = list_tools(http_config(bank))
     names = [t.name for t in tools]
@@ -114,12 +126,24 @@ def test_list_tools_reports_annotations_and_schema(bank: str) -> None:
 
 # --- calling ----------------------------------------------------------------------------
 
+
 def test_call_tool_returns_structured_and_text(bank: str) -> None:
-    result = call_tool(http_config(bank), "lookup_transaction", {"transaction_id": "TXN-1001"},
-                       idempotency_key="k-lookup", timeout=10)
+    result = call_tool(
+        http_config(bank),
+        "lookup_transaction",
+        {"transaction_id": "TXN-1001"},
+        idempotency_key="k-lookup",
+        timeout=10,
+    )
     assert not result.is_error
-    assert result.structured == {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR",
-                                 "merchant": "Croma Electronics", "date": "2025-01-14", "status": "settled"}
+    assert result.structured == {
+        "transaction_id": "TXN-1001",
+        "amount": 12499,
+        "currency": "INR",
+        "merchant": "Croma Electronics",
+        "date": "2025-01-14",
+        "status": "settled",
+    }
     assert json.loads(result.text) == result.structured
     assert effects(bank) == []  # reads are not effects
 
@@ -142,15 +166,22 @@ def test_idempotency_key_travels_in_meta_and_replay_applies_nothing(bank: str) -
 
 
 def test_is_error_result_maps_to_tool_result_error(bank: str) -> None:
-    result = call_tool(http_config(bank), "lookup_transaction", {"transaction_id": "TXN-404"},
-                       idempotency_key="k", timeout=10)
+    result = call_tool(
+        http_config(bank),
+        "lookup_transaction",
+        {"transaction_id": "TXN-404"},
+        idempotency_key="k",
+        timeout=10,
+    )
     assert result.is_error
     assert "Unknown transaction: TXN-404" in result.text
     assert result.structured is None
 
 
 def test_search_tickets_returns_the_injection_as_data(bank: str) -> None:
-    result = call_tool(http_config(bank), "search_tickets", {"query": "TXN-1001"}, idempotency_key="k", timeout=10)
+    result = call_tool(
+        http_config(bank), "search_tickets", {"query": "TXN-1001"}, idempotency_key="k", timeout=10
+    )
     assert "SYSTEM OVERRIDE" in result.text
     assert effects(bank) == []
 
@@ -162,8 +193,13 @@ def test_unknown_tool_is_tool_failed(bank: str) -> None:
 
 def test_invalid_arguments_are_tool_failed_and_apply_nothing(bank: str) -> None:
     with pytest.raises(ToolFailed, match="amount"):
-        call_tool(http_config(bank), "issue_refund", {"transaction_id": "TXN-1001", "amount": "lots"},
-                  idempotency_key="k", timeout=10)
+        call_tool(
+            http_config(bank),
+            "issue_refund",
+            {"transaction_id": "TXN-1001", "amount": "lots"},
+            idempotency_key="k",
+            timeout=10,
+        )
     assert effects(bank) == []
 
 
@@ -183,8 +219,13 @@ def test_hung_handshake_times_out_as_tool_failed() -> None:
     started = time.monotonic()
     try:
         with pytest.raises(ToolFailed, match="handshake"):
-            call_tool(http_config(f"http://127.0.0.1:{listener.getsockname()[1]}"), "search", {"query": "x"},
-                      idempotency_key="k", timeout=1)
+            call_tool(
+                http_config(f"http://127.0.0.1:{listener.getsockname()[1]}"),
+                "search",
+                {"query": "x"},
+                idempotency_key="k",
+                timeout=1,
+            )
     finally:
         listener.close()
         for conn in accepted:
@@ -202,16 +243,22 @@ def test_timeout_after_effect_is_outcome_unknown_and_effect_landed(bank: str) ->
     assert effect["idempotency_key"] == "k-slow"
 
     # Reconciliation through the status tool finds the refund that did happen.
-    status = call_tool(http_config(bank), "refund_status", {"idempotency_key": "k-slow"}, idempotency_key="r",
-                       timeout=10)
+    status = call_tool(
+        http_config(bank), "refund_status", {"idempotency_key": "k-slow"}, idempotency_key="r", timeout=10
+    )
     assert status.structured == {"found": True, "result": effect["result"]}
 
 
 def test_http_5xx_after_effect_is_outcome_unknown(bank: str) -> None:
     arm_fault(bank, tool="send_customer_email", fail_5xx_after_effect=True)
     with pytest.raises(ToolOutcomeUnknown, match="HTTP 500"):
-        call_tool(http_config(bank), "send_customer_email", {"to": "a@example.com", "subject": "s", "body": "b"},
-                  idempotency_key="k-mail", timeout=10)
+        call_tool(
+            http_config(bank),
+            "send_customer_email",
+            {"to": "a@example.com", "subject": "s", "body": "b"},
+            idempotency_key="k-mail",
+            timeout=10,
+        )
     assert [e["tool"] for e in effects(bank)] == ["send_customer_email"]
 
 
@@ -238,6 +285,7 @@ def test_concurrent_calls_from_many_threads(bank: str) -> None:
 
 # --- auth and routing -------------------------------------------------------------------
 
+
 def test_auth_headers_from_config_reach_the_server(thread_server: Callable[..., str]) -> None:
     base = thread_server(require_token="s3cret")
     with pytest.raises(ToolFailed, match="401"):
@@ -249,7 +297,9 @@ def test_auth_headers_from_config_reach_the_server(thread_server: Callable[..., 
 
     cfg = http_config(base, Authorization="Bearer s3cret")
     assert {t.name for t in list_tools(cfg)} == ALL_TOOLS
-    assert call_tool(cfg, "search", {"query": "x"}, idempotency_key="k", timeout=5).structured["label"] == "bank"
+    assert (
+        call_tool(cfg, "search", {"query": "x"}, idempotency_key="k", timeout=5).structured["label"] == "bank"
+    )
     assert httpx.post(f"{base}/http/search", json={"query": "x"}).status_code == 401
 
 
@@ -264,11 +314,14 @@ def test_two_servers_with_the_same_tool_name_route_by_config(thread_server: Call
 
 # --- stdio ------------------------------------------------------------------------------
 
+
 def test_stdio_transport_lists_calls_and_dedupes_across_processes(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger.json"
-    cfg = McpServerConfig(transport="stdio", env={"PYTHONUNBUFFERED": "1"},
-                          command=(sys.executable, str(SERVER), "--stdio", "--ledger", str(ledger),
-                                   "--page-size", "3"))
+    cfg = McpServerConfig(
+        transport="stdio",
+        env={"PYTHONUNBUFFERED": "1"},
+        command=(sys.executable, str(SERVER), "--stdio", "--ledger", str(ledger), "--page-size", "3"),
+    )
     assert {t.name for t in list_tools(cfg)} == ALL_TOOLS
 
     first = call_tool(cfg, "issue_refund", REFUND, idempotency_key="stdio-1", timeout=20)
@@ -277,7 +330,9 @@ def test_stdio_transport_lists_calls_and_dedupes_across_processes(tmp_path: Path
     [effect] = json.loads(ledger.read_text())["effects"]
     assert effect["idempotency_key"] == "stdio-1"
 
-    missing = call_tool(cfg, "lookup_transaction", {"transaction_id": "nope"}, idempotency_key="k", timeout=20)
+    missing = call_tool(
+        cfg, "lookup_transaction", {"transaction_id": "nope"}, idempotency_key="k", timeout=20
+    )
     assert missing.is_error
     with pytest.raises(ToolFailed):
         call_tool(cfg, "no_such_tool", {}, idempotency_key="k", timeout=20)
@@ -290,6 +345,7 @@ def test_stdio_missing_command_is_tool_failed(tmp_path: Path) -> None:
 
 
 # --- plain HTTP tools on the same app ---------------------------------------------------
+
 
 def test_http_tool_honours_idempotency_header_and_status_route(bank: str) -> None:
     headers = {"Idempotency-Key": "http-1"}
@@ -316,7 +372,10 @@ def test_http_tool_errors(bank: str) -> None:
 
 def test_http_tool_faults_share_the_ledger(bank: str) -> None:
     arm_fault(bank, tool="issue_refund", fail_5xx_after_effect=True)
-    assert httpx.post(f"{bank}/http/issue_refund", json=REFUND, headers={"Idempotency-Key": "h5"}).status_code == 500
+    assert (
+        httpx.post(f"{bank}/http/issue_refund", json=REFUND, headers={"Idempotency-Key": "h5"}).status_code
+        == 500
+    )
     assert httpx.get(f"{bank}/http/status/h5").json()["found"] is True
 
     arm_fault(bank, tool="search", delay_before_effect=1)
@@ -328,25 +387,33 @@ def test_http_tool_faults_share_the_ledger(bank: str) -> None:
 
 # --- classification and normalisation units ---------------------------------------------
 
+
 def _classify(exc: Exception, *, sent: bool = True, **tap_fields: object) -> Exception:
     tap = mcp_client._HttpTap(**tap_fields)
     return mcp_client._classify(exc, mcp_client._Progress(call_sent=sent), tap)
 
 
-@pytest.mark.parametrize(("exc", "tap", "expected"), [
-    (MCPError(mt.INVALID_PARAMS, "bad"), {}, ToolFailed),
-    (MCPError(mt.METHOD_NOT_FOUND, "no"), {}, ToolFailed),
-    (MCPError(mt.REQUEST_TIMEOUT, "slow"), {}, ToolOutcomeUnknown),
-    (MCPError(mt.CONNECTION_CLOSED, "reset"), {}, ToolOutcomeUnknown),
-    (MCPError(mt.INTERNAL_ERROR, "boom"), {}, ToolOutcomeUnknown),
-    (MCPError(-32099, "server-defined"), {}, ToolOutcomeUnknown),
-    (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 401}}, ToolFailed),
-    (MCPError(mt.INVALID_REQUEST, "Session terminated"), {"statuses": {"tools/call": 404}}, ToolOutcomeUnknown),
-    (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 503}}, ToolOutcomeUnknown),
-    (ExceptionGroup("tg", [ConnectionError("x")]), {"connect_failed": {"tools/call"}}, ToolFailed),
-    (ExceptionGroup("tg", [ConnectionResetError("x")]), {}, ToolOutcomeUnknown),
-    (TimeoutError(), {}, ToolOutcomeUnknown),
-])
+@pytest.mark.parametrize(
+    ("exc", "tap", "expected"),
+    [
+        (MCPError(mt.INVALID_PARAMS, "bad"), {}, ToolFailed),
+        (MCPError(mt.METHOD_NOT_FOUND, "no"), {}, ToolFailed),
+        (MCPError(mt.REQUEST_TIMEOUT, "slow"), {}, ToolOutcomeUnknown),
+        (MCPError(mt.CONNECTION_CLOSED, "reset"), {}, ToolOutcomeUnknown),
+        (MCPError(mt.INTERNAL_ERROR, "boom"), {}, ToolOutcomeUnknown),
+        (MCPError(-32099, "server-defined"), {}, ToolOutcomeUnknown),
+        (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 401}}, ToolFailed),
+        (
+            MCPError(mt.INVALID_REQUEST, "Session terminated"),
+            {"statuses": {"tools/call": 404}},
+            ToolOutcomeUnknown,
+        ),
+        (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 503}}, ToolOutcomeUnknown),
+        (ExceptionGroup("tg", [ConnectionError("x")]), {"connect_failed": {"tools/call"}}, ToolFailed),
+        (ExceptionGroup("tg", [ConnectionResetError("x")]), {}, ToolOutcomeUnknown),
+        (TimeoutError(), {}, ToolOutcomeUnknown),
+    ],
+)
 def test_classification_after_the_call_was_sent(exc: Exception, tap: dict, expected: type) -> None:
     assert type(_classify(exc, **tap)) is expected
 
@@ -357,17 +424,25 @@ def test_everything_before_the_call_is_tool_failed() -> None:
 
 
 def test_retry_after_is_carried_on_5xx() -> None:
-    err = _classify(MCPError(mt.INTERNAL_ERROR, "x"), statuses={"tools/call": 503}, retry_after={"tools/call": 7.0})
+    err = _classify(
+        MCPError(mt.INTERNAL_ERROR, "x"), statuses={"tools/call": 503}, retry_after={"tools/call": 7.0}
+    )
     assert isinstance(err, ToolOutcomeUnknown) and err.retry_after == 7.0
 
 
 def test_normalise_result_summarises_non_text_blocks() -> None:
-    result = mt.CallToolResult(content=[
-        mt.TextContent(text="first"),
-        mt.ImageContent(data="aGk=", mime_type="image/png"),
-        mt.EmbeddedResource(resource=mt.TextResourceContents(uri="file:///r.txt", text="x", mime_type="text/plain")),
-        mt.TextContent(text="last"),
-    ], structured_content={"ok": True}, is_error=False)
+    result = mt.CallToolResult(
+        content=[
+            mt.TextContent(text="first"),
+            mt.ImageContent(data="aGk=", mime_type="image/png"),
+            mt.EmbeddedResource(
+                resource=mt.TextResourceContents(uri="file:///r.txt", text="x", mime_type="text/plain")
+            ),
+            mt.TextContent(text="last"),
+        ],
+        structured_content={"ok": True},
+        is_error=False,
+    )
     normalised = mcp_client.normalise_result(result)
     assert normalised.text == "first\n[image: image/png]\n[resource: file:///r.txt (text/plain)]\nlast"
     assert normalised.structured == {"ok": True}

@@ -1,4 +1,5 @@
 """`manage.py apply FILE.yaml [--dry-run]`: create or update a tenant from a file (docs/configuration.md)."""
+
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
@@ -11,8 +12,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("file", help="the tenant's YAML configuration")
-        parser.add_argument("--dry-run", action="store_true",
-                            help="validate and report what would change, without writing anything")
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="validate and report what would change, without writing anything",
+        )
 
     def handle(self, *args, file: str, dry_run: bool, **options) -> None:
         try:

@@ -1,7 +1,8 @@
 """Refresh the tool catalogue from the servers: new tools arrive disabled, changed ones quarantined.
 
-    python manage.py refresh_tools [--tenant SLUG] [--server NAME]
+python manage.py refresh_tools [--tenant SLUG] [--server NAME]
 """
+
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
@@ -36,9 +37,18 @@ class Command(BaseCommand):
                 failed.append(label)
                 self.stderr.write(f"{label}: not refreshed: {exc}")
                 continue
-            self.stdout.write(f"{label}: " + "; ".join(
-                f"{what} {len(names)}" + (f" ({', '.join(names)})" if names and what != "unchanged" else "")
-                for what, names in (("added", report.added), ("quarantined", report.quarantined),
-                                    ("unchanged", report.unchanged), ("missing", report.missing))))
+            self.stdout.write(
+                f"{label}: "
+                + "; ".join(
+                    f"{what} {len(names)}"
+                    + (f" ({', '.join(names)})" if names and what != "unchanged" else "")
+                    for what, names in (
+                        ("added", report.added),
+                        ("quarantined", report.quarantined),
+                        ("unchanged", report.unchanged),
+                        ("missing", report.missing),
+                    )
+                )
+            )
         if failed:
             raise CommandError(f"{len(failed)} server(s) not refreshed: {', '.join(failed)}")
