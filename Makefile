@@ -1,5 +1,7 @@
 # make demo   – set up and run the dispute story on embedded defaults (SQLite, in-process broker)
-# make test   – set up and run the whole suite on throwaway PostgreSQL + Redis servers of its own
+# make test   – set up, lint, and run the whole suite on throwaway PostgreSQL + Redis servers of its own
+# make test-fast – the same without the slow recovery, end-to-end, browser and production-shape tests
+# make lint   – ruff check and ruff format --check (make format rewrites)
 # make serve  – production shape: PostgreSQL, Redis broker, gunicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
@@ -8,7 +10,7 @@ PY := $(VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: setup demo test services browser serve bench bench-peers chaos
+.PHONY: setup demo test test-fast lint format services browser serve bench bench-peers chaos
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,8 +31,19 @@ browser:
 
 # The session runs on its own PostgreSQL cluster and Redis (initdb/pg_ctl and redis-server on free
 # ports, removed afterwards): the recovery tests restart those, never the machine's.
-test: setup browser
+test: setup browser lint
 	$(PY) -m tests.services -- $(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup lint
+	$(PY) -m tests.services -- $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 serve: setup
 	bash scripts/serve.sh

@@ -1,5 +1,6 @@
 """Test setup: real PostgreSQL and Redis. `make test` runs the session on throwaway servers of its own
 (tests/services.py); the machine's PostgreSQL and Redis must come out of any session untouched."""
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,15 @@ def _machine_services_untouched():
     before = machine_services()
     yield
     after = machine_services()
-    changed = [f"{name}: {before[name]} -> {after[name]}" for name in before
-               if before[name] is not None and after[name] != before[name]]
+    changed = [
+        f"{name}: {before[name]} -> {after[name]}"
+        for name in before
+        if before[name] is not None and after[name] != before[name]
+    ]
     if changed:
-        pytest.fail("the machine's services were restarted or stopped during the tests: " + "; ".join(changed))
+        pytest.fail(
+            "the machine's services were restarted or stopped during the tests: " + "; ".join(changed)
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +45,7 @@ def _purge_broker():
     yield
     if settings.CELERY_BROKER_URL.startswith("redis"):
         import redis
+
         redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(settings.CELERY_TASK_DEFAULT_QUEUE)
 
 
@@ -82,7 +89,10 @@ def drive(run_id, *, max_tasks: int = 200, settle_wait: float = 10) -> Run:
     for _ in range(max_tasks):
         advance(run_id)
         run = Run.objects.get(pk=run_id)
-        if run.status == RunStatus.WAITING_SETTLE and (run.resume_at - timezone.now()).total_seconds() <= settle_wait:
+        if (
+            run.status == RunStatus.WAITING_SETTLE
+            and (run.resume_at - timezone.now()).total_seconds() <= settle_wait
+        ):
             time.sleep(max((run.resume_at - timezone.now()).total_seconds(), 0) + 0.01)
             sweep()
             continue
@@ -118,3 +128,21 @@ def workers(transactional_db):
     yield start
     for worker in started:
         worker.stop()
+
+
+# `make test-fast` leaves these out: they start and kill worker processes, restart services, drive a
+# browser or run the production shape, and take most of the suite's time.
+SLOW_PATHS = (
+    "tests/recovery/",
+    "tests/e2e/",
+    "tests/test_production_shape.py",
+    "tests/api/test_schemathesis.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = str(config.rootpath)
+    for item in items:
+        path = str(item.path).removeprefix(root + os.sep)
+        if path.startswith(SLOW_PATHS) or path.endswith("_browser.py"):
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,187 @@
+"""The import graph of the product's apps: module circles, app circles, function-level imports.
+
+    python scripts/imports.py            print a report (--apps adds each app's arrows)
+    python scripts/imports.py --check    exit 1 on a module circle, an app circle or a function-level
+                                         import with no reason written next to it
+
+Apps form a ladder with no circle (the wiring modules, which name every app, aside): `runs` (the
+engine and run lifecycle) sits above the gateways, approvals and budgets, which decide and never
+write run state; `configuration` (declarative tenant configuration) imports every app and is
+imported by none. tests/test_architecture.py asserts the check.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PACKAGES = [
+    "agentplatform",
+    "observability",
+    "tenants",
+    "agents",
+    "budgets",
+    "llm",
+    "tools",
+    "approvals",
+    "runs",
+    "configuration",
+]
+# Settings, URLs, the admin site and the Celery app are wiring: they name every app by design.
+WIRING = {
+    "agentplatform.urls",
+    "agentplatform.celery",
+    "agentplatform.settings",
+    "agentplatform.asgi",
+    "agentplatform.wsgi",
+    "agentplatform.admin_site",
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        base = ROOT / pkg
+        if not base.is_dir():
+            continue
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            if "migrations" in rel.parts or "management" in rel.parts:
+                continue
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def resolve(name: str, known: dict[str, Path]) -> str | None:
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports(mod: str, path: Path, known: dict[str, Path]):
+    """Yield (target module, line, at module level, reason given)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+    def visit(node, top: bool, guarded: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, False, guarded)
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                visit(child, top, True)
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield_ = resolve(alias.name, known)
+                    if yield_:
+                        out.append((yield_, child.lineno, top, guarded or _reason(lines, child.lineno)))
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (child.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in child.names:
+                    target = resolve(f"{base}.{alias.name}", known) or resolve(base, known)
+                    if target and target != mod:
+                        out.append((target, child.lineno, top, guarded or _reason(lines, child.lineno)))
+            else:
+                visit(child, top, guarded)
+
+    out: list = []
+    visit(tree, True, False)
+    return out
+
+
+def _is_type_checking(test) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _reason(lines: list[str], lineno: int) -> bool:
+    here = lines[lineno - 1]
+    above = lines[lineno - 2].strip() if lineno >= 2 else ""
+    return "#" in here or above.startswith("#")
+
+
+def graph():
+    known = modules()
+    edges: dict[str, set[str]] = {m: set() for m in known}
+    packages: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    problems: list[str] = []
+    for mod, path in sorted(known.items()):
+        for target, line, top, reason in imports(mod, path, known):
+            if not top and not reason:
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{line}: function-level import of {target} without a reason next to it"
+                )
+            edges[mod].add(target)
+            src, dst = mod.split(".")[0], target.split(".")[0]
+            if mod not in WIRING and src != dst:
+                packages[src].add(dst)
+    return edges, packages, problems
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in list(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def main() -> int:
+    edges, packages, problems = graph()
+    found = circles(edges)
+    for comp in found:
+        problems.append(f"import circle of {len(comp)} modules: {', '.join(comp)}")
+    for comp in circles(packages):
+        problems.append(f"import circle of {len(comp)} apps: {', '.join(comp)}")
+    arrows = sum(len(v) for v in edges.values())
+    print(f"{len(edges)} modules, {arrows} arrows, {len(found)} module circles, {len(problems)} problems")
+    if "--apps" in sys.argv:
+        for pkg in PACKAGES:
+            print(f"  {pkg} -> {', '.join(sorted(packages[pkg])) or '-'}")
+    for p in problems:
+        print("  " + p)
+    return 1 if ("--check" in sys.argv and problems) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
