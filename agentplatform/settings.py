@@ -112,6 +112,7 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
     "observability",
+    "configuration",
 ]
 
 MIDDLEWARE = [

@@ -8,7 +8,7 @@ from django.db.models import Max
 from agentplatform.errors import DomainError, NotFound
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.spec import validate_spec
-from runs.services import digest
+from runs.lifecycle import digest
 
 
 def create_version(*, tenant, agent: str, spec: dict, user=None) -> tuple[AgentVersion, bool]:

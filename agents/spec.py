@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from approvals.policy import PolicyError, parse_policy
-from runs.services import DEFAULT_LIMITS, LIMIT_CAPS
+from runs.lifecycle import DEFAULT_LIMITS, LIMIT_CAPS
 
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
 CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}

@@ -12,8 +12,7 @@ from guardian.shortcuts import get_objects_for_user
 from agentplatform.errors import Conflict, Forbidden, NotFound
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import Decision, parse_policy, stricter
-from runs.models import Run, RunStatus, Step, StepStatus, StopReason
-from runs.services import (
+from runs.lifecycle import (
     IllegalTransition,
     digest,
     end_run,
@@ -23,6 +22,7 @@ from runs.services import (
     transition_run,
     transition_step,
 )
+from runs.models import Run, RunStatus, Step, StepStatus, StopReason
 from tools.models import Tool
 
 

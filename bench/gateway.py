@@ -338,8 +338,8 @@ def build(rng: random.Random):
     from agents.services import create_version
     from budgets.services import create_run_account
     from llm.models import ModelEndpoint
+    from runs.lifecycle import DEFAULT_LIMITS, digest
     from runs.models import Run, Step, StepKind, StepStatus
-    from runs.services import DEFAULT_LIMITS, digest
     from tenants.models import Tenant, TenantGroup, User
     from tools.gateway import idempotency_key
     from tools.models import Tool, ToolServer

@@ -140,7 +140,7 @@ def _print_new_events(console: Console, run_id: str, out, printed: list, t0: flo
 def run_demo(*, config_path: str, out) -> int:
     from django.core.management import call_command
 
-    from tenants.config import apply_config, load_file
+    from configuration.apply import apply_config, load_file
 
     call_command("migrate", verbosity=0)
     with bank_server() as bank_url:

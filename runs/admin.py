@@ -13,10 +13,10 @@ from agentplatform.admin_site import ReadOnlyAdmin, arguments_html, duration, mo
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
+from runs.lifecycle import cancel_run
 from runs.models import TERMINAL, Run, RunStatus, Step, StepKind, StepStatus
-from runs.resolution import OUTCOMES, resolve_step
+from runs.recovery.resolution import OUTCOMES, resolve_step
 from runs.selectors import events_of, steps_of
-from runs.services import cancel_run
 from tools.models import EffectClass
 
 

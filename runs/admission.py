@@ -11,7 +11,7 @@ expected to spend, covers the new run's expected cost:
 
 Otherwise the run waits in `waiting_budget` (a row: no worker, no message), in order of arrival;
 the sweeper admits waiting runs as room appears (runs finish under their expectation, holds are
-reconciled) or the next local day begins (runs.sweeper._admit_waiting_runs). A caller that asked not to wait
+reconciled) or the next local day begins (runs.recovery.sweeper._admit_waiting_runs). A caller that asked not to wait
 is answered 429 with Retry-After instead.
 
 A version's expected cost per run is `expected_cost_micros` in its spec, or else the 90th

@@ -41,7 +41,7 @@ def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
 @shared_task(name="runs.tasks.sweep", ignore_result=True, send_events=False)
 def sweep() -> dict:
     """One sweeper pass; the result lists only what it found."""
-    from runs.sweeper import sweep as run_sweep
+    from runs.recovery.sweeper import sweep as run_sweep
 
     close_old_connections()
     return observe.swept(run_sweep())

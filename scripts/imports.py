@@ -4,7 +4,8 @@
     python scripts/imports.py --check    exit 1 on a module circle, an app circle or a function-level
                                          import with no reason written next to it
 
-Apps form a ladder with no circle (the wiring modules, which name every app, aside): `runs` (the
+Apps form a ladder with no circle (the wiring modules, which name every app, and imports of an app's
+`models`, aside): `runs` (the
 engine and run lifecycle) sits above the gateways, approvals and budgets, which decide and never
 write run state; `configuration` (declarative tenant configuration) imports every app and is
 imported by none. tests/test_architecture.py asserts the check.
@@ -127,7 +128,9 @@ def graph():
                 )
             edges[mod].add(target)
             src, dst = mod.split(".")[0], target.split(".")[0]
-            if mod not in WIRING and src != dst:
+            # An app's models are the shared vocabulary (foreign keys, reads); they do not make the
+            # importing app depend on the app's behaviour, so they draw no arrow between apps.
+            if mod not in WIRING and src != dst and not target.endswith(".models"):
                 packages[src].add(dst)
     return edges, packages, problems
 

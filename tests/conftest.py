@@ -84,7 +84,7 @@ def drive(run_id, *, max_tasks: int = 200, settle_wait: float = 10) -> Run:
     sweeper would; a longer one is returned like any other wait.
     """
     from runs.engine import advance
-    from runs.sweeper import sweep
+    from runs.recovery.sweeper import sweep
 
     for _ in range(max_tasks):
         advance(run_id)

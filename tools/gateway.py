@@ -22,8 +22,8 @@ from django.utils import timezone
 from llm import context
 from llm.types import ToolSpec
 from runs import rows
+from runs.lifecycle import digest, record_event, transition_step
 from runs.models import Run, Step, StepKind, StepStatus
-from runs.services import digest, record_event, transition_step
 from tenants.crypto import decrypt, redact, redact_obj
 from tenants.models import Secret
 from tools import relevance

@@ -7,8 +7,8 @@ import pytest
 from approvals.models import ApprovalStatus
 from approvals.services import decide
 from runs.engine import advance
+from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step, StepStatus
-from runs.services import start_run
 from tests.admin.helpers import make_supervisor, park_on_approval
 from tests.conftest import drive
 from tools.models import Tool

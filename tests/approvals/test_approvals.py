@@ -23,9 +23,9 @@ from guardian.shortcuts import assign_perm, remove_perm
 from agentplatform.errors import Conflict
 from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
+from runs.lifecycle import cancel_run, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus, StopReason
-from runs.services import cancel_run, start_run
-from runs.sweeper import sweep
+from runs.recovery.sweeper import sweep
 from tenants.models import User
 from tests import factories
 from tests.conftest import drive

@@ -10,9 +10,10 @@ from django.utils import timezone
 from agentplatform.errors import DomainError
 from budgets import services as budgets
 from budgets.models import BudgetAccount
-from runs import admission, sweeper
+from runs import admission
+from runs.lifecycle import effective_limits, start_run
 from runs.models import Run, Step
-from runs.services import effective_limits, start_run
+from runs.recovery import sweeper
 from tests import factories
 from tests.conftest import drive
 

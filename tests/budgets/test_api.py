@@ -9,8 +9,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
+from runs.lifecycle import start_run
 from runs.models import Run
-from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import in_threads
 from tests.conftest import drive
@@ -73,7 +73,7 @@ def test_it_refuses_a_run_that_asked_not_to_wait_when_the_tenant_day_is_spent(te
 def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next_day(
     tenant, asha, agent, monkeypatch
 ):
-    from runs import sweeper
+    from runs.recovery import sweeper
 
     spent = budgets.reserve(tenant=tenant, amount_micros=tenant.daily_budget_micros, purpose="model")
     budgets.settle(spent.pk, actual_micros=spent.amount_micros)

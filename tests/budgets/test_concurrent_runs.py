@@ -13,9 +13,9 @@ from rest_framework.test import APIClient
 from budgets import services as budgets
 from budgets.models import Reservation
 from llm import gateway
-from runs import sweeper
 from runs.engine import advance
 from runs.models import WAITING, Run, Step
+from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
 

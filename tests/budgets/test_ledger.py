@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
-from runs.services import start_run
+from runs.lifecycle import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
 
@@ -239,8 +239,8 @@ def test_every_movement_writes_one_entry_that_moves_all_accounts_of_its_reservat
 def test_the_sweeper_releases_a_reservation_whose_worker_died_before_dispatching(tenant, run):
     from django.utils import timezone
 
-    from runs import sweeper
     from runs.models import Step
+    from runs.recovery import sweeper
 
     orphan = budgets.reserve(tenant=tenant, run=run, amount_micros=7_000, purpose="model")
     in_flight = budgets.reserve(tenant=tenant, run=run, amount_micros=8_000, purpose="model")

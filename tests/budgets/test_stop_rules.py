@@ -12,10 +12,10 @@ from approvals.models import Approval
 from budgets.models import Reservation
 from llm import gateway
 from llm.models import ModelEndpoint
-from runs import sweeper
 from runs.engine import advance
+from runs.lifecycle import DEFAULT_LIMITS, start_run
 from runs.models import Run, Step
-from runs.services import DEFAULT_LIMITS, start_run
+from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, openai_endpoint
 from tests.conftest import drive

@@ -15,10 +15,10 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from llm import gateway
-from runs import sweeper
 from runs.engine import advance
+from runs.lifecycle import DEFAULT_LIMITS, start_run
 from runs.models import Run, Step
-from runs.services import DEFAULT_LIMITS, start_run
+from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance
 from tests.conftest import drive

@@ -16,12 +16,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from budgets.models import Reservation
-from runs import heartbeat
-from runs.claim import claim
-from runs.dispatch import mark_dispatching, reserve
-from runs.engine import advance
+from runs.engine import advance, heartbeat
+from runs.engine.claim import claim
+from runs.engine.dispatch import mark_dispatching, reserve
+from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step
-from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.observability.conftest import scrape, value

@@ -18,8 +18,8 @@ from django.db import close_old_connections, connection
 from django.db.utils import InterfaceError, OperationalError
 from rest_framework.test import APIClient
 
-from runs import sweeper
 from runs.models import Run, RunEvent, Step
+from runs.recovery import sweeper
 from tests import factories
 from tests.servers import wait_for
 from tests.services import Refused, ThrowawayPostgres, ThrowawayRedis

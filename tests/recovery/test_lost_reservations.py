@@ -8,11 +8,12 @@ import pytest
 from django.utils import timezone
 
 from budgets.models import BudgetAccount, Reservation
-from runs import engine, heartbeat
-from runs.claim import claim
-from runs.dispatch import mark_dispatching, reserve
+from runs import engine
+from runs.engine import heartbeat
+from runs.engine.claim import claim
+from runs.engine.dispatch import mark_dispatching, reserve
+from runs.lifecycle import start_run
 from runs.models import Run, Step
-from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 

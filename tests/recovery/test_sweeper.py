@@ -10,10 +10,10 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs import engine
-from runs.claim import claim
+from runs.engine.claim import claim
+from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
-from runs.services import start_run
-from runs.sweeper import sweep
+from runs.recovery.sweeper import sweep
 from tests import factories
 from tests.recovery.conftest import events
 

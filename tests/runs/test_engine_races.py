@@ -9,10 +9,10 @@ import pytest
 from django.db import connection
 
 from runs import engine
-from runs.claim import claim
-from runs.model_step import do_model
+from runs.engine.claim import claim
+from runs.engine.model_step import do_model
+from runs.lifecycle import cancel_run, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
-from runs.services import cancel_run, start_run
 from tests import factories
 from tests.conftest import drive
 from tests.servers import wait_for

@@ -1,4 +1,4 @@
-"""`manage.py apply`: declarative tenant configuration (tenants/config/)."""
+"""`manage.py apply`: declarative tenant configuration (configuration/)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from guardian.shortcuts import get_objects_for_user
 from agents.models import AgentDefinition, AgentVersion, Alias
 from budgets.models import BudgetAccount
 from budgets.services import local_day, tenant_day_account
+from configuration.apply import ConfigError, apply_config, load_file
 from llm.models import ModelEndpoint
-from tenants.config import ConfigError, apply_config, load_file
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer

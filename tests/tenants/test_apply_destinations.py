@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from configuration.apply import ConfigError, apply_config
 from llm.models import ModelEndpoint
-from tenants.config import ConfigError, apply_config
 from tenants.models import Secret, Tenant
 from tests.tenants.test_apply import SLUG, config, rejected, snapshot
 from tools.models import Tool, ToolServer

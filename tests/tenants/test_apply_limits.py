@@ -11,7 +11,7 @@ import pytest
 import yaml
 from django.core.management import CommandError, call_command
 
-from tenants.config import ConfigError, apply_config, load_text
+from configuration.apply import ConfigError, apply_config, load_text
 from tenants.models import Tenant
 from tests.tenants.test_apply import SLUG, config
 from tools.models import Tool

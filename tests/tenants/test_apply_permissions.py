@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agents.models import AgentDefinition
-from tenants.config import apply_config
+from configuration.apply import apply_config
 from tenants.models import Tenant, User
 from tenants.permissions import may_run_agent, may_view_all_runs
 from tests.tenants.test_apply import SLUG, config, rejected

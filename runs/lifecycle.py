@@ -445,3 +445,7 @@ def bump_counters(run: Run, **counters: int) -> None:
 
 def lease_seconds_for(timeout: float) -> int:
     return int(timeout) + settings.LEASE_MARGIN_SECONDS
+
+
+def continue_run(run: Run, *, countdown: float | None = None) -> None:
+    enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)  # one UPDATE

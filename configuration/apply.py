@@ -1,6 +1,6 @@
 """Declarative tenant configuration: `manage.py apply FILE.yaml` (see docs/configuration.md).
 
-Three phases, so that nothing is half-applied and no transaction is open across a network call:
+Entry points: apply_config, load_file, load_text, ConfigError. Three phases, so that nothing is half-applied and no transaction is open across a network call:
 
 1. parse: shapes and types of the whole file, without the database; then the URLs of servers and
    endpoints against the tenant's egress hosts (egress.py), so discovery contacts no other host;
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from django.db import DataError, transaction
 
-from tenants.config.discovery import discover
-from tenants.config.egress import check_egress
-from tenants.config.loading import load_file, load_text
-from tenants.config.report import ApplyReport, ConfigError
-from tenants.config.schema import Problems, expand_env, parse
-from tenants.config.writing import write
+from configuration.discovery import discover
+from configuration.egress import check_egress
+from configuration.loading import load_file, load_text
+from configuration.report import ApplyReport, ConfigError
+from configuration.schema import Problems, expand_env, parse
+from configuration.writing import write
 
 __all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file", "load_text"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from tenants.config import ConfigError, apply_config, load_file
+from configuration.apply import ConfigError, apply_config, load_file
 
 
 class Command(BaseCommand):

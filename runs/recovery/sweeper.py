@@ -24,9 +24,18 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
-from runs import admission, broker
+from runs import admission
+from runs.lifecycle import (
+    atomic_with_events,
+    end_run,
+    enqueue,
+    lock_run,
+    record_event,
+    resend,
+    transition_run,
+)
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
-from runs.services import atomic_with_events, end_run, enqueue, lock_run, record_event, resend, transition_run
+from runs.recovery import broker
 from tenants.models import Tenant
 
 BATCH = 500

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 
+from runs.lifecycle import bump_counters, end_run, record_event
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
-from runs.services import bump_counters, end_run, record_event
 
 DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}

@@ -1,4 +1,4 @@
-"""Around the call, for both step kinds (runs/engine.py).
+"""Around the call, for both step kinds (runs/engine/__init__.py).
 
 Before it: reserve budget in its own transaction, then commit the step as `dispatching` under the
 run lock. After it: write the outcome through a database outage, and record the budget event.
@@ -15,19 +15,21 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs import heartbeat, rows
-from runs.claim import deny
-from runs.engine import Plan, continue_run, fenced
-from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
-from runs.services import (
+from runs import rows
+from runs.engine import heartbeat
+from runs.engine.claim import deny
+from runs.engine.types import Plan, fenced
+from runs.lifecycle import (
     atomic_with_events,
     bump_counters,
+    continue_run,
     end_run,
     lock_run,
     record_event,
     transition_run,
     transition_step,
 )
+from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm.models import ModelEndpoint
-from tenants.config.convert import (
+from configuration.convert import (
     Convert,
     _aliases,
     _bool,
@@ -34,6 +33,7 @@ from tenants.config.convert import (
     _url,
     _username,
 )
+from llm.models import ModelEndpoint
 from tenants.models import Tenant
 from tools.models import EffectClass, ToolServer
 

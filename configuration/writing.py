@@ -17,10 +17,8 @@ from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from budgets.models import BudgetAccount
 from budgets.services import local_day, set_day_limit
-from llm.models import ModelEndpoint
-from runs.services import digest
-from tenants.config.report import ApplyReport
-from tenants.config.schema import (
+from configuration.report import ApplyReport
+from configuration.schema import (
     AGENT_PERMS,
     HTTP_ONLY,
     PERMS,
@@ -32,6 +30,8 @@ from tenants.config.schema import (
     Plan,
     Problems,
 )
+from llm.models import ModelEndpoint
+from runs.lifecycle import digest
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name

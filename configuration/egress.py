@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from configuration.schema import Plan, Problems
 from llm.models import ModelEndpoint
-from tenants.config.schema import Plan, Problems
 from tenants.models import Tenant
 from tools.models import ToolServer
 from tools.origins import OriginError, host_allowed

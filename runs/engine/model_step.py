@@ -1,4 +1,4 @@
-"""A model step: reserve, mark, call the model, settle, record (runs/engine.py)."""
+"""A model step: reserve, mark, call the model, settle, record (runs/engine/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from observability import observe
-from runs import heartbeat
-from runs.dispatch import budget_event, mark_dispatching, recorded_before, reserve, through_database_outage
-from runs.engine import Plan, continue_run, fenced
+from runs.engine import heartbeat
+from runs.engine.dispatch import (
+    budget_event,
+    mark_dispatching,
+    recorded_before,
+    reserve,
+    through_database_outage,
+)
+from runs.engine.types import Plan, fenced
+from runs.lifecycle import atomic_with_events, continue_run, end_run, lock_run, record_event, transition_step
 from runs.models import RunStatus, Step, StepKind, StepStatus
-from runs.services import atomic_with_events, end_run, lock_run, record_event, transition_step
 
 
 def do_model(plan: Plan) -> None:

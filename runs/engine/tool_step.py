@@ -1,4 +1,4 @@
-"""A tool step: reconcile, reserve, mark, call the tool, settle, record (runs/engine.py)."""
+"""A tool step: reconcile, reserve, mark, call the tool, settle, record (runs/engine/__init__.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from observability import observe
-from runs import heartbeat
-from runs.claim import mark_unknown, settle_due, wait_to_settle
-from runs.dispatch import (
+from runs.engine import heartbeat
+from runs.engine.claim import mark_unknown, settle_due, wait_to_settle
+from runs.engine.dispatch import (
     budget_event,
     close_tool_holds,
     mark_dispatching,
@@ -21,10 +21,10 @@ from runs.dispatch import (
     reserve,
     through_database_outage,
 )
-from runs.engine import Plan, ToolOutcome, continue_run, fenced
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus
-from runs.services import (
+from runs.engine.types import Plan, ToolOutcome, fenced
+from runs.lifecycle import (
     atomic_with_events,
+    continue_run,
     end_run,
     enqueue,
     lock_run,
@@ -32,6 +32,7 @@ from runs.services import (
     transition_run,
     transition_step,
 )
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, EffectClass
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
 
@@ -134,7 +135,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
     On a retry (the first attempt's transaction failed) the step and the step log are read again:
     the in-memory ones may carry the rolled-back writes.
     """
-    from runs import loops
+    from runs.engine import loops
     from tools import gateway as tool_gateway
 
     now = timezone.now()

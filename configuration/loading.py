@@ -15,7 +15,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from agentplatform.parsers import text_problem
-from tenants.config.report import ConfigError
+from configuration.report import ConfigError
 
 MAX_FILE_BYTES = 1_048_576  # a large tenant's file is tens of kilobytes
 MAX_NODES = 100_000  # values in the file, counting every use of an alias

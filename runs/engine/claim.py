@@ -1,4 +1,4 @@
-"""Claim: take the run's lease and decide its next step from the step log (runs/engine.py).
+"""Claim: take the run's lease and decide its next step from the step log (runs/engine/__init__.py).
 
 Everything here runs in the claim's one short transaction with the run row locked, and needs no
 network: denials, approval requests, replays and stops are applied here; a model or tool call is
@@ -17,10 +17,10 @@ from django.utils import timezone
 from budgets import services as budgets
 from observability import observe
 from runs import rows
-from runs.engine import Plan, continue_run
-from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
-from runs.services import (
+from runs.engine.types import Plan
+from runs.lifecycle import (
     atomic_with_events,
+    continue_run,
     end_run,
     lease_seconds_for,
     lock_run,
@@ -28,6 +28,7 @@ from runs.services import (
     transition_run,
     transition_step,
 )
+from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from tenants.permissions import may_run_agent
 from tools.models import EffectClass
 
@@ -278,7 +279,7 @@ def deny(step: Step, reason: str) -> None:
 
 def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
     """After a tool step's outcome (also a denial or a replay): stop on a loop, else go on."""
-    from runs import loops
+    from runs.engine import loops
 
     if not loops.check(run, steps, step):
         continue_run(run)

@@ -14,50 +14,25 @@
 
 The phases live in their own modules:
 
-    runs/claim.py       claim: lease, decide, plan a model or tool call or a recovery; deny, replay
-    runs/dispatch.py    reserve and mark (both step kinds); writing an outcome through a database
+    runs/engine/claim.py       claim: lease, decide, plan a model or tool call or a recovery; deny, replay
+    runs/engine/dispatch.py    reserve and mark (both step kinds); writing an outcome through a database
                         outage; the budget event
-    runs/model_step.py  a model step: act, settle, record; a model call lost with its worker
-    runs/tool_step.py   a tool step: reconcile, act, settle, record; retries, unknown outcomes,
+    runs/engine/model_step.py  a model step: act, settle, record; a model call lost with its worker
+    runs/engine/tool_step.py   a tool step: reconcile, act, settle, record; retries, unknown outcomes,
                         late results
 
-This module holds the entry point, the `Plan` a claim hands on, the `ToolOutcome` of a tool call,
-and the two helpers every phase uses (`continue_run`, `fenced`). The phase modules import from
-here, so `advance` imports them when it is called.
+This module holds the entry point; `runs/engine/types.py` holds the `Plan` a claim hands on and the
+`ToolOutcome` of a tool call; `runs.lifecycle.continue_run` enqueues the next step.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import uuid
-from dataclasses import dataclass, field
 
 from observability import observe
-from runs.models import Run
-from runs.services import enqueue
-from tools.types import ToolResult
-
-
-@dataclass
-class Plan:
-    run_id: uuid.UUID
-    token: uuid.UUID
-    kind: str  # "model" | "tool" | "recover_model"
-    lease_seconds: int
-    step_id: int | None = None
-    reservation_id: uuid.UUID | None = None
-    reconcile_first: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ToolOutcome:
-    kind: str  # "succeeded" | "failed" | "unknown"
-    result: ToolResult | None = None
-    error: str = ""
-    retry_after: float | None = None
-    reconciled: bool = False
-    sent: bool = False  # "in_progress": the call itself was answered so (not a lookup)
+from runs.engine.claim import claim
+from runs.engine.model_step import do_model, recover_model
+from runs.engine.tool_step import do_tool
 
 
 def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
@@ -66,10 +41,6 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
     `enqueued_at` comes with a queued message: a message older than the run's last enqueue was
     superseded by a newer one and does nothing. Returns what the step did (the task's result).
     """
-    from runs.claim import claim
-    from runs.model_step import do_model, recover_model
-    from runs.tool_step import do_tool
-
     with observe.step_scope(run_id) as report:  # log lines carry the run id; Flower shows the report
         plan = claim(run_id, enqueued_at)
         if plan is None:
@@ -81,11 +52,3 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
         else:
             do_tool(plan)
         return report.summary()
-
-
-def continue_run(run: Run, *, countdown: float | None = None) -> None:
-    enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)  # one UPDATE
-
-
-def fenced(run: Run, plan: Plan) -> bool:
-    return run.lease_token == plan.token

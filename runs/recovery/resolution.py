@@ -8,9 +8,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
-from runs.dispatch import close_tool_holds
+from runs.engine.dispatch import close_tool_holds
+from runs.lifecycle import enqueue, lock_run, record_event, transition_run, transition_step
 from runs.models import RunStatus, Step, StepKind, StepStatus
-from runs.services import enqueue, lock_run, record_event, transition_run, transition_step
 from tools.models import EffectClass
 
 OUTCOMES = ("succeeded", "failed", "retry")

@@ -1,0 +1,1 @@
+"""Declarative tenant configuration (`manage.py apply FILE.yaml`): the entry points are in apply.py."""
