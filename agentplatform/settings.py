@@ -113,6 +113,7 @@ INSTALLED_APPS = [
     "approvals",
     "observability",
     "configuration",
+    "notifications",
 ]
 
 MIDDLEWARE = [
@@ -264,13 +265,28 @@ CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE") or (f"runs-test-{os.getpid()
 # The sweeper has its own queue, so a backed-up runs queue never delays recovery (workers consume
 # both: scripts/serve.sh); its task sends no monitoring events, so Flower lists the engine's tasks.
 SWEEP_QUEUE = env_str("CELERY_SWEEP_QUEUE") or f"{CELERY_TASK_DEFAULT_QUEUE}.sweeper"
-CELERY_TASK_ROUTES = {"runs.tasks.sweep": {"queue": SWEEP_QUEUE}}
+# Notifications ride on the sweeper's queue: a periodic pass like it, consumed by the same workers.
+CELERY_TASK_ROUTES = {
+    "runs.tasks.sweep": {"queue": SWEEP_QUEUE},
+    "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
+}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Survives a Redis restart that kombu 5.7 would turn into a worker exit (see agentplatform/celery.py).
 CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
+    "notify": {"task": "notifications.tasks.notify", "schedule": env_float("NOTIFY_INTERVAL_SECONDS", 5.0)},
 }
+
+# --- Webhook notifications (notifications/, docs/notifications.md) ---
+NOTIFY_TIMEOUT_SECONDS = env_float("NOTIFY_TIMEOUT_SECONDS", 10.0)  # whole POST, connect to last byte
+NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 8, minimum=1, maximum=100)
+NOTIFY_BACKOFF_SECONDS = env_float("NOTIFY_BACKOFF_SECONDS", 10.0)  # before the 2nd attempt; doubles
+NOTIFY_BACKOFF_MAX_SECONDS = env_float("NOTIFY_BACKOFF_MAX_SECONDS", 3600.0)
+NOTIFY_EXPIRING_WITHIN_SECONDS = env_int("NOTIFY_EXPIRING_WITHIN_SECONDS", 900, minimum=0)
+# Events committed late (their transaction began before a later one that committed first) are
+# still found when at most this old.
+NOTIFY_LOOKBACK_SECONDS = env_int("NOTIFY_LOOKBACK_SECONDS", 300, minimum=0)
 
 
 def _cache() -> dict:
