@@ -1,5 +1,5 @@
-"""Between phases 1 and 2: every URL the file gives a tool server or a model endpoint must be on a
-host the tenant allows (`tenant.egress_hosts`), checked before discovery contacts any server.
+"""Between phases 1 and 2: every URL the file gives a tool server, a model endpoint or a webhook
+must be on a host the tenant allows (`tenant.egress_hosts`), checked before discovery contacts any server.
 
 The list comes from the file, or else from the tenant as stored; none anywhere means no
 restriction. A server or endpoint outside the list is an error at its URL's path and is left out,
@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from configuration.schema import Plan, Problems
 from llm.models import ModelEndpoint
+from notifications.models import Webhook
 from tenants.models import Tenant
 from tools.models import ToolServer
 from tools.origins import OriginError, host_allowed
@@ -21,6 +22,7 @@ from tools.origins import OriginError, host_allowed
 _TARGETS = (
     ("tool_servers", "url", "url", ToolServer),
     ("model_endpoints", "base_url", "base_url", ModelEndpoint),
+    ("webhooks", "url", "url", Webhook),
 )
 
 

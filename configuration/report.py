@@ -17,6 +17,7 @@ KINDS = (
     "versions",
     "aliases",
     "budgets",
+    "webhooks",
 )
 
 

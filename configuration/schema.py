@@ -34,6 +34,7 @@ from configuration.convert import (
     _username,
 )
 from llm.models import ModelEndpoint
+from notifications.models import Event as WebhookEvent
 from tenants.models import Tenant
 from tools.models import EffectClass, ToolServer
 
@@ -355,6 +356,42 @@ def _from_env(values: dict, path: str, env_key: str, target: str, problems: Prob
         values[target] = os.environ[name]
 
 
+# --- webhooks (notifications/) ---
+
+# An HMAC key shorter than this is guessable from signed requests; tokens are 32+ characters.
+WEBHOOK_SECRET_MIN = 16
+
+
+def _webhook_events(value: Any) -> list[str]:
+    events = _text_list(value)
+    for i, event in enumerate(events):
+        if event not in WebhookEvent.values:
+            raise _Invalid(f"must be one of {', '.join(WebhookEvent.values)}", at=f"[{i}]")
+    if not events:
+        raise _Invalid("give at least one event")
+    return sorted(set(events))
+
+
+WEBHOOK: Spec = {
+    "name": Field("name", _slug(50), required=True),
+    "url": Field("url", _url, required=True),
+    "signing_secret": Field("signing_secret", _text(4096, empty=False)),
+    "signing_secret_env": Field("signing_secret_env", _text(empty=False)),
+    "events": Field("events", _webhook_events, required=True),
+    "enabled": Field("enabled", _bool),
+}
+
+
+def _check_webhook(values: dict, path: str, problems: Problems) -> None:
+    _exactly_one(values, path, "signing_secret", "signing_secret_env", problems)
+    _from_env(values, path, "signing_secret_env", "signing_secret", problems)
+    secret = values.get("signing_secret")
+    if secret is not None and len(secret) < WEBHOOK_SECRET_MIN:
+        problems.add(f"{path}.signing_secret", f"must be at least {WEBHOOK_SECRET_MIN} characters")
+    # Like a server's URL, the file owns the webhook: an omitted flag means enabled.
+    values.setdefault("enabled", True)
+
+
 @dataclass(frozen=True)
 class Section:
     spec: Spec
@@ -371,6 +408,7 @@ SECTIONS: dict[str, Section] = {
     "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}"),
     "grants": Section(GRANT, grant_key, _check_grant),
     "agents": Section(AGENT, lambda v: v["name"]),
+    "webhooks": Section(WEBHOOK, lambda v: v["name"], _check_webhook),
 }
 
 

@@ -31,7 +31,9 @@ from configuration.schema import (
     Problems,
 )
 from llm.models import ModelEndpoint
+from notifications.models import Webhook
 from runs.lifecycle import digest
+from tenants.crypto import SecretKeyError
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
@@ -84,6 +86,7 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
         ("grants", _apply_grant),
         ("agents", _apply_agent),
         ("grants", _apply_agent_grant),
+        ("webhooks", _apply_webhook),
     ]
     for section, apply_item in steps:
         for item in plan.sections[section]:
@@ -538,3 +541,34 @@ def _apply_alias(definition: AgentDefinition, alias: str, number: int, path: str
         return
     move_alias(tenant=ctx.tenant, agent=definition.name, alias=alias, version=number)
     ctx.report.record("aliases", label, "created" if current is None else "updated", [f"v{number}"])
+
+
+# --- webhooks ---
+
+
+def _apply_webhook(item: Item, ctx: _Context) -> None:
+    """A webhook's URL passed the egress check before this phase (configuration/egress.py)."""
+    values = {k: v for k, v in item.values.items() if k not in ("name", "signing_secret")}
+    secret = item.values["signing_secret"]
+    hook = Webhook.objects.filter(tenant=ctx.tenant, name=item.key).first()
+    if hook is None:
+        hook = Webhook(tenant=ctx.tenant, name=item.key, **values)
+        hook.set_signing_secret(secret)
+        hook.save()
+        ctx.report.record("webhooks", item.key, "created")
+        return
+    changed = _assign(hook, values)
+    if not _same_signing_secret(hook, secret):
+        # Fernet is randomised: re-encrypting an unchanged secret would look like a change.
+        hook.set_signing_secret(secret)
+        hook.save(update_fields=["signing_ciphertext", "updated_at"])
+        changed.append("signing_secret")
+    ctx.report.record("webhooks", item.key, "updated" if changed else "unchanged", changed)
+    ctx.report.restored("webhooks", item.key, [name for name in changed if name in ("url", "signing_secret")])
+
+
+def _same_signing_secret(hook: Webhook, secret: str) -> bool:
+    try:
+        return hook.signing_secret() == secret
+    except SecretKeyError:
+        return False  # stored under a retired key: the file's value replaces it
