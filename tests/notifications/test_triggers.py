@@ -166,3 +166,18 @@ def test_scan_interval_bounds_latency(acme, receiver):
     delivered = Delivery.objects.get().delivered_at
     assert (delivered - committed).total_seconds() < 5
     assert timezone.now() >= delivered
+
+
+def test_the_periodic_task_scans_and_sends_on_the_sweepers_queue_every_few_seconds(acme, receiver, settings):
+    from agentplatform.celery import app
+    from notifications.tasks import notify as task
+
+    assert settings.CELERY_BEAT_SCHEDULE["notify"]["task"] == task.name
+    assert settings.CELERY_BEAT_SCHEDULE["notify"]["schedule"] <= 10
+    assert app.amqp.router.route({}, task.name)["queue"].name == settings.SWEEP_QUEUE
+    make_webhook(acme.tenant, receiver.url, [Event.APPROVAL_REQUESTED])
+    task()
+    parked_approval(acme)
+
+    assert task() == {"created": 1, "delivered": 1, "retrying": 0, "failed": 0}
+    assert len(receiver.requests) == 1
