@@ -10,6 +10,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from tenants.crypto import decrypt, encrypt
+
 
 class Event(models.TextChoices):
     APPROVAL_REQUESTED = "approval_requested"
@@ -40,13 +42,9 @@ class Webhook(models.Model):
         return f"{self.tenant.slug}/{self.name}"
 
     def set_signing_secret(self, plaintext: str) -> None:
-        from tenants.crypto import encrypt
-
         self.signing_ciphertext = encrypt(plaintext, settings.SECRET_ENCRYPTION_KEYS)
 
     def signing_secret(self) -> str:
-        from tenants.crypto import decrypt
-
         return decrypt(self.signing_ciphertext, settings.SECRET_ENCRYPTION_KEYS)
 
 
