@@ -41,7 +41,8 @@ class Received:
     headers: dict
     body: bytes
     verified: bool
-    at: float
+    at: float  # time.monotonic()
+    wall: float  # time.time()
 
 
 class Receiver:
@@ -62,7 +63,9 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 verified = receiver.verify(receiver.secret, self.headers, body)
                 with receiver.lock:
-                    receiver.requests.append(Received(dict(self.headers), body, verified, time.monotonic()))
+                    receiver.requests.append(
+                        Received(dict(self.headers), body, verified, time.monotonic(), time.time())
+                    )
                     status = receiver.script.pop(0) if receiver.script else receiver.then
                 time.sleep(receiver.delay)
                 self.send_response(status)
