@@ -65,7 +65,17 @@ class WebhookAdmin(OperatorOnly, TenantScopedAdmin):
         secret = form.cleaned_data.get("signing_secret")
         if secret:
             obj.set_signing_secret(secret)
-        obj.save()
+        if not change:
+            obj.save()
+            return
+        # Only what the form changed, as everywhere in this admin.
+        fields = [
+            name for name in form.changed_data if name in ("tenant", "name", "url", "events", "enabled")
+        ]
+        if secret:
+            fields.append("signing_ciphertext")
+        if fields:
+            obj.save(update_fields=[*fields, "updated_at"])
 
 
 class AttemptInline(admin.TabularInline):

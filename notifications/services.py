@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import httpx
 from django.conf import settings
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Max, Q, Value
+from django.db.models import CharField, DurationField, Exists, ExpressionWrapper, F, Max, OuterRef, Q, Value
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalStatus
@@ -155,9 +156,15 @@ def _scan_expiring(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:
                 .alias(lifetime=lifetime)
                 .filter(lifetime__gt=Value(window))
                 .exclude(
-                    pk__in=Delivery.objects.filter(
-                        webhook=hook, event=Event.APPROVAL_EXPIRING, approval_id__isnull=False
-                    ).values("approval_id")
+                    # Already notified: found through the unique index, not by reading every
+                    # delivery the webhook ever had.
+                    Exists(
+                        Delivery.objects.filter(
+                            webhook=hook,
+                            subject=Cast(OuterRef("pk"), CharField()),
+                            event=Event.APPROVAL_EXPIRING,
+                        )
+                    )
                 )
                 .select_related("tool", "requested_by", "run__agent", "run__created_by")[:BATCH]
             )
@@ -212,9 +219,9 @@ def _create(deliveries: list[Delivery]) -> int:
     if not deliveries:
         return 0
     existing = set(
-        Delivery.objects.filter(subject__in={d.subject for d in deliveries}).values_list(
-            "webhook_id", "subject", "event"
-        )
+        Delivery.objects.filter(  # the unique index (webhook, subject, event) answers this
+            webhook_id__in={d.webhook_id for d in deliveries}, subject__in={d.subject for d in deliveries}
+        ).values_list("webhook_id", "subject", "event")
     )
     new = [d for d in deliveries if (d.webhook_id, d.subject, d.event) not in existing]
     # A concurrent scan may insert the same rows meanwhile: the unique constraint decides, and the

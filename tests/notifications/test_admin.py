@@ -64,3 +64,29 @@ def test_a_tenant_supervisor_sees_no_webhooks_nor_deliveries(client, tenant):
     assert add(client, tenant, "https://hooks.bank.example/in").status_code == 403
     assert client.get("/admin/notifications/delivery/").status_code == 403
     assert not Webhook.objects.exists() and not Delivery.objects.exists()
+
+
+def test_an_edit_without_a_new_secret_keeps_the_stored_one(client, tenant):
+    client.force_login(get_user_model().objects.create_superuser("ops", password="pw"))
+    add(client, tenant, "https://hooks.bank.example/in")
+    hook = Webhook.objects.get()
+
+    response = client.post(
+        f"{WEBHOOKS}{hook.pk}/change/",
+        {
+            "tenant": tenant.pk,
+            "name": "supervisors",
+            "url": "https://hooks.bank.example/moved",
+            "signing_secret": "",
+            "events": [Event.RUN_NEEDS_ATTENTION],
+        },
+    )
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    hook.refresh_from_db()
+    assert (hook.url, hook.events, hook.enabled) == (
+        "https://hooks.bank.example/moved",
+        ["run_needs_attention"],
+        False,
+    )
+    assert hook.signing_secret() == SECRET
