@@ -121,7 +121,7 @@ class ApprovalApproveApi(_DecisionApi):
     )
     def post(self, request, approval_id):
         """Approve one exact call (needs approve_tool on its tool); the run goes on with it.
-        The requester may not approve their own request."""
+        The requester may not approve their own request; repeating your own decision answers it again."""
         return self.decide(request, approval_id, self.InputSerializer)
 
 
@@ -146,5 +146,5 @@ class ApprovalDenyApi(_DecisionApi):
     )
     def post(self, request, approval_id):
         """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
-        another path."""
+        another path. Repeating your own decision answers it again."""
         return self.decide(request, approval_id, self.InputSerializer)
