@@ -232,7 +232,11 @@ API_TOKEN_MAX_AGE_SECONDS = env_int(
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",
     "VERSION": "1.0.0",
-    "DESCRIPTION": "Start and watch agent runs, decide approvals, resolve unknown outcomes.",
+    "DESCRIPTION": (
+        "Start and watch agent runs, decide approvals, resolve unknown outcomes. Sign in with "
+        "POST /v1/auth/token and send `Authorization: Bearer <token>` (or `Token <token>`). Every "
+        "error has the Error body. A quick start with curl is docs/api.md in the repository."
+    ),
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
