@@ -1,18 +1,21 @@
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import require_tenant
 from agentplatform.errors import DomainError, Forbidden, NotFound
+from agentplatform.schema import JsonObjectField, JsonObjectInput
 from agents import selectors, services
 from agents.models import AgentDefinition, AgentVersion, Alias
 
 
+@extend_schema_serializer(component_name="AgentVersion")
 class VersionOutput(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent.name")
+    spec = JsonObjectField(help_text="the validated agent spec (docs/configuration.md)")
     aliases = serializers.SerializerMethodField()
 
     class Meta:
@@ -23,6 +26,7 @@ class VersionOutput(serializers.ModelSerializer):
         return sorted(a.name for a in version.aliases.all())
 
 
+@extend_schema_serializer(component_name="Agent")
 class AgentOutput(serializers.ModelSerializer):
     aliases = serializers.SerializerMethodField()
     latest_version = serializers.SerializerMethodField()
@@ -59,24 +63,37 @@ def _check_length(**names: str) -> None:
 
 
 class AgentListApi(APIView):
-    @extend_schema(responses=AgentOutput(many=True))
+    @extend_schema(operation_id="list_agents", summary="List agents", responses=AgentOutput(many=True))
     def get(self, request):
+        """The tenant's agents by name, with their aliases and latest version number."""
         require_tenant(request.user)
         agents = AgentDefinition.objects.filter(tenant_id=request.user.tenant_id).order_by("name")
         return Response(AgentOutput(agents, many=True).data)
 
 
 class VersionListApi(APIView):
+    @extend_schema_serializer(component_name="CreateVersion")
     class InputSerializer(serializers.Serializer):
-        spec = serializers.JSONField()
+        spec = JsonObjectInput(help_text="the agent spec (docs/configuration.md); invalid keys are listed")
 
-    @extend_schema(responses=VersionOutput(many=True))
+    @extend_schema(
+        operation_id="list_versions", summary="List an agent's versions", responses=VersionOutput(many=True)
+    )
     def get(self, request, name: str):
+        """Every version of the agent, oldest first, with its spec and the aliases pointing at it."""
         require_tenant(request.user)
         versions = selectors.versions_of(tenant=request.user.tenant, agent=name).prefetch_related("aliases")
         return Response(VersionOutput(versions, many=True).data)
 
-    @extend_schema(request=InputSerializer, responses={201: VersionOutput, 200: VersionOutput})
+    @extend_schema(
+        operation_id="create_version",
+        summary="Create an agent version",
+        request=InputSerializer,
+        responses={
+            201: OpenApiResponse(VersionOutput, description="A new version was stored"),
+            200: OpenApiResponse(VersionOutput, description="The spec is the latest version's: that version"),
+        },
+    )
     def post(self, request, name: str):
         """Validate and store a new immutable version. Posting the latest spec again returns it (200)."""
         _require_editor(request.user)
@@ -92,8 +109,9 @@ class VersionListApi(APIView):
 
 
 class VersionDetailApi(APIView):
-    @extend_schema(responses=VersionOutput)
+    @extend_schema(operation_id="get_version", summary="Get an agent version", responses=VersionOutput)
     def get(self, request, name: str, number: int):
+        """One immutable version of the agent, with its spec and content hash."""
         require_tenant(request.user)
         version = selectors.versions_of(tenant=request.user.tenant, agent=name).filter(number=number).first()
         if version is None:
@@ -102,10 +120,18 @@ class VersionDetailApi(APIView):
 
 
 class AliasApi(APIView):
+    @extend_schema_serializer(component_name="MoveAlias")
     class InputSerializer(serializers.Serializer):
-        version = serializers.IntegerField(min_value=1, max_value=2**31 - 1)
+        version = serializers.IntegerField(
+            min_value=1, max_value=2**31 - 1, help_text="the version number the alias points at from now on"
+        )
 
-    @extend_schema(request=InputSerializer, responses=VersionOutput)
+    @extend_schema(
+        operation_id="move_alias",
+        summary="Point an alias at a version",
+        request=InputSerializer,
+        responses=VersionOutput,
+    )
     def put(self, request, name: str, alias: str):
         """Point an alias (prod, canary, …) at a version. Running runs keep the version they pinned."""
         _require_editor(request.user)

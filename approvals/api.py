@@ -1,22 +1,25 @@
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
+from agentplatform.schema import JsonObjectField, errors
 from approvals import selectors, services
 from approvals.models import Approval, ApprovalStatus
 
 
+@extend_schema_serializer(component_name="Approval")
 class ApprovalOutput(serializers.ModelSerializer):
     tool = serializers.CharField(source="tool.name")
     run = serializers.UUIDField(source="run_id")
     step_seq = serializers.IntegerField(source="step.seq")
     requested_by = serializers.CharField(source="requested_by.username")
     decided_by = serializers.CharField(source="decided_by.username", allow_null=True, default=None)
+    arguments = JsonObjectField(help_text="the exact arguments of the call being approved")
 
     class Meta:
         model = Approval
@@ -49,11 +52,15 @@ class ApprovalListApi(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("status", enum=ApprovalStatus.values),
-            OpenApiParameter("tool"),
-            OpenApiParameter("run", OpenApiTypes.UUID),
+            OpenApiParameter(
+                "status", enum=ApprovalStatus.values, description="only approvals in this state"
+            ),
+            OpenApiParameter("tool", description="only approvals of this tool (<server>__<tool>)"),
+            OpenApiParameter("run", OpenApiTypes.UUID, description="only approvals of this run"),
             *PAGE_PARAMETERS,
         ],
+        operation_id="list_approvals",
+        summary="List approvals",
         responses=paginated(ApprovalOutput, "PaginatedApprovals"),
     )
     def get(self, request):
@@ -66,22 +73,24 @@ class ApprovalListApi(APIView):
 
 
 class ApprovalDetailApi(APIView):
-    @extend_schema(responses=ApprovalOutput)
+    @extend_schema(operation_id="get_approval", summary="Get an approval", responses=ApprovalOutput)
     def get(self, request, approval_id):
+        """One approval: the exact call it is for, who asked, and its decision."""
         require_tenant(request.user)
         return Response(ApprovalOutput(selectors.get_approval(request.user, approval_id)).data)
+
+
+DECISION_ERRORS = errors(
+    {409: "The approval was already decided, voided or consumed, or it expired before this decision"}
+)
 
 
 class _DecisionApi(APIView):
     approve = True
 
-    class InputSerializer(serializers.Serializer):
-        reason = serializers.CharField(allow_blank=True, required=False, default="", max_length=2000)
-
-    @extend_schema(request=InputSerializer, responses=ApprovalOutput)
-    def post(self, request, approval_id):
+    def decide(self, request, approval_id, serializer_class) -> Response:
         require_tenant(request.user)
-        data = self.InputSerializer(data=request.data)
+        data = serializer_class(data=request.data)
         data.is_valid(raise_exception=True)
         approval = services.decide(
             approval_id=approval_id,
@@ -96,12 +105,46 @@ class _DecisionApi(APIView):
 
 
 class ApprovalApproveApi(_DecisionApi):
-    """Approve one exact call. The requester may not approve their own request."""
-
     approve = True
+
+    @extend_schema_serializer(component_name="Approve")
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(
+            allow_blank=True, required=False, default="", max_length=2000, help_text="kept with the decision"
+        )
+
+    @extend_schema(
+        operation_id="approve",
+        summary="Approve a call",
+        request=InputSerializer,
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
+    )
+    def post(self, request, approval_id):
+        """Approve one exact call (needs approve_tool on its tool); the run goes on with it.
+        The requester may not approve their own request; repeating your own decision answers it again."""
+        return self.decide(request, approval_id, self.InputSerializer)
 
 
 class ApprovalDenyApi(_DecisionApi):
-    """Deny a call; the model is told and may explain or choose another path."""
-
     approve = False
+
+    @extend_schema_serializer(component_name="Deny")
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(
+            allow_blank=True,
+            required=False,
+            default="",
+            max_length=2000,
+            help_text="kept with the decision and told to the model",
+        )
+
+    @extend_schema(
+        operation_id="deny",
+        summary="Deny a call",
+        request=InputSerializer,
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
+    )
+    def post(self, request, approval_id):
+        """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
+        another path. Repeating your own decision answers it again."""
+        return self.decide(request, approval_id, self.InputSerializer)

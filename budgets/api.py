@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -14,16 +14,19 @@ from agentplatform.api import (
     require_tenant,
 )
 from agentplatform.errors import Conflict, Forbidden
+from agentplatform.schema import errors
 from budgets import selectors, services
 from budgets.models import Reservation
 
 
+@extend_schema_serializer(component_name="UsageDay")
 class DayOutput(BudgetSerializer):
     """One budget day: the balances every account shows, and its date."""
 
     day = serializers.DateField()
 
 
+@extend_schema_serializer(component_name="AgentUsage")
 class AgentUsageOutput(serializers.Serializer):
     agent = serializers.CharField()
     spent_micros = serializers.IntegerField()
@@ -32,6 +35,7 @@ class AgentUsageOutput(serializers.Serializer):
     runs = serializers.IntegerField()
 
 
+@extend_schema_serializer(component_name="Usage")
 class UsageOutput(serializers.Serializer):
     tenant = serializers.CharField()
     time_zone = serializers.CharField()
@@ -40,6 +44,7 @@ class UsageOutput(serializers.Serializer):
     agents = AgentUsageOutput(many=True)
 
 
+@extend_schema_serializer(component_name="Reservation")
 class ReservationOutput(serializers.ModelSerializer):
     run = serializers.UUIDField(source="run_id", allow_null=True)
     step_seq = serializers.IntegerField(source="step.seq", allow_null=True, default=None)
@@ -68,8 +73,14 @@ class UsageApi(APIView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("days", {"type": "integer", "minimum": 1, "maximum": 366, "default": 30})
+            OpenApiParameter(
+                "days",
+                {"type": "integer", "minimum": 1, "maximum": 366, "default": 30},
+                description="how many days back from today (the tenant's time zone)",
+            )
         ],
+        operation_id="get_usage",
+        summary="Read usage and budget",
         responses=UsageOutput,
     )
     def get(self, request):
@@ -95,10 +106,19 @@ class ReservationListApi(APIView):
         status = serializers.ChoiceField(choices=Reservation.Status.choices, required=False)
 
     @extend_schema(
-        parameters=[OpenApiParameter("status", enum=Reservation.Status.values), *PAGE_PARAMETERS],
+        operation_id="list_reservations",
+        summary="List budget reservations",
+        parameters=[
+            OpenApiParameter(
+                "status", enum=Reservation.Status.values, description="only reservations in this state"
+            ),
+            *PAGE_PARAMETERS,
+        ],
         responses=paginated(ReservationOutput, "PaginatedReservations"),
     )
     def get(self, request):
+        """The budget reservations of the runs the caller may see, newest first; `held` ones wait for a
+        person to reconcile or write them off."""
         require_tenant(request.user)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
@@ -116,14 +136,25 @@ def _require_staff(user) -> None:
         raise Forbidden("only tenant staff may clear holds", code="not_staff")
 
 
-class ReservationReconcileApi(APIView):
-    class InputSerializer(serializers.Serializer):
-        actual_micros = serializers.IntegerField(min_value=0, max_value=MONEY_MAX_MICROS)
-        note = serializers.CharField(max_length=2000)
+HOLD_ERRORS = errors({409: "The reservation is not held"})
 
-    @extend_schema(request=InputSerializer, responses=ReservationOutput)
+
+class ReservationReconcileApi(APIView):
+    @extend_schema_serializer(component_name="ReconcileReservation")
+    class InputSerializer(serializers.Serializer):
+        actual_micros = serializers.IntegerField(
+            min_value=0, max_value=MONEY_MAX_MICROS, help_text="what the provider billed for the lost call"
+        )
+        note = serializers.CharField(max_length=2000, help_text="why, and where the figure comes from")
+
+    @extend_schema(
+        operation_id="reconcile_reservation",
+        summary="Reconcile a held reservation",
+        request=InputSerializer,
+        responses={200: ReservationOutput, **HOLD_ERRORS},
+    )
     def post(self, request, reservation_id):
-        """Clear a hold with the provider's actual usage for the lost call."""
+        """Clear a hold with the provider's actual usage for the lost call (tenant staff)."""
         _require_staff(request.user)
         reservation = selectors.get_reservation(request.user, reservation_id)
         data = self.InputSerializer(data=request.data)
@@ -134,12 +165,19 @@ class ReservationReconcileApi(APIView):
 
 
 class ReservationWriteOffApi(APIView):
+    @extend_schema_serializer(component_name="WriteOffReservation")
     class InputSerializer(serializers.Serializer):
-        note = serializers.CharField(max_length=2000)
+        note = serializers.CharField(max_length=2000, help_text="why; kept with the reservation")
 
-    @extend_schema(request=InputSerializer, responses=ReservationOutput)
+    @extend_schema(
+        operation_id="write_off_reservation",
+        summary="Write off a held reservation",
+        request=InputSerializer,
+        responses={200: ReservationOutput, **HOLD_ERRORS},
+    )
     def post(self, request, reservation_id):
-        """Clear a hold without usage data; nothing is counted as spent and the reason is kept."""
+        """Clear a hold without usage data (tenant staff); nothing is counted as spent and the reason
+        is kept."""
         _require_staff(request.user)
         reservation = selectors.get_reservation(request.user, reservation_id)
         data = self.InputSerializer(data=request.data)

@@ -1,23 +1,28 @@
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
 from agentplatform.errors import Forbidden
+from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
 from runs import lifecycle, selectors
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
 from tenants.auth import RunStartThrottle
 
 
+@extend_schema_serializer(component_name="Run")
 class RunOutput(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent.name")
     version = serializers.IntegerField(source="version.number")
     created_by = serializers.CharField(source="created_by.username")
     budget = BudgetSerializer(allow_null=True)
+    input = JsonObjectField(help_text="what the run was started with")
+    metadata = JsonObjectField(help_text="the caller's own labels, stored as given")
+    limits = JsonObjectField(help_text="the limits in force: the version's, capped by the tenant's")
 
     class Meta:
         model = Run
@@ -48,9 +53,11 @@ class RunOutput(serializers.ModelSerializer):
         ]
 
 
+@extend_schema_serializer(component_name="Step")
 class StepOutput(serializers.ModelSerializer):
     tool = serializers.CharField(source="tool_name")
     duration_ms = serializers.IntegerField(allow_null=True)
+    usage = JsonObjectField(allow_null=True, help_text="a model step's tokens (input, output, cached)")
 
     class Meta:
         model = Step
@@ -81,11 +88,13 @@ class StepOutput(serializers.ModelSerializer):
         ]
 
 
+@extend_schema_serializer(component_name="Event")
 class EventOutput(serializers.ModelSerializer):
     # The event's number within its run (1, 2, 3, ...), not a platform-wide sequence whose gaps
     # would show other tenants' activity.
     id = serializers.IntegerField(source="seq", help_text="the event's number within its run (same as seq)")
     actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
+    data = JsonObjectField(help_text="the event's details, by kind")
 
     class Meta:
         model = RunEvent
@@ -95,12 +104,26 @@ class EventOutput(serializers.ModelSerializer):
 class RunListApi(APIView):
     throttle_classes = [RunStartThrottle]
 
+    @extend_schema_serializer(component_name="StartRun")
     class InputSerializer(serializers.Serializer):
-        agent = serializers.SlugField(max_length=100)
-        alias = serializers.SlugField(max_length=50, required=False)
-        version = serializers.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
-        input = serializers.JSONField()
-        metadata = serializers.DictField(required=False, default=dict)
+        agent = serializers.SlugField(max_length=100, help_text="the agent's name")
+        alias = serializers.SlugField(
+            max_length=50,
+            required=False,
+            help_text="run the version this alias points at (prod, canary, ...)",
+        )
+        version = serializers.IntegerField(
+            required=False,
+            min_value=1,
+            max_value=2**31 - 1,
+            help_text="run this version; with neither alias nor version, the latest",
+        )
+        input = JsonObjectInput(
+            help_text="the task, as a JSON object; the agent's spec reads it ($input.<key>)"
+        )
+        metadata = JsonObjectInput(
+            required=False, default=dict, help_text="your own labels (ticket id, ...), stored as given"
+        )
         wait = serializers.BooleanField(
             required=False,
             default=True,
@@ -119,24 +142,49 @@ class RunListApi(APIView):
         created_by = serializers.CharField(max_length=150, required=False)
 
     @extend_schema(
+        operation_id="list_runs",
+        summary="List runs",
         parameters=[
-            OpenApiParameter("status", enum=RunStatus.values),
-            OpenApiParameter("agent"),
-            OpenApiParameter("created_by"),
+            OpenApiParameter("status", enum=RunStatus.values, description="only runs in this state"),
+            OpenApiParameter("agent", description="only runs of this agent (its name)"),
+            OpenApiParameter("created_by", description="only runs started by this username"),
             *PAGE_PARAMETERS,
         ],
         responses=paginated(RunOutput, "PaginatedRuns"),
     )
     def get(self, request):
+        """The runs the caller may see (their own; all of the tenant's with view_runs), newest first."""
         require_tenant(request.user)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
         return paginate(self, request, selectors.runs_for(request.user, **filters.validated_data), RunOutput)
 
     @extend_schema(
+        operation_id="start_run",
+        summary="Start a run",
         request=InputSerializer,
-        responses={201: RunOutput, 200: RunOutput},
-        parameters=[OpenApiParameter("Idempotency-Key", location=OpenApiParameter.HEADER)],
+        responses={
+            201: OpenApiResponse(RunOutput, description="The run was created"),
+            200: OpenApiResponse(
+                RunOutput, description="Replayed: this Idempotency-Key already started this run"
+            ),
+            **errors(
+                {
+                    404: "No such agent, alias or version",
+                    409: "A request with this Idempotency-Key is still in progress; retry it",
+                    422: "This Idempotency-Key was used with a different body",
+                    429: "Start rate or active-run quota reached, or (with wait: false) no budget today",
+                }
+            ),
+        },
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                {"type": "string", "maxLength": 200},
+                location=OpenApiParameter.HEADER,
+                description="the same key and body (per user) answer the same run with 200, never a second run",
+            )
+        ],
     )
     def post(self, request):
         """Start a run as the caller. The same Idempotency-Key and body replay the same run (200).
@@ -158,15 +206,21 @@ class RunListApi(APIView):
 
 
 class RunDetailApi(APIView):
-    @extend_schema(responses=RunOutput)
+    @extend_schema(operation_id="get_run", summary="Get a run", responses=RunOutput)
     def get(self, request, run_id):
+        """One run: its state, counters, budget and, once it ended, its final output or error.
+
+        Poll it to follow a run (or read its events with `after`)."""
         require_tenant(request.user)
         return Response(RunOutput(selectors.get_run(request.user, run_id)).data)
 
 
 class RunStepsApi(APIView):
-    @extend_schema(responses=StepOutput(many=True))
+    @extend_schema(
+        operation_id="list_run_steps", summary="List a run's steps", responses=StepOutput(many=True)
+    )
     def get(self, request, run_id):
+        """Every model and tool step of the run in order, with arguments, redacted results, usage and cost."""
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
         return Response(StepOutput(selectors.steps_of(run), many=True).data)
@@ -184,9 +238,12 @@ class RunEventsApi(APIView):
                 description="only events with a larger id (seq) in this run",
             )
         ],
+        operation_id="list_run_events",
+        summary="List a run's events",
         responses=EventOutput(many=True),
     )
     def get(self, request, run_id):
+        """The run's events in order; pass the last id you saw as `after` to read only newer ones."""
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
         filters = self.FilterSerializer(data=request.query_params)
@@ -197,12 +254,18 @@ class RunEventsApi(APIView):
 
 
 class RunCancelApi(APIView):
+    @extend_schema_serializer(component_name="CancelRun")
     class InputSerializer(serializers.Serializer):
         reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
 
-    @extend_schema(request=InputSerializer, responses=RunOutput)
+    @extend_schema(
+        operation_id="cancel_run",
+        summary="Cancel a run",
+        request=InputSerializer,
+        responses={200: RunOutput, **errors({409: "The run has already ended"})},
+    )
     def post(self, request, run_id):
-        """Cancel a run. No model or tool call starts after this answers."""
+        """Cancel a run (its creator or tenant staff). No model or tool call starts after this answers."""
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
         if run.created_by_id != request.user.pk and not request.user.is_staff:
@@ -214,15 +277,28 @@ class RunCancelApi(APIView):
 
 
 class StepResolveApi(APIView):
+    @extend_schema_serializer(component_name="ResolveStep")
     class InputSerializer(serializers.Serializer):
-        outcome = serializers.ChoiceField(choices=resolution.OUTCOMES)
-        reason = serializers.CharField(max_length=2000)
-        result = serializers.JSONField(required=False, default=None)
-        override = serializers.BooleanField(required=False, default=False)
+        outcome = serializers.ChoiceField(
+            choices=resolution.OUTCOMES,
+            help_text="succeeded or failed: what the provider says happened; retry: call it again",
+        )
+        reason = serializers.CharField(max_length=2000, help_text="why; kept with the step")
+        result = serializers.JSONField(
+            required=False, default=None, help_text="what the tool did, if it happened (any JSON)"
+        )
+        override = serializers.BooleanField(
+            required=False, default=False, help_text="retry an unsafe tool anyway (it may act twice)"
+        )
 
-    @extend_schema(request=InputSerializer, responses=StepOutput)
+    @extend_schema(
+        operation_id="resolve_step",
+        summary="Resolve an unknown tool outcome",
+        request=InputSerializer,
+        responses={200: StepOutput, **errors({409: "The step's outcome is not unknown (anymore)"})},
+    )
     def post(self, request, run_id, seq: int):
-        """Resolve a tool step whose outcome is unknown (needs approve_tool on the tool)."""
+        """Say what became of a tool call whose outcome is unknown (needs approve_tool on the tool)."""
         require_tenant(request.user)
         run = selectors.get_run(request.user, run_id)
         data = self.InputSerializer(data=request.data)

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 from django.contrib.auth import authenticate
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_serializer, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.permissions import AllowAny, IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.errors import DomainError
+from agentplatform.schema import errors
 from tenants import tokens
 from tenants.auth import ApiTokenAuthentication, TokenAddressThrottle, TokenUsernameThrottle
 from tenants.models import ApiToken
@@ -42,6 +43,7 @@ class TokenApi(APIView):
     authentication_classes = [ApiTokenAuthentication]
     throttle_classes = [TokenAddressThrottle, TokenUsernameThrottle]
 
+    @extend_schema_serializer(component_name="SignIn")
     class InputSerializer(serializers.Serializer):
         username = serializers.CharField(max_length=150)
         password = serializers.CharField(max_length=4096, write_only=True, trim_whitespace=False)
@@ -57,9 +59,19 @@ class TokenApi(APIView):
         if request.method != "POST":
             super().perform_authentication(request)
 
-    @extend_schema(request=InputSerializer, responses=TokenOutput, auth=[])
+    @extend_schema(
+        operation_id="create_token",
+        summary="Sign in for a token",
+        request=InputSerializer,
+        responses={
+            200: TokenOutput,
+            **errors({429: "Too many sign-in attempts for this username or from this address"}),
+        },
+        auth=[],
+    )
     def post(self, request):
-        """Exchange a username and password for a new token (expires; see API_TOKEN_TTL_SECONDS)."""
+        """Exchange a username and password for a new token (expires; see API_TOKEN_TTL_SECONDS).
+        Send it as `Authorization: Bearer <token>` (or `Token <token>`)."""
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         user = authenticate(request, **data.validated_data)
@@ -67,7 +79,11 @@ class TokenApi(APIView):
             raise DomainError("wrong username or password", code="invalid_credentials", status=401)
         return _issued(tokens.issue_token(user=user))
 
-    @extend_schema(responses={204: None})
+    @extend_schema(
+        operation_id="revoke_token",
+        summary="Revoke your token",
+        responses={204: OpenApiResponse(description="Revoked")},
+    )
     def delete(self, request):
         """Revoke the token this request is authenticated with; it stops working at once."""
         tokens.revoke_token(row=_caller_token(request))
@@ -79,8 +95,12 @@ class TokenRefreshApi(APIView):
 
     authentication_classes = [ApiTokenAuthentication]
 
-    @extend_schema(request=None, responses=TokenOutput)
+    @extend_schema(
+        operation_id="refresh_token", summary="Refresh your token", request=None, responses=TokenOutput
+    )
     def post(self, request):
+        """Swap the token you call with for a new one with a fresh expiry; the old one is revoked at once.
+        Refreshing ends API_TOKEN_MAX_AGE_SECONDS after the password sign-in."""
         try:
             return _issued(tokens.refresh_token(row=_caller_token(request)))
         except tokens.TokenRefused as exc:

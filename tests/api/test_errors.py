@@ -160,3 +160,12 @@ def test_django_level_errors_under_v1_are_json_and_elsewhere_html(rf):
     assert json.loads(errors.server_error(rf.get("/v1/runs")).content)["error"]["code"] == "internal_error"
     assert json.loads(errors.page_not_found(rf.get("/v1/x"), None).content)["error"]["code"] == "not_found"
     assert b"<" in errors.page_not_found(rf.get("/admin/x"), None).content
+
+
+@pytest.mark.parametrize("field", ["input", "metadata"])
+@pytest.mark.parametrize("value", ["refund TXN-1001", [1, 2], 7, None])
+def test_run_input_and_metadata_that_are_not_json_objects_are_refused_by_field(asha, agent, field, value):
+    body = {"agent": "agent", "input": {"q": "hello"}, field: value}
+    error = assert_error(api(asha).post("/v1/runs", body, format="json"), 400, "invalid")
+    assert list(error["fields"]) == [field]
+    assert not Run.objects.exists()
