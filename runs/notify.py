@@ -160,13 +160,23 @@ class Reader:
 
     def __init__(self):
         self.pool: AsyncConnectionPool | None = None
+        self.inflight: dict[tuple, asyncio.Future] = {}
 
     async def read(self, run_id, *, after: int, limit: int) -> tuple[str | None, list]:
         """The run's status (None once deleted), then its events with seq > after, in order.
 
         Status first: every event committed before the status was read is then in the list, so a
         stream that sees a terminal status and an empty list has sent the run's last event.
+        Streams of one run woken by one notification ask the same question at the same moment:
+        they share one read (started after their wake-up, so it sees what woke them).
         """
+        key = (str(run_id), after, limit)
+        if key not in self.inflight:
+            self.inflight[key] = asyncio.ensure_future(self._read(run_id, after=after, limit=limit))
+            self.inflight[key].add_done_callback(lambda _: self.inflight.pop(key, None))
+        return await asyncio.shield(self.inflight[key])
+
+    async def _read(self, run_id, *, after: int, limit: int) -> tuple[str | None, list]:
         if not listens():
             return await sync_to_async(_read_orm, thread_sensitive=False)(run_id, after, limit)
         if self.pool is None:

@@ -112,8 +112,13 @@ class RunStreamApi(APIView):
 
 
 def message(event) -> str:
-    data = json.dumps(EventOutput(event).data, cls=JSONEncoder, ensure_ascii=False)
-    return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
+    # Streams of one run share the rows of one read (runs.notify.Reader): the first formats an event,
+    # the others reuse the text.
+    text = getattr(event, "sse_text", None)
+    if text is None:
+        data = json.dumps(EventOutput(event).data, cls=JSONEncoder, ensure_ascii=False)
+        text = event.sse_text = f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
+    return text
 
 
 async def events(run_id, *, after: int):
