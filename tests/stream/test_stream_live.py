@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import threading
 
 import httpx
 import pytest
 
-from runs.models import Run
+from runs.lifecycle import start_run
+from runs.models import Run, RunEvent
 from tenants.tokens import issue_token
 from tests import factories
+from tests.conftest import drive
 from tests.recovery.conftest import FAST_LEASES, REFUND, single_call_agent, step_of, until_status
-from tests.servers import wait_for
+from tests.servers import ROOT, wait_for
 from tests.stream.sse import ApiServer, Stream, follow
 from tools.models import Tool
 
@@ -164,3 +169,28 @@ def test_an_open_stream_keeps_delivering_across_a_worker_killed_mid_run(tenant, 
     assert any(m.event == "recovery" for m in stream.events)  # the takeover is in the stream too
     assert stream.end.data == {"status": "succeeded", "last_event_id": len(stored)}
     assert step_of(run_id, 2).attempts == 2 and len(bank.effects("issue_refund")) == 1
+
+
+def test_the_curl_example_in_the_api_docs_prints_the_run_as_events_then_the_end(tenant, asha, builtins, api):
+    docs = (ROOT / "docs" / "api.md").read_text()
+    section = docs[docs.index("## Run stream (server-sent events)") :]
+    command = next(line for line in section.splitlines() if line.startswith("curl -N"))
+    factories.make_agent(tenant, tools=[builtins["echo"]], turns=[{"text": "hi"}])
+    run, _ = start_run(user=asha, agent="agent", input={"q": "hello"})
+    drive(run.pk)
+    env = {
+        "PATH": os.environ["PATH"],
+        "TOKEN": issue_token(user=asha).token,
+        "BASE": api.url,
+        "RUN": str(run.pk),
+    }
+
+    printed = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=30)
+
+    assert printed.returncode == 0, printed.stderr
+    stored = list(RunEvent.objects.filter(run=run).order_by("seq").values_list("seq", "kind"))
+    assert re.findall(r"^id: (\d+)\nevent: (\w+)$", printed.stdout, re.M) == [(str(s), k) for s, k in stored]
+    assert printed.stdout.endswith(
+        f'event: end\ndata: {{"status": "succeeded", "last_event_id": {len(stored)}}}\n\n'
+    )
+    print(printed.stdout)
