@@ -3,8 +3,8 @@
 PostgreSQL: a trigger on the events table (migration 0008) sends `NOTIFY run_events,
 '<run_id>:<seq>'` when a batch of a run's events commits. One LISTEN connection per process
 receives them and wakes the streams following that run; each woken stream reads its new rows
-in a short query through a small pool shared by all streams of the process
-(RUN_STREAM_DB_POOL_MAX). An idle stream holds no connection, no thread and no query, only an
+in two short queries through a small pool shared by all streams of the process
+(RUN_STREAM_DB_POOL_MAX); the streams of one run woken together share one read. An idle stream holds no connection, no thread and no query, only an
 asyncio.Event, so a process keeps thousands open.
 
 A notification is a hint, never the data: streams read rows by `seq > last sent`, and the
@@ -16,8 +16,8 @@ when it (re)connects.
 Other databases (SQLite, the demo) have no LISTEN: `Feed.wait` then returns after
 RUN_STREAM_POLL_SECONDS and the stream reads again, through the ORM on a pooled thread.
 
-Everything here belongs to one event loop (uvicorn runs one per process); `feed()` and `reader()`
-give the current loop's.
+Everything here belongs to one event loop (uvicorn runs one per process); `feed()` gives the
+current loop's.
 """
 
 from __future__ import annotations
@@ -58,13 +58,16 @@ def _connect_params() -> dict:
 class Subscription:
     """One stream's wake-up: the highest seq notified for its run since it last looked."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, generation: int):
         self.run_id = run_id
+        # Reads started at or after this generation of the feed see everything that woke this stream.
+        self.generation = generation
         self.notified = 0
         self.reread = False  # read again whatever was notified (the listener (re)connected)
         self.woken = asyncio.Event()
 
-    def wake(self, seq: int | None) -> None:
+    def wake(self, seq: int | None, generation: int) -> None:
+        self.generation = generation
         if seq is None:
             self.reread = True
         else:
@@ -79,9 +82,15 @@ class Feed:
         self.subscribers: dict[str, set[Subscription]] = {}
         self.listener: asyncio.Task | None = None
         self.connected = asyncio.Event()
+        # Counts deliveries (notifications, reconnections): a read started at generation g sees
+        # every event whose notification was delivered by then.
+        self.generation = 0
+        self.reads: dict[tuple, tuple[int, asyncio.Future]] = {}
+        self.pool: AsyncConnectionPool | None = None
+        self.pool_opened: asyncio.Future | None = None
 
     def subscribe(self, run_id: str) -> Subscription:
-        subscription = Subscription(str(run_id))
+        subscription = Subscription(str(run_id), self.generation)
         self.subscribers.setdefault(subscription.run_id, set()).add(subscription)
         if listens() and (self.listener is None or self.listener.done()):
             self.listener = asyncio.get_running_loop().create_task(self._listen(), name="run-events-listener")
@@ -118,9 +127,10 @@ class Feed:
                 return True
 
     def wake_all(self) -> None:
+        self.generation += 1
         for followers in self.subscribers.values():
             for subscription in followers:
-                subscription.wake(None)
+                subscription.wake(None, self.generation)
 
     def dispatch(self, payload: str) -> None:
         run_id, _, seq = payload.partition(":")
@@ -129,8 +139,9 @@ class Feed:
         except ValueError:
             logger.warning("run stream: ignored a notification with payload %r", payload)
             return
+        self.generation += 1
         for subscription in self.subscribers.get(run_id, ()):
-            subscription.wake(seq_number)
+            subscription.wake(seq_number, self.generation)
 
     async def _listen(self) -> None:
         """LISTEN for as long as the process lives; reconnect with backoff when the connection drops."""
@@ -154,29 +165,28 @@ class Feed:
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECONNECT_MAX_SECONDS)
 
-
-class Reader:
-    """Short reads of a run's status and new events, for every stream of the process."""
-
-    def __init__(self):
-        self.pool: AsyncConnectionPool | None = None
-        self.inflight: dict[tuple, asyncio.Future] = {}
-
-    async def read(self, run_id, *, after: int, limit: int) -> tuple[str | None, list]:
+    async def read(self, subscription: Subscription, *, after: int, limit: int) -> tuple[str | None, list]:
         """The run's status (None once deleted), then its events with seq > after, in order.
 
         Status first: every event committed before the status was read is then in the list, so a
         stream that sees a terminal status and an empty list has sent the run's last event.
-        Streams of one run woken by one notification ask the same question at the same moment:
-        they share one read (started after their wake-up, so it sees what woke them).
+        Streams of one run woken by one notification ask the same question at once: they share
+        one read, provided it started after what woke them was delivered (else it could miss it).
         """
-        key = (str(run_id), after, limit)
-        if key not in self.inflight:
-            self.inflight[key] = asyncio.ensure_future(self._read(run_id, after=after, limit=limit))
-            self.inflight[key].add_done_callback(lambda _: self.inflight.pop(key, None))
-        return await asyncio.shield(self.inflight[key])
+        key = (subscription.run_id, after, limit)
+        started, read = self.reads.get(key, (-1, None))
+        if read is None or started < subscription.generation:
+            read = asyncio.ensure_future(self._read(subscription.run_id, after=after, limit=limit))
+            self.reads[key] = (self.generation, read)
 
-    async def _read(self, run_id, *, after: int, limit: int) -> tuple[str | None, list]:
+            def forget(done, key=key):
+                if self.reads.get(key, (0, None))[1] is done:
+                    del self.reads[key]
+
+            read.add_done_callback(forget)
+        return await asyncio.shield(read)
+
+    async def _read(self, run_id: str, *, after: int, limit: int) -> tuple[str | None, list]:
         if not listens():
             return await sync_to_async(_read_orm, thread_sensitive=False)(run_id, after, limit)
         if self.pool is None:
@@ -188,7 +198,8 @@ class Reader:
                 name="run-stream",
                 open=False,
             )
-            await self.pool.open()
+            self.pool_opened = asyncio.ensure_future(self.pool.open())
+        await asyncio.shield(self.pool_opened)
         async with self.pool.connection() as conn:
             row = await (await conn.execute(_sql()["status"], (run_id,))).fetchone()
             rows = await (await conn.execute(_sql()["events"], (run_id, after, limit))).fetchall()
@@ -232,7 +243,6 @@ def _sql() -> dict[str, str]:
 
 
 _feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_readers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def feed() -> Feed:
@@ -240,10 +250,3 @@ def feed() -> Feed:
     if loop not in _feeds:
         _feeds[loop] = Feed()
     return _feeds[loop]
-
-
-def reader() -> Reader:
-    loop = asyncio.get_running_loop()
-    if loop not in _readers:
-        _readers[loop] = Reader()
-    return _readers[loop]

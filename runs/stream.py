@@ -112,7 +112,7 @@ class RunStreamApi(APIView):
 
 
 def message(event) -> str:
-    # Streams of one run share the rows of one read (runs.notify.Reader): the first formats an event,
+    # Streams of one run share the rows of one read (runs.notify.Feed.read): the first formats an event,
     # the others reuse the text.
     text = getattr(event, "sse_text", None)
     if text is None:
@@ -123,7 +123,7 @@ def message(event) -> str:
 
 async def events(run_id, *, after: int):
     """The stream's body: events after `after`, then new ones as they commit, until the run ends."""
-    feed, reader = notify.feed(), notify.reader()
+    feed = notify.feed()
     subscription = feed.subscribe(run_id)  # before the first read: nothing committed after it is missed
     heartbeat = settings.RUN_STREAM_HEARTBEAT_SECONDS
     loop = asyncio.get_running_loop()
@@ -132,7 +132,7 @@ async def events(run_id, *, after: int):
         written = loop.time()
         while True:
             try:
-                status, rows = await reader.read(run_id, after=after, limit=READ_LIMIT)
+                status, rows = await feed.read(subscription, after=after, limit=READ_LIMIT)
             except (DatabaseError, PsycopgError, PoolTimeout) as exc:
                 # The client reconnects with Last-Event-ID and misses nothing.
                 logger.warning("run stream %s: cannot read events (%s); closing the stream", run_id, exc)
