@@ -143,6 +143,14 @@ class Feed:
         for subscription in self.subscribers.get(run_id, ()):
             subscription.wake(seq_number, self.generation)
 
+    async def close(self) -> None:
+        """Stop listening and close the read pool (a loop that ends: tests, a server shutting down)."""
+        if self.listener is not None:
+            self.listener.cancel()
+            await asyncio.gather(self.listener, return_exceptions=True)
+        if self.pool is not None:
+            await self.pool.close()
+
     async def _listen(self) -> None:
         """LISTEN for as long as the process lives; reconnect with backoff when the connection drops."""
         delay = 0.5

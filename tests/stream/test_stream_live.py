@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -112,6 +113,7 @@ def test_a_client_sees_every_event_of_a_dispute_run_once_in_order_and_resumes_wi
     rest_thread, rest_box = in_background(
         lambda: follow(http, url, headers={**auth, "Last-Event-ID": str(first.events[-1].id)})
     )
+    time.sleep(1.5)  # the supervisor takes a moment: the streams wait with nothing to send (heartbeat: 0.5 s)
     supervisor = {"Authorization": f"Token {issue_token(user=ravi).token}"}
     pending = http.get("/v1/approvals?status=pending", headers=supervisor).json()["results"]
     decided = http.post(
