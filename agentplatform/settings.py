@@ -373,3 +373,13 @@ WORKER_METRICS_PORT = env_int("WORKER_METRICS_PORT", 0)
 WORKER_METRICS_ADDR = env_str("WORKER_METRICS_ADDR", "0.0.0.0")
 # /readyz and the queue-depth gauge: how long to wait for the database and the broker.
 READY_TIMEOUT_SECONDS = env_float("READY_TIMEOUT_SECONDS", 3.0)
+
+# --- Live run stream (runs/stream.py, runs/notify.py; docs/api.md "Run stream") ---
+# A comment line every this many seconds keeps idle streams open through proxies and tells the
+# client the server is alive.
+RUN_STREAM_HEARTBEAT_SECONDS = env_float("RUN_STREAM_HEARTBEAT_SECONDS", 15.0)
+# PostgreSQL: the streams of one process read new events through a pool of at most this many
+# connections (plus one LISTEN connection); no stream holds a connection while it waits.
+RUN_STREAM_DB_POOL_MAX = env_int("RUN_STREAM_DB_POOL_MAX", 4, minimum=1, maximum=100)
+# SQLite (the demo) has no LISTEN/NOTIFY: each stream looks for new events this often.
+RUN_STREAM_POLL_SECONDS = env_float("RUN_STREAM_POLL_SECONDS", 0.5)

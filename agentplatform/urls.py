@@ -7,6 +7,7 @@ from agents import api as agents_api
 from approvals import api as approvals_api
 from budgets import api as budgets_api
 from runs import api as runs_api
+from runs.stream import RunStreamApi
 from tenants import api as tenants_api
 
 v1 = [
@@ -20,6 +21,7 @@ v1 = [
     path("runs/<str:run_id>", runs_api.RunDetailApi.as_view()),
     path("runs/<str:run_id>/steps", runs_api.RunStepsApi.as_view()),
     path("runs/<str:run_id>/events", runs_api.RunEventsApi.as_view()),
+    path("runs/<str:run_id>/stream", RunStreamApi.as_view()),
     path("runs/<str:run_id>/cancel", runs_api.RunCancelApi.as_view()),
     path("runs/<str:run_id>/steps/<int:seq>/resolve", runs_api.StepResolveApi.as_view()),
     path("approvals", approvals_api.ApprovalListApi.as_view()),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Production shape on one machine: gunicorn (API + admin), celery worker, celery beat, flower.
+# Production shape on one machine: uvicorn (API + admin, ASGI), celery worker, celery beat, flower.
 # Configure with environment variables (see README "Configuration" and "Production shape");
 # defaults target local services.
 set -euo pipefail
@@ -15,7 +15,7 @@ export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$AGENTPLATFORM_VAR_D
 BIND=${BIND:-127.0.0.1:8000}
 FLOWER_PORT=${FLOWER_PORT:-5555}
 WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-128}
-GUNICORN_WORKERS=${GUNICORN_WORKERS:-2}
+WEB_WORKERS=${WEB_WORKERS:-2}
 QUEUE=${CELERY_QUEUE:-runs}
 SWEEP_QUEUE=${CELERY_SWEEP_QUEUE:-$QUEUE.sweeper}
 
@@ -35,8 +35,13 @@ pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait || true; }
 trap cleanup EXIT INT TERM
 
-$PY -m gunicorn agentplatform.wsgi --bind "$BIND" --workers "$GUNICORN_WORKERS" --threads 8 \
-  --access-logfile - & pids+=($!)
+# ASGI, so that live run streams (/v1/runs/{id}/stream) wait on the event loop, holding no thread
+# and no database connection each (agentplatform/asgi.py). uvicorn supervises its worker processes
+# (a dead one is replaced). No proxy headers here: Django reads X-Forwarded-Proto
+# (SECURE_PROXY_SSL_HEADER) and X-Forwarded-For (TRUSTED_PROXY_COUNT) itself. Open streams get 10 s
+# to end at shutdown; clients resume with Last-Event-ID.
+$PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND##*:}" \
+  --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight
 # (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.

@@ -137,6 +137,8 @@ SLOW_PATHS = (
     "tests/e2e/",
     "tests/test_production_shape.py",
     "tests/api/test_schemathesis.py",
+    "tests/stream/test_stream_live.py",
+    "tests/stream/test_idle_streams.py",
 )
 
 

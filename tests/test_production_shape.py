@@ -1,4 +1,4 @@
-"""The production shape: scripts/serve.sh with gunicorn, a worker, beat and Flower on PostgreSQL + Redis,
+"""The production shape: scripts/serve.sh with uvicorn (ASGI), a worker, beat and Flower on PostgreSQL + Redis,
 configured only by environment variables."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from django.conf import settings
 
 from tests.observability.conftest import parse, value
 from tests.servers import ROOT, BankServer, database_url, wait_for
+from tests.stream.sse import follow
 
 CONFIG = """
 tenant: {slug: prod-bank, name: Prod Bank, time_zone: Europe/London, daily_budget: 5.0}
@@ -71,7 +72,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     port, flower_port = _free_port(), _free_port()
     from tenants.crypto import generate_key
 
-    # TLS ends at a proxy in front of gunicorn; the test plays the proxy with X-Forwarded-Proto.
+    # TLS ends at a proxy in front of uvicorn; the test plays the proxy with X-Forwarded-Proto.
     env = dict(
         os.environ,
         AGENTPLATFORM_ENV="production",
@@ -91,6 +92,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         PY=str(ROOT / ".venv/bin/python"),
         METRICS_TOKEN="metrics-token-1",
         FLOWER_UNAUTHENTICATED_API="true",
+        RUN_STREAM_HEARTBEAT_SECONDS="1",
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
@@ -105,7 +107,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     try:
         base = f"http://127.0.0.1:{port}"
         http = httpx.Client(headers=PROXIED)
-        wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="gunicorn")
+        wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="uvicorn")
         assert httpx.get(f"{base}/v1/schema").status_code == 301  # plain HTTP is sent to HTTPS
         config = tmp_path / "prod.yaml"
         config.write_text(CONFIG)
@@ -135,6 +137,13 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             what="run end",
         )
         assert done["status"] == "succeeded", done
+        # The run's live stream (ASGI): every event as /events shows it, then the end.
+        stream = follow(http, f"{base}/v1/runs/{run_id}/stream", headers={"Authorization": f"Bearer {token}"})
+        assert stream.status == 200 and stream.content_type == "text/event-stream"
+        assert [m.data for m in stream.events] == http.get(
+            f"{base}/v1/runs/{run_id}/events", headers=headers
+        ).json()
+        assert stream.end.data["status"] == "succeeded"
         steps = http.get(f"{base}/v1/runs/{run_id}/steps", headers=headers).json()
         assert [(s["kind"], s["status"]) for s in steps] == [
             ("model", "succeeded"),
@@ -163,7 +172,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             assert needle in banner, banner
         assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
-        # Counters from the worker process and gauges from the database, through gunicorn.
+        # Counters from the worker process and gauges from the database, through uvicorn.
         assert httpx.get(f"{base}/metrics").status_code == 401
         metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer metrics-token-1"})
         assert metrics.status_code == 200
@@ -209,6 +218,10 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1002"}}, headers=headers
         )
         assert seen.status_code == 201, seen.text
+        live = follow(http, f"{base}/v1/runs/{seen.json()['id']}/stream", headers=headers)
+        assert live.end.data["status"] == "succeeded" and [m.id for m in live.events] == list(
+            range(1, len(live.events) + 1)
+        )
         wait_for(
             lambda: (
                 http.get(f"{base}/v1/runs/{seen.json()['id']}", headers=headers).json()["status"]
@@ -261,7 +274,7 @@ def test_every_variable_serve_sh_reads_is_in_the_readme():
         "BIND",
         "FLOWER_PORT",
         "WORKER_CONCURRENCY",
-        "GUNICORN_WORKERS",
+        "WEB_WORKERS",
         "AGENTPLATFORM_VAR_DIR",
     } <= names
     assert not [name for name in names if f"`{name}`" not in readme]
