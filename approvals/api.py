@@ -7,8 +7,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
-from approvals import selectors, services
+from approvals import selectors
 from approvals.models import Approval, ApprovalStatus
+from runs.lifecycle import decide_approval
 
 
 class ApprovalOutput(serializers.ModelSerializer):
@@ -83,7 +84,7 @@ class _DecisionApi(APIView):
         require_tenant(request.user)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        approval = services.decide(
+        approval = decide_approval(
             approval_id=approval_id,
             user=request.user,
             approve=self.approve,

@@ -25,8 +25,10 @@ from runs.lifecycle import (
     lease_seconds_for,
     lock_run,
     record_event,
+    request_approval,
     transition_run,
     transition_step,
+    void_approval,
 )
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from tenants.permissions import may_run_agent
@@ -210,7 +212,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     denial = tool_gateway.check_dispatch(run, step, user=run.created_by, steps=steps)
     if denial:
         if step.status == StepStatus.APPROVED:
-            approvals.void_for_step(step, reason=denial)
+            void_approval(step, reason=denial)
         deny(step, denial)
         _continue_unless_looping(run, steps, step)
         return None
@@ -232,7 +234,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     if step.status == StepStatus.PROPOSED:
         decision = approvals.decision_for(run, step.tool, step.arguments)
         if decision.required:
-            approvals.request_approval(run=run, step=step, decision=decision)
+            request_approval(run, step, decision)
             transition_step(
                 step,
                 StepStatus.AWAITING_APPROVAL,
@@ -245,7 +247,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     elif step.status == StepStatus.APPROVED:
         problem = approvals.verify_for_dispatch(step)
         if problem:
-            approvals.void_for_step(step, reason=problem)
+            void_approval(step, reason=problem)
             deny(step, problem)
             _continue_unless_looping(run, steps, step)
             return None
