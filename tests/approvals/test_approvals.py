@@ -366,7 +366,7 @@ def clone_waiting_run(template: Run, count: int) -> list:
     resume path verifies them for real.
     """
     from budgets.models import BudgetAccount
-    from tools.gateway import idempotency_key
+    from runs.engine.proposals import idempotency_key
 
     def copy(obj, **changes):
         fields = {
