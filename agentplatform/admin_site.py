@@ -26,6 +26,10 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
+from approvals.models import ApprovalStatus
+from approvals.selectors import approvals_for
+from runs.models import RunStatus
+from runs.selectors import runs_for
 from tenants.models import TenantGroup, User
 from tenants.permissions import may_view_all_runs
 
@@ -308,11 +312,6 @@ class PlatformAdminSite(admin.AdminSite):
 
     def _desk(self, user) -> dict:
         """What a supervisor starts the day with: pending approvals, stuck runs, usage."""
-        from approvals.models import ApprovalStatus
-        from approvals.selectors import approvals_for
-        from runs.models import RunStatus
-        from runs.selectors import runs_for
-
         if user.tenant_id is None:
             return {}
         return {

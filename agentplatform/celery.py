@@ -23,6 +23,8 @@ def _import_gateway_clients(**kwargs) -> None:
 @worker_ready.connect
 def _serve_worker_metrics(**kwargs) -> None:
     """A worker with no metrics directory shared with the API serves its own counters."""
+    # Inside: agentplatform/__init__.py imports this module before Django's settings and apps
+    # are loaded, and the exporter's views need both.
     from observability import exporter
 
     exporter.serve()

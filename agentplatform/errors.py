@@ -55,6 +55,13 @@ class Conflict(DomainError):
         super().__init__(message, code=code, status=409)
 
 
+class IllegalTransition(Conflict):
+    """A status change its transition map does not allow, or that lost a race to another writer."""
+
+    def __init__(self, what: str, old: str, new: str):
+        super().__init__(f"{what} cannot go from {old} to {new}", code="illegal_transition")
+
+
 class Forbidden(DomainError):
     def __init__(self, message: str, *, code: str = "forbidden"):
         super().__init__(message, code=code, status=403)

@@ -5,16 +5,15 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 
+from agentplatform.digests import digest
 from agentplatform.errors import DomainError, NotFound
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.spec import validate_spec
-from runs.lifecycle import digest
+from llm.models import ModelEndpoint
 
 
 def create_version(*, tenant, agent: str, spec: dict, user=None) -> tuple[AgentVersion, bool]:
     """Validate and store the next version; the same spec as the latest returns that version."""
-    from llm.models import ModelEndpoint
-
     errors = validate_spec(spec, tenant)
     if errors:
         raise DomainError("the agent spec is invalid", code="invalid_spec", fields=errors)

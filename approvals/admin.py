@@ -26,8 +26,8 @@ from agentplatform.admin_site import (
 from agentplatform.errors import DomainError
 from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
-from approvals.services import decide
 from runs.admin import conversation
+from runs.lifecycle import decide_approval
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -85,7 +85,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             return super().get_queryset(request)  # operators: every tenant's, read-only
         return approvals_for(request.user)
 
-    # Deciding is the only write, and it goes through approvals.services.decide.
+    # Deciding is the only write, and it goes through runs.lifecycle.decide_approval.
     def has_view_permission(self, request, obj=None):
         user = request.user
         if not (user.is_active and user.is_staff):  # e.g. the anonymous user on the login page
@@ -128,7 +128,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     def _decide(self, request, approval, *, approve: bool, reason: str) -> bool:
         try:
-            decide(approval_id=approval.pk, user=request.user, approve=approve, reason=reason)
+            decide_approval(approval_id=approval.pk, user=request.user, approve=approve, reason=reason)
         except DomainError as exc:
             messages.error(request, f"{approval.tool.name} for run {str(approval.run_id)[:8]}: {exc.message}")
             return False

@@ -8,8 +8,9 @@ from rest_framework.views import APIView
 
 from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
 from agentplatform.schema import JsonObjectField, errors
-from approvals import selectors, services
+from approvals import selectors
 from approvals.models import Approval, ApprovalStatus
+from runs.lifecycle import decide_approval
 
 
 @extend_schema_serializer(component_name="Approval")
@@ -92,7 +93,7 @@ class _DecisionApi(APIView):
         require_tenant(request.user)
         data = serializer_class(data=request.data)
         data.is_valid(raise_exception=True)
-        approval = services.decide(
+        approval = decide_approval(
             approval_id=approval_id,
             user=request.user,
             approve=self.approve,

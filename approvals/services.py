@@ -1,28 +1,23 @@
-"""Approvals bound to the exact call: request, decide, verify, consume, void, expire."""
+"""Approvals bound to the exact call: request, decide, verify, consume, void, expire.
+
+These functions decide and move approvals; what a decision does to the run and its step (events,
+resuming the run) is written by runs/lifecycle.py, which calls them under the run's lock.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import uuid
 
-from django.db import transaction
 from django.utils import timezone
 from guardian.shortcuts import get_objects_for_user
 
-from agentplatform.errors import Conflict, Forbidden, NotFound
+from agentplatform.digests import digest
+from agentplatform.errors import Conflict, Forbidden, IllegalTransition, NotFound
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import Decision, parse_policy, stricter
-from runs.lifecycle import (
-    IllegalTransition,
-    digest,
-    end_run,
-    enqueue,
-    lock_run,
-    record_event,
-    transition_run,
-    transition_step,
-)
-from runs.models import Run, RunStatus, Step, StepStatus, StopReason
+from runs.models import Run, Step
 from tools.models import Tool
 
 
@@ -73,9 +68,10 @@ def _transition(approval: Approval, to: str, **fields) -> bool:
 
 
 def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
+    """The pending approval for this exact call (the caller records the event and parks the step)."""
     tool = step.tool
     ttl = tool.approval_ttl_seconds or run.tenant.approval_ttl_seconds
-    approval = Approval.objects.create(
+    return Approval.objects.create(
         tenant_id=run.tenant_id,
         run=run,
         step=step,
@@ -94,85 +90,52 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
         requested_by_id=run.created_by_id,
         expires_at=timezone.now() + dt.timedelta(seconds=ttl),
     )
-    record_event(
-        run.pk,
-        "approval_requested",
-        f"approval requested for {tool.name}: {decision.reason}",
-        step_seq=step.seq,
-        approval=str(approval.pk),
-        expires_at=approval.expires_at.isoformat(),
-    )
-    return approval
 
 
-def decide(*, approval_id, user, approve: bool, reason: str = "") -> Approval:
-    """Approve or deny once. Repeating the same decision by the same person returns it again."""
-    target = ApprovalStatus.APPROVED if approve else ApprovalStatus.DENIED
+def run_of(approval_id, *, tenant_id):
+    """The id of the run an approval of this tenant belongs to (its lock is taken first)."""
     try:
         approval_id = uuid.UUID(str(approval_id))
     except ValueError:
         raise NotFound("approval") from None
-    expired = False
-    with transaction.atomic():
-        run_id = (
-            Approval.objects.filter(pk=approval_id, tenant_id=user.tenant_id)
-            .values_list("run_id", flat=True)
-            .first()
-        )
-        if run_id is None:
-            raise NotFound("approval")
-        run = lock_run(run_id)
-        approval = Approval.objects.select_for_update().select_related("tool", "step").get(pk=approval_id)
-        if approval.requested_by_id == user.pk:
-            raise Forbidden("you may not decide your own request", code="self_approval")
-        if not can_approve(user, approval.tool):
-            raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
-        repeated = approval.decided_by_id == user.pk and (
-            approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED)
-        )
-        if repeated:
-            return approval
-        if approval.status != ApprovalStatus.PENDING:
-            raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
-        if approval.expires_at <= timezone.now():
-            _expire(run, approval)
-            expired = True
-        else:
-            _apply_decision(run, approval, user=user, approve=approve, reason=reason)
-    if expired:
-        raise Conflict("approval expired before it was decided", code="approval_expired")
-    return approval
-
-
-def _apply_decision(run: Run, approval: Approval, *, user, approve: bool, reason: str) -> None:
-    now = timezone.now()
-    target = ApprovalStatus.APPROVED if approve else ApprovalStatus.DENIED
-    _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=now)
-    step = approval.step
-    verb = "approved" if approve else "denied"
-    record_event(
-        run.pk,
-        f"approval_{verb}",
-        f"{approval.tool.name} {verb} by {user.username}" + (f": {reason}" if reason else ""),
-        step_seq=step.seq,
-        actor=user,
-        approval=str(approval.pk),
+    run_id = (
+        Approval.objects.filter(pk=approval_id, tenant_id=tenant_id).values_list("run_id", flat=True).first()
     )
-    if approve:
-        transition_step(step, StepStatus.APPROVED, actor=user)
-    else:
-        transition_step(
-            step,
-            StepStatus.REJECTED,
-            actor=user,
-            finished_at=now,
-            error=reason,
-            observation=f"ERROR: a supervisor denied this call{': ' + reason if reason else ''}. "
-            "Explain this to the user or choose another path.",
-        )
-    if run.status == RunStatus.WAITING_APPROVAL:
-        transition_run(run, RunStatus.RUNNING, actor=user, message=f"resumed: approval {verb}")
-        enqueue(run.pk)
+    if run_id is None:
+        raise NotFound("approval")
+    return run_id
+
+
+def locked(approval_id) -> Approval:
+    """The approval row locked FOR UPDATE, with its tool and step (after its run's lock)."""
+    return Approval.objects.select_for_update().select_related("tool", "step").get(pk=approval_id)
+
+
+class Verdict(enum.Enum):
+    DECIDED = "decided"  # moved to approved or denied now
+    REPEATED = "repeated"  # the same person repeated the same decision: nothing to do
+    EXPIRED = "expired"  # its time ran out undecided: moved to expired now
+
+
+def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verdict:
+    """Approve or deny a locked approval once, or refuse the decider (Forbidden, Conflict)."""
+    target = ApprovalStatus.APPROVED if approve else ApprovalStatus.DENIED
+    if approval.requested_by_id == user.pk:
+        raise Forbidden("you may not decide your own request", code="self_approval")
+    if not can_approve(user, approval.tool):
+        raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
+    repeated = approval.decided_by_id == user.pk and (
+        approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED)
+    )
+    if repeated:
+        return Verdict.REPEATED
+    if approval.status != ApprovalStatus.PENDING:
+        raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
+    if approval.expires_at <= timezone.now():
+        _transition(approval, ApprovalStatus.EXPIRED)
+        return Verdict.EXPIRED
+    _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
+    return Verdict.DECIDED
 
 
 def _expected_digest(step: Step, approval: Approval) -> str:
@@ -212,63 +175,36 @@ def consume(step: Step) -> bool:
     )
 
 
-def void_for_step(step: Step, *, reason: str) -> None:
-    if Approval.objects.filter(
-        step=step, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
-    ).update(status=ApprovalStatus.VOIDED, void_reason=reason):
-        record_event(
-            step.run_id,
-            "approval_voided",
-            f"approval for step {step.seq} voided: {reason}",
-            step_seq=step.seq,
-            reason=reason,
-        )
+def void_for_step(step: Step, *, reason: str) -> bool:
+    """Withdraw the step's open approval; True if there was one (the caller records the event)."""
+    return bool(
+        Approval.objects.filter(
+            step=step, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
+        ).update(status=ApprovalStatus.VOIDED, void_reason=reason)
+    )
 
 
-def void_open_approvals(run: Run, *, reason: str) -> None:
-    for step_id, seq in Approval.objects.filter(
-        run=run, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
-    ).values_list("step_id", "step__seq"):
-        void_for_step(Step(pk=step_id, seq=seq, run_id=run.pk), reason=reason)
+def open_approval_steps(run: Run) -> list[tuple]:
+    """(step id, step seq) of the run's approvals that could still be used."""
+    return list(
+        Approval.objects.filter(
+            run=run, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
+        ).values_list("step_id", "step__seq")
+    )
 
 
-def _expire(run: Run, approval: Approval) -> None:
+def due_for_expiry(*, now: dt.datetime, limit: int) -> list[tuple]:
+    """(approval id, run id) of pending approvals whose time is up."""
+    return list(
+        Approval.objects.filter(status=ApprovalStatus.PENDING, expires_at__lte=now).values_list(
+            "pk", "run_id"
+        )[:limit]
+    )
+
+
+def expire(approval: Approval) -> bool:
+    """Move a locked approval that is still pending to expired; False if it was decided meanwhile."""
+    if approval.status != ApprovalStatus.PENDING:
+        return False
     _transition(approval, ApprovalStatus.EXPIRED)
-    step = approval.step
-    record_event(
-        run.pk,
-        "approval_expired",
-        f"approval for {approval.tool.name} expired undecided",
-        step_seq=step.seq,
-        approval=str(approval.pk),
-    )
-    transition_step(
-        step,
-        StepStatus.EXPIRED,
-        finished_at=timezone.now(),
-        observation="ERROR: the approval request expired without a decision; the call was not made.",
-    )
-    if run.status != RunStatus.WAITING_APPROVAL:
-        return
-    if run.version.spec.get("on_approval_expired") == "stop":
-        end_run(
-            run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired"
-        )
-    else:
-        transition_run(run, RunStatus.RUNNING, message="resumed: approval expired, the model is told")
-        enqueue(run.pk)
-
-
-def expire_due(*, now: dt.datetime | None = None, limit: int = 500) -> int:
-    now = now or timezone.now()
-    count = 0
-    for approval_id, run_id in Approval.objects.filter(
-        status=ApprovalStatus.PENDING, expires_at__lte=now
-    ).values_list("pk", "run_id")[:limit]:
-        with transaction.atomic():
-            run = lock_run(run_id)
-            approval = Approval.objects.select_for_update().select_related("tool", "step").get(pk=approval_id)
-            if approval.status == ApprovalStatus.PENDING:
-                _expire(run, approval)
-                count += 1
-    return count
+    return True

@@ -10,7 +10,7 @@ Catalogue: 400 tools on 12 servers (builtin and http kinds) with generated but r
 descriptions and JSON schemas. The agent user holds use_tool on 60 of them (half directly, half
 through a group); the agent version allowlists 40, of which 36 are among the 60.
 
-  checks     tools.gateway.check_dispatch on an allowed call (the full path: fresh user, tool
+  checks     tools.checks.check_dispatch on an allowed call (the full path: fresh user, tool
              row, allowlist, guardian object permission, offered list, JSON-schema validation)
              and on a denied call (no permission); queries per call and microseconds, mean and
              p95 (wall clock) and the mean CPU time of this process, over BENCH_CALLS (500) calls
@@ -334,14 +334,15 @@ def build(rng: random.Random):
     from django.contrib.auth.models import Group
     from guardian.shortcuts import assign_perm
 
+    from agentplatform.digests import digest
     from agents.models import Alias
     from agents.services import create_version
     from budgets.services import create_run_account
     from llm.models import ModelEndpoint
-    from runs.lifecycle import DEFAULT_LIMITS, digest
+    from runs.engine.proposals import idempotency_key
+    from runs.lifecycle import DEFAULT_LIMITS
     from runs.models import Run, Step, StepKind, StepStatus
     from tenants.models import Tenant, TenantGroup, User
-    from tools.gateway import idempotency_key
     from tools.models import Tool, ToolServer
 
     tenant = Tenant.objects.create(slug="bench", name="Bench")
@@ -487,13 +488,13 @@ def main() -> None:
         from django.conf import settings
 
         from runs.models import Run
-        from tools import gateway
+        from tools import checks, offer
 
         data = build(random.Random(SEED))
         run = Run.objects.select_related("tenant", "version").get(pk=data["run"].pk)
         allowed, denied = data["allowed_step"], data["denied_step"]
-        assert gateway.check_dispatch(run, allowed) is None, gateway.check_dispatch(run, allowed)
-        assert "may not use" in (gateway.check_dispatch(run, denied) or "")
+        assert checks.check_dispatch(run, allowed) is None, checks.check_dispatch(run, allowed)
+        assert "may not use" in (checks.check_dispatch(run, denied) or "")
 
         print(
             f"tool gateway benchmark: PostgreSQL {connection.pg_version // 10000}, {CALLS} calls per figure"
@@ -502,20 +503,20 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall times include it)")
         print(f"{'check':<44}{'queries':>8}{'wall mean µs':>14}{'wall p95 µs':>13}{'CPU mean µs':>13}")
         for label, fn in (
-            ("check_dispatch, allowed call", lambda: gateway.check_dispatch(run, allowed)),
-            ("check_dispatch, denied call (no use_tool)", lambda: gateway.check_dispatch(run, denied)),
-            ("offered_tools (once per model call)", lambda: gateway.offered_tools(run)),
+            ("check_dispatch, allowed call", lambda: checks.check_dispatch(run, allowed)),
+            ("check_dispatch, denied call (no use_tool)", lambda: checks.check_dispatch(run, denied)),
+            ("offered_tools (once per model call)", lambda: offer.offered_tools(run)),
         ):
             mean, p95, cpu, queries = timed(fn, CALLS)
             print(f"{label:<44}{queries:>8}{mean:>14.0f}{p95:>13.0f}{cpu:>13.0f}")
 
-        spec = gateway._spec
+        spec = offer.spec_of
         permitted = {t.pk for t in data["permitted"]}
         both = [t for t in data["allowlist"] if t.pk in permitted]
-        narrowed = gateway.offered_tools(run)
+        narrowed = offer.offered_tools(run)
         small = type(run.version)(spec={**run.version.spec, "max_visible_tools": 12})
         run.version = small
-        narrowed_small = gateway.offered_tools(run)
+        narrowed_small = offer.offered_tools(run)
         print()
         print(f"{'tool set offered to the model':<44}{'tools':>8}{'tokens':>10}{'per call vs all':>17}")
         everything = schema_tokens(spec(t) for t in data["tools"])

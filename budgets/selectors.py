@@ -9,6 +9,7 @@ from django.db.models.functions import Coalesce
 from agentplatform.errors import NotFound
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.services import local_day
+from runs.models import Run
 
 
 def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
@@ -58,8 +59,6 @@ def per_agent(tenant, *, days: int = 30) -> list[dict]:
 
 
 def top_runs(tenant, *, days: int = 30, limit: int = 10):
-    from runs.models import Run
-
     since = dt.datetime.combine(
         local_day(tenant) - dt.timedelta(days=days - 1), dt.time(0, 0), tzinfo=tenant.zone
     )

@@ -89,7 +89,7 @@ def _secret_plaintext(name: str | None, plan: Plan, slug: str) -> str | None:
 
 
 def server_config(values: dict, existing: ToolServer | None, secret: str | None) -> McpServerConfig:
-    """Like tools.gateway.mcp_config, for a server that may not be saved yet.
+    """Like tools.transports.mcp_config, for a server that may not be saved yet.
 
     The secret is passed as plaintext because it may be new in this file, so not yet stored.
     """

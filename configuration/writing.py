@@ -12,6 +12,7 @@ from django.contrib.contenttypes.models import ContentType
 from guardian.shortcuts import assign_perm, remove_perm
 from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
 
+from agentplatform.digests import digest
 from agents.models import AgentDefinition, Alias
 from agents.services import create_version, move_alias
 from agents.spec import validate_spec
@@ -32,7 +33,6 @@ from configuration.schema import (
 )
 from llm.models import ModelEndpoint
 from notifications.models import Webhook
-from runs.lifecycle import digest
 from tenants.crypto import SecretKeyError
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all

@@ -19,6 +19,7 @@ from llm.models import ModelEndpoint
 from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 from runs.models import OBSERVED, StepKind, StepStatus
+from tenants.crypto import redact
 
 _providers: dict[tuple, object] = {}
 _providers_lock = threading.Lock()
@@ -132,6 +133,7 @@ def request_summary(request: ModelRequest, *, input_tokens: int | None = None) -
 
 
 def _provider(endpoint: ModelEndpoint):
+    # Each provider's client library is imported only by the processes that call that provider.
     from llm.providers.scripted import ScriptedProvider
 
     if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
@@ -148,13 +150,13 @@ def _provider(endpoint: ModelEndpoint):
         provider = _providers.get(key)
         if provider is None:
             if endpoint.kind == ModelEndpoint.Kind.OPENAI:
-                from llm.providers.openai import OpenAIProvider
+                from llm.providers.openai import OpenAIProvider  # see _provider's first import
 
                 provider = OpenAIProvider(
                     endpoint.base_url, api_key, endpoint.model, send_cache_key=endpoint.send_cache_key
                 )
             else:
-                from llm.providers.anthropic import AnthropicProvider
+                from llm.providers.anthropic import AnthropicProvider  # see _provider's first import
 
                 provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)
             _providers[key] = provider
@@ -163,8 +165,6 @@ def _provider(endpoint: ModelEndpoint):
 
 def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
     """Call the provider once (the engine owns retries). Secrets never leave in errors."""
-    from tenants.crypto import redact
-
     provider = _provider(endpoint)
     try:
         return provider.complete(request)

@@ -6,6 +6,6 @@ class ObservabilityConfig(AppConfig):
     verbose_name = "Observability"
 
     def ready(self) -> None:
-        from observability import tracing
+        from observability import tracing  # reads settings: only once the apps are loaded
 
         tracing.configure()

@@ -1,21 +1,29 @@
-"""Writes on runs: admission, guarded transitions with events, cancellation, enqueueing."""
+"""Writes on runs: admission, guarded transitions with events, cancellation, enqueueing, and what an
+approval's request, decision, withdrawal or expiry does to its run (approvals/services.py decides
+and moves the approval; the run's step, status and events are written here)."""
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
-import hashlib
-import json
 import threading
 import uuid
 from contextlib import contextmanager
 
+from celery import current_app
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError, Forbidden
+from agentplatform.digests import digest
+from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition
+from agents.models import AgentVersion
+from agents.selectors import resolve_version
+from approvals import services as approvals
+from approvals.models import Approval
+from budgets.services import create_run_account
+from llm.models import ModelEndpoint
 from observability import observe
 from runs import admission, rows
 from runs.models import (
@@ -30,7 +38,9 @@ from runs.models import (
     Step,
     StepKind,
     StepStatus,
+    StopReason,
 )
+from tenants.models import Tenant, User
 from tenants.permissions import may_run_agent
 
 DEFAULT_LIMITS = {
@@ -47,19 +57,6 @@ LIMIT_CAPS = {
     "max_output_tokens": "max_output_tokens_cap",
     "max_cost_micros": "max_cost_micros_cap",
 }
-
-
-class IllegalTransition(Conflict):
-    def __init__(self, what: str, old: str, new: str):
-        super().__init__(f"{what} cannot go from {old} to {new}", code="illegal_transition")
-
-
-def canonical_json(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-
-
-def digest(value) -> str:
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
 def effective_limits(spec_limits: dict, tenant) -> dict:
@@ -192,8 +189,6 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
 
     `fields` are written in the same UPDATE as last_enqueued_at (the engine clears its lease here).
     """
-    from runs.tasks import advance_run
-
     now = timezone.now()
     _update(Run, run_id, last_enqueued_at=now, **fields)
     # The message carries its enqueue time: a message older than the run's latest enqueue is
@@ -201,27 +196,28 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
     # robust: with the broker down the commit stands (a started run is not answered with a 500)
     # and the sweeper sends the message again later; the error is logged.
     transaction.on_commit(
-        lambda: advance_run.apply_async((str(run_id), now.isoformat()), countdown=countdown), robust=True
+        lambda: _advance_run((str(run_id), now.isoformat())).apply_async(countdown=countdown), robust=True
     )
 
 
 def resend(run_id, *, enqueued_at) -> None:
     """Send the run's last message again, unchanged: if the first copy was only slow, whichever
     copy arrives first moves the run, and the other is then older than the run's next message."""
-    from runs.tasks import advance_run
-
     transaction.on_commit(
-        lambda: advance_run.apply_async((str(run_id), enqueued_at.isoformat())), robust=True
+        lambda: _advance_run((str(run_id), enqueued_at.isoformat())).apply_async(), robust=True
     )
+
+
+def _advance_run(args: tuple):
+    """The engine's task message, named rather than imported: runs/tasks.py imports the engine,
+    which imports this module. The registered task object sends it (its options, and whatever
+    wraps its apply_async), or the app by name where the worker's tasks were never imported."""
+    return current_app.signature("runs.tasks.advance_run", args=args)
 
 
 def lock_run(run_id, *, for_step: bool = False) -> Run:
     """The run row locked FOR UPDATE, with its tenant and version (and for a step: the user who
     started it and the version's model endpoint), read fresh in one statement."""
-    from agents.models import AgentVersion
-    from llm.models import ModelEndpoint
-    from tenants.models import Tenant, User
-
     try:
         run_id = uuid.UUID(str(run_id))
     except ValueError:
@@ -258,8 +254,6 @@ def end_run(
     """Finish a run: skip steps that will never run and void approvals that can no longer be used.
 
     `fields`: more columns of the run to write in the same UPDATE (final_output, say)."""
-    from approvals.services import void_open_approvals
-
     fields.update(stop_reason=reason, error=error)
     transition_run(
         run, status, actor=actor, message=message, event_data={"reason": reason, "error": error}, **fields
@@ -308,9 +302,6 @@ def start_run(
     what admitted runs are still expected to spend (runs/admission.py); otherwise it waits in
     `waiting_budget`, or with wait=False the call answers 429 with Retry-After.
     """
-    from agents.selectors import resolve_version
-    from budgets.services import create_run_account
-
     tenant = user.tenant
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
@@ -449,3 +440,121 @@ def lease_seconds_for(timeout: float) -> int:
 
 def continue_run(run: Run, *, countdown: float | None = None) -> None:
     enqueue(run.pk, countdown=countdown, lease_token=None, lease_expires_at=None)  # one UPDATE
+
+
+# --- Approvals: what they do to the run ------------------------------------------------------
+
+
+def request_approval(run: Run, step: Step, decision) -> None:
+    """Park a proposed call for a person's decision: the approval, its event, the step and the run wait."""
+    approval = approvals.request_approval(run=run, step=step, decision=decision)
+    record_event(
+        run.pk,
+        "approval_requested",
+        f"approval requested for {step.tool.name}: {decision.reason}",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+        expires_at=approval.expires_at.isoformat(),
+    )
+
+
+def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Approval:
+    """Approve or deny once; the step moves and a waiting run resumes. Repeating the same decision
+    by the same person returns the approval again. Past its expiry the approval expires instead
+    (that is committed) and the decision is refused."""
+    with transaction.atomic():
+        run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
+        approval = approvals.locked(approval_id)
+        verdict = approvals.decide(approval, user=user, approve=approve, reason=reason)
+        if verdict == approvals.Verdict.DECIDED:
+            _approval_decided(run, approval, user=user, approve=approve, reason=reason)
+        elif verdict == approvals.Verdict.EXPIRED:
+            _approval_expired(run, approval)
+    if verdict == approvals.Verdict.EXPIRED:
+        raise Conflict("approval expired before it was decided", code="approval_expired")
+    return approval
+
+
+def _approval_decided(run: Run, approval: Approval, *, user, approve: bool, reason: str) -> None:
+    step = approval.step
+    verb = "approved" if approve else "denied"
+    record_event(
+        run.pk,
+        f"approval_{verb}",
+        f"{approval.tool.name} {verb} by {user.username}" + (f": {reason}" if reason else ""),
+        step_seq=step.seq,
+        actor=user,
+        approval=str(approval.pk),
+    )
+    if approve:
+        transition_step(step, StepStatus.APPROVED, actor=user)
+    else:
+        transition_step(
+            step,
+            StepStatus.REJECTED,
+            actor=user,
+            finished_at=approval.decided_at,
+            error=reason,
+            observation=f"ERROR: a supervisor denied this call{': ' + reason if reason else ''}. "
+            "Explain this to the user or choose another path.",
+        )
+    if run.status == RunStatus.WAITING_APPROVAL:
+        transition_run(run, RunStatus.RUNNING, actor=user, message=f"resumed: approval {verb}")
+        enqueue(run.pk)
+
+
+def _approval_expired(run: Run, approval: Approval) -> None:
+    step = approval.step
+    record_event(
+        run.pk,
+        "approval_expired",
+        f"approval for {approval.tool.name} expired undecided",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+    )
+    transition_step(
+        step,
+        StepStatus.EXPIRED,
+        finished_at=timezone.now(),
+        observation="ERROR: the approval request expired without a decision; the call was not made.",
+    )
+    if run.status != RunStatus.WAITING_APPROVAL:
+        return
+    if run.version.spec.get("on_approval_expired") == "stop":
+        end_run(
+            run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired"
+        )
+    else:
+        transition_run(run, RunStatus.RUNNING, message="resumed: approval expired, the model is told")
+        enqueue(run.pk)
+
+
+def expire_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> int:
+    """Expire pending approvals whose time is up, each with its run locked; how many expired."""
+    now = now or timezone.now()
+    count = 0
+    for approval_id, run_id in approvals.due_for_expiry(now=now, limit=limit):
+        with transaction.atomic():
+            run = lock_run(run_id)
+            approval = approvals.locked(approval_id)
+            if approvals.expire(approval):
+                _approval_expired(run, approval)
+                count += 1
+    return count
+
+
+def void_approval(step: Step, *, reason: str) -> None:
+    """Withdraw the step's open approval, if any, with an event."""
+    if approvals.void_for_step(step, reason=reason):
+        record_event(
+            step.run_id,
+            "approval_voided",
+            f"approval for step {step.seq} voided: {reason}",
+            step_seq=step.seq,
+            reason=reason,
+        )
+
+
+def void_open_approvals(run: Run, *, reason: str) -> None:
+    for step_id, seq in approvals.open_approval_steps(run):
+        void_approval(Step(pk=step_id, seq=seq, run_id=run.pk), reason=reason)

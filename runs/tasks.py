@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 from celery import shared_task
 from django.db import InterfaceError, OperationalError, close_old_connections
 
 from observability import observe
+from runs.engine import advance
+from runs.recovery.sweeper import sweep as run_sweep
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +31,6 @@ def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
     The result says what happened (step, kind, tool, outcome, run status): Flower and the
     worker's log show it even though no result backend stores it.
     """
-    import datetime as dt
-
-    from runs.engine import advance
-
     close_old_connections()
     return advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
 
@@ -41,7 +40,5 @@ def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
 @shared_task(name="runs.tasks.sweep", ignore_result=True, send_events=False)
 def sweep() -> dict:
     """One sweeper pass; the result lists only what it found."""
-    from runs.recovery.sweeper import sweep as run_sweep
-
     close_old_connections()
     return observe.swept(run_sweep())

@@ -7,6 +7,8 @@ from django.contrib.auth.models import AbstractUser, Group
 from django.core.exceptions import ValidationError
 from django.db import models
 
+from tenants.crypto import decrypt, encrypt
+
 
 def validate_time_zone(value: str) -> None:
     try:
@@ -92,13 +94,9 @@ class Secret(models.Model):
         return f"{self.tenant.slug}/{self.name}"
 
     def set_value(self, plaintext: str) -> None:
-        from tenants.crypto import encrypt
-
         self.ciphertext = encrypt(plaintext, settings.SECRET_ENCRYPTION_KEYS)
 
     def reveal(self) -> str:
-        from tenants.crypto import decrypt
-
         return decrypt(self.ciphertext, settings.SECRET_ENCRYPTION_KEYS)
 
 

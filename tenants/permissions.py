@@ -4,7 +4,7 @@ guardian's ObjectPermissionChecker caches per object and answers True for superu
 engine checks authority on every model turn and must see a revocation at once, for the run's
 creator only. `holds` answers what guardian's get_objects_for_user(user, perm, klass=<that row>,
 with_superuser=False, accept_global_perms=False) does, for one row: granted to the user or to one
-of their groups (tools.gateway does the same for use_tool over many tools at once).
+of their groups (tools.offer does the same for use_tool over many tools at once).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import functools
 
 from django.contrib.auth import get_user_model
 from django.db import connection
+
+from agents.models import AgentDefinition
+from tenants.models import Tenant
 
 
 @functools.cache
@@ -49,13 +52,9 @@ def holds(user, perm: str, obj_model, pk) -> bool:
 
 
 def may_run_agent(user, agent_id) -> bool:
-    from agents.models import AgentDefinition
-
     return holds(user, "run_agent", AgentDefinition, agent_id)
 
 
 def may_view_all_runs(user) -> bool:
     """Supervisors hold view_runs on their tenant; everyone else reads only the runs they started."""
-    from tenants.models import Tenant
-
     return user.tenant_id is not None and holds(user, "view_runs", Tenant, user.tenant_id)

@@ -14,8 +14,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from tenants.crypto import redact, redact_obj
+from tenants.secrets import known_secrets
 from tools.builtin import BUILTINS
 from tools.models import EffectClass, Tool, ToolServer
+from tools.transports import mcp_config
 from tools.types import RemoteTool
 
 
@@ -44,15 +46,13 @@ def fetch_remote(server: ToolServer) -> list[RemoteTool]:
             for name, b in sorted(BUILTINS.items())
         ]
     if server.kind == ToolServer.Kind.MCP:
-        from tools import gateway, mcp_client
+        from tools import mcp_client  # the MCP SDK takes seconds to import: only MCP servers need it
 
-        return mcp_client.list_tools(gateway.mcp_config(server))
+        return mcp_client.list_tools(mcp_config(server))
     return []  # http tools are declared in the tenant configuration
 
 
 def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
-    from tools.gateway import known_secrets
-
     report = SyncReport()
     existing = {t.remote_name: t for t in Tool.objects.filter(server=server)}
     # Descriptions and schemas go to the model verbatim; a server could echo the credential we

@@ -14,9 +14,13 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
+from approvals import services as approvals
 from budgets import services as budgets
+from budgets.models import Reservation
+from llm import gateway as model_gateway
 from observability import observe
 from runs import rows
+from runs.engine import loops, platform_tools
 from runs.engine.types import Plan
 from runs.lifecycle import (
     atomic_with_events,
@@ -25,11 +29,14 @@ from runs.lifecycle import (
     lease_seconds_for,
     lock_run,
     record_event,
+    request_approval,
     transition_run,
     transition_step,
+    void_approval,
 )
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from tenants.permissions import may_run_agent
+from tools import checks, offer
 from tools.models import EffectClass
 
 MAX_MODEL_FAILURES = 5
@@ -130,9 +137,6 @@ def _take_lease(run: Run, seconds: int) -> uuid.UUID:
 
 
 def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
-    from llm import gateway as model_gateway
-    from tools import gateway as tool_gateway
-
     if not run.created_by.is_active:
         # The run acts with its creator's authority, and a model call spends money on their
         # behalf: a deactivated user's runs stop here, at the next model turn. Tool steps the
@@ -171,7 +175,7 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
             message="failed: model unavailable",
         )
         return None
-    offered = tool_gateway.offered_tools(run, user=run.created_by)  # the user row this claim read
+    offered = offer.offered_tools(run, user=run.created_by)  # the user row this claim read
     request = model_gateway.build_request(run, steps, offered)
     endpoint = run.version.model_endpoint
     if endpoint.secret_id:
@@ -198,19 +202,16 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
 
 
 def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
-    from approvals import services as approvals
-    from tools import gateway as tool_gateway
-
-    if step.tool_name in tool_gateway.PLATFORM_TOOLS:
-        tool_gateway.run_platform_tool(run, step)
+    if step.tool_name in offer.PLATFORM_TOOLS:
+        platform_tools.run_platform_tool(run, step)
         continue_run(run)
         return None
     # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
     # the permission in one statement; the call's offer from the step log.
-    denial = tool_gateway.check_dispatch(run, step, user=run.created_by, steps=steps)
+    denial = checks.check_dispatch(run, step, user=run.created_by, steps=steps)
     if denial:
         if step.status == StepStatus.APPROVED:
-            approvals.void_for_step(step, reason=denial)
+            void_approval(step, reason=denial)
         deny(step, denial)
         _continue_unless_looping(run, steps, step)
         return None
@@ -232,7 +233,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     if step.status == StepStatus.PROPOSED:
         decision = approvals.decision_for(run, step.tool, step.arguments)
         if decision.required:
-            approvals.request_approval(run=run, step=step, decision=decision)
+            request_approval(run, step, decision)
             transition_step(
                 step,
                 StepStatus.AWAITING_APPROVAL,
@@ -245,7 +246,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     elif step.status == StepStatus.APPROVED:
         problem = approvals.verify_for_dispatch(step)
         if problem:
-            approvals.void_for_step(step, reason=problem)
+            void_approval(step, reason=problem)
             deny(step, problem)
             _continue_unless_looping(run, steps, step)
             return None
@@ -279,8 +280,6 @@ def deny(step: Step, reason: str) -> None:
 
 def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
     """After a tool step's outcome (also a denial or a replay): stop on a loop, else go on."""
-    from runs.engine import loops
-
     if not loops.check(run, steps, step):
         continue_run(run)
 
@@ -412,8 +411,6 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
 def _release_undispatched(run_id) -> None:
     """A reservation is linked to its step in the transaction that commits `dispatching`: one
     without a step paid for a call that was never sent."""
-    from budgets.models import Reservation
-
     for reservation_id in Reservation.objects.filter(
         run_id=run_id, step__isnull=True, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):
@@ -421,8 +418,6 @@ def _release_undispatched(run_id) -> None:
 
 
 def _hold_lost_reservations(step_id: int) -> None:
-    from budgets.models import Reservation
-
     for reservation_id in Reservation.objects.filter(
         step_id=step_id, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):

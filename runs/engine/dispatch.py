@@ -13,6 +13,7 @@ import time
 from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
+from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs import rows
@@ -167,8 +168,6 @@ def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
 
 def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step | None:
     """An approved call: its approval is used up in the same transaction that marks it."""
-    from approvals import services as approvals
-
     run = lock_run(plan.run_id)
     if not fenced(run, plan):
         return None

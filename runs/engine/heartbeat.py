@@ -13,6 +13,8 @@ import time
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from runs.models import Run
+
 _lock = threading.Lock()
 _active: dict[str, tuple[str, int]] = {}  # run id -> (lease token, lease seconds)
 _thread: threading.Thread | None = None
@@ -34,8 +36,6 @@ def untrack(run_id) -> None:
 
 
 def _loop() -> None:
-    from runs.models import Run
-
     last: dict[str, float] = {}
     while True:
         time.sleep(TICK_SECONDS)

@@ -6,8 +6,12 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from budgets import services as budgets
+from budgets.models import Reservation
+from llm import gateway as model_gateway
+from llm.models import ModelEndpoint
+from llm.types import ProviderError
 from observability import observe
-from runs.engine import heartbeat
+from runs.engine import heartbeat, proposals
 from runs.engine.dispatch import (
     budget_event,
     mark_dispatching,
@@ -18,13 +22,10 @@ from runs.engine.dispatch import (
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import atomic_with_events, continue_run, end_run, lock_run, record_event, transition_step
 from runs.models import RunStatus, Step, StepKind, StepStatus
+from tenants import secrets
 
 
 def do_model(plan: Plan) -> None:
-    from llm import gateway as model_gateway
-    from llm.models import ModelEndpoint
-    from llm.types import ProviderError
-
     request = plan.extra["request"]
     estimate = plan.extra["estimate"]
     if not reserve(plan, amount=estimate, purpose="model"):
@@ -119,8 +120,6 @@ def _record_model(
 ) -> None:
     """Write the reply under the run lock if this worker still holds the lease; on a retry, from
     the step as stored (the failed attempt's in-memory writes were rolled back)."""
-    from tools import gateway as tool_gateway
-
     began = plan.extra.setdefault("record_began", timezone.now())
     if retry:
         step = Step.objects.get(pk=step.pk)
@@ -140,7 +139,7 @@ def _record_model(
             )
             return
         # Known secrets are redacted from what the model said before it is stored or acted on.
-        text, calls = tool_gateway.redact_reply(run, reply)
+        text, calls = secrets.redact_reply(run.tenant_id, reply)
         usage = {
             "input_tokens": reply.usage.input_tokens,
             "cached_input_tokens": reply.usage.cached_input_tokens,
@@ -158,7 +157,7 @@ def _record_model(
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
         )
         budget_event(run, step, reserved=estimate, settled=cost)
-        tool_gateway.propose(run=run, parent_seq=step.seq, calls=calls)
+        proposals.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not calls:
@@ -168,8 +167,6 @@ def _record_model(
 
 
 def recover_model(plan: Plan) -> None:
-    from budgets.models import Reservation
-
     for reservation_id in Reservation.objects.filter(
         step_id=plan.step_id, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):

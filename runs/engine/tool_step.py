@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from observability import observe
-from runs.engine import heartbeat
+from runs.engine import heartbeat, loops
 from runs.engine.claim import mark_unknown, settle_due, wait_to_settle
 from runs.engine.dispatch import (
     budget_event,
@@ -33,6 +33,8 @@ from runs.lifecycle import (
     transition_step,
 )
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus
+from tenants import secrets
+from tools import results, transports
 from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, EffectClass
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
 
@@ -78,10 +80,8 @@ def do_tool(plan: Plan) -> None:
 
 
 def _call_tool(step: Step) -> ToolOutcome:
-    from tools import gateway as tool_gateway
-
     try:
-        result = tool_gateway.dispatch(step)
+        result = transports.dispatch(step)
     except ToolFailed as exc:
         return ToolOutcome("failed", error=str(exc))
     except ToolInProgress as exc:
@@ -96,10 +96,8 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
 
     The claim asks only once the step's settle window has passed, so "not found" is evidence.
     """
-    from tools import gateway as tool_gateway
-
     try:
-        result = tool_gateway.lookup_status(step)
+        result = transports.lookup_status(step)
     except ToolInProgress as exc:
         _lookup_event(plan, step, ": in progress, waiting, not retrying", found=None)
         return ToolOutcome("in_progress", error=str(exc), retry_after=exc.retry_after)
@@ -135,9 +133,6 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
     On a retry (the first attempt's transaction failed) the step and the step log are read again:
     the in-memory ones may carry the rolled-back writes.
     """
-    from runs.engine import loops
-    from tools import gateway as tool_gateway
-
     now = timezone.now()
     began = plan.extra.setdefault("record_began", now)
     if retry:
@@ -154,7 +149,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         # dispatching, and the step log the claim read, are still what is stored.
         steps = plan.extra.get("steps")
         if outcome.kind == "succeeded":
-            stored, observation = tool_gateway.shape_result(run, step, outcome.result)
+            stored, observation = results.shape_result(run, step, outcome.result)
             transition_step(
                 step,
                 StepStatus.SUCCEEDED,
@@ -172,7 +167,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 # The lookup found the lost attempt's effect: its held reservation is that call's charge.
                 _close_holds_on_commit(step, happened=True)
         elif outcome.kind == "failed":
-            error = tool_gateway.redact_text(run, outcome.error)
+            error = secrets.redact_text(run.tenant_id, outcome.error)
             transition_step(
                 step,
                 StepStatus.FAILED,
@@ -203,10 +198,8 @@ def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
 
 
 def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
-    from tools import gateway as tool_gateway
-
     tool = step.tool
-    error = tool_gateway.redact_text(run, outcome.error)
+    error = secrets.redact_text(run.tenant_id, outcome.error)
     if tool.effect_class == EffectClass.UNSAFE or step.attempts >= tool.max_attempts:
         if tool.effect_class == EffectClass.READ_ONLY:
             transition_step(
@@ -299,9 +292,7 @@ def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
         outcome=outcome.kind,
     )
     if outcome.kind == "succeeded" and step.status == StepStatus.OUTCOME_UNKNOWN:
-        from tools import gateway as tool_gateway
-
-        stored, observation = tool_gateway.shape_result(run, step, outcome.result)
+        stored, observation = results.shape_result(run, step, outcome.result)
         transition_step(
             step,
             StepStatus.RESOLVED_SUCCEEDED,

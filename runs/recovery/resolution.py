@@ -8,6 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
+from approvals.services import can_approve
 from runs.engine.dispatch import close_tool_holds
 from runs.lifecycle import enqueue, lock_run, record_event, transition_run, transition_step
 from runs.models import RunStatus, Step, StepKind, StepStatus
@@ -19,8 +20,6 @@ OUTCOMES = ("succeeded", "failed", "retry")
 def resolve_step(
     *, run_id, seq: int, user, outcome: str, reason: str, result=None, override: bool = False
 ) -> Step:
-    from approvals.services import can_approve
-
     if outcome not in OUTCOMES:
         raise DomainError("unknown outcome", fields={"outcome": [f"must be one of {', '.join(OUTCOMES)}"]})
     if not reason:

@@ -24,11 +24,14 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Power
 from django.utils import timezone
 
+from budgets import services as budgets
+from budgets.models import Reservation
 from runs import admission
 from runs.lifecycle import (
     atomic_with_events,
     end_run,
     enqueue,
+    expire_approvals,
     lock_run,
     record_event,
     resend,
@@ -42,9 +45,6 @@ BATCH = 500
 
 
 def sweep(now: dt.datetime | None = None) -> dict[str, int]:
-    from approvals.services import expire_due
-    from budgets.services import release_orphans
-
     now = now or timezone.now()
     return {
         "expired_leases": _requeue_expired_leases(now),
@@ -53,8 +53,8 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "budget_resumed": _resume_budget_waits(now),
         "admitted": _admit_waiting_runs(now),
         "settle_resumed": _resume_settle_waits(now),
-        "approvals_expired": expire_due(now=now),
-        "orphan_reservations": release_orphans(now=now),
+        "approvals_expired": expire_approvals(now=now),
+        "orphan_reservations": budgets.release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),
     }
 
@@ -233,9 +233,6 @@ def _hold_lost_attempts() -> int:
     whose step has moved on belongs to an attempt that never came back: the call may have been
     charged. The engine holds these when it recovers the step; this catches any it could not.
     """
-    from budgets import services as budgets
-    from budgets.models import Reservation
-
     lost = list(
         Reservation.objects.filter(status=Reservation.Status.OPEN, step__isnull=False)
         .exclude(step__status=StepStatus.DISPATCHING)

@@ -8,7 +8,7 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalStatus
-from approvals.services import decide
+from runs.lifecycle import decide_approval
 from runs.models import Run, RunStatus
 from tests import factories
 from tests.admin.helpers import make_supervisor, park_on_approval
@@ -29,7 +29,7 @@ def test_it_lists_only_the_pending_approvals_the_supervisor_may_decide(as_ravi, 
     mine = park_on_approval(acme.asha, "refunder")
     not_approvable = park_on_approval(acme.asha, "nooper")
     decided = park_on_approval(acme.asha, "refunder")
-    decide(approval_id=decided.pk, user=acme.ravi, approve=False, reason="no")
+    decide_approval(approval_id=decided.pk, user=acme.ravi, approve=False, reason="no")
 
     response = as_ravi.get(INBOX)
 
@@ -156,7 +156,7 @@ def test_it_shows_an_approval_decided_meanwhile_as_an_error_message(as_ravi, acm
     approval = park_on_approval(acme.asha, "refunder")
     sam = make_supervisor(acme.tenant, "sam")
     factories.grant(acme.tools["echo"], approve=[sam])
-    decide(approval_id=approval.pk, user=sam, approve=False, reason="first")
+    decide_approval(approval_id=approval.pk, user=sam, approve=False, reason="first")
 
     response = as_ravi.post(detail_url(approval), {"_approve": "Approve", "reason": "late"})
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from approvals.models import ApprovalStatus
-from approvals.services import decide
 from runs.engine import advance
-from runs.lifecycle import start_run
+from runs.lifecycle import decide_approval, start_run
 from runs.models import Run, RunStatus, Step, StepStatus
 from tests.admin.helpers import make_supervisor, park_on_approval
 from tests.conftest import drive
@@ -43,7 +42,7 @@ def unknown_step(acme) -> Step:
 
 def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
     approval = park_on_approval(acme.asha, "refunder")
-    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
     run = drive(approval.run_id)
 
     response = as_ravi.get(run_url(run.pk))
@@ -147,7 +146,7 @@ def test_a_user_without_approve_tool_may_not_resolve(client, acme, unknown_step)
 
 def test_it_shows_the_share_of_input_read_from_the_prompt_cache(as_ravi, acme):
     approval = park_on_approval(acme.asha, "refunder")
-    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
     run = drive(approval.run_id)
     # What a provider reported for the two model calls (the scripted model reports no cache use).
     first, second = Step.objects.filter(run=run, kind="model").order_by("seq")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from approvals.services import decide
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
+from runs.lifecycle import decide_approval
 from tests.admin.helpers import park_on_approval
 from tests.conftest import drive
 
@@ -28,7 +28,7 @@ def hold(acme):
 
 def test_the_usage_page_charts_the_last_30_days_and_the_costliest_runs(as_ravi, acme):
     approval = park_on_approval(acme.asha, "refunder")
-    decide(approval_id=approval.pk, user=acme.ravi, approve=True)
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True)
     run = drive(approval.run_id)
 
     response = as_ravi.get(f"/admin/tenants/tenant/{acme.tenant.pk}/usage/")

@@ -23,7 +23,7 @@ from guardian.shortcuts import assign_perm, remove_perm
 from agentplatform.errors import Conflict
 from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import cancel_run, start_run
+from runs.lifecycle import cancel_run, decide_approval, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus, StopReason
 from runs.recovery.sweeper import sweep
 from tenants.models import User
@@ -86,7 +86,7 @@ def test_it_dispatches_an_approved_call_once_with_the_step_key(tenant, asha, rav
     run, approval = waiting_run(tenant, asha, refund)
     assert bank.effects() == []
 
-    approvals.decide(approval_id=approval.pk, user=ravi, approve=True, reason="verified")
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason="verified")
     run = drive(run.pk)
 
     assert run.status == RunStatus.SUCCEEDED, run.error
@@ -117,7 +117,7 @@ def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
     else:
         User.objects.filter(pk=asha.pk).update(is_active=False)
 
-    approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     run = drive(run.pk)
 
     assert bank.effects("issue_refund") == []
@@ -138,7 +138,7 @@ def test_it_voids_the_approval_when_the_requester_loses_authority_while_waiting(
 
 def test_it_never_dispatches_on_an_approval_that_was_already_used(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
-    approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     step = refund_step(run)
     assert approvals.consume(step) is True  # used elsewhere first (a replayed message, say)
     assert approvals.consume(step) is False
@@ -153,7 +153,7 @@ def test_it_replays_the_same_call_from_the_record_and_asks_again_for_a_different
     tenant, asha, ravi, bank, refund
 ):
     run, first = waiting_run(tenant, asha, refund, refund_call(refund), refund_call(refund, amount=12000))
-    approvals.decide(approval_id=first.pk, user=ravi, approve=True)
+    decide_approval(approval_id=first.pk, user=ravi, approve=True)
 
     run = drive(run.pk)
 
@@ -170,7 +170,7 @@ def test_it_replays_the_same_call_from_the_record_and_asks_again_for_a_different
     assert Approval.objects.get(pk=first.pk).status == ApprovalStatus.CONSUMED
     assert len(bank.effects("issue_refund")) == 1
 
-    approvals.decide(approval_id=second.pk, user=ravi, approve=False, reason="one refund is enough")
+    decide_approval(approval_id=second.pk, user=ravi, approve=False, reason="one refund is enough")
     run = drive(run.pk)
     assert run.status == RunStatus.SUCCEEDED
     assert len(bank.effects("issue_refund")) == 1
@@ -178,7 +178,7 @@ def test_it_replays_the_same_call_from_the_record_and_asks_again_for_a_different
 
 def test_it_refuses_to_dispatch_when_the_arguments_change_after_approval(tenant, asha, ravi, bank, refund):
     run, approval = waiting_run(tenant, asha, refund)
-    approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     tampered = {"transaction_id": "TXN-1001", "amount": 1, "currency": "INR"}
     Step.objects.filter(pk=refund_step(run).pk).update(arguments=tampered)
     step = refund_step(run)
@@ -210,7 +210,7 @@ def test_it_expires_approvals_after_24_hours_by_default_or_the_tool_ttl(tenant, 
     assert sweep(now=timezone.now() + dt.timedelta(minutes=9))["approvals_expired"] == 0
     assert sweep(now=timezone.now() + dt.timedelta(minutes=11))["approvals_expired"] == 1
     with pytest.raises(Conflict):
-        approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+        decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     run = drive(run.pk)
     assert run.status == RunStatus.SUCCEEDED
     assert refund_step(run).status == StepStatus.EXPIRED
@@ -222,7 +222,7 @@ def test_it_refuses_a_decision_after_expiry_even_before_the_sweeper_ran(tenant, 
     Approval.objects.filter(pk=approval.pk).update(expires_at=timezone.now() - dt.timedelta(seconds=1))
 
     with pytest.raises(Conflict) as refused:
-        approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+        decide_approval(approval_id=approval.pk, user=ravi, approve=True)
 
     assert refused.value.code == "approval_expired"
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.EXPIRED
@@ -285,7 +285,7 @@ def test_it_voids_the_approval_of_a_cancelled_run_and_refuses_to_approve_it(tena
     approval.refresh_from_db()
     assert approval.status == ApprovalStatus.VOIDED and "cancelled" in approval.void_reason
     with pytest.raises(Conflict):
-        approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+        decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     assert drive(run.pk).status == RunStatus.CANCELLED
     assert refund_step(run).status == StepStatus.SKIPPED
     assert bank.effects("issue_refund") == []
@@ -320,8 +320,8 @@ def test_concurrent_approve_and_deny_have_one_winner_and_at_most_one_dispatch(
     run, approval = waiting_run(tenant, asha, refund)
 
     approve, deny = _race(
-        lambda: approvals.decide(approval_id=approval.pk, user=ravi, approve=True),
-        lambda: approvals.decide(approval_id=approval.pk, user=meera, approve=False),
+        lambda: decide_approval(approval_id=approval.pk, user=ravi, approve=True),
+        lambda: decide_approval(approval_id=approval.pk, user=meera, approve=False),
     )
 
     outcomes = [r for r in (approve, deny) if isinstance(r, Approval)]
@@ -343,7 +343,7 @@ def test_a_second_concurrent_worker_cannot_dispatch_an_approved_call_twice(tenan
     from runs.engine import advance
 
     run, approval = waiting_run(tenant, asha, refund)
-    approvals.decide(approval_id=approval.pk, user=ravi, approve=True)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True)
 
     _race(*[lambda: advance(run.pk)] * 4)
     run = drive(run.pk)
@@ -366,7 +366,7 @@ def clone_waiting_run(template: Run, count: int) -> list:
     resume path verifies them for real.
     """
     from budgets.models import BudgetAccount
-    from tools.gateway import idempotency_key
+    from runs.engine.proposals import idempotency_key
 
     def copy(obj, **changes):
         fields = {

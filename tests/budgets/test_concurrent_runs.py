@@ -18,6 +18,7 @@ from runs.models import WAITING, Run, Step
 from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
+from tools import offer
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 
@@ -25,9 +26,7 @@ RUNS = 50
 
 
 def _model_call_estimate(run) -> int:
-    from tools import gateway as tool_gateway
-
-    request = gateway.build_request(run, [], tool_gateway.offered_tools(run))
+    request = gateway.build_request(run, [], offer.offered_tools(run))
     return gateway.estimate_cost_micros(run.version.model_endpoint, request)
 
 

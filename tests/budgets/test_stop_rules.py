@@ -19,7 +19,7 @@ from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, openai_endpoint
 from tests.conftest import drive
-from tools import gateway as tool_gateway
+from tools import offer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -57,7 +57,7 @@ def test_it_stops_when_the_run_budget_cannot_pay_for_the_next_call(tenant, asha,
     probe_version = endless_agent(tenant, asha, builtins["echo"], name="probe")
     probe = Run(tenant=tenant, created_by=asha, version=probe_version, input={}, limits=dict(DEFAULT_LIMITS))
     first_call = gateway.estimate_cost_micros(
-        probe_version.model_endpoint, gateway.build_request(probe, [], tool_gateway.offered_tools(probe))
+        probe_version.model_endpoint, gateway.build_request(probe, [], offer.offered_tools(probe))
     )
     # The same agent with room for exactly one model call.
     endless_agent(tenant, asha, builtins["echo"], limits={"max_cost_micros": first_call})

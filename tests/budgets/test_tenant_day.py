@@ -22,7 +22,7 @@ from runs.recovery import sweeper
 from tests import factories
 from tests.budgets.conftest import assert_books_balance
 from tests.conftest import drive
-from tools import gateway as tool_gateway
+from tools import offer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -70,7 +70,7 @@ def first_call_estimate(version, user) -> int:
         tenant=version.agent.tenant, created_by=user, version=version, input={}, limits=dict(DEFAULT_LIMITS)
     )
     return gateway.estimate_cost_micros(
-        version.model_endpoint, gateway.build_request(probe, [], tool_gateway.offered_tools(probe))
+        version.model_endpoint, gateway.build_request(probe, [], offer.offered_tools(probe))
     )
 
 

@@ -17,7 +17,7 @@ from tenants.models import User
 from tests import factories
 from tests.conftest import drive
 from tests.gateway.conftest import advance_until, tool_step_done
-from tools import gateway
+from tools import offer
 from tools.models import Tool
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -182,7 +182,7 @@ def test_it_denies_a_permitted_tool_that_was_not_offered_on_that_call(tenant, as
     run, _ = start_run(user=asha, agent="agent", input={"task": "look up transaction TXN-1001"})
     run = drive(run.pk)
     offered = Step.objects.get(run=run, seq=1).request["tools"]
-    assert refund.name not in offered and gateway.SEARCH_TOOLS in offered
+    assert refund.name not in offered and offer.SEARCH_TOOLS in offered
     [step] = tool_steps(run)
     assert_denied(run, step, "was not offered on this call")
     assert bank.effects() == []
@@ -290,7 +290,7 @@ def test_it_gives_a_superuser_no_implicit_tool_access(tenant, bank, bank_tools):
     refund = bank_tools["issue_refund"]
     _two_refunds_agent(tenant, refund)
     run, _ = start_run(user=root, agent="agent", input={})
-    assert gateway.offered_tools(run) == []
+    assert offer.offered_tools(run) == []
 
     run = drive(run.pk)
 
@@ -305,7 +305,7 @@ def test_it_ignores_a_global_use_tool_permission(tenant, asha, bank, bank_tools)
     refund = bank_tools["issue_refund"]
     _two_refunds_agent(tenant, refund)
     run, _ = start_run(user=asha, agent="agent", input={})
-    assert gateway.offered_tools(run) == []
+    assert offer.offered_tools(run) == []
 
     run = drive(run.pk)
 
@@ -314,4 +314,4 @@ def test_it_ignores_a_global_use_tool_permission(tenant, asha, bank, bank_tools)
     assert bank.effects() == []
     # Control: an object permission does expose the tool.
     factories.grant(refund, use=[asha])
-    assert [s.name for s in gateway.offered_tools(run)] == [refund.name]
+    assert [s.name for s in offer.offered_tools(run)] == [refund.name]

@@ -14,7 +14,7 @@ from tenants.crypto import REDACTED
 from tenants.models import Secret
 from tests import factories
 from tests.conftest import drive
-from tools import gateway
+from tools import offer
 from tools.catalog import fetch_remote, release_quarantine, sync_server
 from tools.models import Tool, ToolServer
 from tools.types import RemoteTool
@@ -27,7 +27,7 @@ def tool_steps(run) -> list[Step]:
 
 
 def offered_names(run) -> list[str]:
-    return [spec.name for spec in gateway.offered_tools(run)]
+    return [spec.name for spec in offer.offered_tools(run)]
 
 
 # --- quarantine ------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_it_narrows_a_large_catalogue_by_relevance_and_adds_search_tools(tenant,
 
     names = offered_names(run)
 
-    assert len(names) == limit and names[-1] == gateway.SEARCH_TOOLS
+    assert len(names) == limit and names[-1] == offer.SEARCH_TOOLS
     assert names[:-1] == sorted(names[:-1]) and len(set(names)) == limit
     assert "kb__loyalty_points_balance" in names
     assert not {t.name for t in theirs} & set(names)
@@ -180,11 +180,7 @@ def test_it_reveals_only_permitted_tools_through_search_tools(tenant, asha):
         tenant,
         tools=mine + theirs,
         turns=[
-            {
-                "tool_calls": [
-                    {"name": gateway.SEARCH_TOOLS, "arguments": {"query": "currency exchange rates"}}
-                ]
-            },
+            {"tool_calls": [{"name": offer.SEARCH_TOOLS, "arguments": {"query": "currency exchange rates"}}]},
             {"tool_calls": [{"name": "kb__zz_currency_rates", "arguments": {"pair": "USD/INR"}}]},
             {"text": "ok"},
         ],
@@ -211,7 +207,7 @@ def test_it_denies_search_tools_when_it_was_not_offered(tenant, asha, builtins):
         tenant,
         tools=[echo],
         turns=[
-            {"tool_calls": [{"name": gateway.SEARCH_TOOLS, "arguments": {"query": "anything"}}]},
+            {"tool_calls": [{"name": offer.SEARCH_TOOLS, "arguments": {"query": "anything"}}]},
             {"text": "ok"},
         ],
     )

@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission
 from guardian.shortcuts import assign_perm, get_objects_for_user, remove_perm
 
 from tests import factories
-from tools import gateway
+from tools import offer
 from tools.models import Tool
 
 pytestmark = pytest.mark.django_db
@@ -36,7 +36,7 @@ def test_it_matches_guardian_for_user_group_global_and_other_permissions(tenant,
     ravi.groups.add(group)
 
     def same(user):
-        mine = gateway.use_tool_pks(user, [t.pk for t in everything])
+        mine = offer.use_tool_pks(user, [t.pk for t in everything])
         assert mine == guardian_pks(user, everything)
         return mine
 
@@ -56,6 +56,6 @@ def test_it_matches_guardian_for_user_group_global_and_other_permissions(tenant,
     remove_perm("tools.use_tool", asha, echo)
     asha.groups.remove(group)
     assert same(asha) == set()
-    assert gateway.use_tool_pks(ravi, [sleep.pk]) == set()
-    assert gateway.use_tool_pks(ravi, []) == set()
-    assert gateway.has_use_tool(ravi, clock) and not gateway.has_use_tool(ravi, sleep)
+    assert offer.use_tool_pks(ravi, [sleep.pk]) == set()
+    assert offer.use_tool_pks(ravi, []) == set()
+    assert offer.has_use_tool(ravi, clock) and not offer.has_use_tool(ravi, sleep)

@@ -1,0 +1,27 @@
+"""What a tool call gives the model: its result redacted, stored in full, and shown capped."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from runs.models import Run, Step
+from tenants.crypto import redact, redact_obj
+from tenants.secrets import known_secrets
+from tools.types import ToolResult
+
+
+def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
+    """Redact, store in full, and give the model a capped view with a clear marker."""
+    secrets = known_secrets(run.tenant_id)
+    text = redact(result.text, secrets)
+    stored = {"text": text, "structured": redact_obj(result.structured, secrets), "is_error": result.is_error}
+    limit = settings.TOOL_RESULT_MODEL_CHARS
+    observation = text
+    if len(text) > limit:
+        observation = (
+            text[:limit] + f"\n[truncated by the platform: showing {limit} of {len(text)} characters; "
+            "the full result is stored]"
+        )
+    if result.is_error:
+        observation = f"ERROR: {observation}"
+    return stored, observation

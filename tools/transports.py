@@ -1,0 +1,212 @@
+"""Calling a tool: the built-in tools, HTTP tools and MCP servers (tools/mcp_client.py), and the
+status lookup of reconcilable providers.
+
+Error contract: dispatch raises ToolFailed when the call provably did not happen (refused
+connection, 4xx, a URL off the server's origin) and ToolOutcomeUnknown when it may have;
+ToolInProgress when the provider still holds the key of an earlier attempt. A server's secret
+goes only to the origin of its configured URL, and redirects are never followed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from runs.models import Step
+from tenants.models import Secret
+from tools.builtin import BUILTINS
+from tools.models import Tool, ToolServer
+from tools.origins import origin_text, same_origin
+from tools.types import (
+    IDEMPOTENCY_HEADER,
+    McpServerConfig,
+    ToolFailed,
+    ToolInProgress,
+    ToolOutcomeUnknown,
+    ToolResult,
+)
+
+
+def _secret_header(server: ToolServer) -> dict:
+    if not server.secret_id:
+        return {}
+    value = Secret.objects.get(pk=server.secret_id).reveal()
+    return {server.auth_header or "Authorization": f"{server.auth_scheme} {value}".strip()}
+
+
+def mcp_config(server: ToolServer) -> McpServerConfig:
+    return McpServerConfig(
+        transport=server.transport or ToolServer.Transport.STREAMABLE_HTTP,
+        url=server.url,
+        command=tuple(server.command or ()),
+        headers=_secret_header(server),
+    )
+
+
+def dispatch(step: Step) -> ToolResult:
+    """Send the call. Raises ToolFailed (provably not done) or ToolOutcomeUnknown."""
+    tool = step.tool
+    server = tool.server
+    if server.kind == ToolServer.Kind.BUILTIN:
+        builtin = BUILTINS.get(tool.remote_name)
+        if builtin is None:
+            raise ToolFailed(f"no builtin tool {tool.remote_name}")
+        try:
+            return builtin.run(step.arguments)
+        except Exception as exc:
+            raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
+    if server.kind == ToolServer.Kind.HTTP:
+        return _http_call(server, tool, step)
+    from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
+
+    return mcp_client.call_tool(
+        mcp_config(server),
+        tool.remote_name,
+        step.arguments,
+        idempotency_key=step.idempotency_key,
+        timeout=tool.timeout_seconds,
+    )
+
+
+def http_tool_url(server: ToolServer, tool: Tool) -> str:
+    return tool.http_url or f"{server.url.rstrip('/')}/{tool.remote_name}"
+
+
+def http_status_url(server: ToolServer, tool: Tool, key: str) -> str:
+    return (tool.status_url or f"{server.url.rstrip('/')}/status/{{key}}").replace("{key}", key)
+
+
+def off_origin(server: ToolServer, url: str) -> str | None:
+    """Why `url` must not be called with the server's secret, or None.
+
+    The secret (and the idempotency key) belong to the origin of the server's configured URL;
+    a tool URL elsewhere is refused even for a server without a secret, so that no tool field
+    can aim the platform at another host.
+    """
+    if same_origin(url, server.url):
+        return None
+    try:
+        where = origin_text(server.url)
+    except ValueError:
+        where = "(no valid server URL)"
+    return f"refused before sending: the URL of this call is not on server {server.name}'s origin {where}"
+
+
+def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
+    url = http_tool_url(server, tool)
+    refusal = off_origin(server, url)
+    if refusal:
+        raise ToolFailed(refusal)
+    headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server)}
+    try:
+        # Redirects are never followed (httpx's default, said here because it matters): the
+        # secret goes to the configured origin and nowhere else.
+        response = httpx.post(
+            url,
+            json=step.arguments,
+            headers=headers,
+            follow_redirects=False,
+            timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)),
+        )
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ToolFailed(f"could not connect to {server.name}: {type(exc).__name__}") from None
+    except httpx.HTTPError as exc:
+        raise ToolOutcomeUnknown(f"{type(exc).__name__} after sending to {server.name}") from None
+    if response.status_code >= 500:
+        raise ToolOutcomeUnknown(
+            f"{server.name} answered {response.status_code}", retry_after=_retry_after(response)
+        )
+    if response.status_code == 409 and step.attempts > 1:
+        # A repeat of a call whose first attempt went unanswered: the provider still holds the
+        # key ("in use"), so that attempt is alive. Wait for it; a second send could double it.
+        raise ToolInProgress(
+            f"{server.name} answered 409: the request with this key is still in progress",
+            retry_after=_retry_after(response),
+        )
+    if response.status_code >= 400:
+        raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
+    if response.is_redirect:
+        _redirected(server, response)
+    return _http_result(response)
+
+
+def _redirected(server: ToolServer, response: httpx.Response) -> None:
+    """A redirect is not followed. 307/308 say the request was not handled here (a failure);
+    after any other redirect the provider may have acted, so the outcome is unknown."""
+    where = response.headers.get("Location", "")
+    note = (
+        f"{server.name} redirected the call ({response.status_code}); not followed: calls and secrets go only "
+        f"to the server's configured origin"
+    )
+    if not same_origin(str(response.url.join(where)), server.url):
+        note += ", and the redirect pointed elsewhere"
+    if response.status_code in (307, 308):
+        raise ToolFailed(note)
+    raise ToolOutcomeUnknown(note)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+
+
+def _http_result(response: httpx.Response) -> ToolResult:
+    try:
+        body = response.json()
+    except ValueError:
+        return ToolResult(text=response.text)
+    return ToolResult(text=json.dumps(body, ensure_ascii=False), structured=body)
+
+
+def lookup_status(step: Step) -> ToolResult | None:
+    """Ask a reconcilable provider whether the call with this key happened. None: it did not."""
+    tool = step.tool
+    server = tool.server
+    if server.kind == ToolServer.Kind.HTTP:
+        url = http_status_url(server, tool, step.idempotency_key)
+        refusal = off_origin(server, url)
+        if refusal:
+            # Nothing is learnt about the call itself: its outcome stays unknown.
+            raise ToolOutcomeUnknown(f"status lookup {refusal}")
+        try:
+            response = httpx.get(
+                url, headers=_secret_header(server), timeout=tool.timeout_seconds, follow_redirects=False
+            )
+        except httpx.HTTPError as exc:
+            raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
+        if response.status_code == 409:
+            raise ToolInProgress(
+                "status lookup answered 409: in progress", retry_after=_retry_after(response)
+            )
+        if response.status_code >= 300:
+            raise ToolOutcomeUnknown(
+                f"status lookup answered {response.status_code} (redirects are not followed)"
+            )
+        try:
+            body = response.json()
+        except ValueError:
+            raise ToolOutcomeUnknown("status lookup answered something other than JSON") from None
+    elif server.kind == ToolServer.Kind.MCP and server.status_tool:
+        from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
+
+        answer = mcp_client.call_tool(
+            mcp_config(server),
+            server.status_tool,
+            {"idempotency_key": step.idempotency_key},
+            idempotency_key=f"{step.idempotency_key}:status",
+            timeout=tool.timeout_seconds,
+        )
+        body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
+    else:
+        raise ToolOutcomeUnknown(f"{tool.name} has no status lookup configured")
+    if not isinstance(body, dict):
+        raise ToolOutcomeUnknown("status lookup answered something other than a JSON object")
+    if body.get("in_progress") is True or body.get("status") == "in_progress":
+        raise ToolInProgress("status lookup: the request with this key is still in progress")
+    if not body.get("found"):
+        return None
+    result = body.get("result")
+    return ToolResult(text=json.dumps(result, ensure_ascii=False), structured=result)
