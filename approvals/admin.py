@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils import timezone
 
 from agentplatform.admin_site import (
@@ -19,6 +21,7 @@ from agentplatform.admin_site import (
     admin_link,
     age,
     arguments_html,
+    money,
     site,
     status_filter,
     time_left,
@@ -27,7 +30,10 @@ from agentplatform.errors import DomainError
 from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
 from approvals.services import decide
+from budgets.models import BudgetAccount
 from runs.admin import conversation
+from runs.models import Step
+from tools.models import EffectClass
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -48,6 +54,34 @@ class AgeFilter(admin.SimpleListFilter):
         if under is not None:
             queryset = queryset.filter(created_at__gt=now - dt.timedelta(hours=under))
         return queryset
+
+
+# What each effect class means for the person deciding (DESIGN.md section 5).
+EFFECT_MEANING = {
+    EffectClass.READ_ONLY: "reads only; changes nothing",
+    EffectClass.IDEMPOTENT: "repeating the call has no further effect",
+    EffectClass.RECONCILABLE: "the provider can say whether the call happened",
+    EffectClass.UNSAFE: "may take effect twice if retried; nobody can check",
+}
+
+
+def proposal_text(approval: Approval) -> str:
+    """What the model said in the turn that proposed this call."""
+    if approval.step.parent_seq is None:
+        return ""
+    turn = Step.objects.filter(run_id=approval.run_id, seq=approval.step.parent_seq).first()
+    return ((turn.result or {}).get("text") or "") if turn else ""
+
+
+def cost_so_far(run) -> dict:
+    account = BudgetAccount.objects.filter(run=run).first()
+    if account is None:
+        return {"spent": money(0), "limit": ""}
+    return {
+        "spent": money(account.spent_micros),
+        "held": account.held_micros and money(account.held_micros),
+        "limit": money(account.limit_micros),
+    }
 
 
 class ReasonForm(forms.Form):
@@ -99,7 +133,29 @@ class ApprovalAdmin(ReadOnlyAdmin):
         return request.user.tenant_id is not None and self.has_view_permission(request)
 
     def changelist_view(self, request, extra_context=None):
-        return super().changelist_view(request, {"title": "Approval inbox", **(extra_context or {})})
+        context = {
+            "title": "Approval inbox",
+            "watch_url": reverse("admin:approvals_approval_watch"),
+            "marker": self._marker(request),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [path("watch/", view(self.watch_view), name="approvals_approval_watch"), *super().get_urls()]
+
+    def watch_view(self, request):
+        """A change marker of the inbox for the page's poller: which approvals are pending."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return JsonResponse({"marker": self._marker(request)})
+
+    def _marker(self, request) -> str:
+        # Any approval arriving, decided, expired or voided changes the set of pending ids.
+        pending = self.get_queryset(request).filter(status=ApprovalStatus.PENDING)
+        ids = "".join(str(pk) for pk in pending.order_by("pk").values_list("pk", flat=True))
+        return hashlib.sha256(ids.encode()).hexdigest()[:16]
 
     # --- columns ---
 
@@ -123,6 +179,16 @@ class ApprovalAdmin(ReadOnlyAdmin):
     @admin.display(description="run")
     def run_link(self, approval):
         return admin_link(approval.run, str(approval.run_id)[:8])
+
+    @admin.display(description="run")
+    def run_id_only(self, approval):
+        return str(approval.run_id)[:8]
+
+    def get_list_display(self, request):
+        # A link the user cannot open is not shown: approvers without runs.view_run see the id.
+        if request.user.has_perm("runs.view_run"):
+            return self.list_display
+        return [name if name != "run_link" else "run_id_only" for name in self.list_display]
 
     # --- deciding ---
 
@@ -168,6 +234,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "inbox_url": self._inbox_url(request),
             "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
             "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
+            "proposal": proposal_text(approval),
+            "effect": EFFECT_MEANING.get(approval.tool.effect_class, ""),
+            "cost_so_far": cost_so_far(approval.run),
+            "can_open_run": request.user.has_perm("runs.view_run"),
         }
         return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
 
