@@ -17,7 +17,9 @@ from decimal import Decimal
 from functools import update_wrapper
 
 from django import forms
+from django.apps import apps
 from django.contrib import admin
+from django.db.models import BooleanField, Exists, Value
 from django.http import Http404
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
@@ -81,6 +83,14 @@ def scope(queryset, user):
     if label in RUN_CREATOR_PATHS and not may_view_all_runs(user):
         queryset = queryset.filter(**{RUN_CREATOR_PATHS[label]: user.pk})
     return queryset
+
+
+def run_visible(user, run_id) -> Exists | Value:
+    """An annotation: whether `user` may open the page of the run `run_id` (an OuterRef or a value);
+    a link to a run the user cannot open is shown as plain text."""
+    if not user.has_perm("runs.view_run"):
+        return Value(False, output_field=BooleanField())
+    return Exists(scope(apps.get_model("runs", "Run").objects.filter(pk=run_id), user))
 
 
 class TenantScopedAdmin(admin.ModelAdmin):

@@ -10,6 +10,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.db.models import OuterRef
 from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
@@ -22,6 +23,7 @@ from agentplatform.admin_site import (
     age,
     arguments_html,
     money,
+    run_visible,
     site,
     status_filter,
     time_left,
@@ -97,11 +99,11 @@ class ApprovalAdmin(ReadOnlyAdmin):
     list_display = [
         "tool_link",
         "call_arguments",
-        "reason",
+        "run_link",
         "requested_by",
         "waiting",
         "left",
-        "run_link",
+        "reason",
         "status",
     ]
     list_display_links = None
@@ -116,8 +118,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request):
         if request.user.tenant_id is None:
-            return super().get_queryset(request)  # operators: every tenant's, read-only
-        return approvals_for(request.user)
+            approvals = super().get_queryset(request)  # operators: every tenant's, read-only
+        else:
+            approvals = approvals_for(request.user)
+        return approvals.annotate(run_visible=run_visible(request.user, OuterRef("run_id")))
 
     # Deciding is the only write, and it goes through approvals.services.decide.
     def has_view_permission(self, request, obj=None):
@@ -178,17 +182,16 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     @admin.display(description="run")
     def run_link(self, approval):
-        return admin_link(approval.run, str(approval.run_id)[:8])
-
-    @admin.display(description="run")
-    def run_id_only(self, approval):
-        return str(approval.run_id)[:8]
+        # A link the user cannot open is not shown: approvers who may not read the run see its id.
+        short = str(approval.run_id)[:8]
+        return admin_link(approval.run, short) if getattr(approval, "run_visible", False) else short
 
     def get_list_display(self, request):
-        # A link the user cannot open is not shown: approvers without runs.view_run see the id.
-        if request.user.has_perm("runs.view_run"):
-            return self.list_display
-        return [name if name != "run_link" else "run_id_only" for name in self.list_display]
+        columns = list(self.list_display)
+        # The inbox opens on pending calls; a status column repeating "pending" only costs width.
+        if request.GET.get("status", ApprovalStatus.PENDING) == ApprovalStatus.PENDING:
+            columns.remove("status")
+        return columns
 
     # --- deciding ---
 
@@ -237,7 +240,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "proposal": proposal_text(approval),
             "effect": EFFECT_MEANING.get(approval.tool.effect_class, ""),
             "cost_so_far": cost_so_far(approval.run),
-            "can_open_run": request.user.has_perm("runs.view_run"),
+            "can_open_run": approval.run_visible,
         }
         return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
 

@@ -255,6 +255,10 @@ class RunAdmin(ReadOnlyAdmin):
             "result": result_text(step),
             "usage": usage_of(step),
         }
+        if step.status == StepStatus.AWAITING_APPROVAL and step.tool and can_approve(request.user, step.tool):
+            approval = getattr(step, "approval", None)
+            if approval is not None:
+                row["approval_url"] = reverse("admin:approvals_approval_change", args=[approval.pk])
         if step.status == StepStatus.OUTCOME_UNKNOWN and step.tool and can_approve(request.user, step.tool):
             row["resolve_form"] = ResolveForm(prefix=f"s{step.seq}")
             row["unsafe"] = step.tool.effect_class == EffectClass.UNSAFE
