@@ -320,6 +320,8 @@ class PlatformAdminSite(admin.AdminSite):
     index_title = "Supervision and operations"
     index_template = "admin/platform/index.html"
     site_url = None  # the platform has no public site to link to
+    # The inbox and the run timeline need the width; the top bar and breadcrumbs lead everywhere.
+    enable_nav_sidebar = False
 
     def admin_view(self, view, cacheable=False):
         """Every admin page renders its times in the time zone of the user's tenant."""
