@@ -111,6 +111,14 @@ class TenantScopedAdmin(admin.ModelAdmin):
             raise Http404(f"no {self.opts.verbose_name} with this id")
         return obj
 
+    def formfield_for_dbfield(self, db_field, request, **kwargs):
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if field is not None and db_field.name.endswith("_micros"):
+            # Stored and edited in micro-units; say which, next to the amount everyone else reads.
+            field.label = f"{field.label} (millionths of {CURRENCY})"
+            field.help_text = f"1000000 = {CURRENCY} 1.00. {field.help_text}".strip()
+        return field
+
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         field = super().formfield_for_foreignkey(db_field, request, **kwargs)
         if field is not None and hasattr(field, "queryset"):
