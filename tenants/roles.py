@@ -16,8 +16,9 @@ from django.db.models import Q
 # which is an error).
 ROLES: dict[str, tuple[str, ...]] = {
     # Watches runs, decides approvals (with approve_tool on the tool), resolves calls whose outcome
-    # is unknown (same grant), cancels runs, reads usage and the holds behind it. Also holds the
-    # tenant's view_runs object permission (every run of the tenant, not only their own).
+    # is unknown (same grant), cancels runs, reads usage and clears the holds of lost model calls
+    # (README: reconciled by a supervisor). Also holds the tenant's view_runs object permission
+    # (every run of the tenant, not only their own).
     "supervisor": (
         "tenants.view_tenant",
         "runs.view_run",
@@ -27,6 +28,7 @@ ROLES: dict[str, tuple[str, ...]] = {
         "agents.view_agentversion",
         "tools.view_tool",
         "budgets.view_reservation",
+        "budgets.change_reservation",
     ),
     # Follows the runs they may see (their own; every run with tenant.view_runs) and the agent
     # versions those runs pin.
