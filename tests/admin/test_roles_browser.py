@@ -203,6 +203,9 @@ def test_a_supervisor_sees_the_timeline_the_approval_and_a_self_updating_inbox(l
         timeline = page.locator("#timeline").inner_text()
         seen["timeline"] = timeline
         page.screenshot(path=str(shots / "run-finished.png"), full_page=True)
+        page.click(".platform-nav a:text('Usage')")
+        seen["usage"] = page.locator("#content-main").inner_text()
+        page.screenshot(path=str(shots / "usage.png"), full_page=True)
         page.goto(f"{live_server.url}/admin/approvals/approval/{by_apply['approval']}/change/")
         seen["approval"] = page.locator(".facts").inner_text()
         page.screenshot(path=str(shots / "approval.png"), full_page=True)
@@ -256,6 +259,7 @@ def test_a_supervisor_sees_the_timeline_the_approval_and_a_self_updating_inbox(l
     assert "refunder v1" in seen["approval"] and "idempotent" in seen["approval"]
     assert "I will refund the duplicate charge" in seen["approval"] and "USD " in seen["approval"]
     assert seen["rows_after"] == seen["rows_before"] + 1
+    assert "USD " in seen["usage"] and " micros" not in seen["usage"]
     assert seen["after_dismiss"] == "waiting_approval"
     assert seen["after_accept"] == "cancelled"
     assert Run.objects.get(pk=by_apply["waiting"]).status == RunStatus.CANCELLED
