@@ -14,9 +14,12 @@ import datetime as dt
 import json
 import re
 from decimal import Decimal
+from functools import update_wrapper
 
 from django import forms
+from django.apps import apps
 from django.contrib import admin
+from django.db.models import BooleanField, Exists, Value
 from django.http import Http404
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
@@ -86,6 +89,14 @@ def scope(queryset, user):
     return queryset
 
 
+def run_visible(user, run_id) -> Exists | Value:
+    """An annotation: whether `user` may open the page of the run `run_id` (an OuterRef or a value);
+    a link to a run the user cannot open is shown as plain text."""
+    if not user.has_perm("runs.view_run"):
+        return Value(False, output_field=BooleanField())
+    return Exists(scope(apps.get_model("runs", "Run").objects.filter(pk=run_id), user))
+
+
 class TenantScopedAdmin(admin.ModelAdmin):
     """Rows, foreign-key choices and object URLs limited to the user's tenant.
 
@@ -103,6 +114,14 @@ class TenantScopedAdmin(admin.ModelAdmin):
         if obj is None:
             raise Http404(f"no {self.opts.verbose_name} with this id")
         return obj
+
+    def formfield_for_dbfield(self, db_field, request, **kwargs):
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if field is not None and db_field.name.endswith("_micros"):
+            # Stored and edited in micro-units; say which, next to the amount everyone else reads.
+            field.label = f"{field.label} (millionths of {CURRENCY})"
+            field.help_text = f"1000000 = {CURRENCY} 1.00. {field.help_text}".strip()
+        return field
 
     def formfield_for_foreignkey(self, db_field, request, **kwargs):
         field = super().formfield_for_foreignkey(db_field, request, **kwargs)
@@ -252,12 +271,33 @@ def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
     )
 
 
+# Budgets, prices and costs are kept in micro-units of one currency for the whole platform
+# (tenants.models.Tenant); every admin page shows them through `money` so one amount reads the same
+# everywhere.
+CURRENCY = "USD"
+
+
 def money(micros: int | None) -> str:
-    """Micro-units as currency units (1,000,000 micros = 1 unit of the budget currency)."""
+    """Micro-units as `USD 0.0021`: at least 2 decimals, at most 6, never rounded."""
     if micros is None:
         return "—"
     whole, _, fraction = f"{Decimal(micros).scaleb(-6):,.6f}".rstrip("0").partition(".")
-    return f"{whole}.{fraction.ljust(2, '0')}"
+    return f"{CURRENCY} {whole}.{fraction.ljust(2, '0')}"
+
+
+def price(per_million: Decimal | None) -> str:
+    """A model price (currency units per million tokens) in the same unit as `money`."""
+    if per_million is None:
+        return "—"
+    return f"{money(int(Decimal(per_million) * 1_000_000))} / M tokens"
+
+
+_MICROS_IN_TEXT = re.compile(r"\b(\d+) micros\b")
+
+
+def money_in_text(text: str) -> str:
+    """Event messages written by the engine say `cost 1188 micros`; people read `cost USD 0.001188`."""
+    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1))), text or "")
 
 
 def age(since: dt.datetime | None) -> str:
@@ -292,33 +332,71 @@ class PlatformAdminSite(admin.AdminSite):
     index_title = "Supervision and operations"
     index_template = "admin/platform/index.html"
     site_url = None  # the platform has no public site to link to
+    # The inbox and the run timeline need the width; the top bar and breadcrumbs lead everywhere.
+    enable_nav_sidebar = False
+
+    def admin_view(self, view, cacheable=False):
+        """Every admin page renders its times in the time zone of the user's tenant."""
+
+        def in_tenant_zone(request, *args, **kwargs):
+            with timezone.override(tenant_zone(request.user)):
+                response = view(request, *args, **kwargs)
+                # Template responses render after the view returns: render them inside the zone.
+                if hasattr(response, "render") and not response.is_rendered:
+                    response.render()
+            return response
+
+        return super().admin_view(update_wrapper(in_tenant_zone, view), cacheable)
 
     def each_context(self, request):
         context = super().each_context(request)
         user = getattr(request, "user", None)
         if user is not None and user.is_active and user.is_staff:
-            context["platform_nav"] = [
-                ("Inbox", reverse("admin:approvals_approval_changelist")),
-                ("Runs", reverse("admin:runs_run_changelist")),
-            ]
-            if user.tenant_id:
-                context["platform_nav"].append(
-                    ("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id]))
-                )
+            context["platform_nav"] = self.links(request)
+            context["time_zone"] = timezone.get_current_timezone_name()
+            context["currency"] = CURRENCY
         return context
 
-    def index(self, request, extra_context=None):
-        return super().index(request, {**(extra_context or {}), "desk": self._desk(request.user)})
+    def links(self, request) -> list[tuple[str, str]]:
+        """The top bar: only the pages this user can open."""
+        user, links = request.user, []
+        if self._registry_admin("approvals.approval").has_view_permission(request):
+            links.append(("Inbox", reverse("admin:approvals_approval_changelist")))
+        if self._registry_admin("runs.run").has_view_permission(request):
+            links.append(("Runs", reverse("admin:runs_run_changelist")))
+        if user.tenant_id and self._registry_admin("tenants.tenant").has_view_permission(request):
+            links.append(("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id])))
+        return links
 
-    def _desk(self, user) -> dict:
-        """What a supervisor starts the day with: pending approvals, stuck runs, usage."""
+    def _registry_admin(self, label: str):
+        return next(a for m, a in self._registry.items() if m._meta.label_lower == label)
+
+    def index(self, request, extra_context=None):
+        return super().index(request, {**(extra_context or {}), "desk": self._desk(request)})
+
+    def _desk(self, request) -> dict:
+        """What a supervisor starts the day with: pending approvals, stuck runs, usage; each line
+        only when the user can open the page it links to."""
+        user = request.user
         if user.tenant_id is None:
             return {}
-        return {
-            "pending": approvals_for(user, status=ApprovalStatus.PENDING).count(),
-            "attention": runs_for(user, status=RunStatus.NEEDS_ATTENTION).count(),
-            "usage_url": reverse("admin:tenants_tenant_usage", args=[user.tenant_id]),
-        }
+        links = dict(self.links(request))
+        desk = {}
+        if "Inbox" in links:
+            desk["pending"] = approvals_for(user, status=ApprovalStatus.PENDING).count()
+            desk["inbox_url"] = links["Inbox"]
+        if "Runs" in links:
+            desk["attention"] = runs_for(user, status=RunStatus.NEEDS_ATTENTION).count()
+            desk["runs_url"] = links["Runs"]
+        if "Usage" in links:
+            desk["usage_url"] = links["Usage"]
+        return desk
+
+
+def tenant_zone(user) -> dt.tzinfo:
+    """The zone of the user's tenant; operators (no tenant) see the server's zone."""
+    tenant = getattr(user, "tenant", None) if getattr(user, "is_authenticated", False) else None
+    return tenant.zone if tenant is not None else timezone.get_default_timezone()
 
 
 site = PlatformAdminSite(name="admin")

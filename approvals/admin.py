@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.db.models import OuterRef
+from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils import timezone
 
 from agentplatform.admin_site import (
@@ -19,6 +22,8 @@ from agentplatform.admin_site import (
     admin_link,
     age,
     arguments_html,
+    money,
+    run_visible,
     site,
     status_filter,
     time_left,
@@ -26,8 +31,11 @@ from agentplatform.admin_site import (
 from agentplatform.errors import DomainError
 from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
+from budgets.models import BudgetAccount
 from runs.admin import conversation
 from runs.lifecycle import decide_approval
+from runs.models import Step
+from tools.models import EffectClass
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -50,6 +58,34 @@ class AgeFilter(admin.SimpleListFilter):
         return queryset
 
 
+# What each effect class means for the person deciding (DESIGN.md section 5).
+EFFECT_MEANING = {
+    EffectClass.READ_ONLY: "reads only; changes nothing",
+    EffectClass.IDEMPOTENT: "repeating the call has no further effect",
+    EffectClass.RECONCILABLE: "the provider can say whether the call happened",
+    EffectClass.UNSAFE: "may take effect twice if retried; nobody can check",
+}
+
+
+def proposal_text(approval: Approval) -> str:
+    """What the model said in the turn that proposed this call."""
+    if approval.step.parent_seq is None:
+        return ""
+    turn = Step.objects.filter(run_id=approval.run_id, seq=approval.step.parent_seq).first()
+    return ((turn.result or {}).get("text") or "") if turn else ""
+
+
+def cost_so_far(run) -> dict:
+    account = BudgetAccount.objects.filter(run=run).first()
+    if account is None:
+        return {"spent": money(0), "limit": ""}
+    return {
+        "spent": money(account.spent_micros),
+        "held": account.held_micros and money(account.held_micros),
+        "limit": money(account.limit_micros),
+    }
+
+
 class ReasonForm(forms.Form):
     reason = forms.CharField(
         required=False,
@@ -63,11 +99,11 @@ class ApprovalAdmin(ReadOnlyAdmin):
     list_display = [
         "tool_link",
         "call_arguments",
-        "reason",
+        "run_link",
         "requested_by",
         "waiting",
         "left",
-        "run_link",
+        "reason",
         "status",
     ]
     list_display_links = None
@@ -82,8 +118,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request):
         if request.user.tenant_id is None:
-            return super().get_queryset(request)  # operators: every tenant's, read-only
-        return approvals_for(request.user)
+            approvals = super().get_queryset(request)  # operators: every tenant's, read-only
+        else:
+            approvals = approvals_for(request.user)
+        return approvals.annotate(run_visible=run_visible(request.user, OuterRef("run_id")))
 
     # Deciding is the only write, and it goes through runs.lifecycle.decide_approval.
     def has_view_permission(self, request, obj=None):
@@ -99,7 +137,29 @@ class ApprovalAdmin(ReadOnlyAdmin):
         return request.user.tenant_id is not None and self.has_view_permission(request)
 
     def changelist_view(self, request, extra_context=None):
-        return super().changelist_view(request, {"title": "Approval inbox", **(extra_context or {})})
+        context = {
+            "title": "Approval inbox",
+            "watch_url": reverse("admin:approvals_approval_watch"),
+            "marker": self._marker(request),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [path("watch/", view(self.watch_view), name="approvals_approval_watch"), *super().get_urls()]
+
+    def watch_view(self, request):
+        """A change marker of the inbox for the page's poller: which approvals are pending."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return JsonResponse({"marker": self._marker(request)})
+
+    def _marker(self, request) -> str:
+        # Any approval arriving, decided, expired or voided changes the set of pending ids.
+        pending = self.get_queryset(request).filter(status=ApprovalStatus.PENDING)
+        ids = "".join(str(pk) for pk in pending.order_by("pk").values_list("pk", flat=True))
+        return hashlib.sha256(ids.encode()).hexdigest()[:16]
 
     # --- columns ---
 
@@ -122,7 +182,16 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     @admin.display(description="run")
     def run_link(self, approval):
-        return admin_link(approval.run, str(approval.run_id)[:8])
+        # A link the user cannot open is not shown: approvers who may not read the run see its id.
+        short = str(approval.run_id)[:8]
+        return admin_link(approval.run, short) if getattr(approval, "run_visible", False) else short
+
+    def get_list_display(self, request):
+        columns = list(self.list_display)
+        # The inbox opens on pending calls; a status column repeating "pending" only costs width.
+        if request.GET.get("status", ApprovalStatus.PENDING) == ApprovalStatus.PENDING:
+            columns.remove("status")
+        return columns
 
     # --- deciding ---
 
@@ -168,6 +237,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "inbox_url": self._inbox_url(request),
             "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
             "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
+            "proposal": proposal_text(approval),
+            "effect": EFFECT_MEANING.get(approval.tool.effect_class, ""),
+            "cost_so_far": cost_so_far(approval.run),
+            "can_open_run": approval.run_visible,
         }
         return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
 

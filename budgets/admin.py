@@ -7,12 +7,14 @@ import datetime as dt
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db.models import OuterRef
 from django.template.response import TemplateResponse
 
-from agentplatform.admin_site import ReadOnlyAdmin, admin_link, money, site, status_filter
+from agentplatform.admin_site import ReadOnlyAdmin, admin_link, money, run_visible, site, status_filter
 from agentplatform.errors import DomainError
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
+from runs.models import Run
 
 DAYS = 30
 # SVG geometry in user units; the chart scales with the page width.
@@ -79,6 +81,12 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
 
 def usage_page(model_admin, request, tenant):
     accounts = selectors.tenant_days(tenant, days=DAYS)
+    top_runs = list(selectors.top_runs(tenant, days=DAYS))
+    visible = set(
+        Run.objects.filter(pk__in=[r.pk for r in top_runs])
+        .filter(run_visible(request.user, OuterRef("pk")))
+        .values_list("pk", flat=True)
+    )
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,
@@ -108,11 +116,11 @@ def usage_page(model_admin, request, tenant):
         "top_runs": [
             {
                 "run": run,
-                "link": admin_link(run, str(run.pk)[:8]),
+                "link": admin_link(run, str(run.pk)[:8]) if run.pk in visible else str(run.pk)[:8],
                 "spent": money(run.budget.spent_micros),
                 "held": money(run.budget.held_micros),
             }
-            for run in selectors.top_runs(tenant, days=DAYS)
+            for run in top_runs
         ],
     }
     return TemplateResponse(request, "admin/budgets/usage.html", context)
@@ -170,9 +178,17 @@ class ReservationAdmin(ReadOnlyAdmin):
     def short_id(self, reservation):
         return str(reservation.pk)[:8]
 
+    def get_queryset(self, request):
+        return (
+            super().get_queryset(request).annotate(run_visible=run_visible(request.user, OuterRef("run_id")))
+        )
+
     @admin.display(description="run")
     def run_link(self, reservation):
-        return admin_link(reservation.run, str(reservation.run_id)[:8]) if reservation.run else "—"
+        if not reservation.run:
+            return "—"
+        short = str(reservation.run_id)[:8]
+        return admin_link(reservation.run, short) if getattr(reservation, "run_visible", False) else short
 
     @admin.display(description="step")
     def step_seq(self, reservation):

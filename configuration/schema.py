@@ -36,6 +36,7 @@ from configuration.convert import (
 from llm.models import ModelEndpoint
 from notifications.models import Event as WebhookEvent
 from tenants.models import Tenant
+from tenants.roles import ROLES
 from tools.models import EffectClass, ToolServer
 
 # Grant verbs in the file and the object permissions they stand for, per kind of object.
@@ -169,13 +170,36 @@ SECRET: Spec = {
     "value": Field("value", _text(empty=False)),
     "value_env": Field("value_env", _text(empty=False)),
 }
-GROUP: Spec = {"name": Field("name", _text(100, empty=False), required=True)}
+# --- roles (tenants/roles.py): users and groups name the roles whose model permissions they hold ---
+
+
+def _roles(value: Any) -> list[str]:
+    names = _text_list(value)
+    for i, name in enumerate(names):
+        if name not in ROLES:
+            raise _Invalid(f"must be one of {', '.join(ROLES)}", at=f"[{i}]")
+        if name in names[:i]:
+            raise _Invalid("listed twice", at=f"[{i}]")
+    return names
+
+
+def _check_user_roles(values: dict, path: str, problems: Problems) -> None:
+    # Every role works in the admin: a user who holds one and may not log in to it is a mistake.
+    if values.get("roles") and values.get("is_staff") is False:
+        problems.add(f"{path}.staff", "a user with roles works in the admin: leave staff out or set it true")
+
+
+GROUP: Spec = {
+    "name": Field("name", _text(100, empty=False), required=True),
+    "roles": Field("roles", _roles),
+}
 USER: Spec = {
     "username": Field("username", _username, required=True),
     "email": Field("email", _email),
     "password": Field("password", _text(4096, empty=False)),
     "password_env": Field("password_env", _text(empty=False)),
     "groups": Field("groups", _text_list),
+    "roles": Field("roles", _roles),
     "staff": Field("is_staff", _bool),
     "active": Field("is_active", _bool),
 }
@@ -275,6 +299,7 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
     if "password" in values and "password_env" in values:
         problems.add(f"{path}.password", "give password or password_env, not both")
     _from_env(values, path, "password_env", "password", problems)
+    _check_user_roles(values, path, problems)
 
 
 # Where calls go and which secret they carry is owned by the file: an omitted destination field

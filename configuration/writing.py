@@ -35,6 +35,7 @@ from llm.models import ModelEndpoint
 from notifications.models import Webhook
 from tenants.crypto import SecretKeyError
 from tenants.models import Secret, Tenant, TenantGroup, User
+from tenants.roles import VIEWS_ALL_RUNS, permissions_for
 from tenants.tokens import revoke_all
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.models import Tool, ToolServer
@@ -80,6 +81,8 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
         ("secrets", _apply_secret),
         ("groups", _apply_group),
         ("users", _apply_user),
+        ("groups", _apply_group_roles),
+        ("users", _apply_user_roles),
         ("model_endpoints", _apply_endpoint),
         ("tool_servers", _apply_server),
         ("tools", _apply_tool),
@@ -177,7 +180,9 @@ def _tenant_groups(names: list[str], path: str, ctx: _Context) -> list[Group] | 
 
 
 def _apply_user(item: Item, ctx: _Context) -> None:
-    values = {k: v for k, v in item.values.items() if k != "username"}
+    values = {k: v for k, v in item.values.items() if k not in ("username", "roles")}
+    if "is_staff" not in values and _roles_of_user(item, ctx.plan):
+        values["is_staff"] = True  # every role works in the admin
     password = values.pop("password", None)
     names = values.pop("groups", None)
     groups = None if names is None else _tenant_groups(names, f"{item.path}.groups", ctx)
@@ -408,8 +413,9 @@ def _apply_agent_grant(item: Item, ctx: _Context) -> None:
 
 def _apply_tenant_grants(item: Item, ctx: _Context) -> None:
     """tenant.view_runs: who reads every run of the tenant (others read the runs they started)."""
-    if "view_runs" in item.values:
-        _set_grants(ctx.tenant, ctx.tenant.slug, TENANT_PERMS, item.values, item.path, ctx)
+    holders = _view_runs_holders(item, ctx.plan)
+    if holders is not None:
+        _set_grants(ctx.tenant, ctx.tenant.slug, TENANT_PERMS, {"view_runs": holders}, item.path, ctx)
 
 
 def _set_grants(obj: Any, label: str, verbs: dict[str, str], values: dict, path: str, ctx: _Context) -> None:
@@ -485,6 +491,60 @@ def _current_grants(obj: Any, codenames: list[str]) -> dict[GrantKey, tuple]:
             f"group:{link.name if link else row.group.name}",
         )
     return current
+
+
+# --- roles (tenants/roles.py) ---
+
+
+def _roles_of_user(item: Item, plan: Plan) -> set[str]:
+    """The user's own roles and those of the groups the file puts them in."""
+    roles = set(item.values.get("roles", []))
+    names = set(item.values.get("groups") or [])
+    for group in plan.sections["groups"]:
+        if group.key in names:
+            roles |= set(group.values.get("roles", []))
+    return roles
+
+
+def _apply_group_roles(item: Item, ctx: _Context) -> None:
+    """groups[].roles: the group's model permissions become exactly those of its roles."""
+    if "roles" not in item.values:
+        return
+    link = TenantGroup.objects.filter(tenant=ctx.tenant, name=item.key).select_related("group").first()
+    if link is not None and _set_role_permissions(link.group.permissions, item.values["roles"]):
+        ctx.report.record("groups", item.key, "updated", ["roles"])
+
+
+def _apply_user_roles(item: Item, ctx: _Context) -> None:
+    """users[].roles: the user's own model permissions become exactly those of their roles."""
+    if "roles" not in item.values:
+        return
+    user = User.objects.filter(tenant=ctx.tenant, username=item.key).first()
+    if user is not None and _set_role_permissions(user.user_permissions, item.values["roles"]):
+        ctx.report.record("users", item.key, "updated", ["roles"])
+
+
+def _set_role_permissions(permissions, roles: list[str]) -> bool:
+    """Make a user's or group's model permissions exactly the roles' (a removed role's go)."""
+    wanted = set(permissions_for(roles))
+    current = set(permissions.all())
+    permissions.remove(*(current - wanted))
+    permissions.add(*(wanted - current))
+    return current != wanted
+
+
+def _view_runs_holders(item: Item, plan: Plan) -> list[str] | None:
+    """tenant.view_runs plus every user and group of the file with the supervisor role; None (leave
+    the stored holders) when the file gives neither view_runs nor any roles."""
+    listed = item.values.get("view_runs")
+    people = [("user", user) for user in plan.sections["users"]]
+    people += [("group", group) for group in plan.sections["groups"]]
+    if listed is None and not any("roles" in entry.values for _, entry in people):
+        return None
+    supervisors = [
+        f"{kind}:{entry.key}" for kind, entry in people if VIEWS_ALL_RUNS in entry.values.get("roles", [])
+    ]
+    return list(dict.fromkeys([*(listed or []), *supervisors]))
 
 
 # --- agents ---

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from agentplatform.admin_site import TenantScopedAdmin, is_operator, site
+from agentplatform.admin_site import TenantScopedAdmin, is_operator, price, site
 from llm.models import ModelEndpoint
 
 
 @admin.register(ModelEndpoint, site=site)
 class ModelEndpointAdmin(TenantScopedAdmin):
-    list_display = ["name", "tenant", "kind", "model", "base_url", "price_input", "price_output"]
+    list_display = ["name", "tenant", "kind", "model", "base_url", "input_price", "output_price"]
     list_filter = ["kind"]
     search_fields = ["name", "model"]
     fieldsets = [
@@ -19,6 +19,14 @@ class ModelEndpointAdmin(TenantScopedAdmin):
         ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
+
+    @admin.display(description="input price", ordering="price_input")
+    def input_price(self, endpoint):
+        return price(endpoint.price_input)
+
+    @admin.display(description="output price", ordering="price_output")
+    def output_price(self, endpoint):
+        return price(endpoint.price_output)
 
     def get_readonly_fields(self, request, obj=None):
         readonly = list(super().get_readonly_fields(request, obj))

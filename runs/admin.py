@@ -1,20 +1,30 @@
 from __future__ import annotations
 
+import json
+
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.views.decorators.http import require_POST
 
-from agentplatform.admin_site import ReadOnlyAdmin, arguments_html, duration, money, site
+from agentplatform.admin_site import (
+    ReadOnlyAdmin,
+    arguments_html,
+    duration,
+    money,
+    money_in_text,
+    site,
+)
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
 from runs.lifecycle import cancel_run
-from runs.models import TERMINAL, Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import TERMINAL, Run, RunEvent, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
 from runs.selectors import events_of, steps_of
 from tools.models import EffectClass
@@ -52,6 +62,77 @@ def conversation(run: Run, *, highlight_seq: int | None = None) -> list[dict]:
                 }
             )
     return entries
+
+
+# --- the run page as a timeline -------------------------------------------------------------------
+
+
+def run_marker(run: Run) -> str:
+    """Changes whenever anything a person sees on the run page changes: every change of a run
+    writes an event (runs/models.py), so the status and the last event's number are enough."""
+    last = RunEvent.objects.filter(run=run).order_by("-seq").values_list("seq", flat=True).first()
+    return f"{run.status}:{last or 0}"
+
+
+def usage_of(step: Step) -> dict | None:
+    if step.kind != StepKind.MODEL or not step.usage:
+        return None
+    usage = step.usage
+    return {
+        "input": usage.get("input_tokens", 0),
+        "cached": usage.get("cached_input_tokens", 0),
+        "cache_write": usage.get("cache_write_tokens", 0),
+        "output": usage.get("output_tokens", 0),
+    }
+
+
+RESULT_LIMIT = 4000  # characters of a tool result on the page; the API has the whole (redacted) result
+
+
+def result_text(step: Step) -> str:
+    """What the tool answered, as stored (secrets already redacted), else what the model was told."""
+    if step.kind != StepKind.TOOL:
+        return ""
+    result = step.result
+    if isinstance(result, dict) and set(result) <= {"text", "is_error", "structured"} and "text" in result:
+        text = str(result["text"])
+    elif result is not None:
+        text = json.dumps(result, ensure_ascii=False, indent=2, sort_keys=True)
+    else:
+        text = step.observation
+    return text if len(text) <= RESULT_LIMIT else text[:RESULT_LIMIT] + "…"
+
+
+def event_row(event: RunEvent) -> dict:
+    return {"event": event, "message": money_in_text(event.message)}
+
+
+def timeline(rows: list[dict], events: list[RunEvent]) -> list[dict]:
+    """Model steps in order, each with the tool calls it proposed nested under it and the events
+    of each step folded under that step; a tool step without its model step stands alone."""
+    by_step: dict[int, list[dict]] = {}
+    for event in events:
+        if event.step_seq is not None:
+            by_step.setdefault(event.step_seq, []).append(event_row(event))
+    model_seqs = {row["step"].seq for row in rows if row["step"].kind == StepKind.MODEL}
+    blocks: list[dict] = []
+    by_seq: dict[int, dict] = {}
+    for row in rows:
+        step = row["step"]
+        row["events"] = by_step.get(step.seq, [])
+        if step.kind == StepKind.MODEL:
+            by_seq[step.seq] = {
+                **row,
+                "text": (step.result or {}).get("text") or "",
+                "calls": len((step.result or {}).get("tool_calls", [])),
+                "tools": [],
+            }
+            blocks.append(by_seq[step.seq])
+        elif step.parent_seq in model_seqs:
+            by_seq[step.parent_seq]["tools"].append(row)
+        else:
+            blocks.append({**row, "tools": [], "alone": True})
+    return blocks
 
 
 class ResolveForm(forms.Form):
@@ -96,6 +177,7 @@ class RunAdmin(ReadOnlyAdmin):
         view = self.admin_site.admin_view
         return [
             path("<path:object_id>/cancel/", view(require_POST(self.cancel_view)), name="runs_run_cancel"),
+            path("<path:object_id>/watch/", view(self.watch_view), name="runs_run_watch"),
             path(
                 "<path:object_id>/steps/<int:seq>/resolve/",
                 view(require_POST(self.resolve_view)),
@@ -108,6 +190,8 @@ class RunAdmin(ReadOnlyAdmin):
         run = self.get_object(request, unquote(object_id))
         if not self.has_view_permission(request, run):
             raise PermissionDenied
+        steps = [self._step_row(request, step) for step in steps_of(run)]
+        events = list(events_of(run))
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
@@ -116,10 +200,14 @@ class RunAdmin(ReadOnlyAdmin):
             "budget": self._budget(run),
             "cache": self._cache(run),
             "expected_cost": money(run.expected_cost_micros) if run.expected_cost_micros else "",
-            "steps": [self._step_row(request, step) for step in steps_of(run)],
-            "events": events_of(run),
+            "steps": steps,
+            "timeline": timeline(steps, events),
+            "run_events": [event_row(e) for e in events if e.step_seq is None],
+            "event_count": len(events),
             "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
-            "auto_refresh": run.status in (RunStatus.QUEUED, RunStatus.RUNNING),
+            "can_open_version": request.user.has_perm("agents.view_agentversion"),
+            "watch_url": reverse("admin:runs_run_watch", args=[run.pk]) if not run.is_terminal else "",
+            "marker": run_marker(run),
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
         }
         return TemplateResponse(request, "admin/runs/run/detail.html", context)
@@ -150,13 +238,27 @@ class RunAdmin(ReadOnlyAdmin):
             return None
         return {**totals, "total": total, "share": f"{100 * totals['read'] / total:.1f}%"}
 
+    def watch_view(self, request, object_id):
+        """A change marker of the run for the page's poller: cheap, and changes with every event."""
+        run = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, run):
+            raise PermissionDenied
+        return JsonResponse({"marker": run_marker(run), "status": run.status})
+
     def _step_row(self, request, step) -> dict:
         row = {
             "step": step,
             "cost": money(step.cost_micros),
             "duration": duration(step.duration_ms),
             "arguments": arguments_html(step.arguments, limit=200) if step.kind == StepKind.TOOL else "",
+            "full_arguments": arguments_html(step.arguments) if step.kind == StepKind.TOOL else "",
+            "result": result_text(step),
+            "usage": usage_of(step),
         }
+        if step.status == StepStatus.AWAITING_APPROVAL and step.tool and can_approve(request.user, step.tool):
+            approval = getattr(step, "approval", None)
+            if approval is not None:
+                row["approval_url"] = reverse("admin:approvals_approval_change", args=[approval.pk])
         if step.status == StepStatus.OUTCOME_UNKNOWN and step.tool and can_approve(request.user, step.tool):
             row["resolve_form"] = ResolveForm(prefix=f"s{step.seq}")
             row["unsafe"] = step.tool.effect_class == EffectClass.UNSAFE

@@ -91,7 +91,7 @@ def test_a_supervisor_approves_from_the_inbox_and_the_run_succeeds(live_server, 
             time.sleep(0.5)
             page.reload()
         assert page.locator("#run-status").inner_text() == "succeeded"
-        assert "customer identity verified" in page.locator("#events").inner_text()
+        assert "customer identity verified" in page.locator("#timeline").text_content()
 
     in_browser(supervise)
 

@@ -8,6 +8,7 @@ from approvals.models import ApprovalStatus
 from runs.engine import advance
 from runs.lifecycle import decide_approval, start_run
 from runs.models import Run, RunStatus, Step, StepStatus
+from tenants.models import Tenant
 from tests.admin.helpers import make_supervisor, park_on_approval
 from tests.conftest import drive
 from tools.models import Tool
@@ -51,7 +52,9 @@ def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
     assert response.status_code == 200
     assert '<td class="status-badge" id="run-status">succeeded</td>' in html
     budget = response.context["budget"]
-    assert budget["limit"] == "2.00" and budget["reserved"] == "0.00" and budget["spent"] != "0.00"
+    assert (
+        budget["limit"] == "USD 2.00" and budget["reserved"] == "USD 0.00" and budget["spent"] != "USD 0.00"
+    )
     steps = response.context["steps"]
     assert [(r["step"].seq, r["step"].kind, r["step"].status) for r in steps] == [
         (1, "model", "succeeded"),
@@ -60,6 +63,41 @@ def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
     ]
     assert "platform__echo approved by ravi: verified" in html
     assert "Cancel run" not in html
+
+
+def test_the_run_page_is_a_timeline_of_model_turns_with_their_tool_calls_and_events(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    run = drive(approval.run_id)
+    Tenant.objects.filter(pk=acme.tenant.pk).update(time_zone="Asia/Kolkata")
+
+    response = as_ravi.get(run_url(run.pk))
+
+    first, last = response.context["timeline"]
+    assert (first["step"].seq, first["text"], [t["step"].seq for t in first["tools"]]) == (
+        1,
+        "Let me do that.",
+        [2],
+    )
+    call = first["tools"][0]
+    assert "12499" in call["result"] and "TXN-1001" in call["result"]  # echo answers its arguments
+    assert "approval_approved" in {e["event"].kind for e in call["events"]}
+    assert first["usage"]["input"] > 0 and first["cost"].startswith("USD ")
+    assert (last["step"].seq, last["text"], last["tools"]) == (3, "done", [])
+    html = response.content.decode()
+    assert " micros" not in html  # every amount in one unit, with its currency
+    assert "times in Asia/Kolkata" in html
+
+
+def test_a_running_run_page_polls_a_change_marker(as_ravi, acme):
+    approval = park_on_approval(acme.asha, "refunder")
+    page = as_ravi.get(run_url(approval.run_id))
+    watch = as_ravi.get(run_url(approval.run_id, "watch/")).json()
+    assert page.context["marker"] == watch["marker"] and watch["status"] == "waiting_approval"
+
+    decide(approval_id=approval.pk, user=acme.ravi, approve=False, reason="no")
+
+    assert as_ravi.get(run_url(approval.run_id, "watch/")).json()["marker"] != watch["marker"]
 
 
 def test_it_lists_runs_filtered_by_status_and_agent(as_ravi, acme):
@@ -177,6 +215,6 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
 
     assert '<td class="status-badge" id="run-status">waiting_budget</td>' in html
     assert (
-        '<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (2.00); '
+        '<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (USD 2.00); '
         "started in order of arrival</td>"
     ) in html
