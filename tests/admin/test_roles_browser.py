@@ -16,8 +16,8 @@ from urllib.parse import urljoin, urlsplit
 
 import pytest
 
-from approvals.services import decide
 from configuration.apply import apply_config
+from runs.lifecycle import decide_approval
 from runs.models import Run, RunStatus
 from tenants.models import User
 from tests.admin.helpers import park_on_approval
@@ -109,7 +109,9 @@ def by_apply(transactional_db):
     apply_config(tenant_file())
     sue = User.objects.get(username="sue")
     done = park_on_approval(sue, "refunder")
-    decide(approval_id=done.pk, user=User.objects.get(username="sam"), approve=True, reason="verified")
+    decide_approval(
+        approval_id=done.pk, user=User.objects.get(username="sam"), approve=True, reason="verified"
+    )
     assert drive(done.run_id).status == RunStatus.SUCCEEDED
     waiting = park_on_approval(sue, "refunder")
     return {"finished": str(done.run_id), "waiting": str(waiting.run_id), "approval": str(waiting.pk)}

@@ -67,7 +67,7 @@ def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
 
 def test_the_run_page_is_a_timeline_of_model_turns_with_their_tool_calls_and_events(as_ravi, acme):
     approval = park_on_approval(acme.asha, "refunder")
-    decide(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
     run = drive(approval.run_id)
     Tenant.objects.filter(pk=acme.tenant.pk).update(time_zone="Asia/Kolkata")
 
@@ -95,7 +95,7 @@ def test_a_running_run_page_polls_a_change_marker(as_ravi, acme):
     watch = as_ravi.get(run_url(approval.run_id, "watch/")).json()
     assert page.context["marker"] == watch["marker"] and watch["status"] == "waiting_approval"
 
-    decide(approval_id=approval.pk, user=acme.ravi, approve=False, reason="no")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=False, reason="no")
 
     assert as_ravi.get(run_url(approval.run_id, "watch/")).json()["marker"] != watch["marker"]
 

@@ -95,11 +95,11 @@ def test_an_approval_about_to_expire_produces_one_delivery(acme, receiver, setti
 
 
 def test_an_approval_already_decided_gets_no_expiry_notice(acme, receiver):
-    from approvals.services import decide
+    from runs.lifecycle import decide_approval
 
     make_webhook(acme.tenant, receiver.url, [Event.APPROVAL_EXPIRING])
     approval = parked_approval(acme)
-    decide(approval_id=approval.pk, user=acme.ravi, approve=False, reason="no")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=False, reason="no")
 
     notify(approval.expires_at - dt.timedelta(minutes=10))
 
