@@ -58,6 +58,8 @@ class RunStreamApi(APIView):
         after = serializers.IntegerField(min_value=0, max_value=ID_MAX, required=False)
 
     @extend_schema(
+        operation_id="stream_run_events",
+        summary="Follow a run's events live (server-sent events)",
         parameters=[
             OpenApiParameter(
                 "after",
