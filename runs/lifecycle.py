@@ -16,6 +16,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden
+from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS
 from observability import observe
 from runs import admission, rows
 from runs.models import (
@@ -32,21 +33,6 @@ from runs.models import (
     StepStatus,
 )
 from tenants.permissions import may_run_agent
-
-DEFAULT_LIMITS = {
-    "max_steps": 50,
-    "max_tool_calls": 25,
-    "max_wall_seconds": 24 * 3600,
-    "max_output_tokens": 1024,
-    "max_cost_micros": 2_000_000,
-}
-LIMIT_CAPS = {
-    "max_steps": "max_steps_cap",
-    "max_tool_calls": "max_tool_calls_cap",
-    "max_wall_seconds": "max_wall_seconds_cap",
-    "max_output_tokens": "max_output_tokens_cap",
-    "max_cost_micros": "max_cost_micros_cap",
-}
 
 
 class IllegalTransition(Conflict):
