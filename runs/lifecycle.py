@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 import hashlib
 import json
@@ -18,7 +17,7 @@ from django.utils import timezone
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS
 from observability import observe
-from runs import admission, rows
+from runs import admission, rows, statements
 from runs.models import (
     READY,
     RUN_TRANSITIONS,
@@ -82,18 +81,18 @@ def record_event(
 
 
 def write_events(events: list[RunEvent]) -> None:
-    """Number the events per run, in order, and INSERT them in one statement.
+    """Number the events per run, in order, and INSERT each run's in one statement.
 
-    An event's `seq` is its number within its run (what the API shows as its id). Each run's
-    counter moves by a conditional-free `UPDATE ... RETURNING`, which holds the run row until
-    commit: writers of one run number in turn, and the engine already holds that row anyway.
+    An event's `seq` is its number within its run (what the API shows as its id). The statement
+    (runs.statements.insert_events) moves the run's counter and inserts in one round trip; the
+    counter's UPDATE holds the run row until commit, so writers of one run number in turn (the
+    engine already holds that row anyway).
     """
-    counts = collections.Counter(event.run_id for event in events)
-    next_seq = {run_id: rows.take(Run, run_id, "event_seq", n) - n + 1 for run_id, n in counts.items()}
+    by_run: dict = {}
     for event in events:
-        event.seq = next_seq[event.run_id]
-        next_seq[event.run_id] += 1
-    rows.insert(events)
+        by_run.setdefault(event.run_id, []).append(event)
+    for run_id, of_run in by_run.items():
+        statements.insert_events(run_id, of_run)
 
 
 @contextmanager
