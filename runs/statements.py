@@ -27,18 +27,24 @@ _EVENT_CASTS = ("timestamptz", "text", "integer", "bigint", "text", "jsonb")
 
 
 @functools.cache
-def _insert_events_sql(count: int) -> str:
-    """INSERT_EVENTS for `count` events of one run.
+def _insert_events_sql(count: int, sets: tuple[str, ...], adds: tuple[str, ...]) -> str:
+    """INSERT_EVENTS for `count` events of one run, and the run's own columns written with them.
 
     The run's event counter moves and the events are inserted in one statement: the UPDATE
-    locks the run row (the engine holds it already), so writers of one run number in turn.
+    locks the run row (the engine holds it already), so writers of one run number in turn. The
+    same UPDATE writes what the transaction deferred to its end (runs.lifecycle.write_run_at_end:
+    the lease, the step counters, the enqueue time), so a step's run row is written once.
     """
+    assignments = [f"event_seq = event_seq + {count}"]
+    assignments += [f"{rows.quote(column)} = %s" for column in sets]
+    assignments += [f"{rows.quote(column)} = {rows.quote(column)} + %s" for column in adds]
+    update = f"UPDATE {RUNS} SET {', '.join(assignments)} WHERE id = %s"
+    if count == 0:
+        return update
     first = "(1, " + ", ".join(f"%s::{cast}" for cast in _EVENT_CASTS) + ")"
     more = [f"({i}, " + ", ".join(["%s"] * len(_EVENT_CASTS)) + ")" for i in range(2, count + 1)]
     return f"""
-WITH counter AS (
-    UPDATE {RUNS} SET event_seq = event_seq + {count} WHERE id = %s RETURNING event_seq
-)
+WITH counter AS ({update} RETURNING event_seq)
 INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data)
 SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data
   FROM counter, (VALUES {", ".join([first, *more])}) AS v(i, at, kind, step_seq, actor_id, message, data)
@@ -46,22 +52,43 @@ RETURNING id, seq
 """
 
 
-def insert_events(run_id, events: list[RunEvent]) -> None:
-    """Number one run's events after its latest and INSERT them: one statement on PostgreSQL."""
-    if connection.vendor != "postgresql":
-        count = len(events)
-        first = rows.take(Run, run_id, "event_seq", count) - count + 1
-        for i, event in enumerate(events):
-            event.seq = first + i
-        rows.insert(events)
+def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds: dict | None = None) -> None:
+    """Number one run's events after its latest and INSERT them, writing `sets` (field: value) and
+    adding `adds` (field: n) to the run's row in the same statement (PostgreSQL; SQLite: in steps)."""
+    sets, adds = sets or {}, adds or {}
+    if not events and not sets and not adds:
         return
+    if connection.vendor != "postgresql":
+        if sets:
+            rows.update(Run, run_id, **sets)
+        for name, n in adds.items():
+            rows.take(Run, run_id, name, n)
+        if events:
+            count = len(events)
+            first = rows.take(Run, run_id, "event_seq", count) - count + 1
+            for i, event in enumerate(events):
+                event.seq = first + i
+            rows.insert(events)
+        return
+    meta = Run._meta
+    set_fields = [meta.get_field(name) for name in sets]
+    add_fields = [meta.get_field(name) for name in adds]
+    sql = _insert_events_sql(
+        len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields)
+    )
     run = rows.adapt(run_id)
-    params = [run, run]
-    for event in events:
-        for field in _EVENT_FIELDS:
-            params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
+    params = [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
+    params += list(adds.values())
+    params.append(run)
+    if events:
+        params.append(run)
+        for event in events:
+            for field in _EVENT_FIELDS:
+                params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
     with connection.cursor() as cursor:
-        cursor.execute(_insert_events_sql(len(events)), params)
+        cursor.execute(sql, params)
+        if not events:
+            return
         ids = dict((seq, pk) for pk, seq in cursor.fetchall())
     if len(ids) != len(events):
         raise Run.DoesNotExist(f"no run {run_id}")
@@ -73,32 +100,14 @@ def insert_events(run_id, events: list[RunEvent]) -> None:
         event._state.db = connection.alias
 
 
-def take_lease(run: Run, token, expires, **counters: int) -> None:
-    """TAKE_LEASE: the claim's one write to the run row it holds: the lease, and the counters of
-    the step it commits (step_count, model_call_count, tool_call_count)."""
-    sets = [f"{name} = {name} + %s" for name in counters]
-    with connection.cursor() as cursor:
-        rows.execute(
-            cursor,
-            f"UPDATE {RUNS} SET {', '.join(['lease_token = %s', 'lease_expires_at = %s', *sets])} "
-            "WHERE id = %s",
-            [token, expires, *counters.values(), run.pk],
-        )
-    run.lease_token, run.lease_expires_at = token, expires
-    for name, n in counters.items():
-        setattr(run, name, getattr(run, name) + n)
+@functools.cache
+def _step_log_sql() -> str:
+    return f"SELECT {rows.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq"
 
 
 def step_log(run: Run) -> list[Step]:
     """STEP_LOG: the run's steps in order, each attached to `run` (what the decision reads)."""
-    steps = [
-        step
-        for (step,) in rows.fetch(
-            f"SELECT {rows.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq",
-            [run.pk],
-            Step,
-        )
-    ]
+    steps = [step for (step,) in rows.fetch(_step_log_sql(), [run.pk], Step)]
     for step in steps:
         step.run = run
     return steps

@@ -30,6 +30,7 @@ from runs.lifecycle import (
     record_event,
     transition_run,
     transition_step,
+    write_run_at_end,
 )
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from tenants.permissions import may_run_agent
@@ -85,7 +86,9 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
         plan.run = run
         if plan.kind == "recover_model" or plan.reconcile_first:
             # Nothing is sent before the lost call is settled or the provider asked: lease only.
-            statements.take_lease(run, plan.token, now + dt.timedelta(seconds=plan.lease_seconds))
+            write_run_at_end(
+                run, lease_token=plan.token, lease_expires_at=now + dt.timedelta(seconds=plan.lease_seconds)
+            )
             return plan
         if not reserve_and_mark(run, plan, take_lease=True):
             return None
@@ -281,8 +284,11 @@ def _plan_recovery(run: Run, step: Step, steps: list[Step], now: dt.datetime) ->
     crashed = step.next_attempt_at is None
     if crashed:
         # The lost attempt may have been charged: hold its reservation once this claim commits
-        # (budget rows are never locked while the run row is; the sweeper is the backstop).
-        transaction.on_commit(lambda: _hold_lost_reservations(step.pk), robust=True)
+        # (one ledger statement per transaction, and this one's is the retry's reserve: see the
+        # lock order in runs/engine/__init__.py; the sweeper is the backstop). The ids are taken now: the retry's own reservation, made in this transaction, is linked
+        # to the same step and must stay open.
+        lost = _open_reservations(step.pk)
+        transaction.on_commit(lambda: _hold_lost_reservations(lost), robust=True)
         step.crashes += 1
         Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
         if step.crashes >= settings.MAX_STEP_CRASHES:
@@ -392,12 +398,18 @@ def _release_undispatched(run_id) -> None:
         budgets.release(reservation_id, note="its worker lost the lease before dispatching")
 
 
-def _hold_lost_reservations(step_id: int) -> None:
+def _open_reservations(step_id: int) -> list:
     from budgets.models import Reservation
 
-    for reservation_id in Reservation.objects.filter(
-        step_id=step_id, status=Reservation.Status.OPEN
-    ).values_list("pk", flat=True):
+    return list(
+        Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN).values_list(
+            "pk", flat=True
+        )
+    )
+
+
+def _hold_lost_reservations(reservation_ids: list) -> None:
+    for reservation_id in reservation_ids:
         budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
 
 

@@ -15,18 +15,18 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs import rows, statements
+from runs import rows
 from runs.engine import heartbeat
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import (
     atomic_with_events,
-    bump_counters,
     continue_run,
     end_run,
     lock_run,
     record_event,
     transition_run,
     transition_step,
+    write_run_at_end,
 )
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 
@@ -42,7 +42,8 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
 
     False: refused by the budget (recorded: the run stops or waits) or by a used-up approval
     (the step is denied); nothing is reserved then. With `take_lease` the lease is taken in the
-    same UPDATE that counts the step (runs.statements.take_lease); else the caller holds it.
+    same UPDATE that counts the step and numbers the events (runs.lifecycle.write_run_at_end);
+    else the caller holds it.
     """
     now = timezone.now()
     token = plan.token
@@ -90,9 +91,9 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
         _transition_to_dispatching(step, now)
         counters = {"step_count": 1, "tool_call_count": 1} if first else {}
     if take_lease:
-        statements.take_lease(run, token, expires, **counters)
+        write_run_at_end(run, adds=counters, lease_token=token, lease_expires_at=expires)
     elif counters:
-        bump_counters(run, **counters)
+        write_run_at_end(run, adds=counters)
     plan.step, plan.step_id = step, step.pk
     return True
 

@@ -55,7 +55,7 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
         # Closing is a no-op on a reservation already closed, so a retry repeats it safely.
         if lost:
             budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
@@ -95,7 +95,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
     if retry:
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
         settled, balances = budgets.settle_reporting(plan.reservation_id, actual_micros=cost)
         reconciled = False
         if not settled:

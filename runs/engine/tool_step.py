@@ -151,7 +151,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
         steps = None
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
         balances = _close_reservation(plan, step, outcome)
         if not fenced(run, plan):
             if retry and recorded_before(run, step, plan.record_began):
