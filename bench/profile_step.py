@@ -109,7 +109,21 @@ def main() -> None:
             f"{statements / steps:.2f} statements, {(after['checks'] - before['checks']) / steps:.2f} checks"
         )
         if not opts.no_profile:
-            pstats.Stats(profile).sort_stats(opts.sort).print_stats(opts.top)
+            stats = pstats.Stats(profile)
+            stats.sort_stats(opts.sort).print_stats(opts.top)
+            by_package: collections.Counter = collections.Counter()
+            for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+                parts = Path(filename).parts
+                where = (
+                    parts[parts.index("site-packages") + 1]
+                    if "site-packages" in parts
+                    else ("/".join(parts[-2:]) if str(ROOT) in filename else "python")
+                )
+                by_package[where] += tottime
+            total = sum(by_package.values())
+            print("own CPU by package or engine file (share of the profiled time):")
+            for where, seconds in by_package.most_common(25):
+                print(f"{seconds * 100 / total:6.1f}% {where}")
         for text, n in texts.most_common(40):
             print(f"{n / steps:6.2f} {text}")
     finally:

@@ -7,8 +7,10 @@ Rules (DESIGN.md section 6):
   `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the
   lock), so two reservations can never both pass a check that only one of them fits; if any
   account has no room, nothing moves.
-- Budget work always runs in its own short statement or transaction, never while a run row is
-  locked, so budget and run locks cannot deadlock.
+- Budget work runs in its own short statement, or as the one ledger statement of one of the
+  engine's two transactions per step, after that transaction locked its run (the lock order and
+  why it cannot deadlock: runs/engine/__init__.py). A transaction that holds budget accounts
+  never waits for a run.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
   recovering worker cannot both settle or both hold it.
 - Every movement writes a LedgerEntry on its reservation (it moves all the reservation's accounts
@@ -25,15 +27,14 @@ its own limit and the limits add up), and a refusal is never spurious (it is dec
 whole day locked).
 
 Each reserve and each close is one SQL statement (`RESERVE_*`, `CLOSE`), prepared once per
-connection: the accounts stay locked only while that statement runs, with no round trip to the
-client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
-lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
-in order: the caller's next synchronous commit (the engine commits the step as `dispatching`
-before it calls anything, and records the outcome after settle or hold) makes the budget change
-durable too. A database crash inside that window loses the budget change together with
-everything after it: a lost reservation had no call made against it yet; a lost settle or hold
-leaves an open reservation on a `dispatching` step, which recovery holds. release, reconcile and
-write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
+connection, with no round trip to the client inside the lock. The engine runs them inside its
+claim and record transactions (the reservation commits with the step it pays for, the settle
+with the outcome it pays for), so there the accounts stay locked until that commit; the
+sub-accounts of the day are picked with SKIP LOCKED, so concurrent runs do not queue on them.
+Alone (outside a transaction), reserve, settle and hold commit with `synchronous_commit = off`:
+PostgreSQL flushes WAL in order, so the caller's next synchronous commit makes the change
+durable too, and a crash inside that window loses it together with everything after it. release,
+reconcile and write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
 ORM in one transaction.)
 """
 

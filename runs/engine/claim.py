@@ -285,8 +285,9 @@ def _plan_recovery(run: Run, step: Step, steps: list[Step], now: dt.datetime) ->
     if crashed:
         # The lost attempt may have been charged: hold its reservation once this claim commits
         # (one ledger statement per transaction, and this one's is the retry's reserve: see the
-        # lock order in runs/engine/__init__.py; the sweeper is the backstop). The ids are taken now: the retry's own reservation, made in this transaction, is linked
-        # to the same step and must stay open.
+        # lock order in runs/engine/__init__.py; the sweeper is the backstop). The ids are taken
+        # now: the retry's own reservation, made in this transaction, is linked to the same step
+        # and must stay open.
         lost = _open_reservations(step.pk)
         transaction.on_commit(lambda: _hold_lost_reservations(lost), robust=True)
         step.crashes += 1

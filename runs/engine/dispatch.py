@@ -232,8 +232,8 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
 
     An attempt whose answer was lost keeps its reservation held (it may have been charged). When
     the step turns out to have happened and no attempt was settled at the tool's price, one hold
-    is charged at that price; every other hold goes back. Run after the record commits: budget
-    rows are never locked while the run row is.
+    is charged at that price; every other hold goes back. Run after the record commits: the
+    record's transaction has its one ledger statement already (runs/engine/__init__.py).
     """
     reservations = list(
         Reservation.objects.filter(step_id=step_id).order_by("created_at").values_list("pk", "status")
