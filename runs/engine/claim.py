@@ -17,8 +17,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from budgets import services as budgets
+from budgets.models import Reservation
 from observability import observe
 from runs import statements
+from runs.engine import loops
 from runs.engine.dispatch import deny, let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan
 from runs.lifecycle import (
@@ -252,8 +254,6 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
 
 def _continue_unless_looping(run: Run, steps: list[Step], step: Step) -> None:
     """After a tool step's outcome (also a denial or a replay): stop on a loop, else go on."""
-    from runs.engine import loops
-
     if not loops.check(run, steps, step):
         continue_run(run)
 
@@ -391,8 +391,6 @@ def _plan_recovery(run: Run, step: Step, steps: list[Step], now: dt.datetime) ->
 def _release_undispatched(run_id) -> None:
     """A reservation is linked to its step in the transaction that commits `dispatching`: one
     without a step paid for a call that was never sent."""
-    from budgets.models import Reservation
-
     for reservation_id in Reservation.objects.filter(
         run_id=run_id, step__isnull=True, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):
@@ -400,8 +398,6 @@ def _release_undispatched(run_id) -> None:
 
 
 def _open_reservations(step_id: int) -> list:
-    from budgets.models import Reservation
-
     return list(
         Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN).values_list(
             "pk", flat=True

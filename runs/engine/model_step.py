@@ -9,6 +9,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from budgets import services as budgets
+from budgets.models import Reservation
 from observability import observe
 from runs.engine import heartbeat
 from runs.engine.dispatch import budget_event, recorded_before, through_database_outage
@@ -150,8 +151,6 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
 
 
 def recover_model(plan: Plan) -> None:
-    from budgets.models import Reservation
-
     for reservation_id in Reservation.objects.filter(
         step_id=plan.step_id, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from observability import observe
-from runs.engine import heartbeat
+from runs.engine import heartbeat, loops
 from runs.engine.claim import mark_unknown, settle_due, wait_to_settle
 from runs.engine.dispatch import (
     budget_event,
@@ -140,7 +140,6 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
     On a retry (the first attempt's transaction failed) the step and the step log are read again:
     the in-memory ones may carry the rolled-back writes.
     """
-    from runs.engine import loops
     from tools import gateway as tool_gateway
 
     now = timezone.now()
