@@ -173,6 +173,14 @@ def _database() -> dict:
             # so a thread waiting on a model holds no database connection.
             db["CONN_MAX_AGE"] = 0
             db["OPTIONS"]["pool"] = {"min_size": 1, "max_size": pool_max, "timeout": 30}
+            # The pool checks a connection each time it hands one out: an empty statement, a round
+            # trip that commits, twice per engine step. Workers turn it off (DB_POOL_CHECK=0, set
+            # by scripts/serve.sh for the worker): everything they do with the database is retried
+            # from scratch on a lost connection (the task's autoretry; recording an outcome through
+            # runs.engine.dispatch.through_database_outage), and a dead connection is dropped by
+            # the pool when it is handed back, so after a PostgreSQL restart each stale one fails
+            # once. The API keeps the check: a request has no retry of its own.
+            db["CONN_HEALTH_CHECKS"] = env_bool("DB_POOL_CHECK", True)
         else:
             db["CONN_MAX_AGE"] = env_int("DB_CONN_MAX_AGE", 60)
     if TESTING and db["ENGINE"] != "django.db.backends.sqlite3":

@@ -2,8 +2,84 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MappingProxyType
+
 from approvals.policy import PolicyError, parse_policy
-from runs.lifecycle import DEFAULT_LIMITS, LIMIT_CAPS
+from llm.models import ModelEndpoint
+from tools.models import Tool
+
+# A run's limits: defaults, and the tenant fields that cap them (runs.lifecycle.effective_limits).
+DEFAULT_LIMITS = {
+    "max_steps": 50,
+    "max_tool_calls": 25,
+    "max_wall_seconds": 24 * 3600,
+    "max_output_tokens": 1024,
+    "max_cost_micros": 2_000_000,
+}
+LIMIT_CAPS = {
+    "max_steps": "max_steps_cap",
+    "max_tool_calls": "max_tool_calls_cap",
+    "max_wall_seconds": "max_wall_seconds_cap",
+    "max_output_tokens": "max_output_tokens_cap",
+    "max_cost_micros": "max_cost_micros_cap",
+}
+
+LOOP_DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """No-progress limits (runs/engine/loops.py), the version's `loop` over LOOP_DEFAULTS."""
+
+    max_repeats: int
+    max_empty_results: int
+    alternation_cycles: int
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent version's spec as the engine reads it: typed fields, built once per version."""
+
+    version_id: int
+    model: str
+    instructions: str
+    tools: tuple[str, ...]
+    limits: MappingProxyType
+    loop: LoopLimits
+    context: MappingProxyType
+    approval_overrides: MappingProxyType
+    on_approval_expired: str
+    max_visible_tools: int | None
+
+
+_by_version: dict[int, AgentSpec] = {}
+
+
+def spec_for(version) -> AgentSpec:
+    """The frozen spec of an AgentVersion, built once per version id and process.
+
+    A version's spec is never edited after it is created (agents.services publishes a new version
+    for every change), so its id names its spec for good.
+    """
+    found = _by_version.get(version.pk)
+    if found is None:
+        spec = version.spec
+        found = AgentSpec(
+            version_id=version.pk,
+            model=spec.get("model", ""),
+            instructions=spec.get("instructions", ""),
+            tools=tuple(spec.get("tools") or ()),
+            limits=MappingProxyType(dict(spec.get("limits") or {})),
+            loop=LoopLimits(**{**LOOP_DEFAULTS, **(spec.get("loop") or {})}),
+            context=MappingProxyType(dict(spec.get("context") or {})),
+            approval_overrides=MappingProxyType(dict(spec.get("approval_overrides") or {})),
+            on_approval_expired=spec.get("on_approval_expired", "tell_model"),
+            max_visible_tools=spec.get("max_visible_tools"),
+        )
+        _by_version[version.pk] = found
+    return found
+
 
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
 CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}
@@ -30,9 +106,6 @@ def _positive_int(value) -> bool:
 
 
 def validate_spec(spec, tenant) -> dict[str, list[str]]:
-    from llm.models import ModelEndpoint
-    from tools.models import Tool
-
     errors: dict[str, list[str]] = {}
 
     def add(path: str, message: str) -> None:

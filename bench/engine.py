@@ -158,6 +158,7 @@ class Worker:
         )
         if DB_POOL_MAX:
             self.env["DB_POOL_MAX"] = str(DB_POOL_MAX)
+            self.env["DB_POOL_CHECK"] = "0"  # as scripts/serve.sh starts workers
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Worker:

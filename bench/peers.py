@@ -168,6 +168,7 @@ class Worker:
             PYTHONUNBUFFERED="1",
             DEBUG="false",
             DB_POOL_MAX=str(opts.db_pool),
+            DB_POOL_CHECK="0",  # as scripts/serve.sh starts workers
             BENCH_SQLCOUNT_FILE=str(self.counts),
         )
         self.proc: subprocess.Popen | None = None

@@ -7,8 +7,10 @@ Rules (DESIGN.md section 6):
   `spent + reserved + held + amount <= limit`, judged on the newest row versions (read under the
   lock), so two reservations can never both pass a check that only one of them fits; if any
   account has no room, nothing moves.
-- Budget work always runs in its own short statement or transaction, never while a run row is
-  locked, so budget and run locks cannot deadlock.
+- Budget work runs in its own short statement, or as the one ledger statement of one of the
+  engine's two transactions per step, after that transaction locked its run (the lock order and
+  why it cannot deadlock: runs/engine/__init__.py). A transaction that holds budget accounts
+  never waits for a run.
 - A reservation closes exactly once (conditional update on its status), so a late worker and a
   recovering worker cannot both settle or both hold it.
 - Every movement writes a LedgerEntry on its reservation (it moves all the reservation's accounts
@@ -25,15 +27,14 @@ its own limit and the limits add up), and a refusal is never spurious (it is dec
 whole day locked).
 
 Each reserve and each close is one SQL statement (`RESERVE_*`, `CLOSE`), prepared once per
-connection: the accounts stay locked only while that statement runs, with no round trip to the
-client inside the lock. reserve, settle and hold commit with `synchronous_commit = off`, so the
-lock is released without waiting for the WAL flush. That is safe because PostgreSQL flushes WAL
-in order: the caller's next synchronous commit (the engine commits the step as `dispatching`
-before it calls anything, and records the outcome after settle or hold) makes the budget change
-durable too. A database crash inside that window loses the budget change together with
-everything after it: a lost reservation had no call made against it yet; a lost settle or hold
-leaves an open reservation on a `dispatching` step, which recovery holds. release, reconcile and
-write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
+connection, with no round trip to the client inside the lock. The engine runs them inside its
+claim and record transactions (the reservation commits with the step it pays for, the settle
+with the outcome it pays for), so there the accounts stay locked until that commit; the
+sub-accounts of the day are picked with SKIP LOCKED, so concurrent runs do not queue on them.
+Alone (outside a transaction), reserve, settle and hold commit with `synchronous_commit = off`:
+PostgreSQL flushes WAL in order, so the caller's next synchronous commit makes the change
+durable too, and a crash inside that window loses it together with everything after it. release,
+reconcile and write_off are rare and commit synchronously. (SQLite, for the demo, runs the same steps with the
 ORM in one transaction.)
 """
 
@@ -208,17 +209,22 @@ def reserve(
     purpose: str,
     run=None,
     user=None,
+    step=None,
     now: dt.datetime | None = None,
     note: str = "",
 ) -> Reservation:
-    """Reserve amount on the tenant's day, the user's day (if limited) and the run, or raise."""
+    """Reserve amount on the tenant's day, the user's day (if limited) and the run, or raise.
+
+    `step`: the step the reservation pays for, linked in the same statement (the engine reserves
+    in the transaction that commits the step as dispatching).
+    """
     if amount_micros < 0:
         raise ValueError("amount must not be negative")
     day = local_day(tenant, now)
     if tenant.user_daily_budget_micros is None:
         user = None
     reservation = Reservation(
-        tenant=tenant, run=run, purpose=purpose, day=day, amount_micros=amount_micros, note=note
+        tenant=tenant, run=run, step=step, purpose=purpose, day=day, amount_micros=amount_micros, note=note
     )
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
     shards = day_shards()
@@ -254,6 +260,7 @@ def _params(reservation: Reservation, *, user, shard: int) -> dict:
         "day": reservation.day,
         "user": user.pk if user else None,
         "run": reservation.run_id,
+        "step": reservation.step_id,
         "wanted": 1 + (user is not None) + (reservation.run_id is not None),
         "amount": reservation.amount_micros,
         "id": reservation.pk,
@@ -388,7 +395,12 @@ def _movement(amount: int, actual: int | None, *, from_status: str, to_status: s
     return moves, [(k, a) for k, a in entries if a]
 
 
-def _close(
+def _close(reservation_id, **how) -> bool:
+    """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
+    return _close_reporting(reservation_id, **how)[0]
+
+
+def _close_reporting(
     reservation_id,
     *,
     from_status: str,
@@ -399,10 +411,11 @@ def _close(
     note: str = "",
     durable: bool = True,
     unlinked_only: bool = False,
-) -> bool:
-    """Close a reservation once; move balances on all its accounts in lock order. False: not closed."""
+) -> tuple[bool, tuple[int, int, int, int] | None]:
+    """_close, and the run account's (limit, reserved, spent, held) after the move (PostgreSQL:
+    returned by the same statement; None where it was not closed or has no run account)."""
     if connection.vendor == "postgresql":
-        closed, _ = _execute(
+        closed, _, balances = _execute(
             CLOSE,
             {
                 "id": reservation_id,
@@ -416,7 +429,7 @@ def _close(
                 "relaxed": not durable and _relaxed_commit(),
             },
         )
-        return closed == 1
+        return closed == 1, tuple(balances) if closed == 1 and balances else None
     with transaction.atomic():
         reservation = Reservation.objects.filter(pk=reservation_id).first()
         unlinked = {"step__isnull": True} if unlinked_only else {}
@@ -429,7 +442,7 @@ def _close(
             closed_by=actor,
             overage=(actual or 0) > reservation.amount_micros,
         ):
-            return False
+            return False, None
         moves, entries = _movement(
             reservation.amount_micros, actual, from_status=from_status, to_status=to_status, kind=kind
         )
@@ -440,7 +453,12 @@ def _close(
             ]
         )
         _move_portable(reservation.accounts(), **moves)
-    return True
+    balances = (
+        BudgetAccount.objects.filter(pk=reservation.run_account_id)
+        .values_list("limit_micros", "reserved_micros", "spent_micros", "held_micros")
+        .first()
+    )
+    return True, balances
 
 
 def settle(reservation_id, *, actual_micros: int, note: str = "") -> bool:
@@ -452,6 +470,19 @@ def settle(reservation_id, *, actual_micros: int, note: str = "") -> bool:
         kind=Kind.SETTLE,
         actual=actual_micros,
         note=note,
+        durable=False,
+    )
+
+
+def settle_reporting(reservation_id, *, actual_micros: int) -> tuple[bool, tuple[int, int, int, int] | None]:
+    """settle, and the run account's balances after it (limit, reserved, spent, held) from the same
+    statement: the engine's budget event reports them without reading the account again."""
+    return _close_reporting(
+        reservation_id,
+        from_status=Status.OPEN,
+        to_status=Status.SETTLED,
+        kind=Kind.SETTLE,
+        actual=actual_micros,
         durable=False,
     )
 

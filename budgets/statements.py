@@ -1,8 +1,10 @@
 """The budget ledger's SQL statements (PostgreSQL), one per operation; budgets.services runs them.
 
-Each is prepared once per connection (budgets.services._execute) and commits alone, so the
-accounts it locks stay locked only while it runs. Lock order everywhere: tenant-day sub-accounts
-by shard, then the user day, then the run account.
+Each is prepared once per connection (budgets.services._execute). Outside a transaction it
+commits alone, so the accounts it locks stay locked only while it runs; the engine runs one of
+them inside each of its two transactions per step, after the run row (runs/engine/__init__.py
+states that lock order). Lock order within a statement, everywhere: tenant-day sub-accounts by
+shard, then the user day, then the run account.
 """
 
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
@@ -50,10 +52,10 @@ WITH day AS (
     UPDATE {accounts} AS a SET reserved_micros = a.reserved_micros + %(amount)s
      WHERE a.id = ANY(ARRAY(SELECT id FROM locked)) AND (SELECT fits FROM verdict)
 ), created AS (
-    INSERT INTO {reservations} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
-                                purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, verdict.day_account, verdict.user_account, verdict.run_account,
-           %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
+    INSERT INTO {reservations} (id, tenant_id, run_id, step_id, day_account_id, user_account_id,
+                                run_account_id, purpose, day, amount_micros, status, overage, note, created_at)
+    SELECT %(id)s, %(tenant)s, %(run)s, %(step)s, verdict.day_account, verdict.user_account,
+           verdict.run_account, %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
       FROM verdict WHERE verdict.fits
     RETURNING created_at
 ), entry AS (
@@ -122,9 +124,9 @@ WITH locked AS (
                              + CASE WHEN locked.scope <> 'tenant_day' OR a.id = day.target THEN %(amount)s ELSE 0 END
       FROM locked, day, verdict WHERE verdict.fits AND a.id = locked.id
 ), created AS (
-    INSERT INTO {RESERVATIONS} (id, tenant_id, run_id, day_account_id, user_account_id, run_account_id,
-                                 purpose, day, amount_micros, status, overage, note, created_at)
-    SELECT %(id)s, %(tenant)s, %(run)s, day.target, others.user_account, others.run_account,
+    INSERT INTO {RESERVATIONS} (id, tenant_id, run_id, step_id, day_account_id, user_account_id,
+                                 run_account_id, purpose, day, amount_micros, status, overage, note, created_at)
+    SELECT %(id)s, %(tenant)s, %(run)s, %(step)s, day.target, others.user_account, others.run_account,
            %(purpose)s, %(day)s, %(amount)s, 'open', false, %(note)s, now()
       FROM verdict, day, others WHERE verdict.fits
     RETURNING created_at
@@ -141,7 +143,8 @@ SELECT verdict.fits, day.free, created.created_at, day.target, others.user_accou
 # move their balances and write its ledger entries. The amounts follow from the reservation's
 # amount and the actual cost (see budgets.services._movement, which the portable path uses and this mirrors):
 # `kind` is the closing entry; settle and reconcile also release what was not used and record
-# an overage; a zero amount writes no entry.
+# an overage; a zero amount writes no entry. It answers with the run account's balances after the
+# move (limit, reserved, spent, held), which the engine's budget event reports.
 CLOSE = f"""
 WITH closed AS (
     UPDATE {RESERVATIONS}
@@ -164,6 +167,7 @@ WITH closed AS (
            spent_micros = a.spent_micros + closed.actual,
            overage_micros = a.overage_micros + greatest(closed.actual - closed.amount, 0)
       FROM closed WHERE a.id = ANY(ARRAY(SELECT id FROM locked))
+    RETURNING a.scope, a.limit_micros, a.reserved_micros, a.spent_micros, a.held_micros
 ), entries AS (
     INSERT INTO {ENTRIES} (reservation_id, kind, amount_micros, actor_id, note, at)
     SELECT closed.id, entry.kind, entry.amount, %(actor)s, %(note)s, now()
@@ -175,5 +179,6 @@ WITH closed AS (
      WHERE entry.amount <> 0
      ORDER BY entry.position
 )
-SELECT count(*), CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END FROM closed
+SELECT (SELECT count(*) FROM closed), CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END,
+       (SELECT ARRAY[limit_micros, reserved_micros, spent_micros, held_micros] FROM moved WHERE scope = 'run')
 """

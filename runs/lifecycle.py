@@ -4,8 +4,8 @@ and moves the approval; the run's step, status and events are written here)."""
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
+import functools
 import threading
 import uuid
 from contextlib import contextmanager
@@ -20,12 +20,13 @@ from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition
 from agents.models import AgentVersion
 from agents.selectors import resolve_version
+from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS
 from approvals import services as approvals
 from approvals.models import Approval
 from budgets.services import create_run_account
 from llm.models import ModelEndpoint
 from observability import observe
-from runs import admission, rows
+from runs import admission, rows, statements
 from runs.models import (
     READY,
     RUN_TRANSITIONS,
@@ -42,21 +43,6 @@ from runs.models import (
 )
 from tenants.models import Tenant, User
 from tenants.permissions import may_run_agent
-
-DEFAULT_LIMITS = {
-    "max_steps": 50,
-    "max_tool_calls": 25,
-    "max_wall_seconds": 24 * 3600,
-    "max_output_tokens": 1024,
-    "max_cost_micros": 2_000_000,
-}
-LIMIT_CAPS = {
-    "max_steps": "max_steps_cap",
-    "max_tool_calls": "max_tool_calls_cap",
-    "max_wall_seconds": "max_wall_seconds_cap",
-    "max_output_tokens": "max_output_tokens_cap",
-    "max_cost_micros": "max_cost_micros_cap",
-}
 
 
 def effective_limits(spec_limits: dict, tenant) -> dict:
@@ -93,23 +79,55 @@ def record_event(
 
 
 def write_events(events: list[RunEvent]) -> None:
-    """Number the events per run, in order, and INSERT them in one statement.
+    """Number the events per run, in order, and INSERT each run's in one statement.
 
-    An event's `seq` is its number within its run (what the API shows as its id). Each run's
-    counter moves by a conditional-free `UPDATE ... RETURNING`, which holds the run row until
-    commit: writers of one run number in turn, and the engine already holds that row anyway.
+    An event's `seq` is its number within its run (what the API shows as its id). The statement
+    (runs.statements.write_run) moves the run's counter and inserts in one round trip; the
+    counter's UPDATE holds the run row until commit, so writers of one run number in turn (the
+    engine already holds that row anyway).
     """
-    counts = collections.Counter(event.run_id for event in events)
-    next_seq = {run_id: rows.take(Run, run_id, "event_seq", n) - n + 1 for run_id, n in counts.items()}
+    _flush(events, {})
+
+
+def _flush(events: list[RunEvent], run_writes: dict) -> None:
+    by_run: dict = {run_id: [] for run_id in run_writes}
     for event in events:
-        event.seq = next_seq[event.run_id]
-        next_seq[event.run_id] += 1
-    rows.insert(events)
+        by_run.setdefault(event.run_id, []).append(event)
+    for run_id, of_run in by_run.items():
+        sets, adds = run_writes.get(run_id, ({}, {}))
+        statements.write_run(run_id, of_run, sets=sets, adds=adds)
+
+
+def write_run_at_end(run: Run, *, adds: dict | None = None, **values) -> None:
+    """Write columns of a run the caller holds locked: inside `atomic_with_events` in the one
+    statement that writes its events at the end of the transaction, else now.
+
+    For columns nothing in the transaction reads back from the database (the lease, the step
+    counters, the enqueue time); `run` (the instance) is updated at once.
+    """
+    adds = adds or {}
+    for name, value in values.items():
+        setattr(run, name, value)
+    for name, n in adds.items():
+        setattr(run, name, getattr(run, name) + n)
+    _write_run_at_end(run.pk, adds, values)
+
+
+def _write_run_at_end(run_id, adds: dict, values: dict) -> None:
+    pending = getattr(_batch, "run_writes", None)
+    if pending is None:
+        statements.write_run(run_id, [], sets=values, adds=adds)
+        return
+    sets, added = pending.setdefault(run_id, ({}, {}))
+    sets.update(values)
+    for name, n in adds.items():
+        added[name] = added.get(name, 0) + n
 
 
 @contextmanager
 def atomic_with_events():
-    """A transaction whose events are inserted in one statement, in order, just before it commits.
+    """A transaction whose events are inserted in one statement, in order, just before it commits
+    (with the run columns deferred to then: write_run_at_end).
 
     An event written inside is not visible to queries inside (nothing here reads events back).
     Nested inside another such block, it joins the outer one.
@@ -119,13 +137,14 @@ def atomic_with_events():
             yield
         return
     _batch.events = pending = []
+    _batch.run_writes = run_writes = {}
     try:
         with transaction.atomic():
             yield
-            _batch.events = None
-            write_events(pending)  # one INSERT, in order
+            _batch.events = _batch.run_writes = None
+            _flush(pending, run_writes)  # one statement per run, in order
     finally:
-        _batch.events = None
+        _batch.events = _batch.run_writes = None
 
 
 def transition_run(
@@ -190,7 +209,12 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
     `fields` are written in the same UPDATE as last_enqueued_at (the engine clears its lease here).
     """
     now = timezone.now()
-    _update(Run, run_id, last_enqueued_at=now, **fields)
+    if getattr(_batch, "run_writes", None) is not None and not any(
+        hasattr(v, "resolve_expression") for v in fields.values()
+    ):
+        _write_run_at_end(run_id, {}, {"last_enqueued_at": now, **fields})  # with the events
+    else:
+        _update(Run, run_id, last_enqueued_at=now, **fields)
     # The message carries its enqueue time: a message older than the run's latest enqueue is
     # superseded (the claim drops it), so duplicates never fork the run into two message chains.
     # robust: with the broker down the commit stands (a started run is not answered with a 500)
@@ -215,14 +239,14 @@ def _advance_run(args: tuple):
     return current_app.signature("runs.tasks.advance_run", args=args)
 
 
-def lock_run(run_id, *, for_step: bool = False) -> Run:
-    """The run row locked FOR UPDATE, with its tenant and version (and for a step: the user who
-    started it and the version's model endpoint), read fresh in one statement."""
-    try:
-        run_id = uuid.UUID(str(run_id))
-    except ValueError:
-        raise Run.DoesNotExist(f"no run {run_id}") from None
-    models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
+@functools.cache
+def _lock_run_row_sql() -> str:
+    return f"SELECT {rows.columns(Run, 'r')} FROM {rows.table(Run)} r WHERE r.id = %s {rows.for_update('r')}"
+
+
+@functools.cache
+def _lock_run_sql(for_step: bool) -> str:
+    """LOCK_RUN (built once: the column lists come from the models' metadata)."""
     joins = (
         f"JOIN {rows.table(Tenant)} t ON t.id = r.tenant_id "
         f"JOIN {rows.table(AgentVersion)} v ON v.id = r.version_id "
@@ -234,11 +258,29 @@ def lock_run(run_id, *, for_step: bool = False) -> Run:
             f"JOIN {rows.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
         )
         select += f", {rows.columns(User, 'u')}, {rows.columns(ModelEndpoint, 'e')}"
-    found = rows.fetch(
-        f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}",
-        [run_id],
-        *models,
-    )
+    return f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}"
+
+
+def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
+    """The run row locked FOR UPDATE, with its tenant and version (and for a step: the user who
+    started it and the version's model endpoint), read fresh in one statement.
+
+    `like`: the same run as this worker read it earlier in the step (the claim): only the run
+    row is read (fresh, locked); its tenant, version and user are taken from `like`.
+    """
+    try:
+        run_id = uuid.UUID(str(run_id))
+    except ValueError:
+        raise Run.DoesNotExist(f"no run {run_id}") from None
+    if like is not None:
+        found = rows.fetch(_lock_run_row_sql(), [run_id], Run)
+        if not found:
+            raise Run.DoesNotExist(f"no run {run_id}")
+        (run,) = found[0]
+        run.tenant, run.version, run.created_by = like.tenant, like.version, like.created_by
+        return run
+    models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
+    found = rows.fetch(_lock_run_sql(for_step), [run_id], *models)
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")
     run, tenant, version, *more = found[0]

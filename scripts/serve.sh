@@ -49,7 +49,8 @@ $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND
 # gossip's Redis pub/sub consumer is one more way a Redis restart reaches kombu's close bug
 # (agentplatform/celery.py). Heartbeats stay (Flower sees the worker by them) and task events
 # are on from the start, not only once Flower's periodic broadcast reaches a new worker.
-$PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
+# DB_POOL_CHECK=0: no connection check per checkout (agentplatform/settings.py says why that is safe here).
+DB_POOL_CHECK=${WORKER_DB_POOL_CHECK:-0} $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
   --without-gossip --without-mingle --task-events --loglevel INFO & pids+=($!)
 # Beat and Flower record no platform metrics: kept out of the shared directory.
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \

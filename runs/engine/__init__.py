@@ -1,28 +1,40 @@
-"""The run loop: claim, act, record — at most one step per Celery task (DESIGN.md section 3).
+"""The run loop: at most one step per Celery task, in two transactions (DESIGN.md section 3).
 
-    claim   short transaction, run row locked: take the lease, decide the next step from the
-            durable step log (never from the message), apply decisions that need no network
-            (denials, approvals requested, replays, stops).
-    reserve budget, in its own transaction (budget rows are never locked together with a run).
-    mark    short transaction, run row locked: check the lease and the cancel flag, commit the
-            step as `dispatching` (with its idempotency key) before anything is sent.
+    claim   one short transaction, the run row locked once: take the lease, decide the next step
+            from the step log (never from the message), apply decisions that need no network
+            (denials, approvals requested, replays, stops), reserve the call's worst-case cost and
+            commit the step as `dispatching` with its idempotency key.
     act     no transaction and no database connection held: call the model or the tool.
-    settle  budget, in its own transaction.
-    record  short transaction, run row locked: write the outcome only if the lease token still
-            matches; a fenced-out worker only adds a late-attempt event.
-    continue enqueue the next task on commit, or park the run.
+    record  one short transaction, the run row locked: close the reservation (settle, hold or
+            release), write the outcome only if the lease token still matches (a fenced-out
+            worker only adds a late-attempt event), the step's events in one INSERT, and enqueue
+            the next task on commit or park the run. Retried from scratch on a lost connection
+            while the lease lasts (dispatch.through_database_outage).
+
+Lock order, in every transaction that takes more than one: the run row, then its steps (and
+other rows of that run: approvals, events), then the budget accounts of ONE reservation, locked
+by one ledger statement in the ledger's own order (tenant-day sub-accounts by shard, user day,
+run account; budgets/statements.py). Why this cannot deadlock: the engine's two transactions
+are the only ones that hold a run and budget accounts together, each holds exactly one run and
+locks it first, and after its budget statement it locks nothing another transaction could hold
+while waiting for budget accounts (rows of its own run, which it holds, and new rows); every
+other budget statement (the sweeper's holds, orphan releases, a person's reconcile) commits
+alone and waits for no run. The rare second ledger statement in one transaction (a late reply
+reconciling its hold, an approval used up between reserve and mark) closes the same reservation,
+whose accounts that transaction already holds.
 
 The phases live in their own modules:
 
     runs/engine/claim.py       claim: lease, decide, plan a model or tool call or a recovery; deny, replay
-    runs/engine/dispatch.py    reserve and mark (both step kinds); writing an outcome through a database
-                        outage; the budget event
-    runs/engine/model_step.py  a model step: act, settle, record; a model call lost with its worker
-    runs/engine/tool_step.py   a tool step: reconcile, act, settle, record; retries, unknown outcomes,
-                        late results
+    runs/engine/dispatch.py    reserve and mark (both step kinds, in the claim's transaction);
+                               writing an outcome through a database outage; the budget event
+    runs/engine/model_step.py  a model step: act, then settle and record; a model call lost with its worker
+    runs/engine/tool_step.py   a tool step: reconcile, act, then settle and record; retries, unknown
+                               outcomes, late results
 
 This module holds the entry point; `runs/engine/types.py` holds the `Plan` a claim hands on and the
-`ToolOutcome` of a tool call; `runs.lifecycle.continue_run` enqueues the next step.
+`ToolOutcome` of a tool call; `runs.lifecycle.continue_run` enqueues the next step;
+`runs/statements.py` holds the hand-written SQL of the hot path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Claim: take the run's lease and decide its next step from the step log (runs/engine/__init__.py).
+"""Claim: take the run's lease, decide its next step from the step log and commit the intent
+(runs/engine/__init__.py).
 
-Everything here runs in the claim's one short transaction with the run row locked, and needs no
-network: denials, approval requests, replays and stops are applied here; a model or tool call is
+Everything here runs in the claim's one short transaction with the run row locked once, and
+needs no network: denials, approval requests, replays and stops are applied here; a model or
+tool call is reserved and committed as `dispatching` (runs.engine.dispatch.reserve_and_mark) and
 handed on as a `Plan`.
 """
 
@@ -11,7 +13,7 @@ import datetime as dt
 import uuid
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from approvals import services as approvals
@@ -19,9 +21,10 @@ from budgets import services as budgets
 from budgets.models import Reservation
 from llm import gateway as model_gateway
 from observability import observe
-from runs import rows
+from runs import statements
 from runs.engine import loops, platform_tools
-from runs.engine.types import Plan
+from runs.engine.dispatch import deny, let_go, reserve_and_mark
+from runs.engine.types import ModelPlan, Plan, ToolPlan
 from runs.lifecycle import (
     atomic_with_events,
     continue_run,
@@ -33,6 +36,7 @@ from runs.lifecycle import (
     transition_run,
     transition_step,
     void_approval,
+    write_run_at_end,
 )
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
 from tenants.permissions import may_run_agent
@@ -43,6 +47,8 @@ MAX_MODEL_FAILURES = 5
 
 
 def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
+    """The step's first transaction. A Plan for a call committed as `dispatching` (or a lookup or
+    a lost model call to settle first); None when there is nothing to call now."""
     with atomic_with_events():
         try:
             # With the user who started it and the model endpoint: read fresh, in this one statement.
@@ -81,28 +87,31 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             return None
         if run.status == RunStatus.QUEUED:
             transition_run(run, RunStatus.RUNNING, started_at=now)
-        return _decide(run, _step_log(run), now)
+        plan = _decide(run, statements.step_log(run), now)
+        if plan is None:
+            return None
+        plan.run = run
+        if plan.kind == "recover_model" or plan.reconcile_first:
+            # Nothing is sent before the lost call is settled or the provider asked: lease only.
+            write_run_at_end(
+                run, lease_token=plan.token, lease_expires_at=now + dt.timedelta(seconds=plan.lease_seconds)
+            )
+            return plan
+        if not reserve_and_mark(run, plan, take_lease=True):
+            return None
+    let_go(plan)
+    return plan
 
 
-def _step_log(run: Run) -> list[Step]:
-    """The run's steps in order (tools are read where needed, fresh: check_dispatch)."""
-    steps = [
-        step
-        for (step,) in rows.fetch(
-            f"SELECT {rows.columns(Step, 's')} FROM {rows.table(Step)} s WHERE s.run_id = %s ORDER BY s.seq",
-            [run.pk],
-            Step,
-        )
-    ]
-    for step in steps:
-        step.run = run
-    return steps
+def _new_plan(run: Run, kind: str, timeout: float, **fields) -> Plan:
+    """A plan with a new lease token (taken when the claim commits its intent)."""
+    return Plan(run.pk, uuid.uuid4(), kind, lease_seconds_for(timeout), **fields)
 
 
 def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
     inflight = next((s for s in steps if s.status == StepStatus.DISPATCHING), None)
     if inflight is not None:
-        return _plan_recovery(run, inflight, now)
+        return _plan_recovery(run, inflight, steps, now)
     if any(s.kind == StepKind.TOOL and s.status == StepStatus.OUTCOME_UNKNOWN for s in steps):
         transition_run(
             run, RunStatus.NEEDS_ATTENTION, message="waiting for a person to resolve an unknown outcome"
@@ -121,19 +130,6 @@ def _decide(run: Run, steps: list[Step], now: dt.datetime) -> Plan | None:
         end_run(run, RunStatus.SUCCEEDED, message="succeeded")
         return None
     return _plan_model(run, steps)
-
-
-def _take_lease(run: Run, seconds: int) -> uuid.UUID:
-    token = uuid.uuid4()
-    expires = timezone.now() + dt.timedelta(seconds=seconds)
-    with connection.cursor() as cursor:
-        rows.execute(
-            cursor,
-            f"UPDATE {rows.table(Run)} SET lease_token = %s, lease_expires_at = %s WHERE id = %s",
-            [token, expires, run.pk],
-        )
-    run.lease_token, run.lease_expires_at = token, expires
-    return token
 
 
 def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
@@ -181,23 +177,17 @@ def _plan_model(run: Run, steps: list[Step]) -> Plan | None:
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)
-    estimate = model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens)
-    lease = lease_seconds_for(endpoint.timeout_seconds)
-    token = _take_lease(run, lease)
-    return Plan(
-        run.pk,
-        token,
+    return _new_plan(
+        run,
         "model",
-        lease,
-        extra={
-            "request": request,
-            "estimate": estimate,
-            "endpoint_id": endpoint.pk,
-            "endpoint": endpoint,
-            "seq": (steps[-1].seq if steps else 0) + 1,
-            "run": run,
-            "summary": model_gateway.request_summary(request, input_tokens=input_tokens),
-        },
+        endpoint.timeout_seconds,
+        model=ModelPlan(
+            request=request,
+            estimate=model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens),
+            endpoint=endpoint,
+            seq=(steps[-1].seq if steps else 0) + 1,
+            summary=model_gateway.request_summary(request, input_tokens=input_tokens),
+        ),
     )
 
 
@@ -256,25 +246,8 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     if run.step_count >= run.limits["max_steps"]:
         end_run(run, RunStatus.STOPPED, reason=StopReason.MAX_STEPS, message="stopped: max steps reached")
         return None
-    lease = lease_seconds_for(step.tool.timeout_seconds)
-    return Plan(
-        run.pk,
-        _take_lease(run, lease),
-        "tool",
-        lease,
-        step_id=step.pk,
-        extra={"step": step, "run": run, "steps": steps},
-    )
-
-
-def deny(step: Step, reason: str) -> None:
-    transition_step(
-        step,
-        StepStatus.DENIED,
-        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
-        error=reason,
-        observation=f"ERROR: call denied by the platform: {reason}",
-        finished_at=timezone.now(),
+    return _new_plan(
+        run, "tool", step.tool.timeout_seconds, step_id=step.pk, tool=ToolPlan(step=step, steps=steps)
     )
 
 
@@ -302,7 +275,7 @@ def _replay(run: Run, step: Step, prior: Step, steps: list[Step]) -> None:
     _continue_unless_looping(run, steps, step)
 
 
-def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
+def _plan_recovery(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Plan | None:
     """A step was left `dispatching`: a scheduled retry, or a worker that died or stalled."""
     if step.next_attempt_at is not None and step.next_attempt_at > now:
         continue_run(run, countdown=(step.next_attempt_at - now).total_seconds())
@@ -310,8 +283,12 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
     crashed = step.next_attempt_at is None
     if crashed:
         # The lost attempt may have been charged: hold its reservation once this claim commits
-        # (budget rows are never locked while the run row is; the sweeper is the backstop).
-        transaction.on_commit(lambda: _hold_lost_reservations(step.pk), robust=True)
+        # (one ledger statement per transaction, and this one's is the retry's reserve: see the
+        # lock order in runs/engine/__init__.py; the sweeper is the backstop). The ids are taken
+        # now: the retry's own reservation, made in this transaction, is linked to the same step
+        # and must stay open.
+        lost = _open_reservations(step.pk)
+        transaction.on_commit(lambda: _hold_lost_reservations(lost), robust=True)
         step.crashes += 1
         Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
         if step.crashes >= settings.MAX_STEP_CRASHES:
@@ -343,8 +320,7 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
             step_seq=step.seq,
             action="hold_and_retry",
         )
-        lease = lease_seconds_for(5)
-        return Plan(run.pk, _take_lease(run, lease), "recover_model", lease, step_id=step.pk)
+        return _new_plan(run, "recover_model", 5, step_id=step.pk)
     tool = step.tool
     effect = tool.effect_class
     found = "found in dispatching after its worker was lost" if crashed else "retry due"
@@ -397,14 +373,17 @@ def _plan_recovery(run: Run, step: Step, now: dt.datetime) -> Plan | None:
         effect_class=effect,
         attempts=step.attempts,
     )
-    lease = lease_seconds_for(tool.timeout_seconds)
-    return Plan(
-        run.pk,
-        _take_lease(run, lease),
+    # The retry is sent from this step row: with its tool and server, read now (the call itself
+    # holds no database connection).
+    step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
+    step.run = run
+    return _new_plan(
+        run,
         "tool",
-        lease,
+        tool.timeout_seconds,
         step_id=step.pk,
         reconcile_first=effect == EffectClass.RECONCILABLE,
+        tool=ToolPlan(step=step, steps=steps),
     )
 
 
@@ -417,10 +396,16 @@ def _release_undispatched(run_id) -> None:
         budgets.release(reservation_id, note="its worker lost the lease before dispatching")
 
 
-def _hold_lost_reservations(step_id: int) -> None:
-    for reservation_id in Reservation.objects.filter(
-        step_id=step_id, status=Reservation.Status.OPEN
-    ).values_list("pk", flat=True):
+def _open_reservations(step_id: int) -> list:
+    return list(
+        Reservation.objects.filter(step_id=step_id, status=Reservation.Status.OPEN).values_list(
+            "pk", flat=True
+        )
+    )
+
+
+def _hold_lost_reservations(reservation_ids: list) -> None:
+    for reservation_id in reservation_ids:
         budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
 
 

@@ -1,7 +1,7 @@
 """Around the call, for both step kinds (runs/engine/__init__.py).
 
-Before it: reserve budget in its own transaction, then commit the step as `dispatching` under the
-run lock. After it: write the outcome through a database outage, and record the budget event.
+Before it, in the claim's transaction: reserve the budget and commit the step as `dispatching`.
+After it: write the outcome through a database outage, and record the budget event.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs import rows
 from runs.engine import heartbeat
-from runs.engine.claim import deny
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import (
     atomic_with_events,
-    bump_counters,
     continue_run,
     end_run,
     lock_run,
     record_event,
     transition_run,
     transition_step,
+    write_run_at_end,
 )
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 
@@ -38,119 +37,142 @@ log = logging.getLogger(__name__)
 # --- reserve and mark ------------------------------------------------------------------------
 
 
-def reserve(plan: Plan, *, amount: int, purpose: str) -> bool:
-    # The run, tenant and user rows the claim just read (recovery plans carry none: read them).
-    run = plan.extra.get("run") or Run.objects.select_related("tenant", "created_by").get(pk=plan.run_id)
+def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
+    """Reserve the call's worst case and commit its step as `dispatching`, in the caller's
+    transaction with `run` locked (the claim's, or after a status lookup a short one of its own).
+
+    False: refused by the budget (recorded: the run stops or waits) or by a used-up approval
+    (the step is denied); nothing is reserved then. With `take_lease` the lease is taken in the
+    same UPDATE that counts the step and numbers the events (runs.lifecycle.write_run_at_end);
+    else the caller holds it.
+    """
+    now = timezone.now()
+    token = plan.token
+    expires = now + dt.timedelta(seconds=plan.lease_seconds)
+    if plan.model is not None:
+        model = plan.model
+        step = Step(
+            run_id=run.pk,
+            seq=model.seq,
+            kind=StepKind.MODEL,
+            status=StepStatus.DISPATCHING,
+            attempts=1,
+            started_at=now,
+            dispatched_at=now,
+            reserved_micros=model.estimate,
+            request=model.summary,
+        )
+        rows.insert([step])
+        if not _reserve(run, plan, step, amount=model.estimate, purpose="model"):
+            Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
+            return False
+        record_event(
+            run.pk,
+            "step",
+            f"step {step.seq} model call dispatched",
+            step_seq=step.seq,
+            to=StepStatus.DISPATCHING,
+            step_kind=StepKind.MODEL,
+        )
+        counters = {"step_count": 1, "model_call_count": 1}
+    else:
+        step = plan.tool.step
+        if not _reserve(run, plan, step, amount=step.tool.price_micros, purpose="tool"):
+            return False
+        if step.status == StepStatus.APPROVED:
+            # The approval is used up in the transaction that commits the call it covers.
+            if not approvals.consume(step):
+                budgets.release(plan.reservation_id, note="call not made: approval already used")
+                deny(step, "approval was already used or withdrawn")
+                continue_run(run)
+                return False
+        first = step.status != StepStatus.DISPATCHING
+        _transition_to_dispatching(step, now)
+        counters = {"step_count": 1, "tool_call_count": 1} if first else {}
+    if take_lease:
+        write_run_at_end(run, adds=counters, lease_token=token, lease_expires_at=expires)
+    elif counters:
+        write_run_at_end(run, adds=counters)
+    plan.step, plan.step_id = step, step.pk
+    return True
+
+
+def _reserve(run: Run, plan: Plan, step: Step, *, amount: int, purpose: str) -> bool:
     try:
         reservation = budgets.reserve(
-            tenant=run.tenant, run=run, user=run.created_by, amount_micros=amount, purpose=purpose
+            tenant=run.tenant, run=run, user=run.created_by, step=step, amount_micros=amount, purpose=purpose
         )
     except budgets.BudgetExceeded as exc:
-        _record_budget_refusal(plan, exc)
+        _record_budget_refusal(run, exc)
         return False
     plan.reservation_id = reservation.pk
     return True
 
 
-def _record_budget_refusal(plan: Plan, exc: budgets.BudgetExceeded) -> None:
+def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded) -> None:
+    record_event(run.pk, "budget", f"refused: {exc.message}", decision="refused", scope=exc.scope)
+    if exc.scope == BudgetAccount.Scope.RUN:
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.BUDGET_EXHAUSTED,
+            error=exc.message,
+            message="stopped: run budget exhausted",
+        )
+    elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
+        resume = budgets.next_local_midnight(run.tenant)
+        transition_run(
+            run,
+            RunStatus.WAITING_BUDGET,
+            message=f"paused until {resume.isoformat()}: {exc.scope} budget spent",
+            resume_at=resume,
+            lease_token=None,
+            lease_expires_at=None,
+        )
+    else:
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.TENANT_BUDGET_EXHAUSTED,
+            error=exc.message,
+            message=f"stopped: {exc.scope} budget exhausted",
+        )
+
+
+def mark_after_lookup(plan: Plan) -> bool:
+    """After a status lookup that found nothing: reserve and commit the retry as `dispatching`,
+    if this worker still holds the lease and nobody asked to cancel. One short transaction."""
     with atomic_with_events():
-        run = lock_run(plan.run_id)
-        if run.lease_token != plan.token:
-            return
-        record_event(run.pk, "budget", f"refused: {exc.message}", decision="refused", scope=exc.scope)
-        if exc.scope == BudgetAccount.Scope.RUN:
-            end_run(
-                run,
-                RunStatus.STOPPED,
-                reason=StopReason.BUDGET_EXHAUSTED,
-                error=exc.message,
-                message="stopped: run budget exhausted",
-            )
-        elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
-            resume = budgets.next_local_midnight(run.tenant)
-            transition_run(
-                run,
-                RunStatus.WAITING_BUDGET,
-                message=f"paused until {resume.isoformat()}: {exc.scope} budget spent",
-                resume_at=resume,
-                lease_token=None,
-                lease_expires_at=None,
-            )
-        else:
-            end_run(
-                run,
-                RunStatus.STOPPED,
-                reason=StopReason.TENANT_BUDGET_EXHAUSTED,
-                error=exc.message,
-                message=f"stopped: {exc.scope} budget exhausted",
-            )
+        run = lock_run(plan.run_id, for_step=True)
+        if not fenced(run, plan):
+            return False
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
+            return False
+        plan.run = run
+        plan.tool.step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
+        plan.tool.step.run = run
+        if not reserve_and_mark(run, plan, take_lease=False):
+            return False
+    let_go(plan)
+    return True
 
 
-def mark_dispatching(plan: Plan, step: Step | None = None, new_step: dict | None = None) -> Step | None:
-    """Commit the step as dispatching before the call, or give up if fenced out or cancelled."""
+def deny(step: Step, reason: str) -> None:
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied by the platform: {reason}",
+        finished_at=timezone.now(),
+    )
 
-    with atomic_with_events():
-        now = timezone.now()
-        if new_step is not None:
-            if not _bump_if_leased(plan, step_count=1, model_call_count=1):
-                return _not_dispatching(plan)
-            step = Step(
-                run_id=plan.run_id,
-                status=StepStatus.DISPATCHING,
-                attempts=1,
-                started_at=now,
-                dispatched_at=now,
-                reserved_micros=new_step.pop("reserved"),
-                **new_step,
-            )
-            rows.insert([step])
-            record_event(
-                plan.run_id,
-                "step",
-                f"step {step.seq} model call dispatched",
-                step_seq=step.seq,
-                to=StepStatus.DISPATCHING,
-                step_kind=StepKind.MODEL,
-            )
-        elif step.status == StepStatus.APPROVED:
-            step = _mark_approved_dispatching(plan, step, now)
-            if step is None:
-                return None
-        else:
-            first = step.status != StepStatus.DISPATCHING
-            if not _bump_if_leased(plan, **({"step_count": 1, "tool_call_count": 1} if first else {})):
-                return _not_dispatching(plan)
-            _transition_to_dispatching(step, now)
-        Reservation.objects.filter(pk=plan.reservation_id).update(step=step)
-    # The call that follows may take long: hold no database connection while it runs.
+
+def let_go(plan: Plan) -> None:
+    """The intent is committed: hold no database connection during the call, keep the lease alive."""
     connection.close()
     heartbeat.track(plan.run_id, plan.token, plan.lease_seconds)
-    return step
-
-
-def _bump_if_leased(plan: Plan, **counters: int) -> bool:
-    """Add to the run's counters if this worker still holds the lease and nobody asked to cancel.
-
-    One conditional UPDATE: it locks the run row as lock_run would, and judges the lease and the
-    cancel flag on the newest row version, so a cancel_run that committed first is always seen.
-    """
-    sets = ", ".join([f"{name} = {name} + %s" for name in counters] + ["lease_token = lease_token"])
-    with connection.cursor() as cursor:
-        rows.execute(
-            cursor,
-            f"UPDATE {rows.table(Run)} SET {sets} WHERE id = %s AND lease_token = %s "
-            "AND NOT cancel_requested",
-            [*counters.values(), plan.run_id, plan.token],
-        )
-        return cursor.rowcount == 1
-
-
-def _not_dispatching(plan: Plan) -> None:
-    """The lease is gone (nothing to do) or the run is to be cancelled (cancel it now)."""
-    run = lock_run(plan.run_id)
-    if fenced(run, plan) and run.cancel_requested:
-        end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
-    return None
 
 
 def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
@@ -164,24 +186,6 @@ def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
         message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
         f"key {step.idempotency_key})",
     )
-
-
-def _mark_approved_dispatching(plan: Plan, step: Step, now: dt.datetime) -> Step | None:
-    """An approved call: its approval is used up in the same transaction that marks it."""
-    run = lock_run(plan.run_id)
-    if not fenced(run, plan):
-        return None
-    if run.cancel_requested:
-        end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
-        return None
-    step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
-    if step.status == StepStatus.APPROVED and not approvals.consume(step):
-        deny(step, "approval was already used or withdrawn")
-        continue_run(run)
-        return None
-    _transition_to_dispatching(step, now)
-    bump_counters(run, step_count=1, tool_call_count=1)
-    return step
 
 
 # --- settle and record -----------------------------------------------------------------------
@@ -227,8 +231,8 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
 
     An attempt whose answer was lost keeps its reservation held (it may have been charged). When
     the step turns out to have happened and no attempt was settled at the tool's price, one hold
-    is charged at that price; every other hold goes back. Run after the record commits: budget
-    rows are never locked while the run row is.
+    is charged at that price; every other hold goes back. Run after the record commits: the
+    record's transaction has its one ledger statement already (runs/engine/__init__.py).
     """
     reservations = list(
         Reservation.objects.filter(step_id=step_id).order_by("created_at").values_list("pk", "status")
@@ -247,19 +251,16 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
         )
 
 
-def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None) -> None:
-    # The run's account as settle left it: only the balance columns (the ledger's own table).
-    balances = ", ".join(
-        rows.column(BudgetAccount, name)
-        for name in ("limit_micros", "reserved_micros", "spent_micros", "held_micros")
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT {balances} FROM {rows.table(BudgetAccount)} "
-            f"WHERE {rows.column(BudgetAccount, 'run')} = %s",
-            [rows.adapt(run.pk)],
+def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None, balances) -> None:
+    """The step's budget line: the run account as the settle statement left it (`balances`:
+    limit, reserved, spent, held, from budgets.settle_reporting)."""
+    if balances is None:
+        balances = (
+            BudgetAccount.objects.filter(run_id=run.pk)
+            .values_list("limit_micros", "reserved_micros", "spent_micros", "held_micros")
+            .get()
         )
-        limit, reserved_now, spent, held = cursor.fetchone()
+    limit, reserved_now, spent, held = balances
     account = BudgetAccount(
         limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held
     )

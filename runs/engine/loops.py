@@ -1,6 +1,6 @@
 """No-progress detection: one platform warning to the model, then `loop_detected`.
 
-Patterns, each with a limit from the version's spec (`loop`, defaults below):
+Patterns, each with a limit from the version's spec (`loop`, defaults in agents.spec.LOOP_DEFAULTS):
 - the same call (tool and canonical arguments) made `max_repeats` times in the run, whatever
   came of it: succeeded, failed at the provider, or denied by the platform;
 - `max_empty_results` empty results in a row (an empty text, or a result whose collections are
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 
+from agents.spec import LoopLimits, spec_for
 from runs.lifecycle import bump_counters, end_run, record_event
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
 
-DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
 WARNING = (
     "[platform] You are not making progress ({pattern}). Do not repeat this call; change your "
@@ -32,8 +32,8 @@ WARNING = (
 FINISHED = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.DENIED)
 
 
-def _thresholds(run: Run) -> dict:
-    return {**DEFAULTS, **(run.version.spec.get("loop") or {})}
+def _thresholds(run: Run) -> LoopLimits:
+    return spec_for(run.version).loop
 
 
 def _is_empty_value(value) -> bool:
@@ -78,17 +78,15 @@ def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
         while alternating < len(keys) and keys[-alternating - 1] == keys[-alternating + 1]:
             alternating += 1
     if alternating >= 3:
-        found.append(
-            ("alternating between the same two calls", alternating, 2 * limits["alternation_cycles"])
-        )
+        found.append(("alternating between the same two calls", alternating, 2 * limits.alternation_cycles))
     repeats = keys.count(_key(last))
-    found.append((f"the same call {last.tool_name} was made {repeats} times", repeats, limits["max_repeats"]))
+    found.append((f"the same call {last.tool_name} was made {repeats} times", repeats, limits.max_repeats))
     empties = 0
     for s in reversed(calls):
         if not (s.status == StepStatus.SUCCEEDED and _is_empty(s)):
             break
         empties += 1
-    found.append((f"{empties} empty results in a row", empties, limits["max_empty_results"]))
+    found.append((f"{empties} empty results in a row", empties, limits.max_empty_results))
     return found
 
 

@@ -1,4 +1,7 @@
-"""A model step: reserve, mark, call the model, settle, record (runs/engine/__init__.py)."""
+"""A model step: call the model, then settle and record in one transaction (runs/engine/__init__.py).
+
+The claim has reserved the call's budget and committed the step as `dispatching`.
+"""
 
 from __future__ import annotations
 
@@ -8,48 +11,25 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from llm import gateway as model_gateway
-from llm.models import ModelEndpoint
 from llm.types import ProviderError
 from observability import observe
 from runs.engine import heartbeat, proposals
-from runs.engine.dispatch import (
-    budget_event,
-    mark_dispatching,
-    recorded_before,
-    reserve,
-    through_database_outage,
-)
+from runs.engine.dispatch import budget_event, recorded_before, through_database_outage
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import atomic_with_events, continue_run, end_run, lock_run, record_event, transition_step
-from runs.models import RunStatus, Step, StepKind, StepStatus
+from runs.models import RunStatus, Step, StepStatus
 from tenants import secrets
 
 
 def do_model(plan: Plan) -> None:
-    request = plan.extra["request"]
-    estimate = plan.extra["estimate"]
-    if not reserve(plan, amount=estimate, purpose="model"):
-        return
-    step = mark_dispatching(
-        plan,
-        new_step={
-            "seq": plan.extra["seq"],
-            "kind": StepKind.MODEL,
-            "reserved": estimate,
-            "request": plan.extra.get("summary") or model_gateway.request_summary(request),
-        },
-    )
-    if step is None:
-        budgets.release(plan.reservation_id, note="call not made")
-        return
-    # The endpoint (and its secret) the claim read: the call itself needs no database connection.
-    endpoint = plan.extra.get("endpoint") or ModelEndpoint.objects.select_related("secret").get(
-        pk=plan.extra["endpoint_id"]
-    )
+    model, step = plan.model, plan.step
     try:
-        with observe.model_call(run_id=plan.run_id, seq=step.seq, endpoint=endpoint, request=request) as call:
-            reply = model_gateway.call_model(endpoint, request)
-            cost = model_gateway.cost_micros(endpoint, reply.usage)
+        # The endpoint (and its secret) the claim read: the call itself needs no database connection.
+        with observe.model_call(
+            run_id=plan.run_id, seq=step.seq, endpoint=model.endpoint, request=model.request
+        ) as call:
+            reply = model_gateway.call_model(model.endpoint, model.request)
+            cost = model_gateway.cost_micros(model.endpoint, reply.usage)
             call.replied(reply, cost)
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
@@ -62,42 +42,30 @@ def do_model(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
-
-    reconciled = False
-
-    def settle_and_record(retry: bool) -> None:
-        nonlocal reconciled
-        if not budgets.settle(plan.reservation_id, actual_micros=cost):
-            # Not open any more: a worker that took the run over found this call lost and held its
-            # reservation. This reply carries the provider's own usage for that call, which is
-            # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
-            reconciled = reconciled or budgets.reconcile(
-                plan.reservation_id,
-                actual_micros=cost,
-                actor=None,
-                note=f"late reply of step {step.seq}: provider-reported usage",
-            )
-        _record_model(plan, step, reply, cost, estimate, reconciled=reconciled, retry=retry)
-
-    through_database_outage(settle_and_record, seconds=plan.lease_seconds)
+    through_database_outage(
+        lambda retry: _record_model(plan, step, reply, cost, retry=retry), seconds=plan.lease_seconds
+    )
 
 
 def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -> None:
+    """Close the reservation and write the failure, in one transaction (run, then budget)."""
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
-    if lost:
-        budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
-    else:
-        budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
-    began = plan.extra.setdefault("record_began", timezone.now())
+    if plan.record_began is None:
+        plan.record_began = timezone.now()
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
+        # Closing is a no-op on a reservation already closed, so a retry repeats it safely.
+        if lost:
+            budgets.hold(plan.reservation_id, note=f"model response lost: {exc}")
+        else:
+            budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
         if not fenced(run, plan):
-            if retry and recorded_before(run, step, began):
+            if retry and recorded_before(run, step, plan.record_began):
                 return
             record_event(run.pk, "late_attempt", message, step_seq=step.seq)
             return
@@ -115,18 +83,32 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
             continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
 
 
-def _record_model(
-    plan: Plan, step: Step, reply, cost: int, estimate: int, *, reconciled: bool = False, retry: bool = False
-) -> None:
-    """Write the reply under the run lock if this worker still holds the lease; on a retry, from
-    the step as stored (the failed attempt's in-memory writes were rolled back)."""
-    began = plan.extra.setdefault("record_began", timezone.now())
+def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = False) -> None:
+    """The step's second transaction: lock the run, settle the reservation, write the reply if
+    this worker still holds the lease, the step's events, and enqueue the next step on commit.
+
+    On a retry, from the step as stored (the failed attempt's in-memory writes were rolled back).
+    """
+    if plan.record_began is None:
+        plan.record_began = timezone.now()
     if retry:
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
+        settled, balances = budgets.settle_reporting(plan.reservation_id, actual_micros=cost)
+        reconciled = False
+        if not settled:
+            # Not open any more: a worker that took the run over found this call lost and held its
+            # reservation. This reply carries the provider's own usage for that call, which is
+            # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
+            reconciled = budgets.reconcile(
+                plan.reservation_id,
+                actual_micros=cost,
+                actor=None,
+                note=f"late reply of step {step.seq}: provider-reported usage",
+            )
         if not fenced(run, plan):
-            if retry and recorded_before(run, step, began):
+            if retry and recorded_before(run, step, plan.record_began):
                 return
             record_event(
                 run.pk,
@@ -156,7 +138,7 @@ def _record_model(
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
         )
-        budget_event(run, step, reserved=estimate, settled=cost)
+        budget_event(run, step, reserved=plan.model.estimate, settled=cost, balances=balances)
         proposals.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")

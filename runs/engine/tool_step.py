@@ -1,4 +1,8 @@
-"""A tool step: reconcile, reserve, mark, call the tool, settle, record (runs/engine/__init__.py)."""
+"""A tool step: call the tool, then settle and record in one transaction (runs/engine/__init__.py).
+
+The claim has reserved the call's budget and committed the step as `dispatching`; a recovery
+that asks the provider first (reconcile) reserves and marks after the lookup.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from runs.engine.claim import mark_unknown, settle_due, wait_to_settle
 from runs.engine.dispatch import (
     budget_event,
     close_tool_holds,
-    mark_dispatching,
+    mark_after_lookup,
     recorded_before,
-    reserve,
     through_database_outage,
 )
 from runs.engine.types import Plan, ToolOutcome, fenced
@@ -43,8 +46,7 @@ SETTLING = (EffectClass.IDEMPOTENT, EffectClass.RECONCILABLE)
 
 
 def do_tool(plan: Plan) -> None:
-    # The step row the claim read (with its tool); mark_dispatching re-reads it under the run lock.
-    step = plan.extra.get("step") or Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
+    step = plan.tool.step
     if plan.reconcile_first:
         found = _reconcile(plan, step)
         if found is not None:
@@ -52,12 +54,9 @@ def do_tool(plan: Plan) -> None:
                 lambda retry: _record_tool(plan, step, found, retry=retry), seconds=plan.lease_seconds
             )
             return
-    if not reserve(plan, amount=step.tool.price_micros, purpose="tool"):
-        return
-    dispatched = mark_dispatching(plan, step=step)
-    if dispatched is None:
-        budgets.release(plan.reservation_id, note="call not made")
-        return
+        if not mark_after_lookup(plan):
+            return
+    dispatched = plan.step
     try:
         with observe.tool_call(dispatched) as call:
             outcome = _call_tool(dispatched)
@@ -65,18 +64,24 @@ def do_tool(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
+    through_database_outage(
+        lambda retry: _record_tool(plan, dispatched, outcome, retry=retry), seconds=plan.lease_seconds
+    )
 
-    def close_and_record(retry: bool) -> None:
-        # Closing is a no-op on a reservation already closed, so a retry repeats it safely.
-        if outcome.kind == "unknown":
-            budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
-        elif outcome.kind in ("failed", "in_progress"):
-            budgets.release(plan.reservation_id, note="this attempt provably took no effect")
-        else:
-            budgets.settle(plan.reservation_id, actual_micros=step.tool.price_micros)
-        _record_tool(plan, dispatched, outcome, retry=retry)
 
-    through_database_outage(close_and_record, seconds=plan.lease_seconds)
+def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
+    """Settle, hold or release this attempt's reservation (in the record's transaction, after the
+    run lock). A no-op on a reservation already closed, so a retried record repeats it safely.
+    Returns the run account's balances after a settle (for the budget event), else None."""
+    if plan.reservation_id is None:  # the outcome came from a status lookup: nothing was reserved
+        return None
+    if outcome.kind == "unknown":
+        budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
+    elif outcome.kind in ("failed", "in_progress"):
+        budgets.release(plan.reservation_id, note="this attempt provably took no effect")
+    else:
+        return budgets.settle_reporting(plan.reservation_id, actual_micros=step.tool.price_micros)[1]
+    return None
 
 
 def _call_tool(step: Step) -> ToolOutcome:
@@ -134,20 +139,22 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
     the in-memory ones may carry the rolled-back writes.
     """
     now = timezone.now()
-    began = plan.extra.setdefault("record_began", now)
+    if plan.record_began is None:
+        plan.record_began = now
+    steps = plan.tool.steps
     if retry:
         step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
-        plan.extra.pop("steps", None)
+        steps = None
     with atomic_with_events():
-        run = lock_run(plan.run_id)
+        run = lock_run(plan.run_id, like=plan.run)
+        balances = _close_reservation(plan, step, outcome)
         if not fenced(run, plan):
-            if retry and recorded_before(run, step, began):
+            if retry and recorded_before(run, step, plan.record_began):
                 return
             _late_tool_attempt(run, Step.objects.select_related("tool").get(pk=step.pk), outcome)
             return
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
-        steps = plan.extra.get("steps")
         if outcome.kind == "succeeded":
             stored, observation = results.shape_result(run, step, outcome.result)
             transition_step(
@@ -162,7 +169,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
                 f"{' (found by status lookup)' if outcome.reconciled else ''}",
             )
-            budget_event(run, step, reserved=step.tool.price_micros, settled=step.tool.price_micros)
+            price = step.tool.price_micros
+            budget_event(run, step, reserved=price, settled=price, balances=balances)
             if outcome.reconciled:
                 # The lookup found the lost attempt's effect: its held reservation is that call's charge.
                 _close_holds_on_commit(step, happened=True)

@@ -2,23 +2,54 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from runs.models import Run
+from runs.models import Run, Step
 from tools.types import ToolResult
 
 
 @dataclass
+class ModelPlan:
+    """A model call, as the claim built it: the request, its worst-case cost, where it goes."""
+
+    request: dict
+    estimate: int  # micros reserved for it
+    endpoint: object  # llm.models.ModelEndpoint, with its secret read: the call needs no database
+    seq: int
+    summary: dict  # the redacted request as stored on the step
+
+
+@dataclass
+class ToolPlan:
+    """A tool call: its step (with tool and server) and the step log the claim read."""
+
+    step: Step
+    steps: list[Step]
+
+
+@dataclass
 class Plan:
+    """What a claim hands on: the lease it took and the call it committed as `dispatching`.
+
+    kind "model" and "tool": the step is committed as dispatching and its budget reserved
+    (`reservation_id`), unless `reconcile_first` (a lookup comes first; dispatch.reserve_and_mark
+    then commits the call). kind "recover_model": a model call lost with its worker.
+    """
+
     run_id: uuid.UUID
     token: uuid.UUID
     kind: str  # "model" | "tool" | "recover_model"
     lease_seconds: int
+    run: Run | None = None  # the row the claim locked (tenant, version, user, endpoint attached)
     step_id: int | None = None
     reservation_id: uuid.UUID | None = None
     reconcile_first: bool = False
-    extra: dict = field(default_factory=dict)
+    model: ModelPlan | None = None
+    tool: ToolPlan | None = None
+    step: Step | None = None  # the step as committed `dispatching`
+    record_began: dt.datetime | None = None  # when recording the outcome was first tried
 
 
 @dataclass(frozen=True)

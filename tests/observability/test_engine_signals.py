@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from budgets.models import Reservation
 from runs.engine import advance, heartbeat
 from runs.engine.claim import claim
-from runs.engine.dispatch import mark_dispatching, reserve
 from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step
 from tests import factories
@@ -117,9 +116,8 @@ def _run_lost_mid_call(tenant, asha, builtins) -> Run:
     )
     run, _ = start_run(user=asha, agent="agent", input={})
     advance(run.pk)  # the model proposes the call
-    plan = claim(run.pk)
-    assert reserve(plan, amount=7000, purpose="tool")
-    assert mark_dispatching(plan, step=plan.extra["step"]) is not None
+    plan = claim(run.pk)  # reserves and commits the call as dispatching
+    assert plan.reservation_id is not None and plan.step.status == "dispatching"
     heartbeat.untrack(run.pk)  # ... and the worker dies here
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
     advance(run.pk)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import pytest
 from django.utils import timezone
 
+from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs import engine
 from runs.engine import heartbeat
 from runs.engine.claim import claim
-from runs.engine.dispatch import mark_dispatching, reserve
 from runs.lifecycle import start_run
 from runs.models import Run, Step
 from tests import factories
@@ -38,13 +39,17 @@ def _lose_the_worker(run) -> None:
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
 
 
-def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
-    plan = claim(run.pk)
-    assert plan.kind == "model" and reserve(plan, amount=plan.extra["estimate"], purpose="model")
+def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run, asha):
+    # The engine reserves and commits `dispatching` in one transaction; a reservation linked to no
+    # step is what a worker of the earlier three-transaction engine left when it died in between.
+    Run.objects.filter(pk=run.pk).update(
+        lease_token=uuid.uuid4(), lease_expires_at=timezone.now() + dt.timedelta(seconds=30)
+    )
+    reservation = budgets.reserve(tenant=run.tenant, run=run, user=asha, amount_micros=700, purpose="model")
     _lose_the_worker(run)  # died between reserving and dispatching
 
     engine.advance(run.pk)  # another worker takes over
-    assert Reservation.objects.get(pk=plan.reservation_id).status == "released"
+    assert Reservation.objects.get(pk=reservation.pk).status == "released"
     assert drive(run.pk).status == "succeeded"
     account = BudgetAccount.objects.get(run=run)
     assert (account.reserved_micros, account.held_micros) == (0, 0)
@@ -53,9 +58,9 @@ def test_it_gives_back_what_a_lost_worker_reserved_but_never_sent(run):
 
 def test_it_holds_what_a_lost_worker_reserved_for_a_call_it_sent(run):
     engine.advance(run.pk)  # the model proposes the tool call
-    plan = claim(run.pk)
-    assert plan.kind == "tool" and reserve(plan, amount=1000, purpose="tool")
-    assert mark_dispatching(plan, step=Step.objects.get(pk=plan.step_id)) is not None
+    plan = claim(run.pk)  # reserves and commits the call as dispatching
+    assert plan.kind == "tool" and plan.reservation_id is not None
+    assert Step.objects.get(pk=plan.step_id).status == "dispatching"
     _lose_the_worker(run)  # died with the call in flight
 
     run = drive(run.pk)

@@ -1,0 +1,142 @@
+"""Profile the engine's step in-process: CPU per step, statements per step, and where the time goes.
+
+    DATABASE_URL=postgres://root@127.0.0.1:5432/test CELERY_BROKER_URL=redis://127.0.0.1:6379/15 \
+        .venv/bin/python bench/profile_step.py [--runs 10] [--steps 25] [--top 40] [--sql]
+
+The same agent loop as bench/peers.py (the fake OpenAI server, the declared HTTP tool on
+bench/tool_server.py), but driven by calling `runs.engine.advance` in this process, one run after
+another, its messages held back: no Celery, no threads. Prints CPU ms per step (this process
+only; the fake servers run apart), statements per step (bench/sqlcount.py), and a cProfile of
+advance() sorted by cumulative time. `--sql` lists the statements by their first words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import engine as engine_bench
+from bench import peers, sqlcount
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--sql", action="store_true")
+    parser.add_argument("--sort", default="cumulative", help="pstats order: cumulative, tottime, ...")
+    parser.add_argument("--no-profile", action="store_true", help="CPU per step without the profiler's cost")
+    opts = parser.parse_args()
+    import subprocess
+
+    url = peers.DB_URLS["engine"]
+    engine_bench.admin(f'CREATE DATABASE "{peers.pgstats.database_name(url)}"')
+    servers = []
+    try:
+        subprocess.run(
+            [peers.PY, "manage.py", "migrate", "-v", "0"], cwd=ROOT, check=True, env=dict(os.environ)
+        )
+        import django
+
+        # Pooled, unchecked connections, as a worker has them (scripts/serve.sh).
+        os.environ.update(DB_POOL_MAX="4", DB_POOL_CHECK="0")
+        django.setup()
+        from django.db import connection
+
+        from runs.engine import advance
+        from runs.models import TERMINAL, Run
+
+        proc, port = peers.start_server(
+            [
+                "tests.fakes.model_servers",
+                "--kind",
+                "openai",
+                "--latency-ms",
+                "0",
+                "--tool-turns",
+                str((opts.steps - 1) // 2),
+            ],
+            "fake model server",
+        )
+        servers.append(proc)
+        proc, tport = peers.start_server(["bench.tool_server"], "tool server")
+        servers.append(proc)
+        user, agents = peers.setup_engine_data(
+            {0: f"http://127.0.0.1:{port}/v1"}, f"http://127.0.0.1:{tport}"
+        )
+        ids, _held, _ = engine_bench.create_runs(user, agents[0], opts.runs)
+        texts: collections.Counter = collections.Counter()
+        if opts.sql:
+            original = connection.ops.__class__.last_executed_query
+
+            def remember(ops, cursor, sql, params):
+                texts[" ".join(str(sql).split())[:90]] += 1
+                return original(ops, cursor, sql, params)
+
+            connection.ops.__class__.last_executed_query = remember
+        sqlcount.install()
+        profile = cProfile.Profile(time.process_time)  # CPU, not wall time: waits cost nothing
+        before = sqlcount.snapshot()
+        cpu = time.process_time()
+        steps = 0
+        with engine_bench.HeldMessages():
+            for run_id in ids:
+                for _ in range(opts.steps * 2):
+                    if not opts.no_profile:
+                        profile.enable()
+                    advance(run_id)
+                    if not opts.no_profile:
+                        profile.disable()
+                    steps += 1
+                    if Run.objects.filter(pk=run_id).values_list("status", flat=True)[0] in TERMINAL:
+                        break
+        cpu = time.process_time() - cpu
+        after = sqlcount.snapshot()
+        # The loop's own status read is one statement per advance: left out.
+        statements = after["statements"] - before["statements"] - steps
+        print(
+            f"{steps} advances, {cpu * 1000 / steps:.2f} ms CPU per advance ({'without' if opts.no_profile else 'with'} the profiler), "
+            f"{statements / steps:.2f} statements, {(after['checks'] - before['checks']) / steps:.2f} checks"
+        )
+        if not opts.no_profile:
+            stats = pstats.Stats(profile)
+            stats.sort_stats(opts.sort).print_stats(opts.top)
+            by_package: collections.Counter = collections.Counter()
+            for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+                parts = Path(filename).parts
+                where = (
+                    parts[parts.index("site-packages") + 1]
+                    if "site-packages" in parts
+                    else ("/".join(parts[-2:]) if str(ROOT) in filename else "python")
+                )
+                by_package[where] += tottime
+            total = sum(by_package.values())
+            print("own CPU by package or engine file (share of the profiled time):")
+            for where, seconds in by_package.most_common(25):
+                print(f"{seconds * 100 / total:6.1f}% {where}")
+        for text, n in texts.most_common(40):
+            print(f"{n / steps:6.2f} {text}")
+    finally:
+        for proc in servers:
+            proc.terminate()
+        from django.apps import apps
+
+        if apps.ready:
+            from django.db import connections
+
+            connections.close_all()
+        engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The engine's hand-written SQL, one named statement per job, for the writes every step makes.
+
+Everything else about runs goes through the ORM. These are the statements a step sends on its
+hot path, where building a query with the ORM costs more CPU than the round trip it makes
+(docs/performance.md); each says why it is written by hand. Row instances are built with
+`runs.rows` (the same conversions the ORM applies).
+
+PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in plain steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from django.db import connection
+
+from runs import rows
+from runs.models import Run, RunEvent, Step
+
+RUNS = rows.table(Run)
+STEPS = rows.table(Step)
+EVENTS = rows.table(RunEvent)
+_EVENT_FIELDS = [
+    RunEvent._meta.get_field(name) for name in ("at", "kind", "step_seq", "actor", "message", "data")
+]
+_EVENT_CASTS = ("timestamptz", "text", "integer", "bigint", "text", "jsonb")
+
+
+@functools.cache
+def _insert_events_sql(count: int, sets: tuple[str, ...], adds: tuple[str, ...]) -> str:
+    """INSERT_EVENTS for `count` events of one run, and the run's own columns written with them.
+
+    The run's event counter moves and the events are inserted in one statement: the UPDATE
+    locks the run row (the engine holds it already), so writers of one run number in turn. The
+    same UPDATE writes what the transaction deferred to its end (runs.lifecycle.write_run_at_end:
+    the lease, the step counters, the enqueue time), so a step's run row is written once.
+    """
+    assignments = [f"event_seq = event_seq + {count}"]
+    assignments += [f"{rows.quote(column)} = %s" for column in sets]
+    assignments += [f"{rows.quote(column)} = {rows.quote(column)} + %s" for column in adds]
+    update = f"UPDATE {RUNS} SET {', '.join(assignments)} WHERE id = %s"
+    if count == 0:
+        return update
+    first = "(1, " + ", ".join(f"%s::{cast}" for cast in _EVENT_CASTS) + ")"
+    more = [f"({i}, " + ", ".join(["%s"] * len(_EVENT_CASTS)) + ")" for i in range(2, count + 1)]
+    return f"""
+WITH counter AS ({update} RETURNING event_seq)
+INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data)
+SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data
+  FROM counter, (VALUES {", ".join([first, *more])}) AS v(i, at, kind, step_seq, actor_id, message, data)
+RETURNING id, seq
+"""
+
+
+def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds: dict | None = None) -> None:
+    """Number one run's events after its latest and INSERT them, writing `sets` (field: value) and
+    adding `adds` (field: n) to the run's row in the same statement (PostgreSQL; SQLite: in steps)."""
+    sets, adds = sets or {}, adds or {}
+    if not events and not sets and not adds:
+        return
+    if connection.vendor != "postgresql":
+        if sets:
+            rows.update(Run, run_id, **sets)
+        for name, n in adds.items():
+            rows.take(Run, run_id, name, n)
+        if events:
+            count = len(events)
+            first = rows.take(Run, run_id, "event_seq", count) - count + 1
+            for i, event in enumerate(events):
+                event.seq = first + i
+            rows.insert(events)
+        return
+    meta = Run._meta
+    set_fields = [meta.get_field(name) for name in sets]
+    add_fields = [meta.get_field(name) for name in adds]
+    sql = _insert_events_sql(
+        len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields)
+    )
+    run = rows.adapt(run_id)
+    params = [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
+    params += list(adds.values())
+    params.append(run)
+    if events:
+        params.append(run)
+        for event in events:
+            for field in _EVENT_FIELDS:
+                params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        if not events:
+            return
+        ids = dict((seq, pk) for pk, seq in cursor.fetchall())
+    if len(ids) != len(events):
+        raise Run.DoesNotExist(f"no run {run_id}")
+    first = min(ids)
+    for i, event in enumerate(events):
+        event.seq = first + i
+        event.pk = ids[event.seq]
+        event._state.adding = False
+        event._state.db = connection.alias
+
+
+@functools.cache
+def _step_log_sql() -> str:
+    return f"SELECT {rows.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq"
+
+
+def step_log(run: Run) -> list[Step]:
+    """STEP_LOG: the run's steps in order, each attached to `run` (what the decision reads)."""
+    steps = [step for (step,) in rows.fetch(_step_log_sql(), [run.pk], Step)]
+    for step in steps:
+        step.run = run
+    return steps
