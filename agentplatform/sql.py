@@ -1,10 +1,13 @@
-"""Model instances from raw SQL rows, for reads made on every step where building the query with
-the ORM would cost more than the read (about a millisecond of CPU; docs/performance.md).
+"""Model instances from raw SQL rows, and the few generic writes, for the statements made on every
+step (the engine's, in runs/statements.py, and the tool gateway's checks and offer).
 
-They give back the same model instances the ORM would: every concrete column, the same
-conversions (the backend's and the field's). Portable between PostgreSQL and SQLite (the demo):
-parameters go through `adapt`, lists through `in_list`. The engine's own statements live in
-runs/rows.py; these helpers serve any app below it (the tool gateway's checks).
+Building a query with the ORM costs about a millisecond of CPU on the benchmark machine, and
+a `select_related` read several (docs/performance.md). The engine's per-step reads are written
+once in SQL here and give back the same model instances the ORM would: every concrete column,
+the same conversions (the backend's and the field's), related rows attached as if select_related.
+
+The SQL is portable between PostgreSQL and SQLite (the demo): parameters go through `adapt`,
+lists through `in_list`, row locks through `for_update`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import functools
 import uuid
 
 from django.db import connection, models
+from django.db.models import signals
+from django.db.models.base import ModelState
 
 _UUID = models.UUIDField()
 
@@ -33,11 +38,20 @@ def adapt_all(params):
     return [adapt(value) for value in params]
 
 
+def execute(cursor, sql: str, params) -> None:
+    cursor.execute(sql, adapt_all(params))
+
+
 def in_list(name: str, values, params: dict) -> str:
     """`IN (%(name_0)s, ...)` for `values`, added to the named `params` (false when empty)."""
     names = [f"{name}_{i}" for i in range(len(values))]
     params.update(zip(names, values))
     return "IN (" + (", ".join(f"%({n})s" for n in names) or "NULL") + ")"
+
+
+def for_update(alias: str) -> str:
+    """Lock the rows of table alias `alias`; SQLite has no row locks (its writers queue anyway)."""
+    return f"FOR UPDATE OF {alias}" if connection.features.has_select_for_update_of else ""
 
 
 @functools.cache
@@ -58,6 +72,11 @@ def quote(name: str) -> str:
     return f'"{name}"'
 
 
+def column(model, field: str) -> str:
+    """The quoted column of `model`'s field `field`."""
+    return quote(model._meta.get_field(field).column)
+
+
 def columns(model, alias: str) -> str:
     """The select list of every concrete column of `model` from table alias `alias`."""
     return ", ".join(f"{alias}.{quote(name)}" for name in _fields(model)[0])
@@ -76,7 +95,27 @@ def build(model, values):
     for i, column, functions in converters:
         for convert in functions:
             values[i] = convert(values[i], column, connection)
+    if _plain(model):
+        # What Model.from_db ends with, without Model.__init__'s per-field setattr: every concrete
+        # field is a plain attribute of the instance (the engine builds ~30 rows a step).
+        obj = model.__new__(model)
+        obj.__dict__.update(zip(attnames, values))
+        obj._state = ModelState()
+        obj._state.adding = False
+        obj._state.db = connection.alias
+        return obj
     return model.from_db(connection.alias, attnames, values)
+
+
+@functools.cache
+def _plain(model) -> bool:
+    """True when building an instance needs nothing but its field values: no init signals are
+    listened to and from_db is Django's own."""
+    return (
+        not signals.pre_init.has_listeners(model)
+        and not signals.post_init.has_listeners(model)
+        and getattr(model.from_db, "__func__", None) is models.Model.from_db.__func__
+    )
 
 
 def split(row, *models) -> list:
@@ -91,5 +130,74 @@ def split(row, *models) -> list:
 
 def fetch(sql: str, params, *models) -> list[list]:
     with connection.cursor() as cursor:
-        cursor.execute(sql, adapt_all(params))
+        execute(cursor, sql, params)
         return [split(row, *models) for row in cursor.fetchall()]
+
+
+def insert(objs: list) -> None:
+    """INSERT the (new) instances of one model in one statement and set their primary keys.
+
+    Values go through the fields as with save(): JSON is adapted, auto_now_add is filled where
+    the instance has no value yet (an event keeps the time it was recorded, not the flush time).
+    """
+    if not objs:
+        return
+    model = type(objs[0])
+    meta = model._meta
+    fields = [f for f in meta.concrete_fields if not (f.primary_key and getattr(objs[0], f.attname) is None)]
+    params = []
+    for obj in objs:
+        params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
+    row = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table(model)} ({', '.join(quote(f.column) for f in fields)}) "
+            f"VALUES {', '.join([row] * len(objs))} RETURNING {quote(meta.pk.column)}",
+            params,
+        )
+        for obj, (pk,) in zip(objs, cursor.fetchall()):
+            setattr(obj, meta.pk.attname, pk)
+            obj._state.adding = False
+            obj._state.db = connection.alias
+
+
+def _value(field, obj):
+    kept = getattr(field, "auto_now_add", False) and getattr(obj, field.attname) is not None
+    return getattr(obj, field.attname) if kept else field.pre_save(obj, True)
+
+
+def take(model, pk, field: str, count: int) -> int:
+    """Add `count` to a counter column of one row and return its new value.
+
+    The UPDATE locks the row until the transaction ends, so concurrent takers get disjoint
+    ranges (`new - count + 1` .. `new`) without reading first.
+    """
+    with connection.cursor() as cursor:
+        execute(
+            cursor,
+            f"UPDATE {table(model)} SET {column(model, field)} = {column(model, field)} + %s "
+            f"WHERE {quote(model._meta.pk.column)} = %s RETURNING {column(model, field)}",
+            [count, pk],
+        )
+        return cursor.fetchone()[0]
+
+
+def update(model, pk, *, where: dict | None = None, **values) -> int:
+    """UPDATE one row by primary key (and `where` equalities, for conditional updates): rows changed."""
+    meta = model._meta
+    sets, params = [], []
+    for name, value in values.items():
+        field = meta.get_field(name)
+        sets.append(f"{quote(field.column)} = %s")
+        params.append(field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, connection))
+    conditions = [f"{quote(meta.pk.column)} = %s"]
+    params.append(meta.pk.get_db_prep_value(pk, connection))
+    for name, value in (where or {}).items():
+        field = meta.get_field(name)
+        conditions.append(f"{quote(field.column)} = %s")
+        params.append(field.get_db_prep_value(value, connection))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params
+        )
+        return cursor.rowcount

@@ -38,9 +38,9 @@ import math
 from django.db import connection
 from django.db.models import Max
 
+from agentplatform import sql
 from budgets import services as budgets
 from budgets.models import BudgetAccount
-from runs import rows
 from runs.models import TERMINAL, Run, RunStatus
 
 LEARN_FROM = 20
@@ -79,17 +79,17 @@ def room_micros(tenant) -> tuple[int, int]:
     budgets.tenant_day_account(tenant, day)  # opens the day's accounts if need be
     terminal = sorted(TERMINAL)
     marks = ", ".join(["%s"] * len(terminal))
-    accounts = rows.table(BudgetAccount)
+    accounts = sql.table(BudgetAccount)
     unspent = "(r.expected_cost_micros - b.spent_micros - b.reserved_micros - b.held_micros)"
-    sql = (
+    statement = (
         f"SELECT (SELECT COALESCE(SUM(d.limit_micros - d.reserved_micros - d.spent_micros - d.held_micros), 0) "
         f"FROM {accounts} d WHERE d.tenant_id = %s AND d.scope = %s AND d.day = %s), "
         f"(SELECT COALESCE(SUM(CASE WHEN {unspent} > 0 THEN {unspent} ELSE 0 END), 0) "
-        f"FROM {rows.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
+        f"FROM {sql.table(Run)} r JOIN {accounts} b ON b.run_id = r.id "
         f"WHERE r.tenant_id = %s AND r.admitted_at IS NOT NULL AND r.status NOT IN ({marks}))"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [tenant.pk, BudgetAccount.Scope.TENANT_DAY, day, tenant.pk, *terminal])
+        cursor.execute(statement, [tenant.pk, BudgetAccount.Scope.TENANT_DAY, day, tenant.pk, *terminal])
         remaining, committed = cursor.fetchone()
     return int(remaining) - int(committed), int(remaining)
 

@@ -16,6 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from agentplatform import sql
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition
 from agents.models import AgentVersion
@@ -26,7 +27,7 @@ from approvals.models import Approval
 from budgets.services import create_run_account
 from llm.models import ModelEndpoint
 from observability import observe
-from runs import admission, rows, statements
+from runs import admission, statements
 from runs.models import (
     READY,
     RUN_TRANSITIONS,
@@ -200,7 +201,7 @@ def _update(model, pk, *, where: dict | None = None, **values) -> int:
     """One conditional UPDATE by primary key; in SQL written here unless a value is an expression."""
     if any(hasattr(v, "resolve_expression") for v in values.values()):
         return model.objects.filter(pk=pk, **(where or {})).update(**values)
-    return rows.update(model, pk, where=where, **values)
+    return sql.update(model, pk, where=where, **values)
 
 
 def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
@@ -241,24 +242,24 @@ def _advance_run(args: tuple):
 
 @functools.cache
 def _lock_run_row_sql() -> str:
-    return f"SELECT {rows.columns(Run, 'r')} FROM {rows.table(Run)} r WHERE r.id = %s {rows.for_update('r')}"
+    return f"SELECT {sql.columns(Run, 'r')} FROM {sql.table(Run)} r WHERE r.id = %s {sql.for_update('r')}"
 
 
 @functools.cache
 def _lock_run_sql(for_step: bool) -> str:
     """LOCK_RUN (built once: the column lists come from the models' metadata)."""
     joins = (
-        f"JOIN {rows.table(Tenant)} t ON t.id = r.tenant_id "
-        f"JOIN {rows.table(AgentVersion)} v ON v.id = r.version_id "
+        f"JOIN {sql.table(Tenant)} t ON t.id = r.tenant_id "
+        f"JOIN {sql.table(AgentVersion)} v ON v.id = r.version_id "
     )
-    select = f"{rows.columns(Run, 'r')}, {rows.columns(Tenant, 't')}, {rows.columns(AgentVersion, 'v')}"
+    select = f"{sql.columns(Run, 'r')}, {sql.columns(Tenant, 't')}, {sql.columns(AgentVersion, 'v')}"
     if for_step:
         joins += (
-            f"JOIN {rows.table(User)} u ON u.id = r.created_by_id "
-            f"JOIN {rows.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
+            f"JOIN {sql.table(User)} u ON u.id = r.created_by_id "
+            f"JOIN {sql.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
         )
-        select += f", {rows.columns(User, 'u')}, {rows.columns(ModelEndpoint, 'e')}"
-    return f"SELECT {select} FROM {rows.table(Run)} r {joins}WHERE r.id = %s {rows.for_update('r')}"
+        select += f", {sql.columns(User, 'u')}, {sql.columns(ModelEndpoint, 'e')}"
+    return f"SELECT {select} FROM {sql.table(Run)} r {joins}WHERE r.id = %s {sql.for_update('r')}"
 
 
 def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
@@ -273,14 +274,14 @@ def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
     except ValueError:
         raise Run.DoesNotExist(f"no run {run_id}") from None
     if like is not None:
-        found = rows.fetch(_lock_run_row_sql(), [run_id], Run)
+        found = sql.fetch(_lock_run_row_sql(), [run_id], Run)
         if not found:
             raise Run.DoesNotExist(f"no run {run_id}")
         (run,) = found[0]
         run.tenant, run.version, run.created_by = like.tenant, like.version, like.created_by
         return run
     models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
-    found = rows.fetch(_lock_run_sql(for_step), [run_id], *models)
+    found = sql.fetch(_lock_run_sql(for_step), [run_id], *models)
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")
     run, tenant, version, *more = found[0]

@@ -3,7 +3,7 @@
 Everything else about runs goes through the ORM. These are the statements a step sends on its
 hot path, where building a query with the ORM costs more CPU than the round trip it makes
 (docs/performance.md); each says why it is written by hand. Row instances are built with
-`runs.rows` (the same conversions the ORM applies).
+`agentplatform.sql` (the same conversions the ORM applies).
 
 PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in plain steps.
 """
@@ -14,12 +14,12 @@ import functools
 
 from django.db import connection
 
-from runs import rows
+from agentplatform import sql
 from runs.models import Run, RunEvent, Step
 
-RUNS = rows.table(Run)
-STEPS = rows.table(Step)
-EVENTS = rows.table(RunEvent)
+RUNS = sql.table(Run)
+STEPS = sql.table(Step)
+EVENTS = sql.table(RunEvent)
 _EVENT_FIELDS = [
     RunEvent._meta.get_field(name) for name in ("at", "kind", "step_seq", "actor", "message", "data")
 ]
@@ -36,8 +36,8 @@ def _insert_events_sql(count: int, sets: tuple[str, ...], adds: tuple[str, ...])
     the lease, the step counters, the enqueue time), so a step's run row is written once.
     """
     assignments = [f"event_seq = event_seq + {count}"]
-    assignments += [f"{rows.quote(column)} = %s" for column in sets]
-    assignments += [f"{rows.quote(column)} = {rows.quote(column)} + %s" for column in adds]
+    assignments += [f"{sql.quote(column)} = %s" for column in sets]
+    assignments += [f"{sql.quote(column)} = {sql.quote(column)} + %s" for column in adds]
     update = f"UPDATE {RUNS} SET {', '.join(assignments)} WHERE id = %s"
     if count == 0:
         return update
@@ -60,23 +60,23 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
         return
     if connection.vendor != "postgresql":
         if sets:
-            rows.update(Run, run_id, **sets)
+            sql.update(Run, run_id, **sets)
         for name, n in adds.items():
-            rows.take(Run, run_id, name, n)
+            sql.take(Run, run_id, name, n)
         if events:
             count = len(events)
-            first = rows.take(Run, run_id, "event_seq", count) - count + 1
+            first = sql.take(Run, run_id, "event_seq", count) - count + 1
             for i, event in enumerate(events):
                 event.seq = first + i
-            rows.insert(events)
+            sql.insert(events)
         return
     meta = Run._meta
     set_fields = [meta.get_field(name) for name in sets]
     add_fields = [meta.get_field(name) for name in adds]
-    sql = _insert_events_sql(
+    statement = _insert_events_sql(
         len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields)
     )
-    run = rows.adapt(run_id)
+    run = sql.adapt(run_id)
     params = [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
     params += list(adds.values())
     params.append(run)
@@ -86,7 +86,7 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
             for field in _EVENT_FIELDS:
                 params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(statement, params)
         if not events:
             return
         ids = dict((seq, pk) for pk, seq in cursor.fetchall())
@@ -102,12 +102,12 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
 
 @functools.cache
 def _step_log_sql() -> str:
-    return f"SELECT {rows.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq"
+    return f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq"
 
 
 def step_log(run: Run) -> list[Step]:
     """STEP_LOG: the run's steps in order, each attached to `run` (what the decision reads)."""
-    steps = [step for (step,) in rows.fetch(_step_log_sql(), [run.pk], Step)]
+    steps = [step for (step,) in sql.fetch(_step_log_sql(), [run.pk], Step)]
     for step in steps:
         step.run = run
     return steps

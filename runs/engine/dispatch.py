@@ -13,10 +13,10 @@ import time
 from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
+from agentplatform import sql
 from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs import rows
 from runs.engine import heartbeat
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import (
@@ -62,7 +62,7 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
             reserved_micros=model.estimate,
             request=model.summary,
         )
-        rows.insert([step])
+        sql.insert([step])
         if not _reserve(run, plan, step, amount=model.estimate, purpose="model"):
             Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
             return False

@@ -3,8 +3,8 @@ before it is dispatched)."""
 
 from __future__ import annotations
 
+from agentplatform import sql
 from agentplatform.digests import digest
-from runs import rows
 from runs.lifecycle import record_event
 from runs.models import Run, Step, StepKind, StepStatus
 from tools.models import Tool
@@ -22,11 +22,11 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
         return []
     names = {call["name"] for call in calls} - PLATFORM_TOOLS
     params = {"tenant": run.tenant_id}
-    in_names = rows.in_list("name", sorted(names), params)
+    in_names = sql.in_list("name", sorted(names), params)
     tools = {
         t.name: t
-        for (t,) in rows.fetch(
-            f"SELECT {rows.columns(Tool, 't')} FROM {rows.table(Tool)} t "
+        for (t,) in sql.fetch(
+            f"SELECT {sql.columns(Tool, 't')} FROM {sql.table(Tool)} t "
             f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}",
             params,
             Tool,
@@ -64,5 +64,5 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
             step_kind=StepKind.TOOL,
             tool=name,
         )
-    rows.insert(steps)
+    sql.insert(steps)
     return steps
