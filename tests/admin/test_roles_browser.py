@@ -217,8 +217,9 @@ def test_a_supervisor_sees_the_timeline_the_approval_and_a_self_updating_inbox(l
         assert added.wait(120)
         # No reload from here on: the page must notice the new approval itself.
         deadline = time.monotonic() + 30
+        # Until the reloaded list shows the new row: while the page reloads, the list counts 0.
         while (
-            page.locator("#result_list tbody tr").count() == seen["rows_before"]
+            page.locator("#result_list tbody tr").count() != seen["rows_before"] + 1
             and time.monotonic() < deadline
         ):
             time.sleep(0.25)
