@@ -9,6 +9,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
+# pytest-xdist workers, each on a PostgreSQL cluster and a Redis of its own; most of the suite waits
+# on workers, leases and servers rather than on the CPU, so four share two cores well (1 = serial).
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m tests.services --sets $(TEST_WORKERS) -- $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: setup demo test test-fast lint format services browser serve bench bench-peers chaos
 
@@ -29,13 +33,13 @@ services:
 browser:
 	bash scripts/ensure_browser.sh
 
-# The session runs on its own PostgreSQL cluster and Redis (initdb/pg_ctl and redis-server on free
-# ports, removed afterwards): the recovery tests restart those, never the machine's.
+# The session runs on its own PostgreSQL clusters and Redis servers (initdb/pg_ctl and redis-server
+# on free ports, removed afterwards): the recovery tests restart those, never the machine's.
 test: setup browser lint
-	$(PY) -m tests.services -- $(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 test-fast: setup lint
-	$(PY) -m tests.services -- $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -8,10 +8,13 @@ or `from_env` through THROWAWAY_POSTGRES / THROWAWAY_REDIS) can restart it. Ever
 first that the folder is one this module made and, for Redis, that the server answering on the port
 was started from that folder's configuration; anything else raises `Refused`.
 
-    python -m tests.services [--] COMMAND ...
+    python -m tests.services [--sets N] [--] COMMAND ...
 
 runs COMMAND with DATABASE_URL and CELERY_BROKER_URL pointing at fresh servers (and their folders
-in THROWAWAY_POSTGRES / THROWAWAY_REDIS), then removes both; `make test` runs pytest this way.
+in THROWAWAY_POSTGRES / THROWAWAY_REDIS), then removes them; `make test` runs pytest this way.
+With `--sets N` it starts N pairs, one for each of N pytest-xdist workers (THROWAWAY_SETS lists
+them; tests/xdist_services.py hands each worker its own), so that a test restarting its database
+or broker never pulls them from under a test running on another worker.
 
 initdb and pg_ctl refuse to run as root: as root they run as the `postgres` user (runuser), which
 then owns the folder.
@@ -34,6 +37,7 @@ from pathlib import Path
 
 MARKER = "throwaway-service.json"
 POSTGRES_ENV, REDIS_ENV = "THROWAWAY_POSTGRES", "THROWAWAY_REDIS"
+SETS_ENV = "THROWAWAY_SETS"
 
 
 class Refused(RuntimeError):
@@ -386,29 +390,48 @@ def machine_services(postgres_port: int = 5432, redis_port: int = 6379) -> dict[
 # --- python -m tests.services COMMAND ------------------------------------------------------------
 
 
+def _parse(argv: list[str]) -> tuple[int, list[str]]:
+    """`[--sets N] [--] COMMAND ...`: N pairs of servers (one per pytest-xdist worker), default 1."""
+    sets = 1
+    if argv[:1] == ["--sets"]:
+        sets, argv = max(int(argv[1]), 1), argv[2:]
+    return sets, (argv[1:] if argv[:1] == ["--"] else argv)
+
+
+def _environment(postgres: ThrowawayPostgres, broker: ThrowawayRedis) -> dict[str, str]:
+    return {
+        "DATABASE_URL": postgres.url("test"),
+        "CELERY_BROKER_URL": broker.url(15),
+        POSTGRES_ENV: str(postgres.folder),
+        REDIS_ENV: str(broker.folder),
+    }
+
+
 def main(argv: list[str]) -> int:
-    command = argv[1:] if argv[:1] == ["--"] else argv
+    sets, command = _parse(argv)
     if not command:
         print(__doc__, file=sys.stderr)
         return 2
-    postgres, broker = ThrowawayPostgres.create(), ThrowawayRedis.create()
+    servers: list[_Throwaway] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     child: subprocess.Popen | None = None
     try:
-        postgres.start()
-        broker.start()
-        postgres.create_database("test")
-        env = dict(
-            os.environ,
-            DATABASE_URL=postgres.url("test"),
-            CELERY_BROKER_URL=broker.url(15),
-            **{POSTGRES_ENV: str(postgres.folder), REDIS_ENV: str(broker.folder)},
-        )
-        print(
-            f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}",
-            file=sys.stderr,
-            flush=True,
-        )
+        environments = []
+        for _ in range(sets):
+            postgres, broker = ThrowawayPostgres.create(), ThrowawayRedis.create()
+            servers += [postgres, broker]
+            postgres.start()
+            broker.start()
+            postgres.create_database("test")
+            environments.append(_environment(postgres, broker))
+            print(
+                f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}",
+                file=sys.stderr,
+                flush=True,
+            )
+        # The first pair is the command's own; all pairs go in SETS_ENV for the pytest-xdist
+        # workers, each of which takes one (tests/xdist_services.py).
+        env = dict(os.environ, **environments[0], **{SETS_ENV: json.dumps(environments)})
         child = subprocess.Popen(command, env=env)
         return child.wait()
     except KeyboardInterrupt:
@@ -421,8 +444,8 @@ def main(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
         signal.signal(signal.SIGTERM, previous)
-        postgres.destroy()
-        broker.destroy()
+        for server in servers:
+            server.destroy()
 
 
 if __name__ == "__main__":

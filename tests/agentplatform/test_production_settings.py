@@ -69,6 +69,7 @@ def test_it_turns_on_hsts_https_redirect_and_secure_cookies():
         ("django-insecure-" + secrets.token_urlsafe(50), "django-insecure"),
         (secrets.token_urlsafe(20), "at least 50 characters"),
     ],
+    ids=["repeated", "pattern", "django-insecure", "short"],  # the same ids in every xdist worker
 )
 def test_it_refuses_to_start_with_a_weak_secret_key(key, complaint):
     done = manage("check", SECRET_KEY=key)
@@ -78,7 +79,9 @@ def test_it_refuses_to_start_with_a_weak_secret_key(key, complaint):
     assert key not in done.stderr  # the key itself is never printed
 
 
-@pytest.mark.parametrize("keys", ["not-a-fernet-key", f"{Fernet.generate_key().decode()},short"])
+@pytest.mark.parametrize(
+    "keys", ["not-a-fernet-key", f"{Fernet.generate_key().decode()},short"], ids=["not-a-key", "one-short"]
+)
 def test_it_refuses_to_start_with_an_invalid_encryption_key(keys):
     done = manage("check", SECRET_ENCRYPTION_KEYS=keys)
 
