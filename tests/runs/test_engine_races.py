@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 
@@ -11,7 +12,7 @@ from django.db import connection
 from runs import engine
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model
-from runs.lifecycle import cancel_run, start_run
+from runs.lifecycle import cancel_run, lease_seconds_for, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from tests import factories
 from tests.conftest import drive
@@ -96,17 +97,22 @@ def test_it_fences_out_a_stale_worker_whose_lease_was_taken_over(tenant, asha, b
     factories.make_agent(
         tenant,
         tools=[sleep],
-        turns=[{"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 2}}]}, {"text": "ok"}],
+        turns=[{"tool_calls": [{"name": sleep.name, "arguments": {"seconds": 5}}]}, {"text": "ok"}],
     )
     run, _ = start_run(user=asha, agent="agent", input={})
     engine.advance(run.pk)  # model step proposes the tool call
     stale = threading.Thread(target=lambda: (engine.advance(run.pk), connection.close()))
     stale.start()
-    wait_for(lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).exists(), timeout=10)
-    taken = Run.objects.get(pk=run.pk).lease_expires_at
-    # The stale worker's heartbeat extends its lease once: then it is known to be alive and ticking.
+    step = wait_for(
+        lambda: Step.objects.filter(run=run, seq=2, status=StepStatus.DISPATCHING).first(), timeout=10
+    )
+    # The claim leased the run until dispatched_at + the lease (one `now`); the stale worker's
+    # heartbeat extends that once, later: then it is known to be alive and ticking, and its next
+    # tick is a third of a lease away. (Compared with the claim's own value, not with a first read,
+    # which a tick landing before it would already include.)
+    claimed_until = step.dispatched_at + dt.timedelta(seconds=lease_seconds_for(sleep.timeout_seconds))
     wait_for(
-        lambda: Run.objects.get(pk=run.pk).lease_expires_at > taken,
+        lambda: (Run.objects.get(pk=run.pk).lease_expires_at or claimed_until) > claimed_until,
         timeout=10,
         interval=0.02,
         what="the stale worker's heartbeat",
