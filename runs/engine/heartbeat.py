@@ -54,16 +54,16 @@ def _loop() -> None:
             for run_id in set(last) - {r for r, _ in items}:
                 last.pop(run_id)
         except Exception:  # the database may be restarting; the next tick tries again
-            _drop_broken_connection()
+            _quietly(close_old_connections)
         finally:
             if not items:
-                connection.close()
+                _quietly(connection.close)
 
 
-def _drop_broken_connection() -> None:
+def _quietly(close) -> None:
     """Closing may fail too (the connection half gone): the loop must outlive it, or every call
     in flight on this process would lose its lease."""
     try:
-        close_old_connections()
+        close()
     except Exception:
         pass
