@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import httpx
 
@@ -45,11 +46,18 @@ def mcp_config(server: ToolServer) -> McpServerConfig:
     )
 
 
-def dispatch(step: Step) -> ToolResult:
-    """Send the call. Raises ToolFailed (provably not done) or ToolOutcomeUnknown."""
+def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
+    """Send the call. Raises ToolFailed (provably not done) or ToolOutcomeUnknown.
+
+    `send_by` (time.monotonic()) is when the caller's lease runs out: a worker paused between
+    committing the call and sending it (SIGSTOP, a long GC, a starved CPU) may wake after another
+    worker took the run over and asked the provider "not found"; sending then would apply the
+    call a second time. The check sits just before the request goes out.
+    """
     tool = step.tool
     server = tool.server
     if server.kind == ToolServer.Kind.BUILTIN:
+        _before_sending(send_by)
         builtin = BUILTINS.get(tool.remote_name)
         if builtin is None:
             raise ToolFailed(f"no builtin tool {tool.remote_name}")
@@ -58,11 +66,13 @@ def dispatch(step: Step) -> ToolResult:
         except Exception as exc:
             raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
     if server.kind == ToolServer.Kind.HTTP:
-        return _http_call(server, tool, step)
+        return _http_call(server, tool, step, send_by)
     from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
+    config = mcp_config(server)
+    _before_sending(send_by)
     return mcp_client.call_tool(
-        mcp_config(server),
+        config,
         tool.remote_name,
         step.arguments,
         idempotency_key=step.idempotency_key,
@@ -101,12 +111,21 @@ def _tls():
     return httpx.create_ssl_context()
 
 
-def _http_call(server: ToolServer, tool: Tool, step: Step) -> ToolResult:
+def _before_sending(send_by: float | None) -> None:
+    if send_by is not None and time.monotonic() >= send_by:
+        raise ToolFailed(
+            "not sent: this worker's lease ran out before the call went out (the process was paused "
+            "or starved); another worker may hold the run now"
+        )
+
+
+def _http_call(server: ToolServer, tool: Tool, step: Step, send_by: float | None) -> ToolResult:
     url = http_tool_url(server, tool)
     refusal = off_origin(server, url)
     if refusal:
         raise ToolFailed(refusal)
     headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server)}
+    _before_sending(send_by)
     try:
         # Redirects are never followed (httpx's default, said here because it matters): the
         # secret goes to the configured origin and nowhere else.

@@ -59,7 +59,7 @@ def do_tool(plan: Plan) -> None:
     dispatched = plan.step
     try:
         with observe.tool_call(dispatched) as call:
-            outcome = _call_tool(dispatched)
+            outcome = _call_tool(dispatched, send_by=plan.send_by)
             call.ended(outcome.kind, price_micros=dispatched.tool.price_micros, error=outcome.error)
     finally:
         heartbeat.untrack(plan.run_id)
@@ -84,9 +84,9 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
     return None
 
 
-def _call_tool(step: Step) -> ToolOutcome:
+def _call_tool(step: Step, *, send_by: float) -> ToolOutcome:
     try:
-        result = transports.dispatch(step)
+        result = transports.dispatch(step, send_by=send_by)
     except ToolFailed as exc:
         return ToolOutcome("failed", error=str(exc))
     except ToolInProgress as exc:

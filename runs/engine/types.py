@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runs.models import Run, Step
 from tools.types import ToolResult
@@ -50,6 +51,13 @@ class Plan:
     tool: ToolPlan | None = None
     step: Step | None = None  # the step as committed `dispatching`
     record_began: dt.datetime | None = None  # when recording the outcome was first tried
+    # This process's clock when the claim made the plan, just after reading the time its lease
+    # starts from: past `send_by` another worker may own the run, so nothing may be sent.
+    leased_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def send_by(self) -> float:
+        return self.leased_at + self.lease_seconds
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from django.db import connection
 from runs import engine
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model
+from runs.engine.tool_step import do_tool
 from runs.lifecycle import cancel_run, lease_seconds_for, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from tests import factories
@@ -153,3 +154,22 @@ def test_it_cancels_a_queued_run_before_any_call(tenant, asha, builtins):
     run = drive(run.pk)
     assert run.status == RunStatus.CANCELLED
     assert not Step.objects.filter(run=run).exists()
+
+
+def test_a_worker_paused_past_its_lease_before_sending_sends_nothing(tenant, asha, bank, settings):
+    # The chaos run caught it: a worker SIGSTOPped between committing the call and sending it woke
+    # after another worker had taken the run over, asked the provider ("not found") and retried;
+    # its own late request then applied the payment a second time.
+    settings.LEASE_MARGIN_SECONDS = 1
+    email = _email_agent(tenant, asha, bank)
+    email.timeout_seconds = 1
+    email.save(update_fields=["timeout_seconds"])
+    run, _ = start_run(user=asha, agent="agent", input={"q": 1})
+    engine.advance(run.pk)  # the model proposes the email
+    plan = claim(run.pk)  # the call is committed as dispatching, the lease taken
+    assert plan is not None and plan.kind == "tool"
+    time.sleep(plan.lease_seconds + 0.2)  # the process is paused before the request goes out
+    do_tool(plan)  # it wakes and carries on where it stopped
+    assert bank.effects("send_customer_email") == []
+    step = Step.objects.get(run=run, seq=2)
+    assert step.status == StepStatus.FAILED and "not sent" in step.error
