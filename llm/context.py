@@ -72,12 +72,13 @@ class Result:
     total_chars: int  # of the full stored result (the observation may already be capped)
 
 
-def offered(tools: list[ToolSpec], policy: ContextPolicy) -> list[ToolSpec]:
-    """The tools of a request: sorted by name, then read_result whenever the policy is on and any
-    tool is offered (from the first call, not the first shortened result: a tool added later
-    would change the cached prefix of every later request)."""
+def offered(tools: list[ToolSpec], policy: ContextPolicy, *, paged: bool = True) -> list[ToolSpec]:
+    """The tools of a request: sorted by name, then read_result once the policy has shortened or
+    masked a result (`paged`) it could page back. It is added at the end, once: shortened and
+    masked results stay so, so the prefix changes a single time in a run (one cache write) and a
+    run with nothing to page through is never offered it."""
     tools = sorted(tools, key=lambda t: t.name)
-    return tools + [READ_RESULT_SPEC] if policy.enabled and tools else tools
+    return tools + [READ_RESULT_SPEC] if policy.enabled and tools and paged else tools
 
 
 def pointer(seq: int, shown: int, total: int) -> str:

@@ -34,7 +34,18 @@ def _input_text(value) -> str:
 def build_messages(run, steps, results: dict | None = None) -> list[Message]:
     """The run's conversation in full. `results`, when given, is filled with message index ->
     context.Result for each tool message (what the context policy needs to shape it)."""
-    messages = [Message(role="user", content=_input_text(run.input))]
+    messages = [first_message(run)]
+    append_messages(messages, steps, {} if results is None else results)
+    return messages
+
+
+def first_message(run) -> Message:
+    return Message(role="user", content=_input_text(run.input))
+
+
+def append_messages(messages: list[Message], steps, results: dict) -> None:
+    """Add the steps' turns (finished steps, in seq order) to a conversation, and their tool
+    messages to `results` (message index -> context.Result)."""
     for step in steps:
         if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
             calls = [
@@ -46,35 +57,47 @@ def build_messages(run, steps, results: dict | None = None) -> list[Message]:
             is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
                 (step.result or {}).get("is_error")
             )
-            if results is not None:
-                stored = (step.result or {}).get("text")
-                results[len(messages)] = context.Result(
-                    seq=step.seq,
-                    tool_name=step.tool_name,
-                    total_chars=len(stored) if isinstance(stored, str) else len(step.observation),
-                )
+            stored = (step.result or {}).get("text")
+            results[len(messages)] = context.Result(
+                seq=step.seq,
+                tool_name=step.tool_name,
+                total_chars=len(stored) if isinstance(stored, str) else len(step.observation),
+            )
             messages.append(
                 Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)
             )
-    return messages
 
 
 def build_request(
     run, steps, tools: list[ToolSpec], *, policy: context.ContextPolicy | None = None
 ) -> ModelRequest:
     """The request for the run's next model call, shaped by the version's context policy."""
+    results: dict[int, context.Result] = {}
+    return request_for(run, build_messages(run, steps, results), results, tools, policy=policy)
+
+
+def request_for(
+    run,
+    messages: list[Message],
+    results: dict[int, context.Result],
+    tools: list[ToolSpec],
+    *,
+    policy: context.ContextPolicy | None = None,
+) -> ModelRequest:
+    """The request for a conversation already built (the engine keeps it: runs/engine/conversation.py)."""
     version = run.version
     spec = version.spec
     endpoint = version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(spec.get("context"))
-    results: dict[int, context.Result] = {}
-    messages = context.shape(build_messages(run, steps, results), results, policy)
+    shaped = context.shape(messages, results, policy)
+    # read_result only once the policy has shortened or masked something it could page back.
+    paged = any(after is not before for after, before in zip(shaped, messages))
     return ModelRequest(
         model=endpoint.model,
         instructions=spec["instructions"],
-        messages=messages,
-        tools=context.offered(tools, policy),
+        messages=shaped,
+        tools=context.offered(tools, policy, paged=paged),
         max_output_tokens=run.limits["max_output_tokens"],
         timeout_seconds=endpoint.timeout_seconds,
         cache_key=f"run-{run.pk}",

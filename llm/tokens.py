@@ -17,6 +17,7 @@ with emoji, a large tool result, plain chat): estimate / reported is 1.06 to 1.2
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -29,7 +30,9 @@ TOOL_CALL_OVERHEAD = 24  # {"id": ..., "type": "function", "function": {"name": 
 TOOL_OVERHEAD = 20  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
+@functools.lru_cache(maxsize=16_384)
 def estimate_text(text: str) -> int:
+    """Cached: a conversation re-sends the same texts every step, so each is escaped once."""
     if not text:
         return 0
     return math.ceil(len(json.dumps(text)) / CHARS_PER_TOKEN)

@@ -42,6 +42,11 @@ SPEND = Counter(
     ["tenant", "kind"],
 )
 SWEEPS = Counter("agentplatform_sweeps", "Sweeper passes completed.")
+ENGINE_ERRORS = Counter(
+    "agentplatform_engine_errors",
+    "Steps whose engine code raised (a bug, an illegal transition, a constraint), by exception type.",
+    ["exception"],
+)
 SWEEPER_RECOVERIES = Counter(
     "agentplatform_sweeper_recoveries", "What the sweeper found and fixed, by kind.", ["kind"]
 )

@@ -331,6 +331,17 @@ def tool_call(step):
 # --- sweeper ---------------------------------------------------------------------------------
 
 
+def engine_error(exc: BaseException) -> None:
+    metrics.ENGINE_ERRORS.labels(type(exc).__name__).inc()
+    report = _report.get()
+    if report is not None:
+        report.step = {
+            **report.step,
+            "outcome": "engine error",
+            "error": f"{type(exc).__name__}: {exc}"[:500],
+        }
+
+
 def swept(found: dict[str, int]) -> dict[str, int]:
     """Count a sweeper pass; return only what it found (the task's result)."""
     metrics.SWEEPS.inc()

@@ -78,6 +78,12 @@ class Run(models.Model):
     tool_call_count = models.PositiveIntegerField(default=0)
     model_call_count = models.PositiveIntegerField(default=0)
     loop_warnings = models.PositiveIntegerField(default=0)
+    # No-progress detection's running counts (runs/engine/loops.py): kept with the run so that a
+    # step never rescans the log; {} until the first tool call has its outcome.
+    loop_state = models.JSONField(default=dict, blank=True)
+    # Consecutive claims whose code raised (a bug, a constraint): counted like worker deaths, so a
+    # run whose step keeps raising fails with the exception's text instead of looping.
+    engine_errors = models.PositiveIntegerField(default=0)
     revealed_tools = models.JSONField(default=list, blank=True)  # found through search_tools
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
     request_hash = models.CharField(max_length=64, blank=True)
@@ -150,13 +156,19 @@ OBSERVED = {
 }
 # Tool steps the engine may dispatch next.
 READY = {StepStatus.PROPOSED, StepStatus.APPROVED, StepStatus.RETRIED}
+# Steps whose status will still change: what the claim reads besides the log's tail
+# (runs/statements.step_window), through a partial index so its cost does not grow with the run.
+OPEN = READY | {StepStatus.AWAITING_APPROVAL, StepStatus.DISPATCHING, StepStatus.OUTCOME_UNKNOWN}
 
 STEP_TRANSITIONS: dict[str, set[str]] = {
+    # -> succeeded / failed without dispatching: a replay of an identical call, or a platform
+    # tool answered from the run's own rows (a malformed call to one fails, and the model is told).
     StepStatus.PROPOSED: {
         StepStatus.DENIED,
         StepStatus.AWAITING_APPROVAL,
         StepStatus.DISPATCHING,
         StepStatus.SUCCEEDED,
+        StepStatus.FAILED,
         StepStatus.SKIPPED,
     },
     StepStatus.AWAITING_APPROVAL: {
@@ -177,7 +189,8 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
         StepStatus.RESOLVED_FAILED,
         StepStatus.RETRIED,
     },
-    StepStatus.RETRIED: {StepStatus.DISPATCHING, StepStatus.SKIPPED},
+    # -> denied: a person asked for a retry, and the checks at dispatch refused it (a revoked grant).
+    StepStatus.RETRIED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
 }
 
 
@@ -217,6 +230,22 @@ class Step(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_step_seq")]
+        indexes = [
+            models.Index(
+                fields=["run", "seq"],
+                name="step_open",
+                condition=models.Q(
+                    status__in=[
+                        "proposed",
+                        "approved",
+                        "retried",
+                        "awaiting_approval",
+                        "dispatching",
+                        "outcome_unknown",
+                    ]
+                ),
+            )
+        ]
         ordering = ["run", "seq"]
 
     def __str__(self) -> str:

@@ -15,7 +15,7 @@ import functools
 from django.db import connection
 
 from agentplatform import sql
-from runs.models import Run, RunEvent, Step
+from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
 RUNS = sql.table(Run)
 STEPS = sql.table(Step)
@@ -101,13 +101,43 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
 
 
 @functools.cache
-def _step_log_sql() -> str:
-    return f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %s ORDER BY s.seq"
+def _step_window_sql() -> str:
+    """STEP_WINDOW. The open steps come through the partial index `step_open`, the proposing model
+    call and the tail through max() over the (run, seq) index backwards, so the statement reads a
+    handful of rows at step 200 as at step 2."""
+    open_statuses = ", ".join(f"'{status}'" for status in sorted(OPEN))
+    last_tool = f"SELECT max(t.seq) FROM {STEPS} t WHERE t.run_id = %(run)s AND t.kind = '{StepKind.TOOL}'"
+    last_model = (
+        f"SELECT max(m.seq) FROM {STEPS} m WHERE m.run_id = %(run)s AND m.kind = '{StepKind.MODEL}' "
+        f"AND m.status = '{StepStatus.SUCCEEDED}'"
+    )
+    return (
+        f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s "
+        f"AND (s.status IN ({open_statuses}) OR s.seq >= COALESCE(({last_tool}), 0) OR s.seq = ({last_model})) "
+        "ORDER BY s.seq"
+    )
 
 
-def step_log(run: Run) -> list[Step]:
-    """STEP_LOG: the run's steps in order, each attached to `run` (what the decision reads)."""
-    steps = [step for (step,) in sql.fetch(_step_log_sql(), [run.pk], Step)]
+def step_window(run: Run) -> list[Step]:
+    """STEP_WINDOW: what the claim's decision reads of the step log, in order, each attached to `run`.
+
+    The steps whose status will still change (runs.models.OPEN), every step since the last tool
+    call (the model calls that failed in a row, the reply that ended the run), and the latest
+    successful model call (which proposed the open tool calls, with the tools it was offered).
+    Finished steps before those never change what a claim decides; the conversation the model
+    is sent is read apart (runs/engine/conversation.py).
+    """
+    steps = [step for (step,) in sql.fetch(_step_window_sql(), {"run": sql.adapt(run.pk)}, Step)]
     for step in steps:
         step.run = run
     return steps
+
+
+@functools.cache
+def _steps_after_sql() -> str:
+    return f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s AND s.seq > %(after)s ORDER BY s.seq"
+
+
+def steps_after(run: Run, after: int) -> list[Step]:
+    """STEPS_AFTER: the run's steps after seq `after`, in order (the conversation's new turns)."""
+    return [step for (step,) in sql.fetch(_steps_after_sql(), {"run": run.pk, "after": after}, Step)]

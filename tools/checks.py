@@ -53,14 +53,22 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
     revealed = run.revealed_tools if fresh else Run.objects.get(pk=run.pk).revealed_tools
     if tool.name not in offered_on(step, steps) and tool.name not in revealed:
         return f"tool {tool.name} was not offered on this call"
+    return argument_error(tool.input_schema, step.arguments)
+
+
+def argument_error(schema: dict | None, arguments) -> str | None:
+    """Why the arguments do not match the tool's JSON schema (field by field, for the model), or None."""
     try:
-        validator = _validator(json.dumps(tool.input_schema or {"type": "object"}, sort_keys=True))
+        validator = _validator(json.dumps(schema or {"type": "object"}, sort_keys=True))
     except jsonschema.SchemaError as exc:
         return f"tool schema is invalid: {exc.message}"
-    error = jsonschema.exceptions.best_match(validator.iter_errors(step.arguments))
+    try:
+        error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    except RecursionError:
+        return "arguments are nested too deeply"
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(arguments)"
-        return f"arguments invalid at {where}: {error.message}"
+        return f"arguments invalid at {where}: {error.message[:300]}"
     return None
 
 

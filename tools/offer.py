@@ -107,7 +107,8 @@ def offered_on(step: Step, steps=None) -> list[str]:
     """Names of the tools the model was shown on the call that proposed this step."""
     if steps is not None:
         parent = next((s for s in steps if s.seq == step.parent_seq), None)
-        return ((parent.request if parent else None) or {}).get("tools", [])
+        if parent is not None:
+            return (parent.request or {}).get("tools", [])
     # order_by(): Step's default ordering would join the run table for nothing.
     request = (
         Step.objects.filter(run_id=step.run_id, seq=step.parent_seq)

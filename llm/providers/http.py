@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import email.utils
 import json
+import re
 import time
 from typing import Any
 
@@ -18,7 +19,14 @@ from llm.types import ProviderError
 
 # Generous pool: one provider instance is shared by many concurrent agent runs.
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-_MAX_ERROR_DETAIL = 300
+# The provider's answer is what a supervisor reads on a failed run: kept whole, up to a bound
+# that only a proxy's HTML error page would reach.
+_MAX_ERROR_DETAIL = 8_000
+# A 5xx whose body says the request itself is wrong (self-hosted servers answer a request shape
+# they do not support so): refused, not unavailable, so it is not retried.
+_REFUSAL = re.compile(
+    r"validat|invalid|unsupported|not supported|unrecognized|unknown (field|parameter)", re.I
+)
 
 
 def make_client() -> httpx.Client:
@@ -75,12 +83,13 @@ def transport_error(exc: httpx.TransportError, *, provider: str, secret: str | N
 
 def status_error(response: httpx.Response, *, provider: str, secret: str | None) -> ProviderError:
     status = response.status_code
-    # 529 is Anthropic's "overloaded"; 408 is a server-side request timeout.
-    retryable = status == 429 or status == 408 or status >= 500
-    retry_after = parse_retry_after(response.headers) if retryable else None
     detail = redact(error_detail(response), secret)
+    # 529 is Anthropic's "overloaded"; 408 is a server-side request timeout.
+    retryable = status == 429 or status == 408 or (status >= 500 and not _REFUSAL.search(detail))
+    retry_after = parse_retry_after(response.headers) if retryable else None
+    verdict = "unavailable" if retryable else "refused this request"
     return ProviderError(
-        f"{provider}: HTTP {status}: {detail}",
+        f"{provider}: HTTP {status} (the provider {verdict}): {detail}",
         retryable=retryable,
         sent=True,
         status=status,

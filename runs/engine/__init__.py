@@ -40,11 +40,18 @@ This module holds the entry point; `runs/engine/types.py` holds the `Plan` a cla
 from __future__ import annotations
 
 import datetime as dt
+import logging
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError
 
 from observability import observe
+from runs.engine import failures
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model, recover_model
 from runs.engine.tool_step import do_tool
+
+log = logging.getLogger(__name__)
 
 
 def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
@@ -52,15 +59,29 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
 
     `enqueued_at` comes with a queued message: a message older than the run's last enqueue was
     superseded by a newer one and does nothing. Returns what the step did (the task's result).
+
+    An exception raised by the engine's own code (a bug, an illegal transition, a constraint) is
+    never an endless loop: it is recorded on the run with its type and message and counts toward
+    the step's crash budget like a worker death (runs/engine/failures.py); a lost database is not
+    the engine's fault and is left to the task's own retry.
     """
     with observe.step_scope(run_id) as report:  # log lines carry the run id; Flower shows the report
-        plan = claim(run_id, enqueued_at)
-        if plan is None:
-            return report.summary()
-        if plan.kind == "recover_model":
-            recover_model(plan)
-        elif plan.kind == "model":
-            do_model(plan)
-        else:
-            do_tool(plan)
+        plan = None
+        try:
+            plan = claim(run_id, enqueued_at)
+            if plan is None:
+                return report.summary()
+            if plan.kind == "recover_model":
+                recover_model(plan)
+            elif plan.kind == "model":
+                do_model(plan)
+            else:
+                do_tool(plan)
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception as exc:
+            log.exception("the engine raised on run %s", run_id)
+            failures.engine_failed(
+                run_id, exc, max_crashes=settings.MAX_STEP_CRASHES, token=plan.token if plan else None
+            )
         return report.summary()

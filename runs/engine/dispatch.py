@@ -17,11 +17,10 @@ from agentplatform import sql
 from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs.engine import heartbeat
+from runs.engine import heartbeat, writer
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import (
     atomic_with_events,
-    continue_run,
     end_run,
     lock_run,
     record_event,
@@ -83,8 +82,7 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
             # The approval is used up in the transaction that commits the call it covers.
             if not approvals.consume(step):
                 budgets.release(plan.reservation_id, note="call not made: approval already used")
-                deny(step, "approval was already used or withdrawn")
-                continue_run(run)
+                writer.deny(run, step, "approval was already used or withdrawn")
                 return False
         first = step.status != StepStatus.DISPATCHING
         _transition_to_dispatching(step, now)
@@ -156,17 +154,6 @@ def mark_after_lookup(plan: Plan) -> bool:
             return False
     let_go(plan)
     return True
-
-
-def deny(step: Step, reason: str) -> None:
-    transition_step(
-        step,
-        StepStatus.DENIED,
-        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
-        error=reason,
-        observation=f"ERROR: call denied by the platform: {reason}",
-        finished_at=timezone.now(),
-    )
 
 
 def let_go(plan: Plan) -> None:

@@ -7,22 +7,27 @@ Patterns, each with a limit from the version's spec (`loop`, defaults in agents.
   all empty, like {"tickets": []});
 - two different calls alternating (A B A B ...) for `alternation_cycles` cycles.
 
-Checked after every tool step has its outcome, including a denial at the claim.
+Checked after every tool step has its outcome (also a denial, a replay, a platform tool's answer).
+The counts are kept with the run (`Run.loop_state`) and moved by one pure function per outcome
+(`observed`), so a check never rescans the log: its cost is the same at step 200 as at step 2.
+The same state answers the replay check (`prior_success`: an identical call that already
+succeeded in this run is answered from its record, not sent again).
 
 The call that reaches a limit stops the run. The call just before it gets one platform warning
 appended to its observation, so the model reads it on its next turn and can change course. A
 run is warned once. So a model that keeps repeating an empty search costs at most `limit`
 tool calls (identical ones are replayed from the record by the engine, not sent again) and
-`limit` model calls.
+`limit` model calls. Runs started before the state existed begin counting at their next call.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from agents.spec import LoopLimits, spec_for
-from runs.lifecycle import bump_counters, end_run, record_event
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.lifecycle import end_run, record_event, write_run_at_end
+from runs.models import Run, RunStatus, Step, StepStatus, StopReason
 
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
 WARNING = (
@@ -32,8 +37,87 @@ WARNING = (
 FINISHED = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.DENIED)
 
 
-def _thresholds(run: Run) -> LoopLimits:
-    return spec_for(run.version).loop
+@dataclass(frozen=True)
+class LoopState:
+    """The run's finished tool calls, as counts: per call key [times made, seq of its first success
+    or 0], the last two keys, how long the calls have alternated, empty results in a row."""
+
+    calls: dict[str, list[int]] = field(default_factory=dict)
+    tail: tuple[str, ...] = ()
+    alternating: int = 0
+    empties: int = 0
+
+    @classmethod
+    def of(cls, stored: dict | None) -> LoopState:
+        stored = stored or {}
+        return cls(
+            calls={k: list(v) for k, v in (stored.get("calls") or {}).items()},
+            tail=tuple(stored.get("tail") or ()),
+            alternating=int(stored.get("alternating") or 0),
+            empties=int(stored.get("empties") or 0),
+        )
+
+    def stored(self) -> dict:
+        return {
+            "calls": self.calls,
+            "tail": list(self.tail),
+            "alternating": self.alternating,
+            "empties": self.empties,
+        }
+
+
+def key_of(step: Step) -> str:
+    return f"{step.tool_id}:{step.tool_name}:{step.args_digest}"
+
+
+def observed(state: LoopState, key: str, *, seq: int, succeeded: bool, empty: bool) -> LoopState:
+    """The state after one more finished call (pure)."""
+    count, first_success = state.calls.get(key, [0, 0])
+    calls = {**state.calls, key: [count + 1, first_success or (seq if succeeded else 0)]}
+    if state.tail and key == state.tail[-1]:
+        alternating = 0
+    elif len(state.tail) == 2 and key == state.tail[0] and state.alternating >= 2:
+        alternating = state.alternating + 1
+    else:
+        alternating = 2 if state.tail else 0
+    return LoopState(
+        calls=calls,
+        tail=(*state.tail[-1:], key),
+        alternating=alternating,
+        empties=state.empties + 1 if succeeded and empty else 0,
+    )
+
+
+def patterns(state: LoopState, key: str, limits: LoopLimits) -> list[tuple[str, int, int]]:
+    """(description, count so far, limit) of each no-progress pattern, after the call `key`."""
+    found = []
+    if state.alternating >= 3:
+        found.append(
+            ("alternating between the same two calls", state.alternating, 2 * limits.alternation_cycles)
+        )
+    repeats = state.calls.get(key, [0, 0])[0]
+    tool_name = key.split(":", 2)[1]
+    found.append((f"the same call {tool_name} was made {repeats} times", repeats, limits.max_repeats))
+    found.append((f"{state.empties} empty results in a row", state.empties, limits.max_empty_results))
+    return found
+
+
+def verdict(state: LoopState, key: str, limits: LoopLimits) -> tuple[str, str] | None:
+    """("stop" | "warn", pattern) when a limit is reached or is one call away, else None (pure)."""
+    found = patterns(state, key, limits)
+    for description, count, limit in found:
+        if count >= limit:
+            return "stop", description
+    for description, count, limit in found:
+        if limit > 1 and count == limit - 1:
+            return "warn", description
+    return None
+
+
+def prior_success(run: Run, step: Step) -> int | None:
+    """The seq of an identical call that already succeeded earlier in this run, if any."""
+    seq = LoopState.of(run.loop_state).calls.get(key_of(step), [0, 0])[1]
+    return seq if seq and seq < step.seq else None
 
 
 def _is_empty_value(value) -> bool:
@@ -45,7 +129,7 @@ def _is_empty_value(value) -> bool:
     return False
 
 
-def _is_empty(step: Step) -> bool:
+def is_empty(step: Step) -> bool:
     result = step.result if isinstance(step.result, dict) else {}
     text = str(result.get("text") or "")
     if text.strip().lower() in EMPTY:
@@ -59,55 +143,23 @@ def _is_empty(step: Step) -> bool:
     return _is_empty_value(structured)
 
 
-def _key(step: Step) -> str:
-    return f"{step.tool_id}:{step.tool_name}:{step.args_digest}"
-
-
-def patterns(run: Run, steps: list[Step]) -> list[tuple[str, int, int]]:
-    """(description, count so far, limit) of each no-progress pattern the tool calls show."""
-    limits = _thresholds(run)
-    calls = [s for s in steps if s.kind == StepKind.TOOL and s.status in FINISHED]
-    if not calls:
-        return []
-    last = calls[-1]
-    keys = [_key(s) for s in calls]
-    found = []
-    alternating = 0
-    if len(keys) >= 3 and keys[-1] != keys[-2]:
-        alternating = 2
-        while alternating < len(keys) and keys[-alternating - 1] == keys[-alternating + 1]:
-            alternating += 1
-    if alternating >= 3:
-        found.append(("alternating between the same two calls", alternating, 2 * limits.alternation_cycles))
-    repeats = keys.count(_key(last))
-    found.append((f"the same call {last.tool_name} was made {repeats} times", repeats, limits.max_repeats))
-    empties = 0
-    for s in reversed(calls):
-        if not (s.status == StepStatus.SUCCEEDED and _is_empty(s)):
-            break
-        empties += 1
-    found.append((f"{empties} empty results in a row", empties, limits.max_empty_results))
-    return found
-
-
-def detect(run: Run, steps: list[Step]) -> tuple[str, str] | None:
-    """("stop" | "warn", pattern) when a limit is reached or is one call away, else None."""
-    found = patterns(run, steps)
-    for description, count, limit in found:
-        if count >= limit:
-            return "stop", description
-    for description, count, limit in found:
-        if limit > 1 and count == limit - 1:
-            return "warn", description
-    return None
-
-
-def check(run: Run, steps: list[Step], step: Step) -> bool:
-    """After a tool step: warn once when a limit is one call away, stop at it. True when stopped."""
-    verdict = detect(run, steps)
-    if verdict is None:
+def check(run: Run, step: Step) -> bool:
+    """After a tool step's outcome: count it, warn once when a limit is one call away, stop at it.
+    True when the run stopped. In the caller's transaction, with the run locked."""
+    key = key_of(step)
+    succeeded = step.status == StepStatus.SUCCEEDED
+    state = observed(
+        LoopState.of(run.loop_state),
+        key,
+        seq=step.seq,
+        succeeded=succeeded,
+        empty=succeeded and is_empty(step),
+    )
+    write_run_at_end(run, loop_state=state.stored())
+    found = verdict(state, key, spec_for(run.version).loop)
+    if found is None:
         return False
-    level, pattern = verdict
+    level, pattern = found
     if level == "stop":
         end_run(
             run,
@@ -121,7 +173,7 @@ def check(run: Run, steps: list[Step], step: Step) -> bool:
         warning = WARNING.format(pattern=pattern)
         Step.objects.filter(pk=step.pk).update(observation=f"{step.observation}\n{warning}")
         step.observation = f"{step.observation}\n{warning}"
-        bump_counters(run, loop_warnings=1)
+        write_run_at_end(run, adds={"loop_warnings": 1})
         record_event(
             run.pk,
             "loop_warning",

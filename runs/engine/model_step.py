@@ -5,15 +5,17 @@ The claim has reserved the call's budget and committed the step as `dispatching`
 
 from __future__ import annotations
 
+import dataclasses
+
 from django.db import close_old_connections
 from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
 from llm import gateway as model_gateway
-from llm.types import ProviderError
+from llm.types import ProviderError, ToolCall
 from observability import observe
-from runs.engine import heartbeat, proposals
+from runs.engine import heartbeat, proposals, writer
 from runs.engine.dispatch import budget_event, recorded_before, through_database_outage
 from runs.engine.types import Plan, fenced
 from runs.lifecycle import atomic_with_events, continue_run, end_run, lock_run, record_event, transition_step
@@ -120,7 +122,18 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
                 hold_reconciled=reconciled,
             )
             return
-        # Known secrets are redacted from what the model said before it is stored or acted on.
+        # What the model said is made storable (it may send anything), and known secrets are
+        # redacted from it, before it is stored or acted on.
+        reply = dataclasses.replace(
+            reply,
+            text=proposals.storable(reply.text or ""),
+            tool_calls=[
+                ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
+                for c in proposals.storable_calls(
+                    [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
+                )
+            ],
+        )
         text, calls = secrets.redact_reply(run.tenant_id, reply)
         usage = {
             "input_tokens": reply.usage.input_tokens,
@@ -139,6 +152,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
         )
         budget_event(run, step, reserved=plan.model.estimate, settled=cost, balances=balances)
+        writer.recorded(run)
         proposals.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")

@@ -1,97 +1,101 @@
 """The tools the platform answers itself from the run's own rows (tools.offer.PLATFORM_TOOLS):
 search_tools reveals more permitted tools, read_result pages through a stored result. No server,
-no network; they write the step (and the run's revealed tools), so they belong to the engine."""
+no network; they write the step (and the run's revealed tools), so they belong to the engine.
+
+Their arguments come from the model, so they are checked like any tool's: against the tool's
+own JSON schema first, then against the run (a step that exists, is a tool step and has a stored
+result; an offset inside it). Whatever the model sends, the step ends `succeeded` or `failed`
+(transitions the step map allows from `proposed`), the model is told what was wrong in words it
+can act on, and the run goes on (runs/engine/writer.answered).
+"""
 
 from __future__ import annotations
 
-from django.utils import timezone
-
 from llm import context
-from runs.lifecycle import transition_step
+from runs.engine import writer
 from runs.models import Run, Step, StepKind, StepStatus
 from tools import relevance
-from tools.offer import SEARCH_REVEAL, SEARCH_TOOLS, offered_on, permitted_tools
+from tools.checks import argument_error
+from tools.offer import SEARCH_REVEAL, SEARCH_TOOLS, SEARCH_TOOLS_SPEC, offered_on, permitted_tools
+
+SCHEMAS = {
+    SEARCH_TOOLS: SEARCH_TOOLS_SPEC.input_schema,
+    context.READ_RESULT: context.READ_RESULT_SPEC.input_schema,
+}
 
 
-def run_platform_tool(run: Run, step: Step) -> None:
+def answer(run: Run, step: Step) -> None:
     """Answer a call of a platform tool (PLATFORM_TOOLS) from the run's rows."""
+    if step.tool_name not in offered_on(step) and step.tool_name not in run.revealed_tools:
+        writer.deny(run, step, f"tool {step.tool_name} was not offered on this call")
+        return
+    problem = argument_error(SCHEMAS[step.tool_name], step.arguments)
+    if problem:
+        writer.answered(run, step, ok=False, result=None, text=f"ERROR: {step.tool_name}: {problem}")
+        return
     if step.tool_name == SEARCH_TOOLS:
-        run_search_tools(run, step)
+        _search_tools(run, step)
     else:
-        run_read_result(run, step)
+        _read_result(run, step)
 
 
-def _deny_unoffered(step: Step) -> bool:
-    if step.tool_name in offered_on(step):
-        return False
-    reason = f"tool {step.tool_name} was not offered on this call"
-    transition_step(
-        step,
-        StepStatus.DENIED,
-        message=f"step {step.seq} {step.tool_name} denied: {reason}",
-        error=reason,
-        observation=f"ERROR: call denied by the platform: {reason}",
-        finished_at=timezone.now(),
+def _read_result(run: Run, step: Step) -> None:
+    """One page of a stored tool result of this run (already redacted)."""
+    seq = step.arguments["step"]
+    offset = step.arguments.get("offset", 0)
+    found = (
+        Step.objects.filter(run_id=run.pk, seq=seq)
+        .order_by()
+        .values_list("kind", "status", "result", "observation")
+        .first()
+        if seq < step.seq
+        else None
     )
-    return True
-
-
-def run_read_result(run: Run, step: Step) -> None:
-    """Built-in read_result: one page of a stored tool result of this run (already redacted)."""
-    if _deny_unoffered(step):
-        return
-    arguments = step.arguments or {}
-    seq, offset = arguments.get("step"), arguments.get("offset", 0)
-    found = None
-    if isinstance(seq, int) and isinstance(offset, int) and offset >= 0:
-        found = (
-            Step.objects.filter(run_id=run.pk, seq=seq, kind=StepKind.TOOL)
-            .order_by()
-            .values_list("result", "observation")
-            .first()
-        )
     if found is None:
-        text = f"ERROR: no tool result at step {seq!r} of this run (give step as a number, offset >= 0)"
-        transition_step(step, StepStatus.FAILED, error=text, observation=text, finished_at=timezone.now())
-        return
-    result, observation = found
-    stored = (result or {}).get("text")
+        return _refuse(
+            run,
+            step,
+            f"step {seq} is not an earlier step of this run; give the step number from a [platform: ...] note",
+        )
+    kind, status, result, observation = found
+    if kind != StepKind.TOOL:
+        return _refuse(
+            run,
+            step,
+            f"step {seq} is a model call, not a tool result; give the step number from a [platform: ...] note",
+        )
+    stored = (result or {}).get("text") if isinstance(result, dict) else None
     text = stored if isinstance(stored, str) else observation
+    if status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED, StepStatus.FAILED) or not text:
+        return _refuse(run, step, f"step {seq} has no stored result ({status})")
+    if offset >= len(text):
+        return _refuse(
+            run, step, f"offset {offset} is past the end of step {seq}'s result ({len(text)} characters)"
+        )
     policy = context.ContextPolicy.from_spec(run.version.spec.get("context"))
     shown = context.page(text, seq=seq, offset=offset, limit=policy.limit_for(context.READ_RESULT))
-    transition_step(
-        step,
-        StepStatus.SUCCEEDED,
-        result={"text": shown, "step": seq, "offset": offset},
-        observation=shown,
-        finished_at=timezone.now(),
-    )
+    writer.answered(run, step, ok=True, result={"text": shown, "step": seq, "offset": offset}, text=shown)
 
 
-def run_search_tools(run: Run, step: Step) -> None:
-    """Built-in search_tools: reveal more tools, only from the permitted set."""
-    if SEARCH_TOOLS not in offered_on(step):
-        reason = f"tool {SEARCH_TOOLS} was not offered on this call"
-        transition_step(
-            step,
-            StepStatus.DENIED,
-            message=f"step {step.seq} {SEARCH_TOOLS} denied: {reason}",
-            error=reason,
-            observation=f"ERROR: call denied by the platform: {reason}",
-            finished_at=timezone.now(),
-        )
-        return
-    query = str((step.arguments or {}).get("query", ""))
+def _refuse(run: Run, step: Step, why: str) -> None:
+    writer.answered(run, step, ok=False, result=None, text=f"ERROR: {step.tool_name}: {why}")
+
+
+def _search_tools(run: Run, step: Step) -> None:
+    """Reveal more tools, only from the permitted set."""
+    query = step.arguments["query"]
     tools = permitted_tools(run)
     ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
     found = [n for n in ranked if n not in run.revealed_tools][:SEARCH_REVEAL]
-    Run.objects.filter(pk=run.pk).update(revealed_tools=run.revealed_tools + found)
+    if found:
+        Run.objects.filter(pk=run.pk).update(revealed_tools=run.revealed_tools + found)
+        run.revealed_tools = run.revealed_tools + found
     by_name = {t.name: t for t in tools}
     text = "\n".join(f"- {n}: {by_name[n].description}" for n in found) or "no further tools match"
-    transition_step(
+    writer.answered(
+        run,
         step,
-        StepStatus.SUCCEEDED,
+        ok=True,
         result={"text": text, "revealed": found},
-        observation=f"Tools added to your list:\n{text}" if found else text,
-        finished_at=timezone.now(),
+        text=f"Tools added to your list:\n{text}" if found else text,
     )

@@ -1,5 +1,11 @@
 """The model's tool calls stored as proposed steps: nothing is checked yet (claim checks each one
-before it is dispatched)."""
+before it is dispatched).
+
+What the model sends is stored whatever it is, so it is made storable first (`storable`): text
+without NUL characters (PostgreSQL's text and jsonb refuse them), names and ids within their
+columns, arguments nested at most MAX_DEPTH deep. A call the model mangled is then an ordinary
+proposed step, which the checks deny or fail with a message the model can act on.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,40 @@ from tools.offer import PLATFORM_TOOLS
 def idempotency_key(run: Run, seq: int) -> str:
     """Stable for the step: the same on every attempt, never derived from the attempt."""
     return f"{run.tenant.slug}:{run.pk}:{seq}"
+
+
+MAX_DEPTH = 32
+NAME_MAX = Step._meta.get_field("tool_name").max_length
+CALL_ID_MAX = Step._meta.get_field("call_id").max_length
+
+
+def storable(value, depth: int = 0):
+    """`value` with NULs removed from every string and nesting cut at MAX_DEPTH (pure)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if depth >= MAX_DEPTH and isinstance(value, (dict, list)):
+        return "[platform: nested too deeply]"
+    if isinstance(value, dict):
+        return {storable(str(k)): storable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable(v, depth + 1) for v in value]
+    if isinstance(value, float) and value != value:  # NaN: not JSON
+        return None
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return None
+    return value
+
+
+def storable_calls(calls: list[dict]) -> list[dict]:
+    """The model's tool calls as they can be stored: names and ids cut to their columns."""
+    return [
+        {
+            "id": storable(str(call.get("id") or ""))[:CALL_ID_MAX],
+            "name": storable(str(call.get("name") or ""))[:NAME_MAX],
+            "arguments": storable(call.get("arguments")),
+        }
+        for call in calls
+    ]
 
 
 def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:

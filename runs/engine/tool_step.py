@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from observability import observe
-from runs.engine import heartbeat, loops
-from runs.engine.claim import mark_unknown, settle_due, wait_to_settle
+from runs.engine import decisions, heartbeat, writer
+from runs.engine.claim import tool_view
 from runs.engine.dispatch import (
     budget_event,
     close_tool_holds,
@@ -27,22 +27,14 @@ from runs.engine.dispatch import (
 from runs.engine.types import Plan, ToolOutcome, fenced
 from runs.lifecycle import (
     atomic_with_events,
-    continue_run,
-    end_run,
-    enqueue,
     lock_run,
     record_event,
-    transition_run,
     transition_step,
 )
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus
+from runs.models import Run, Step, StepStatus
 from tenants import secrets
 from tools import results, transports
-from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, EffectClass
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
-
-# Classes whose unanswered attempt is looked up or sent again, so they wait out the settle window.
-SETTLING = (EffectClass.IDEMPOTENT, EffectClass.RECONCILABLE)
 
 
 def do_tool(plan: Plan) -> None:
@@ -141,10 +133,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
     now = timezone.now()
     if plan.record_began is None:
         plan.record_began = now
-    steps = plan.tool.steps
     if retry:
         step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
-        steps = None
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         balances = _close_reservation(plan, step, outcome)
@@ -184,18 +174,10 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 finished_at=now,
                 message=f"step {step.seq} {step.tool_name} failed: {error}",
             )
-        elif outcome.kind == "in_progress":
-            _wait_in_progress(run, step, outcome)
-            return
         else:
             _record_unknown(run, step, outcome)
             return
-        if steps is None or not any(s is step for s in steps):
-            steps = list(run.steps.all())
-        if run.cancel_requested:
-            end_run(run, RunStatus.CANCELLED, message="cancelled")
-        elif not loops.check(run, steps, step):  # failed calls count as repeats too
-            continue_run(run)
+        writer.tool_finished(run, step)  # failed calls count as repeats too
 
 
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
@@ -206,88 +188,36 @@ def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
 
 
 def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    """The call's outcome is unknown, or the provider has it "in progress": the recovery table
+    (runs.engine.decisions.after_unknown) says what follows; the writer applies it."""
     tool = step.tool
     error = secrets.redact_text(run.tenant_id, outcome.error)
-    if tool.effect_class == EffectClass.UNSAFE or step.attempts >= tool.max_attempts:
-        if tool.effect_class == EffectClass.READ_ONLY:
-            transition_step(
-                step,
-                StepStatus.FAILED,
-                error=error,
-                finished_at=timezone.now(),
-                observation=f"ERROR: {step.tool_name} did not answer: {error}",
-            )
-            continue_run(run)
-            return
-        mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown ({error})")
-        return
-    if run.cancel_requested:
-        mark_unknown(run, step, f"step {step.seq} {step.tool_name}: outcome unknown and run cancelled")
-        return
-    delay = (
-        outcome.retry_after
-        if outcome.retry_after is not None
-        else tool.backoff_seconds * 2 ** (step.attempts - 1) * random.uniform(0.5, 1.0)
-    )
-    retry_at = timezone.now() + dt.timedelta(seconds=delay)
-    Step.objects.filter(pk=step.pk).update(error=error)
-    # The call ended now (this worker saw it end): the window runs from here.
-    due = settle_due(step, ended=timezone.now())
-    if tool.effect_class in SETTLING and due > retry_at:
-        wait_to_settle(
-            run,
-            step,
-            due,
-            f"outcome unknown ({error}); settle window: the provider may make the "
-            f"call visible up to {tool.settle_window}s after it ended, and a status lookup or a retry "
-            "before then proves nothing",
-        )
-        return
-    Step.objects.filter(pk=step.pk).update(next_attempt_at=retry_at)
-    record_event(
-        run.pk,
-        "retry_scheduled",
-        f"step {step.seq} {step.tool_name}: outcome unknown ({error}); retry in {delay:.1f}s",
-        step_seq=step.seq,
-        effect_class=tool.effect_class,
-    )
-    continue_run(run, countdown=delay)
-
-
-def _wait_in_progress(run: Run, step: Step, outcome: ToolOutcome) -> None:
-    """The provider has the request and is still on it: ask again later, never send it again now.
-
-    Waiting is bounded: IN_PROGRESS_PATIENCE settle windows (at least MIN_IN_PROGRESS_PATIENCE
-    seconds) after the window of the attempt, a person decides (the provider may be stuck, and only
-    someone who can see it can tell).
-    """
-    tool = step.tool
     now = timezone.now()
-    patience = max(tool.settle_window * IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE)
-    give_up = settle_due(step) + dt.timedelta(seconds=patience)
-    if now >= give_up or run.cancel_requested:
-        why = (
-            "run cancelled"
-            if run.cancel_requested
-            else f"still in progress {patience}s after its settle window"
-        )
-        mark_unknown(run, step, f"step {step.seq} {step.tool_name}: {why} ({outcome.error})")
-        return
-    if outcome.sent:
-        # A repeat answered 409 did nothing: it does not use up one of max_attempts (waiting
-        # has its own bound, above).
-        Step.objects.filter(pk=step.pk).update(attempts=F("attempts") - 1)
-    wait = (
-        outcome.retry_after
-        if outcome.retry_after is not None
-        else min(max(tool.settle_window / 4, 1.0), 30.0)
+    in_progress = outcome.kind == "in_progress"
+    if in_progress:
+        sent = step.dispatched_at or step.started_at or now
+        ended = sent + dt.timedelta(seconds=tool.timeout_seconds)  # the window runs from the attempt
+    else:
+        ended = now  # this worker saw the call end: the window runs from here
+    view = tool_view(tool)
+    attempt = decisions.Attempt(
+        effect=view.effect,
+        attempts=step.attempts,
+        max_attempts=view.max_attempts,
+        ended_at=ended,
+        settle_seconds=view.settle_seconds,
+        backoff_seconds=view.backoff_seconds,
+        in_progress=in_progress,
+        answered=in_progress and outcome.sent,
+        retry_after=outcome.retry_after,
+        cancel_requested=run.cancel_requested,
+        patience_seconds=view.patience_seconds,
+        jitter=random.uniform(0.5, 1.0),
     )
-    wait_to_settle(
-        run,
-        step,
-        now + dt.timedelta(seconds=wait),
-        f"the provider says the call is still in progress ({outcome.error}); it is asked again, not re-sent",
-    )
+    decision = decisions.after_unknown(step.seq, attempt, now)
+    if not isinstance(decision, decisions.GiveUp):
+        Step.objects.filter(pk=step.pk).update(error=error)
+    writer.after_unknown(run, step, decision, error=error)
 
 
 def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
@@ -312,11 +242,4 @@ def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
             message=f"step {step.seq} resolved automatically: the late result proves it succeeded",
         )
         _close_holds_on_commit(step, happened=True)
-        if (
-            run.status == RunStatus.NEEDS_ATTENTION
-            and not run.steps.filter(status=StepStatus.OUTCOME_UNKNOWN, kind=StepKind.TOOL).exists()
-        ):
-            transition_run(
-                run, RunStatus.RUNNING, message="resumed: unknown outcome resolved by a late result"
-            )
-            enqueue(run.pk)
+        writer.resume_if_resolved(run, message="resumed: unknown outcome resolved by a late result")

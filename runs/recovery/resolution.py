@@ -9,9 +9,10 @@ from django.utils import timezone
 
 from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
 from approvals.services import can_approve
+from runs.engine import writer
 from runs.engine.dispatch import close_tool_holds
-from runs.lifecycle import enqueue, lock_run, record_event, transition_run, transition_step
-from runs.models import RunStatus, Step, StepKind, StepStatus
+from runs.lifecycle import lock_run, record_event, transition_step
+from runs.models import Step, StepKind, StepStatus
 from tools.models import EffectClass
 
 OUTCOMES = ("succeeded", "failed", "retry")
@@ -95,12 +96,5 @@ def resolve_step(
             reason=reason,
             override=override,
         )
-        if (
-            run.status == RunStatus.NEEDS_ATTENTION
-            and not Step.objects.filter(
-                run=run, kind=StepKind.TOOL, status=StepStatus.OUTCOME_UNKNOWN
-            ).exists()
-        ):
-            transition_run(run, RunStatus.RUNNING, actor=user, message="resumed: unknown outcome resolved")
-            enqueue(run.pk)
+        writer.resume_if_resolved(run, actor=user, message="resumed: unknown outcome resolved")
     return step

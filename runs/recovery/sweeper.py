@@ -13,6 +13,7 @@ from django.db.models import (
     Count,
     DateTimeField,
     DurationField,
+    Exists,
     ExpressionWrapper,
     F,
     Max,
@@ -42,6 +43,9 @@ from runs.recovery import broker
 from tenants.models import Tenant
 
 BATCH = 500
+# Re-sends of one run without it moving (at QUEUED_TOO_LONG_SECONDS x 1, 2, 4, ... : about half an
+# hour at the default 30 s) before it fails for a person to look at.
+MAX_RESENDS = 6
 
 
 def sweep(now: dt.datetime | None = None) -> dict[str, int]:
@@ -86,11 +90,19 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     replacement would go to its back and void the copy near its front. A run's message is sent
     again QUEUED_TOO_LONG_SECONDS after its last enqueue, then after twice that, four times, ...
     (its recovery events count the times), so a backlog is not fed faster than it drains.
+
+    The event says what was seen: the run's task died (an engine error was recorded since the
+    last enqueue), or the message was lost (nothing older is queued ahead of it). A run queued
+    behind older messages is late, not lost: it is left alone. A run sent again
+    MAX_RESENDS times without moving fails with what was seen, for a supervisor to look at.
     """
     wait = dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
     resent = RunEvent.objects.filter(
         run=OuterRef("pk"), kind="recovery", data__found="lost_message", at__gt=OuterRef("last_enqueued_at")
     ).values("run")
+    died = RunEvent.objects.filter(
+        run=OuterRef("pk"), kind="engine_error", at__gt=OuterRef("last_enqueued_at")
+    )
     times = Coalesce(Subquery(resent.annotate(n=Count("pk")).values("n")), 0)
     since = Coalesce(Subquery(resent.annotate(last=Max("at")).values("last")), F("last_enqueued_at"))
     due_at = ExpressionWrapper(
@@ -103,31 +115,48 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     runs = list(
         Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
         .alias(due_at=due_at)
+        .annotate(times=times, died=Exists(died))
         .filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
-        .values_list("pk", "last_enqueued_at")[:BATCH]
+        .values_list("pk", "last_enqueued_at", "times", "died")[:BATCH]
     )
     # A run enqueued no earlier than the oldest message still queued may be waiting behind it:
     # its message is late, not lost, and a copy would only lengthen the backlog.
     backlog_since = broker.oldest_queued_enqueue() if runs else None
-    resent = 0
-    for run_id, enqueued_at in runs:
+    count = 0
+    for run_id, enqueued_at, times, died in runs:
         if backlog_since is not None and enqueued_at is not None and enqueued_at >= backlog_since:
             continue
-        resent += 1
+        count += 1
         silent = int((now - enqueued_at).total_seconds()) if enqueued_at else 0
-        with transaction.atomic():
+        seen = (
+            "its task died (see the engine_error event)"
+            if died
+            else "its message was lost: nothing older is queued"
+        )
+        with atomic_with_events():
+            if times >= MAX_RESENDS:
+                run = lock_run(run_id)
+                if run.status in (RunStatus.QUEUED, RunStatus.RUNNING):
+                    end_run(
+                        run,
+                        RunStatus.FAILED,
+                        error=f"no progress for {silent}s after {times} re-sends: {seen}",
+                        message="failed: no progress",
+                    )
+                continue
             record_event(
                 run_id,
                 "recovery",
-                f"no progress for {silent}s (message lost or queue backed up); sent again",
+                f"no progress for {silent}s ({seen}); sent again (time {times + 1})",
                 action="requeue",
                 found="lost_message",
+                seen="task_died" if died else "message_lost",
             )
             if enqueued_at is None:
                 enqueue(run_id)
             else:
                 resend(run_id, enqueued_at=enqueued_at)
-    return resent
+    return count
 
 
 def _stop_past_deadline(now: dt.datetime) -> int:

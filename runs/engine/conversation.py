@@ -1,0 +1,62 @@
+"""The conversation a model call is sent, kept per worker process and read incrementally.
+
+A model call is planned only when no step of the run is open (runs/engine/decisions.next_move),
+so every step up to the latest is final then: its turn in the conversation never changes again.
+A process therefore keeps each run's conversation as it last built it, with the seq it reaches,
+and the next model call of that run reads only the steps after it (usually the previous model
+call and its tool calls) instead of the whole log. A run whose last steps another process made
+is read from where this process left it; one it has never seen (or has forgotten: the cache is
+bounded) is read whole, once. The context policy then shapes the whole list (llm/context.py),
+which is cheap pure Python next to reading and decoding every row.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+from llm import context
+from llm import gateway as model_gateway
+from llm.types import Message
+from runs import statements
+from runs.models import Run
+
+MAX_RUNS = 2_048  # conversations kept per process (a few tens of kB each at 25 steps)
+
+
+@dataclass
+class _Conversation:
+    upto: int = 0  # the last seq read into it
+    messages: list[Message] = field(default_factory=list)
+    results: dict[int, context.Result] = field(default_factory=dict)
+
+
+_kept: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.Lock()  # the worker runs steps of different runs on several threads
+
+
+def conversation(run: Run) -> tuple[list[Message], dict[int, context.Result]]:
+    """The run's messages so far and, per tool message, its step (what the policy shapes).
+
+    In the claim's transaction with the run locked: no other worker adds steps meanwhile.
+    """
+    with _lock:
+        kept = _kept.pop(run.pk, None)
+    if kept is None:
+        kept = _Conversation(messages=[model_gateway.first_message(run)])
+    steps = statements.steps_after(run, kept.upto)
+    model_gateway.append_messages(kept.messages, steps, kept.results)
+    if steps:
+        kept.upto = steps[-1].seq
+    with _lock:
+        _kept[run.pk] = kept
+        while len(_kept) > MAX_RUNS:
+            _kept.popitem(last=False)
+    return list(kept.messages), dict(kept.results)
+
+
+def forget(run_id) -> None:
+    """A run that ended needs no conversation any more."""
+    with _lock:
+        _kept.pop(run_id, None)

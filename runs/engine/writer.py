@@ -1,0 +1,274 @@
+"""The writer: applies the engine's decisions (runs/engine/decisions.py) in the step's transaction.
+
+Every function here runs with the run row locked, inside `atomic_with_events`, and writes through
+the guarded transitions and named statements of runs/lifecycle.py and runs/statements.py: one
+conditional UPDATE plus an event per move, the run's own columns and all the events in the one
+statement that ends the transaction. Nothing here decides: what to write comes in as a decision,
+and the statuses it moves to are those tests/runs/test_decisions.py checks against the maps.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import transaction
+from django.utils import timezone
+
+from budgets import services as budgets
+from budgets.models import Reservation
+from runs.engine import conversation, decisions, loops
+from runs.lifecycle import (
+    continue_run,
+    end_run,
+    record_event,
+    transition_run,
+    transition_step,
+    void_approval,
+    write_run_at_end,
+)
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+
+STOP_REASONS = {reason.value for reason in StopReason}
+
+
+def take_over(run: Run) -> None:
+    """The previous worker's lease ran out: record it, and give back what it reserved but never
+    dispatched (now, not after budgets.release_orphans' quarantine, which is for runs nobody
+    claims again)."""
+    record_event(
+        run.pk,
+        "lease_expired",
+        "previous worker's lease expired; taking over",
+        expired_at=run.lease_expires_at.isoformat() if run.lease_expires_at else None,
+    )
+    write_run_at_end(run, lease_token=None, lease_expires_at=None)
+    run_id = run.pk
+    transaction.on_commit(lambda: _release_undispatched(run_id), robust=True)
+
+
+def end(run: Run, decision: decisions.Cancel | decisions.Stop | decisions.FailRun | decisions.Finish) -> None:
+    """A decision that ends the run."""
+    conversation.forget(run.pk)
+    if isinstance(decision, decisions.Cancel):
+        end_run(run, RunStatus.CANCELLED, message="cancelled")
+    elif isinstance(decision, decisions.Stop):
+        reason = decision.reason if decision.reason in STOP_REASONS else ""
+        end_run(run, RunStatus.STOPPED, reason=reason, message=decision.message)
+    elif isinstance(decision, decisions.FailRun):
+        end_run(run, RunStatus.FAILED, error=decision.error, message=decision.message)
+    else:
+        end_run(run, RunStatus.SUCCEEDED, message="succeeded")
+
+
+def park(run: Run, decision: decisions.Park) -> None:
+    transition_run(run, decision.status, message=decision.message)
+
+
+def count_crash(run: Run, step: Step) -> None:
+    """The step was found `dispatching` with nothing scheduled: its worker was lost with the call.
+
+    The lost attempt may have been charged: its reservation is held once this transaction commits
+    (one ledger statement per transaction, and this one's may be the retry's reserve: see the
+    lock order in runs/engine/__init__.py; the sweeper is the backstop). The ids are taken now: a
+    retry's own reservation, made in this transaction, is linked to the same step and stays open.
+    """
+    lost = list(
+        Reservation.objects.filter(step_id=step.pk, status=Reservation.Status.OPEN).values_list(
+            "pk", flat=True
+        )
+    )
+    transaction.on_commit(lambda: _hold(lost), robust=True)
+    step.crashes += 1
+    Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
+
+
+def poison(run: Run, step: Step | None, decision: decisions.Poison) -> None:
+    """The step (or the engine at this step) failed too often: the step ends, the run fails. A
+    step that may have taken effect is left outcome_unknown with its charge held, for a person."""
+    record_event(
+        run.pk,
+        "recovery",
+        decision.error,
+        step_seq=step.seq if step is not None else None,
+        action="fail_run",
+    )
+    if step is not None and decision.step_status is not None:
+        transition_step(step, decision.step_status, error=decision.step_error, finished_at=timezone.now())
+    conversation.forget(run.pk)
+    end_run(run, RunStatus.FAILED, error=decision.error, message="failed: poison step")
+
+
+def model_lost(run: Run, step: Step) -> None:
+    record_event(
+        run.pk,
+        "recovery",
+        f"model step {step.seq} lost with its worker: its reservation is held and the call is made again",
+        step_seq=step.seq,
+        action="hold_and_retry",
+    )
+
+
+def recovery_event(run: Run, step: Step, decision: decisions.Retry, *, effect: str) -> None:
+    record_event(
+        run.pk,
+        "recovery",
+        f"step {step.seq} {step.tool_name} {decision.why}",
+        step_seq=step.seq,
+        action="lookup" if decision.lookup_first else "retry",
+        effect_class=effect,
+        attempts=step.attempts,
+    )
+
+
+def after_unknown(run: Run, step: Step, decision, *, error: str = "") -> None:
+    """Apply the recovery table's answer for a tool step whose outcome is unknown, other than a
+    retry sent now (the caller dispatches that)."""
+    if isinstance(decision, decisions.AskPerson):
+        mark_unknown(
+            run, step, f"step {step.seq} {step.tool_name}: {decision.why}" + (f" ({error})" if error else "")
+        )
+    elif isinstance(decision, decisions.GiveUp):
+        why = decision.why + (f": {error}" if error else "")
+        transition_step(
+            step,
+            StepStatus.FAILED,
+            error=why,
+            observation=f"ERROR: {step.tool_name} {why}",
+            next_attempt_at=None,
+            finished_at=timezone.now(),
+        )
+        tool_finished(run, step)
+    elif isinstance(decision, decisions.WaitToSettle):
+        if decision.uncount_attempt:
+            # A repeat answered "in progress" did nothing: it does not use up one of max_attempts.
+            step.attempts = max(step.attempts - 1, 0)
+            Step.objects.filter(pk=step.pk).update(attempts=step.attempts)
+        wait_to_settle(run, step, decision.until, decision.why + (f" ({error})" if error else ""))
+    else:
+        assert isinstance(decision, decisions.Retry) and decision.at is not None
+        delay = max((decision.at - timezone.now()).total_seconds(), 0.0)
+        Step.objects.filter(pk=step.pk).update(next_attempt_at=decision.at, error=error)
+        step.next_attempt_at = decision.at
+        record_event(
+            run.pk,
+            "retry_scheduled",
+            f"step {step.seq} {step.tool_name}: {decision.why}" + (f" ({error})" if error else ""),
+            step_seq=step.seq,
+        )
+        continue_run(run, countdown=delay)
+
+
+def mark_unknown(run: Run, step: Step, message: str) -> None:
+    transition_step(
+        step,
+        StepStatus.OUTCOME_UNKNOWN,
+        message=message,
+        error=message,
+        next_attempt_at=None,
+        finished_at=timezone.now(),
+    )
+    transition_run(run, RunStatus.NEEDS_ATTENTION, message="needs attention: " + message)
+
+
+def wait_to_settle(run: Run, step: Step, until: dt.datetime, why: str) -> None:
+    """Park the run as a row (no lease, no message) until `until`; the sweeper wakes it."""
+    Step.objects.filter(pk=step.pk).update(next_attempt_at=until)
+    step.next_attempt_at = until
+    transition_run(
+        run,
+        RunStatus.WAITING_SETTLE,
+        resume_at=until,
+        message=f"waiting until {until.isoformat(timespec='seconds')} to ask about step {step.seq} "
+        f"{step.tool_name}: {why}",
+        event_data={"step_seq": step.seq, "tool": step.tool_name, "until": until.isoformat(), "reason": why},
+    )
+
+
+def deny(run: Run, step: Step, reason: str) -> None:
+    """The gateway refused the call: nothing is sent; the model is told why; the run goes on."""
+    if step.status == StepStatus.APPROVED:
+        void_approval(step, reason=reason)
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied by the platform: {reason}",
+        finished_at=timezone.now(),
+    )
+    tool_finished(run, step)
+
+
+def replay(run: Run, step: Step, prior: Step) -> None:
+    """An identical call already succeeded in this run: answer from the record, call nothing."""
+    note = (
+        f"[platform] This exact call was already made at step {prior.seq}; "
+        f"returning the recorded result without calling the tool again."
+    )
+    transition_step(
+        step,
+        StepStatus.SUCCEEDED,
+        message=f"step {step.seq} {step.tool_name}: replayed from step {prior.seq}",
+        result=prior.result,
+        observation=f"{prior.observation}\n{note}",
+        replayed_from_seq=prior.seq,
+        finished_at=timezone.now(),
+    )
+    tool_finished(run, step)
+
+
+def answered(run: Run, step: Step, *, ok: bool, result: dict | None, text: str) -> None:
+    """A platform tool answered from the run's own rows (a malformed call fails: the model is told)."""
+    transition_step(
+        step,
+        StepStatus.SUCCEEDED if ok else StepStatus.FAILED,
+        result=result if ok else None,
+        error="" if ok else text,
+        observation=text,
+        finished_at=timezone.now(),
+        message=f"step {step.seq} {step.tool_name}: {'answered by the platform' if ok else 'failed: ' + text}",
+    )
+    tool_finished(run, step)
+
+
+def tool_finished(run: Run, step: Step) -> None:
+    """After a tool step's outcome (a denial, a replay, a platform answer, a given-up call, or the
+    provider's answer): stop on a loop, end a cancelled run, else go on to the next step."""
+    recorded(run)
+    if loops.check(run, step):
+        conversation.forget(run.pk)
+        return
+    if run.cancel_requested:
+        end(run, decisions.Cancel())
+        return
+    continue_run(run)
+
+
+def recorded(run: Run) -> None:
+    """A step's outcome is on record: the engine's errors at this step are behind it."""
+    if run.engine_errors:
+        write_run_at_end(run, engine_errors=0)
+
+
+def resume_if_resolved(run: Run, *, actor=None, message: str) -> None:
+    """A run that needed attention goes on once no tool step's outcome is unknown any more."""
+    if (
+        run.status == RunStatus.NEEDS_ATTENTION
+        and not Step.objects.filter(run=run, kind=StepKind.TOOL, status=StepStatus.OUTCOME_UNKNOWN).exists()
+    ):
+        transition_run(run, RunStatus.RUNNING, actor=actor, message=message)
+        continue_run(run)
+
+
+def _release_undispatched(run_id) -> None:
+    """A reservation is linked to its step in the transaction that commits `dispatching`: one
+    without a step paid for a call that was never sent."""
+    for reservation_id in Reservation.objects.filter(
+        run_id=run_id, step__isnull=True, status=Reservation.Status.OPEN
+    ).values_list("pk", flat=True):
+        budgets.release(reservation_id, note="its worker lost the lease before dispatching")
+
+
+def _hold(reservation_ids: list) -> None:
+    for reservation_id in reservation_ids:
+        budgets.hold(reservation_id, note="attempt lost with its worker; it may have been charged")
