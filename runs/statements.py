@@ -113,21 +113,24 @@ def _step_window_sql() -> str:
     )
     return (
         f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s "
-        f"AND (s.status IN ({open_statuses}) OR s.seq >= COALESCE(({last_tool}), 0) OR s.seq = ({last_model})) "
-        "ORDER BY s.seq"
+        f"AND (s.status IN ({open_statuses}) OR s.seq >= COALESCE(({last_tool}), 0) OR s.seq = ({last_model}) "
+        "OR s.seq > %(after)s) ORDER BY s.seq"
     )
 
 
-def step_window(run: Run) -> list[Step]:
+def step_window(run: Run, *, after: int | None = None) -> list[Step]:
     """STEP_WINDOW: what the claim's decision reads of the step log, in order, each attached to `run`.
 
     The steps whose status will still change (runs.models.OPEN), every step since the last tool
     call (the model calls that failed in a row, the reply that ended the run), and the latest
     successful model call (which proposed the open tool calls, with the tools it was offered).
-    Finished steps before those never change what a claim decides; the conversation the model
-    is sent is read apart (runs/engine/conversation.py).
+    Finished steps before those never change what a claim decides. `after`: also every step after
+    that seq (the turns this process has not yet added to the run's conversation:
+    runs/engine/conversation.py), so a model call reads its history's new turns in the same
+    statement; None adds none.
     """
-    steps = [step for (step,) in sql.fetch(_step_window_sql(), {"run": sql.adapt(run.pk)}, Step)]
+    params = {"run": run.pk, "after": 2**31 if after is None else after}
+    steps = [step for (step,) in sql.fetch(_step_window_sql(), params, Step)]
     for step in steps:
         step.run = run
     return steps

@@ -66,7 +66,8 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
         ):
             return None  # superseded: a newer message for this run is on its way
         now = timezone.now()
-        window = statements.step_window(run)
+        upto = conversation.kept_upto(run.pk)
+        window = statements.step_window(run, after=upto)
         log = [view_of_step(s) for s in window]
         inflight = decisions.in_flight(log)
         inflight_step = next((s for s in window if inflight and s.seq == inflight.seq), None)
@@ -88,7 +89,7 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             transition_run(run, RunStatus.RUNNING, started_at=now)
         if inflight_step is not None and inflight_step.next_attempt_at is None:
             writer.count_crash(run, inflight_step)  # found dispatching, nothing scheduled: worker lost
-        plan = _apply(run, decision, window, inflight_step, now)
+        plan = _apply(run, decision, window, inflight_step, now, upto)
         if plan is None:
             return None
         plan.run = run
@@ -160,7 +161,9 @@ def _new_plan(run: Run, kind: str, timeout: float, **fields) -> Plan:
     return Plan(run.pk, uuid.uuid4(), kind, lease_seconds_for(timeout), **fields)
 
 
-def _apply(run: Run, decision, window: list[Step], inflight: Step | None, now: dt.datetime) -> Plan | None:
+def _apply(
+    run: Run, decision, window: list[Step], inflight: Step | None, now: dt.datetime, upto: int | None
+) -> Plan | None:
     """Apply a decision of next_move; a Plan when a call is to be made."""
     match decision:
         case decisions.Cancel() | decisions.Stop() | decisions.FailRun() | decisions.Finish():
@@ -173,15 +176,7 @@ def _apply(run: Run, decision, window: list[Step], inflight: Step | None, now: d
             writer.poison(run, inflight, decision)
         case decisions.RecoverModel():
             assert inflight is not None
-            writer.recovery_event(
-                run,
-                inflight,
-                decisions.Retry(
-                    inflight.seq,
-                    why="lost with its worker: its reservation is held and the call is made again",
-                ),
-                effect="model",
-            )
+            writer.model_lost(run, inflight)
             return _new_plan(run, "recover_model", 5, step_id=inflight.pk)
         case decisions.Retry():
             assert inflight is not None and inflight.tool is not None
@@ -205,11 +200,11 @@ def _apply(run: Run, decision, window: list[Step], inflight: Step | None, now: d
                 return None
             return _open_tool_call(run, step, window)
         case decisions.CallModel():
-            return _plan_model(run, window, decision.seq)
+            return _plan_model(run, window, decision.seq, upto)
     return None
 
 
-def _plan_model(run: Run, window: list[Step], seq: int) -> Plan | None:
+def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Plan | None:
     stop = decisions.model_turn(
         view_of(run),
         [view_of_step(s) for s in window],
@@ -223,7 +218,7 @@ def _plan_model(run: Run, window: list[Step], seq: int) -> Plan | None:
         writer.end(run, stop)
         return None
     offered = offer.offered_tools(run, user=run.created_by)  # the user row this claim read
-    messages, results = conversation.conversation(run)
+    messages, results = conversation.conversation(run, window, upto)
     request = model_gateway.request_for(run, messages, results, offered)
     endpoint = run.version.model_endpoint
     if endpoint.secret_id:

@@ -20,7 +20,7 @@ from llm import context
 from llm import gateway as model_gateway
 from llm.types import Message
 from runs import statements
-from runs.models import Run
+from runs.models import Run, Step
 
 MAX_RUNS = 2_048  # conversations kept per process (a few tens of kB each at 25 steps)
 
@@ -36,16 +36,30 @@ _kept: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()  # the worker runs steps of different runs on several threads
 
 
-def conversation(run: Run) -> tuple[list[Message], dict[int, context.Result]]:
+def kept_upto(run_id) -> int | None:
+    """The last seq this process has in the run's conversation; None if it has none."""
+    with _lock:
+        kept = _kept.get(run_id)
+        return kept.upto if kept is not None else None
+
+
+def conversation(
+    run: Run, window: list[Step], upto: int | None
+) -> tuple[list[Message], dict[int, context.Result]]:
     """The run's messages so far and, per tool message, its step (what the policy shapes).
 
-    In the claim's transaction with the run locked: no other worker adds steps meanwhile.
+    `window`: the claim's step window, read with `after=upto` (kept_upto's answer then), so it
+    holds every step this process has not added yet; without a conversation kept here the
+    history is read whole, once. In the claim's transaction with the run locked: no other worker
+    adds steps meanwhile.
     """
     with _lock:
         kept = _kept.pop(run.pk, None)
-    if kept is None:
+    if kept is None or kept.upto != upto:
         kept = _Conversation(messages=[model_gateway.first_message(run)])
-    steps = statements.steps_after(run, kept.upto)
+        steps = statements.steps_after(run, 0)
+    else:
+        steps = [s for s in window if s.seq > kept.upto]
     model_gateway.append_messages(kept.messages, steps, kept.results)
     if steps:
         kept.upto = steps[-1].seq

@@ -308,7 +308,13 @@ def _recover(
         if step.next_attempt_at > now:
             return WaitForRetry(step.seq, (step.next_attempt_at - now).total_seconds())
         effect = tool.effect if tool else READ_ONLY
-        return Retry(step.seq, lookup_first=effect == RECONCILABLE, why=f"retry due: {_ACTION[effect]}")
+        if tool is not None and step.attempts >= tool.max_attempts:
+            # A lookup that failed counts as an attempt too: a status endpoint that stays down
+            # ends with a person, not in an endless loop of lookups.
+            if effect == READ_ONLY:
+                return GiveUp(step.seq, f"did not answer after {step.attempts} attempts")
+            return AskPerson(step.seq, f"{step.attempts} attempts, outcome still unknown")
+        return Retry(step.seq, lookup_first=effect == RECONCILABLE, why=f"retry due: {ACTION[effect]}")
     # Nobody recorded an outcome and nothing is scheduled: the worker was lost with the call.
     if step.crashes + 1 >= max_crashes:
         return poison_for(step, tool, f"worker died {step.crashes + 1} times during this step")
@@ -341,7 +347,7 @@ def poison_for(step: StepView | None, tool: ToolView | None, error: str, *, engi
 
 # --- the recovery table (DESIGN.md section 5) ----------------------------------------------------
 
-_ACTION = {
+ACTION = {
     READ_ONLY: "retry",
     IDEMPOTENT: "retry with the same key",
     RECONCILABLE: "ask the provider, then retry only if it did not happen",
@@ -398,7 +404,7 @@ def after_unknown(seq: int, a: Attempt, now: dt.datetime) -> Retry | WaitToSettl
         return Retry(
             seq,
             lookup_first=lookup,
-            why=f"found in dispatching after its worker was lost: {_ACTION[a.effect]}",
+            why=f"found in dispatching after its worker was lost: {ACTION[a.effect]}",
         )
     delay = (
         a.retry_after
@@ -413,9 +419,7 @@ def after_unknown(seq: int, a: Attempt, now: dt.datetime) -> Retry | WaitToSettl
             f"outcome unknown; settle window: the provider may make the call visible up to "
             f"{a.settle_seconds:g}s after it ended, and a status lookup or a retry before then proves nothing",
         )
-    return Retry(
-        seq, at=retry_at, lookup_first=lookup, why=f"outcome unknown; {_ACTION[a.effect]} in {delay:.1f}s"
-    )
+    return Retry(seq, at=retry_at, lookup_first=lookup, why=f"retry in {delay:.1f}s")
 
 
 # --- stop rules before a call ----------------------------------------------------------------------

@@ -28,9 +28,10 @@ CALL_ID_MAX = Step._meta.get_field("call_id").max_length
 
 
 def storable(value, depth: int = 0):
-    """`value` with NULs removed from every string and nesting cut at MAX_DEPTH (pure)."""
+    """`value` with every string storable and nesting cut at MAX_DEPTH (pure)."""
     if isinstance(value, str):
-        return value.replace("\x00", "")
+        # NUL and lone surrogates cannot be stored (PostgreSQL, UTF-8): dropped and replaced.
+        return value.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
     if depth >= MAX_DEPTH and isinstance(value, (dict, list)):
         return "[platform: nested too deeply]"
     if isinstance(value, dict):

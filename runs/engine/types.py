@@ -1,4 +1,9 @@
-"""The engine's shared types: the `Plan` a claim hands on and the `ToolOutcome` of a tool call."""
+"""The engine's shared types: the `Plan` a claim hands on and the `ToolOutcome` of a tool call.
+
+The decisions themselves are frozen types of runs/engine/decisions.py; a Plan is what a decision
+to call becomes once the claim has read what the call needs (the request, the tool's row) and
+committed it: it carries the lease and the reservation from the claim to the record.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,21 @@ import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
+from llm.models import ModelEndpoint
+from llm.types import ModelRequest
 from runs.models import Run, Step
 from tools.types import ToolResult
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelPlan:
     """A model call, as the claim built it: the request, its worst-case cost, where it goes."""
 
-    request: dict
+    request: ModelRequest
     estimate: int  # micros reserved for it
-    endpoint: object  # llm.models.ModelEndpoint, with its secret read: the call needs no database
+    endpoint: ModelEndpoint  # with its secret read: the call needs no database
     seq: int
     summary: dict  # the redacted request as stored on the step
 
@@ -62,7 +70,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class ToolOutcome:
-    kind: str  # "succeeded" | "failed" | "unknown"
+    """What a tool call (or a status lookup) came to. "in_progress": the provider has the request
+    and is still on it (a 409 for a key in use), so it is asked again later, never re-sent."""
+
+    kind: Literal["succeeded", "failed", "unknown", "in_progress"]
     result: ToolResult | None = None
     error: str = ""
     retry_after: float | None = None

@@ -114,7 +114,7 @@ def recovery_event(run: Run, step: Step, decision: decisions.Retry, *, effect: s
         "recovery",
         f"step {step.seq} {step.tool_name} {decision.why}",
         step_seq=step.seq,
-        action="lookup" if decision.lookup_first else "retry",
+        action=decisions.ACTION[effect],
         effect_class=effect,
         attempts=step.attempts,
     )
@@ -152,8 +152,9 @@ def after_unknown(run: Run, step: Step, decision, *, error: str = "") -> None:
         record_event(
             run.pk,
             "retry_scheduled",
-            f"step {step.seq} {step.tool_name}: {decision.why}" + (f" ({error})" if error else ""),
+            f"step {step.seq} {step.tool_name}: outcome unknown ({error}); {decision.why}",
             step_seq=step.seq,
+            effect_class=step.tool.effect_class,
         )
         continue_run(run, countdown=delay)
 

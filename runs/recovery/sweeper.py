@@ -150,7 +150,6 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
                 f"no progress for {silent}s ({seen}); sent again (time {times + 1})",
                 action="requeue",
                 found="lost_message",
-                seen="task_died" if died else "message_lost",
             )
             if enqueued_at is None:
                 enqueue(run_id)
