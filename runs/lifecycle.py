@@ -139,13 +139,28 @@ def atomic_with_events():
         return
     _batch.events = pending = []
     _batch.run_writes = run_writes = {}
+    _batch.last = last = []
     try:
         with transaction.atomic():
             yield
-            _batch.events = _batch.run_writes = None
+            for write in last:  # at_end: just before the events, with them still batched
+                write()
+            _batch.events = _batch.run_writes = _batch.last = None
             _flush(pending, run_writes)  # one statement per run, in order
     finally:
-        _batch.events = _batch.run_writes = None
+        _batch.events = _batch.run_writes = _batch.last = None
+
+
+def at_end(write) -> None:
+    """Run `write()` at the end of the current `atomic_with_events` block, just before its events
+    statement and COMMIT (now, outside one). The engine closes a step's reservation so: the
+    budget accounts' rows (a tenant-day shard is shared by every run of the tenant) are then
+    locked for the last two statements of the transaction only."""
+    last = getattr(_batch, "last", None)
+    if last is None:
+        write()
+    else:
+        last.append(write)
 
 
 def transition_run(

@@ -238,9 +238,19 @@ def close_tool_holds(step_id: int, *, happened: bool, price_micros: int) -> None
         )
 
 
-def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None, balances) -> None:
+def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None, balances) -> RunEvent:
     """The step's budget line: the run account as the settle statement left it (`balances`:
     limit, reserved, spent, held, from budgets.settle_reporting)."""
+    event = record_event(run.pk, "budget", step_seq=step.seq)
+    fill_budget_event(event, run, step, reserved=reserved, settled=settled, balances=balances)
+    return event
+
+
+def fill_budget_event(
+    event: RunEvent, run: Run, step: Step, *, reserved: int, settled: int | None, balances
+) -> None:
+    """Write the figures into a budget event recorded earlier in the same transaction (it is
+    inserted at commit, in its place in the timeline, with what the settle reported)."""
     if balances is None:
         balances = (
             BudgetAccount.objects.filter(run_id=run.pk)
@@ -251,16 +261,12 @@ def budget_event(run: Run, step: Step, *, reserved: int, settled: int | None, ba
     account = BudgetAccount(
         limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held
     )
-    record_event(
-        run.pk,
-        "budget",
-        f"step {step.seq}: reserved {reserved}, settled {settled}, "
-        f"run remaining {account.remaining_micros} micros",
-        step_seq=step.seq,
-        reserved=reserved,
-        settled=settled,
-        spent=spent,
-        held=held,
-        remaining=account.remaining_micros,
-        limit=limit,
-    )
+    event.message = f"step {step.seq}: reserved {reserved}, settled {settled}, run remaining {account.remaining_micros} micros"
+    event.data = {
+        "reserved": reserved,
+        "settled": settled,
+        "spent": spent,
+        "held": held,
+        "remaining": account.remaining_micros,
+        "limit": limit,
+    }

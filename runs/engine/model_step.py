@@ -6,6 +6,7 @@ The claim has reserved the call's budget and committed the step as `dispatching`
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from django.db import close_old_connections
 from django.utils import timezone
@@ -16,9 +17,17 @@ from llm import gateway as model_gateway
 from llm.types import ProviderError, ToolCall
 from observability import observe
 from runs.engine import heartbeat, proposals, writer
-from runs.engine.dispatch import budget_event, recorded_before, through_database_outage
+from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
 from runs.engine.types import Plan, fenced
-from runs.lifecycle import atomic_with_events, continue_run, end_run, lock_run, record_event, transition_step
+from runs.lifecycle import (
+    at_end,
+    atomic_with_events,
+    continue_run,
+    end_run,
+    lock_run,
+    record_event,
+    transition_step,
+)
 from runs.models import RunStatus, Step, StepStatus
 from tenants import secrets
 
@@ -97,19 +106,9 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
-        settled, balances = budgets.settle_reporting(plan.reservation_id, actual_micros=cost)
-        reconciled = False
-        if not settled:
-            # Not open any more: a worker that took the run over found this call lost and held its
-            # reservation. This reply carries the provider's own usage for that call, which is
-            # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
-            reconciled = budgets.reconcile(
-                plan.reservation_id,
-                actual_micros=cost,
-                actor=None,
-                note=f"late reply of step {step.seq}: provider-reported usage",
-            )
+        settle = functools.partial(_settle, plan, step, cost)
         if not fenced(run, plan):
+            reconciled = settle()[2]
             if retry and recorded_before(run, step, plan.record_began):
                 return
             record_event(
@@ -151,7 +150,12 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
         )
-        budget_event(run, step, reserved=plan.model.estimate, settled=cost, balances=balances)
+        event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
+        at_end(
+            lambda: fill_budget_event(
+                event, run, step, reserved=plan.model.estimate, settled=cost, balances=settle()[1]
+            )
+        )
         writer.recorded(run)
         proposals.propose(run=run, parent_seq=step.seq, calls=calls)
         if run.cancel_requested:
@@ -160,6 +164,25 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
         else:
             continue_run(run)
+
+
+def _settle(plan: Plan, step: Step, cost: int) -> tuple[bool, object, bool]:
+    """Close the call's reservation at its reported cost: (settled, the run account's balances,
+    whether a hold was reconciled instead). The record calls it as its transaction's last write
+    (runs.lifecycle.at_end), so the budget rows are locked for microseconds."""
+    settled, balances = budgets.settle_reporting(plan.reservation_id, actual_micros=cost)
+    reconciled = False
+    if not settled:
+        # Not open any more: a worker that took the run over found this call lost and held its
+        # reservation. This reply carries the provider's own usage for that call, which is
+        # what a hold waits for, so it clears the hold (once: reconcile moves only a held one).
+        reconciled = budgets.reconcile(
+            plan.reservation_id,
+            actual_micros=cost,
+            actor=None,
+            note=f"late reply of step {step.seq}: provider-reported usage",
+        )
+    return settled, balances, reconciled
 
 
 def recover_model(plan: Plan) -> None:

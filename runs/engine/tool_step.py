@@ -18,14 +18,15 @@ from observability import observe
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.claim import tool_view
 from runs.engine.dispatch import (
-    budget_event,
     close_tool_holds,
+    fill_budget_event,
     mark_after_lookup,
     recorded_before,
     through_database_outage,
 )
 from runs.engine.types import Plan, ToolOutcome, fenced
 from runs.lifecycle import (
+    at_end,
     atomic_with_events,
     lock_run,
     record_event,
@@ -137,8 +138,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
-        balances = _close_reservation(plan, step, outcome)
         if not fenced(run, plan):
+            _close_reservation(plan, step, outcome)
             if retry and recorded_before(run, step, plan.record_began):
                 return
             _late_tool_attempt(run, Step.objects.select_related("tool").get(pk=step.pk), outcome)
@@ -160,11 +161,19 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 f"{' (found by status lookup)' if outcome.reconciled else ''}",
             )
             price = step.tool.price_micros
-            budget_event(run, step, reserved=price, settled=price, balances=balances)
+            event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
+
+            def settle(step=step, price=price, event=event) -> None:
+                balances = _close_reservation(plan, step, outcome)
+                fill_budget_event(event, run, step, reserved=price, settled=price, balances=balances)
+
+            at_end(settle)
             if outcome.reconciled:
                 # The lookup found the lost attempt's effect: its held reservation is that call's charge.
                 _close_holds_on_commit(step, happened=True)
-        elif outcome.kind == "failed":
+        else:
+            at_end(lambda: _close_reservation(plan, step, outcome))
+        if outcome.kind == "failed":
             error = secrets.redact_text(run.tenant_id, outcome.error)
             transition_step(
                 step,
@@ -174,7 +183,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 finished_at=now,
                 message=f"step {step.seq} {step.tool_name} failed: {error}",
             )
-        else:
+        elif outcome.kind != "succeeded":
             _record_unknown(run, step, outcome)
             return
         writer.tool_finished(run, step)  # failed calls count as repeats too

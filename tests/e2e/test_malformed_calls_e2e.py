@@ -81,7 +81,8 @@ def test_a_claim_that_raises_every_time_fails_the_run_and_is_not_sent_again(tena
         # Ended: the sweeper finds nothing to send again, now or an hour from now.
         sweeper.sweep()
         sweeper.sweep(now=timezone.now() + dt.timedelta(hours=1))
-        assert not RunEvent.objects.filter(run=run, kind="recovery").exists()
+        recoveries = [e.data.get("action") for e in RunEvent.objects.filter(run=run, kind="recovery")]
+        assert recoveries == ["fail_run"]  # the failure itself; no re-send
     finally:
         with connection.cursor() as cursor:
             cursor.execute("DROP TRIGGER IF EXISTS refuse_e2e ON runs_step; DROP FUNCTION IF EXISTS refuse_e2e()")
