@@ -137,9 +137,10 @@ def atomic_with_events():
         with transaction.atomic():
             yield
         return
-    _batch.events = pending = []
-    _batch.run_writes = run_writes = {}
-    _batch.last = last = []
+    pending: list[RunEvent] = []
+    run_writes: dict = {}
+    last: list = []
+    _batch.events, _batch.run_writes, _batch.last = pending, run_writes, last
     try:
         with transaction.atomic():
             yield
@@ -459,7 +460,11 @@ def cancel_run(*, run_id, actor, reason: str = "") -> Run:
         Run.objects.filter(pk=run.pk).update(cancel_requested=True)
         run.cancel_requested = True
         record_event(run.pk, "cancel_requested", reason or "cancel requested", actor=actor)
-        leased = run.lease_token is not None and run.lease_expires_at > timezone.now()
+        leased = (
+            run.lease_token is not None
+            and run.lease_expires_at is not None
+            and run.lease_expires_at > timezone.now()
+        )
         if leased:
             return run
         # A tool call sent earlier whose answer never came (or waits out its settle window) may
@@ -509,7 +514,7 @@ def request_approval(run: Run, step: Step, decision) -> None:
     record_event(
         run.pk,
         "approval_requested",
-        f"approval requested for {step.tool.name}: {decision.reason}",
+        f"approval requested for {step.tool_name}: {decision.reason}",
         step_seq=step.seq,
         approval=str(approval.pk),
         expires_at=approval.expires_at.isoformat(),

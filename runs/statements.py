@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from django.db import connection
+from django.db import connection, models
 
 from agentplatform import sql
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
@@ -20,9 +20,16 @@ from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 RUNS = sql.table(Run)
 STEPS = sql.table(Step)
 EVENTS = sql.table(RunEvent)
-_EVENT_FIELDS = [
-    RunEvent._meta.get_field(name) for name in ("at", "kind", "step_seq", "actor", "message", "data")
-]
+
+
+def _field(model, name: str) -> models.Field:
+    field = model._meta.get_field(name)
+    if not isinstance(field, models.Field):
+        raise TypeError(f"{model.__name__}.{name} is a relation's reverse side, not a column")
+    return field
+
+
+_EVENT_FIELDS = [_field(RunEvent, name) for name in ("at", "kind", "step_seq", "actor", "message", "data")]
 _EVENT_CASTS = ("timestamptz", "text", "integer", "bigint", "text", "jsonb")
 
 
@@ -70,9 +77,8 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
                 event.seq = first + i
             sql.insert(events)
         return
-    meta = Run._meta
-    set_fields = [meta.get_field(name) for name in sets]
-    add_fields = [meta.get_field(name) for name in adds]
+    set_fields = [_field(Run, name) for name in sets]
+    add_fields = [_field(Run, name) for name in adds]
     statement = _insert_events_sql(
         len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields)
     )

@@ -29,7 +29,7 @@ from observability import observe
 from runs import statements
 from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
-from runs.engine.types import ModelPlan, Plan, ToolPlan
+from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
 from runs.lifecycle import (
     atomic_with_events,
     continue_run,
@@ -152,8 +152,11 @@ def tool_view(tool: Tool) -> decisions.ToolView:
 
 def _tool_of(step: Step) -> decisions.ToolView:
     # With its server: a retry is sent from this row, and the call itself holds no connection.
-    step.tool = Tool.objects.select_related("server").get(pk=step.tool_id)
-    return tool_view(step.tool)
+    if step.tool_id is None:
+        raise TypeError(f"step {step.seq} has no tool")
+    tool = Tool.objects.select_related("server").get(pk=step.tool_id)
+    step.tool = tool
+    return tool_view(tool)
 
 
 def _new_plan(run: Run, kind: str, timeout: float, **fields) -> Plan:
@@ -260,7 +263,7 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
         writer.replay(run, step, prior)
         return None
     if step.status == StepStatus.PROPOSED:
-        decision = approvals.decision_for(run, step.tool, step.arguments)
+        decision = approvals.decision_for(run, tool_of(step), step.arguments or {})
         if decision.required:
             request_approval(run, step, decision)
             transition_step(
@@ -282,5 +285,5 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
         writer.end(run, stop)
         return None
     return _new_plan(
-        run, "tool", step.tool.timeout_seconds, step_id=step.pk, tool=ToolPlan(step=step, steps=window)
+        run, "tool", tool_of(step).timeout_seconds, step_id=step.pk, tool=ToolPlan(step=step, steps=window)
     )

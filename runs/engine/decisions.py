@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 # The effect classes (tools.models.EffectClass values), spelled here so the table reads alone.
 READ_ONLY, IDEMPOTENT, RECONCILABLE, UNSAFE = "read_only", "idempotent", "reconcilable", "unsafe"
@@ -242,9 +242,12 @@ Decision = (
 )
 
 # The log's statuses, spelled as in runs.models.StepStatus.
-DISPATCHING, OUTCOME_UNKNOWN, AWAITING_APPROVAL = "dispatching", "outcome_unknown", "awaiting_approval"
+DISPATCHING: Final = "dispatching"
+OUTCOME_UNKNOWN: Final = "outcome_unknown"
+AWAITING_APPROVAL: Final = "awaiting_approval"
 READY = ("proposed", "approved", "retried")
-SUCCEEDED, FAILED = "succeeded", "failed"
+SUCCEEDED: Final = "succeeded"
+FAILED: Final = "failed"
 WAITING = ("waiting_approval", "waiting_budget", "waiting_settle", "needs_attention", "paused")
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
 

@@ -18,7 +18,7 @@ from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs.engine import heartbeat, writer
-from runs.engine.types import Plan, fenced
+from runs.engine.types import Plan, fenced, tool_of
 from runs.lifecycle import (
     atomic_with_events,
     end_run,
@@ -75,8 +75,8 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
         )
         counters = {"step_count": 1, "model_call_count": 1}
     else:
-        step = plan.tool.step
-        if not _reserve(run, plan, step, amount=step.tool.price_micros, purpose="tool"):
+        step = plan.tool_call.step
+        if not _reserve(run, plan, step, amount=tool_of(step).price_micros, purpose="tool"):
             return False
         if step.status == StepStatus.APPROVED:
             # The approval is used up in the transaction that commits the call it covers.
@@ -148,8 +148,8 @@ def mark_after_lookup(plan: Plan) -> bool:
             end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
             return False
         plan.run = run
-        plan.tool.step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_id)
-        plan.tool.step.run = run
+        plan.tool_call.step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_pk)
+        plan.tool_call.step.run = run
         if not reserve_and_mark(run, plan, take_lease=False):
             return False
     let_go(plan)

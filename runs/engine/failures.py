@@ -70,7 +70,7 @@ def engine_failed(run_id, exc: BaseException, *, max_crashes: int, token: uuid.U
 def _fail(run: Run, text: str, count: int) -> None:
     step = Step.objects.select_related("tool").filter(run_id=run.pk, status=StepStatus.DISPATCHING).first()
     view = view_of_step(step) if step is not None else None
-    tool = tool_view(step.tool) if step is not None and step.tool_id else None
+    tool = tool_view(step.tool) if step is not None and step.tool is not None else None
     decision = decisions.poison_for(
         view, tool, f"the engine failed {count} times at this step: {text}", engine=True
     )

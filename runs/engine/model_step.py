@@ -33,7 +33,7 @@ from tenants import secrets
 
 
 def do_model(plan: Plan) -> None:
-    model, step = plan.model, plan.step
+    model, step = plan.model_call, plan.dispatched
     try:
         # The endpoint (and its secret) the claim read: the call itself needs no database connection.
         with observe.model_call(
@@ -153,7 +153,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
         event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
         at_end(
             lambda: fill_budget_event(
-                event, run, step, reserved=plan.model.estimate, settled=cost, balances=settle()[1]
+                event, run, step, reserved=plan.model_call.estimate, settled=cost, balances=settle()[1]
             )
         )
         writer.recorded(run)
@@ -187,14 +187,14 @@ def _settle(plan: Plan, step: Step, cost: int) -> tuple[bool, object, bool]:
 
 def recover_model(plan: Plan) -> None:
     for reservation_id in Reservation.objects.filter(
-        step_id=plan.step_id, status=Reservation.Status.OPEN
+        step_id=plan.step_pk, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):
         budgets.hold(reservation_id, note="model call lost with its worker")
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
             return
-        step = Step.objects.get(pk=plan.step_id)
+        step = Step.objects.get(pk=plan.step_pk)
         transition_step(
             step,
             StepStatus.OUTCOME_UNKNOWN,

@@ -41,8 +41,9 @@ def answer(run: Run, step: Step) -> None:
 
 def _read_result(run: Run, step: Step) -> None:
     """One page of a stored tool result of this run (already redacted)."""
-    seq = step.arguments["step"]
-    offset = step.arguments.get("offset", 0)
+    arguments = step.arguments or {}  # checked against the schema: an object with a step
+    seq = arguments["step"]
+    offset = arguments.get("offset", 0)
     found = (
         Step.objects.filter(run_id=run.pk, seq=seq)
         .order_by()
@@ -83,7 +84,7 @@ def _refuse(run: Run, step: Step, why: str) -> None:
 
 def _search_tools(run: Run, step: Step) -> None:
     """Reveal more tools, only from the permitted set."""
-    query = step.arguments["query"]
+    query = (step.arguments or {})["query"]
     tools = permitted_tools(run)
     ranked = relevance.rank(query, {t.name: f"{t.name} {t.description}" for t in tools})
     found = [n for n in ranked if n not in run.revealed_tools][:SEARCH_REVEAL]

@@ -24,7 +24,7 @@ from runs.engine.dispatch import (
     recorded_before,
     through_database_outage,
 )
-from runs.engine.types import Plan, ToolOutcome, fenced
+from runs.engine.types import Plan, ToolOutcome, fenced, tool_of
 from runs.lifecycle import (
     at_end,
     atomic_with_events,
@@ -39,7 +39,7 @@ from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
 
 
 def do_tool(plan: Plan) -> None:
-    step = plan.tool.step
+    step = plan.tool_call.step
     if plan.reconcile_first:
         found = _reconcile(plan, step)
         if found is not None:
@@ -49,11 +49,11 @@ def do_tool(plan: Plan) -> None:
             return
         if not mark_after_lookup(plan):
             return
-    dispatched = plan.step
+    dispatched = plan.dispatched
     try:
         with observe.tool_call(dispatched) as call:
             outcome = _call_tool(dispatched, send_by=plan.send_by)
-            call.ended(outcome.kind, price_micros=dispatched.tool.price_micros, error=outcome.error)
+            call.ended(outcome.kind, price_micros=tool_of(dispatched).price_micros, error=outcome.error)
     finally:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
@@ -73,7 +73,7 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
     elif outcome.kind in ("failed", "in_progress"):
         budgets.release(plan.reservation_id, note="this attempt provably took no effect")
     else:
-        return budgets.settle_reporting(plan.reservation_id, actual_micros=step.tool.price_micros)[1]
+        return budgets.settle_reporting(plan.reservation_id, actual_micros=tool_of(step).price_micros)[1]
     return None
 
 
@@ -147,20 +147,20 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
         if outcome.kind == "succeeded":
-            stored, observation = results.shape_result(run, step, outcome.result)
+            stored, observation = results.shape_result(run, step, outcome.answer)
             transition_step(
                 step,
                 StepStatus.SUCCEEDED,
                 result=stored,
                 observation=observation,
-                cost_micros=step.tool.price_micros,
+                cost_micros=tool_of(step).price_micros,
                 finished_at=now,
                 error="",
                 message=f"step {step.seq} {step.tool_name}: "
-                f"{'error reported by tool' if outcome.result.is_error else 'succeeded'}"
+                f"{'error reported by tool' if outcome.answer.is_error else 'succeeded'}"
                 f"{' (found by status lookup)' if outcome.reconciled else ''}",
             )
-            price = step.tool.price_micros
+            price = tool_of(step).price_micros
             event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
 
             def settle(step=step, price=price, event=event) -> None:
@@ -190,7 +190,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
 
 
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
-    price = step.tool.price_micros
+    price = tool_of(step).price_micros
     transaction.on_commit(
         lambda: close_tool_holds(step.pk, happened=happened, price_micros=price), robust=True
     )
@@ -199,7 +199,7 @@ def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
 def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     """The call's outcome is unknown, or the provider has it "in progress": the recovery table
     (runs.engine.decisions.after_unknown) says what follows; the writer applies it."""
-    tool = step.tool
+    tool = tool_of(step)
     error = secrets.redact_text(run.tenant_id, outcome.error)
     now = timezone.now()
     in_progress = outcome.kind == "in_progress"
@@ -239,7 +239,7 @@ def _late_tool_attempt(run: Run, step: Step, outcome: ToolOutcome) -> None:
         outcome=outcome.kind,
     )
     if outcome.kind == "succeeded" and step.status == StepStatus.OUTCOME_UNKNOWN:
-        stored, observation = results.shape_result(run, step, outcome.result)
+        stored, observation = results.shape_result(run, step, outcome.answer)
         transition_step(
             step,
             StepStatus.RESOLVED_SUCCEEDED,

@@ -16,6 +16,7 @@ from typing import Literal
 from llm.models import ModelEndpoint
 from llm.types import ModelRequest
 from runs.models import Run, Step
+from tools.models import Tool
 from tools.types import ToolResult
 
 
@@ -67,6 +68,44 @@ class Plan:
     def send_by(self) -> float:
         return self.leased_at + self.lease_seconds
 
+    # The parts each kind of plan has for sure, once the claim has committed it.
+    @property
+    def model_call(self) -> ModelPlan:
+        if self.model is None:
+            raise TypeError("not a model call")
+        return self.model
+
+    @property
+    def tool_call(self) -> ToolPlan:
+        if self.tool is None:
+            raise TypeError("not a tool call")
+        return self.tool
+
+    @property
+    def dispatched(self) -> Step:
+        if self.step is None:
+            raise TypeError("nothing committed as dispatching yet")
+        return self.step
+
+    @property
+    def step_pk(self) -> int:
+        if self.step_id is None:
+            raise TypeError("no step yet")
+        return self.step_id
+
+    @property
+    def locked_run(self) -> Run:
+        if self.run is None:
+            raise TypeError("the claim has not attached its run")
+        return self.run
+
+
+def tool_of(step: Step) -> Tool:
+    """A tool step's tool (checked at dispatch: a step without one is denied before it is sent)."""
+    if step.tool is None:
+        raise TypeError(f"step {step.seq} has no tool")
+    return step.tool
+
 
 @dataclass(frozen=True)
 class ToolOutcome:
@@ -79,6 +118,13 @@ class ToolOutcome:
     retry_after: float | None = None
     reconciled: bool = False
     sent: bool = False  # "in_progress": the call itself was answered so (not a lookup)
+
+    @property
+    def answer(self) -> ToolResult:
+        """The provider's result of a succeeded call."""
+        if self.result is None:
+            raise TypeError(f"a {self.kind} outcome has no result")
+        return self.result
 
 
 def fenced(run: Run, plan: Plan) -> bool:

@@ -17,6 +17,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs.engine import conversation, decisions, loops
+from runs.engine.types import tool_of
 from runs.lifecycle import (
     continue_run,
     end_run,
@@ -154,7 +155,7 @@ def after_unknown(run: Run, step: Step, decision, *, error: str = "") -> None:
             "retry_scheduled",
             f"step {step.seq} {step.tool_name}: outcome unknown ({error}); {decision.why}",
             step_seq=step.seq,
-            effect_class=step.tool.effect_class,
+            effect_class=tool_of(step).effect_class,
         )
         continue_run(run, countdown=delay)
 

@@ -24,7 +24,7 @@ def oldest_queued_enqueue() -> dt.datetime | None:
     message of another shape). FIFO order means every run enqueued at or after this moment may
     still have its message in the queue, behind a backlog rather than lost.
     """
-    url = settings.CELERY_BROKER_URL
+    url = settings.CELERY_BROKER_URL or ""
     if not url.startswith(("redis://", "rediss://")):
         return None
     import redis

@@ -33,13 +33,14 @@ def resolve_step(
             .filter(run=run, seq=seq)
             .first()
         )
-        if step is None or step.kind != StepKind.TOOL:
+        if step is None or step.kind != StepKind.TOOL or step.tool is None:
             raise NotFound(f"tool step {seq}")
-        if not can_approve(user, step.tool):
+        tool = step.tool
+        if not can_approve(user, tool):
             raise Forbidden(f"resolving needs approve_tool on {step.tool_name}", code="not_an_approver")
         if step.status != StepStatus.OUTCOME_UNKNOWN:
             raise Conflict(f"step {seq} is {step.status}, not outcome_unknown", code="step_not_unknown")
-        if outcome == "retry" and step.tool.effect_class == EffectClass.UNSAFE and not override:
+        if outcome == "retry" and tool.effect_class == EffectClass.UNSAFE and not override:
             raise DomainError(
                 f"{step.tool_name} is unsafe: retrying may repeat its effect; pass override=true "
                 "to retry anyway",
@@ -49,7 +50,7 @@ def resolve_step(
         now = timezone.now()
         # The call's own duration ends when its outcome became unknown (finished_at); the human
         # decision is kept apart, with its time and reason.
-        resolution = {"resolved_at": now, "resolution": f"{outcome} by {user.username}: {reason}"}
+        resolution: dict = {"resolved_at": now, "resolution": f"{outcome} by {user.username}: {reason}"}
         if outcome == "succeeded":
             text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
             transition_step(
@@ -80,7 +81,7 @@ def resolve_step(
         if outcome != "retry":
             # Its held reservation: charged at the tool's price if it happened, given back if not
             # (a retry leaves it held: the next attempt's outcome decides).
-            step_id, price = step.pk, step.tool.price_micros
+            step_id, price = step.pk, tool.price_micros
             transaction.on_commit(
                 lambda: close_tool_holds(step_id, happened=outcome == "succeeded", price_micros=price),
                 robust=True,

@@ -97,14 +97,14 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     MAX_RESENDS times without moving fails with what was seen, for a supervisor to look at.
     """
     wait = dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
-    resent = RunEvent.objects.filter(
+    resends = RunEvent.objects.filter(
         run=OuterRef("pk"), kind="recovery", data__found="lost_message", at__gt=OuterRef("last_enqueued_at")
     ).values("run")
-    died = RunEvent.objects.filter(
+    deaths = RunEvent.objects.filter(
         run=OuterRef("pk"), kind="engine_error", at__gt=OuterRef("last_enqueued_at")
     )
-    times = Coalesce(Subquery(resent.annotate(n=Count("pk")).values("n")), 0)
-    since = Coalesce(Subquery(resent.annotate(last=Max("at")).values("last")), F("last_enqueued_at"))
+    times = Coalesce(Subquery(resends.annotate(n=Count("pk")).values("n")), 0)
+    since = Coalesce(Subquery(resends.annotate(last=Max("at")).values("last")), F("last_enqueued_at"))
     due_at = ExpressionWrapper(
         since + ExpressionWrapper(Value(wait) * Power(2, times), output_field=DurationField()),
         output_field=DateTimeField(),
@@ -115,7 +115,7 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     runs = list(
         Run.objects.filter(unleased, status__in=[RunStatus.QUEUED, RunStatus.RUNNING])
         .alias(due_at=due_at)
-        .annotate(times=times, died=Exists(died))
+        .annotate(times=times, died=Exists(deaths))
         .filter(Q(due_at__lte=now) | Q(last_enqueued_at__isnull=True))
         .values_list("pk", "last_enqueued_at", "times", "died")[:BATCH]
     )
