@@ -9,7 +9,7 @@ from approvals.policy import PolicyError, parse_policy
 from llm.models import ModelEndpoint
 from tools.models import Tool
 
-# A run's limits: defaults, and the tenant fields that cap them (runs.lifecycle.effective_limits).
+# A run's limits: defaults, and the tenant fields that cap them (runs.services.effective_limits).
 DEFAULT_LIMITS = {
     "max_steps": 50,
     "max_tool_calls": 25,

@@ -33,7 +33,7 @@ from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
 from budgets.models import BudgetAccount
 from runs.admin import conversation
-from runs.lifecycle import decide_approval
+from runs.approval_effects import decide_approval
 from runs.models import Step
 from tools.models import EffectClass
 
@@ -123,7 +123,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             approvals = approvals_for(request.user)
         return approvals.annotate(run_visible=run_visible(request.user, OuterRef("run_id")))
 
-    # Deciding is the only write, and it goes through runs.lifecycle.decide_approval.
+    # Deciding is the only write, and it goes through runs.approval_effects.decide_approval.
     def has_view_permission(self, request, obj=None):
         user = request.user
         if not (user.is_active and user.is_staff):  # e.g. the anonymous user on the login page

@@ -10,7 +10,7 @@ from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tena
 from agentplatform.schema import JsonObjectField, errors
 from approvals import selectors
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import decide_approval
+from runs.approval_effects import decide_approval
 
 
 @extend_schema_serializer(component_name="Approval")

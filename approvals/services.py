@@ -1,7 +1,7 @@
 """Approvals bound to the exact call: request, decide, verify, consume, void, expire.
 
 These functions decide and move approvals; what a decision does to the run and its step (events,
-resuming the run) is written by runs/lifecycle.py, which calls them under the run's lock.
+resuming the run) is written by runs/transitions.py, which calls them under the run's lock.
 """
 
 from __future__ import annotations

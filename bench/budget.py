@@ -81,7 +81,7 @@ def make_runs(count: int, *, daily_budget: int):
 
     from agents.services import create_version
     from llm.models import ModelEndpoint
-    from runs.lifecycle import start_run
+    from runs.services import start_run
     from tenants.models import Tenant, User
 
     slug = f"t{time.monotonic_ns()}"

@@ -21,7 +21,7 @@ Scenarios (one worker process, the pool and DB settings below, for all of them):
                  OpenAI-compatible model answering at once
   engine 200 ms  the same with 200 ms model latency: needs ~100 runs in flight in one worker
 
-Runs are created with runs.lifecycle.start_run while their first message is held back; the
+Runs are created with runs.services.start_run while their first message is held back; the
 clock starts when the 100 messages are published and stops at the last run's finished_at.
 
 Options (environment): BENCH_RUNS (100), BENCH_STEPS (25 -> tool_turns 12), BENCH_POOL
@@ -305,7 +305,7 @@ class HeldMessages:
 
 
 def create_runs(user, agent: str, n: int):
-    from runs.lifecycle import start_run
+    from runs.services import start_run
 
     with HeldMessages() as held:
         started = time.perf_counter()

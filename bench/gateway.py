@@ -337,10 +337,10 @@ def build(rng: random.Random):
     from agentplatform.digests import digest
     from agents.models import Alias
     from agents.services import create_version
+    from agents.spec import DEFAULT_LIMITS
     from budgets.services import create_run_account
     from llm.models import ModelEndpoint
     from runs.engine.proposals import idempotency_key
-    from runs.lifecycle import DEFAULT_LIMITS
     from runs.models import Run, Step, StepKind, StepStatus
     from tenants.models import Tenant, TenantGroup, User
     from tools.models import Tool, ToolServer

@@ -9,7 +9,7 @@ runs of STEPS steps: with 25, 13 model calls to the fake OpenAI-compatible serve
 bench/tool_server.py, alternating model, tool, model, ..., model. Every HTTP call goes to
 127.0.0.1. Scenarios, each in processes of its own, in this order in every round:
 
-  engine-1       this engine: runs.lifecycle.start_run, one Celery worker process
+  engine-1       this engine: runs.services.start_run, one Celery worker process
                  (`-P threads -c 128`, DB_POOL_MAX=20, as bench/engine.py and production run it);
                  the tool is a declared `http` tool (read_only, settle 0) on bench/tool_server.py
   chain          a plain Celery chain making the same HTTP calls, one task per step, the

@@ -23,10 +23,10 @@ from agentplatform.admin_site import (
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
-from runs.lifecycle import cancel_run
 from runs.models import TERMINAL, Run, RunEvent, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
 from runs.selectors import events_of, steps_of
+from runs.services import cancel_run
 from tools.models import EffectClass
 
 

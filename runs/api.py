@@ -8,7 +8,7 @@ from rest_framework.views import APIView
 from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
 from agentplatform.errors import Forbidden
 from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
-from runs import lifecycle, selectors
+from runs import selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
 from tenants.auth import RunStartThrottle
@@ -198,7 +198,7 @@ class RunListApi(APIView):
         key = request.headers.get("Idempotency-Key") or None
         if key is not None and len(key) > 200:
             raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
-        run, created = lifecycle.start_run(user=request.user, idempotency_key=key, **data.validated_data)
+        run, created = services.start_run(user=request.user, idempotency_key=key, **data.validated_data)
         run = selectors.get_run(request.user, run.pk)
         return Response(
             RunOutput(run).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK
@@ -272,7 +272,7 @@ class RunCancelApi(APIView):
             raise Forbidden("only the run's creator or tenant staff may cancel it", code="not_run_owner")
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        lifecycle.cancel_run(run_id=run.pk, actor=request.user, reason=data.validated_data["reason"])
+        services.cancel_run(run_id=run.pk, actor=request.user, reason=data.validated_data["reason"])
         return Response(RunOutput(selectors.get_run(request.user, run_id)).data)
 
 

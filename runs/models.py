@@ -34,7 +34,7 @@ RUN_TRANSITIONS: dict[str, set[str]] = {
     RunStatus.RUNNING: WAITING | TERMINAL,
     RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING} | _END,
     RunStatus.WAITING_BUDGET: {RunStatus.RUNNING, RunStatus.QUEUED} | _END,
-    # A cancel never drops a call in flight: it waits for a person (runs.lifecycle.cancel_run).
+    # A cancel never drops a call in flight: it waits for a person (runs.services.cancel_run).
     RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION} | _END,
     RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING} | _END,
     RunStatus.SUCCEEDED: set(),
@@ -261,7 +261,7 @@ class Step(models.Model):
 class RunEvent(models.Model):
     """Append-only timeline of everything that happened to a run.
 
-    `seq` numbers a run's events 1, 2, 3, ... (runs.lifecycle.write_events): the API shows it as
+    `seq` numbers a run's events 1, 2, 3, ... (runs.transitions.write_events): the API shows it as
     the event's id, so a run's timeline says nothing about other runs' activity.
     """
 

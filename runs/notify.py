@@ -8,7 +8,7 @@ in two short queries through a small pool shared by all streams of the process
 asyncio.Event, so a process keeps thousands open.
 
 A notification is a hint, never the data: streams read rows by `seq > last sent`, and the
-events of one run commit in seq order (runs.lifecycle.write_events numbers them under the run's
+events of one run commit in seq order (runs.transitions.write_events numbers them under the run's
 row lock), so a late, duplicated or lost notification can delay an event, never skip or repeat
 one. Notifications sent while the listener is not connected are lost; every stream re-reads
 when it (re)connects.

@@ -39,7 +39,7 @@ def _insert_events_sql(count: int, sets: tuple[str, ...], adds: tuple[str, ...])
 
     The run's event counter moves and the events are inserted in one statement: the UPDATE
     locks the run row (the engine holds it already), so writers of one run number in turn. The
-    same UPDATE writes what the transaction deferred to its end (runs.lifecycle.write_run_at_end:
+    same UPDATE writes what the transaction deferred to its end (runs.transitions.write_run_at_end:
     the lease, the step counters, the enqueue time), so a step's run row is written once.
     """
     assignments = [f"event_seq = event_seq + {count}"]

@@ -9,7 +9,7 @@ imports of an app's `models`, aside): `runs` (the
 engine and run lifecycle) sits above the gateways, approvals and budgets, which decide and never
 write run state; `configuration` (declarative tenant configuration) imports every app and is
 imported by none. Surfaces (an app's `api` and `admin`: views) may call upward, into the room that
-writes (approvals' decide view calls runs.lifecycle.decide_approval); services may not. Module circles
+writes (approvals' decide view calls runs.approval_effects.decide_approval); services may not. Module circles
 count everywhere. tests/test_architecture.py asserts the check.
 """
 

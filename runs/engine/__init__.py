@@ -33,7 +33,7 @@ The phases live in their own modules:
                                outcomes, late results
 
 This module holds the entry point; `runs/engine/types.py` holds the `Plan` a claim hands on and the
-`ToolOutcome` of a tool call; `runs.lifecycle.continue_run` enqueues the next step;
+`ToolOutcome` of a tool call; `runs.queueing.continue_run` enqueues the next step;
 `runs/statements.py` holds the hand-written SQL of the hot path.
 """
 

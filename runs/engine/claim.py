@@ -27,20 +27,13 @@ from approvals import services as approvals
 from llm import gateway as model_gateway
 from observability import observe
 from runs import statements
+from runs.approval_effects import request_approval
 from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
-from runs.lifecycle import (
-    atomic_with_events,
-    continue_run,
-    lease_seconds_for,
-    lock_run,
-    request_approval,
-    transition_run,
-    transition_step,
-    write_run_at_end,
-)
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.queueing import continue_run, lease_seconds_for
+from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
 from tenants.permissions import may_run_agent
 from tools import checks, offer
 from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool

@@ -19,7 +19,8 @@ from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs.engine import heartbeat, writer
 from runs.engine.types import Plan, fenced, tool_of
-from runs.lifecycle import (
+from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.transitions import (
     atomic_with_events,
     end_run,
     lock_run,
@@ -28,7 +29,6 @@ from runs.lifecycle import (
     transition_step,
     write_run_at_end,
 )
-from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
 
     False: refused by the budget (recorded: the run stops or waits) or by a used-up approval
     (the step is denied); nothing is reserved then. With `take_lease` the lease is taken in the
-    same UPDATE that counts the step and numbers the events (runs.lifecycle.write_run_at_end);
+    same UPDATE that counts the step and numbers the events (runs.transitions.write_run_at_end);
     else the caller holds it.
     """
     now = timezone.now()

@@ -19,8 +19,9 @@ from django.utils import timezone
 from observability import observe
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.claim import tool_view, view_of_step
-from runs.lifecycle import atomic_with_events, continue_run, lock_run, record_event, write_run_at_end
 from runs.models import Run, Step, StepStatus
+from runs.queueing import continue_run
+from runs.transitions import atomic_with_events, lock_run, record_event, write_run_at_end
 
 MAX_ERROR_TEXT = 4_000
 BACKOFF_SECONDS = 2.0

@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass, field
 
 from agents.spec import LoopLimits, spec_for
-from runs.lifecycle import end_run, record_event, write_run_at_end
 from runs.models import Run, RunStatus, Step, StepStatus, StopReason
+from runs.transitions import end_run, record_event, write_run_at_end
 
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
 WARNING = (

@@ -19,16 +19,9 @@ from observability import observe
 from runs.engine import heartbeat, proposals, writer
 from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
 from runs.engine.types import Plan, fenced
-from runs.lifecycle import (
-    at_end,
-    atomic_with_events,
-    continue_run,
-    end_run,
-    lock_run,
-    record_event,
-    transition_step,
-)
 from runs.models import RunStatus, Step, StepStatus
+from runs.queueing import continue_run
+from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
 from tenants import secrets
 
 
@@ -169,7 +162,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
 def _settle(plan: Plan, step: Step, cost: int) -> tuple[bool, object, bool]:
     """Close the call's reservation at its reported cost: (settled, the run account's balances,
     whether a hold was reconciled instead). The record calls it as its transaction's last write
-    (runs.lifecycle.at_end), so the budget rows are locked for microseconds."""
+    (runs.transitions.at_end), so the budget rows are locked for microseconds."""
     settled, balances = budgets.settle_reporting(plan.reservation_id, actual_micros=cost)
     reconciled = False
     if not settled:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from agentplatform import sql
 from agentplatform.digests import digest
-from runs.lifecycle import record_event
 from runs.models import Run, Step, StepKind, StepStatus
+from runs.transitions import record_event
 from tools.models import Tool
 from tools.offer import PLATFORM_TOOLS
 

@@ -25,14 +25,8 @@ from runs.engine.dispatch import (
     through_database_outage,
 )
 from runs.engine.types import Plan, ToolOutcome, fenced, tool_of
-from runs.lifecycle import (
-    at_end,
-    atomic_with_events,
-    lock_run,
-    record_event,
-    transition_step,
-)
 from runs.models import Run, Step, StepStatus
+from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
 from tools import results, transports
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown

@@ -1,7 +1,7 @@
 """The writer: applies the engine's decisions (runs/engine/decisions.py) in the step's transaction.
 
 Every function here runs with the run row locked, inside `atomic_with_events`, and writes through
-the guarded transitions and named statements of runs/lifecycle.py and runs/statements.py: one
+the guarded transitions and named statements of runs/transitions.py and runs/statements.py: one
 conditional UPDATE plus an event per move, the run's own columns and all the events in the one
 statement that ends the transaction. Nothing here decides: what to write comes in as a decision,
 and the statuses it moves to are those tests/runs/test_decisions.py checks against the maps.
@@ -18,8 +18,9 @@ from budgets import services as budgets
 from budgets.models import Reservation
 from runs.engine import conversation, decisions, loops
 from runs.engine.types import tool_of
-from runs.lifecycle import (
-    continue_run,
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.queueing import continue_run
+from runs.transitions import (
     end_run,
     record_event,
     transition_run,
@@ -27,7 +28,6 @@ from runs.lifecycle import (
     void_approval,
     write_run_at_end,
 )
-from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
 
 STOP_REASONS = {reason.value for reason in StopReason}
 

@@ -11,8 +11,8 @@ from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
 from approvals.services import can_approve
 from runs.engine import writer
 from runs.engine.dispatch import close_tool_holds
-from runs.lifecycle import lock_run, record_event, transition_step
 from runs.models import Step, StepKind, StepStatus
+from runs.transitions import lock_run, record_event, transition_step
 from tools.models import EffectClass
 
 OUTCOMES = ("succeeded", "failed", "retry")

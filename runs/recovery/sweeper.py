@@ -28,18 +28,11 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs import admission
-from runs.lifecycle import (
-    atomic_with_events,
-    end_run,
-    enqueue,
-    expire_approvals,
-    lock_run,
-    record_event,
-    resend,
-    transition_run,
-)
+from runs.approval_effects import expire_approvals
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
+from runs.queueing import enqueue, resend
 from runs.recovery import broker
+from runs.transitions import atomic_with_events, end_run, lock_run, record_event, transition_run
 from tenants.models import Tenant
 
 BATCH = 500

@@ -5,8 +5,8 @@ from __future__ import annotations
 from django.contrib.auth.models import Group, Permission
 
 from approvals.models import Approval
-from runs.lifecycle import start_run
 from runs.models import RunStatus
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 

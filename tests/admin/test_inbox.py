@@ -8,7 +8,7 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import decide_approval
+from runs.approval_effects import decide_approval
 from runs.models import Run, RunStatus
 from tests import factories
 from tests.admin.helpers import make_supervisor, park_on_approval

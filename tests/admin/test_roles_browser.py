@@ -17,7 +17,7 @@ from urllib.parse import urljoin, urlsplit
 import pytest
 
 from configuration.apply import apply_config
-from runs.lifecycle import decide_approval
+from runs.approval_effects import decide_approval
 from runs.models import Run, RunStatus
 from tenants.models import User
 from tests.admin.helpers import park_on_approval

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from approvals.models import ApprovalStatus
+from runs.approval_effects import decide_approval
 from runs.engine import advance
-from runs.lifecycle import decide_approval, start_run
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.models import Tenant
 from tests.admin.helpers import make_supervisor, park_on_approval
 from tests.conftest import drive

@@ -6,7 +6,7 @@ import pytest
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs.lifecycle import decide_approval
+from runs.approval_effects import decide_approval
 from tests.admin.helpers import park_on_approval
 from tests.conftest import drive
 

@@ -11,8 +11,8 @@ import pytest
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
-from runs.lifecycle import start_run
 from runs.models import Run
+from runs.services import start_run
 from tests import factories
 
 pytestmark = pytest.mark.django_db

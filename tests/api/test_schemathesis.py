@@ -21,7 +21,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tenants.tokens import issue_token
 from tests import factories
 

@@ -23,9 +23,10 @@ from guardian.shortcuts import assign_perm, remove_perm
 from agentplatform.errors import Conflict
 from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import cancel_run, decide_approval, start_run
+from runs.approval_effects import decide_approval
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus, StopReason
 from runs.recovery.sweeper import sweep
+from runs.services import cancel_run, start_run
 from tenants.models import User
 from tests import factories
 from tests.conftest import drive

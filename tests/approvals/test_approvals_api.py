@@ -14,8 +14,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.models import User
 from tests import factories
 from tests.conftest import drive

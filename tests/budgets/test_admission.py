@@ -11,9 +11,9 @@ from agentplatform.errors import DomainError
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from runs import admission
-from runs.lifecycle import effective_limits, start_run
 from runs.models import Run, Step
 from runs.recovery import sweeper
+from runs.services import effective_limits, start_run
 from tests import factories
 from tests.conftest import drive
 

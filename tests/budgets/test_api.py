@@ -9,8 +9,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
-from runs.lifecycle import start_run
 from runs.models import Run
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import in_threads
 from tests.conftest import drive

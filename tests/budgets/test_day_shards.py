@@ -12,7 +12,7 @@ import pytest
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
 

@@ -18,8 +18,8 @@ from django.utils import timezone
 from budgets.models import BudgetAccount, Reservation
 from runs import engine
 from runs.engine import heartbeat
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, openai_endpoint
 from tests.conftest import drive

@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
 

@@ -6,8 +6,8 @@ import pytest
 
 from budgets.models import Reservation
 from runs.engine.loops import WARNING
-from runs.lifecycle import start_run
 from runs.models import Step
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, openai_endpoint, search_tool
 from tests.conftest import drive

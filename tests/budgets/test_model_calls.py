@@ -15,9 +15,9 @@ from rest_framework.test import APIClient
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
-from runs.lifecycle import start_run
 from runs.models import Run, Step
 from runs.recovery import sweeper
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import anthropic_endpoint, assert_books_balance, openai_endpoint
 from tests.conftest import drive

@@ -8,14 +8,15 @@ import uuid
 import pytest
 from django.utils import timezone
 
+from agents.spec import DEFAULT_LIMITS
 from approvals.models import Approval
 from budgets.models import Reservation
 from llm import gateway
 from llm.models import ModelEndpoint
 from runs.engine import advance
-from runs.lifecycle import DEFAULT_LIMITS, start_run
 from runs.models import Run, Step
 from runs.recovery import sweeper
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, openai_endpoint
 from tests.conftest import drive

@@ -12,13 +12,14 @@ import zoneinfo
 import pytest
 from django.utils import timezone
 
+from agents.spec import DEFAULT_LIMITS
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from llm import gateway
 from runs.engine import advance
-from runs.lifecycle import DEFAULT_LIMITS, start_run
 from runs.models import Run, Step
 from runs.recovery import sweeper
+from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance
 from tests.conftest import drive

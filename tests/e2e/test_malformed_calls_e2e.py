@@ -11,9 +11,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
 from runs.recovery import sweeper
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import FAST_LEASES
 from tests.servers import wait_for
@@ -73,7 +73,9 @@ def test_a_claim_that_raises_every_time_fails_the_run_and_is_not_sent_again(tena
         )
     try:
         workers("w1", env={**FAST_LEASES, "MAX_STEP_CRASHES": "3"})
-        run = wait_for(lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="run end")
+        run = wait_for(
+            lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=60, what="run end"
+        )
         assert run.status == "failed"
         assert "injected claim failure" in run.error
         errors = RunEvent.objects.filter(run=run, kind="engine_error")
@@ -85,4 +87,6 @@ def test_a_claim_that_raises_every_time_fails_the_run_and_is_not_sent_again(tena
         assert recoveries == ["fail_run"]  # the failure itself; no re-send
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("DROP TRIGGER IF EXISTS refuse_e2e ON runs_step; DROP FUNCTION IF EXISTS refuse_e2e()")
+            cursor.execute(
+                "DROP TRIGGER IF EXISTS refuse_e2e ON runs_step; DROP FUNCTION IF EXISTS refuse_e2e()"
+            )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import Run, Step
+from runs.services import start_run
 from tenants.models import Secret
 from tests import factories
 from tests.fakes.model_servers import FakeAnthropic, FakeOpenAI

@@ -11,8 +11,8 @@ from django.contrib.auth.models import Permission
 from guardian.shortcuts import assign_perm, remove_perm
 
 from llm.gateway import build_messages
-from runs.lifecycle import start_run
 from runs.models import RunEvent, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.models import User
 from tests import factories
 from tests.conftest import drive

@@ -8,8 +8,8 @@ import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
 
-from runs.lifecycle import start_run
 from runs.models import RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.crypto import REDACTED
 from tenants.models import Secret
 from tests import factories

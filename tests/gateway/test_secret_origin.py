@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.models import Secret
 from tests import factories
 from tests.conftest import drive

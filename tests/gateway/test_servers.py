@@ -14,8 +14,8 @@ from rest_framework.test import APIClient
 
 from approvals.models import Approval
 from llm.models import ModelEndpoint
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.crypto import REDACTED
 from tenants.models import Secret, User
 from tests import factories

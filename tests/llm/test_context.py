@@ -10,8 +10,8 @@ from agents.spec import validate_spec
 from llm import context
 from llm.context import ContextPolicy, Result
 from llm.types import Message, ToolCall
-from runs.lifecycle import start_run
 from runs.models import Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.fakes.model_servers import FakeOpenAI

@@ -16,8 +16,8 @@ from django.utils import timezone
 
 from notifications.models import Webhook
 from runs.engine import advance
-from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tests import factories
 from tests.admin.helpers import echo_call_agent, park_on_approval
 from tools.models import Tool

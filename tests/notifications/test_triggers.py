@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from notifications.models import Delivery, DeliveryStatus, Event
 from notifications.services import scan, send_due
-from runs.lifecycle import record_event
+from runs.transitions import record_event
 from tests.notifications.conftest import make_webhook, parked_approval, run_needing_attention
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -95,7 +95,7 @@ def test_an_approval_about_to_expire_produces_one_delivery(acme, receiver, setti
 
 
 def test_an_approval_already_decided_gets_no_expiry_notice(acme, receiver):
-    from runs.lifecycle import decide_approval
+    from runs.approval_effects import decide_approval
 
     make_webhook(acme.tenant, receiver.url, [Event.APPROVAL_EXPIRING])
     approval = parked_approval(acme)

@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from budgets.models import Reservation
 from runs.engine import advance, heartbeat
 from runs.engine.claim import claim
-from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.observability.conftest import scrape, value

@@ -14,8 +14,8 @@ import pytest
 import redis
 from django.conf import settings
 
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import (
     EMAIL,

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from llm.models import ModelEndpoint
-from runs.lifecycle import start_run
 from runs.models import Run, Step
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import (
     EMAIL,

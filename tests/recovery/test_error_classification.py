@@ -12,8 +12,8 @@ import pytest
 
 from budgets.models import Reservation
 from llm.gateway import build_messages
-from runs.lifecycle import start_run
 from runs.models import Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.recovery.conftest import EMAIL, REFUND, events, http_bank_tool, single_call_agent

@@ -13,8 +13,8 @@ from budgets.models import BudgetAccount, Reservation
 from runs import engine
 from runs.engine import heartbeat
 from runs.engine.claim import claim
-from runs.lifecycle import start_run
 from runs.models import Run, Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import Step
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import FAST_LEASES, events, single_call_agent, sweep_until, until_status
 

@@ -17,7 +17,7 @@ from django.db import connection
 
 from budgets.models import Reservation
 from runs.engine import advance
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests.conftest import drive
 from tests.recovery.conftest import EMAIL, events, http_bank_tool, single_call_agent
 from tests.servers import database_url, wait_for

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import Run, Step
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import EMAIL, FAST_LEASES, restart_redis, sweep_until
 from tests.servers import wait_for

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import Run, Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.recovery.conftest import EMAIL, client_for, events, http_bank_tool, single_call_agent

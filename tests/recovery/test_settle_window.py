@@ -18,7 +18,7 @@ import redis
 from django.conf import settings
 from django.utils import timezone
 
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests.recovery.conftest import (
     FAST_LEASES,
     events,

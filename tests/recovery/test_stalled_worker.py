@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import (
     EMAIL,

@@ -11,9 +11,9 @@ from budgets import services as budgets
 from budgets.models import Reservation
 from runs import engine
 from runs.engine.claim import claim
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
 from runs.recovery.sweeper import sweep
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import events
 

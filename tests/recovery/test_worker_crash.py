@@ -11,8 +11,8 @@ import time
 import pytest
 
 from budgets.models import Reservation
-from runs.lifecycle import start_run
 from runs.models import Run
+from runs.services import start_run
 from tests import factories
 from tests.recovery.conftest import (
     EMAIL,

@@ -13,8 +13,9 @@ from runs import engine
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model
 from runs.engine.tool_step import do_tool
-from runs.lifecycle import cancel_run, lease_seconds_for, start_run
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
+from runs.queueing import lease_seconds_for
+from runs.services import cancel_run, start_run
 from tests import factories
 from tests.conftest import drive
 from tests.servers import wait_for

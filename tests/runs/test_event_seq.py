@@ -8,8 +8,9 @@ import pytest
 from django.db import connection, transaction
 from rest_framework.test import APIClient
 
-from runs.lifecycle import atomic_with_events, record_event, start_run
 from runs.models import Run, RunEvent
+from runs.services import start_run
+from runs.transitions import atomic_with_events, record_event
 from tests import factories
 from tests.conftest import drive
 

@@ -11,8 +11,8 @@ import pytest
 from django.db import connection
 
 from runs.engine import advance
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent, Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runs.lifecycle import start_run
 from runs.models import TERMINAL, WAITING, RunEvent, Step
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.fakes.model_servers import FakeOpenAI

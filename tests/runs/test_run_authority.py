@@ -8,8 +8,8 @@ from rest_framework.test import APIClient
 
 from budgets.models import Reservation
 from runs.engine import advance
-from runs.lifecycle import start_run
 from runs.models import Run, RunStatus, Step, StopReason
+from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 

@@ -9,8 +9,8 @@ from django.db import connection, transaction
 from rest_framework.test import APIClient
 
 from agentplatform.errors import DomainError
-from runs.lifecycle import start_run
 from runs.models import Run
+from runs.services import start_run
 from tests import factories
 
 pytestmark = pytest.mark.django_db(transaction=True)

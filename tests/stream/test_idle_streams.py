@@ -12,8 +12,8 @@ import httpx
 import pytest
 from django.db import connection
 
-from runs.lifecycle import cancel_run, start_run
 from runs.models import RunEvent
+from runs.services import cancel_run, start_run
 from tenants.tokens import issue_token
 from tests import factories
 from tests.stream.sse import ApiServer

@@ -8,8 +8,9 @@ import pytest
 from django.db import connection
 
 from runs import notify
-from runs.lifecycle import record_event, start_run
 from runs.models import Run
+from runs.services import start_run
+from runs.transitions import record_event
 from tests import factories
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from rest_framework.test import APIClient
 
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tenants.tokens import issue_token
 from tests import factories
 

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from runs.lifecycle import start_run
 from runs.models import Run, RunEvent
+from runs.services import start_run
 from tenants.tokens import issue_token
 from tests import factories
 from tests.conftest import drive

@@ -1,0 +1,120 @@
+"""What an approval's request, decision or expiry does to its run: the step moves, a waiting run
+resumes (approvals/services.py decides and moves the approval itself; it never writes run state)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import transaction
+from django.utils import timezone
+
+from agentplatform.errors import Conflict
+from approvals import services as approvals
+from approvals.models import Approval
+from runs.models import (
+    Run,
+    RunStatus,
+    Step,
+    StepStatus,
+    StopReason,
+)
+from runs.queueing import enqueue
+from runs.transitions import end_run, lock_run, record_event, transition_run, transition_step
+
+
+def request_approval(run: Run, step: Step, decision) -> None:
+    """Park a proposed call for a person's decision: the approval, its event, the step and the run wait."""
+    approval = approvals.request_approval(run=run, step=step, decision=decision)
+    record_event(
+        run.pk,
+        "approval_requested",
+        f"approval requested for {step.tool_name}: {decision.reason}",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+        expires_at=approval.expires_at.isoformat(),
+    )
+
+
+def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Approval:
+    """Approve or deny once; the step moves and a waiting run resumes. Repeating the same decision
+    by the same person returns the approval again. Past its expiry the approval expires instead
+    (that is committed) and the decision is refused."""
+    with transaction.atomic():
+        run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
+        approval = approvals.locked(approval_id)
+        verdict = approvals.decide(approval, user=user, approve=approve, reason=reason)
+        if verdict == approvals.Verdict.DECIDED:
+            _approval_decided(run, approval, user=user, approve=approve, reason=reason)
+        elif verdict == approvals.Verdict.EXPIRED:
+            _approval_expired(run, approval)
+    if verdict == approvals.Verdict.EXPIRED:
+        raise Conflict("approval expired before it was decided", code="approval_expired")
+    return approval
+
+
+def _approval_decided(run: Run, approval: Approval, *, user, approve: bool, reason: str) -> None:
+    step = approval.step
+    verb = "approved" if approve else "denied"
+    record_event(
+        run.pk,
+        f"approval_{verb}",
+        f"{approval.tool.name} {verb} by {user.username}" + (f": {reason}" if reason else ""),
+        step_seq=step.seq,
+        actor=user,
+        approval=str(approval.pk),
+    )
+    if approve:
+        transition_step(step, StepStatus.APPROVED, actor=user)
+    else:
+        transition_step(
+            step,
+            StepStatus.REJECTED,
+            actor=user,
+            finished_at=approval.decided_at,
+            error=reason,
+            observation=f"ERROR: a supervisor denied this call{': ' + reason if reason else ''}. "
+            "Explain this to the user or choose another path.",
+        )
+    if run.status == RunStatus.WAITING_APPROVAL:
+        transition_run(run, RunStatus.RUNNING, actor=user, message=f"resumed: approval {verb}")
+        enqueue(run.pk)
+
+
+def _approval_expired(run: Run, approval: Approval) -> None:
+    step = approval.step
+    record_event(
+        run.pk,
+        "approval_expired",
+        f"approval for {approval.tool.name} expired undecided",
+        step_seq=step.seq,
+        approval=str(approval.pk),
+    )
+    transition_step(
+        step,
+        StepStatus.EXPIRED,
+        finished_at=timezone.now(),
+        observation="ERROR: the approval request expired without a decision; the call was not made.",
+    )
+    if run.status != RunStatus.WAITING_APPROVAL:
+        return
+    if run.version.spec.get("on_approval_expired") == "stop":
+        end_run(
+            run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired"
+        )
+    else:
+        transition_run(run, RunStatus.RUNNING, message="resumed: approval expired, the model is told")
+        enqueue(run.pk)
+
+
+def expire_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> int:
+    """Expire pending approvals whose time is up, each with its run locked; how many expired."""
+    now = now or timezone.now()
+    count = 0
+    for approval_id, run_id in approvals.due_for_expiry(now=now, limit=limit):
+        with transaction.atomic():
+            run = lock_run(run_id)
+            approval = approvals.locked(approval_id)
+            if approvals.expire(approval):
+                _approval_expired(run, approval)
+                count += 1
+    return count

@@ -1,0 +1,209 @@
+"""Starting a run (admission, quotas, idempotency, limits) and cancelling one: the writes the API
+and the admin make on runs (runs/transitions.py does the moves)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from agentplatform.digests import digest
+from agentplatform.errors import Conflict, DomainError, Forbidden
+from agents.selectors import resolve_version
+from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS
+from budgets.services import create_run_account
+from runs import admission
+from runs.models import (
+    TERMINAL,
+    Run,
+    RunStatus,
+    Step,
+    StepKind,
+    StepStatus,
+)
+from runs.queueing import enqueue
+from runs.transitions import (
+    atomic_with_events,
+    end_run,
+    lock_run,
+    record_event,
+    transition_run,
+    transition_step,
+)
+from tenants.permissions import may_run_agent
+
+
+def effective_limits(spec_limits: dict, tenant) -> dict:
+    """The version's limits, filled with defaults and capped by the tenant: never unbounded."""
+    limits = {}
+    for name, default in DEFAULT_LIMITS.items():
+        cap = getattr(tenant, LIMIT_CAPS[name])
+        limits[name] = min(int(spec_limits.get(name, min(default, cap))), cap)
+    return limits
+
+
+def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
+    active = Run.objects.filter(tenant=tenant).exclude(status__in=TERMINAL).count()
+    if active >= tenant.max_active_runs:
+        raise DomainError(
+            f"tenant has {active} active runs (quota {tenant.max_active_runs})",
+            code="active_run_quota_exceeded",
+            status=429,
+            retry_after=30,
+        )
+    recent = Run.objects.filter(created_by=user, created_at__gte=now - dt.timedelta(minutes=1)).count()
+    if recent >= tenant.max_starts_per_minute:
+        raise DomainError(
+            f"{recent} runs started in the last minute (limit {tenant.max_starts_per_minute})",
+            code="start_rate_exceeded",
+            status=429,
+            retry_after=60,
+        )
+
+
+def start_run(
+    *,
+    user,
+    agent: str,
+    alias: str | None = None,
+    version: int | None = None,
+    input,
+    metadata: dict | None = None,
+    idempotency_key: str | None = None,
+    wait: bool = True,
+) -> tuple[Run, bool]:
+    """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
+
+    The run is admitted (queued) only if the tenant's day can carry its expected cost on top of
+    what admitted runs are still expected to spend (runs/admission.py); otherwise it waits in
+    `waiting_budget`, or with wait=False the call answers 429 with Retry-After.
+    """
+    tenant = user.tenant
+    if tenant is None:
+        raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
+    metadata = metadata or {}
+    request_hash = digest(
+        {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
+    )
+    if idempotency_key:
+        existing = Run.objects.filter(tenant=tenant, created_by=user, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise DomainError(
+                    "this Idempotency-Key was used with a different request body",
+                    code="idempotency_key_reused",
+                    status=422,
+                )
+            return existing, False
+    pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
+    if not may_run_agent(user, pinned.agent_id):
+        raise Forbidden(
+            f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
+        )
+    now = timezone.now()
+    limits = effective_limits(pinned.spec.get("limits", {}), tenant)
+    expected = admission.expected_cost(version=pinned, limits=limits, tenant=tenant)
+    try:
+        with atomic_with_events():
+            # Admissions of one tenant queue on its row, so two starts cannot both pass a quota only
+            # one of them fits. NO KEY: inserts that merely reference the tenant are not blocked.
+            type(tenant).objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
+            _check_quotas(tenant=tenant, user=user, now=now)
+            admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
+            if not admitted and not wait:
+                raise DomainError(
+                    f"the tenant's budget for today cannot carry another run now ({expected} micros "
+                    "expected)",
+                    code="tenant_budget_exhausted",
+                    status=429,
+                    retry_after=retry_after,
+                )
+            run = Run.objects.create(
+                tenant=tenant,
+                created_by=user,
+                agent=pinned.agent,
+                version=pinned,
+                input=input,
+                metadata=metadata,
+                limits=limits,
+                idempotency_key=idempotency_key or None,
+                request_hash=request_hash,
+                expected_cost_micros=expected,
+                admitted_at=now if admitted else None,
+                deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None,
+            )
+            create_run_account(run=run, limit_micros=limits["max_cost_micros"])
+            record_event(
+                run.pk,
+                "created",
+                f"run created by {user.username} on {pinned}",
+                actor=user,
+                agent=pinned.agent.name,
+                version=pinned.number,
+                alias=alias or "",
+                limits=limits,
+                expected_cost_micros=expected,
+            )
+            if admitted:
+                enqueue(run.pk)
+            else:
+                # A row, not a task: the sweeper admits it in order of arrival (admission.admit_waiting).
+                transition_run(
+                    run,
+                    RunStatus.WAITING_BUDGET,
+                    message=f"waiting for budget: {expected} micros "
+                    "expected, more than today's budget can carry on top of the runs already admitted",
+                    event_data={"expected_cost_micros": expected, "admission": True},
+                )
+    except IntegrityError:
+        raise Conflict(
+            "a request with this Idempotency-Key is in progress", code="idempotency_key_in_flight"
+        ) from None
+    return run, True
+
+
+def cancel_run(*, run_id, actor, reason: str = "") -> Run:
+    """Cancel now if no worker holds the run; otherwise the holder cancels when it records.
+
+    Either way no model or tool call starts after this commits: dispatch re-checks the flag
+    under the same row lock.
+    """
+    with transaction.atomic():
+        run = lock_run(run_id)
+        if run.status == RunStatus.CANCELLED:
+            return run
+        if run.is_terminal:
+            raise Conflict(f"run is already {run.status}", code="run_finished")
+        Run.objects.filter(pk=run.pk).update(cancel_requested=True)
+        run.cancel_requested = True
+        record_event(run.pk, "cancel_requested", reason or "cancel requested", actor=actor)
+        leased = (
+            run.lease_token is not None
+            and run.lease_expires_at is not None
+            and run.lease_expires_at > timezone.now()
+        )
+        if leased:
+            return run
+        # A tool call sent earlier whose answer never came (or waits out its settle window) may
+        # still take effect: cancelling must not forget it. A person resolves it first; the run
+        # then ends as cancelled at its next claim.
+        inflight = Step.objects.filter(run=run, kind=StepKind.TOOL, status=StepStatus.DISPATCHING).first()
+        if inflight is None:
+            end_run(run, RunStatus.CANCELLED, actor=actor, message="cancelled")
+        else:
+            message = (
+                f"step {inflight.seq} {inflight.tool_name}: outcome unknown and run cancelled; "
+                "resolve it, then the run ends as cancelled"
+            )
+            transition_step(
+                inflight,
+                StepStatus.OUTCOME_UNKNOWN,
+                message=message,
+                error=message,
+                next_attempt_at=None,
+                finished_at=timezone.now(),
+                actor=actor,
+            )
+            transition_run(run, RunStatus.NEEDS_ATTENTION, actor=actor, message="needs attention: " + message)
+    return run

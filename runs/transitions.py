@@ -1,0 +1,288 @@
+"""Writes on runs and steps: guarded transitions, each one conditional UPDATE plus an event, the run
+row locked with what a step reads, and the events batched into one statement at the end of the
+transaction (`atomic_with_events`, `write_run_at_end`, `at_end`); ending a run, and withdrawing
+the approvals it can no longer use. The engine (runs/engine/) and the services write through here."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import uuid
+from contextlib import contextmanager
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from agentplatform import sql
+from agentplatform.errors import IllegalTransition
+from agents.models import AgentVersion
+from approvals import services as approvals
+from llm.models import ModelEndpoint
+from observability import observe
+from runs import statements
+from runs.models import (
+    READY,
+    RUN_TRANSITIONS,
+    STEP_TRANSITIONS,
+    TERMINAL,
+    WAITING,
+    Run,
+    RunEvent,
+    Step,
+    StepStatus,
+)
+from tenants.models import Tenant, User
+
+_batch = threading.local()
+
+
+def record_event(
+    run_id, kind: str, message: str = "", *, step_seq: int | None = None, actor=None, **data
+) -> RunEvent:
+    """Append an event; inside `atomic_with_events` it is inserted with the others at the end."""
+    event = RunEvent(
+        run_id=run_id,
+        kind=kind,
+        message=message,
+        step_seq=step_seq,
+        actor=actor,
+        data=data,
+        at=timezone.now(),
+    )
+    pending = getattr(_batch, "events", None)
+    if pending is None:
+        write_events([event])
+    else:
+        pending.append(event)
+    return event
+
+
+def write_events(events: list[RunEvent]) -> None:
+    """Number the events per run, in order, and INSERT each run's in one statement.
+
+    An event's `seq` is its number within its run (what the API shows as its id). The statement
+    (runs.statements.write_run) moves the run's counter and inserts in one round trip; the
+    counter's UPDATE holds the run row until commit, so writers of one run number in turn (the
+    engine already holds that row anyway).
+    """
+    _flush(events, {})
+
+
+def _flush(events: list[RunEvent], run_writes: dict) -> None:
+    by_run: dict = {run_id: [] for run_id in run_writes}
+    for event in events:
+        by_run.setdefault(event.run_id, []).append(event)
+    for run_id, of_run in by_run.items():
+        sets, adds = run_writes.get(run_id, ({}, {}))
+        statements.write_run(run_id, of_run, sets=sets, adds=adds)
+
+
+def write_run_at_end(run: Run, *, adds: dict | None = None, **values) -> None:
+    """Write columns of a run the caller holds locked: inside `atomic_with_events` in the one
+    statement that writes its events at the end of the transaction, else now.
+
+    For columns nothing in the transaction reads back from the database (the lease, the step
+    counters, the enqueue time); `run` (the instance) is updated at once.
+    """
+    adds = adds or {}
+    for name, value in values.items():
+        setattr(run, name, value)
+    for name, n in adds.items():
+        setattr(run, name, getattr(run, name) + n)
+    write_run_columns_at_end(run.pk, adds, values)
+
+
+def write_run_columns_at_end(run_id, adds: dict, values: dict) -> None:
+    pending = getattr(_batch, "run_writes", None)
+    if pending is None:
+        statements.write_run(run_id, [], sets=values, adds=adds)
+        return
+    sets, added = pending.setdefault(run_id, ({}, {}))
+    sets.update(values)
+    for name, n in adds.items():
+        added[name] = added.get(name, 0) + n
+
+
+@contextmanager
+def atomic_with_events():
+    """A transaction whose events are inserted in one statement, in order, just before it commits
+    (with the run columns deferred to then: write_run_at_end).
+
+    An event written inside is not visible to queries inside (nothing here reads events back).
+    Nested inside another such block, it joins the outer one.
+    """
+    if getattr(_batch, "events", None) is not None:
+        with transaction.atomic():
+            yield
+        return
+    pending: list[RunEvent] = []
+    run_writes: dict = {}
+    last: list = []
+    _batch.events, _batch.run_writes, _batch.last = pending, run_writes, last
+    try:
+        with transaction.atomic():
+            yield
+            for write in last:  # at_end: just before the events, with them still batched
+                write()
+            _batch.events = _batch.run_writes = _batch.last = None
+            _flush(pending, run_writes)  # one statement per run, in order
+    finally:
+        _batch.events = _batch.run_writes = _batch.last = None
+
+
+def at_end(write) -> None:
+    """Run `write()` at the end of the current `atomic_with_events` block, just before its events
+    statement and COMMIT (now, outside one). The engine closes a step's reservation so: the
+    budget accounts' rows (a tenant-day shard is shared by every run of the tenant) are then
+    locked for the last two statements of the transaction only."""
+    last = getattr(_batch, "last", None)
+    if last is None:
+        write()
+    else:
+        last.append(write)
+
+
+def transition_run(
+    run: Run, to: str, *, message: str = "", actor=None, event_data: dict | None = None, **fields
+) -> None:
+    """Move a run from its current status to `to`, or raise. One conditional UPDATE plus an event."""
+    old = run.status
+    if to not in RUN_TRANSITIONS[old]:
+        raise IllegalTransition("run", old, to)
+    now = timezone.now()
+    if to in TERMINAL:
+        fields.setdefault("finished_at", now)
+    if to in TERMINAL or to in WAITING:
+        # Nobody works on a run that waits or has ended: the next claim must not find a lease.
+        fields.update(lease_token=None, lease_expires_at=None)
+    if not update_row(Run, run.pk, where={"status": old}, status=to, **fields):
+        raise IllegalTransition("run", old, to)
+    run.status = to
+    for name, value in fields.items():
+        setattr(run, name, value)
+    record_event(
+        run.pk,
+        "status",
+        message or f"{old} → {to}",
+        actor=actor,
+        **{"from": old, "to": to, **(event_data or {})},
+    )
+    observe.run_moved(run, old, to, reason=fields.get("stop_reason", ""), message=message)
+
+
+def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fields) -> None:
+    old = step.status
+    if to not in STEP_TRANSITIONS.get(old, set()):
+        raise IllegalTransition("step", old, to)
+    if not update_row(Step, step.pk, where={"status": old}, status=to, **fields):
+        raise IllegalTransition("step", old, to)
+    step.status = to
+    for name, value in fields.items():
+        setattr(step, name, value)
+    label = step.tool_name or step.kind
+    record_event(
+        step.run_id,
+        "step",
+        message or f"step {step.seq} {label}: {old} → {to}",
+        step_seq=step.seq,
+        actor=actor,
+        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name},
+    )
+    observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
+
+
+def update_row(model, pk, *, where: dict | None = None, **values) -> int:
+    """One conditional UPDATE by primary key; in SQL written here unless a value is an expression."""
+    if any(hasattr(v, "resolve_expression") for v in values.values()):
+        return model.objects.filter(pk=pk, **(where or {})).update(**values)
+    return sql.update(model, pk, where=where, **values)
+
+
+@functools.cache
+def _lock_run_row_sql() -> str:
+    return f"SELECT {sql.columns(Run, 'r')} FROM {sql.table(Run)} r WHERE r.id = %s {sql.for_update('r')}"
+
+
+@functools.cache
+def _lock_run_sql(for_step: bool) -> str:
+    """LOCK_RUN (built once: the column lists come from the models' metadata)."""
+    joins = (
+        f"JOIN {sql.table(Tenant)} t ON t.id = r.tenant_id "
+        f"JOIN {sql.table(AgentVersion)} v ON v.id = r.version_id "
+    )
+    select = f"{sql.columns(Run, 'r')}, {sql.columns(Tenant, 't')}, {sql.columns(AgentVersion, 'v')}"
+    if for_step:
+        joins += (
+            f"JOIN {sql.table(User)} u ON u.id = r.created_by_id "
+            f"JOIN {sql.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
+        )
+        select += f", {sql.columns(User, 'u')}, {sql.columns(ModelEndpoint, 'e')}"
+    return f"SELECT {select} FROM {sql.table(Run)} r {joins}WHERE r.id = %s {sql.for_update('r')}"
+
+
+def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
+    """The run row locked FOR UPDATE, with its tenant and version (and for a step: the user who
+    started it and the version's model endpoint), read fresh in one statement.
+
+    `like`: the same run as this worker read it earlier in the step (the claim): only the run
+    row is read (fresh, locked); its tenant, version and user are taken from `like`.
+    """
+    try:
+        run_id = uuid.UUID(str(run_id))
+    except ValueError:
+        raise Run.DoesNotExist(f"no run {run_id}") from None
+    if like is not None:
+        found = sql.fetch(_lock_run_row_sql(), [run_id], Run)
+        if not found:
+            raise Run.DoesNotExist(f"no run {run_id}")
+        (run,) = found[0]
+        run.tenant, run.version, run.created_by = like.tenant, like.version, like.created_by
+        return run
+    models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
+    found = sql.fetch(_lock_run_sql(for_step), [run_id], *models)
+    if not found:
+        raise Run.DoesNotExist(f"no run {run_id}")
+    run, tenant, version, *more = found[0]
+    run.tenant, run.version = tenant, version
+    if more:
+        run.created_by, version.model_endpoint = more
+    return run
+
+
+def end_run(
+    run: Run, status: str, *, reason: str = "", error: str = "", actor=None, message: str = "", **fields
+) -> None:
+    """Finish a run: skip steps that will never run and void approvals that can no longer be used.
+
+    `fields`: more columns of the run to write in the same UPDATE (final_output, say)."""
+    fields.update(stop_reason=reason, error=error)
+    transition_run(
+        run, status, actor=actor, message=message, event_data={"reason": reason, "error": error}, **fields
+    )
+    for step in Step.objects.filter(run=run, status__in=READY | {StepStatus.AWAITING_APPROVAL}):
+        transition_step(step, StepStatus.SKIPPED, message=f"step {step.seq} skipped: run {status}")
+    void_open_approvals(run, reason=f"run {status}" + (f" ({reason})" if reason else ""))
+
+
+def bump_counters(run: Run, **counters: int) -> None:
+    Run.objects.filter(pk=run.pk).update(**{name: F(name) + n for name, n in counters.items()})
+    for name, n in counters.items():
+        setattr(run, name, getattr(run, name) + n)
+
+
+def void_approval(step: Step, *, reason: str) -> None:
+    """Withdraw the step's open approval, if any, with an event."""
+    if approvals.void_for_step(step, reason=reason):
+        record_event(
+            step.run_id,
+            "approval_voided",
+            f"approval for step {step.seq} voided: {reason}",
+            step_seq=step.seq,
+            reason=reason,
+        )
+
+
+def void_open_approvals(run: Run, *, reason: str) -> None:
+    for step_id, seq in approvals.open_approval_steps(run):
+        void_approval(Step(pk=step_id, seq=seq, run_id=run.pk), reason=reason)
