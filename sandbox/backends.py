@@ -37,6 +37,7 @@ from sandbox import cgroups, seccomp_filter
 from sandbox.limits import ADVICE, CPU, KINDS, MEMORY, OUTPUT, PROCESSES, TIMEOUT, Limits
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+REPO = os.path.dirname(os.path.dirname(HARNESS))
 SLOT_UID_BASE = 62000
 WEAKEN = frozenset({"network", "seccomp", "pid", "hostfs", "cgroup", "rlimits", "uid"})
 
@@ -203,18 +204,13 @@ class Bubblewrap(Backend):
             # this machine's init does not). When pid 1 exits the kernel kills the rest.
             args += ["--unshare-pid", "--as-pid-1"]
         args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        args += ["--ro-bind", "/usr", "/usr"]
+        for link in ("lib", "lib64", "bin", "sbin"):
+            if os.path.islink(f"/{link}"):
+                args += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
         if "hostfs" in self.weaken:
-            args += ["--ro-bind", "/", "/"]
-        else:
-            args += ["--ro-bind", "/usr", "/usr"]
-            for link in ("lib", "lib64", "bin", "sbin"):
-                if os.path.islink(f"/{link}"):
-                    args += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-            args += (
-                ["--ro-bind", "/etc/alternatives", "/etc/alternatives"]
-                if os.path.isdir("/etc/alternatives")
-                else []
-            )
+            # the contract tests' "what if the host's files were there": /etc and the checkout
+            args += ["--ro-bind", "/etc", "/etc", "--ro-bind", REPO, REPO]
         args += [
             "--ro-bind", self.runtime, "/runtime",
             "--ro-bind", HARNESS, "/runtime-harness.py",

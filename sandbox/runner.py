@@ -213,7 +213,9 @@ def make_handler(runner: Runner):
             if self.path == "/healthz":
                 self._send(200, {"status": "ok", "backend": runner.backend.name, "slots": runner.slots.count})
             elif self.path == "/metrics":
-                self._send(200, {"executions": dict(runner.executions)})
+                with runner.lock:
+                    running = len(runner.running)
+                self._send(200, {"executions": dict(runner.executions), "running": running})
             else:
                 self._send(404, {"error": "not found"})
 

@@ -32,6 +32,7 @@ PACKAGES = [
     "tools",
     "approvals",
     "runs",
+    "artifacts",
     "notifications",
     "configuration",
 ]

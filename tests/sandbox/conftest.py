@@ -8,20 +8,12 @@ each test can fail, and is never set by `make test`.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 
 from sandbox.backends import Bubblewrap, Execution
 from sandbox.limits import Limits
-
-ROOT = Path(__file__).resolve().parents[2]
-RUNTIME = ROOT / "var" / "sandbox-runtime"
+from tests.sandbox_runner import RUNTIME, Runner
 
 
 def weakened() -> frozenset[str]:
@@ -58,38 +50,15 @@ def run(backend):
     return run
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def runner_url(tmp_path):
-    """A runner process (python -m sandbox.runner) with 4 slots, 2 per tenant."""
-    port = free_port()
+def runner_url():
+    """A runner process (python -m sandbox.runner) with 4 slots, 2 per tenant, started from an
+    environment that holds a database URL and a secret key (which it must drop)."""
     env = dict(
         os.environ,
         DATABASE_URL=os.environ.get("DATABASE_URL", "postgres://canary"),
         SECRET_KEY="canary-secret",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sandbox.runner", "--port", str(port), "--slots", "4", "--tenant-share", "0.5",
-         "--runtime", str(RUNTIME)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the runner did not start: {proc.stdout.read().decode()}")
-        time.sleep(0.05)
-    yield url, proc.pid
-    proc.terminate()
-    proc.wait(10)
+    runner = Runner(slots=4, share=0.5, env=env).start()
+    yield runner.url, runner.proc.pid
+    runner.stop()
