@@ -244,6 +244,21 @@ class Bubblewrap(Backend):
         args += [self.python, "-I", "-S", "-B", "/runtime-harness.py", *map(str, numbers)]
         return args
 
+    def _launcher(self, work: str, limits: Limits, uid: int, group, seccomp_fd, report_fd: int) -> list[str]:
+        """sh joins the cgroup and execs setpriv, which drops to the slot's uid and execs bwrap:
+        every process of the sandbox is in the cgroup from its first instruction."""
+        launcher = [
+            "/bin/sh", "-c",
+            'for f in $1; do echo $$ > "$f" || exit 125; done; shift; exec "$@"',
+            "sh", " ".join(group.procs_files()),
+        ]  # fmt: skip
+        if uid:
+            launcher += [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        return launcher + self._bwrap_args(work, limits, seccomp_fd, report_fd)
+
+    def _late_report(self, work: str) -> str | None:
+        return None
+
     def execute(self, execution: Execution, *, slot: int) -> Outcome:
         limits = execution.limits
         uid = 0 if "uid" in self.weaken else SLOT_UID_BASE + slot
@@ -262,14 +277,7 @@ class Bubblewrap(Backend):
                 os.write(seccomp_fd, seccomp_filter.compiled(allow_inet="network" in self.weaken))
                 os.lseek(seccomp_fd, 0, os.SEEK_SET)
             report_r, report_w = os.pipe()
-            launcher = [
-                "/bin/sh", "-c",
-                'for f in $1; do echo $$ > "$f" || exit 125; done; shift; exec "$@"',
-                "sh", " ".join(group.procs_files()),
-            ]  # fmt: skip
-            if uid:
-                launcher += [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-            launcher += self._bwrap_args(work, limits, seccomp_fd, report_w)
+            launcher = self._launcher(work, limits, uid, group, seccomp_fd, report_w)
             fds = [report_w] + ([seccomp_fd] if seccomp_fd is not None else [])
             proc = subprocess.Popen(
                 launcher,
@@ -286,6 +294,8 @@ class Bubblewrap(Backend):
                 os.close(seccomp_fd)
                 seccomp_fd = None
             outcome = self._watch(proc, execution, group, report_r, started)
+            if not outcome.limit:
+                outcome.limit = self._late_report(work)
         finally:
             for fd in (seccomp_fd, report_r, report_w):
                 if fd is not None:

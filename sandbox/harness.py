@@ -55,7 +55,8 @@ def main():
     )
     for which, value in rlimits:
         resource.setrlimit(which, (value, value))
-    os.set_inheritable(report_fd, False)
+    if report_fd >= 0:
+        os.set_inheritable(report_fd, False)
     kind = None
     status = 0
     try:
@@ -76,7 +77,11 @@ def main():
     except BaseException as exc:
         kind = kind or _limit_of(exc)
     try:
-        os.write(report_fd, (kind or "").encode())
+        if report_fd < 0:  # gVisor passes no extra descriptor: a file in the report directory
+            with open("/report/kind", "w") as f:
+                f.write(kind or "")
+        else:
+            os.write(report_fd, (kind or "").encode())
     except BaseException:
         pass
     os._exit(status & 0xFF)

@@ -97,3 +97,11 @@ class FileToolServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def make_data():
+    """The example bank's exports (examples/bank_server.py): 30,000 card transactions and the
+    ledger as CSV, the true counts of duplicates, missing entries and mismatches, the missing ids."""
+    from examples.bank_server import reconciliation_exports  # the MCP SDK it imports takes seconds
+
+    return reconciliation_exports()

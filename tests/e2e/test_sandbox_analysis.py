@@ -5,7 +5,6 @@ answer matches what this test computes itself. Real workers, a real runner proce
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -13,7 +12,7 @@ from artifacts.models import Artifact
 from runs.models import Run, Step
 from tests import factories
 from tests.recovery.conftest import FAST_LEASES, sweep_until
-from tests.sandbox_runner import FileToolServer, Runner
+from tests.sandbox_runner import FileToolServer, Runner, make_data
 from tests.servers import wait_for
 from tools.models import Tool, ToolServer
 
@@ -34,26 +33,6 @@ mismatched.to_csv('/out/mismatches.csv', index=False)
 print(json.dumps({{"duplicates": duplicates, "missing": len(missing), "mismatches": len(mismatched),
                    "missing_ids": missing[:5]}}))
 """
-
-
-def make_data(n: int = 30_000, seed: int = 7):
-    """Card transactions and a ledger with known flaws; returns both CSVs and the true counts."""
-    rng = random.Random(seed)
-    rows = [(f"T{i:06d}", rng.randint(100, 500_000)) for i in range(n)]
-    ledger = dict(rows)
-    missing = set(rng.sample([t for t, _ in rows], 40))
-    for t in missing:
-        del ledger[t]
-    mismatched = set(rng.sample([t for t in ledger], 55))
-    for t in mismatched:
-        ledger[t] += rng.choice([-100, 1, 250])
-    duplicates = rng.sample(rows, 25)
-    card = rows + duplicates
-    rng.shuffle(card)
-    card_csv = "txn_id,amount\n" + "".join(f"{t},{a}\n" for t, a in card)
-    ledger_csv = "txn_id,amount\n" + "".join(f"{t},{a}\n" for t, a in ledger.items())
-    truth = {"duplicates": 25, "missing": len(missing), "mismatches": len(mismatched)}
-    return card_csv.encode(), ledger_csv.encode(), truth, sorted(missing)
 
 
 @pytest.fixture

@@ -89,8 +89,10 @@ def test_too_much_in_out_is_stopped_as_output(run):
 
 
 def test_exhausting_file_descriptors_is_stopped_as_open_files(run):
-    outcome = run("fs = []\nwhile True:\n    fs.append(open('/dev/null'))", open_files=64)
+    code = "fs = []\ntry:\n    while True:\n        fs.append(open('/dev/null'))\nexcept OSError:\n    print(len(fs))\n    raise"
+    outcome = run(code, open_files=64)
     assert outcome.limit == OPEN_FILES, (outcome.exit_code, outcome.stderr[-500:])
+    assert int(outcome.stdout) < 64
 
 
 def test_every_limit_has_advice_the_model_can_act_on():

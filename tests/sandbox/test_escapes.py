@@ -223,7 +223,12 @@ print("done")
     outcome = run(code)
     assert outcome.exit_code == 0, outcome.stderr
     assert outcome.files == {"result.csv": b"ok\n"}
-    assert sorted(outcome.skipped) == ["dir", "link-to-etc", "link-to-host", "pipe"]
+    # (gVisor keeps a fifo inside its own kernel: it never reaches the host's /out to be skipped)
+    assert (
+        {"dir", "link-to-etc", "link-to-host"}
+        <= set(outcome.skipped)
+        <= {"dir", "link-to-etc", "link-to-host", "pipe"}
+    )
 
 
 # -- processes -------------------------------------------------------------------------------
