@@ -82,6 +82,16 @@ def starts(backend, n: int) -> list[float]:
     return out
 
 
+def bare_starts(n: int) -> list[float]:
+    """The same interpreter start outside any sandbox: what the machine's load leaves of it."""
+    out = []
+    for _ in range(n):
+        began = time.perf_counter()
+        subprocess.run(["/usr/bin/python3", "-I", "-S", "-B", "-c", "pass"], env={}, check=True)
+        out.append(time.perf_counter() - began)
+    return out
+
+
 def inside(backend, code: str, files: dict, rounds: int) -> tuple[float, str]:
     execution = Execution(code=code.format(d="/in"), inputs=files, limits=Limits())
     times, answer = [], ""
@@ -131,6 +141,10 @@ def main() -> None:
     tmp = Path(f"/tmp/sandbox-bench-{os.getpid()}")
     tmp.mkdir(exist_ok=True)
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    bare = bare_starts(args.starts)
+    print(
+        f"bare python -I -S -c pass, no sandbox: p50 {pct(bare, 0.5) * 1000:.1f} ms, p95 {pct(bare, 0.95) * 1000:.1f} ms"
+    )
     for name in args.backends.split(","):
         if name == "gvisor":
             from sandbox.gvisor import Gvisor

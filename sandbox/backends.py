@@ -259,6 +259,10 @@ class Bubblewrap(Backend):
     def _late_report(self, work: str) -> str | None:
         return None
 
+    def _host_processes(self, limits: Limits) -> int:
+        """The pids cgroup's limit: under bubblewrap every process of the code is a host process."""
+        return limits.processes
+
     def execute(self, execution: Execution, *, slot: int) -> Outcome:
         limits = execution.limits
         uid = 0 if "uid" in self.weaken else SLOT_UID_BASE + slot
@@ -271,7 +275,9 @@ class Bubblewrap(Backend):
             if "cgroup" in self.weaken:
                 group.create(memory_bytes=1 << 40, processes=1 << 20, cores=os.cpu_count() or 1)
             else:
-                group.create(memory_bytes=limits.memory_bytes, processes=limits.processes, cores=limits.cores)
+                group.create(
+                    memory_bytes=limits.memory_bytes, processes=self._host_processes(limits), cores=limits.cores
+                )
             if "seccomp" not in self.weaken:
                 seccomp_fd = os.memfd_create("seccomp", 0)
                 os.write(seccomp_fd, seccomp_filter.compiled(allow_inet="network" in self.weaken))

@@ -160,6 +160,11 @@ class Gvisor(Bubblewrap):
             "run", "--bundle", bundle, self._container,
         ]  # fmt: skip
 
+    def _host_processes(self, limits: Limits) -> int:
+        # The sentry's and gofer's own threads count too (about a hundred with the ptrace
+        # platform), besides one stub process per process of the code.
+        return limits.processes + 192
+
     def _late_report(self, work: str) -> str | None:
         subprocess.run(
             [self.runsc, "--root", self.state, "delete", "--force", self._container],

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The sandbox runner's needs (docs/sandbox.md): bubblewrap and setpriv, the interpreter the
+# The sandbox runner's needs (docs/sandbox.md): bubblewrap and setpriv (and runsc for the gVisor
+# backend where the distribution has it), the interpreter the
 # sandboxes run (/usr/bin/python3), and the read-only runtime of pinned wheels for it under
 # var/sandbox-runtime. Idempotent: rebuilds the runtime only when its requirements changed.
 set -euo pipefail
@@ -12,6 +13,11 @@ command -v setpriv >/dev/null || need+=(util-linux)
 test -x /usr/bin/python3 || need+=(python3)
 if ((${#need[@]})); then
   (apt-get install -y -q "${need[@]}" >/dev/null 2>&1) || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
+fi
+# gVisor, the second backend (tests/sandbox runs the contract under it too), where Debian has it;
+# without it the bubblewrap backend is all there is, which is no error.
+if ! command -v runsc >/dev/null && apt-cache show runsc >/dev/null 2>&1; then
+  apt-get install -y -q runsc >/dev/null 2>&1 || echo "runsc did not install: the gVisor backend is unavailable" >&2
 fi
 stamp="$RUNTIME/.requirements"
 if [ -f "$stamp" ] && cmp -s sandbox/runtime-requirements.txt "$stamp"; then

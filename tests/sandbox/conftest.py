@@ -1,5 +1,6 @@
 """Fixtures for the sandbox contract suite: a backend per test session, and a runner process.
 
+Every test runs once per backend: bubblewrap, and gVisor where runsc is installed.
 SANDBOX_CONTRACT_WEAKEN=network,seccomp (names from sandbox.backends.WEAKEN) builds the backend
 with those walls off: run that way, the tests of those walls must fail. It exists to show that
 each test can fail, and is never set by `make test`.
@@ -8,6 +9,7 @@ each test can fail, and is never set by `make test`.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -21,8 +23,10 @@ def weakened() -> frozenset[str]:
 
 
 def _backends():
+    """bubblewrap always; gVisor where runsc is installed (scripts/ensure_sandbox.sh tries to),
+    unless SANDBOX_CONTRACT_GVISOR=0."""
     yield "bubblewrap"
-    if os.environ.get("SANDBOX_CONTRACT_GVISOR") == "1":
+    if shutil.which("runsc") and os.environ.get("SANDBOX_CONTRACT_GVISOR") != "0" and not weakened():
         yield "gvisor"
 
 
