@@ -151,6 +151,7 @@ def _result(step: Step, answer: dict) -> ToolResult:
         text=json.dumps(summary, ensure_ascii=False),
         structured=summary,
         is_error=answer.get("exit_code") != 0,
+        cost_micros=summary["cost_micros"],
     )
 
 
