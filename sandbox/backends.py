@@ -276,7 +276,9 @@ class Bubblewrap(Backend):
                 group.create(memory_bytes=1 << 40, processes=1 << 20, cores=os.cpu_count() or 1)
             else:
                 group.create(
-                    memory_bytes=limits.memory_bytes, processes=self._host_processes(limits), cores=limits.cores
+                    memory_bytes=limits.memory_bytes,
+                    processes=self._host_processes(limits),
+                    cores=limits.cores,
                 )
             if "seccomp" not in self.weaken:
                 seccomp_fd = os.memfd_create("seccomp", 0)

@@ -256,7 +256,8 @@ def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, b
     call_command("refresh_tools", tenant="globex", stdout=out)
 
     assert (
-        out.getvalue() == "globex/platform: added 5 (clock, echo, noop, run_python, sleep); quarantined 0; unchanged 0; "
+        out.getvalue()
+        == "globex/platform: added 5 (clock, echo, noop, run_python, sleep); quarantined 0; unchanged 0; "
         "missing 0\n"
     )
     assert Tool.objects.filter(server=fresh, enabled=False).count() == 5
