@@ -1,18 +1,24 @@
 """Artifacts in the API: list and upload a run's files, read one's description, download it.
 
-Uploads are the raw body (Content-Type: the media type, ?name=the file name), read up to the
-tenant's limit per artifact and refused past it before anything is stored.
+Uploads are JSON like every request body (name, media type, base64 content), so they are bounded
+by API_MAX_BODY_BYTES first and by the tenant's limits (artifacts/services.py) before anything is
+stored.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from django.http import HttpResponse
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import require_tenant
+from agentplatform.schema import errors
 from artifacts import selectors, services
 from artifacts.models import Artifact
 from runs.selectors import get_run, runs_for
@@ -41,41 +47,48 @@ class ArtifactOutput(serializers.ModelSerializer):
         return f"/v1/artifacts/{artifact.pk}/content"
 
 
+class UploadRequest(serializers.Serializer):
+    name = serializers.CharField(max_length=200, help_text="the file name, no path")
+    media_type = serializers.ChoiceField(choices=sorted(services.UPLOAD_TYPES))
+    content_b64 = serializers.CharField(help_text="the file, base64-encoded", trim_whitespace=False)
+
+
 class ArtifactListApi(APIView):
-    @extend_schema(responses=ArtifactOutput(many=True), operation_id="run_artifacts")
+    @extend_schema(
+        operation_id="list_run_artifacts",
+        summary="List a run's artifacts",
+        responses=ArtifactOutput(many=True),
+    )
     def get(self, request, run_id):
+        """The files of a run: uploaded with it, returned by its tools, produced by run_python."""
         require_tenant(request.user)
         rows = selectors.artifacts_of(get_run(request.user, run_id)).select_related("step")
         return Response(ArtifactOutput(rows, many=True).data)
 
     @extend_schema(
-        operation_id="run_artifact_upload",
-        request={"text/csv": bytes, "application/json": bytes, "text/plain": bytes},
-        parameters=[OpenApiParameter("name", str, required=True, description="the file name")],
-        responses={201: ArtifactOutput},
+        operation_id="upload_run_artifact",
+        summary="Upload a file to a run",
+        request=UploadRequest,
+        responses={
+            201: ArtifactOutput,
+            **errors({413: "The file is over the tenant's limit per artifact or per run"}),
+        },
     )
     def post(self, request, run_id):
+        """Store a file (CSV, JSON, text or Parquet) with a run, for its tools and run_python to read.
+        Storing the same file again answers the artifact already stored."""
         require_tenant(request.user)
         run = get_run(request.user, run_id)
-        media_type = services.media_type_of(request.content_type)
-        if media_type is None:
-            raise services.ArtifactRefused(
-                f"Content-Type must be one of {', '.join(services.UPLOAD_TYPES)}",
-                field="content_type",
-                status=415,
-            )
-        limit = services.limits_for(run.tenant).max_artifact_bytes
-        content = request._request.read(limit + 1)
-        if len(content) > limit:
-            raise services.ArtifactRefused(
-                f"the file is larger than this tenant's limit per artifact ({limit} bytes)",
-                field="file",
-                status=413,
-            )
+        data = UploadRequest(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            content = base64.b64decode(data.validated_data["content_b64"], validate=True)
+        except binascii.Error:
+            raise services.ArtifactRefused("content_b64 is not valid base64", field="content_b64") from None
         artifact = services.store(
             run=run,
-            name=request.query_params.get("name", ""),
-            media_type=media_type,
+            name=data.validated_data["name"],
+            media_type=data.validated_data["media_type"],
             content=content,
             source=Artifact.Source.UPLOAD,
         )
@@ -83,15 +96,23 @@ class ArtifactListApi(APIView):
 
 
 class ArtifactDetailApi(APIView):
-    @extend_schema(responses=ArtifactOutput, operation_id="artifact")
+    @extend_schema(
+        operation_id="get_artifact", summary="Get an artifact's description", responses=ArtifactOutput
+    )
     def get(self, request, artifact_id):
+        """One artifact: its run, producing step, type, size and sha256 (not its content)."""
         require_tenant(request.user)
         return Response(ArtifactOutput(selectors.get_artifact(runs_for(request.user), artifact_id)).data)
 
 
 class ArtifactContentApi(APIView):
-    @extend_schema(responses={200: bytes}, operation_id="artifact_content")
+    @extend_schema(
+        operation_id="download_artifact",
+        summary="Download an artifact",
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY},
+    )
     def get(self, request, artifact_id):
+        """The artifact's bytes, with its media type and file name."""
         require_tenant(request.user)
         artifact = selectors.get_artifact(runs_for(request.user), artifact_id, with_content=True)
         response = HttpResponse(bytes(artifact.content), content_type=artifact.media_type)

@@ -3,6 +3,7 @@ whoever may read the run; an oversized or untyped upload is refused and nothing 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 
 import pytest
@@ -31,10 +32,9 @@ def run(tenant, asha, builtins):
     return run
 
 
-def upload(user, run, content=CSV, *, name="t.csv", content_type="text/csv"):
-    return client_for(user).generic(
-        "POST", f"/v1/runs/{run.pk}/artifacts?name={name}", content, content_type=content_type
-    )
+def upload(user, run, content=CSV, *, name="t.csv", media_type="text/csv"):
+    body = {"name": name, "media_type": media_type, "content_b64": base64.b64encode(content).decode()}
+    return client_for(user).post(f"/v1/runs/{run.pk}/artifacts", body, format="json")
 
 
 def test_it_stores_an_upload_once_lists_and_downloads_it(asha, run):
@@ -60,6 +60,12 @@ def test_it_refuses_an_oversized_upload_with_a_field_error_and_stores_nothing(te
     response = upload(asha, run, b"x," * 1000)
     assert response.status_code == 413
     assert "file" in response.json()["error"]["fields"]
+    not_base64 = client_for(asha).post(
+        f"/v1/runs/{run.pk}/artifacts",
+        {"name": "a.csv", "media_type": "text/csv", "content_b64": "%%%"},
+        format="json",
+    )
+    assert not_base64.status_code == 400 and "content_b64" in not_base64.json()["error"]["fields"]
     assert not Artifact.objects.filter(run=run).exists()
     for i in range(4):
         upload(asha, run, CSV + str(i).encode() * 900, name=f"f{i}.csv")
@@ -68,8 +74,8 @@ def test_it_refuses_an_oversized_upload_with_a_field_error_and_stores_nothing(te
 
 
 def test_it_refuses_untyped_uploads_and_bad_names(asha, run):
-    response = upload(asha, run, b"\x7fELF", content_type="application/octet-stream")
-    assert response.status_code == 415 and "content_type" in response.json()["error"]["fields"]
+    response = upload(asha, run, b"\x7fELF", media_type="application/octet-stream")
+    assert response.status_code == 400 and "media_type" in response.json()["error"]["fields"]
     response = upload(asha, run, name="../etc/passwd")
     assert response.status_code == 400 and "name" in response.json()["error"]["fields"]
     assert not Artifact.objects.filter(run=run).exists()
