@@ -118,6 +118,15 @@ def _umount(path: str) -> None:
 def _prepare_work_dir(root: str, execution: Execution, uid: int) -> str:
     os.makedirs(root, mode=0o711, exist_ok=True)
     work = tempfile.mkdtemp(prefix="x-", dir=root)
+    try:
+        return _fill_work_dir(work, execution, uid)
+    except BaseException:
+        _umount(os.path.join(work, "out"))
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _fill_work_dir(work: str, execution: Execution, uid: int) -> str:
     os.chmod(work, 0o711)
     inputs = os.path.join(work, "in")
     os.mkdir(inputs, 0o755)

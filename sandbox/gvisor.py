@@ -17,13 +17,18 @@ import os
 import shutil
 import socket
 import subprocess
-import uuid
 
 from sandbox import seccomp_filter
 from sandbox.backends import HARNESS, BackendUnavailable, Bubblewrap
 from sandbox.limits import Limits
 
 MOUNT_POINTS = ("usr", "runtime", "in", "out", "tmp", "proc", "dev", "report")
+
+
+def _container(work: str) -> str:
+    """The container's name, from its execution's own work directory: executions run at once
+    under one backend, so nothing per execution may live on the backend object."""
+    return "sbx" + "".join(c for c in os.path.basename(work) if c.isalnum())
 
 
 def oci_seccomp() -> dict:
@@ -151,13 +156,12 @@ class Gvisor(Bubblewrap):
         }
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(config, f)
-        self._container = f"x{uuid.uuid4().hex[:16]}"
         return [
             "/bin/sh", "-c",
             'for f in $1; do echo $$ > "$f" || exit 125; done; shift; exec "$@"',
             "sh", " ".join(group.procs_files()),
             self.runsc, "--root", self.state, "--platform=ptrace", "--network=none", "--ignore-cgroups", "--oci-seccomp",
-            "run", "--bundle", bundle, self._container,
+            "run", "--bundle", bundle, _container(work),
         ]  # fmt: skip
 
     def _host_processes(self, limits: Limits) -> int:
@@ -167,7 +171,7 @@ class Gvisor(Bubblewrap):
 
     def _late_report(self, work: str) -> str | None:
         subprocess.run(
-            [self.runsc, "--root", self.state, "delete", "--force", self._container],
+            [self.runsc, "--root", self.state, "delete", "--force", _container(work)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={},

@@ -9,6 +9,8 @@ POST /v1/executions  {"key", "tenant", "code", "inputs": [{"name", "content_b64"
     -> 200 {"exit_code", "limit", "message", "stdout", "stderr", "files": [...], "usage", ...}
     -> 400 {"error", "field"} on a bad request; 503 {"error"} when no slot came free in time.
 GET /healthz -> {"status": "ok", "backend", "slots"}
+GET /metrics -> executions by outcome (ok, error, the limit hit), running, seconds of queue
+    wait, wall and CPU in total, slots free
 
 Concurrency: `slots` sandboxes at once, each with a uid of its own; a tenant holds at most
 `tenant_share` of them, so one tenant's backlog or fork bomb leaves the others their slots.
@@ -95,6 +97,8 @@ class Runner:
         self.running: dict[tuple[str, str], threading.Event] = {}
         self.lock = threading.Lock()
         self.executions = collections.Counter()
+        # /metrics: totals since start, by outcome ("ok", "error" or the limit hit)
+        self.seconds = collections.Counter()
 
     def parse(self, body: dict) -> tuple[str, str, Execution, float]:
         if not isinstance(body, dict):
@@ -155,7 +159,12 @@ class Runner:
             outcome = self.backend.execute(execution, slot=slot)
         finally:
             self.slots.release(tenant, slot)
-        self.executions[outcome.limit or ("ok" if outcome.exit_code == 0 else "error")] += 1
+        kind = outcome.limit or ("ok" if outcome.exit_code == 0 else "error")
+        with self.lock:
+            self.executions[kind] += 1
+            self.seconds["queue_wait"] += queue_seconds
+            self.seconds["wall"] += outcome.wall_seconds
+            self.seconds["cpu"] += outcome.cpu_seconds
         return result_body(outcome, execution.limits, queue_seconds)
 
     def _expire(self) -> None:
@@ -214,8 +223,14 @@ def make_handler(runner: Runner):
                 self._send(200, {"status": "ok", "backend": runner.backend.name, "slots": runner.slots.count})
             elif self.path == "/metrics":
                 with runner.lock:
-                    running = len(runner.running)
-                self._send(200, {"executions": dict(runner.executions), "running": running})
+                    body = {
+                        "executions": dict(runner.executions),
+                        "running": len(runner.running),
+                        "seconds_total": {k: round(v, 6) for k, v in runner.seconds.items()},
+                        "slots": runner.slots.count,
+                        "slots_free": len(runner.slots.free),
+                    }
+                self._send(200, body)
             else:
                 self._send(404, {"error": "not found"})
 
