@@ -144,6 +144,7 @@ def _result(step: Step, answer: dict) -> ToolResult:
         "files_refused": refused,
         "files_skipped": answer.get("skipped_files", []),
         "usage": usage,
+        "limits": answer.get("limits", {}),
         "cost_micros": cost_of(usage),
         "inputs": [str(i) for i in (step.arguments or {}).get("artifacts") or []],
     }
