@@ -14,7 +14,7 @@ TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
 TEST_WORKERS ?= 4
 PYTEST := $(PY) -m tests.services --sets $(TEST_WORKERS) -- $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
-.PHONY: setup demo test test-fast lint format services browser serve bench bench-peers chaos
+.PHONY: setup demo test test-fast lint format services browser sandbox serve bench bench-peers chaos
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,12 +33,16 @@ services:
 browser:
 	bash scripts/ensure_browser.sh
 
+# bubblewrap and the read-only sandbox runtime (pandas, numpy) the runner mounts (docs/sandbox.md)
+sandbox: setup
+	bash scripts/ensure_sandbox.sh
+
 # The session runs on its own PostgreSQL clusters and Redis servers (initdb/pg_ctl and redis-server
 # on free ports, removed afterwards): the recovery tests restart those, never the machine's.
-test: setup browser lint
+test: setup browser sandbox lint
 	$(PYTEST)
 
-test-fast: setup lint
+test-fast: setup sandbox lint
 	$(PYTEST) -m "not slow"
 
 lint: setup
@@ -49,7 +53,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-serve: setup
+serve: setup sandbox
 	bash scripts/serve.sh
 
 bench: setup services

@@ -40,6 +40,7 @@ from tenants.permissions import may_view_all_runs
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
 # to declare how to scope it.
 TENANT_PATHS = {
+    "artifacts.artifact": "tenant",
     "tenants.tenant": "pk",
     "tenants.user": "tenant",
     "tenants.secret": "tenant",
@@ -68,6 +69,7 @@ RUN_CREATOR_PATHS = {
     "runs.run": "created_by",
     "runs.step": "run__created_by",
     "runs.runevent": "run__created_by",
+    "artifacts.artifact": "run__created_by",
 }
 
 

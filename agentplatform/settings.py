@@ -115,6 +115,7 @@ INSTALLED_APPS = [
     "observability",
     "configuration",
     "notifications",
+    "artifacts",
 ]
 
 MIDDLEWARE = [
@@ -391,3 +392,15 @@ RUN_STREAM_HEARTBEAT_SECONDS = env_float("RUN_STREAM_HEARTBEAT_SECONDS", 15.0)
 RUN_STREAM_DB_POOL_MAX = env_int("RUN_STREAM_DB_POOL_MAX", 4, minimum=1, maximum=100)
 # SQLite (the demo) has no LISTEN/NOTIFY: each stream looks for new events this often.
 RUN_STREAM_POLL_SECONDS = env_float("RUN_STREAM_POLL_SECONDS", 0.5)
+
+# --- Artifacts and the sandbox runner (artifacts/, sandbox/, docs/sandbox.md) ---
+# Defaults for a tenant without an ArtifactLimits row.
+ARTIFACT_MAX_BYTES = env_int("ARTIFACT_MAX_BYTES", 32 * 1_048_576, minimum=1024)
+ARTIFACT_MAX_RUN_BYTES = env_int("ARTIFACT_MAX_RUN_BYTES", 256 * 1_048_576, minimum=1024)
+ARTIFACT_MAX_RUN_COUNT = env_int("ARTIFACT_MAX_RUN_COUNT", 200, minimum=1)
+# Where run_python's executions go: the runner process (python -m sandbox.runner), loopback only.
+SANDBOX_RUNNER_URL = env_str("SANDBOX_RUNNER_URL", "http://127.0.0.1:8790")
+# run_python's prices (tools/run_python.py): per CPU second used and per GiB of memory limit held
+# per wall second, in micro-units of the tenant's currency.
+SANDBOX_PRICE_CPU_SECOND_MICROS = env_int("SANDBOX_PRICE_CPU_SECOND_MICROS", 50, minimum=0)
+SANDBOX_PRICE_GIB_SECOND_MICROS = env_int("SANDBOX_PRICE_GIB_SECOND_MICROS", 10, minimum=0)

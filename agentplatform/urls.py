@@ -5,6 +5,7 @@ from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin
 from agentplatform import errors
 from agents import api as agents_api
 from approvals import api as approvals_api
+from artifacts import api as artifacts_api
 from budgets import api as budgets_api
 from runs import api as runs_api
 from runs.stream import RunStreamApi
@@ -23,6 +24,9 @@ v1 = [
     path("runs/<str:run_id>/events", runs_api.RunEventsApi.as_view()),
     path("runs/<str:run_id>/stream", RunStreamApi.as_view()),
     path("runs/<str:run_id>/cancel", runs_api.RunCancelApi.as_view()),
+    path("runs/<str:run_id>/artifacts", artifacts_api.ArtifactListApi.as_view()),
+    path("artifacts/<str:artifact_id>", artifacts_api.ArtifactDetailApi.as_view()),
+    path("artifacts/<str:artifact_id>/content", artifacts_api.ArtifactContentApi.as_view()),
     path("runs/<str:run_id>/steps/<int:seq>/resolve", runs_api.StepResolveApi.as_view()),
     path("approvals", approvals_api.ApprovalListApi.as_view()),
     path("approvals/<str:approval_id>", approvals_api.ApprovalDetailApi.as_view()),

@@ -24,6 +24,9 @@ Plain HTTP routes (streamable mode only):
     POST /http/{tool}                 body = arguments, header Idempotency-Key
                                       200 result | 400 {"error"} tool failure | 404 unknown tool
                                       | 422 {"error", "fields"} bad arguments | 500 injected fault
+    POST /http/export/{name}          -> text/csv: card_transactions or ledger, 30,000 rows with
+                                         known duplicates, missing entries and amount mismatches
+                                         (examples/analysis.yaml; reconciliation_exports)
     GET  /http/status/{key}           -> {"found": bool, "result": ...} (issue_refund)
     GET  /http/payment_status/{key}   -> {"found": bool, "result": ..., "count": n} (make_payment)
                                       | 409 {"status": "in_progress"} while a request with that key is
@@ -46,8 +49,10 @@ rejected, nothing is applied); failures inside a tool are `isError` results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -612,6 +617,31 @@ def build_mcp_server(svc: BankService) -> Server[Any]:
     return Server(f"bank-{svc.label}", version="1.0", on_list_tools=on_list_tools, on_call_tool=on_call_tool)
 
 
+# --- reconciliation exports (the analysis agent, examples/analysis.yaml) ------------------
+
+
+@functools.cache
+def reconciliation_exports(n: int = 30_000, seed: int = 7) -> tuple[bytes, bytes, dict, list[str]]:
+    """Card transactions and the ledger as CSV, with 25 duplicated card rows, 40 card
+    transactions missing from the ledger and 55 amounts that differ; also the true counts and
+    the missing ids, for whoever checks an analysis of them."""
+    rng = random.Random(seed)
+    rows = [(f"T{i:06d}", rng.randint(100, 500_000)) for i in range(n)]
+    ledger = dict(rows)
+    missing = set(rng.sample([t for t, _ in rows], 40))
+    for t in missing:
+        del ledger[t]
+    mismatched = set(rng.sample(list(ledger), 55))
+    for t in mismatched:
+        ledger[t] += rng.choice([-100, 1, 250])
+    card = rows + rng.sample(rows, 25)
+    rng.shuffle(card)
+    card_csv = "txn_id,amount\n" + "".join(f"{t},{a}\n" for t, a in card)
+    ledger_csv = "txn_id,amount\n" + "".join(f"{t},{a}\n" for t, a in ledger.items())
+    truth = {"duplicates": 25, "missing": len(missing), "mismatches": len(mismatched)}
+    return card_csv.encode(), ledger_csv.encode(), truth, sorted(missing)
+
+
 # --- plain HTTP adapter -----------------------------------------------------------------
 
 
@@ -674,6 +704,18 @@ def _http_routes(svc: BankService) -> list[Route]:
             return JSONResponse({"error": "injected fault after effect"}, status_code=500)
         return JSONResponse(result)
 
+    async def http_export(request: Request) -> Response:
+        name = request.path_params["name"]
+        exports = reconciliation_exports()
+        if name not in ("card_transactions", "ledger"):
+            return JSONResponse({"error": f"no export {name}: card_transactions or ledger"}, status_code=404)
+        body = exports[0] if name == "card_transactions" else exports[1]
+        return Response(
+            body,
+            media_type="text/csv; charset=utf-8",
+            headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
+        )
+
     async def http_status(request: Request) -> Response:
         return JSONResponse(
             refund_status(svc, {"idempotency_key": request.path_params["key"]}, Call(None, "http"))
@@ -692,6 +734,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         Route("/faults", faults_list, methods=["GET"]),
         Route("/faults/reset", faults_reset, methods=["POST"]),
         Route("/calls", calls, methods=["GET"]),
+        Route("/http/export/{name}", http_export, methods=["POST"]),
         Route("/http/status/{key}", http_status, methods=["GET"]),
         Route("/http/payment_status/{key}", http_payment_status, methods=["GET"]),
         Route("/http/{tool_name}", http_tool, methods=["POST"]),

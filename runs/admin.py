@@ -6,7 +6,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.http import JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -20,8 +20,9 @@ from agentplatform.admin_site import (
     money_in_text,
     site,
 )
-from agentplatform.errors import DomainError
+from agentplatform.errors import DomainError, NotFound
 from approvals.services import can_approve
+from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from runs.models import TERMINAL, Run, RunEvent, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
@@ -179,6 +180,11 @@ class RunAdmin(ReadOnlyAdmin):
             path("<path:object_id>/cancel/", view(require_POST(self.cancel_view)), name="runs_run_cancel"),
             path("<path:object_id>/watch/", view(self.watch_view), name="runs_run_watch"),
             path(
+                "<path:object_id>/artifacts/<uuid:artifact_id>/",
+                view(self.artifact_view),
+                name="runs_run_artifact",
+            ),
+            path(
                 "<path:object_id>/steps/<int:seq>/resolve/",
                 view(require_POST(self.resolve_view)),
                 name="runs_run_resolve",
@@ -209,6 +215,7 @@ class RunAdmin(ReadOnlyAdmin):
             "watch_url": reverse("admin:runs_run_watch", args=[run.pk]) if not run.is_terminal else "",
             "marker": run_marker(run),
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
+            "artifacts": artifacts_of(run).select_related("step"),
         }
         return TemplateResponse(request, "admin/runs/run/detail.html", context)
 
@@ -244,6 +251,20 @@ class RunAdmin(ReadOnlyAdmin):
         if not self.has_view_permission(request, run):
             raise PermissionDenied
         return JsonResponse({"marker": run_marker(run), "status": run.status})
+
+    def artifact_view(self, request, object_id, artifact_id):
+        """Download one of the run's files: whoever may open the run's page may read its files."""
+        run = self.get_object(request, unquote(object_id))
+        if not self.has_view_permission(request, run):
+            raise PermissionDenied
+        try:
+            artifact = get_artifact([run.pk], artifact_id, with_content=True)
+        except NotFound:
+            raise Http404("no such file in this run") from None
+        response = HttpResponse(bytes(artifact.content), content_type=artifact.media_type)
+        response["Content-Disposition"] = f'attachment; filename="{artifact.name}"'
+        response["X-Content-Type-Options"] = "nosniff"
+        return response
 
     def _step_row(self, request, step) -> dict:
         row = {

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PACKAGES = [
+    "sandbox",
     "agentplatform",
     "observability",
     "tenants",
@@ -31,6 +32,7 @@ PACKAGES = [
     "tools",
     "approvals",
     "runs",
+    "artifacts",
     "notifications",
     "configuration",
 ]

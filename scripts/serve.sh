@@ -16,6 +16,8 @@ BIND=${BIND:-127.0.0.1:8000}
 FLOWER_PORT=${FLOWER_PORT:-5555}
 WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-128}
 WEB_WORKERS=${WEB_WORKERS:-2}
+SANDBOX_RUNNER_PORT=${SANDBOX_RUNNER_PORT:-8790}
+export SANDBOX_RUNNER_URL=${SANDBOX_RUNNER_URL:-http://127.0.0.1:$SANDBOX_RUNNER_PORT}
 QUEUE=${CELERY_QUEUE:-runs}
 SWEEP_QUEUE=${CELERY_SWEEP_QUEUE:-$QUEUE.sweeper}
 
@@ -52,6 +54,14 @@ $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND
 # DB_POOL_CHECK=0: no connection check per checkout (agentplatform/settings.py says why that is safe here).
 DB_POOL_CHECK=${WORKER_DB_POOL_CHECK:-0} $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
   --without-gossip --without-mingle --task-events --loglevel INFO & pids+=($!)
+# The sandbox runner (run_python; docs/sandbox.md): a process of its own that re-executes itself
+# with a cleared environment, so it holds no database URL, broker URL or secret. It needs root
+# (cgroups, per-slot uids); elsewhere run_python answers "the sandbox runner is not running".
+if [ "$(id -u)" = 0 ]; then
+  $PY -m sandbox.runner --port "$SANDBOX_RUNNER_PORT" --backend "${SANDBOX_BACKEND:-bubblewrap}" & pids+=($!)
+else
+  echo "sandbox runner not started: it needs root (docs/sandbox.md)" >&2
+fi
 # Beat and Flower record no platform metrics: kept out of the shared directory.
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
   --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)
@@ -85,6 +95,7 @@ cat <<EOF
    health     $base/healthz     readiness: $base/readyz
    metrics    $base/metrics     (Prometheus; protect with METRICS_TOKEN or METRICS_ALLOW_FROM)
    Flower     http://127.0.0.1:$FLOWER_PORT/
+   sandbox    $SANDBOX_RUNNER_URL/healthz  (run_python's runner)
 == first operator (a superuser with no tenant: sees every tenant in the admin), from another shell
    with the same environment (DATABASE_URL=$shown_db, and in production SECRET_KEY and
    SECRET_ENCRYPTION_KEYS):

@@ -69,7 +69,7 @@ def prod_database():
 
 def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_database, tmp_path):
     bank = BankServer().start()
-    port, flower_port = _free_port(), _free_port()
+    port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
     from tenants.crypto import generate_key
 
     # TLS ends at a proxy in front of uvicorn; the test plays the proxy with X-Forwarded-Proto.
@@ -93,6 +93,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         METRICS_TOKEN="metrics-token-1",
         FLOWER_UNAUTHENTICATED_API="true",
         RUN_STREAM_HEARTBEAT_SECONDS="1",
+        SANDBOX_RUNNER_PORT=str(sandbox_port),
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
@@ -108,6 +109,9 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         base = f"http://127.0.0.1:{port}"
         http = httpx.Client(headers=PROXIED)
         wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="uvicorn")
+        wait_for(
+            lambda: _ok(f"http://127.0.0.1:{sandbox_port}/healthz"), timeout=60, what="the sandbox runner"
+        )
         assert httpx.get(f"{base}/v1/schema").status_code == 301  # plain HTTP is sent to HTTPS
         config = tmp_path / "prod.yaml"
         config.write_text(CONFIG)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tools import run_python
 from tools.types import ToolResult
 
 
@@ -51,3 +52,11 @@ BUILTINS: dict[str, Builtin] = {
     ),
     "clock": Builtin("Current time (UTC, ISO 8601).", {"type": "object", "properties": {}}, _clock),
 }
+
+
+def _run_python_by_dispatch(arguments: dict) -> ToolResult:
+    raise RuntimeError("run_python needs its step: tools.transports.dispatch sends it to the sandbox runner")
+
+
+# Listed with the builtins (discovery, the catalogue); called through tools/run_python.py.
+BUILTINS["run_python"] = Builtin(run_python.DESCRIPTION, run_python.INPUT_SCHEMA, _run_python_by_dispatch)

@@ -25,3 +25,11 @@ def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
     if result.is_error:
         observation = f"ERROR: {observation}"
     return stored, observation
+
+
+def actual_price(step: Step, result: ToolResult | None) -> int:
+    """What a succeeded call is settled at: its measured cost where the tool reports one
+    (run_python: CPU seconds and GiB-seconds), else the tool's price."""
+    if result is not None and result.cost_micros is not None:
+        return result.cost_micros
+    return step.tool.price_micros

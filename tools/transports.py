@@ -17,6 +17,7 @@ import httpx
 
 from runs.models import Step
 from tenants.models import Secret
+from tools import run_python
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer
 from tools.origins import origin_text, same_origin
@@ -56,6 +57,9 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
     """
     tool = step.tool
     server = tool.server
+    if server.kind == ToolServer.Kind.BUILTIN and tool.remote_name == run_python.NAME:
+        _before_sending(send_by)
+        return run_python.call(step)
     if server.kind == ToolServer.Kind.BUILTIN:
         _before_sending(send_by)
         builtin = BUILTINS.get(tool.remote_name)
@@ -156,7 +160,7 @@ def _http_call(server: ToolServer, tool: Tool, step: Step, send_by: float | None
         raise ToolFailed(f"{server.name} refused the call ({response.status_code}): {response.text[:500]}")
     if response.is_redirect:
         _redirected(server, response)
-    return _http_result(response)
+    return _http_result(response, step)
 
 
 def _redirected(server: ToolServer, response: httpx.Response) -> None:
@@ -181,7 +185,14 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def _http_result(response: httpx.Response) -> ToolResult:
+def _http_result(response: httpx.Response, step: Step | None = None) -> ToolResult:
+    if step is not None and run_python.is_file_answer(response.headers.get("Content-Type", "")):
+        return run_python.file_result(
+            step,
+            response.content,
+            response.headers.get("Content-Type", ""),
+            response.headers.get("Content-Disposition", ""),
+        )
     try:
         body = response.json()
     except ValueError:

@@ -26,6 +26,8 @@ class ToolResult:
     text: str
     structured: dict | list | None = None
     is_error: bool = False
+    # What the call cost by measured usage (run_python), where it differs from the tool's price.
+    cost_micros: int | None = None
 
 
 @dataclass(frozen=True)

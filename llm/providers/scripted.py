@@ -4,13 +4,15 @@ config = {"turns": [...], "latency_ms": 0, "auto_tool": "", "auto_tool_turns": 0
 Turn i answers the request that already holds i assistant messages. A turn is
 {"text": "..."} and/or {"tool_calls": [{"name": ..., "arguments": {...}}]}. A string argument of
 the form "$input.field" is replaced by that field of the run's input (the first user message,
-when it is JSON). After the turns: `auto_tool` is called until `auto_tool_turns` tool results
+when it is JSON); "$artifact.N" by the id of the N-th artifact the tool results so far named
+(what a model copies from a tool's file description into run_python's `artifacts`). After the turns: `auto_tool` is called until `auto_tool_turns` tool results
 exist, then the model answers "done".
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from llm.tokens import estimate_input_tokens, estimate_text
@@ -32,6 +34,12 @@ class ScriptedProvider:
         else:
             turn = self._auto_turn(request)
         values = _input_values(request)
+        values["$artifacts"] = [
+            next(g for g in found if g)
+            for m in request.messages
+            if m.role == "tool"
+            for found in _ARTIFACT_ID.findall(m.content or "")
+        ]
         calls = [
             ToolCall(
                 id=f"call_{turn_index}_{i}", name=c["name"], arguments=_fill(c.get("arguments", {}), values)
@@ -64,7 +72,14 @@ def _input_values(request: ModelRequest) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+_ARTIFACT_ID = re.compile(r'"artifact_id": "([0-9a-f-]{36})"|^artifact ([0-9a-f-]{36}):', re.M)
+
+
 def _fill(value, values: dict):
+    if isinstance(value, str) and value.startswith("$artifact."):
+        index = int(value[len("$artifact.") :])
+        found = values.get("$artifacts", [])
+        return found[index] if index < len(found) else value
     if isinstance(value, str) and value.startswith("$input."):
         current = values
         for part in value[len("$input.") :].split("."):

@@ -219,3 +219,19 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
         '<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (USD 2.00); '
         "started in order of arrival</td>"
     ) in html
+
+
+def test_the_run_page_lists_the_runs_files_and_downloads_them_for_who_may_read_the_run(as_ravi, acme):
+    from artifacts import services as artifacts
+
+    run, _ = start_run(user=acme.asha, agent="refunder", input={"case": "files"})
+    stored = artifacts.store(
+        run=run, name="ledger.csv", media_type="text/csv", content=b"id\n1\n", source="upload"
+    )
+    html = as_ravi.get(run_url(run.pk)).content.decode()
+    link = run_url(run.pk, f"artifacts/{stored.pk}/")
+    assert "ledger.csv" in html and link in html
+    download = as_ravi.get(link)
+    assert download.status_code == 200 and download.content == b"id\n1\n"
+    other, _ = start_run(user=acme.asha, agent="refunder", input={"case": "other"})
+    assert as_ravi.get(run_url(other.pk, f"artifacts/{stored.pk}/")).status_code == 404

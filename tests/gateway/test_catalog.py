@@ -256,10 +256,11 @@ def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, b
     call_command("refresh_tools", tenant="globex", stdout=out)
 
     assert (
-        out.getvalue() == "globex/platform: added 4 (clock, echo, noop, sleep); quarantined 0; unchanged 0; "
+        out.getvalue()
+        == "globex/platform: added 5 (clock, echo, noop, run_python, sleep); quarantined 0; unchanged 0; "
         "missing 0\n"
     )
-    assert Tool.objects.filter(server=fresh, enabled=False).count() == 4
+    assert Tool.objects.filter(server=fresh, enabled=False).count() == 5
     Tool.objects.filter(pk=builtins["echo"].pk).update(schema_hash="an older schema")
     Tool.objects.create(
         tenant=tenant,
@@ -283,8 +284,8 @@ def test_refresh_tools_reports_added_quarantined_unchanged_and_missing(tenant, b
 
     assert out.getvalue().splitlines() == [
         "acme/crm: added 0; quarantined 0; unchanged 1; missing 0",  # declared, not discovered
-        "acme/platform: added 0; quarantined 1 (echo); unchanged 3; missing 1 (retired)",
-        "globex/platform: added 0; quarantined 0; unchanged 4; missing 0",
+        "acme/platform: added 0; quarantined 1 (echo); unchanged 4; missing 1 (retired)",
+        "globex/platform: added 0; quarantined 0; unchanged 5; missing 0",
     ]
     assert Tool.objects.get(pk=builtins["echo"].pk).quarantined
     declared.refresh_from_db()
@@ -303,6 +304,6 @@ def test_refresh_tools_goes_on_past_an_unreachable_server_and_fails_at_the_end(t
     with pytest.raises(CommandError, match="1 server"):
         call_command("refresh_tools", tenant="acme", stdout=out, stderr=err)
     assert "acme/down: not refreshed" in err.getvalue()
-    assert out.getvalue() == "acme/platform: added 0; quarantined 0; unchanged 4; missing 0\n"
+    assert out.getvalue() == "acme/platform: added 0; quarantined 0; unchanged 5; missing 0\n"
     with pytest.raises(CommandError, match="no tool server"):
         call_command("refresh_tools", server="nope")

@@ -156,7 +156,7 @@ def can(user: User, perm: str, tool_name: str) -> bool:
 def test_it_applies_a_file_twice_and_changes_nothing_the_second_time():
     first = apply_config(config())
     assert first.counts("tools") == {
-        "created": 5,
+        "created": 6,
         "updated": 0,
         "unchanged": 0,
         "removed": 0,
@@ -554,5 +554,5 @@ def test_it_does_not_repeat_an_error_through_the_references_to_the_bad_item():
 def test_the_report_has_a_one_line_summary():
     assert (
         str(apply_config(config()))
-        == "tenant acme-test: applied (created 23, updated 0, unchanged 0, removed 0)"
+        == "tenant acme-test: applied (created 24, updated 0, unchanged 0, removed 0)"
     )

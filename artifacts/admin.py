@@ -1,0 +1,43 @@
+"""Artifacts in the admin: listed per run, downloadable by whoever may read the run."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.http import Http404, HttpResponse
+from django.urls import path, reverse
+from django.utils.html import format_html
+
+from agentplatform.admin_site import ReadOnlyAdmin, site
+from artifacts.models import Artifact
+
+
+@admin.register(Artifact, site=site)
+class ArtifactAdmin(ReadOnlyAdmin):
+    list_display = ["name", "run", "step", "source", "media_type", "size", "created_at", "download"]
+    list_filter = ["source", "media_type"]
+    search_fields = ["name", "sha256", "=run__id"]
+    fields = ["name", "run", "step", "source", "media_type", "size", "sha256", "created_at", "download"]
+    readonly_fields = fields
+
+    def get_queryset(self, request):
+        # scoped like runs (tenant, and the creator without view_runs); the content stays unread
+        return super().get_queryset(request).defer("content").select_related("run", "step")
+
+    @admin.display(description="download")
+    def download(self, artifact):
+        return format_html(
+            '<a href="{}">download</a>', reverse("admin:artifact_download", args=[artifact.pk])
+        )
+
+    def get_urls(self):
+        view = self.admin_site.admin_view(self.download_view)
+        return [path("<uuid:artifact_id>/download/", view, name="artifact_download"), *super().get_urls()]
+
+    def download_view(self, request, artifact_id):
+        artifact = self.get_queryset(request).defer(None).filter(pk=artifact_id).first()
+        if artifact is None or not self.has_view_permission(request, artifact):
+            raise Http404("no artifact with this id")
+        response = HttpResponse(bytes(artifact.content), content_type=artifact.media_type)
+        response["Content-Disposition"] = f'attachment; filename="{artifact.name}"'
+        response["X-Content-Type-Options"] = "nosniff"
+        return response

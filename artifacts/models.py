@@ -1,0 +1,45 @@
+"""An artifact: one file of a run, its content stored once in PostgreSQL with its hash; and the
+per-tenant limits on artifacts (the defaults in settings apply to a tenant without a row)."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+
+
+class Artifact(models.Model):
+    class Source(models.TextChoices):
+        UPLOAD = "upload"
+        TOOL = "tool"
+        SANDBOX = "sandbox"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="artifacts")
+    # The step that produced it (a tool call or run_python); none for an upload.
+    step = models.ForeignKey("runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    source = models.CharField(max_length=16, choices=Source.choices)
+    name = models.CharField(max_length=200)
+    media_type = models.CharField(max_length=100)
+    size = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    content = models.BinaryField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            # A retried step stores the same file again: it finds this row instead of a second one.
+            models.UniqueConstraint(fields=["run", "step", "name", "sha256"], name="uniq_artifact_per_step"),
+        ]
+        indexes = [models.Index(fields=["run", "created_at"])]
+
+    def __str__(self):
+        return f"{self.name} ({self.media_type}, {self.size} bytes)"
+
+
+class ArtifactLimits(models.Model):
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="artifact_limits")
+    max_artifact_bytes = models.BigIntegerField()
+    max_run_bytes = models.BigIntegerField()
+    max_run_artifacts = models.PositiveIntegerField()

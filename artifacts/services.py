@@ -1,0 +1,185 @@
+"""Storing artifacts: typed, bounded per artifact and per run, each stored once, never half.
+
+`store` checks the media type and the tenant's limits, then writes the row in one transaction
+that holds the run's artifact lock (an advisory lock: two files stored at once cannot both slip
+under the run's cap). A refusal raises ArtifactRefused with the field that was wrong; nothing
+is written then. The same file stored again by a retried step returns the row already there.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import io
+import uuid
+
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Count, Sum
+
+from agentplatform.errors import DomainError
+from artifacts.models import Artifact, ArtifactLimits
+
+UPLOAD_TYPES = {
+    "text/csv": ".csv",
+    "application/json": ".json",
+    "text/plain": ".txt",
+    "application/vnd.apache.parquet": ".parquet",
+}
+ALIASES = {"application/x-parquet": "application/vnd.apache.parquet", "application/csv": "text/csv"}
+# What a sandbox may leave in /out besides the upload types: it is named by its extension.
+EXTENSIONS = {ext: media for media, ext in UPLOAD_TYPES.items()} | {
+    ".md": "text/markdown",
+    ".tsv": "text/tab-separated-values",
+}
+
+
+class ArtifactRefused(DomainError):
+    def __init__(self, message: str, *, field: str, status: int = 400):
+        super().__init__(message, code="artifact_refused", status=status, fields={field: [message]})
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_artifact_bytes: int
+    max_run_bytes: int
+    max_run_artifacts: int
+
+
+def limits_for(tenant) -> Limits:
+    row = ArtifactLimits.objects.filter(tenant=tenant).first()
+    if row:
+        return Limits(row.max_artifact_bytes, row.max_run_bytes, row.max_run_artifacts)
+    return Limits(
+        settings.ARTIFACT_MAX_BYTES, settings.ARTIFACT_MAX_RUN_BYTES, settings.ARTIFACT_MAX_RUN_COUNT
+    )
+
+
+def media_type_of(content_type: str) -> str | None:
+    """The upload type a Content-Type header names (parameters dropped), or None."""
+    base = (content_type or "").split(";")[0].strip().lower()
+    base = ALIASES.get(base, base)
+    return base if base in UPLOAD_TYPES else None
+
+
+def media_type_for_name(name: str) -> str:
+    for ext, media in EXTENSIONS.items():
+        if name.lower().endswith(ext):
+            return media
+    return "application/octet-stream"
+
+
+def check_name(name: str) -> str | None:
+    if not name or len(name) > 200:
+        return "a name of 1 to 200 characters is required"
+    if name.startswith(".") or any(c in name for c in "/\\\x00") or name in ("..", "."):
+        return "must be a plain file name (no path, no leading dot)"
+    return None
+
+
+def store(*, run, name: str, media_type: str, content: bytes, source: str, step=None) -> Artifact:
+    problem = check_name(name)
+    if problem:
+        raise ArtifactRefused(f"name {problem}", field="name")
+    limits = limits_for(run.tenant)
+    if len(content) > limits.max_artifact_bytes:
+        raise ArtifactRefused(
+            f"{name} is {len(content)} bytes; this tenant's limit per artifact is {limits.max_artifact_bytes}",
+            field="file",
+            status=413,
+        )
+    digest = hashlib.sha256(content).hexdigest()
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_advisory_xact_lock(hashtext('artifacts:' || %s))", [str(run.pk)])
+        existing = (
+            Artifact.objects.filter(run=run, step=step, name=name, sha256=digest).defer("content").first()
+        )
+        if existing:
+            return existing
+        totals = Artifact.objects.filter(run=run).aggregate(n=Count("pk"), size=Sum("size"))
+        if totals["n"] + 1 > limits.max_run_artifacts:
+            raise ArtifactRefused(
+                f"this run already has {totals['n']} artifacts, the tenant's limit per run",
+                field="file",
+                status=413,
+            )
+        if (totals["size"] or 0) + len(content) > limits.max_run_bytes:
+            raise ArtifactRefused(
+                f"{name} would take this run past its {limits.max_run_bytes} bytes of artifacts",
+                field="file",
+                status=413,
+            )
+        try:
+            with transaction.atomic():
+                return Artifact.objects.create(
+                    tenant_id=run.tenant_id,
+                    run=run,
+                    step=step,
+                    source=source,
+                    name=name,
+                    media_type=media_type,
+                    size=len(content),
+                    sha256=digest,
+                    content=content,
+                )
+        except IntegrityError:
+            return Artifact.objects.defer("content").get(run=run, step=step, name=name, sha256=digest)
+
+
+def content_of(artifact: Artifact) -> bytes:
+    if "content" in artifact.get_deferred_fields():
+        return bytes(Artifact.objects.values_list("content", flat=True).get(pk=artifact.pk))
+    return bytes(artifact.content)
+
+
+def describe(artifact: Artifact, content: bytes | None = None) -> dict:
+    """What the model sees of an artifact: its id, name, type, size and a glimpse, never all of it."""
+    description = {
+        "artifact_id": str(artifact.pk),
+        "name": artifact.name,
+        "media_type": artifact.media_type,
+        "size": artifact.size,
+        "sha256": artifact.sha256,
+    }
+    if artifact.media_type.startswith("text/") or artifact.media_type == "application/json":
+        content = content_of(artifact) if content is None else content
+        text = content[: 64 * 1024].decode("utf-8", errors="replace")
+        lines = text.splitlines()
+        description["lines"] = content.count(b"\n") + (0 if content.endswith(b"\n") or not content else 1)
+        description["first_lines"] = [line[:300] for line in lines[:5]]
+        if artifact.media_type == "text/csv" and lines:
+            description["columns"] = next(csv.reader(io.StringIO(lines[0])), [])
+    return description
+
+
+def describe_text(description: dict) -> str:
+    parts = [
+        f"artifact {description['artifact_id']}: {description['name']} ({description['media_type']}, {description['size']} bytes"
+    ]
+    if "lines" in description:
+        parts[0] += f", {description['lines']} lines"
+    parts[0] += ")"
+    if description.get("columns"):
+        parts.append("columns: " + ", ".join(description["columns"]))
+    if description.get("first_lines"):
+        parts.append("first lines:\n" + "\n".join(description["first_lines"]))
+    parts.append("pass its artifact_id to run_python to work on the whole file (mounted under /in)")
+    return "\n".join(parts)
+
+
+def of_run(run, ids: list[str]) -> list[Artifact]:
+    """The run's artifacts with these ids, in order; an id of another run is refused."""
+    wanted = []
+    for i, raw in enumerate(ids):
+        try:
+            wanted.append(uuid.UUID(str(raw)))
+        except ValueError:
+            raise ArtifactRefused(f"{raw!r} is not an artifact id", field=f"artifacts[{i}]") from None
+    found = {a.pk: a for a in Artifact.objects.filter(run=run, pk__in=wanted)}
+    missing = [str(w) for w in wanted if w not in found]
+    if missing:
+        raise ArtifactRefused(f"no artifact {', '.join(missing)} in this run", field="artifacts")
+    return [found[w] for w in wanted]

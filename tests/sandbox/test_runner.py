@@ -1,0 +1,103 @@
+"""The runner process: a cleared environment, idempotent executions, per-tenant slot shares."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import time
+
+import httpx
+
+
+def execute(url: str, *, key: str, tenant: str = "t1", code: str = "print(1)", **extra) -> httpx.Response:
+    body = {"key": key, "tenant": tenant, "code": code} | extra
+    return httpx.post(url + "/v1/executions", json=body, timeout=60)
+
+
+def executions(url: str) -> int:
+    return sum(httpx.get(url + "/metrics").json()["executions"].values())
+
+
+def test_it_holds_no_database_url_or_secret_key(runner_url):
+    url, pid = runner_url
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    names = {e.split(b"=", 1)[0] for e in environ if e}
+    assert b"DATABASE_URL" not in names and b"SECRET_KEY" not in names
+    assert b"canary" not in b"".join(environ)
+    assert names <= {b"PATH", b"PYTHONPATH", b"SANDBOX_RUNNER_CLEAN"}
+
+
+def test_it_runs_code_with_inputs_and_returns_files(runner_url):
+    url, _ = runner_url
+    csv = b"id,amount\n1,10\n2,32\n"
+    code = "import pandas as pd\nd = pd.read_csv('/in/t.csv')\nd.to_csv('/out/sum.csv', index=False)\nprint(int(d.amount.sum()))"
+    r = execute(
+        url,
+        key="k-inputs",
+        code=code,
+        inputs=[{"name": "t.csv", "content_b64": base64.b64encode(csv).decode()}],
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["exit_code"] == 0, body["stderr"]
+    assert body["stdout"].strip() == "42"
+    assert [f["name"] for f in body["files"]] == ["sum.csv"]
+    assert base64.b64decode(body["files"][0]["content_b64"]) == csv
+    assert body["usage"]["cpu_seconds"] > 0 and body["usage"]["memory_peak_bytes"] > 0
+
+
+def test_the_same_key_returns_the_result_already_produced(runner_url):
+    url, _ = runner_url
+    before = executions(url)
+    code = "import random\nprint(random.random())"
+    first = execute(url, key="k-once", code=code).json()
+    second = execute(url, key="k-once", code=code).json()
+    assert (first["replayed"], second["replayed"]) == (False, True)
+    assert first["stdout"] == second["stdout"]
+    assert executions(url) == before + 1
+    other_tenant = execute(url, key="k-once", tenant="t2", code=code).json()
+    assert other_tenant["replayed"] is False
+
+
+def test_a_retry_while_the_first_still_runs_joins_it_instead_of_running_twice(runner_url):
+    url, _ = runner_url
+    before = executions(url)
+    code = "import time, random\ntime.sleep(1)\nprint(random.random())"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(execute, url, key="k-join", code=code)
+        time.sleep(0.2)  # the retry arrives while the first is inside its sandbox
+        second = pool.submit(execute, url, key="k-join", code=code)
+        a, b = first.result().json(), second.result().json()
+    assert a["stdout"] == b["stdout"]
+    assert executions(url) == before + 1
+
+
+def test_bad_requests_get_a_field_error(runner_url):
+    url, _ = runner_url
+    r = execute(url, key="k-bad", limits={"memory_bytes": -1})
+    assert r.status_code == 400 and r.json()["field"] == "limits"
+    r = execute(url, key="k-bad2", inputs=[{"name": "../x", "content_b64": ""}])
+    assert r.status_code == 400 and r.json()["field"] == "inputs[0].name"
+    r = httpx.post(url + "/v1/executions", json={"tenant": "t"})
+    assert r.status_code == 400 and r.json()["field"] == "key"
+
+
+def test_one_tenants_backlog_of_fork_bombs_leaves_another_tenant_its_slots(runner_url):
+    url, _ = runner_url
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.001)"
+    limits = {"wall_seconds": 3, "processes": 64}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        bombs = [
+            pool.submit(execute, url, key=f"bomb-{i}", tenant="noisy", code=bomb, limits=limits)
+            for i in range(6)
+        ]
+        time.sleep(0.5)  # the noisy tenant now holds its share and queues the rest
+        started = time.monotonic()
+        honest = execute(
+            url, key="honest", tenant="quiet", code="print(sum(range(1000)))", limits={"wall_seconds": 3}
+        )
+        took = time.monotonic() - started
+        done = [f.result() for f in bombs]
+    assert honest.status_code == 200 and honest.json()["stdout"].strip() == "499500"
+    assert took < 2.5, f"the quiet tenant waited {took:.1f} s behind the noisy one"
+    assert all(r.status_code in (200, 503) for r in done)

@@ -1,0 +1,203 @@
+"""run_python: the platform tool that executes model-written Python in the sandbox runner.
+
+A builtin tool (server kind `builtin`, remote name `run_python`) whose call goes to the runner
+process (sandbox/runner.py) over loopback HTTP, outside any transaction, with the tool's own
+deadline, exactly like an HTTP tool: the engine needs nothing of its own for it. The runner holds
+no database, broker or secret; this side does the platform's part: it reads the input artifacts
+(of the step's own run only), sends them with the code and the limits, and stores the files the
+sandbox left in /out as new artifacts of the step.
+
+Effect class read_only: the sandbox has no network, so a retry after a lost worker only runs the
+code again; the step's idempotency key names the execution, and the runner answers a key it has
+already run with the result it produced (or joins the execution still running).
+
+Cost: the reservation is the tool's price (set it to the price of the limits:
+limit_cost_micros); `cost_of` is what the measured usage costs, for the settlement.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+from django.conf import settings
+
+from artifacts import services as artifacts
+from artifacts.models import Artifact
+from runs.models import Step
+from tools.types import ToolFailed, ToolOutcomeUnknown, ToolResult
+
+NAME = "run_python"
+DESCRIPTION = (
+    "Run Python 3 code in an isolated sandbox with pandas and numpy; no network. Input artifacts "
+    "(by artifact_id) are mounted read-only as /in/<name>; files written to /out become new "
+    "artifacts. Print a short summary: only the tail of stdout comes back. Limits: 30 s wall, "
+    "20 CPU seconds, 1 GiB memory, 32 MiB of output files."
+)
+INPUT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "description": "the Python program, run as __main__"},
+        "artifacts": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "artifact ids to mount under /in",
+        },
+    },
+    "required": ["code"],
+    "additionalProperties": False,
+}
+# What the model reads of stdout and stderr (the step's stored result keeps the runner's tails).
+MODEL_TAIL = 8 * 1024
+
+
+def limits_for(tool) -> dict:
+    """The sandbox limits of one call: DESIGN.md's defaults, the wall held under the tool's deadline."""
+    wall = max(1.0, min(30.0, tool.timeout_seconds - 2.0))
+    return {"wall_seconds": wall, "cpu_seconds": min(20.0, wall)}
+
+
+def limit_cost_micros(limits: dict) -> int:
+    """The most a call with these limits can cost: what its reservation should be."""
+    cpu = limits.get("cpu_seconds", 20.0)
+    gib_seconds = limits.get("memory_bytes", 1 << 30) / 2**30 * limits.get("wall_seconds", 30.0)
+    return round(
+        cpu * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
+        + gib_seconds * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+    )
+
+
+def cost_of(usage: dict) -> int:
+    return round(
+        usage.get("cpu_seconds", 0) * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
+        + usage.get("gib_seconds", 0) * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+    )
+
+
+def call(step: Step) -> ToolResult:
+    arguments = step.arguments or {}
+    code = arguments.get("code")
+    if not isinstance(code, str) or not code.strip():
+        raise ToolFailed("run_python needs `code`: the Python program to run")
+    ids = arguments.get("artifacts") or []
+    if not isinstance(ids, list):
+        raise ToolFailed("`artifacts` must be a list of artifact ids")
+    try:
+        inputs = artifacts.of_run(step.run, ids)
+    except artifacts.ArtifactRefused as exc:
+        raise ToolFailed(exc.message) from None
+    limits = limits_for(step.tool)
+    body = {
+        "key": step.idempotency_key,
+        "tenant": str(step.run.tenant_id),
+        "code": code,
+        "inputs": [
+            {"name": a.name, "content_b64": base64.b64encode(artifacts.content_of(a)).decode()}
+            for a in inputs
+        ],
+        "limits": limits,
+        "queue_timeout": max(0.0, step.tool.timeout_seconds - limits["wall_seconds"] - 1.0),
+    }
+    url = settings.SANDBOX_RUNNER_URL.rstrip("/") + "/v1/executions"
+    try:
+        response = httpx.post(url, json=body, timeout=httpx.Timeout(step.tool.timeout_seconds, connect=2.0))
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        raise ToolFailed(f"the sandbox runner at {settings.SANDBOX_RUNNER_URL} is not running") from None
+    except httpx.HTTPError as exc:
+        # Harmless to repeat (no network inside), and the runner keeps the result under the key.
+        raise ToolOutcomeUnknown(f"sandbox runner: {type(exc).__name__}") from None
+    if response.status_code == 503:
+        raise ToolFailed(f"the sandbox is busy: {response.json().get('error', '')}; nothing ran")
+    if response.status_code >= 400:
+        raise ToolFailed(
+            f"the sandbox runner refused the call ({response.status_code}): {response.text[:500]}"
+        )
+    return _result(step, response.json())
+
+
+def _result(step: Step, answer: dict) -> ToolResult:
+    files, refused = [], []
+    for item in answer.get("files", []):
+        content = base64.b64decode(item["content_b64"])
+        try:
+            stored = artifacts.store(
+                run=step.run,
+                step=step,
+                name=item["name"],
+                media_type=artifacts.media_type_for_name(item["name"]),
+                content=content,
+                source=Artifact.Source.SANDBOX,
+            )
+        except artifacts.ArtifactRefused as exc:
+            refused.append({"name": item["name"], "error": exc.message})
+            continue
+        files.append(artifacts.describe(stored, content))
+    usage = answer.get("usage", {})
+    summary = {
+        "exit_code": answer.get("exit_code"),
+        "limit": answer.get("limit"),
+        "message": answer.get("message"),
+        "stdout": _tail(answer.get("stdout", "")),
+        "stderr": _tail(answer.get("stderr", "")),
+        "files": files,
+        "files_refused": refused,
+        "files_skipped": answer.get("skipped_files", []),
+        "usage": usage,
+        "limits": answer.get("limits", {}),
+        "cost_micros": cost_of(usage),
+        "inputs": [str(i) for i in (step.arguments or {}).get("artifacts") or []],
+    }
+    return ToolResult(
+        text=json.dumps(summary, ensure_ascii=False),
+        structured=summary,
+        is_error=answer.get("exit_code") != 0,
+        cost_micros=summary["cost_micros"],
+    )
+
+
+def _tail(text: str) -> str:
+    if len(text) <= MODEL_TAIL:
+        return text
+    return f"[{len(text) - MODEL_TAIL} earlier characters cut]\n" + text[-MODEL_TAIL:]
+
+
+# --- files that tools answer --------------------------------------------------------------------
+
+FILE_TYPES = ("text/csv", "application/csv", "application/vnd.apache.parquet", "application/x-parquet")
+
+
+def is_file_answer(content_type: str) -> bool:
+    """An HTTP tool's answer that is a file (a CSV export), stored as an artifact, not read in."""
+    return content_type.split(";")[0].strip().lower() in FILE_TYPES
+
+
+def file_result(step: Step, content: bytes, content_type: str, disposition: str) -> ToolResult:
+    media_type = artifacts.media_type_of(content_type) or "application/octet-stream"
+    name = (
+        _disposition_name(disposition)
+        or f"{step.tool.remote_name}-{step.seq}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
+    )
+    try:
+        stored = artifacts.store(
+            run=step.run,
+            step=step,
+            name=name,
+            media_type=media_type,
+            content=content,
+            source=Artifact.Source.TOOL,
+        )
+    except artifacts.ArtifactRefused as exc:
+        # The tool did answer: its file was refused, which the model is told (and nothing stored).
+        return ToolResult(text=f"the tool returned a file that was not stored: {exc.message}", is_error=True)
+    description = artifacts.describe(stored, content)
+    return ToolResult(text=artifacts.describe_text(description), structured={"artifact": description})
+
+
+def _disposition_name(disposition: str) -> str | None:
+    for part in disposition.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key.lower() == "filename":
+            name = value.strip().strip('"')
+            return name if artifacts.check_name(name) is None else None
+    return None
