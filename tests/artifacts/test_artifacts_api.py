@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from artifacts import services
 from artifacts.models import Artifact, ArtifactLimits
-from runs.lifecycle import start_run
+from runs.services import start_run
 from tests import factories
 
 pytestmark = pytest.mark.django_db
