@@ -34,7 +34,10 @@ from approvals.selectors import approvals_for
 from runs.models import RunStatus
 from runs.selectors import runs_for
 from tenants.models import TenantGroup, User
+from tenants.money import PLATFORM_CURRENCY
+from tenants.money import money as tenant_money
 from tenants.permissions import may_view_all_runs
+from tools.display import formatted_arguments
 
 # The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
@@ -253,16 +256,19 @@ def _value_text(value, limit: int | None) -> str:
     return text
 
 
-def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
-    """Tool-call arguments as `key: value` lines, money values in bold."""
+def arguments_html(arguments, *, limit: int | None = None, tool=None) -> SafeString:
+    """Tool-call arguments as `key: value` lines, money values in bold (formatted in their currency
+    where the tool says which arguments are money, tools/display.py)."""
     if not isinstance(arguments, dict):
         return format_html('<div class="arguments"><code>{}</code></div>', _value_text(arguments, limit))
     if not arguments:
         return format_html('<div class="arguments quiet">{}</div>', "(no arguments)")
+    readable = formatted_arguments(tool, arguments) if tool is not None else {}
     rows = []
     for key, value in arguments.items():
-        text = _value_text(value, limit)
-        if is_money(key):
+        text, is_amount = readable.get(key, (None, False))
+        text = _value_text(value, limit) if text is None or not is_amount else text
+        if is_amount or is_money(key):
             text = format_html('<strong class="amount">{}</strong>', text)
         rows.append((key, text))
     return format_html(
@@ -271,18 +277,16 @@ def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
     )
 
 
-# Budgets, prices and costs are kept in micro-units of one currency for the whole platform
-# (tenants.models.Tenant); every admin page shows them through `money` so one amount reads the same
-# everywhere.
-CURRENCY = "USD"
+# Budgets, prices and costs are kept in micro-units of the platform currency and shown in the
+# tenant's (tenants/money.py); every admin page shows them through `money` so one amount reads the
+# same everywhere.
+CURRENCY = PLATFORM_CURRENCY
 
 
-def money(micros: int | None) -> str:
-    """Micro-units as `USD 0.0021`: at least 2 decimals, at most 6, never rounded."""
-    if micros is None:
-        return "—"
-    whole, _, fraction = f"{Decimal(micros).scaleb(-6):,.6f}".rstrip("0").partition(".")
-    return f"{CURRENCY} {whole}.{fraction.ljust(2, '0')}"
+def money(micros: int | None, tenant=None) -> str:
+    """Micro-units as the tenant reads them (`INR 1.19`); without a tenant `USD 0.0021`: at least 2
+    decimals, at most 6, never rounded."""
+    return tenant_money(micros, tenant)
 
 
 def price(per_million: Decimal | None) -> str:
@@ -295,9 +299,9 @@ def price(per_million: Decimal | None) -> str:
 _MICROS_IN_TEXT = re.compile(r"\b(\d+) micros\b")
 
 
-def money_in_text(text: str) -> str:
+def money_in_text(text: str, tenant=None) -> str:
     """Event messages written by the engine say `cost 1188 micros`; people read `cost USD 0.001188`."""
-    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1))), text or "")
+    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1)), tenant), text or "")
 
 
 def age(since: dt.datetime | None) -> str:
@@ -354,7 +358,8 @@ class PlatformAdminSite(admin.AdminSite):
         if user is not None and user.is_active and user.is_staff:
             context["platform_nav"] = self.links(request)
             context["time_zone"] = timezone.get_current_timezone_name()
-            context["currency"] = CURRENCY
+            tenant = getattr(user, "tenant", None)
+            context["currency"] = tenant.currency if tenant is not None else CURRENCY
         return context
 
     def links(self, request) -> list[tuple[str, str]]:

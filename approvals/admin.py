@@ -33,8 +33,10 @@ from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
 from budgets.models import BudgetAccount
 from runs.admin import conversation
+from runs.flags import risk_flags
 from runs.lifecycle import decide_approval
-from runs.models import Step
+from runs.models import Step, StepKind, StepStatus
+from tools.display import summary
 from tools.models import EffectClass
 
 
@@ -58,13 +60,42 @@ class AgeFilter(admin.SimpleListFilter):
         return queryset
 
 
-# What each effect class means for the person deciding (DESIGN.md section 5).
+# What each effect class means for this call, for the person deciding (DESIGN.md section 5):
+# what can happen at the provider, not how the platform retries.
 EFFECT_MEANING = {
-    EffectClass.READ_ONLY: "reads only; changes nothing",
-    EffectClass.IDEMPOTENT: "repeating the call has no further effect",
-    EffectClass.RECONCILABLE: "the provider can say whether the call happened",
-    EffectClass.UNSAFE: "may take effect twice if retried; nobody can check",
+    EffectClass.READ_ONLY: "reads only: approving changes nothing at {server}",
+    EffectClass.IDEMPOTENT: "{server} deduplicates this call by its key: even if the platform has to "
+    "send it again, it takes effect once",
+    EffectClass.RECONCILABLE: "if the answer is lost, the platform asks {server} whether the call took "
+    "effect before sending it again: it takes effect at most once",
+    EffectClass.UNSAFE: "if the answer is lost, nobody can tell whether it took effect at {server}; it is "
+    "never sent twice without a person deciding",
 }
+
+
+def effect_meaning(tool) -> str:
+    text = EFFECT_MEANING.get(tool.effect_class, "")
+    return text.format(server=tool.server.name if tool.server_id else "the provider")
+
+
+def latest_results(run) -> dict:
+    """Tool name -> the latest stored result of a call that succeeded, for summary templates."""
+    results: dict = {}
+    for name, result in (
+        Step.objects.filter(
+            run=run, kind=StepKind.TOOL, status__in=[StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED]
+        )
+        .order_by("seq")
+        .values_list("tool_name", "result")
+    ):
+        results[name] = result
+    return results
+
+
+def call_summary(approval: Approval) -> str:
+    return summary(
+        approval.tool, approval.arguments, run_input=approval.run.input, results=latest_results(approval.run)
+    )
 
 
 def proposal_text(approval: Approval) -> str:
@@ -76,13 +107,14 @@ def proposal_text(approval: Approval) -> str:
 
 
 def cost_so_far(run) -> dict:
+    tenant = run.tenant
     account = BudgetAccount.objects.filter(run=run).first()
     if account is None:
-        return {"spent": money(0), "limit": ""}
+        return {"spent": money(0, tenant), "limit": ""}
     return {
-        "spent": money(account.spent_micros),
-        "held": account.held_micros and money(account.held_micros),
-        "limit": money(account.limit_micros),
+        "spent": money(account.spent_micros, tenant),
+        "held": account.held_micros and money(account.held_micros, tenant),
+        "limit": money(account.limit_micros, tenant),
     }
 
 
@@ -230,7 +262,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "opts": self.opts,
             "title": f"Approve {approval.tool.name}?",
             "approval": approval,
-            "arguments": arguments_html(approval.arguments),
+            "arguments": arguments_html(approval.arguments, tool=approval.tool),
+            "summary": call_summary(approval),
+            "flags": risk_flags(approval),
             "age": age(approval.created_at),
             "time_left": time_left(approval.expires_at),
             "form": form,
@@ -238,7 +272,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
             "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
             "proposal": proposal_text(approval),
-            "effect": EFFECT_MEANING.get(approval.tool.effect_class, ""),
+            "effect": effect_meaning(approval.tool),
             "cost_so_far": cost_so_far(approval.run),
             "can_open_run": approval.run_visible,
         }
