@@ -10,6 +10,7 @@ from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from agentplatform.admin_site import (
@@ -23,9 +24,11 @@ from agentplatform.admin_site import (
 from agentplatform.errors import DomainError
 from approvals.services import can_approve
 from budgets.models import BudgetAccount
+from runs.display import run_title, status_label
 from runs.lifecycle import cancel_run
 from runs.models import TERMINAL, Run, RunEvent, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
+from runs.search import Q_MAX, search
 from runs.selectors import events_of, steps_of
 from tools.models import EffectClass
 
@@ -150,16 +153,35 @@ class ResolveForm(forms.Form):
 class RunAdmin(ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
 
-    list_display = ["short_id", "agent", "version_number", "status", "created_by", "created_at", "spent"]
-    list_filter = ["status", ("agent", admin.RelatedOnlyFieldListFilter)]
-    list_select_related = ["agent", "version", "created_by", "budget"]
-    search_fields = ["created_by__username"]
+    list_display = ["short_id", "title", "version_number", "status_label", "created_at", "spent"]
+    list_filter = [
+        "status",
+        ("agent", admin.RelatedOnlyFieldListFilter),
+        ("created_by", admin.RelatedOnlyFieldListFilter),
+    ]
+    list_select_related = ["agent", "version", "created_by", "budget", "tenant"]
+    # The box searches ids, id prefixes and input/metadata values (runs/search.py), not these fields.
+    search_fields = ["id"]
+    search_help_text = (
+        "A run id or its first characters (a7390f2e), or a value of its input or metadata (TXN-1002)."
+    )
     date_hierarchy = "created_at"
     actions = ["cancel_selected"]
+
+    def get_search_results(self, request, queryset, search_term):
+        return search(queryset, search_term[:Q_MAX]), False
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
         return str(run.pk)[:8]
+
+    @admin.display(description="title", ordering="agent__name")
+    def title(self, run):
+        return run_title(run)
+
+    @admin.display(description="status", ordering="status")
+    def status_label(self, run):
+        return format_html('<span class="status-badge st-{}">{}</span>', run.status, status_label(run.status))
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, run):
@@ -168,7 +190,7 @@ class RunAdmin(ReadOnlyAdmin):
     @admin.display(description="spent", ordering="budget__spent_micros")
     def spent(self, run):
         budget = getattr(run, "budget", None)
-        return money(budget.spent_micros) if budget else "—"
+        return money(budget.spent_micros, run.tenant) if budget else "—"
 
     def has_cancel_permission(self, request, obj=None):
         return request.user.has_perm("runs.change_run")
