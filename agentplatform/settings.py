@@ -289,6 +289,8 @@ CELERY_TASK_ROUTES = {
     "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Where Flower answers, for the admin run page's link to a run's tasks (scripts/serve.sh sets it).
+FLOWER_URL = (env_str("FLOWER_URL") or "").rstrip("/")
 # Survives a Redis restart that kombu 5.7 would turn into a worker exit (see agentplatform/celery.py).
 CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import uuid
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from django.db.models import JSONField, Q
 from django.db.models.expressions import RawSQL
@@ -40,13 +40,14 @@ def id_range(q: str) -> tuple[uuid.UUID, uuid.UUID] | None:
     return uuid.UUID(digits.ljust(32, "0")), uuid.UUID(digits.ljust(32, "f"))
 
 
+PLAIN_NUMBER = re.compile(r"^-?\d{1,18}(\.\d{1,6})?$")
+
+
 def _as_number(q: str):
-    try:
-        number = Decimal(q)
-    except InvalidOperation:
+    """`12499` and `12.5` are numbers too; `1e5`, `8e123456` (an id prefix) and `nan` are not."""
+    if not PLAIN_NUMBER.match(q):
         return None
-    if not number.is_finite():
-        return None
+    number = Decimal(q)
     return int(number) if number == number.to_integral_value() else float(number)
 
 
