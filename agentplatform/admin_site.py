@@ -304,6 +304,10 @@ def money_in_text(text: str, tenant=None) -> str:
     return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1)), tenant), text or "")
 
 
+# The one date format of the admin's pages (templates use the same: "j M Y, H:i"): 14 Jan 2025, 09:30.
+DATETIME_FORMAT = "j M Y, H:i"
+
+
 def age(since: dt.datetime | None) -> str:
     return timesince(since, timezone.now(), depth=2) if since else "—"
 

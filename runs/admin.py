@@ -13,10 +13,12 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from agentplatform.admin_site import (
+    DATETIME_FORMAT,
     ReadOnlyAdmin,
     arguments_html,
     duration,
@@ -135,7 +137,7 @@ def step_summary(step: Step) -> str:
         if calls:
             text = f"{text[:80]}{'…' if len(text) > 80 else ''} → calls {', '.join(calls)}".strip(" →")
         return text[:140] or (step.error[:140] if step.error else "")
-    return step.error[:140] if step.error and step.status != StepStatus.SUCCEEDED else ""
+    return f"· {step.error[:140]}" if step.error and step.status != StepStatus.SUCCEEDED else ""
 
 
 def flower_url() -> str:
@@ -177,6 +179,19 @@ def with_events(rows: list[dict], events: list[RunEvent], tenant) -> list[dict]:
     return rows
 
 
+class RunStatusFilter(admin.SimpleListFilter):
+    """Statuses in words ("waiting for approval"), not Django's title-cased codes."""
+
+    title = "status"
+    parameter_name = "status__exact"
+
+    def lookups(self, request, model_admin):
+        return [(value, status_label(value)) for value in RunStatus.values]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(status=self.value()) if self.value() else queryset
+
+
 class ResolveForm(forms.Form):
     outcome = forms.ChoiceField(choices=[(o, o) for o in OUTCOMES], widget=forms.RadioSelect)
     reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
@@ -192,9 +207,9 @@ class ResolveForm(forms.Form):
 class RunAdmin(ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
 
-    list_display = ["short_id", "title", "version_number", "status_label", "created_at", "spent"]
+    list_display = ["short_id", "title", "version_number", "status_label", "created", "spent"]
     list_filter = [
-        "status",
+        RunStatusFilter,
         ("agent", admin.RelatedOnlyFieldListFilter),
         ("created_by", admin.RelatedOnlyFieldListFilter),
     ]
@@ -207,12 +222,19 @@ class RunAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
     actions = ["cancel_selected"]
 
+    def changelist_view(self, request, extra_context=None):
+        return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
+
     def get_search_results(self, request, queryset, search_term):
         return search(queryset, search_term[:Q_MAX]), False
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
         return str(run.pk)[:8]
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, run):
+        return date_format(timezone.localtime(run.created_at), DATETIME_FORMAT)
 
     @admin.display(description="title", ordering="agent__name")
     def title(self, run):
@@ -276,6 +298,7 @@ class RunAdmin(ReadOnlyAdmin):
             "watch_url": reverse("admin:runs_run_watch", args=[run.pk]) if not run.is_terminal else "",
             "marker": run_marker(run),
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
+            "metadata": arguments_html(run.metadata) if run.metadata else "",
             "flower_url": flower_url(),
             "rate_note": rate_note(run.tenant),
         }

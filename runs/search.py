@@ -6,7 +6,7 @@ value anywhere in its input or metadata, exactly (`TXN-1002`, `12499`). Every fi
 (bench/run_search.py measures it):
 - an id prefix is a range of the primary key (`a739…0000` to `a739…ffff`), read from its B-tree;
 - values: a GIN index on the array of every string and number in input and metadata
-  (`SEARCH_VALUES`), queried with `@>`; the query repeats the index's expression to the letter,
+  (`SearchValues`), queried with `@>`; the query repeats the index's expression to the letter,
   which is what lets PostgreSQL use it;
 - the tenant's newest first: (tenant, created_at); creator, agent and status have their own.
 """
@@ -18,16 +18,36 @@ import re
 import uuid
 from decimal import Decimal
 
-from django.db.models import JSONField, Q
-from django.db.models.expressions import RawSQL
+from django.db.models import F, Func, JSONField, Q
 
 # Every string and number in the run's input and metadata, at any depth. The same text is in the
 # index's definition (runs/migrations/0009_run_search_indexes.py).
 VALUES_PATH = 'strict $.** ? (@.type() == "string" || @.type() == "number")'
-SEARCH_VALUES = (
-    f'(jsonb_path_query_array("runs_run"."input", \'{VALUES_PATH}\'::jsonpath)'
-    f' || jsonb_path_query_array("runs_run"."metadata", \'{VALUES_PATH}\'::jsonpath))'
-)
+
+
+class SearchValues(Func):
+    """`jsonb_path_query_array(input, VALUES_PATH) || jsonb_path_query_array(metadata, VALUES_PATH)`,
+    with the columns named through the ORM so a subquery's table alias is used."""
+
+    template = (
+        f"(jsonb_path_query_array(%(input)s, '{VALUES_PATH}'::jsonpath)"
+        f" || jsonb_path_query_array(%(metadata)s, '{VALUES_PATH}'::jsonpath))"
+    )
+    output_field = JSONField()
+
+    def __init__(self):
+        super().__init__(F("input"), F("metadata"))
+
+    def as_sql(self, compiler, connection, **extra):
+        (input_sql, input_params), (metadata_sql, metadata_params) = (
+            compiler.compile(expression) for expression in self.get_source_expressions()
+        )
+        return self.template % {"input": input_sql, "metadata": metadata_sql}, (
+            *input_params,
+            *metadata_params,
+        )
+
+
 ID_PREFIX = re.compile(r"^[0-9a-f]{4,32}$")
 Q_MAX = 200
 
@@ -56,7 +76,7 @@ def search(runs, q: str):
     q = q.strip()
     if not q:
         return runs
-    runs = runs.alias(search_values=RawSQL(SEARCH_VALUES, (), output_field=JSONField()))
+    runs = runs.alias(search_values=SearchValues())
     match = Q(search_values__contains=[q])
     number = _as_number(q)
     if number is not None:

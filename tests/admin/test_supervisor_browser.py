@@ -14,8 +14,9 @@ import pytest
 
 from approvals.models import Approval
 from configuration.apply import apply_config
+from runs.engine import advance
 from runs.lifecycle import start_run
-from runs.models import RunStatus
+from runs.models import Run, RunStatus, Step, StepStatus
 from tenants.models import User
 from tests.admin.test_inbox_browser import in_browser
 from tests.conftest import drive
@@ -31,6 +32,7 @@ LOOKUP = {
     "amount": 12499,
     "ticket": INJECTED,
 }
+PAYOUT = {"seconds": 0, "payment_ref": "PAY-9", "amount": 2500}
 REFUND = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR", "reason": "duplicate charge"}
 SUMMARY = (
     "Refund {amount} on {transaction_id} ({result.platform__echo.merchant}, "
@@ -79,11 +81,33 @@ def tenant_file() -> dict:
                 "kind": "scripted",
                 "prices": {"input": 3.0, "cached_input": 0.3, "output": 15.0},
                 "config": {"turns": turns},
-            }
+            },
+            {
+                "name": "scripted-pay",
+                "kind": "scripted",
+                "prices": {"input": 3.0, "cached_input": 0.3, "output": 15.0},
+                "config": {
+                    "turns": [
+                        {
+                            "text": "Paying out.",
+                            "tool_calls": [{"name": "platform__sleep", "arguments": PAYOUT}],
+                        },
+                        {"text": "Paid."},
+                    ]
+                },
+            },
         ],
         "tool_servers": [{"name": "platform", "kind": "builtin"}],
         "tools": [
             {"server": "platform", "name": "echo", "enabled": True, "effect": "read_only"},
+            # A payout nobody can look up: a call whose answer is lost needs a person.
+            {
+                "server": "platform",
+                "name": "sleep",
+                "enabled": True,
+                "effect": "unsafe",
+                "money": {"amount": "INR"},
+            },
             # Enabled and granted to nobody: what a prompt injection asks for is denied.
             {"server": "platform", "name": "clock", "enabled": True, "effect": "unsafe"},
             {
@@ -99,7 +123,9 @@ def tenant_file() -> dict:
         "grants": [
             {"tool": "platform__echo", "use": ["group:support"]},
             {"tool": "platform__noop", "use": ["group:support"], "approve": ["group:supervisors"]},
+            {"tool": "platform__sleep", "use": ["group:support"], "approve": ["group:supervisors"]},
             {"agent": "disputes", "run": ["group:support"]},
+            {"agent": "payouts", "run": ["group:support"]},
         ],
         "agents": [
             {
@@ -113,7 +139,19 @@ def tenant_file() -> dict:
                     }
                 ],
                 "aliases": {"prod": 1},
-            }
+            },
+            {
+                "name": "payouts",
+                "versions": [
+                    {
+                        "model": "scripted-pay",
+                        "instructions": "Pay out refunds.",
+                        "tools": ["platform__sleep"],
+                        "limits": {"max_steps": 5, "max_cost_micros": 1_000_000},
+                    }
+                ],
+                "aliases": {"prod": 1},
+            },
         ],
     }
 
@@ -137,7 +175,15 @@ def tenant(transactional_db):
     )
     run = drive(run.pk)
     assert run.status == RunStatus.WAITING_APPROVAL, (run.status, run.error)
-    return {"run": run, "approval": Approval.objects.get(run=run), "arjun": arjun}
+    lost, _ = start_run(user=arjun, agent="payouts", input={"payment_ref": "PAY-9"})
+    advance(lost.pk)  # the model step proposes the payout
+    # What a worker leaves behind when it dies right after marking the call dispatching.
+    Step.objects.filter(run=lost, seq=2).update(
+        status=StepStatus.DISPATCHING, attempts=1, idempotency_key="pay-key-9"
+    )
+    advance(lost.pk)
+    assert Run.objects.get(pk=lost.pk).status == RunStatus.NEEDS_ATTENTION
+    return {"run": run, "approval": Approval.objects.get(run=run), "arjun": arjun, "lost": lost}
 
 
 def log_in(page, base: str, username: str) -> None:
@@ -187,3 +233,110 @@ def test_the_approval_says_what_approving_does_and_what_to_notice_above_the_butt
     assert seen["order"][0] < seen["order"][1] < seen["order"][2]
     assert "denied: platform__noop" in seen["after"].lower()
     assert Approval.objects.get(pk=tenant["approval"].pk).status == "denied"
+
+
+def test_a_run_that_needs_a_person_says_so_at_the_top_and_its_timeline_fits_a_screen(
+    live_server, tenant, shots
+):
+    seen: dict = {}
+
+    def look(page):
+        page.set_viewport_size({"width": 1280, "height": 900})
+        log_in(page, live_server.url, "meera")
+        # Finding it: the runs list searched by a value of its input.
+        page.goto(f"{live_server.url}/admin/runs/run/")
+        page.fill("#searchbar", "PAY-9")
+        page.press("#searchbar", "Enter")
+        page.wait_for_url("**q=PAY-9**")
+        seen["found"] = page.locator("#result_list tbody").inner_text()
+        page.screenshot(path=str(shots / "runs-search.png"), full_page=False)
+        page.goto(f"{live_server.url}/admin/runs/run/{tenant['lost'].pk}/change/")
+        seen["title"] = page.locator("h1").inner_text()
+        seen["attention"] = page.locator("#attention").inner_text()
+        seen["resolve"] = page.locator("#attention form.resolve input[type=submit]").get_attribute("value")
+        seen["banner_above_facts"] = page.evaluate(
+            """() => document.querySelector('#attention').getBoundingClientRect().top
+                  < document.querySelector('.facts').getBoundingClientRect().top"""
+        )
+        page.screenshot(path=str(shots / "run-attention.png"), full_page=False)
+        # The long run: one row per step, collapsed; expand all, filter, jump.
+        page.goto(f"{live_server.url}/admin/runs/run/{tenant['run'].pk}/change/")
+        seen["rows"] = page.locator("#timeline tbody.tl-row").count()
+        page.screenshot(path=str(shots / "run-timeline.png"), full_page=True)
+        page.click("[data-tl=expand]")
+        seen["open_after_expand"] = page.locator("#timeline tbody.tl-row.open").count()
+        page.screenshot(path=str(shots / "run-timeline-expanded.png"), full_page=True)
+        page.click("[data-tl=collapse]")
+        seen["table_height"] = page.locator("table.tl-table").bounding_box()["height"]
+        page.select_option("#tl-filter", "denied")
+        seen["visible_denied"] = page.locator("#timeline tbody.tl-row:not([hidden])").count()
+        page.select_option("#tl-filter", "")
+        page.fill("#tl-jump", "2")
+        page.press("#tl-jump", "Enter")
+        seen["jumped_open"] = page.locator("#step-2.open").count()
+        seen["result"] = page.locator("#step-2 pre.tl-result").inner_text()
+
+    in_browser(look)
+
+    assert "payouts · PAY-9 · arjun" in seen["found"] and "disputes" not in seen["found"]
+    assert seen["title"].startswith("payouts · PAY-9 · arjun") and "needs attention" in seen["title"]
+    assert "outcome of this call is unknown" in seen["attention"] and "pay-key-9" in seen["attention"]
+    assert "Look it up at platform" in " ".join(seen["attention"].split()), seen["attention"]
+    assert seen["resolve"] == "Resolve step 2"
+    assert seen["banner_above_facts"]
+    steps = Step.objects.filter(run=tenant["run"]).count()
+    assert seen["rows"] == steps >= 6
+    # A row a step, not a screen a step: 25 steps fit in 900 px.
+    assert seen["table_height"] < 32 * (steps + 1), seen["table_height"]
+    assert seen["open_after_expand"] == steps
+    assert seen["visible_denied"] == 1
+    assert seen["jumped_open"] == 1
+    assert '"merchant": "Croma Electronics"' in seen["result"]  # pretty-printed, one key a line
+
+
+def test_the_inbox_shows_agent_amount_and_customer_searches_and_says_when_it_is_empty(
+    live_server, tenant, shots
+):
+    seen: dict = {}
+
+    def look(page):
+        page.set_viewport_size({"width": 1280, "height": 900})
+        log_in(page, live_server.url, "meera")
+        page.goto(f"{live_server.url}/admin/approvals/approval/")
+        seen["head"] = page.locator("#result_list thead").inner_text()
+        seen["row"] = page.locator("#result_list tbody tr").first.inner_text()
+        seen["filters"] = page.locator("#changelist-filter").inner_text()
+        page.screenshot(path=str(shots / "inbox-columns.png"), full_page=False)
+        page.fill("#searchbar", "TXN-1001")
+        page.press("#searchbar", "Enter")
+        page.wait_for_url("**q=TXN-1001**")
+        seen["found"] = page.locator("#result_list tbody tr").count()
+        page.fill("#searchbar", "TXN-4040")
+        page.press("#searchbar", "Enter")
+        page.wait_for_url("**q=TXN-4040**")
+        seen["no_match"] = page.locator("#inbox-empty").inner_text()
+        page.goto(f"{live_server.url}/admin/approvals/approval/{tenant['approval'].pk}/change/")
+        page.keyboard.press("a")
+        page.wait_for_selector("ul.messagelist")
+        seen["empty"] = page.locator("#inbox-empty").inner_text()
+        page.screenshot(path=str(shots / "inbox-empty.png"), full_page=False)
+
+    in_browser(look)
+
+    for column in ("AGENT", "AMOUNT", "CUSTOMER"):
+        assert column in seen["head"].upper()
+    assert "disputes" in seen["row"] and "INR 12,499.00" in seen["row"] and "c@example.com" in seen["row"]
+    assert "Refund INR 12,499.00 on TXN-1001 (Croma Electronics, 14 Jan 2025)" in seen["row"]
+    # Django shows a related filter once it has two choices; here there is one tool, agent, requester.
+    from approvals.admin import ApprovalAdmin
+
+    assert {f[0] for f in ApprovalAdmin.list_filter if isinstance(f, tuple)} == {
+        "tool",
+        "run__agent",
+        "requested_by",
+    }
+    assert "status" in seen["filters"].lower() and "age" in seen["filters"].lower()
+    assert seen["found"] == 1
+    assert "No calls match" in seen["no_match"]
+    assert "Nothing is waiting for your decision" in seen["empty"]
+    assert Approval.objects.get(pk=tenant["approval"].pk).status == "approved"
