@@ -81,9 +81,9 @@ def fill(tenants, users, agents) -> float:
         "id": "gen_random_uuid()",
         # 90% in the searched tenant, 10% in the other.
         "tenant_id": f"CASE WHEN mod(i, 10) = 0 THEN {tenants[1].pk} ELSE {tenants[0].pk} END",
-        "created_by_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_user)s ELSE (%(users)s::bigint[])[1 + mod(i, %(n_users)s)] END",
-        "agent_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_agent)s ELSE (%(agents)s::bigint[])[1 + mod(i, %(n_agents)s)] END",
-        "version_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_version)s ELSE (%(versions)s::bigint[])[1 + mod(i, %(n_agents)s)] END",
+        "created_by_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_user)s ELSE (%(users)s::bigint[])[1 + mod(i / 10, %(n_users)s)] END",
+        "agent_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_agent)s ELSE (%(agents)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
+        "version_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_version)s ELSE (%(versions)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
         "input": "jsonb_build_object('transaction_id', 'TXN-' || i, 'customer_email', 'c' || mod(i, 50000) || '@example.com',"
         " 'amount', mod(i * 37, 100000))",
         "metadata": "jsonb_build_object('ticket', 'DSP-' || i)",
@@ -196,6 +196,7 @@ def main() -> None:
             "q=<8-hex id prefix>": lambda: {"q": rng.choice(sample_ids)[:8]},
             "q=<full id>": lambda: {"q": rng.choice(sample_ids)},
             "created_by=<user>": lambda: {"created_by": f"user{rng.randrange(USERS)}"},
+            "created_by=<user with no runs>": lambda: {"created_by": "supervisor"},
             "agent=<agent>&status=failed": lambda: {
                 "agent": f"agent-{rng.randrange(AGENTS - 1)}",
                 "status": "failed",
