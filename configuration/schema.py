@@ -461,7 +461,7 @@ def parse(data: Any, problems: Problems) -> Plan:
         _check_holders(values.get("view_runs", []), "tenant.view_runs", problems)
         if len(problems) > before:
             values.pop("view_runs")
-        if values.get("currency", "USD") != "USD" and "exchange_rate" not in values:
+        if values.get("currency", "USD") != "USD" and "exchange_rate" not in data["tenant"]:
             problems.add(
                 "tenant.exchange_rate", f"required with currency {values['currency']}: units per one USD"
             )
