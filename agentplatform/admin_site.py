@@ -31,6 +31,8 @@ from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
 from approvals.models import ApprovalStatus
 from approvals.selectors import approvals_for
+from budgets.selectors import reservations_for
+from runs.display import run_title
 from runs.models import RunStatus
 from runs.selectors import runs_for
 from tenants.models import TenantGroup, User
@@ -384,8 +386,9 @@ class PlatformAdminSite(admin.AdminSite):
         return super().index(request, {**(extra_context or {}), "desk": self._desk(request)})
 
     def _desk(self, request) -> dict:
-        """What a supervisor starts the day with: pending approvals, stuck runs, usage; each line
-        only when the user can open the page it links to."""
+        """What a supervisor starts the day with: pending approvals, runs that need a person or
+        failed in the last day, reservations held for reconciliation, usage; each line only when
+        the user can open the page it links to."""
         user = request.user
         if user.tenant_id is None:
             return {}
@@ -395,11 +398,35 @@ class PlatformAdminSite(admin.AdminSite):
             desk["pending"] = approvals_for(user, status=ApprovalStatus.PENDING).count()
             desk["inbox_url"] = links["Inbox"]
         if "Runs" in links:
-            desk["attention"] = runs_for(user, status=RunStatus.NEEDS_ATTENTION).count()
+            attention = runs_for(user, status=RunStatus.NEEDS_ATTENTION).order_by("-created_at")
+            failed = runs_for(user, status=RunStatus.FAILED).filter(
+                finished_at__gte=timezone.now() - dt.timedelta(days=1)
+            )
+            desk["attention"] = attention.count()
+            desk["failed"] = failed.count()
             desk["runs_url"] = links["Runs"]
+            desk["attention_runs"] = [self._desk_run(run) for run in attention[:DESK_ROWS]]
+            desk["failed_runs"] = [self._desk_run(run) for run in failed.order_by("-finished_at")[:DESK_ROWS]]
+        reservations = self._registry_admin("budgets.reservation")
+        if reservations.has_view_permission(request):
+            desk["held"] = reservations_for(user, status="held").count()
+            desk["held_url"] = reverse("admin:budgets_reservation_changelist")
         if "Usage" in links:
             desk["usage_url"] = links["Usage"]
         return desk
+
+    @staticmethod
+    def _desk_run(run) -> dict:
+        first_line = (run.error or run.stop_reason or "").strip().splitlines()
+        return {
+            "url": reverse("admin:runs_run_change", args=[run.pk]),
+            "title": run_title(run),
+            "why": first_line[0][:160] if first_line else "",
+            "at": run.finished_at or run.created_at,
+        }
+
+
+DESK_ROWS = 10  # runs listed per line of the desk; the count links to the rest
 
 
 def tenant_zone(user) -> dt.tzinfo:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections import Counter
 
@@ -192,6 +193,19 @@ class RunStatusFilter(admin.SimpleListFilter):
         return queryset.filter(status=self.value()) if self.value() else queryset
 
 
+class FinishedFilter(admin.SimpleListFilter):
+    title = "finished"
+    parameter_name = "finished"
+    WINDOWS = {"hour": dt.timedelta(hours=1), "day": dt.timedelta(days=1), "week": dt.timedelta(days=7)}
+
+    def lookups(self, request, model_admin):
+        return [("hour", "in the last hour"), ("day", "in the last day"), ("week", "in the last week")]
+
+    def queryset(self, request, queryset):
+        window = self.WINDOWS.get(self.value())
+        return queryset.filter(finished_at__gte=timezone.now() - window) if window else queryset
+
+
 class ResolveForm(forms.Form):
     outcome = forms.ChoiceField(choices=[(o, o) for o in OUTCOMES], widget=forms.RadioSelect)
     reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}))
@@ -212,6 +226,7 @@ class RunAdmin(ReadOnlyAdmin):
         RunStatusFilter,
         ("agent", admin.RelatedOnlyFieldListFilter),
         ("created_by", admin.RelatedOnlyFieldListFilter),
+        FinishedFilter,
     ]
     list_select_related = ["agent", "version", "created_by", "budget", "tenant"]
     # The box searches ids, id prefixes and input/metadata values (runs/search.py), not these fields.
