@@ -356,13 +356,20 @@ if LOG_FORMAT not in ("plain", "json"):
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"run_context": {"()": "observability.logs.RunContextFilter"}},
+    "filters": {
+        "run_context": {"()": "observability.logs.RunContextFilter"},
+        "quiet_periodic": {"()": "observability.logs.QuietPeriodicTasks"},
+    },
     "formatters": {
         "plain": {"()": "observability.logs.PlainFormatter"},
         "json": {"()": "observability.logs.JsonFormatter"},
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["run_context"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["run_context", "quiet_periodic"],
+        }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
 }

@@ -33,6 +33,8 @@ $PY manage.py migrate --noinput
 $PY manage.py collectstatic --noinput -v 0
 
 pids=()
+# Each process's lines start with its name (web, worker, beat, flower): one terminal, four processes.
+named() { sed -u "s/^/$1 | /"; }
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait || true; }
 trap cleanup EXIT INT TERM
 
@@ -42,7 +44,7 @@ trap cleanup EXIT INT TERM
 # (SECURE_PROXY_SSL_HEADER) and X-Forwarded-For (TRUSTED_PROXY_COUNT) itself. Open streams get 10 s
 # to end at shutdown; clients resume with Last-Event-ID.
 $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND##*:}" \
-  --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 & pids+=($!)
+  --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 > >(named "web   ") 2>&1 & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight
 # (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.
@@ -52,12 +54,13 @@ $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND
 # are on from the start, not only once Flower's periodic broadcast reaches a new worker.
 # DB_POOL_CHECK=0: no connection check per checkout (agentplatform/settings.py says why that is safe here).
 DB_POOL_CHECK=${WORKER_DB_POOL_CHECK:-0} $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
-  --without-gossip --without-mingle --task-events --loglevel INFO & pids+=($!)
-# Beat and Flower record no platform metrics: kept out of the shared directory.
-env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
-  --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)
+  --without-gossip --without-mingle --task-events --loglevel INFO > >(named "worker") 2>&1 & pids+=($!)
+# Beat and Flower record no platform metrics: kept out of the shared directory. Beat at WARNING:
+# at INFO it says "Sending due task" for the sweeper and notify every few seconds, and nothing else.
+env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel WARNING \
+  --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" > >(named "beat  ") 2>&1 & pids+=($!)
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 \
-  & pids+=($!)
+  > >(named "flower") 2>&1 & pids+=($!)
 
 # The last lines of the start-up output: where everything is, once the API answers.
 host=${BIND%:*}; port=${BIND##*:}
@@ -77,10 +80,30 @@ for _ in range(120):
 print(body["status"] if body["status"] == "ready" else f"{body['status']}: {body.get('checks', '')}")
 EOF
 )
+# The worker's and Flower's banners come a few seconds after the API answers: wait for both, so
+# the URLs below are the last lines of the start-up output.
+for _ in $(seq 20); do
+  $PY -m celery -A agentplatform inspect ping --timeout 1 >/dev/null 2>&1 && break
+done
+$PY - "http://127.0.0.1:$FLOWER_PORT/healthcheck" <<'EOF' || true
+import sys, time
+import httpx
+for _ in range(60):
+    try:
+        if httpx.get(sys.argv[1], timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+EOF
+sleep 1  # their last start-up lines are flushed through the name prefixes
+mode=$(DJANGO_SETTINGS_MODULE=agentplatform.settings $PY -c "from django.conf import settings as s; print('production' if s.PRODUCTION else 'development: DEBUG is ' + ('on, and a 404 page lists every URL' if s.DEBUG else 'off'))" 2>/dev/null || echo unknown)
+[ "$mode" = production ] || mode="$mode (production mode locally: README, first screen)"
 shown_db=$(printf '%s' "$DATABASE_URL" | sed -E 's#(://[^:/@]*):[^@]*@#\1:***@#')
 cat <<EOF
 
 == agent platform started ($ready); Ctrl-C stops every process
+   mode       $mode
    API        $base/v1/         OpenAPI docs: $base/v1/docs
    admin      $base/admin/
    health     $base/healthz     readiness: $base/readyz

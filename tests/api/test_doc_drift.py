@@ -15,6 +15,7 @@ from tests.admin.helpers import park_on_approval
 from tests.servers import ROOT
 
 README = (ROOT / "README.md").read_text()
+DOCS = README + "".join(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))
 API_DOC = (ROOT / "docs" / "api.md").read_text()
 SERVE = (ROOT / "scripts" / "serve.sh").read_text()
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -28,11 +29,13 @@ def test_the_makefile_names_the_web_server_that_make_serve_runs():
     assert named == runs, (line, runs)
 
 
-def test_the_readme_names_the_queues_workers_consume():
+def test_the_docs_name_the_queues_workers_consume():
     queue = re.search(r"^QUEUE=\$\{CELERY_QUEUE:-(\S+?)\}", SERVE, re.M).group(1)
     sweep = re.search(r"^SWEEP_QUEUE=\$\{CELERY_SWEEP_QUEUE:-\$QUEUE(\S*?)\}", SERVE, re.M).group(1)
     expected = f"-Q {queue},{queue}{sweep}"
-    for found in re.findall(r"-Q [\w.,]+", README):
+    found_any = re.findall(r"-Q [\w.,]+", DOCS)
+    assert found_any
+    for found in found_any:
         assert found == expected, (found, expected)
 
 
