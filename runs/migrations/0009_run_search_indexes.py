@@ -2,7 +2,8 @@
 and a GIN index on every string and number of a run's input and metadata.
 
 Built CONCURRENTLY (so the migration does not lock a large runs table against writes) and therefore
-outside a transaction. The GIN expression must stay identical to runs.search.SEARCH_VALUES.
+outside a transaction. The GIN expression must stay identical to runs.search.SearchValues. PostgreSQL
+only: SQLite (the demo) has no jsonpath and scans its few runs.
 """
 
 from django.db import migrations
@@ -20,15 +21,23 @@ INDEXES = {
 }
 
 
+def create_indexes(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for name, definition in INDEXES.items():
+        schema_editor.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON runs_run {definition}")
+
+
+def drop_indexes(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for name in INDEXES:
+        schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+
+
 class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [("runs", "0008_run_event_notify")]
 
-    operations = [
-        migrations.RunSQL(
-            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON runs_run {definition}",
-            f"DROP INDEX CONCURRENTLY IF EXISTS {name}",
-        )
-        for name, definition in INDEXES.items()
-    ]
+    operations = [migrations.RunPython(create_indexes, drop_indexes)]
