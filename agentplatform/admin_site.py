@@ -301,9 +301,19 @@ def price(per_million: Decimal | None) -> str:
 _MICROS_IN_TEXT = re.compile(r"\b(\d+) micros\b")
 
 
+# Budget events say "reserved 18240, settled 2469, run remaining 1997531 micros": every amount of
+# such a message is in micros, not only the one the word follows.
+_AMOUNT_IN_BUDGET_TEXT = re.compile(
+    r"\b(reserved|settled|spent|held|remaining|cost|refunded) (\d+)\b(?! micros)"
+)
+
+
 def money_in_text(text: str, tenant=None) -> str:
     """Event messages written by the engine say `cost 1188 micros`; people read `cost USD 0.001188`."""
-    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1)), tenant), text or "")
+    text = text or ""
+    if " micros" in text:
+        text = _AMOUNT_IN_BUDGET_TEXT.sub(lambda m: f"{m.group(1)} {money(int(m.group(2)), tenant)}", text)
+    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1)), tenant), text)
 
 
 # The one date format of the admin's pages (templates use the same: "j M Y, H:i"): 14 Jan 2025, 09:30.
