@@ -2,7 +2,7 @@
 # make test   – set up, lint, and run the whole suite on throwaway PostgreSQL + Redis servers of its own
 # make test-fast – the same without the slow recovery, end-to-end, browser and production-shape tests
 # make lint   – ruff check and ruff format --check (make format rewrites)
-# make serve  – production shape: PostgreSQL, Redis broker, gunicorn, celery worker + beat, flower
+# make serve  – production shape: PostgreSQL, Redis broker, uvicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
 VENV ?= .venv

@@ -31,10 +31,15 @@ from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
 from approvals.models import ApprovalStatus
 from approvals.selectors import approvals_for
+from budgets.selectors import reservations_for
+from runs.display import run_title
 from runs.models import RunStatus
 from runs.selectors import runs_for
 from tenants.models import TenantGroup, User
+from tenants.money import PLATFORM_CURRENCY
+from tenants.money import money as tenant_money
 from tenants.permissions import may_view_all_runs
+from tools.display import formatted_arguments
 
 # The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
@@ -255,16 +260,19 @@ def _value_text(value, limit: int | None) -> str:
     return text
 
 
-def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
-    """Tool-call arguments as `key: value` lines, money values in bold."""
+def arguments_html(arguments, *, limit: int | None = None, tool=None) -> SafeString:
+    """Tool-call arguments as `key: value` lines, money values in bold (formatted in their currency
+    where the tool says which arguments are money, tools/display.py)."""
     if not isinstance(arguments, dict):
         return format_html('<div class="arguments"><code>{}</code></div>', _value_text(arguments, limit))
     if not arguments:
         return format_html('<div class="arguments quiet">{}</div>', "(no arguments)")
+    readable = formatted_arguments(tool, arguments) if tool is not None else {}
     rows = []
     for key, value in arguments.items():
-        text = _value_text(value, limit)
-        if is_money(key):
+        text, is_amount = readable.get(key, (None, False))
+        text = _value_text(value, limit) if text is None or not is_amount else text
+        if is_amount or is_money(key):
             text = format_html('<strong class="amount">{}</strong>', text)
         rows.append((key, text))
     return format_html(
@@ -273,18 +281,16 @@ def arguments_html(arguments, *, limit: int | None = None) -> SafeString:
     )
 
 
-# Budgets, prices and costs are kept in micro-units of one currency for the whole platform
-# (tenants.models.Tenant); every admin page shows them through `money` so one amount reads the same
-# everywhere.
-CURRENCY = "USD"
+# Budgets, prices and costs are kept in micro-units of the platform currency and shown in the
+# tenant's (tenants/money.py); every admin page shows them through `money` so one amount reads the
+# same everywhere.
+CURRENCY = PLATFORM_CURRENCY
 
 
-def money(micros: int | None) -> str:
-    """Micro-units as `USD 0.0021`: at least 2 decimals, at most 6, never rounded."""
-    if micros is None:
-        return "—"
-    whole, _, fraction = f"{Decimal(micros).scaleb(-6):,.6f}".rstrip("0").partition(".")
-    return f"{CURRENCY} {whole}.{fraction.ljust(2, '0')}"
+def money(micros: int | None, tenant=None) -> str:
+    """Micro-units as the tenant reads them (`INR 1.19`); without a tenant `USD 0.0021`: at least 2
+    decimals, at most 6, never rounded."""
+    return tenant_money(micros, tenant)
 
 
 def price(per_million: Decimal | None) -> str:
@@ -297,9 +303,23 @@ def price(per_million: Decimal | None) -> str:
 _MICROS_IN_TEXT = re.compile(r"\b(\d+) micros\b")
 
 
-def money_in_text(text: str) -> str:
+# Budget events say "reserved 18240, settled 2469, run remaining 1997531 micros": every amount of
+# such a message is in micros, not only the one the word follows.
+_AMOUNT_IN_BUDGET_TEXT = re.compile(
+    r"\b(reserved|settled|spent|held|remaining|cost|refunded) (\d+)\b(?! micros)"
+)
+
+
+def money_in_text(text: str, tenant=None) -> str:
     """Event messages written by the engine say `cost 1188 micros`; people read `cost USD 0.001188`."""
-    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1))), text or "")
+    text = text or ""
+    if " micros" in text:
+        text = _AMOUNT_IN_BUDGET_TEXT.sub(lambda m: f"{m.group(1)} {money(int(m.group(2)), tenant)}", text)
+    return _MICROS_IN_TEXT.sub(lambda match: money(int(match.group(1)), tenant), text)
+
+
+# The one date format of the admin's pages (templates use the same: "j M Y, H:i"): 14 Jan 2025, 09:30.
+DATETIME_FORMAT = "j M Y, H:i"
 
 
 def age(since: dt.datetime | None) -> str:
@@ -356,7 +376,8 @@ class PlatformAdminSite(admin.AdminSite):
         if user is not None and user.is_active and user.is_staff:
             context["platform_nav"] = self.links(request)
             context["time_zone"] = timezone.get_current_timezone_name()
-            context["currency"] = CURRENCY
+            tenant = getattr(user, "tenant", None)
+            context["currency"] = tenant.currency if tenant is not None else CURRENCY
         return context
 
     def links(self, request) -> list[tuple[str, str]]:
@@ -377,8 +398,9 @@ class PlatformAdminSite(admin.AdminSite):
         return super().index(request, {**(extra_context or {}), "desk": self._desk(request)})
 
     def _desk(self, request) -> dict:
-        """What a supervisor starts the day with: pending approvals, stuck runs, usage; each line
-        only when the user can open the page it links to."""
+        """What a supervisor starts the day with: pending approvals, runs that need a person or
+        failed in the last day, reservations held for reconciliation, usage; each line only when
+        the user can open the page it links to."""
         user = request.user
         if user.tenant_id is None:
             return {}
@@ -388,11 +410,35 @@ class PlatformAdminSite(admin.AdminSite):
             desk["pending"] = approvals_for(user, status=ApprovalStatus.PENDING).count()
             desk["inbox_url"] = links["Inbox"]
         if "Runs" in links:
-            desk["attention"] = runs_for(user, status=RunStatus.NEEDS_ATTENTION).count()
+            attention = runs_for(user, status=RunStatus.NEEDS_ATTENTION).order_by("-created_at")
+            failed = runs_for(user, status=RunStatus.FAILED).filter(
+                finished_at__gte=timezone.now() - dt.timedelta(days=1)
+            )
+            desk["attention"] = attention.count()
+            desk["failed"] = failed.count()
             desk["runs_url"] = links["Runs"]
+            desk["attention_runs"] = [self._desk_run(run) for run in attention[:DESK_ROWS]]
+            desk["failed_runs"] = [self._desk_run(run) for run in failed.order_by("-finished_at")[:DESK_ROWS]]
+        reservations = self._registry_admin("budgets.reservation")
+        if reservations.has_view_permission(request):
+            desk["held"] = reservations_for(user, status="held").count()
+            desk["held_url"] = reverse("admin:budgets_reservation_changelist")
         if "Usage" in links:
             desk["usage_url"] = links["Usage"]
         return desk
+
+    @staticmethod
+    def _desk_run(run) -> dict:
+        first_line = (run.error or run.stop_reason or "").strip().splitlines()
+        return {
+            "url": reverse("admin:runs_run_change", args=[run.pk]),
+            "title": run_title(run),
+            "why": first_line[0][:160] if first_line else "",
+            "at": run.finished_at or run.created_at,
+        }
+
+
+DESK_ROWS = 10  # runs listed per line of the desk; the count links to the rest
 
 
 def tenant_zone(user) -> dt.tzinfo:

@@ -290,6 +290,8 @@ CELERY_TASK_ROUTES = {
     "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Where Flower answers, for the admin run page's link to a run's tasks (scripts/serve.sh sets it).
+FLOWER_URL = (env_str("FLOWER_URL") or "").rstrip("/")
 # Survives a Redis restart that kombu 5.7 would turn into a worker exit (see agentplatform/celery.py).
 CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE = {
@@ -355,13 +357,20 @@ if LOG_FORMAT not in ("plain", "json"):
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"run_context": {"()": "observability.logs.RunContextFilter"}},
+    "filters": {
+        "run_context": {"()": "observability.logs.RunContextFilter"},
+        "quiet_periodic": {"()": "observability.logs.QuietPeriodicTasks"},
+    },
     "formatters": {
         "plain": {"()": "observability.logs.PlainFormatter"},
         "json": {"()": "observability.logs.JsonFormatter"},
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["run_context"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["run_context", "quiet_periodic"],
+        }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
 }

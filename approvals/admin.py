@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
-from django.db.models import OuterRef
+from django.db.models import OuterRef, Q
 from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.html import format_html
 
 from agentplatform.admin_site import (
     ReadOnlyAdmin,
@@ -34,7 +36,11 @@ from approvals.selectors import approvable_tools, approvals_for
 from budgets.models import BudgetAccount
 from runs.admin import conversation
 from runs.approval_effects import decide_approval
-from runs.models import Step
+from runs.flags import risk_flags
+from runs.models import Run, Step, StepKind, StepStatus
+from runs.search import Q_MAX
+from runs.search import search as search_runs
+from tools.display import formatted_arguments, summary
 from tools.models import EffectClass
 
 
@@ -58,13 +64,61 @@ class AgeFilter(admin.SimpleListFilter):
         return queryset
 
 
-# What each effect class means for the person deciding (DESIGN.md section 5).
+# What each effect class means for this call, for the person deciding (DESIGN.md section 5):
+# what can happen at the provider, not how the platform retries.
 EFFECT_MEANING = {
-    EffectClass.READ_ONLY: "reads only; changes nothing",
-    EffectClass.IDEMPOTENT: "repeating the call has no further effect",
-    EffectClass.RECONCILABLE: "the provider can say whether the call happened",
-    EffectClass.UNSAFE: "may take effect twice if retried; nobody can check",
+    EffectClass.READ_ONLY: "reads only: approving changes nothing at {server}",
+    EffectClass.IDEMPOTENT: "{server} deduplicates this call by its key: even if the platform has to "
+    "send it again, it takes effect once",
+    EffectClass.RECONCILABLE: "if the answer is lost, the platform asks {server} whether the call took "
+    "effect before sending it again: it takes effect at most once",
+    EffectClass.UNSAFE: "if the answer is lost, nobody can tell whether it took effect at {server}; it is "
+    "never sent twice without a person deciding",
 }
+
+
+def effect_meaning(tool) -> str:
+    text = EFFECT_MEANING.get(tool.effect_class, "")
+    return text.format(server=tool.server.name if tool.server_id else "the provider")
+
+
+def latest_results(run) -> dict:
+    """Tool name -> the latest stored result of a call that succeeded, for summary templates."""
+    results: dict = {}
+    for name, result in (
+        Step.objects.filter(
+            run=run, kind=StepKind.TOOL, status__in=[StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED]
+        )
+        .order_by("seq")
+        .values_list("tool_name", "result")
+    ):
+        results[name] = result
+    return results
+
+
+CUSTOMER_KEYS = re.compile(r"customer|email|recipient|payee|account_holder|^to$", re.IGNORECASE)
+
+
+def call_amount(tool, arguments) -> str:
+    """The call's first money argument, formatted in its currency (tools/display.py)."""
+    readable = formatted_arguments(tool, arguments)
+    return next((text for text, is_amount in readable.values() if is_amount), "")
+
+
+def call_customer(arguments, run_input) -> str:
+    """Whom the call is about: the first customer-like value of its arguments, else of the run's input."""
+    for source in (arguments, run_input):
+        if isinstance(source, dict):
+            for key, value in source.items():
+                if CUSTOMER_KEYS.search(str(key)) and isinstance(value, str | int):
+                    return str(value)
+    return ""
+
+
+def call_summary(approval: Approval) -> str:
+    return summary(
+        approval.tool, approval.arguments, run_input=approval.run.input, results=latest_results(approval.run)
+    )
 
 
 def proposal_text(approval: Approval) -> str:
@@ -76,13 +130,14 @@ def proposal_text(approval: Approval) -> str:
 
 
 def cost_so_far(run) -> dict:
+    tenant = run.tenant
     account = BudgetAccount.objects.filter(run=run).first()
     if account is None:
-        return {"spent": money(0), "limit": ""}
+        return {"spent": money(0, tenant), "limit": ""}
     return {
-        "spent": money(account.spent_micros),
-        "held": account.held_micros and money(account.held_micros),
-        "limit": money(account.limit_micros),
+        "spent": money(account.spent_micros, tenant),
+        "held": account.held_micros and money(account.held_micros, tenant),
+        "limit": money(account.limit_micros, tenant),
     }
 
 
@@ -99,6 +154,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
     list_display = [
         "tool_link",
         "call_arguments",
+        "agent",
+        "amount",
+        "customer",
         "run_link",
         "requested_by",
         "waiting",
@@ -110,9 +168,14 @@ class ApprovalAdmin(ReadOnlyAdmin):
     list_filter = [
         status_filter(ApprovalStatus.choices, default=ApprovalStatus.PENDING),
         ("tool", admin.RelatedOnlyFieldListFilter),
+        ("run__agent", admin.RelatedOnlyFieldListFilter),
+        ("requested_by", admin.RelatedOnlyFieldListFilter),
         AgeFilter,
     ]
-    list_select_related = ["tool", "requested_by", "run"]
+    list_select_related = ["tool", "tool__server", "requested_by", "run", "run__agent"]
+    # The box searches the runs' ids and input/metadata values, tool names and requesters.
+    search_fields = ["tool__name"]
+    search_help_text = "A tool name, a requester, a run id or its first characters, or a value of the run's input (TXN-1002)."
     ordering = ["created_at"]
     actions = ["approve_selected", "deny_selected"]
 
@@ -168,9 +231,38 @@ class ApprovalAdmin(ReadOnlyAdmin):
         return admin_link(approval, approval.tool.name)
 
     # Column methods must not share a name with a model field: Django would show the field instead.
-    @admin.display(description="arguments")
+    @admin.display(description="call")
     def call_arguments(self, approval):
-        return arguments_html(approval.arguments, limit=120)
+        # The sentence first; the raw arguments one click away, so the row stays one sentence high.
+        return format_html(
+            '<div class="call-summary">{}</div><details class="call-arguments"><summary>arguments</summary>{}</details>',
+            call_summary(approval),
+            arguments_html(approval.arguments, limit=120, tool=approval.tool),
+        )
+
+    @admin.display(description="agent", ordering="run__agent__name")
+    def agent(self, approval):
+        return approval.run.agent.name
+
+    @admin.display(description="amount")
+    def amount(self, approval):
+        return call_amount(approval.tool, approval.arguments) or "—"
+
+    @admin.display(description="customer")
+    def customer(self, approval):
+        return call_customer(approval.arguments, approval.run.input) or "—"
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip()[:Q_MAX]
+        if not term:
+            return queryset, False
+        runs = search_runs(Run.objects.filter(tenant_id=request.user.tenant_id), term).values("pk")
+        return (
+            queryset.filter(
+                Q(tool__name__icontains=term) | Q(requested_by__username__iexact=term) | Q(run_id__in=runs)
+            ),
+            False,
+        )
 
     @admin.display(description="age", ordering="created_at")
     def waiting(self, approval):
@@ -230,7 +322,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "opts": self.opts,
             "title": f"Approve {approval.tool.name}?",
             "approval": approval,
-            "arguments": arguments_html(approval.arguments),
+            "arguments": arguments_html(approval.arguments, tool=approval.tool),
+            "summary": call_summary(approval),
+            "flags": risk_flags(approval),
             "age": age(approval.created_at),
             "time_left": time_left(approval.expires_at),
             "form": form,
@@ -238,7 +332,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "can_decide": approval.status == ApprovalStatus.PENDING and self.has_decide_permission(request),
             "conversation": conversation(approval.run, highlight_seq=approval.step.seq),
             "proposal": proposal_text(approval),
-            "effect": EFFECT_MEANING.get(approval.tool.effect_class, ""),
+            "effect": effect_meaning(approval.tool),
             "cost_so_far": cost_so_far(approval.run),
             "can_open_run": approval.run_visible,
         }

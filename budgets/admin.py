@@ -15,6 +15,7 @@ from agentplatform.errors import DomainError
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
 from runs.models import Run
+from tenants.money import rate_note
 
 DAYS = 30
 # SVG geometry in user units; the chart scales with the page width.
@@ -22,7 +23,12 @@ WIDTH, HEIGHT = 760, 260
 LEFT, RIGHT, TOP, BOTTOM = 80, 10, 12, 36
 
 
-def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
+def remaining_text(micros: int, tenant) -> str:
+    """What is left of a day, or by how much it went over: never a bare negative balance."""
+    return money(micros, tenant) if micros >= 0 else f"over the limit by {money(-micros, tenant)}"
+
+
+def usage_chart(accounts, *, today: dt.date, days: int = DAYS, tenant=None) -> dict:
     """Bars of spent with held stacked on top, and the day's limit as a step line; days without
     an account (nothing was reserved) are empty slots."""
     by_day = {account.day: account for account in accounts}
@@ -54,9 +60,9 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
                 "held_y": round(y(0) - spent_h - held_h, 1),
                 "held_h": held_h,
                 "label_x": round(x + slot / 2, 1),
-                "label": day.strftime("%m-%d") if i % 5 == 4 or i == 0 else "",
-                "title": f"{day}: spent {money(spent)}, held {money(held)}, limit "
-                f"{money(account.limit_micros) if account else '—'}",
+                "label": day.strftime("%d %b") if i % 5 == 4 or i == 0 else "",
+                "title": f"{day:%d %b %Y}: spent {money(spent, tenant)}, held {money(held, tenant)}, limit "
+                f"{money(account.limit_micros, tenant) if account else '—'}",
             }
         )
         if account:
@@ -65,7 +71,7 @@ def usage_chart(accounts, *, today: dt.date, days: int = DAYS) -> dict:
                 f"{'L' if previous else 'M'}{round(x, 1)},{limit_y} L{round(x + slot, 1)},{limit_y}"
             )
         previous = account is not None
-    ticks = [{"y": y(v), "label": money(v)} for v in (0, peak // 2, peak)]
+    ticks = [{"y": y(v), "label": money(v, tenant)} for v in (0, peak // 2, peak)]
     return {
         "width": WIDTH,
         "height": HEIGHT,
@@ -92,24 +98,25 @@ def usage_page(model_admin, request, tenant):
         "opts": model_admin.opts,
         "title": f"Usage of {tenant.name}, last {DAYS} days",
         "tenant": tenant,
-        "chart": usage_chart(accounts, today=services.local_day(tenant)),
+        "chart": usage_chart(accounts, today=services.local_day(tenant), tenant=tenant),
+        "rate_note": rate_note(tenant),
         "days": [
             {
                 "day": a.day,
-                "limit": money(a.limit_micros),
-                "reserved": money(a.reserved_micros),
-                "spent": money(a.spent_micros),
-                "held": money(a.held_micros),
-                "remaining": money(a.remaining_micros),
+                "limit": money(a.limit_micros, tenant),
+                "reserved": money(a.reserved_micros, tenant),
+                "spent": money(a.spent_micros, tenant),
+                "held": money(a.held_micros, tenant),
+                "remaining": remaining_text(a.remaining_micros, tenant),
             }
             for a in reversed(accounts)
         ],
         "agents": [
             {
                 **row,
-                "spent": money(row["spent_micros"]),
-                "held": money(row["held_micros"]),
-                "reserved": money(row["reserved_micros"]),
+                "spent": money(row["spent_micros"], tenant),
+                "held": money(row["held_micros"], tenant),
+                "reserved": money(row["reserved_micros"], tenant),
             }
             for row in selectors.per_agent(tenant, days=DAYS)
         ],
@@ -117,8 +124,8 @@ def usage_page(model_admin, request, tenant):
             {
                 "run": run,
                 "link": admin_link(run, str(run.pk)[:8]) if run.pk in visible else str(run.pk)[:8],
-                "spent": money(run.budget.spent_micros),
-                "held": money(run.budget.held_micros),
+                "spent": money(run.budget.spent_micros, tenant),
+                "held": money(run.budget.held_micros, tenant),
             }
             for run in top_runs
         ],

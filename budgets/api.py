@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from decimal import Decimal
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -17,6 +19,7 @@ from agentplatform.errors import Conflict, Forbidden
 from agentplatform.schema import errors
 from budgets import selectors, services
 from budgets.models import Reservation
+from tenants.money import PLATFORM_CURRENCY
 
 
 @extend_schema_serializer(component_name="UsageDay")
@@ -24,6 +27,13 @@ class DayOutput(BudgetSerializer):
     """One budget day: the balances every account shows, and its date."""
 
     day = serializers.DateField()
+    over_limit = serializers.SerializerMethodField(
+        help_text="true when reserved + spent + held pass the limit: remaining_micros is then negative, "
+        "by how much the day went over"
+    )
+
+    def get_over_limit(self, account) -> bool:
+        return account.remaining_micros < 0
 
 
 @extend_schema_serializer(component_name="AgentUsage")
@@ -39,7 +49,17 @@ class AgentUsageOutput(serializers.Serializer):
 class UsageOutput(serializers.Serializer):
     tenant = serializers.CharField()
     time_zone = serializers.CharField()
+    currency = serializers.CharField(help_text="the currency every *_micros amount is in (ISO 4217)")
     currency_micros_per_unit = serializers.IntegerField()
+    display_currency = serializers.CharField(
+        help_text="the currency the tenant's people read (tenant.currency)"
+    )
+    exchange_rate = serializers.DecimalField(
+        max_digits=18,
+        decimal_places=6,
+        coerce_to_string=True,
+        help_text="fixed, from the configuration: display_currency units per one currency unit",
+    )
     days = DayOutput(many=True)
     agents = AgentUsageOutput(many=True)
 
@@ -94,7 +114,10 @@ class UsageApi(APIView):
             {
                 "tenant": tenant.slug,
                 "time_zone": tenant.time_zone,
+                "currency": PLATFORM_CURRENCY,
                 "currency_micros_per_unit": 1_000_000,
+                "display_currency": tenant.currency,
+                "exchange_rate": f"{Decimal(tenant.exchange_rate):.6f}",
                 "days": DayOutput(selectors.tenant_days(tenant, days=days), many=True).data,
                 "agents": selectors.per_agent(tenant, days=days),
             }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import decimal
+import re
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -267,3 +268,46 @@ def _hosts(value: Any) -> list[str]:
 _url = _django(URLValidator(schemes=["http", "https"]), "must be an http(s) URL", 500)
 _email = _django(validate_email, "must be an email address", 254)
 _username = _django(UnicodeUsernameValidator(), "must be a username: letters, digits and @.+-_", 150)
+
+
+# --- how people read a tool's calls and a tenant's money (tools/display.py, tenants/money.py) ---
+
+CURRENCY_CODE = re.compile(r"^[A-Z]{3}$")
+PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+PLACEHOLDER_NAME = re.compile(r"^(input\.|result\.[A-Za-z0-9_.-]+?\.)?[A-Za-z0-9_-]+$")
+
+
+def _currency(value: Any) -> str:
+    if not isinstance(value, str) or not CURRENCY_CODE.match(value):
+        raise _Invalid("must be an ISO 4217 code of three capital letters, like INR")
+    return value
+
+
+def _exchange_rate(value: Any) -> Decimal:
+    rate = _not_negative(value, Decimal("1000000"))
+    if rate == 0:
+        raise _Invalid("must be more than 0: units of the tenant's currency per one USD")
+    if rate != rate.quantize(Decimal("0.000001"), rounding=decimal.ROUND_DOWN):
+        raise _Invalid("must have at most 6 decimal places")
+    return rate
+
+
+def _summary(value: Any) -> str:
+    """`Refund {amount} on {transaction_id} to {input.customer_email}`: every {…} names an
+    argument, `input.<key>` of the run's input or `result.<tool>.<key>` of an earlier result."""
+    text = _text(500, empty=False)(value)
+    for name in PLACEHOLDER.findall(text):
+        if not PLACEHOLDER_NAME.match(name):
+            raise _Invalid(f"{{{name}}}: a placeholder is {{argument}}, {{input.key}} or {{result.tool.key}}")
+    if PLACEHOLDER.sub("", text).count("{") or PLACEHOLDER.sub("", text).count("}"):
+        raise _Invalid("has an unmatched { or }")
+    return text
+
+
+def _money_arguments(value: Any) -> dict:
+    """`{amount: currency}` (the argument that names the code) or `{amount: INR}` (a fixed code)."""
+    mapping = _mapping(value)
+    for key, currency in mapping.items():
+        if not isinstance(currency, str) or not currency:
+            raise _Invalid("must name a currency code (INR) or the argument that holds it", at=f".{key}")
+    return mapping

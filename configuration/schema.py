@@ -13,13 +13,16 @@ from configuration.convert import (
     _aliases,
     _bool,
     _choice,
+    _currency,
     _email,
+    _exchange_rate,
     _hosts,
     _int,
     _Invalid,
     _json_schema,
     _mapping,
     _money,
+    _money_arguments,
     _non_negative,
     _nullable,
     _policy,
@@ -27,6 +30,7 @@ from configuration.convert import (
     _seconds,
     _slug,
     _spec_list,
+    _summary,
     _text,
     _text_list,
     _time_zone,
@@ -147,6 +151,8 @@ TENANT: Spec = {
     "slug": Field("slug", _slug(50), required=True),
     "name": Field("name", _text(200, empty=False)),
     "time_zone": Field("time_zone", _time_zone),
+    "currency": Field("currency", _currency),
+    "exchange_rate": Field("exchange_rate", _exchange_rate),
     "daily_budget": Field("daily_budget_micros", _money),
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
@@ -247,6 +253,8 @@ TOOL: Spec = {
     "input_schema": Field("input_schema", _json_schema),
     "http_url": Field("http_url", _url),
     "status_url": Field("status_url", _text(500, empty=False)),
+    "summary": Field("summary", _summary),
+    "money": Field("money_arguments", _money_arguments),
 }
 GRANT: Spec = {
     "tool": Field("tool", _text(200, empty=False)),
@@ -453,6 +461,10 @@ def parse(data: Any, problems: Problems) -> Plan:
         _check_holders(values.get("view_runs", []), "tenant.view_runs", problems)
         if len(problems) > before:
             values.pop("view_runs")
+        if values.get("currency", "USD") != "USD" and "exchange_rate" not in data["tenant"]:
+            problems.add(
+                "tenant.exchange_rate", f"required with currency {values['currency']}: units per one USD"
+            )
         # A bad tenant field is dropped and reported; the rest is still checked against it.
         plan.tenant = Item("tenant", values["slug"], values) if "slug" in values else None
     for name, section in SECTIONS.items():

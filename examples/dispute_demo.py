@@ -7,6 +7,8 @@ worker on the in-memory broker and the REST API on a local port, then plays the 
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import os
 import subprocess
 import sys
@@ -86,7 +88,19 @@ def inprocess_worker():
 
 
 def _money(micros) -> str:
-    return "-" if micros is None else f"${micros / 1_000_000:.4f}"
+    """Every amount of the story in one format, the admin's (tenants/money.py): `USD 0.002469`."""
+    from tenants.money import platform_money
+
+    return platform_money(micros)
+
+
+def _at(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _pairs(mapping: dict) -> str:
+    """`amount 12499, currency INR`: arguments and counts as a person reads them, not a Python dict."""
+    return ", ".join(f"{key} {value}" for key, value in mapping.items()) or "none"
 
 
 class Console:
@@ -109,7 +123,13 @@ class Console:
 
 
 def _wait_status(
-    console: Console, run_id: str, statuses: set[str], out, printed: list, t0: float, timeout: float = 120
+    console: Console,
+    run_id: str,
+    statuses: set[str],
+    out,
+    printed: list,
+    t0: dt.datetime,
+    timeout: float = 120,
 ) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -123,7 +143,11 @@ def _wait_status(
         time.sleep(0.2)
 
 
-def _print_new_events(console: Console, run_id: str, out, printed: list, t0: float) -> None:
+def _print_new_events(console: Console, run_id: str, out, printed: list, t0: dt.datetime) -> None:
+    """Each event at its own time (since the run was created), not at the time it was printed; its
+    message with amounts in the story's one format."""
+    from agentplatform.admin_site import money_in_text
+
     after = printed[-1] if printed else 0
     for event in console.get(f"/v1/runs/{run_id}/events?after={after}"):
         printed.append(event["id"])
@@ -134,7 +158,41 @@ def _print_new_events(console: Console, run_id: str, out, printed: list, t0: flo
             "approval_approved": "  OK",
             "step": "    ",
         }.get(event["kind"], "  - ")
-        out.write(f"{time.monotonic() - t0:6.2f}s {marker} {event['message']}\n")
+        since = (_at(event["at"]) - t0).total_seconds()
+        out.write(f"{since:6.2f}s {marker} {money_in_text(event['message'])}\n")
+
+
+@contextmanager
+def warnings_to_file(out):
+    """The platform's log lines go to var/demo.log, not between the story's events; the story ends
+    by saying how many warnings there were and where to read them."""
+    from django.conf import settings
+
+    path = Path(settings.VAR_DIR) / "demo.log"
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    consoles = [
+        h
+        for h in root.handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+    for console in consoles:
+        root.removeHandler(console)
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        for console in consoles:
+            root.addHandler(console)
+        lines = [line for line in path.read_text().splitlines() if " WARNING " in line or " ERROR " in line]
+        out.write(
+            f"== log: {len(lines)} warning(s) in {path}"
+            + (f", e.g. {lines[0].split(' ', 2)[2]}" if lines else "")
+            + "\n"
+        )
 
 
 def run_demo(*, config_path: str, out) -> int:
@@ -147,14 +205,14 @@ def run_demo(*, config_path: str, out) -> int:
         os.environ["BANK_MCP_URL"] = f"{bank_url}/mcp"
         report = apply_config(load_file(ROOT / config_path))
         out.write(f"applied {config_path}: {report}\n")
-        with inprocess_worker(), api_server() as api:
+        # After the worker has set up its logging, so that its handlers are the ones moved aside.
+        with inprocess_worker(), api_server() as api, warnings_to_file(out):
             return _story(api, bank_url, out)
 
 
 def _story(api: str, bank_url: str, out) -> int:
     asha = Console(api, "asha", "demo-password-asha")
     ravi = Console(api, "ravi", "demo-password-ravi")
-    t0 = time.monotonic()
     printed: list[int] = []
     out.write("\n== asha (support console) opens a dispute: POST /v1/runs\n")
     run = asha.post(
@@ -162,6 +220,7 @@ def _story(api: str, bank_url: str, out) -> int:
         {"agent": "dispute-agent", "alias": "prod", "input": STORY_INPUT},
         **{"Idempotency-Key": f"demo-{uuid.uuid4()}"},
     )
+    t0 = _at(run["created_at"])
     out.write(f"run {run['id']} pinned dispute-agent v{run['version']} (alias prod)\n\n")
     run = _wait_status(
         asha, run["id"], {"waiting_approval", "succeeded", "failed", "stopped", "cancelled"}, out, printed, t0
@@ -171,7 +230,7 @@ def _story(api: str, bank_url: str, out) -> int:
         approval = pending[0]
         out.write(
             f"\n== the run waits, holding no worker. ravi (supervisor) sees {approval['tool']} "
-            f"{approval['arguments']} because: {approval['reason']}\n"
+            f"({_pairs(approval['arguments'])}) because: {approval['reason']}\n"
         )
         ravi.post(f"/v1/approvals/{approval['id']}/approve", {"reason": "duplicate charge verified"})
         out.write("== ravi approves: POST /v1/approvals/{id}/approve\n\n")
@@ -189,11 +248,11 @@ def _story(api: str, bank_url: str, out) -> int:
 
 def _print_summary(console: Console, run: dict, bank_url: str, out) -> None:
     out.write("\n== steps\n")
-    out.write(f"{'seq':>3} {'kind':<5} {'tool':<28} {'status':<12} {'cost':>10} {'ms':>6}\n")
+    out.write(f"{'seq':>3} {'kind':<5} {'tool':<28} {'status':<12} {'cost':>13} {'ms':>6}\n")
     for step in console.get(f"/v1/runs/{run['id']}/steps"):
         out.write(
             f"{step['seq']:>3} {step['kind']:<5} {step['tool'] or '(model)':<28} {step['status']:<12} "
-            f"{_money(step['cost_micros']):>10} {step['duration_ms'] or 0:>6}\n"
+            f"{_money(step['cost_micros']):>13} {step['duration_ms'] or 0:>6}\n"
         )
     budget = run["budget"]
     out.write(
@@ -205,6 +264,6 @@ def _print_summary(console: Console, run: dict, bank_url: str, out) -> None:
     for effect in effects:
         counts[effect["tool"]] = counts.get(effect["tool"], 0) + 1
     out.write(
-        f"== effects applied at the bank: {counts or 'none'} (transfer_funds: {counts.get('transfer_funds', 0)})\n"
+        f"== effects applied at the bank: {_pairs(counts)} (transfer_funds: {counts.get('transfer_funds', 0)})\n"
     )
     out.write(f"== final status: {run['status']}\n== answer: {run['final_output']}\n")

@@ -11,6 +11,7 @@ import contextvars
 import datetime as dt
 import json
 import logging
+import re
 from contextlib import contextmanager
 
 FIELDS = ("tenant", "run_id", "step_seq", "tool")
@@ -49,6 +50,26 @@ class RunContextFilter(logging.Filter):
             if getattr(record, name, None) is None:
                 setattr(record, name, bound.get(name))
         return True
+
+
+# The periodic passes (the sweeper, webhook notifications) run every few seconds; at INFO Celery
+# logged four lines a pass ("received", "succeeded: {}") that say nothing happened.
+PERIODIC_TASKS = {"runs.tasks.sweep", "notifications.tasks.notify"}
+NOTHING_DONE = re.compile(r"^(None|\{\}|\{('[a-z_]+': (0|\[\]|\{\}))(, '[a-z_]+': (0|\[\]|\{\}))*\})$")
+
+
+class QuietPeriodicTasks(logging.Filter):
+    """Drop Celery's INFO lines about a periodic pass that found nothing; a pass that did
+    something (its result lists it) and every warning or error still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or not isinstance(record.args, dict):
+            return True
+        if record.args.get("name") not in PERIODIC_TASKS:
+            return True
+        if "return_value" not in record.args:  # "Task … received"
+            return False
+        return not NOTHING_DONE.match(str(record.args["return_value"]))
 
 
 class PlainFormatter(logging.Formatter):

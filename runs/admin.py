@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import datetime as dt
 import json
+from collections import Counter
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
@@ -10,24 +13,33 @@ from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.formats import date_format
+from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from agentplatform.admin_site import (
+    DATETIME_FORMAT,
     ReadOnlyAdmin,
     arguments_html,
     duration,
     money,
     money_in_text,
     site,
+    time_left,
 )
 from agentplatform.errors import DomainError, NotFound
 from approvals.services import can_approve
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
-from runs.models import TERMINAL, Run, RunEvent, Step, StepKind, StepStatus
+from budgets.services import next_local_midnight
+from runs.display import run_title, status_label
+from runs.models import TERMINAL, Run, RunEvent, RunStatus, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
+from runs.search import Q_MAX, search
 from runs.selectors import events_of, steps_of
 from runs.services import cancel_run
+from tenants.money import rate_note
 from tools.models import EffectClass
 
 
@@ -96,7 +108,7 @@ def result_text(step: Step) -> str:
         return ""
     result = step.result
     if isinstance(result, dict) and set(result) <= {"text", "is_error", "structured"} and "text" in result:
-        text = str(result["text"])
+        text = pretty_json_text(str(result["text"]))
     elif result is not None:
         text = json.dumps(result, ensure_ascii=False, indent=2, sort_keys=True)
     else:
@@ -104,36 +116,95 @@ def result_text(step: Step) -> str:
     return text if len(text) <= RESULT_LIMIT else text[:RESULT_LIMIT] + "…"
 
 
-def event_row(event: RunEvent) -> dict:
-    return {"event": event, "message": money_in_text(event.message)}
+def pretty_json_text(text: str) -> str:
+    """A tool's text answer that is JSON, indented; any other text as it is."""
+    if not text.lstrip().startswith(("{", "[")):
+        return text
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False, indent=2, sort_keys=True)
+    except ValueError:
+        return text
 
 
-def timeline(rows: list[dict], events: list[RunEvent]) -> list[dict]:
-    """Model steps in order, each with the tool calls it proposed nested under it and the events
-    of each step folded under that step; a tool step without its model step stands alone."""
+def event_row(event: RunEvent, tenant=None) -> dict:
+    return {"event": event, "message": money_in_text(event.message, tenant)}
+
+
+def step_summary(step: Step) -> str:
+    """The one line of a step in the compact timeline: what the model said or proposed, what a tool did."""
+    if step.kind == StepKind.MODEL:
+        result = step.result or {}
+        calls = [call.get("name", "?") for call in result.get("tool_calls", [])]
+        text = " ".join((result.get("text") or "").split())
+        if calls:
+            text = f"{text[:80]}{'…' if len(text) > 80 else ''} → calls {', '.join(calls)}".strip(" →")
+        return text[:140] or (step.error[:140] if step.error else "")
+    return f"· {step.error[:140]}" if step.error and step.status != StepStatus.SUCCEEDED else ""
+
+
+def flower_url() -> str:
+    return settings.FLOWER_URL
+
+
+def attention(run: Run, rows: list[dict]) -> dict | None:
+    """What a person must know first about this run, and do, at the top of its page."""
+    now = timezone.now()
+    if run.status == RunStatus.NEEDS_ATTENTION or any(
+        r["step"].status == StepStatus.OUTCOME_UNKNOWN for r in rows
+    ):
+        unknown = [r for r in rows if r["step"].status == StepStatus.OUTCOME_UNKNOWN]
+        for row in unknown:
+            last = row["events"][-1]["event"].at if row["events"] else row["step"].dispatched_at
+            row["since"] = last
+        return {"kind": "needs_attention", "steps": unknown, "error": run.error}
+    if run.status == RunStatus.FAILED:
+        return {"kind": "failed", "error": run.error, "stop_reason": run.stop_reason}
+    if run.status == RunStatus.WAITING_APPROVAL:
+        waiting = [r for r in rows if r["step"].status == StepStatus.AWAITING_APPROVAL]
+        return {"kind": "waiting_approval", "steps": waiting}
+    if run.status in (RunStatus.WAITING_BUDGET, RunStatus.WAITING_SETTLE):
+        until = run.resume_at
+        if until is None and run.status == RunStatus.WAITING_BUDGET:
+            until = next_local_midnight(run.tenant, now)
+        return {"kind": run.status, "until": until, "in": time_left(until) if until else ""}
+    return None
+
+
+def with_events(rows: list[dict], events: list[RunEvent], tenant) -> list[dict]:
+    """Each step row with the events of that step folded under it."""
     by_step: dict[int, list[dict]] = {}
     for event in events:
         if event.step_seq is not None:
-            by_step.setdefault(event.step_seq, []).append(event_row(event))
-    model_seqs = {row["step"].seq for row in rows if row["step"].kind == StepKind.MODEL}
-    blocks: list[dict] = []
-    by_seq: dict[int, dict] = {}
+            by_step.setdefault(event.step_seq, []).append(event_row(event, tenant))
     for row in rows:
-        step = row["step"]
-        row["events"] = by_step.get(step.seq, [])
-        if step.kind == StepKind.MODEL:
-            by_seq[step.seq] = {
-                **row,
-                "text": (step.result or {}).get("text") or "",
-                "calls": len((step.result or {}).get("tool_calls", [])),
-                "tools": [],
-            }
-            blocks.append(by_seq[step.seq])
-        elif step.parent_seq in model_seqs:
-            by_seq[step.parent_seq]["tools"].append(row)
-        else:
-            blocks.append({**row, "tools": [], "alone": True})
-    return blocks
+        row["events"] = by_step.get(row["step"].seq, [])
+    return rows
+
+
+class RunStatusFilter(admin.SimpleListFilter):
+    """Statuses in words ("waiting for approval"), not Django's title-cased codes."""
+
+    title = "status"
+    parameter_name = "status__exact"
+
+    def lookups(self, request, model_admin):
+        return [(value, status_label(value)) for value in RunStatus.values]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(status=self.value()) if self.value() else queryset
+
+
+class FinishedFilter(admin.SimpleListFilter):
+    title = "finished"
+    parameter_name = "finished"
+    WINDOWS = {"hour": dt.timedelta(hours=1), "day": dt.timedelta(days=1), "week": dt.timedelta(days=7)}
+
+    def lookups(self, request, model_admin):
+        return [("hour", "in the last hour"), ("day", "in the last day"), ("week", "in the last week")]
+
+    def queryset(self, request, queryset):
+        window = self.WINDOWS.get(self.value())
+        return queryset.filter(finished_at__gte=timezone.now() - window) if window else queryset
 
 
 class ResolveForm(forms.Form):
@@ -151,16 +222,43 @@ class ResolveForm(forms.Form):
 class RunAdmin(ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
 
-    list_display = ["short_id", "agent", "version_number", "status", "created_by", "created_at", "spent"]
-    list_filter = ["status", ("agent", admin.RelatedOnlyFieldListFilter)]
-    list_select_related = ["agent", "version", "created_by", "budget"]
-    search_fields = ["created_by__username"]
+    list_display = ["short_id", "title", "version_number", "status_label", "created", "spent"]
+    list_filter = [
+        RunStatusFilter,
+        ("agent", admin.RelatedOnlyFieldListFilter),
+        ("created_by", admin.RelatedOnlyFieldListFilter),
+        FinishedFilter,
+    ]
+    list_select_related = ["agent", "version", "created_by", "budget", "tenant"]
+    # The box searches ids, id prefixes and input/metadata values (runs/search.py), not these fields.
+    search_fields = ["id"]
+    search_help_text = (
+        "A run id or its first characters (a7390f2e), or a value of its input or metadata (TXN-1002)."
+    )
     date_hierarchy = "created_at"
     actions = ["cancel_selected"]
+
+    def changelist_view(self, request, extra_context=None):
+        return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
+
+    def get_search_results(self, request, queryset, search_term):
+        return search(queryset, search_term[:Q_MAX]), False
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
         return str(run.pk)[:8]
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, run):
+        return date_format(timezone.localtime(run.created_at), DATETIME_FORMAT)
+
+    @admin.display(description="title", ordering="agent__name")
+    def title(self, run):
+        return run_title(run)
+
+    @admin.display(description="status", ordering="status")
+    def status_label(self, run):
+        return format_html('<span class="status-badge st-{}">{}</span>', run.status, status_label(run.status))
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, run):
@@ -169,7 +267,7 @@ class RunAdmin(ReadOnlyAdmin):
     @admin.display(description="spent", ordering="budget__spent_micros")
     def spent(self, run):
         budget = getattr(run, "budget", None)
-        return money(budget.spent_micros) if budget else "—"
+        return money(budget.spent_micros, run.tenant) if budget else "—"
 
     def has_cancel_permission(self, request, obj=None):
         return request.user.has_perm("runs.change_run")
@@ -196,19 +294,25 @@ class RunAdmin(ReadOnlyAdmin):
         run = self.get_object(request, unquote(object_id))
         if not self.has_view_permission(request, run):
             raise PermissionDenied
-        steps = [self._step_row(request, step) for step in steps_of(run)]
         events = list(events_of(run))
+        steps = with_events(
+            [self._step_row(request, step, run.tenant) for step in steps_of(run)], events, run.tenant
+        )
+        kinds = Counter(row["step"].kind for row in steps)
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
-            "title": f"Run {run.pk}",
+            "title": run_title(run),
             "run": run,
+            "status_label": status_label(run.status),
+            "attention": attention(run, steps),
             "budget": self._budget(run),
             "cache": self._cache(run),
-            "expected_cost": money(run.expected_cost_micros) if run.expected_cost_micros else "",
+            "expected_cost": money(run.expected_cost_micros, run.tenant) if run.expected_cost_micros else "",
             "steps": steps,
-            "timeline": timeline(steps, events),
-            "run_events": [event_row(e) for e in events if e.step_seq is None],
+            "counts": {"steps": len(steps), "model": kinds[StepKind.MODEL], "tool": kinds[StepKind.TOOL]},
+            "step_statuses": sorted({(row["step"].status, row["status_label"]) for row in steps}),
+            "run_events": [event_row(e, run.tenant) for e in events if e.step_seq is None],
             "event_count": len(events),
             "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
             "can_open_version": request.user.has_perm("agents.view_agentversion"),
@@ -216,6 +320,9 @@ class RunAdmin(ReadOnlyAdmin):
             "marker": run_marker(run),
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
             "artifacts": artifacts_of(run).select_related("step"),
+            "metadata": arguments_html(run.metadata) if run.metadata else "",
+            "flower_url": flower_url(),
+            "rate_note": rate_note(run.tenant),
         }
         return TemplateResponse(request, "admin/runs/run/detail.html", context)
 
@@ -224,7 +331,7 @@ class RunAdmin(ReadOnlyAdmin):
         if account is None:
             return None
         return {
-            name: money(getattr(account, f"{name}_micros"))
+            name: money(getattr(account, f"{name}_micros"), run.tenant)
             for name in ("limit", "reserved", "spent", "held", "remaining")
         }
 
@@ -266,13 +373,16 @@ class RunAdmin(ReadOnlyAdmin):
         response["X-Content-Type-Options"] = "nosniff"
         return response
 
-    def _step_row(self, request, step) -> dict:
+    def _step_row(self, request, step, tenant) -> dict:
         row = {
             "step": step,
-            "cost": money(step.cost_micros),
+            "status_label": status_label(step.status),
+            "summary": step_summary(step),
+            "cost": money(step.cost_micros, tenant),
             "duration": duration(step.duration_ms),
-            "arguments": arguments_html(step.arguments, limit=200) if step.kind == StepKind.TOOL else "",
-            "full_arguments": arguments_html(step.arguments) if step.kind == StepKind.TOOL else "",
+            "full_arguments": arguments_html(step.arguments, tool=step.tool)
+            if step.kind == StepKind.TOOL
+            else "",
             "result": result_text(step),
             "usage": usage_of(step),
         }

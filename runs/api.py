@@ -8,7 +8,7 @@ from rest_framework.views import APIView
 from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
 from agentplatform.errors import Forbidden
 from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
-from runs import selectors, services
+from runs import search, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
 from tenants.auth import RunStartThrottle
@@ -140,6 +140,9 @@ class RunListApi(APIView):
         status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
         agent = serializers.CharField(max_length=100, required=False)
         created_by = serializers.CharField(max_length=150, required=False)
+        q = serializers.CharField(max_length=search.Q_MAX, required=False, trim_whitespace=True)
+        created_after = serializers.DateTimeField(required=False)
+        created_before = serializers.DateTimeField(required=False)
 
     @extend_schema(
         operation_id="list_runs",
@@ -148,6 +151,18 @@ class RunListApi(APIView):
             OpenApiParameter("status", enum=RunStatus.values, description="only runs in this state"),
             OpenApiParameter("agent", description="only runs of this agent (its name)"),
             OpenApiParameter("created_by", description="only runs started by this username"),
+            OpenApiParameter(
+                "q",
+                {"type": "string", "maxLength": search.Q_MAX},
+                description="a run id or id prefix (4+ hex digits), or a value found anywhere in the "
+                "input or metadata, matched exactly (TXN-1002, 12499)",
+            ),
+            OpenApiParameter(
+                "created_after", {"type": "string", "format": "date-time"}, description="created at or after"
+            ),
+            OpenApiParameter(
+                "created_before", {"type": "string", "format": "date-time"}, description="created before"
+            ),
             *PAGE_PARAMETERS,
         ],
         responses=paginated(RunOutput, "PaginatedRuns"),
@@ -157,7 +172,14 @@ class RunListApi(APIView):
         require_tenant(request.user)
         filters = self.FilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        return paginate(self, request, selectors.runs_for(request.user, **filters.validated_data), RunOutput)
+        data = dict(filters.validated_data)
+        q, after, before = (
+            data.pop("q", ""),
+            data.pop("created_after", None),
+            data.pop("created_before", None),
+        )
+        runs = search.created_between(selectors.runs_for(request.user, **data), after=after, before=before)
+        return paginate(self, request, search.search(runs, q), RunOutput)
 
     @extend_schema(
         operation_id="start_run",

@@ -28,11 +28,14 @@ log = logging.getLogger(__name__)
 def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
     """Perform at most one step of the run (database errors: retried; the claim makes it safe).
 
-    The result says what happened (step, kind, tool, outcome, run status): Flower and the
-    worker's log show it even though no result backend stores it.
+    The result says what happened (step, kind, tool, outcome, run status) and where the run's
+    admin page is: Flower and the worker's log show it even though no result backend stores it.
     """
     close_old_connections()
-    return advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
+    result = advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
+    if isinstance(result, dict):
+        result = {**result, "admin": f"/admin/runs/run/{run_id}/change/"}
+    return result
 
 
 # send_events=False: a pass every few seconds would bury the engine's tasks in Flower. Its own

@@ -14,6 +14,7 @@ export AGENTPLATFORM_VAR_DIR=${AGENTPLATFORM_VAR_DIR:-var}
 export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$AGENTPLATFORM_VAR_DIR/prometheus}
 BIND=${BIND:-127.0.0.1:8000}
 FLOWER_PORT=${FLOWER_PORT:-5555}
+export FLOWER_URL=${FLOWER_URL:-http://127.0.0.1:$FLOWER_PORT}
 WORKER_CONCURRENCY=${WORKER_CONCURRENCY:-128}
 WEB_WORKERS=${WEB_WORKERS:-2}
 SANDBOX_RUNNER_PORT=${SANDBOX_RUNNER_PORT:-8790}
@@ -34,6 +35,8 @@ $PY manage.py migrate --noinput
 $PY manage.py collectstatic --noinput -v 0
 
 pids=()
+# Each process's lines start with its name (web, worker, beat, flower): one terminal, four processes.
+named() { sed -u "s/^/$1 | /"; }
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait || true; }
 trap cleanup EXIT INT TERM
 
@@ -43,7 +46,7 @@ trap cleanup EXIT INT TERM
 # (SECURE_PROXY_SSL_HEADER) and X-Forwarded-For (TRUSTED_PROXY_COUNT) itself. Open streams get 10 s
 # to end at shutdown; clients resume with Last-Event-ID.
 $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND##*:}" \
-  --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 & pids+=($!)
+  --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 > >(named "web   ") 2>&1 & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight
 # (128: docs/performance.md). The sweeper's queue is consumed too, by the same workers.
@@ -53,20 +56,21 @@ $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND
 # are on from the start, not only once Flower's periodic broadcast reaches a new worker.
 # DB_POOL_CHECK=0: no connection check per checkout (agentplatform/settings.py says why that is safe here).
 DB_POOL_CHECK=${WORKER_DB_POOL_CHECK:-0} $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
-  --without-gossip --without-mingle --task-events --loglevel INFO & pids+=($!)
+  --without-gossip --without-mingle --task-events --loglevel INFO > >(named "worker") 2>&1 & pids+=($!)
 # The sandbox runner (run_python; docs/sandbox.md): a process of its own that re-executes itself
 # with a cleared environment, so it holds no database URL, broker URL or secret. It needs root
 # (cgroups, per-slot uids); elsewhere run_python answers "the sandbox runner is not running".
 if [ "$(id -u)" = 0 ]; then
-  $PY -m sandbox.runner --port "$SANDBOX_RUNNER_PORT" --backend "${SANDBOX_BACKEND:-bubblewrap}" & pids+=($!)
+  $PY -m sandbox.runner --port "$SANDBOX_RUNNER_PORT" --backend "${SANDBOX_BACKEND:-bubblewrap}" > >(named "sandbox") 2>&1 & pids+=($!)
 else
   echo "sandbox runner not started: it needs root (docs/sandbox.md)" >&2
 fi
-# Beat and Flower record no platform metrics: kept out of the shared directory.
-env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel INFO \
-  --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" & pids+=($!)
+# Beat and Flower record no platform metrics: kept out of the shared directory. Beat at WARNING:
+# at INFO it says "Sending due task" for the sweeper and notify every few seconds, and nothing else.
+env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel WARNING \
+  --schedule "$AGENTPLATFORM_VAR_DIR/celerybeat-schedule" > >(named "beat  ") 2>&1 & pids+=($!)
 env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 \
-  & pids+=($!)
+  > >(named "flower") 2>&1 & pids+=($!)
 
 # The last lines of the start-up output: where everything is, once the API answers.
 host=${BIND%:*}; port=${BIND##*:}
@@ -86,10 +90,30 @@ for _ in range(120):
 print(body["status"] if body["status"] == "ready" else f"{body['status']}: {body.get('checks', '')}")
 EOF
 )
+# The worker's and Flower's banners come a few seconds after the API answers: wait for both, so
+# the URLs below are the last lines of the start-up output.
+for _ in $(seq 20); do
+  $PY -m celery -A agentplatform inspect ping --timeout 1 >/dev/null 2>&1 && break
+done
+$PY - "http://127.0.0.1:$FLOWER_PORT/healthcheck" <<'EOF' || true
+import sys, time
+import httpx
+for _ in range(60):
+    try:
+        if httpx.get(sys.argv[1], timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+EOF
+sleep 1  # their last start-up lines are flushed through the name prefixes
+mode=$(DJANGO_SETTINGS_MODULE=agentplatform.settings $PY -c "from django.conf import settings as s; print('production' if s.PRODUCTION else 'development: DEBUG is ' + ('on, and a 404 page lists every URL' if s.DEBUG else 'off'))" 2>/dev/null || echo unknown)
+[ "$mode" = production ] || mode="$mode (production mode locally: README, first screen)"
 shown_db=$(printf '%s' "$DATABASE_URL" | sed -E 's#(://[^:/@]*):[^@]*@#\1:***@#')
 cat <<EOF
 
 == agent platform started ($ready); Ctrl-C stops every process
+   mode       $mode
    API        $base/v1/         OpenAPI docs: $base/v1/docs
    admin      $base/admin/
    health     $base/healthz     readiness: $base/readyz

@@ -23,7 +23,7 @@ class TenantAdmin(TenantScopedAdmin):
 
     @admin.display(description="daily budget")
     def daily_budget(self, tenant):
-        return money(tenant.daily_budget_micros)
+        return money(tenant.daily_budget_micros, tenant)
 
     @admin.display(description="usage")
     def usage_link(self, tenant):

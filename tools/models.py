@@ -96,6 +96,9 @@ class Tool(models.Model):
     backoff_seconds = models.FloatField(default=1.0)
     settle_seconds = models.PositiveIntegerField(null=True, blank=True)  # None: DEFAULT_SETTLE_SECONDS
     http_url = models.CharField(max_length=500, blank=True)  # http tools: POST target
+    # What approving a call does, in business terms, and which arguments are money (tools/display.py).
+    summary = models.CharField(max_length=500, blank=True)
+    money_arguments = models.JSONField(default=dict, blank=True)
     status_url = models.CharField(max_length=500, blank=True)  # http reconcilable: GET {key}
 
     class Meta:

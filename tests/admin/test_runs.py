@@ -51,7 +51,7 @@ def test_it_shows_status_budget_steps_and_events(as_ravi, acme):
 
     html = response.content.decode()
     assert response.status_code == 200
-    assert '<td class="status-badge" id="run-status">succeeded</td>' in html
+    assert 'id="run-status" data-status="succeeded">succeeded</td>' in html
     budget = response.context["budget"]
     assert (
         budget["limit"] == "USD 2.00" and budget["reserved"] == "USD 0.00" and budget["spent"] != "USD 0.00"
@@ -74,17 +74,18 @@ def test_the_run_page_is_a_timeline_of_model_turns_with_their_tool_calls_and_eve
 
     response = as_ravi.get(run_url(run.pk))
 
-    first, last = response.context["timeline"]
-    assert (first["step"].seq, first["text"], [t["step"].seq for t in first["tools"]]) == (
-        1,
-        "Let me do that.",
-        [2],
-    )
-    call = first["tools"][0]
+    steps = response.context["steps"]
+    assert [(r["step"].seq, r["step"].kind, r["summary"]) for r in steps] == [
+        (1, "model", "Let me do that. → calls platform__echo"),
+        (2, "tool", ""),
+        (3, "model", "done"),
+    ]
+    call = steps[1]
     assert "12499" in call["result"] and "TXN-1001" in call["result"]  # echo answers its arguments
+    assert '"amount": 12499' in call["result"]  # pretty-printed JSON, one key a line
     assert "approval_approved" in {e["event"].kind for e in call["events"]}
-    assert first["usage"]["input"] > 0 and first["cost"].startswith("USD ")
-    assert (last["step"].seq, last["text"], last["tools"]) == (3, "done", [])
+    assert steps[0]["usage"]["input"] > 0 and steps[0]["cost"].startswith("USD ")
+    assert response.context["counts"] == {"steps": 3, "model": 2, "tool": 1}
     html = response.content.decode()
     assert " micros" not in html  # every amount in one unit, with its currency
     assert "times in Asia/Kolkata" in html
@@ -214,11 +215,12 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
 
     html = as_ravi.get(run_url(run.pk)).content.decode()
 
-    assert '<td class="status-badge" id="run-status">waiting_budget</td>' in html
-    assert (
-        '<td id="run-admission">waiting for the tenant\'s day budget to carry its expected cost (USD 2.00); '
-        "started in order of arrival</td>"
-    ) in html
+    assert 'id="run-status" data-status="waiting_budget">waiting for budget</td>' in html
+    admission = html.split('<p id="run-admission">')[1].split("</p>")[0]
+    assert admission.startswith(
+        "The tenant's day budget cannot carry this run's expected cost (USD 2.00) today. Starts at 00:00 "
+    ), admission
+    assert ", in " in admission and "in order of arrival" in admission
 
 
 def test_the_run_page_lists_the_runs_files_and_downloads_them_for_who_may_read_the_run(as_ravi, acme):

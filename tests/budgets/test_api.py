@@ -135,6 +135,7 @@ def test_usage_shows_days_and_agents_and_a_run_shows_its_budget(tenant, asha, ra
         "held_micros": 4_000,
         "overage_micros": 0,
         "remaining_micros": tenant.daily_budget_micros - spent - 4_000,
+        "over_limit": False,
     }
     assert body["agents"] == [
         {

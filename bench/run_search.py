@@ -1,0 +1,230 @@
+"""Run search at a million runs: the queries of `GET /v1/runs` (runs/search.py) on a generated table.
+
+    DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/run_search.py
+
+DATABASE_URL only says where PostgreSQL is: the benchmark creates its own database
+`bench_search_<pid>`, migrates it (so the indexes are the migration's own), fills it and drops it
+at the end; no other database is touched.
+
+The table: BENCH_RUNS (1,000,000) runs, 90% in the searched tenant and 10% in another, spread over
+a year, 50 creators and 5 agents, statuses in realistic proportions (85% succeeded, 5% failed, ...),
+each with an input like {"transaction_id": "TXN-<n>", "customer_email": ..., "amount": ...} and
+metadata {"ticket": "DSP-<n>"}. Rows are written with INSERT … SELECT from generate_series, then
+ANALYZEd.
+
+Each query is what the API runs for one page: the page of 50 newest (LIMIT 50) and its count
+(COUNT(*), for `count` in the answer), timed apart and together, both through the same selector and search as the view, as a
+supervisor who reads every run of the tenant. Each runs BENCH_REPEATS (200) times with a fresh
+random value; the figures are p50, p95 and p99 in milliseconds.
+
+Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RUNS = int(os.environ.get("BENCH_RUNS", 1_000_000))
+REPEATS = int(os.environ.get("BENCH_REPEATS", 200))
+USERS, AGENTS, CHUNK = 50, 5, 100_000
+TAG = f"bench_search_{os.getpid()}"
+
+BASE_URL = os.environ.get("DATABASE_URL", "")
+if not BASE_URL.startswith("postgres"):
+    sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
+
+
+def with_database(url: str, name: str) -> str:
+    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
+
+
+def admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(
+        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
+    ) as conn:
+        conn.execute(sql)
+
+
+os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+os.environ["CELERY_BROKER_URL"] = "memory://"
+os.environ.pop("DB_POOL_MAX", None)
+os.environ.setdefault("LOG_LEVEL", "ERROR")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
+
+# Each run's column values as SQL over i (its number in generate_series); the other non-null
+# columns get their model default.
+STATUS_SQL = (
+    "CASE WHEN mod(i, 100) < 85 THEN 'succeeded' WHEN mod(i, 100) < 90 THEN 'failed' WHEN mod(i, 100) < 93"
+    " THEN 'cancelled' WHEN mod(i, 100) < 95 THEN 'stopped' WHEN mod(i, 100) < 97 THEN 'waiting_approval'"
+    " WHEN mod(i, 100) < 98"
+    " THEN 'needs_attention' ELSE 'running' END"
+)
+
+
+def fill(tenants, users, agents) -> float:
+    from django.db import connection
+
+    from runs.models import Run
+
+    columns = {
+        "id": "gen_random_uuid()",
+        # 90% in the searched tenant, 10% in the other.
+        "tenant_id": f"CASE WHEN mod(i, 10) = 0 THEN {tenants[1].pk} ELSE {tenants[0].pk} END",
+        "created_by_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_user)s ELSE (%(users)s::bigint[])[1 + mod(i / 10, %(n_users)s)] END",
+        "agent_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_agent)s ELSE (%(agents)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
+        "version_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_version)s ELSE (%(versions)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
+        "input": "jsonb_build_object('transaction_id', 'TXN-' || i, 'customer_email', 'c' || mod(i, 50000) || '@example.com',"
+        " 'amount', mod(i * 37, 100000))",
+        "metadata": "jsonb_build_object('ticket', 'DSP-' || i)",
+        "status": STATUS_SQL,
+        # Newest is i = 1; one run every 30 s or so over a year.
+        "created_at": "now() - make_interval(secs => i * 31.5)",
+    }
+    params = {
+        "users": [u.pk for u in users[:-1]],
+        "n_users": len(users) - 1,
+        "other_user": users[-1].pk,
+        "agents": [a.pk for a, _ in agents[:-1]],
+        "versions": [v.pk for _, v in agents[:-1]],
+        "n_agents": len(agents) - 1,
+        "other_agent": agents[-1][0].pk,
+        "other_version": agents[-1][1].pk,
+    }
+    names, values = [], []
+    for field in Run._meta.concrete_fields:
+        if field.column in columns:
+            names.append(field.column)
+            values.append(columns[field.column])
+        elif not field.null:
+            names.append(field.column)
+            key = f"default_{field.column}"
+            params[key] = field.get_db_prep_save(field.get_default(), connection)
+            values.append(f"%({key})s")
+    sql = (
+        f"INSERT INTO runs_run ({', '.join(names)}) SELECT {', '.join(values)} "
+        "FROM generate_series(%(start)s, %(stop)s) AS i"
+    )
+    started = time.monotonic()
+    with connection.cursor() as cursor:
+        for start in range(1, RUNS + 1, CHUNK):
+            cursor.execute(sql, {**params, "start": start, "stop": min(start + CHUNK - 1, RUNS)})
+        cursor.execute("ANALYZE runs_run")
+    return time.monotonic() - started
+
+
+def setup():
+    from guardian.shortcuts import assign_perm
+
+    from agents.services import create_version
+    from llm.models import ModelEndpoint
+    from tenants.models import Tenant, User
+
+    tenants = [Tenant.objects.create(slug=slug, name=slug) for slug in ("searched", "other")]
+    users = [User.objects.create_user(username=f"user{n}", tenant=tenants[0]) for n in range(USERS)]
+    users.append(User.objects.create_user(username="other-user", tenant=tenants[1]))
+    agents = []
+    for tenant, names in ((tenants[0], [f"agent-{n}" for n in range(AGENTS)]), (tenants[1], ["other-agent"])):
+        ModelEndpoint.objects.create(tenant=tenant, name="scripted", kind="scripted")
+        for name in names:
+            version, _ = create_version(
+                tenant=tenant, agent=name, spec={"model": "scripted", "instructions": "bench"}
+            )
+            agents.append((version.agent, version))
+    supervisor = User.objects.create_user(username="supervisor", tenant=tenants[0], is_staff=True)
+    assign_perm("tenants.view_runs", supervisor, tenants[0])
+    return tenants, users, agents, supervisor
+
+
+def page_and_count(supervisor, **filters) -> tuple[float, float]:
+    """What the API view runs for one page: (ms for the page, ms for the page and its count)."""
+    from runs import search, selectors
+
+    q = filters.pop("q", "")
+    after = filters.pop("created_after", None)
+    started = time.perf_counter()
+    runs = search.search(search.created_between(selectors.runs_for(supervisor, **filters), after=after), q)
+    list(runs[:50])
+    page = time.perf_counter()
+    runs.count()
+    return (page - started) * 1000, (time.perf_counter() - started) * 1000
+
+
+def main() -> None:
+    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+    admin(f'CREATE DATABASE "{TAG}"')
+    try:
+        import django
+        from django.core.management import call_command
+        from django.utils import timezone
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+        tenants, users, agents, supervisor = setup()
+        seconds = fill(tenants, users, agents)
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_size_pretty(pg_relation_size('run_search_values'))")
+            gin_size = cursor.fetchone()[0]
+            cursor.execute("SELECT pg_size_pretty(pg_relation_size('runs_run'))")
+            table_size = cursor.fetchone()[0]
+            cursor.execute("SELECT id FROM runs_run TABLESAMPLE SYSTEM (1) LIMIT 2000")
+            sample_ids = [str(row[0]) for row in cursor.fetchall()]
+        print(
+            f"run search benchmark on {os.cpu_count()} CPUs, database {TAG}: {RUNS:,} runs written in "
+            f"{seconds:.0f} s (table {table_size}, values index {gin_size}); {REPEATS} repeats per query, "
+            f"load average before: {os.getloadavg()[0]:.1f}\n"
+        )
+        rng = random.Random(7)
+        day_ago = timezone.now() - timezone.timedelta(days=1)
+        cases = {
+            "newest page, no filter": lambda: {},
+            "q=TXN-<n> (input value, 1 hit)": lambda: {"q": f"TXN-{rng.randrange(1, RUNS) | 1}"},
+            "q=DSP-<n> (metadata value)": lambda: {"q": f"DSP-{rng.randrange(1, RUNS) | 1}"},
+            "q=<customer email> (~18 hits)": lambda: {"q": f"c{rng.randrange(1, 50000)}@example.com"},
+            "q=<8-hex id prefix>": lambda: {"q": rng.choice(sample_ids)[:8]},
+            "q=<full id>": lambda: {"q": rng.choice(sample_ids)},
+            "created_by=<user>": lambda: {"created_by": f"user{rng.randrange(USERS)}"},
+            "created_by=<user with no runs>": lambda: {"created_by": "supervisor"},
+            "agent=<agent>&status=failed": lambda: {
+                "agent": f"agent-{rng.randrange(AGENTS - 1)}",
+                "status": "failed",
+            },
+            "status=needs_attention": lambda: {"status": "needs_attention"},
+            "created_after=<24 h ago>": lambda: {"created_after": day_ago},
+            "q=TXN-<n>&status=succeeded": lambda: {
+                "q": f"TXN-{rng.randrange(1, RUNS) | 1}",
+                "status": "succeeded",
+            },
+        }
+        print(f"{'':<36} {'page of 50':^26} {'page + count':^26}")
+        print(f"{'query':<36}" + f" {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}" * 2)
+        for label, make in cases.items():
+            for _ in range(5):  # warm the caches the way a running server has them
+                page_and_count(supervisor, **make())
+            timed = [page_and_count(supervisor, **make()) for _ in range(REPEATS)]
+            cells = []
+            for times in (sorted(t[0] for t in timed), sorted(t[1] for t in timed)):
+                p = statistics.quantiles(times, n=100)
+                cells.append(f" {statistics.median(times):>8.2f} {p[94]:>8.2f} {p[98]:>8.2f}")
+            print(f"{label:<36}{''.join(cells)}")
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+
+
+if __name__ == "__main__":
+    main()
