@@ -15,7 +15,7 @@ import pytest
 from approvals.models import Approval
 from configuration.apply import apply_config
 from runs.engine import advance
-from runs.lifecycle import start_run
+from runs.services import start_run
 from runs.models import Run, RunStatus, Step, StepStatus
 from tenants.models import User
 from tests.admin.test_inbox_browser import in_browser

@@ -40,7 +40,7 @@ def test_the_docs_name_the_queues_workers_consume():
 
 
 def recorded_event_kinds() -> set[str]:
-    """Every kind the product records (runs.lifecycle.record_event's second argument), from source;
+    """Every kind the product records (runs.transitions.record_event's second argument), from source;
     an f-string kind (`approval_{verdict}`) stands for each value the code gives it."""
     kinds: set[str] = set()
     for path in ROOT.glob("*/**/*.py"):

@@ -11,7 +11,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from runs.display import run_title
-from runs.lifecycle import start_run
+from runs.services import start_run
 from runs.models import Run
 from runs.search import id_range, search
 from tests import factories

@@ -38,6 +38,6 @@ def drop_indexes(apps, schema_editor):
 class Migration(migrations.Migration):
     atomic = False
 
-    dependencies = [("runs", "0008_run_event_notify")]
+    dependencies = [("runs", "0009_engine_decisions")]
 
     operations = [migrations.RunPython(create_indexes, drop_indexes)]
