@@ -11,6 +11,7 @@ import ipaddress
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 
@@ -152,9 +153,9 @@ TEMPLATES = [
 ]
 
 
-def _database() -> dict:
+def _database() -> dict[str, Any]:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'agentplatform.sqlite3'}")
-    db = dj_database_url.parse(url)
+    db: dict[str, Any] = dict(dj_database_url.parse(url))
     if db["ENGINE"] == "django.db.backends.sqlite3":
         # Immediate transactions take the write lock at BEGIN, so concurrent writers queue
         # instead of failing with "database is locked" halfway through a transaction.
@@ -273,7 +274,9 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 330)
 CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 360)
 # Longer than the longest step (hard limit above), so Redis never redelivers a live task.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, float] = {
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)
+}
 if CELERY_BROKER_URL.startswith("memory://"):
     # The in-process broker polls its queues once a second by default: each step of the demo
     # then waits up to a second for its message. 50 ms keeps the story at the engine's pace.

@@ -138,7 +138,7 @@ def _provider(endpoint: ModelEndpoint):
 
     if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
         return ScriptedProvider(endpoint.config)
-    api_key = endpoint.secret.reveal() if endpoint.secret_id else None
+    api_key = endpoint.secret.reveal() if endpoint.secret is not None else None
     key = (
         endpoint.kind,
         endpoint.base_url,
@@ -169,7 +169,7 @@ def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
     try:
         return provider.complete(request)
     except ProviderError as exc:
-        secret = [endpoint.secret.reveal()] if endpoint.secret_id else []
+        secret = [endpoint.secret.reveal()] if endpoint.secret is not None else []
         raise ProviderError(
             redact(str(exc), secret),
             retryable=exc.retryable,

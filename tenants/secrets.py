@@ -24,7 +24,7 @@ from django.db import connection
 from tenants.crypto import decrypt, redact, redact_obj
 from tenants.models import Secret, Tenant
 
-_secrets: dict[int, tuple[int, list[str]]] = {}  # tenant id -> (secrets_generation, values)
+_secrets: dict[int, tuple[int | None, list[str]]] = {}  # tenant id -> (secrets_generation, values)
 _secrets_lock = threading.Lock()
 
 

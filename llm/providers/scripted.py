@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from llm.tokens import estimate_input_tokens, estimate_text
 from llm.types import ModelReply, ModelRequest, ToolCall, Usage
@@ -66,7 +67,7 @@ def _input_values(request: ModelRequest) -> dict:
 
 def _fill(value, values: dict):
     if isinstance(value, str) and value.startswith("$input."):
-        current = values
+        current: Any = values
         for part in value[len("$input.") :].split("."):
             current = current.get(part) if isinstance(current, dict) else None
         return current
