@@ -345,6 +345,7 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
         daily_budget_micros=10**15,
         max_steps_cap=10_000,
         max_tool_calls_cap=5_000,
+        max_cost_micros_cap=10**12,
     )
     user = factories.make_user(tenant, "bench")
     server = ToolServer.objects.create(
@@ -367,7 +368,11 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
     for latency, url in model_urls.items():
         endpoint = factories.make_endpoint(tenant, name=f"fake-{latency}ms", kind="openai", base_url=url)
         # The long runs' agent may take them to their end (the default caps stop a run at 50 steps).
-        limits = {"max_steps": 10_000, "max_tool_calls": 5_000} if latency == LONG else {}
+        limits = (
+            {"limits": {"max_steps": 10_000, "max_tool_calls": 5_000, "max_cost_micros": 10**12}}
+            if latency == LONG
+            else {}
+        )
         factories.make_agent(
             tenant,
             name=f"bench-{latency}ms",
@@ -619,6 +624,11 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         f"{(opts.steps - 1) // 2} tool calls per run, all over HTTP to 127.0.0.1), {os.cpu_count()} CPUs; "
         f"worker pool threads x {opts.concurrency}, {opts.db_pool} PostgreSQL connections per process, "
         f"LangGraph durability {opts.langgraph_durability}"
+        + (
+            f"; the long scenarios: {opts.long_steps} steps per run"
+            if set(LONG_SCENARIOS) & set(opts.scenarios)
+            else ""
+        )
     )
     header = (
         f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "

@@ -14,6 +14,7 @@ import math
 import threading
 from decimal import Decimal
 
+from agents.spec import spec_for
 from llm import context
 from llm.models import ModelEndpoint
 from llm.tokens import estimate_input_tokens
@@ -64,15 +65,15 @@ def build_request(
 ) -> ModelRequest:
     """The request for the run's next model call, shaped by the version's context policy."""
     version = run.version
-    spec = version.spec
+    spec = spec_for(version)
     endpoint = version.model_endpoint
     if policy is None:
-        policy = context.ContextPolicy.from_spec(spec.get("context"))
+        policy = context.ContextPolicy.from_spec(dict(spec.context))
     results: dict[int, context.Result] = {}
     messages = context.shape(build_messages(run, steps, results), results, policy)
     return ModelRequest(
         model=endpoint.model,
-        instructions=spec["instructions"],
+        instructions=spec.instructions,
         messages=messages,
         tools=context.offered(tools, policy),
         max_output_tokens=run.limits["max_output_tokens"],

@@ -16,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 
 from agentplatform import sql
+from agents.spec import spec_for
 from llm import context
 from llm.types import ToolSpec
 from runs.models import Run, Step
@@ -55,7 +56,7 @@ def permitted_tools(run: Run, *, user=None) -> list[Tool]:
     if not user.is_active or user.tenant_id != run.tenant_id:
         return []
     params = {"tenant": run.tenant_id, "user": user.pk}
-    names = sql.in_list("name", list(run.version.spec.get("tools", [])), params)
+    names = sql.in_list("name", list(spec_for(run.version).tools), params)
     return [
         tool
         for (tool,) in sql.fetch(
@@ -75,7 +76,8 @@ def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
     """Sorted by name so the request prefix stays byte-stable between steps. (The model gateway
     adds read_result, which the context policy needs: llm.gateway.build_request.)"""
     tools = permitted_tools(run, user=user)
-    limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
+    limit = spec_for(run.version).max_visible_tools
+    limit = settings.VISIBLE_TOOLS_MAX if limit is None else limit
     if len(tools) <= limit:
         return [spec_of(t) for t in tools]
     recent = " ".join(s.observation[:500] for s in list(steps)[-3:])
