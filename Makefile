@@ -1,7 +1,7 @@
 # make demo   – set up and run the dispute story on embedded defaults (SQLite, in-process broker)
 # make test   – set up, lint, and run the whole suite on throwaway PostgreSQL + Redis servers of its own
 # make test-fast – the same without the slow recovery, end-to-end, browser and production-shape tests
-# make lint   – ruff check and ruff format --check (make format rewrites)
+# make lint   – ruff check, ruff format --check (make format rewrites) and mypy (mypy.ini)
 # make serve  – production shape: PostgreSQL, Redis broker, uvicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
@@ -48,6 +48,7 @@ test-fast: setup sandbox lint
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

@@ -161,7 +161,7 @@ class TenantScopedAdmin(admin.ModelAdmin):
             obj.save(update_fields=changed + stamps)
 
 
-class TenantGuardedAdmin(TenantScopedAdmin, GuardedModelAdmin):
+class TenantGuardedAdmin(TenantScopedAdmin, GuardedModelAdmin):  # type: ignore[misc]  # guardian's template attribute is untyped
     """Object-permission pages (django-guardian's "Object permissions") that stay in the tenant:
     users and groups of another tenant can be neither picked nor opened there."""
 

@@ -1,14 +1,50 @@
 import os
+from collections.abc import Mapping
 
 from celery import Celery
 from celery.signals import worker_ready
 from celery.utils.log import get_logger
 from celery.worker.consumer import Consumer as CeleryConsumer
 
+from agentplatform import broker
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 
+
+class DjangoCelerySettings(Mapping):
+    """Django's CELERY_* settings as a plain dict, read on Celery's first look at its configuration.
+
+    Celery looks a setting up on every publish, under two names, through each of its maps:
+    through Django's lazy settings object every name that is not set raises an AttributeError
+    on the way, which made reading the configuration a fifth of the cost of publishing a task
+    (bench/publish_hop.py). The settings module is final by the time Celery first reads it.
+    """
+
+    def __init__(self):
+        self._values: dict | None = None
+
+    def _load(self) -> dict:
+        if self._values is None:
+            from django.conf import settings
+
+            self._values = {
+                name: getattr(settings, name) for name in dir(settings) if name.startswith("CELERY_")
+            }
+        return self._values
+
+    def __getitem__(self, key):
+        return self._load()[key]
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+broker.register()
 app = Celery("agentplatform")
-app.config_from_object("django.conf:settings", namespace="CELERY")
+app.config_from_object(DjangoCelerySettings(), namespace="CELERY")
 app.autodiscover_tasks()
 
 

@@ -6,12 +6,17 @@ import math
 import os
 import re
 from collections import Counter
+from typing import overload
 
 
 class ConfigError(RuntimeError):
     pass
 
 
+@overload
+def env_str(name: str, default: str) -> str: ...
+@overload
+def env_str(name: str, default: None = None) -> str | None: ...
 def env_str(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return default if value in (None, "") else value

@@ -68,7 +68,7 @@ class Forbidden(DomainError):
 
 
 def error_body(code: str, message: str, fields: dict | None = None) -> dict:
-    body = {"code": code, "message": message}
+    body: dict[str, object] = {"code": code, "message": message}
     if fields:
         body["fields"] = fields
     return {"error": body}
@@ -89,10 +89,10 @@ def _flatten(detail) -> dict:
 
 def exception_handler(exc, context):
     if isinstance(exc, DomainError):
-        response = Response(error_body(exc.code, exc.message, exc.fields), status=exc.status)
+        refusal = Response(error_body(exc.code, exc.message, exc.fields), status=exc.status)
         if exc.retry_after is not None:
-            response["Retry-After"] = str(exc.retry_after)
-        return response
+            refusal["Retry-After"] = str(exc.retry_after)
+        return refusal
     response = drf_exception_handler(exc, context)
     if response is None:
         # Not an API error: a bug or an outage. The traceback goes to the log, never to the caller.
@@ -111,7 +111,8 @@ def exception_handler(exc, context):
     if isinstance(exc, exceptions.ValidationError):
         response.data = error_body("invalid", "The request has invalid fields.", _flatten(exc.detail))
     elif isinstance(exc, exceptions.APIException):
-        code = exc.get_codes() if isinstance(exc.get_codes(), str) else "error"
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else "error"
         if response.status_code == status.HTTP_404_NOT_FOUND:
             code = "not_found"
         response.data = error_body(code, str(exc.detail))

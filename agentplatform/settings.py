@@ -11,6 +11,7 @@ import ipaddress
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 
@@ -153,9 +154,9 @@ TEMPLATES = [
 ]
 
 
-def _database() -> dict:
+def _database() -> dict[str, Any]:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'agentplatform.sqlite3'}")
-    db = dj_database_url.parse(url)
+    db: dict[str, Any] = dict(dj_database_url.parse(url))
     if db["ENGINE"] == "django.db.backends.sqlite3":
         # Immediate transactions take the write lock at BEGIN, so concurrent writers queue
         # instead of failing with "database is locked" halfway through a transaction.
@@ -274,7 +275,9 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 330)
 CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 360)
 # Longer than the longest step (hard limit above), so Redis never redelivers a live task.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)}
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, float] = {
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", 3600)
+}
 if CELERY_BROKER_URL.startswith("memory://"):
     # The in-process broker polls its queues once a second by default: each step of the demo
     # then waits up to a second for its message. 50 ms keeps the story at the engine's pace.
@@ -392,7 +395,7 @@ WORKER_METRICS_ADDR = env_str("WORKER_METRICS_ADDR", "0.0.0.0")
 # /readyz and the queue-depth gauge: how long to wait for the database and the broker.
 READY_TIMEOUT_SECONDS = env_float("READY_TIMEOUT_SECONDS", 3.0)
 
-# --- Live run stream (runs/stream.py, runs/notify.py; docs/api.md "Run stream") ---
+# --- Live run stream (runs/stream.py, runs/stream_feed.py; docs/api.md "Run stream") ---
 # A comment line every this many seconds keeps idle streams open through proxies and tells the
 # client the server is alive.
 RUN_STREAM_HEARTBEAT_SECONDS = env_float("RUN_STREAM_HEARTBEAT_SECONDS", 15.0)

@@ -114,7 +114,7 @@ def _plain(model) -> bool:
     return (
         not signals.pre_init.has_listeners(model)
         and not signals.post_init.has_listeners(model)
-        and getattr(model.from_db, "__func__", None) is models.Model.from_db.__func__
+        and getattr(model.from_db, "__func__", None) is models.Model.__dict__["from_db"].__func__
     )
 
 

@@ -14,7 +14,7 @@ from agents.services import move_alias
 class VersionInline(admin.TabularInline):
     model = AgentVersion
     fields = ["version_link", "content_hash", "model_endpoint", "created_by", "created_at"]
-    readonly_fields = fields
+    readonly_fields = fields  # type: ignore[assignment]  # every field shown is read-only (stubs: fieldsets' type)
     extra = 0
     can_delete = False
     show_change_link = False
@@ -31,7 +31,7 @@ class VersionInline(admin.TabularInline):
 
 
 class AliasInline(VersionInline):
-    model = Alias
+    model = Alias  # type: ignore[assignment]  # the same read-only inline, over another model
     fields = ["name", "version", "updated_at"]
     readonly_fields = fields
 
@@ -87,7 +87,7 @@ class AliasForm(forms.ModelForm):
             self.fields["version_number"].initial = self.instance.version.number
 
     def clean(self):
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         agent = cleaned.get("agent") or (self.instance.agent if self.instance.pk else None)
         number = cleaned.get("version_number")
         if agent and number and not agent.versions.filter(number=number).exists():

@@ -51,9 +51,9 @@ def _require_editor(user) -> None:
 
 def _check_length(**names: str) -> None:
     """Names in the path are stored as given; refuse what the columns cannot hold (400, not a 500)."""
-    limits = {
-        "name": AgentDefinition._meta.get_field("name").max_length,
-        "alias": Alias._meta.get_field("name").max_length,
+    limits: dict[str, int] = {
+        "name": AgentDefinition._meta.get_field("name").max_length or 0,
+        "alias": Alias._meta.get_field("name").max_length or 0,
     }
     fields = {
         key: [f"at most {limits[key]} characters"] for key, value in names.items() if len(value) > limits[key]

@@ -51,6 +51,7 @@ class AgentSpec:
     approval_overrides: MappingProxyType
     on_approval_expired: str
     max_visible_tools: int | None
+    expected_cost_micros: int | None  # runs.admission: what a run is expected to cost, if configured
 
 
 _by_version: dict[int, AgentSpec] = {}
@@ -76,6 +77,7 @@ def spec_for(version) -> AgentSpec:
             approval_overrides=MappingProxyType(dict(spec.get("approval_overrides") or {})),
             on_approval_expired=spec.get("on_approval_expired", "tell_model"),
             max_visible_tools=spec.get("max_visible_tools"),
+            expected_cost_micros=spec.get("expected_cost_micros"),
         )
         _by_version[version.pk] = found
     return found

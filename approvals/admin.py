@@ -53,9 +53,10 @@ class AgeFilter(admin.SimpleListFilter):
         return [("lt1h", "less than 1 hour"), ("1to8h", "1 to 8 hours"), ("gt8h", "more than 8 hours")]
 
     def queryset(self, request, queryset):
-        if self.value() not in self.BANDS:
+        band = self.value()
+        if band is None or band not in self.BANDS:
             return queryset
-        at_least, under = self.BANDS[self.value()]
+        at_least, under = self.BANDS[band]
         now = timezone.now()
         if at_least is not None:
             queryset = queryset.filter(created_at__lte=now - dt.timedelta(hours=at_least))

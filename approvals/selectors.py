@@ -2,20 +2,16 @@ from __future__ import annotations
 
 import uuid
 
-from guardian.shortcuts import get_objects_for_user
-
 from agentplatform.errors import NotFound
 from approvals.models import Approval
+from tenants import permissions
 from tools.models import Tool
 
 
 def approvable_tools(user):
-    return get_objects_for_user(
-        user,
-        "tools.approve_tool",
-        klass=Tool.objects.filter(tenant_id=user.tenant_id),
-        with_superuser=False,
-        accept_global_perms=False,
+    """The caller's tenant's tools on which the caller holds approve_tool (tenants.permissions)."""
+    return Tool.objects.filter(
+        tenant_id=user.tenant_id, pk__in=permissions.held_pks(user, "approve_tool", Tool)
     )
 
 

@@ -11,13 +11,13 @@ import enum
 import uuid
 
 from django.utils import timezone
-from guardian.shortcuts import get_objects_for_user
 
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict, Forbidden, IllegalTransition, NotFound
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import Decision, parse_policy, stricter
 from runs.models import Run, Step
+from tenants import permissions
 from tools.models import Tool
 
 
@@ -47,19 +47,19 @@ def call_digest(*, tool: Tool, arguments: dict, run_id, user_id, policy_version:
 def can_approve(user, tool: Tool) -> bool:
     if not user.is_active or user.tenant_id != tool.tenant_id:
         return False
-    return get_objects_for_user(
-        user,
-        "tools.approve_tool",
-        klass=Tool.objects.filter(pk=tool.pk),
-        with_superuser=False,
-        accept_global_perms=False,
-    ).exists()
+    return permissions.holds(user, "approve_tool", Tool, tool.pk)
 
 
-def _transition(approval: Approval, to: str, **fields) -> bool:
+def _transition(approval: Approval, to: str, *, where: dict | None = None, **fields) -> bool:
+    """Move the approval from the status it was read in to `to` (APPROVAL_TRANSITIONS), or raise.
+
+    One guarded UPDATE (the status it was read in, and `where`); False when someone moved it first.
+    """
     if to not in APPROVAL_TRANSITIONS.get(approval.status, set()):
         raise IllegalTransition("approval", approval.status, to)
-    updated = Approval.objects.filter(pk=approval.pk, status=approval.status).update(status=to, **fields)
+    updated = Approval.objects.filter(pk=approval.pk, status=approval.status, **(where or {})).update(
+        status=to, **fields
+    )
     if updated:
         approval.status = to
         for name, value in fields.items():
@@ -69,7 +69,7 @@ def _transition(approval: Approval, to: str, **fields) -> bool:
 
 def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
     """The pending approval for this exact call (the caller records the event and parks the step)."""
-    tool = step.tool
+    tool = _tool_of(step)
     ttl = tool.approval_ttl_seconds or run.tenant.approval_ttl_seconds
     return Approval.objects.create(
         tenant_id=run.tenant_id,
@@ -79,7 +79,7 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
         arguments=step.arguments,
         digest=call_digest(
             tool=tool,
-            arguments=step.arguments,
+            arguments=step.arguments or {},
             run_id=run.pk,
             user_id=run.created_by_id,
             policy_version=tool.policy_version,
@@ -138,11 +138,17 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     return Verdict.DECIDED
 
 
+def _tool_of(step: Step) -> Tool:
+    if step.tool is None:
+        raise ValueError(f"step {step.seq} of run {step.run_id} calls no tool: nothing to approve")
+    return step.tool
+
+
 def _expected_digest(step: Step, approval: Approval) -> str:
-    tool = step.tool
+    tool = _tool_of(step)
     return call_digest(
         tool=tool,
-        arguments=step.arguments,
+        arguments=step.arguments or {},
         run_id=step.run_id,
         user_id=approval.requested_by_id,
         policy_version=tool.policy_version,
@@ -165,23 +171,28 @@ def consume(step: Step) -> bool:
     The digest is checked again here because the step is re-read between the claim (which ran
     verify_for_dispatch) and this update: what is consumed is what is dispatched.
     """
-    approval = Approval.objects.filter(step=step).only("requested_by").first()
-    if approval is None:
+    approval = Approval.objects.filter(step=step).only("status", "requested_by").first()
+    if approval is None or approval.status != ApprovalStatus.APPROVED:
         return False
-    return bool(
-        Approval.objects.filter(
-            pk=approval.pk, status=ApprovalStatus.APPROVED, digest=_expected_digest(step, approval)
-        ).update(status=ApprovalStatus.CONSUMED, consumed_at=timezone.now())
+    return _transition(
+        approval,
+        ApprovalStatus.CONSUMED,
+        where={"digest": _expected_digest(step, approval)},
+        consumed_at=timezone.now(),
     )
 
 
 def void_for_step(step: Step, *, reason: str) -> bool:
     """Withdraw the step's open approval; True if there was one (the caller records the event)."""
-    return bool(
-        Approval.objects.filter(
-            step=step, status__in=[ApprovalStatus.PENDING, ApprovalStatus.APPROVED]
-        ).update(status=ApprovalStatus.VOIDED, void_reason=reason)
-    )
+    # Read again when a decision moved it between the read and the update (pending -> approved):
+    # an approval moves forward only, so this ends after as many tries as it has open statuses.
+    for _ in range(len(APPROVAL_TRANSITIONS)):
+        approval = Approval.objects.filter(step=step).only("status").first()
+        if approval is None or ApprovalStatus.VOIDED not in APPROVAL_TRANSITIONS.get(approval.status, set()):
+            return False
+        if _transition(approval, ApprovalStatus.VOIDED, void_reason=reason):
+            return True
+    return False
 
 
 def open_approval_steps(run: Run) -> list[tuple]:

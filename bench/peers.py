@@ -22,6 +22,12 @@ bench/tool_server.py, alternating model, tool, model, ..., model. Every HTTP cal
   engine-2       the engine with two worker processes on the same queue
   engine-1-200ms the engine, one worker, the model answering after 200 ms (its ratio to engine-1
                  of the same round is printed: bench/engine.py's latency check)
+  engine-long    the engine, one worker, runs of LONG_STEPS steps (--long-steps, 201: 100 tool calls)
+  langgraph-long LangGraph the same way; for both long scenarios the worker's and PostgreSQL's CPU
+                 per step over steps 1-25 and over the last 26 steps (175-201) are printed side by
+                 side: does a step cost the same late in a run as early? (sampled every 0.2 s with
+                 the tool server's call count; the runs advance together, so the count says which
+                 step they are at)
 
 Only the PostgreSQL server of DATABASE_URL is used: the benchmark creates databases of its own,
 `bench_peers_<pid>_engine` (migrated), `_langgraph` and `_dbos`, and drops them at the end.
@@ -33,6 +39,8 @@ Columns (per scenario and round):
                  processes, read with psutil before the runs are released and after they end;
                  langgraph, dbos: the process that runs the graphs or workflows, over the same
                  window) / steps. Not counted: PostgreSQL, Redis, the fake servers.
+  PG ms/step     CPU time (user + system) of the PostgreSQL backends serving the scenario's
+                 database, from /proc (bench/pgcpu.py) / steps: PostgreSQL's own work per step
   stmts/step     SQL statements the worker processes sent through psycopg, counted on the client
                  (bench/sqlcount.py: pg_stat_statements is not loaded on this server), BEGIN and
                  COMMIT not included, nor psycopg_pool's empty connection checks (footnote)
@@ -61,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 # bench/engine.py's pieces (its import points DATABASE_URL and CELERY_QUEUE at its own names:
 # they are set again below, before Django reads them).
 from bench import engine as engine_bench
-from bench import peer_agent, pgstats, sqlcount
+from bench import peer_agent, pgcpu, pgstats, sqlcount
 
 BASE_URL = os.environ["DATABASE_URL"]
 BROKER_URL = os.environ["CELERY_BROKER_URL"]
@@ -70,6 +78,8 @@ DB_URLS = {
     kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")
 }
 ALL_SCENARIOS = ["engine-1", "chain", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
+LONG_SCENARIOS = ["engine-long", "langgraph-long"]  # not in the default list: run them by name
+LONG = "long"  # the key of the long runs' fake model server and agent
 PY = sys.executable
 
 os.environ["DATABASE_URL"] = DB_URLS["engine"]
@@ -95,6 +105,10 @@ class Result:
     commits: int | None = None
     load: tuple[float, float] = (0.0, 0.0)
     notes: list[str] = field(default_factory=list)
+    pg_cpu: float | None = None
+    # Long scenarios: (worker ms/step, PostgreSQL ms/step) over steps 1-25 and over the last 26.
+    early: tuple[float, float] | None = None
+    late: tuple[float, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -254,6 +268,68 @@ class ToolCalls:
             raise RuntimeError(f"{scenario}: the tool server took {made} calls, expected {expected}")
 
 
+class Timeline:
+    """Tool calls made, worker CPU and PostgreSQL CPU, sampled together every 0.2 s (long scenarios).
+
+    Every run makes one tool call every two steps and the runs advance together, so the calls
+    made since the start say which steps the runs are at: steps 1-25 are the first 12 calls of
+    each run, steps 175-201 its last 13 (with 201 steps). CPU between two call counts is
+    interpolated linearly between the samples around them.
+    """
+
+    def __init__(self, tools: ToolCalls, worker_cpu, pg: pgcpu.BackendCpu):
+        import threading
+
+        self.tools, self.worker_cpu, self.pg = tools, worker_cpu, pg
+        self.samples: list[tuple[int, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="timeline", daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append((self.tools.get(), self.worker_cpu(), self.pg.total() or 0.0))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(pgcpu.INTERVAL):
+            try:
+                self._sample()
+            except Exception:  # a process that just ended: the samples so far stand
+                return
+
+    def start(self) -> Timeline:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _at(self, calls: float) -> tuple[float, float]:
+        # From the last sample at or below the count: the samples before the first call are the
+        # process starting (a child's imports), not a step.
+        points = self.samples
+        i = max((k for k, (c, _, _) in enumerate(points) if c <= calls), default=0)
+        c0, w0, p0 = points[i]
+        if i + 1 == len(points):
+            return w0, p0
+        c1, w1, p1 = points[i + 1]
+        f = 0.0 if c1 == c0 else (calls - c0) / (c1 - c0)
+        return w0 + f * (w1 - w0), p0 + f * (p1 - p0)
+
+    def per_step(self, first_call: float, last_call: float) -> tuple[float, float]:
+        """(worker, PostgreSQL) CPU ms per step between two call counts after the start."""
+        base = self.samples[0][0]
+        (w0, p0), (w1, p1) = self._at(base + first_call), self._at(base + last_call)
+        steps = 2 * (last_call - first_call)
+        return (w1 - w0) * 1000 / steps, (p1 - p0) * 1000 / steps
+
+
+def windows(runs: int, steps: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Call counts (all runs) bounding steps 1-25 and the last 26 steps of runs of `steps` steps."""
+    calls = (steps - 1) // 2
+    return (0, 12 * runs), ((calls - 13) * runs, calls * runs)
+
+
 # --- scenarios -----------------------------------------------------------------------------------
 
 
@@ -263,7 +339,13 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
     from tools.models import Tool, ToolServer
 
     tenant = factories.make_tenant(
-        "bench", max_active_runs=10_000, max_starts_per_minute=100_000, daily_budget_micros=10**15
+        "bench",
+        max_active_runs=10_000,
+        max_starts_per_minute=100_000,
+        daily_budget_micros=10**15,
+        max_steps_cap=10_000,
+        max_tool_calls_cap=5_000,
+        max_cost_micros_cap=10**12,
     )
     user = factories.make_user(tenant, "bench")
     server = ToolServer.objects.create(
@@ -285,23 +367,32 @@ def setup_engine_data(model_urls: dict[int, str], tool_url: str):
     agents = {}
     for latency, url in model_urls.items():
         endpoint = factories.make_endpoint(tenant, name=f"fake-{latency}ms", kind="openai", base_url=url)
+        # The long runs' agent may take them to their end (the default caps stop a run at 50 steps).
+        limits = (
+            {"limits": {"max_steps": 10_000, "max_tool_calls": 5_000, "max_cost_micros": 10**12}}
+            if latency == LONG
+            else {}
+        )
         factories.make_agent(
             tenant,
             name=f"bench-{latency}ms",
             tools=[tool],
             endpoint=endpoint,
             instructions=peer_agent.INSTRUCTIONS,
+            **limits,
         )
         agents[latency] = f"bench-{latency}ms"
     return user, agents
 
 
-def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int) -> Result:
+def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, steps_per_run=None) -> Result:
     from django.db import connections
     from django.db.models import Count, Max
 
     from runs.models import TERMINAL, Run, Step, StepStatus
 
+    long_runs = steps_per_run is not None
+    steps_per_run = steps_per_run or opts.steps
     load_start = os.getloadavg()[0]
     tools_before = ctx["tools"].get()
     ids, held, _created = engine_bench.create_runs(ctx["user"], ctx["agents"][latency], opts.runs)
@@ -313,6 +404,10 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
     try:
         start_workers(workers)
         cpu_before = sum(w.cpu() for w in workers)
+        pg = pgcpu.BackendCpu(DB_URLS["engine"]).start()
+        timeline = (
+            Timeline(ctx["tools"], lambda: sum(w.cpu() for w in workers), pg).start() if long_runs else None
+        )
         start = time.time()
         held.release()
         deadline = time.monotonic() + opts.timeout
@@ -323,14 +418,17 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
                 raise RuntimeError(f"{name}: runs not finished in {opts.timeout}s: runs by status {states}")
             time.sleep(0.25)  # the end time comes from finished_at, not from this poll
         cpu = sum(w.cpu() for w in workers) - cpu_before
+        if timeline is not None:
+            timeline.stop()
+        pg_cpu = pg.stop()
         load_end = os.getloadavg()[0]
         bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
         if bad:
             raise RuntimeError(f"{name}: runs did not succeed: {bad}")
         end = runs.aggregate(end=Max("finished_at"))["end"].timestamp()
         steps = Step.objects.filter(run_id__in=ids, status=StepStatus.SUCCEEDED).count()
-        if steps != opts.runs * opts.steps:
-            raise RuntimeError(f"{name}: {steps} succeeded steps, expected {opts.runs * opts.steps}")
+        if steps != opts.runs * steps_per_run:
+            raise RuntimeError(f"{name}: {steps} succeeded steps, expected {opts.runs * steps_per_run}")
         counts = stop_workers(workers)
         stopped = True
     finally:
@@ -341,7 +439,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
     own = sqlcount.snapshot()
     # This process's polls and checks ran in autocommit: one transaction each, not the engine's.
     own_commits = own["statements"] - own_before["statements"] + own["checks"] - own_before["checks"]
-    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
+    ctx["tools"].check(tools_before, opts.runs * ((steps_per_run - 1) // 2), name)
     result = Result(
         name,
         round_no,
@@ -351,7 +449,11 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency: int
         cpu,
         load=(load_start, load_end),
         commits=after["commits"] - before["commits"] - own_commits,
+        pg_cpu=pg_cpu,
     )
+    if timeline is not None:
+        early, late = windows(opts.runs, steps_per_run)
+        result.early, result.late = timeline.per_step(*early), timeline.per_step(*late)
     if counts:
         result.statements, result.checks = counts["statements"], counts["checks"]
     else:
@@ -406,7 +508,14 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
     return result
 
 
-def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: list[str]) -> Result:
+def run_child(
+    opts, ctx, name: str, round_no: int, module: str, db: str, extra: list[str], steps_per_run=None
+) -> Result:
+    import psutil
+
+    long_runs = steps_per_run is not None
+    steps_per_run = steps_per_run or opts.steps
+    model_url = ctx["model_urls"][LONG if long_runs else 0]
     load_start = os.getloadavg()[0]
     tools_before = ctx["tools"].get()
     args = [
@@ -416,26 +525,38 @@ def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: 
         "--db",
         psycopg_url(db),
         "--model-url",
-        ctx["model_urls"][0],
+        model_url,
         "--tool-url",
         ctx["tool_url"],
         "--runs",
         str(opts.runs),
         "--steps",
-        str(opts.steps),
+        str(steps_per_run),
         "--pool",
         str(opts.db_pool),
         *extra,
     ]
-    done = subprocess.run(
-        args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout + 120
-    )
+    # The child's own database has no backend before it starts: every backend counts from zero.
+    pg = pgcpu.BackendCpu(db).start()
+    child = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timeline = None
+    if long_runs:
+        process = psutil.Process(child.pid)
+        timeline = Timeline(ctx["tools"], lambda: sum(process.cpu_times()[:2]), pg).start()
+    try:
+        stdout, stderr = child.communicate(timeout=opts.timeout + 120)
+    finally:
+        if timeline is not None:
+            timeline.stop()
+        pg_cpu = pg.stop()
+        if child.poll() is None:
+            child.kill()
     load_end = os.getloadavg()[0]
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
-    data = json.loads(done.stdout.strip().splitlines()[-1])
-    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
-    return Result(
+    if child.returncode != 0:
+        raise RuntimeError(f"{name} failed ({child.returncode}): {stderr[-3000:]}")
+    data = json.loads(stdout.strip().splitlines()[-1])
+    ctx["tools"].check(tools_before, opts.runs * ((steps_per_run - 1) // 2), name)
+    result = Result(
         name,
         round_no,
         1,
@@ -446,7 +567,14 @@ def run_child(opts, ctx, name: str, round_no: int, module: str, db: str, extra: 
         checks=data["checks"],
         commits=data["commits"],
         load=(load_start, load_end),
+        pg_cpu=pg_cpu,
     )
+    if timeline is not None:
+        # The child's CPU before its first tool call is its start-up (imports): the first window
+        # starts at its first call, not at zero.
+        early, late = windows(opts.runs, steps_per_run)
+        result.early, result.late = timeline.per_step(*early), timeline.per_step(*late)
+    return result
 
 
 def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
@@ -470,6 +598,19 @@ def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
         )
     if name == "dbos":
         return run_child(opts, ctx, name, round_no, "bench.peer_dbos", DB_URLS["dbos"], [])
+    if name == "engine-long":
+        return run_engine(opts, ctx, name, round_no, 1, LONG, steps_per_run=opts.long_steps)
+    if name == "langgraph-long":
+        return run_child(
+            opts,
+            ctx,
+            name,
+            round_no,
+            "bench.peer_langgraph",
+            DB_URLS["langgraph"],
+            ["--threads", str(opts.concurrency), "--durability", opts.langgraph_durability],
+            steps_per_run=opts.long_steps,
+        )
     raise ValueError(name)
 
 
@@ -483,10 +624,16 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         f"{(opts.steps - 1) // 2} tool calls per run, all over HTTP to 127.0.0.1), {os.cpu_count()} CPUs; "
         f"worker pool threads x {opts.concurrency}, {opts.db_pool} PostgreSQL connections per process, "
         f"LangGraph durability {opts.langgraph_durability}"
+        + (
+            f"; the long scenarios: {opts.long_steps} steps per run"
+            if set(LONG_SCENARIOS) & set(opts.scenarios)
+            else ""
+        )
     )
     header = (
         f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "
-        f"{'CPU ms/step':>11} | {'stmts/step':>10} | {'commits/step':>12} | {'load start→end':>14}"
+        f"{'CPU ms/step':>11} | {'PG ms/step':>10} | {'stmts/step':>10} | {'commits/step':>12} | "
+        f"{'load start→end':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -494,7 +641,8 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         no_db = r.scenario == "chain"
         print(
             f"{r.round:>5} | {r.scenario:<15} | {r.workers:>5} | {r.seconds:>7.2f} | {r.rate:>7.1f} | "
-            f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.statements):>10} | "
+            f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.pg_cpu, 1000):>10} | "
+            f"{'-' if no_db else r.per_step(r.statements):>10} | "
             f"{'-' if no_db else r.per_step(r.commits):>12} | "
             f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else "")
         )
@@ -526,6 +674,14 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
         if engine0 and engine200:
             line += f"; engine {opts.latency_ms} ms model vs 0 ms: {engine200.rate / engine0.rate:.2f}x (goal >= 0.80)"
         print(line)
+    for r in results:
+        if r.early and r.late:
+            print(
+                f"round {r.round} {r.scenario}: worker CPU ms/step {r.early[0]:.2f} over steps 1-25, "
+                f"{r.late[0]:.2f} over the last 26 ({r.late[0] / r.early[0]:.2f}x); PostgreSQL "
+                f"{r.early[1]:.2f} -> {r.late[1]:.2f} ms/step"
+                + (f" ({r.late[1] / r.early[1]:.2f}x)" if r.early[1] else "")
+            )
     checks = [f"{r.scenario} r{r.round} {r.per_step(r.checks)}" for r in results if r.checks]
     if checks:
         print(
@@ -571,11 +727,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency-ms", type=int, default=200, help="model latency of engine-1-200ms")
     parser.add_argument("--langgraph-durability", choices=["sync", "async", "exit"], default="sync")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
+    parser.add_argument(
+        "--long-steps", type=int, default=201, help="steps per run of the long scenarios (odd: model last)"
+    )
     opts = parser.parse_args()
     if opts.steps < 3 or opts.steps % 2 == 0:
         parser.error("--steps must be odd and at least 3")
     opts.scenarios = [s.strip() for s in opts.scenarios.split(",") if s.strip()]
-    unknown = set(opts.scenarios) - set(ALL_SCENARIOS)
+    unknown = set(opts.scenarios) - set(ALL_SCENARIOS) - set(LONG_SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {sorted(unknown)}")
     return opts
@@ -599,19 +758,21 @@ def main() -> None:
         import django
 
         django.setup()
-        tool_steps = str((opts.steps - 1) // 2)
-        latencies = [0] + ([opts.latency_ms] if "engine-1-200ms" in opts.scenarios else [])
+        latencies: list = [0] + ([opts.latency_ms] if "engine-1-200ms" in opts.scenarios else [])
+        if set(LONG_SCENARIOS) & set(opts.scenarios):
+            latencies.append(LONG)
         model_urls = {}
         for latency in latencies:
+            steps = opts.long_steps if latency == LONG else opts.steps
             proc, port = start_server(
                 [
                     "tests.fakes.model_servers",
                     "--kind",
                     "openai",
                     "--latency-ms",
-                    str(latency),
+                    str(0 if latency == LONG else latency),
                     "--tool-turns",
-                    tool_steps,
+                    str((steps - 1) // 2),
                 ],
                 f"fake model server ({latency} ms)",
             )

@@ -136,7 +136,7 @@ def usage_page(model_admin, request, tenant):
 class LedgerInline(admin.TabularInline):
     model = LedgerEntry
     fields = ["at", "kind", "amount_micros", "actor", "note"]
-    readonly_fields = fields
+    readonly_fields = fields  # type: ignore[assignment]  # every field shown is read-only (stubs: fieldsets' type)
     extra = 0
     can_delete = False
 

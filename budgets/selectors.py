@@ -27,7 +27,7 @@ def tenant_days(tenant, *, days: int = 30) -> list[BudgetAccount]:
             tenant=tenant,
             scope=BudgetAccount.Scope.TENANT_DAY,
             day=row["day"],
-            **{f: row[f"total_{f}"] for f in fields},
+            **{f: row[f"total_{f}"] for f in fields},  # type: ignore[literal-required]  # annotated names
         )
         for row in rows
     ]

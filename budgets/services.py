@@ -40,12 +40,14 @@ ORM in one transaction.)
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import enum
 import random
 
 import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connection, connections, transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -194,12 +196,37 @@ def _execute(sql: str, params: dict) -> tuple:
     db.ensure_connection()
     with db.wrap_database_errors, psycopg.Cursor(db.connection) as cursor:
         cursor.execute(sql, params, prepare=True)
-        return cursor.fetchone()
+        row = cursor.fetchone()
+    if row is None:  # each statement above answers with one row, whatever it finds
+        raise DatabaseError("a budget statement returned no row")
+    return row
 
 
 def _relaxed_commit() -> bool:
     """Commit without waiting for the WAL flush, unless the statement runs in a caller's transaction."""
     return not connection.in_atomic_block
+
+
+class Reserved(enum.Enum):
+    """An attempt that is not short: RESERVED (the reservation is written), MISSING (an account
+    it needs does not exist yet, or, asking for any free sub-account, none was free)."""
+
+    RESERVED = "reserved"
+    MISSING = "missing"
+
+
+RESERVED, MISSING = Reserved.RESERVED, Reserved.MISSING
+
+
+@dataclasses.dataclass(frozen=True)
+class Short:
+    """An attempt refused: the first account (in lock order) without room, and the room it had."""
+
+    scope: str
+    room_micros: int
+
+
+Attempt = Reserved | Short  # what one way of reserving answers
 
 
 def reserve(
@@ -229,21 +256,20 @@ def reserve(
     take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
     shards = day_shards()
     shard = _shard_for(reservation, shards)
-    short = None
+    attempt: Attempt = MISSING
     if shards > 1:  # any free sub-account with room; none free: wait for the run's own
-        short = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
-    if short is None:
-        short = take(reservation, user=user, shard=shard)
-    if short is None:  # the first reservation of the day (or of this user's day) opens its accounts
+        attempt = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
+    if attempt is MISSING:
+        attempt = take(reservation, user=user, shard=shard)
+    if attempt is MISSING:  # the first reservation of the day (or of this user's day) opens its accounts
         _make_day_accounts(tenant, day=day, user=user)
-        short = take(reservation, user=user, shard=shard)
-    if short is None:
+        attempt = take(reservation, user=user, shard=shard)
+    if attempt is MISSING:
         raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
-    if short and short[0] == Scope.TENANT_DAY and shards > 1:
-        short = _reserve_pooled(reservation, user=user, shard=shard)
-    if short:
-        scope, remaining = short
-        raise BudgetExceeded(scope, amount_micros, remaining)
+    if isinstance(attempt, Short) and attempt.scope == Scope.TENANT_DAY and shards > 1:
+        attempt = _reserve_pooled(reservation, user=user, shard=shard)
+    if isinstance(attempt, Short):
+        raise BudgetExceeded(attempt.scope, amount_micros, attempt.room_micros)
     return reservation
 
 
@@ -272,18 +298,18 @@ def _params(reservation: Reservation, *, user, shard: int) -> dict:
     }
 
 
-def _reserved(reservation: Reservation, created_at, day_account, user_account, run_account) -> bool:
+def _reserved(reservation: Reservation, created_at, day_account, user_account, run_account) -> Attempt:
     reservation.created_at = created_at
     reservation.day_account_id, reservation.user_account_id = day_account, user_account
     reservation.run_account_id = run_account
-    return False
+    return RESERVED
 
 
 def _reserve_in_one_statement(
     reservation: Reservation, *, user, shard: int, any_free: bool = False
-) -> tuple[str, int] | bool | None:
-    """False: reserved. None: an account is missing (any_free: or no sub-account of the day was
-    free). Else the first scope without room and its room."""
+) -> Attempt:
+    """RESERVED; MISSING: an account is missing (any_free: or no sub-account of the day was
+    free); else Short: the first scope without room and its room."""
     params = _params(reservation, user=user, shard=shard)
     wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
@@ -293,17 +319,17 @@ def _reserve_in_one_statement(
         return _reserved(reservation, created_at, day_account, user_account, run_account)
     if found < wanted:
         if any_free:
-            return None
+            return MISSING
         if (
             reservation.run_id is not None
             and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists()
         ):
             raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
-        return None
-    return short_scopes[0], short_rooms[0]  # `locked` keeps lock order: the first account refused
+        return MISSING
+    return Short(short_scopes[0], short_rooms[0])  # `locked` keeps lock order: the first account refused
 
 
-def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool:
+def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> Attempt:
     """The day as a whole decides (budgets.statements.RESERVE_POOLED); answers as _reserve_in_one_statement."""
     fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
         RESERVE_POOLED, _params(reservation, user=user, shard=shard)
@@ -313,11 +339,11 @@ def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> tuple[str,
     if free is None or free >= reservation.amount_micros:
         if not short_scopes:
             raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
-        return short_scopes[0], short_rooms[0]
-    return Scope.TENANT_DAY, free
+        return Short(short_scopes[0], short_rooms[0])
+    return Short(Scope.TENANT_DAY, free)
 
 
-def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[str, int] | bool | None:
+def _reserve_portable(reservation: Reservation, *, user, shard: int) -> Attempt:
     lookup = Q(tenant_id=reservation.tenant_id, scope=Scope.TENANT_DAY, day=reservation.day, shard=shard)
     if user is not None:
         lookup |= Q(tenant_id=reservation.tenant_id, scope=Scope.USER_DAY, day=reservation.day, user=user)
@@ -327,7 +353,7 @@ def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[st
     if reservation.run_id is not None and Scope.RUN not in by_scope:
         raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
     if Scope.TENANT_DAY not in by_scope or (user is not None and Scope.USER_DAY not in by_scope):
-        return None
+        return MISSING
     accounts = [by_scope[scope] for scope in LOCK_ORDER if scope in by_scope]
     reservation.day_account = by_scope[Scope.TENANT_DAY]
     reservation.user_account, reservation.run_account = by_scope.get(Scope.USER_DAY), by_scope.get(Scope.RUN)
@@ -341,10 +367,10 @@ def _reserve_portable(reservation: Reservation, *, user, shard: int) -> tuple[st
         )
         short = next((a for a in accounts if a.pk not in moved), None)
         if short is None:
-            return False
+            return RESERVED
         transaction.set_rollback(True)
     short.refresh_from_db()
-    return short.scope, short.remaining_micros
+    return Short(short.scope, short.remaining_micros)
 
 
 def _move_portable(
@@ -457,6 +483,8 @@ def _close_reporting(
         BudgetAccount.objects.filter(pk=reservation.run_account_id)
         .values_list("limit_micros", "reserved_micros", "spent_micros", "held_micros")
         .first()
+        if reservation.run_account_id is not None
+        else None
     )
     return True, balances
 

@@ -14,6 +14,7 @@ import math
 import threading
 from decimal import Decimal
 
+from agents.spec import spec_for
 from llm import context
 from llm.models import ModelEndpoint
 from llm.tokens import estimate_input_tokens
@@ -86,16 +87,16 @@ def request_for(
 ) -> ModelRequest:
     """The request for a conversation already built (the engine keeps it: runs/engine/conversation.py)."""
     version = run.version
-    spec = version.spec
+    spec = spec_for(version)
     endpoint = version.model_endpoint
     if policy is None:
-        policy = context.ContextPolicy.from_spec(spec.get("context"))
+        policy = context.ContextPolicy.from_spec(dict(spec.context))
     shaped = context.shape(messages, results, policy)
     # read_result only once the policy has shortened or masked something it could page back.
     paged = any(after is not before for after, before in zip(shaped, messages))
     return ModelRequest(
         model=endpoint.model,
-        instructions=spec["instructions"],
+        instructions=spec.instructions,
         messages=shaped,
         tools=context.offered(tools, policy, paged=paged),
         max_output_tokens=run.limits["max_output_tokens"],
@@ -161,7 +162,7 @@ def _provider(endpoint: ModelEndpoint):
 
     if endpoint.kind == ModelEndpoint.Kind.SCRIPTED:
         return ScriptedProvider(endpoint.config)
-    api_key = endpoint.secret.reveal() if endpoint.secret_id else None
+    api_key = endpoint.secret.reveal() if endpoint.secret is not None else None
     key = (
         endpoint.kind,
         endpoint.base_url,
@@ -192,7 +193,7 @@ def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
     try:
         return provider.complete(request)
     except ProviderError as exc:
-        secret = [endpoint.secret.reveal()] if endpoint.secret_id else []
+        secret = [endpoint.secret.reveal()] if endpoint.secret is not None else []
         raise ProviderError(
             redact(str(exc), secret),
             retryable=exc.retryable,

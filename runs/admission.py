@@ -39,6 +39,7 @@ from django.db import connection
 from django.db.models import Max
 
 from agentplatform import sql
+from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from runs.models import TERMINAL, Run, RunStatus
@@ -52,7 +53,7 @@ RETRY_SOON_SECONDS = 30
 
 def expected_cost(*, version, limits: dict, tenant) -> int:
     """What a run of this version is expected to cost, in micros (see the module docstring)."""
-    configured = version.spec.get("expected_cost_micros")
+    configured = spec_for(version).expected_cost_micros
     if configured:
         expected = int(configured)
     else:

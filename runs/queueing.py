@@ -27,24 +27,32 @@ def enqueue(run_id, *, countdown: float | None = None, **fields) -> None:
     # superseded (the claim drops it), so duplicates never fork the run into two message chains.
     # robust: with the broker down the commit stands (a started run is not answered with a 500)
     # and the sweeper sends the message again later; the error is logged.
-    transaction.on_commit(
-        lambda: _advance_run((str(run_id), now.isoformat())).apply_async(countdown=countdown), robust=True
-    )
+    transaction.on_commit(lambda: _publish(run_id, now, countdown), robust=True)
 
 
 def resend(run_id, *, enqueued_at) -> None:
     """Send the run's last message again, unchanged: if the first copy was only slow, whichever
     copy arrives first moves the run, and the other is then older than the run's next message."""
-    transaction.on_commit(
-        lambda: _advance_run((str(run_id), enqueued_at.isoformat())).apply_async(), robust=True
-    )
+    transaction.on_commit(lambda: _publish(run_id, enqueued_at, None), robust=True)
 
 
-def _advance_run(args: tuple):
-    """The engine's task message, named rather than imported: runs/tasks.py imports the engine,
-    which imports this module. The registered task object sends it (its options, and whatever
-    wraps its apply_async), or the app by name where the worker's tasks were never imported."""
-    return current_app.signature("runs.tasks.advance_run", args=args)
+def _publish(run_id, enqueued_at, countdown: float | None) -> None:
+    """Send the engine's task message, named rather than imported: runs/tasks.py imports the
+    engine, which imports this module. The registered task object sends it (its options, and
+    whatever wraps its apply_async), or the app by name where the worker's tasks were never imported.
+
+    The task object itself, not a signature by name: a Signature costs a merge of options, a
+    registry lookup and configuration reads on every publish (bench/publish_hop.py).
+    """
+    args = (str(run_id), enqueued_at.isoformat())
+    task = current_app.tasks.get(ADVANCE_RUN)
+    if task is not None:
+        task.apply_async(args, countdown=countdown)
+    else:
+        current_app.send_task(ADVANCE_RUN, args, countdown=countdown)
+
+
+ADVANCE_RUN = "runs.tasks.advance_run"
 
 
 def lease_seconds_for(timeout: float) -> int:

@@ -57,7 +57,7 @@ class TenantAdmin(TenantScopedAdmin):
 class TenantUserCreationForm(UserCreationForm):
     class Meta(UserCreationForm.Meta):
         model = User
-        fields = ["username", "tenant"]
+        fields = ("username", "tenant")
 
 
 class TenantUserChangeForm(UserChangeForm):
@@ -81,7 +81,7 @@ class UserAdmin(TenantScopedAdmin, DjangoUserAdmin):
         (None, {"classes": ["wide"], "fields": ["username", "tenant", "password1", "password2"]})
     ]
 
-    def get_form(self, request, obj=None, **kwargs):
+    def get_form(self, request, obj=None, **kwargs):  # type: ignore[override]  # UserAdmin's signature
         form = super().get_form(request, obj, **kwargs)
         if not is_operator(request.user) and "tenant" in form.base_fields:
             # Only operators have no tenant; a tenant admin's users always belong to the tenant.
@@ -114,7 +114,7 @@ class TenantGroupInline(admin.StackedInline):
 
 
 @admin.register(Group, site=site)
-class GroupAdmin(TenantScopedAdmin, DjangoGroupAdmin):
+class GroupAdmin(TenantScopedAdmin, DjangoGroupAdmin):  # type: ignore[misc]  # stubs: GroupAdmin's override is narrower
     """Tenant users see their groups (and manage membership on the user page); operators edit them:
     a group's permissions are global and would reach other tenants."""
 
@@ -149,7 +149,7 @@ class SecretForm(forms.ModelForm):
         fields = ["tenant", "name"]
 
     def clean(self):
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         if self.instance.pk is None and not cleaned.get("value"):
             self.add_error("value", "A new secret needs a value.")
         return cleaned

@@ -56,6 +56,8 @@ class ApiTokenScheme(OpenApiAuthenticationExtension):
 class _SettingsRate:
     """Read the rate when used: DRF copies DEFAULT_THROTTLE_RATES into the class at import."""
 
+    scope: str  # the throttle's
+
     def get_rate(self):
         return api_settings.DEFAULT_THROTTLE_RATES[self.scope]
 

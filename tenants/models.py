@@ -43,6 +43,9 @@ class Tenant(models.Model):
     max_tool_calls_cap = models.PositiveIntegerField(default=50)
     max_wall_seconds_cap = models.PositiveIntegerField(default=3 * 24 * 3600)
     max_output_tokens_cap = models.PositiveIntegerField(default=8192)
+    # Moved by a database trigger on every write of the tenant's secrets, in the writing transaction
+    # (migration 0005): the workers' cache of decrypted values is keyed by it (tenants/secrets.py).
+    secrets_generation = models.PositiveBigIntegerField(default=0, editable=False)
     max_cost_micros_cap = models.BigIntegerField(default=10_000_000)
     # Hosts the tenant's tool servers and model endpoints may reach (`host`, `host:port`,
     # `*.domain`), checked by `manage.py apply`; null: not restricted.

@@ -10,6 +10,7 @@ import jsonschema
 from django.db import connection
 
 from agentplatform import sql
+from agents.spec import spec_for
 from runs.models import Run, Step
 from tools.models import Tool, ToolServer
 from tools.offer import fresh_user, offered_on, use_tool_sql
@@ -46,7 +47,7 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
         return f"tool {tool.name} is disabled"
     if tool.quarantined:
         return f"tool {tool.name} is quarantined: {tool.quarantine_reason}"
-    if tool.name not in run.version.spec.get("tools", []):
+    if tool.name not in spec_for(run.version).tools:
         return f"tool {tool.name} is not in this agent's allowlist"
     if not may_use:
         return f"user {user.username} may not use {tool.name}"

@@ -222,8 +222,9 @@ async def _call_tool(
     try:
         async with _connect(config, timeout, tap) as client:
             request = mt.CallToolRequest(
-                params=mt.CallToolRequestParams(
-                    name=name, arguments=arguments, _meta={IDEMPOTENCY_META_KEY: idempotency_key}
+                # Validated from a dict: `_meta` is the field's wire name (an alias the constructor's types omit).
+                params=mt.CallToolRequestParams.model_validate(
+                    {"name": name, "arguments": arguments, "_meta": {IDEMPOTENCY_META_KEY: idempotency_key}}
                 )
             )
             progress.call_sent = True

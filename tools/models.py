@@ -114,7 +114,7 @@ class Tool(models.Model):
         """Seconds after a call's timeout before a lookup or retry of it proves anything."""
         if self.settle_seconds is not None:
             return self.settle_seconds
-        return DEFAULT_SETTLE_SECONDS[self.effect_class]
+        return DEFAULT_SETTLE_SECONDS[EffectClass(self.effect_class)]
 
     @property
     def offerable(self) -> bool:

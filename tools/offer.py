@@ -16,9 +16,11 @@ from django.contrib.auth import get_user_model
 from django.db import connection
 
 from agentplatform import sql
+from agents.spec import spec_for
 from llm import context
 from llm.types import ToolSpec
 from runs.models import Run, Step
+from tenants import permissions
 from tools import relevance
 from tools.models import Tool
 
@@ -41,25 +43,8 @@ def fresh_user(run: Run):
 def use_tool_sql() -> str:
     """SQL that is true when user %(user)s holds use_tool on the tool aliased `t`, directly or
     through a group: what guardian's get_objects_for_user(user, "tools.use_tool", klass=<tools>,
-    with_superuser=False, accept_global_perms=False) answers, without its nested subqueries
-    (~10 ms of CPU to build with the ORM, on every step)."""
-    from django.contrib.auth.models import Permission
-    from django.contrib.contenttypes.models import ContentType
-    from guardian.models import GroupObjectPermission, UserObjectPermission
-
-    memberships = get_user_model().groups.through
-    permission = (
-        f"SELECT p.id FROM {sql.table(Permission)} p JOIN {sql.table(ContentType)} c "
-        "ON c.id = p.content_type_id WHERE c.app_label = 'tools' AND c.model = 'tool' "
-        "AND p.codename = 'use_tool'"
-    )
-    return (
-        f"CAST(t.id AS TEXT) IN (SELECT object_pk FROM {sql.table(UserObjectPermission)} "
-        f"WHERE user_id = %(user)s AND permission_id IN ({permission}) "
-        f"UNION ALL SELECT g.object_pk FROM {sql.table(GroupObjectPermission)} g "
-        f"JOIN {sql.table(memberships)} m ON m.group_id = g.group_id "
-        f"WHERE m.user_id = %(user)s AND g.permission_id IN ({permission}))"
-    )
+    with_superuser=False, accept_global_perms=False) answers (tenants.permissions.held_sql)."""
+    return permissions.held_sql("tools", "tool", "use_tool", column="t.id")
 
 
 def permitted_tools(run: Run, *, user=None) -> list[Tool]:
@@ -71,7 +56,7 @@ def permitted_tools(run: Run, *, user=None) -> list[Tool]:
     if not user.is_active or user.tenant_id != run.tenant_id:
         return []
     params = {"tenant": run.tenant_id, "user": user.pk}
-    names = sql.in_list("name", list(run.version.spec.get("tools", [])), params)
+    names = sql.in_list("name", list(spec_for(run.version).tools), params)
     return [
         tool
         for (tool,) in sql.fetch(
@@ -91,7 +76,8 @@ def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
     """Sorted by name so the request prefix stays byte-stable between steps. (The model gateway
     adds read_result, which the context policy needs: llm.gateway.build_request.)"""
     tools = permitted_tools(run, user=user)
-    limit = int(run.version.spec.get("max_visible_tools", settings.VISIBLE_TOOLS_MAX))
+    limit = spec_for(run.version).max_visible_tools
+    limit = settings.VISIBLE_TOOLS_MAX if limit is None else limit
     if len(tools) <= limit:
         return [spec_of(t) for t in tools]
     recent = " ".join(s.observation[:500] for s in list(steps)[-3:])

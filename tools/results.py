@@ -32,4 +32,5 @@ def actual_price(step: Step, result: ToolResult | None) -> int:
     (run_python: CPU seconds and GiB-seconds), else the tool's price."""
     if result is not None and result.cost_micros is not None:
         return result.cost_micros
+    assert step.tool is not None  # a tool step that got as far as a result has its tool
     return step.tool.price_micros

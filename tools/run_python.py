@@ -76,6 +76,9 @@ def cost_of(usage: dict) -> int:
 
 
 def call(step: Step) -> ToolResult:
+    if step.tool is None:
+        raise ToolFailed("run_python: the step has no tool")
+    timeout = step.tool.timeout_seconds
     arguments = step.arguments or {}
     code = arguments.get("code")
     if not isinstance(code, str) or not code.strip():
@@ -97,11 +100,11 @@ def call(step: Step) -> ToolResult:
             for a in inputs
         ],
         "limits": limits,
-        "queue_timeout": max(0.0, step.tool.timeout_seconds - limits["wall_seconds"] - 1.0),
+        "queue_timeout": max(0.0, timeout - limits["wall_seconds"] - 1.0),
     }
     url = settings.SANDBOX_RUNNER_URL.rstrip("/") + "/v1/executions"
     try:
-        response = httpx.post(url, json=body, timeout=httpx.Timeout(step.tool.timeout_seconds, connect=2.0))
+        response = httpx.post(url, json=body, timeout=httpx.Timeout(timeout, connect=2.0))
     except (httpx.ConnectError, httpx.ConnectTimeout):
         raise ToolFailed(f"the sandbox runner at {settings.SANDBOX_RUNNER_URL} is not running") from None
     except httpx.HTTPError as exc:
@@ -176,7 +179,7 @@ def file_result(step: Step, content: bytes, content_type: str, disposition: str)
     media_type = artifacts.media_type_of(content_type) or "application/octet-stream"
     name = (
         _disposition_name(disposition)
-        or f"{step.tool.remote_name}-{step.seq}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
+        or f"{step.tool.remote_name if step.tool else 'file'}-{step.seq}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
     )
     try:
         stored = artifacts.store(

@@ -56,17 +56,20 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
     call a second time. The check sits just before the request goes out.
     """
     tool = step.tool
+    if tool is None:
+        raise ToolFailed(f"step {step.seq} names no tool")
     server = tool.server
     if server.kind == ToolServer.Kind.BUILTIN and tool.remote_name == run_python.NAME:
         _before_sending(send_by)
         return run_python.call(step)
+    arguments = step.arguments or {}
     if server.kind == ToolServer.Kind.BUILTIN:
         _before_sending(send_by)
         builtin = BUILTINS.get(tool.remote_name)
         if builtin is None:
             raise ToolFailed(f"no builtin tool {tool.remote_name}")
         try:
-            return builtin.run(step.arguments)
+            return builtin.run(arguments)
         except Exception as exc:
             raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
     if server.kind == ToolServer.Kind.HTTP:
@@ -78,7 +81,7 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
     return mcp_client.call_tool(
         config,
         tool.remote_name,
-        step.arguments,
+        arguments,
         idempotency_key=step.idempotency_key,
         timeout=tool.timeout_seconds,
     )
@@ -203,6 +206,8 @@ def _http_result(response: httpx.Response, step: Step | None = None) -> ToolResu
 def lookup_status(step: Step) -> ToolResult | None:
     """Ask a reconcilable provider whether the call with this key happened. None: it did not."""
     tool = step.tool
+    if tool is None:
+        raise ToolOutcomeUnknown(f"step {step.seq} names no tool to ask")
     server = tool.server
     if server.kind == ToolServer.Kind.HTTP:
         url = http_status_url(server, tool, step.idempotency_key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Any
 
 from llm.tokens import estimate_input_tokens, estimate_text
 from llm.types import ModelReply, ModelRequest, ToolCall, Usage
@@ -81,7 +82,7 @@ def _fill(value, values: dict):
         found = values.get("$artifacts", [])
         return found[index] if index < len(found) else value
     if isinstance(value, str) and value.startswith("$input."):
-        current = values
+        current: Any = values
         for part in value[len("$input.") :].split("."):
             current = current.get(part) if isinstance(current, dict) else None
         return current

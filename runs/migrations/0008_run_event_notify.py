@@ -1,4 +1,4 @@
-"""Every committed batch of run events wakes the live streams (runs/notify.py) by NOTIFY.
+"""Every committed batch of run events wakes the live streams (runs/stream_feed.py) by NOTIFY.
 
 One notification per run per INSERT statement (a transition table, not a row trigger): the engine
 inserts a transaction's events in one statement, and the payload `<run_id>:<latest seq>` is all a
@@ -7,7 +7,7 @@ listener needs to know which streams to wake. PostgreSQL only; SQLite streams po
 
 from django.db import migrations
 
-CHANNEL = "run_events"  # runs.notify.CHANNEL
+CHANNEL = "run_events"  # runs.stream_feed.CHANNEL
 
 
 def create_trigger(apps, schema_editor):

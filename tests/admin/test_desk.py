@@ -8,8 +8,8 @@ import datetime as dt
 from django.utils import timezone
 
 from budgets import services as budgets
-from runs.services import start_run
 from runs.models import Run, RunStatus
+from runs.services import start_run
 
 LONG_ERROR = "model provider refused the request: 400 " + "x" * 600 + " END-OF-ERROR"
 

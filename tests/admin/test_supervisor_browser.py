@@ -15,8 +15,8 @@ import pytest
 from approvals.models import Approval
 from configuration.apply import apply_config
 from runs.engine import advance
-from runs.services import start_run
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.services import start_run
 from tenants.models import User
 from tests.admin.test_inbox_browser import in_browser
 from tests.conftest import drive

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +26,7 @@ from runs.approval_effects import decide_approval
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus, StopReason
 from runs.recovery.sweeper import sweep
 from runs.services import cancel_run, start_run
+from runs.tasks import advance_run
 from tenants.models import User
 from tests import factories
 from tests.conftest import drive
@@ -440,9 +440,13 @@ def test_a_thousand_waiting_runs_hold_no_message_and_no_worker_and_one_approval_
     swept = sweep()
     assert not any(swept.values()), swept  # nothing to requeue, stop or expire
     tasks_so_far = worker.output().count(" received")
-    time.sleep(2)
+    # One worker takes the queue in order: once it logs a message sent now, it has taken every
+    # message sent before it. (A run that does not exist: the task has nothing to do.)
+    sentinel = str(uuid.uuid4())
+    advance_run.apply_async((sentinel,), task_id=sentinel)
+    wait_for(lambda: f"[{sentinel}] received" in worker.output(), timeout=30, what="the sentinel message")
     assert broker.llen(queue) == 0
-    assert worker.output().count(" received") == tasks_so_far  # no task for any waiting run
+    assert worker.output().count(" received") == tasks_so_far + 1  # no task for any waiting run
 
     steps_before = Step.objects.count()
     target = run_ids[WAITING_RUNS // 2]

@@ -11,9 +11,9 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from runs.display import run_title
-from runs.services import start_run
 from runs.models import Run
 from runs.search import id_range, search
+from runs.services import start_run
 from tests import factories
 
 pytestmark = pytest.mark.django_db

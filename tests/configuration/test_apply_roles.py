@@ -8,7 +8,7 @@ from configuration.apply import apply_config
 from tenants.models import Tenant, User
 from tenants.permissions import may_view_all_runs
 from tenants.roles import ROLES
-from tests.tenants.test_apply import SLUG, config, rejected
+from tests.configuration.test_apply import SLUG, config, rejected
 
 pytestmark = pytest.mark.django_db
 

@@ -13,7 +13,7 @@ from django.core.management import CommandError, call_command
 
 from configuration.apply import ConfigError, apply_config, load_text
 from tenants.models import Tenant
-from tests.tenants.test_apply import SLUG, config
+from tests.configuration.test_apply import SLUG, config
 from tools.models import Tool
 
 pytestmark = pytest.mark.django_db

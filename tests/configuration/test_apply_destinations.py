@@ -7,7 +7,7 @@ import pytest
 from configuration.apply import ConfigError, apply_config
 from llm.models import ModelEndpoint
 from tenants.models import Secret, Tenant
-from tests.tenants.test_apply import SLUG, config, rejected, snapshot
+from tests.configuration.test_apply import SLUG, config, rejected, snapshot
 from tools.models import Tool, ToolServer
 
 pytestmark = pytest.mark.django_db

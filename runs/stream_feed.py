@@ -1,11 +1,25 @@
 """What the live run streams (runs/stream.py) wait on, and how they read, without a connection each.
 
-PostgreSQL: a trigger on the events table (migration 0008) sends `NOTIFY run_events,
-'<run_id>:<seq>'` when a batch of a run's events commits. One LISTEN connection per process
-receives them and wakes the streams following that run; each woken stream reads its new rows
-in two short queries through a small pool shared by all streams of the process
-(RUN_STREAM_DB_POOL_MAX); the streams of one run woken together share one read. An idle stream holds no connection, no thread and no query, only an
-asyncio.Event, so a process keeps thousands open.
+PostgreSQL: a trigger on the events table (migrations 0008, 0009) sends `NOTIFY run_events,
+'<run_id>:<seq>'` when a batch of events commits for a run someone streams. One LISTEN connection
+per process receives them and wakes the streams following that run; each woken stream reads its
+new rows in two short queries through a small pool shared by all streams of the process
+(RUN_STREAM_DB_POOL_MAX); the streams of one run woken together share one read. An idle stream
+holds no connection, no thread and no query, only an asyncio.Event, so a process keeps thousands
+open.
+
+Who streams what: every NOTIFY makes its committing transaction take PostgreSQL's cluster-wide
+notify lock through the commit's flush, so the trigger notifies only for runs with a live row in
+`runs_streamedrun` (run, process, lease_until). The feed writes a row for each run it follows
+(`sync`: at once when a run gets its first stream, then every LEASE_SECONDS / 3 to renew the
+leases and drop the runs nobody follows any more). A process that dies stops renewing; its rows
+lapse after LEASE_SECONDS and the trigger ignores them. Registering locks the run's row FOR
+SHARE, which waits for a step transaction holding it (every writer of events holds the run's row
+until commit: runs.statements.write_run moves its counter in the INSERT's statement): a
+transaction that wrote events before the registration committed had committed by then and the
+woken stream reads its events; one after it sees the row (the trigger's query takes a new
+snapshot) and notifies. A renewal that comes later than the lease registers again under the
+same lock and wakes every stream to re-read: nothing notified meanwhile is missed.
 
 A notification is a hint, never the data: streams read rows by `seq > last sent`, and the
 events of one run commit in seq order (runs.transitions.write_events numbers them under the run's
@@ -25,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import types
+import uuid
 import weakref
 
 import psycopg
@@ -32,14 +47,16 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connections
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from runs.models import Run, RunEvent
 
 logger = logging.getLogger("agentplatform.runs.stream")
 
 CHANNEL = "run_events"  # the trigger's channel (runs/migrations/0008_run_event_notify.py)
+STREAMED = "runs_streamedrun"  # the runs someone streams (runs/migrations/0011_streamed_runs.py)
 RECONNECT_MAX_SECONDS = 30
+LEASE_SECONDS = 60.0  # how long a streamed run's row counts without renewal (renewed every third)
 
 
 def listens() -> bool:
@@ -88,12 +105,26 @@ class Feed:
         self.reads: dict[tuple, tuple[int, asyncio.Future]] = {}
         self.pool: AsyncConnectionPool | None = None
         self.pool_opened: asyncio.Future | None = None
+        # This feed's name in the streamed-runs table, the runs it holds a row for, when it last
+        # renewed them (loop time at the start of the renewal: the leases run from a later instant).
+        self.process = uuid.uuid4().hex
+        self.registered: set[str] = set()
+        self.renewed_at: float | None = None
+        self.syncing = asyncio.Lock()
+        self.keeper: asyncio.Task | None = None
 
     def subscribe(self, run_id: str) -> Subscription:
         subscription = Subscription(str(run_id), self.generation)
+        first = subscription.run_id not in self.subscribers
         self.subscribers.setdefault(subscription.run_id, set()).add(subscription)
-        if listens() and (self.listener is None or self.listener.done()):
-            self.listener = asyncio.get_running_loop().create_task(self._listen(), name="run-events-listener")
+        if listens():
+            loop = asyncio.get_running_loop()
+            if self.listener is None or self.listener.done():
+                self.listener = loop.create_task(self._listen(), name="run-events-listener")
+            if self.keeper is None or self.keeper.done():
+                self.keeper = loop.create_task(self._keep(), name="run-events-leases")
+            elif first and subscription.run_id not in self.registered:
+                loop.create_task(self.sync(), name="run-events-register")
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -132,6 +163,54 @@ class Feed:
             for subscription in followers:
                 subscription.wake(None, self.generation)
 
+    def wake_run(self, run_id: str) -> None:
+        self.generation += 1
+        for subscription in self.subscribers.get(run_id, ()):
+            subscription.wake(None, self.generation)
+
+    async def sync(self) -> None:
+        """Make the streamed-runs table hold exactly the runs this feed follows, with fresh leases.
+
+        Runs new to the table (or all, when the last renewal is older than a lease) are written
+        under their row's share lock and their streams woken to re-read (the module's docstring
+        says why that misses nothing); the rest are renewed; runs nobody follows are dropped.
+        """
+        async with self.syncing:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            wanted = set(self.subscribers)
+            lapsed = self.renewed_at is None or started - self.renewed_at > LEASE_SECONDS * 0.9
+            fresh = sorted(wanted if lapsed else wanted - self.registered)
+            renew = sorted(set() if lapsed else wanted & self.registered)
+            gone = sorted(self.registered - wanted)
+            pool = await self._pool()
+            async with pool.connection() as conn:
+                if gone:
+                    await conn.execute(_sql()["drop"], (self.process, gone))
+                if renew:
+                    await conn.execute(_sql()["renew"], (LEASE_SECONDS, self.process, renew))
+                if fresh:
+                    await conn.execute(_sql()["register"], (fresh, self.process, LEASE_SECONDS))
+                # Rows of processes that died long ago: nothing else removes them.
+                await conn.execute(_sql()["expired"], (LEASE_SECONDS,))
+            self.registered = wanted
+            self.renewed_at = started
+            for run_id in fresh:
+                self.wake_run(run_id)
+
+    async def _keep(self) -> None:
+        """Register and renew for as long as the feed lives; retry soon after a failure."""
+        while True:
+            try:
+                await self.sync()
+                delay = LEASE_SECONDS / 3
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.warning("run stream leases: %s; retrying", exc)
+                delay = 1.0
+            await asyncio.sleep(delay)
+
     def dispatch(self, payload: str) -> None:
         run_id, _, seq = payload.partition(":")
         try:
@@ -144,11 +223,19 @@ class Feed:
             subscription.wake(seq_number, self.generation)
 
     async def close(self) -> None:
-        """Stop listening and close the read pool (a loop that ends: tests, a server shutting down)."""
-        if self.listener is not None:
-            self.listener.cancel()
-            await asyncio.gather(self.listener, return_exceptions=True)
+        """Stop listening, drop this feed's streamed runs, close the read pool (a loop that ends:
+        tests, a server shutting down)."""
+        for task in (self.listener, self.keeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.pool is not None:
+            if self.registered:
+                try:
+                    async with self.pool.connection(timeout=5) as conn:
+                        await conn.execute(_sql()["drop"], (self.process, sorted(self.registered)))
+                except (psycopg.Error, PoolTimeout) as exc:  # the leases lapse by themselves
+                    logger.warning("run stream leases: cannot drop them on close (%s)", exc)
             await self.pool.close()
 
     async def _listen(self) -> None:
@@ -159,6 +246,8 @@ class Feed:
                 conn = await psycopg.AsyncConnection.connect(**_connect_params(), autocommit=True)
                 async with conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
+                    # The trigger notifies only runs in the table: the streams' runs are there first.
+                    await self.sync()
                     self.connected.set()
                     delay = 0.5
                     # Whatever committed before LISTEN took effect was never notified to us.
@@ -197,6 +286,13 @@ class Feed:
     async def _read(self, run_id: str, *, after: int, limit: int) -> tuple[str | None, list]:
         if not listens():
             return await sync_to_async(_read_orm, thread_sensitive=False)(run_id, after, limit)
+        pool = await self._pool()
+        async with pool.connection() as conn:
+            row = await (await conn.execute(_sql()["status"], (run_id,))).fetchone()
+            rows = await (await conn.execute(_sql()["events"], (run_id, after, limit))).fetchall()
+        return (row[0] if row else None), [_event(*r) for r in rows]
+
+    async def _pool(self) -> AsyncConnectionPool:
         if self.pool is None:
             self.pool = AsyncConnectionPool(
                 kwargs={**_connect_params(), "autocommit": True},
@@ -208,10 +304,7 @@ class Feed:
             )
             self.pool_opened = asyncio.ensure_future(self.pool.open())
         await asyncio.shield(self.pool_opened)
-        async with self.pool.connection() as conn:
-            row = await (await conn.execute(_sql()["status"], (run_id,))).fetchone()
-            rows = await (await conn.execute(_sql()["events"], (run_id, after, limit))).fetchall()
-        return (row[0] if row else None), [_event(*r) for r in rows]
+        return self.pool
 
 
 def _read_orm(run_id, after: int, limit: int) -> tuple[str | None, list]:
@@ -246,6 +339,22 @@ def _sql() -> dict[str, str]:
             f'SELECT e.seq, e.at, e.kind, e.step_seq, u.username, e.message, e.data FROM "{event.db_table}" e '
             f'LEFT JOIN "{user.db_table}" u ON u.id = e."{actor}" '
             f'WHERE e."{run_id}" = %s AND e.seq > %s ORDER BY e.seq LIMIT %s'
+        )
+        # The share lock waits for a step transaction holding the run (see the module's docstring);
+        # in id order, as every locker of several runs.
+        _statements["register"] = (
+            f'WITH locked AS (SELECT id FROM "{run.db_table}" WHERE id = ANY(%s::uuid[]) ORDER BY id FOR SHARE) '
+            f'INSERT INTO "{STREAMED}" (run_id, process, lease_until) '
+            f"SELECT id, %s, now() + make_interval(secs => %s) FROM locked "
+            f"ON CONFLICT (run_id, process) DO UPDATE SET lease_until = EXCLUDED.lease_until"
+        )
+        _statements["renew"] = (
+            f'UPDATE "{STREAMED}" SET lease_until = now() + make_interval(secs => %s) '
+            f"WHERE process = %s AND run_id = ANY(%s::uuid[])"
+        )
+        _statements["drop"] = f'DELETE FROM "{STREAMED}" WHERE process = %s AND run_id = ANY(%s::uuid[])'
+        _statements["expired"] = (
+            f'DELETE FROM "{STREAMED}" WHERE lease_until < now() - make_interval(secs => %s)'
         )
     return _statements
 

@@ -8,7 +8,7 @@ from agents.models import AgentDefinition
 from configuration.apply import apply_config
 from tenants.models import Tenant, User
 from tenants.permissions import may_run_agent, may_view_all_runs
-from tests.tenants.test_apply import SLUG, config, rejected
+from tests.configuration.test_apply import SLUG, config, rejected
 
 pytestmark = pytest.mark.django_db
 
