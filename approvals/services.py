@@ -15,8 +15,10 @@ from guardian.shortcuts import get_objects_for_user
 
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict, Forbidden, IllegalTransition, NotFound
+from approvals import calls, cedar
+from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
-from approvals.policy import Decision, parse_policy, stricter
+from approvals.policy import stricter
 from runs.models import Run, Step
 from tools.models import Tool
 
@@ -27,8 +29,17 @@ def effective_policy(run: Run, tool: Tool) -> str:
     return stricter(tool.approval_policy, override)
 
 
-def decision_for(run: Run, tool: Tool, arguments: dict) -> Decision:
-    return parse_policy(effective_policy(run, tool)).evaluate(arguments)
+def decision_for(run: Run, tool: Tool, arguments: dict, *, step: Step | None = None) -> Decision:
+    """Whether the call needs approval: the tenant's @approval policies and the tool's converted
+    `approval:` rule (approvals/cedar.py). With the claim's step, its verdict from check_dispatch
+    is used and a call that needs no approval is counted into the day's totals (approvals/calls.py)."""
+    verdict = getattr(step, "policy_verdict", None)
+    if verdict is None:
+        request = calls.request_for(run, tool, arguments, user=run.created_by)
+        verdict = cedar.evaluate(request, legacy=calls.legacy_rules(run, tool))
+    if not verdict.approval.required and step is not None:
+        calls.count_call(step)
+    return verdict.approval
 
 
 def call_digest(*, tool: Tool, arguments: dict, run_id, user_id, policy_version: int) -> str:
@@ -156,6 +167,7 @@ def verify_for_dispatch(step: Step) -> str | None:
         return f"approval is {approval.status if approval else 'missing'}"
     if _expected_digest(step, approval) != approval.digest:
         return "the approval does not cover this exact call (arguments, tool or policy changed)"
+    calls.count_call(step)  # it is dispatched next, in this transaction
     return None
 
 

@@ -1,5 +1,6 @@
 """The checks at dispatch: may this exact call be sent now? They decide and return a reason; the
-engine writes what follows (a denial, the dispatch). Approvals are verified by approvals/services.py."""
+engine writes what follows (a denial, the dispatch). Approvals are verified by approvals/services.py;
+the tenant's Cedar policies are the last check (approvals/calls.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jsonschema
 from django.db import connection
 
 from agentplatform import sql
+from approvals.calls import check_call
 from runs.models import Run, Step
 from tools.models import Tool, ToolServer
 from tools.offer import fresh_user, offered_on, use_tool_sql
@@ -61,7 +63,8 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(arguments)"
         return f"arguments invalid at {where}: {error.message}"
-    return None
+    # Cedar narrows the grant: forbid wins, under the lock of the day's totals (approvals/calls.py).
+    return check_call(run, step, user=user, steps=steps)
 
 
 @functools.lru_cache(maxsize=1024)

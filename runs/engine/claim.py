@@ -221,7 +221,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
         _replay(run, step, prior, steps)
         return None
     if step.status == StepStatus.PROPOSED:
-        decision = approvals.decision_for(run, step.tool, step.arguments)
+        decision = approvals.decision_for(run, step.tool, step.arguments, step=step)
         if decision.required:
             request_approval(run, step, decision)
             transition_step(

@@ -1,0 +1,170 @@
+"""A tool call decided by Cedar at dispatch, under the lock of its day's totals (approvals/cedar.py).
+
+Inside the claim's transaction (runs/engine/claim.py), after the run and its steps are locked:
+
+    check_call   lock this tool's totals row for the tenant's local day (SELECT ... FOR UPDATE),
+                 read the run's and the day's history, and evaluate the tenant's policies: a
+                 denial names its policy; the verdict (approval, shadow decisions) stays on the step
+    count_call   when the call goes on to be dispatched (no approval needed, or approved): add it
+                 to the day's totals, the tenant's and the user's, once per step (CountedCall)
+
+Because the totals row stays locked until the claim commits, and the claim commits the step as
+`dispatching` in the same transaction, twenty runs racing for the same tool see each other's
+calls one after another: a rule over "refunded today" cannot be got around. A call counts when
+it is dispatched, not when it succeeds (a call that fails still counted; a budget refusal right
+after the count is counted too: the totals err on the side of the limit).
+
+Lock order: the totals row sits after the run and its steps and before the budget accounts of
+the call's reservation (runs/engine/__init__.py): one totals row per claim, and nothing that
+holds budget accounts waits for it.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_CEILING, Decimal
+
+from django.db.models import F
+
+from approvals import cedar
+from approvals.models import CountedCall, ShadowDecision, ToolDayTotal
+from budgets.models import BudgetAccount
+from budgets.services import local_day
+from runs.models import Run, Step, StepKind, StepStatus
+from tenants.models import TenantGroup
+
+# Steps that reached the provider (or may have): what "calls in this run" counts.
+DISPATCHED = {
+    StepStatus.DISPATCHING,
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.OUTCOME_UNKNOWN,
+    StepStatus.RESOLVED_SUCCEEDED,
+    StepStatus.RESOLVED_FAILED,
+    StepStatus.RETRIED,
+}
+
+
+def groups_of(user) -> list[str]:
+    return sorted(TenantGroup.objects.filter(group__user=user).values_list("name", flat=True))
+
+
+def legacy_rules(run: Run, tool) -> tuple[str, ...]:
+    """The tool's `approval:` rule and the version's stricter override, to convert to Cedar."""
+    override = (run.version.spec.get("approval_overrides") or {}).get(tool.name)
+    return (tool.approval_policy or "never", str(override) if override else "")
+
+
+def request_for(run: Run, tool, arguments: dict, *, user, history=None, editor=None) -> cedar.CallRequest:
+    return cedar.CallRequest(
+        tenant_id=run.tenant_id,
+        user=user,
+        groups=groups_of(user),
+        tool=tool,
+        arguments=arguments,
+        agent_name=run.agent.name,
+        version_number=run.version.number,
+        history=history or cedar.History(),
+        tool_names=list(run.version.spec.get("tools", [])),
+        editor=editor,
+        editor_groups=groups_of(editor) if editor is not None else [],
+    )
+
+
+def counted_amount(arguments: dict, name: str | None) -> int:
+    """The value of the argument the tenant totals for this tool, as a whole number (rounded up)."""
+    if not name:
+        return 0
+    value = (arguments or {}).get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return 0
+    return int(Decimal(repr(value) if isinstance(value, float) else value).to_integral_value(ROUND_CEILING))
+
+
+def _locked_totals(run: Run, tool, user) -> tuple[ToolDayTotal, ToolDayTotal]:
+    day = local_day(run.tenant)
+    keys = {"tenant_id": run.tenant_id, "tool_id": tool.pk, "day": day}
+    ToolDayTotal.objects.bulk_create(
+        [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
+    )
+    tenant_row = ToolDayTotal.objects.select_for_update().get(**keys, user__isnull=True)
+    user_row = ToolDayTotal.objects.get(**keys, user_id=user.pk)  # written only under tenant_row's lock
+    return tenant_row, user_row
+
+
+def _history(run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal) -> cedar.History:
+    if steps is None:
+        steps = list(Step.objects.filter(run_id=run.pk).only("kind", "status", "tool_name"))
+    calls: dict[str, int] = {}
+    for s in steps:
+        if s.kind == StepKind.TOOL and s.status in DISPATCHED:
+            calls[s.tool_name] = calls.get(s.tool_name, 0) + 1
+    spend = (
+        BudgetAccount.objects.filter(run_id=run.pk)
+        .values_list(F("spent_micros") + F("reserved_micros") + F("held_micros"), flat=True)
+        .first()
+    )
+    return cedar.History(
+        spend_micros=spend or 0,
+        calls_by_tool=calls,
+        today_calls=tenant_row.calls,
+        today_amount=tenant_row.amount,
+        user_calls=user_row.calls,
+        user_amount=user_row.amount,
+    )
+
+
+def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
+    """Why the tenant's policies refuse this call now, or None (see the module's opening)."""
+    policies = cedar.compiled(run.tenant_id)
+    if policies is None:
+        return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
+    tool = step.tool
+    tenant_row, user_row = _locked_totals(run, tool, user)
+    request = request_for(
+        run, tool, step.arguments, user=user, history=_history(run, steps, tenant_row, user_row)
+    )
+    verdict = cedar.evaluate(
+        request, legacy=legacy_rules(run, tool), with_approval=step.status == StepStatus.PROPOSED
+    )
+    step.policy_verdict = verdict
+    step.policy_totals = (tenant_row.pk, user_row.pk)
+    record_shadow(run, step, verdict)
+    return str(verdict.denial) if verdict.denial else None
+
+
+def record_shadow(run: Run, step: Step, verdict: cedar.Verdict) -> None:
+    if not verdict.shadow:
+        return
+    ShadowDecision.objects.bulk_create(
+        [
+            ShadowDecision(
+                tenant_id=run.tenant_id,
+                run_id=run.pk,
+                step_seq=step.seq,
+                tool_name=step.tool_name,
+                policy_set=shadow.policy_set,
+                outcome=shadow.outcome,
+                policies=list(shadow.policies),
+            )
+            for shadow in verdict.shadow
+        ]
+    )
+    for shadow in verdict.shadow:
+        cedar.SHADOW_DECISIONS.labels(run.tenant.slug, shadow.policy_set, shadow.outcome).inc()
+
+
+def count_call(step: Step) -> None:
+    """Add a call about to be dispatched to its day's totals, once (the totals row is locked)."""
+    rows = getattr(step, "policy_totals", None)
+    if rows is None:
+        return
+    config = cedar.compiled(step.tool.tenant_id)
+    name = config.config.totals.get(step.tool.name) if config else None
+    amount = counted_amount(step.arguments, name)
+    _, created = CountedCall.objects.get_or_create(
+        step_id=step.pk, defaults={"total_id": rows[0], "amount": amount}
+    )
+    if created:
+        ToolDayTotal.objects.filter(pk__in=rows).update(calls=F("calls") + 1, amount=F("amount") + amount)
