@@ -125,19 +125,26 @@ def compiled(tenant_id: int) -> Compiled | None:
     if found is not None and found.version == version:
         return found
     config = TenantPolicies.objects.get(tenant_id=tenant_id)
-    sets = list(PolicySet.objects.filter(tenant_id=tenant_id))
-    enforced = [s.text for s in sets if s.mode == PolicyMode.ENFORCE]
+    sets = [(s.name, s.mode, s.text) for s in PolicySet.objects.filter(tenant_id=tenant_id)]
+    result = compile_sets(config, sets)
+    with _cache_lock:
+        _cache[tenant_id] = result
+    return result
+
+
+def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Compiled:
+    """Parse (name, mode, text) sets: enforced ones together, each shadow set on its own."""
+    enforced = [text for _, mode, text in sets if mode == PolicyMode.ENFORCE]
     baseline = (
         ['@id("default-permit")\npermit (principal, action, resource);'] if config.default == "permit" else []
     )
     enforce, approve = split_policies("\n".join([*enforced, *baseline]))
     shadow = tuple(
-        (s.name, *split_policies("\n".join([s.text, *baseline]))) for s in sets if s.mode == PolicyMode.SHADOW
+        (name, *split_policies("\n".join([text, *baseline])))
+        for name, mode, text in sets
+        if mode == PolicyMode.SHADOW
     )
-    result = Compiled(config.version, config, enforce, approve, shadow)
-    with _cache_lock:
-        _cache[tenant_id] = result
-    return result
+    return Compiled(config.version, config, enforce, approve, shadow)
 
 
 def split_policies(text: str) -> tuple[_Part, _Part]:
@@ -356,9 +363,16 @@ def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
     return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
 
 
-def evaluate(request: CallRequest, *, legacy: tuple[str, ...] = (), with_approval: bool = True) -> Verdict:
-    """Decide one call: forbid wins, then @approval; shadow sets are evaluated alongside."""
-    policies = compiled(request.tenant_id)
+_LOOKUP = object()
+
+
+def evaluate(
+    request: CallRequest, *, legacy: tuple[str, ...] = (), with_approval: bool = True, policies=_LOOKUP
+) -> Verdict:
+    """Decide one call: forbid wins, then @approval; shadow sets are evaluated alongside.
+    `policies`: compiled sets to use instead of the tenant's (the file's policy tests)."""
+    if policies is _LOOKUP:
+        policies = compiled(request.tenant_id)
     legacy_policies = legacy_part(request.tool.name, legacy) if any(t.strip() for t in legacy) else None
     if policies is None:
         verdict = Verdict()

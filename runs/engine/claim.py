@@ -39,6 +39,7 @@ from runs.lifecycle import (
     write_run_at_end,
 )
 from runs.models import READY, WAITING, Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.policy_events import record_shadow
 from tenants.permissions import may_run_agent
 from tools import checks, offer
 from tools.models import EffectClass
@@ -199,6 +200,7 @@ def _plan_tool(run: Run, step: Step, steps: list[Step], now: dt.datetime) -> Pla
     # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
     # the permission in one statement; the call's offer from the step log.
     denial = checks.check_dispatch(run, step, user=run.created_by, steps=steps)
+    record_shadow(run, step)  # shadow-mode policy sets: on the timeline, never enforced
     if denial:
         if step.status == StepStatus.APPROVED:
             void_approval(step, reason=denial)
