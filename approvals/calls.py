@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from decimal import ROUND_CEILING, Decimal
 
-from django.db.models import F
+from django.db import connection
+from django.db.models import F, Q
 
 from approvals import cedar
 from approvals.models import CountedCall, ShadowDecision, ToolDayTotal
@@ -83,28 +84,38 @@ def counted_amount(arguments: dict, name: str | None) -> int:
 
 
 def _locked_totals(run: Run, tool, user) -> tuple[ToolDayTotal, ToolDayTotal]:
+    """The tenant's and the user's rows of this tool's day, both locked in one statement, in id
+    order: the tenant row was created with the day's first user row, before any other user's."""
     day = local_day(run.tenant)
     keys = {"tenant_id": run.tenant_id, "tool_id": tool.pk, "day": day}
-    ToolDayTotal.objects.bulk_create(
-        [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
-    )
-    tenant_row = ToolDayTotal.objects.select_for_update().get(**keys, user__isnull=True)
-    user_row = ToolDayTotal.objects.get(**keys, user_id=user.pk)  # written only under tenant_row's lock
-    return tenant_row, user_row
+    mine = Q(user__isnull=True) | Q(user_id=user.pk)
+    for _ in range(2):
+        rows = list(ToolDayTotal.objects.select_for_update().filter(mine, **keys).order_by("id"))
+        if len(rows) == 2:
+            tenant_row, user_row = sorted(rows, key=lambda r: r.user_id is not None)
+            return tenant_row, user_row
+        ToolDayTotal.objects.bulk_create(
+            [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
+        )
+    raise RuntimeError("the day's totals rows could not be created")  # a constraint refused them
 
 
-def _history(run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal) -> cedar.History:
+def _history(
+    run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal, *, uses_spend: bool
+) -> cedar.History:
     if steps is None:
         steps = list(Step.objects.filter(run_id=run.pk).only("kind", "status", "tool_name"))
     calls: dict[str, int] = {}
     for s in steps:
         if s.kind == StepKind.TOOL and s.status in DISPATCHED:
             calls[s.tool_name] = calls.get(s.tool_name, 0) + 1
-    spend = (
-        BudgetAccount.objects.filter(run_id=run.pk)
-        .values_list(F("spent_micros") + F("reserved_micros") + F("held_micros"), flat=True)
-        .first()
-    )
+    spend = None
+    if uses_spend:  # one query fewer on every call of a tenant whose policies never read it
+        spend = (
+            BudgetAccount.objects.filter(run_id=run.pk)
+            .values_list(F("spent_micros") + F("reserved_micros") + F("held_micros"), flat=True)
+            .first()
+        )
     return cedar.History(
         spend_micros=spend or 0,
         calls_by_tool=calls,
@@ -123,7 +134,11 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     tool = step.tool
     tenant_row, user_row = _locked_totals(run, tool, user)
     request = request_for(
-        run, tool, step.arguments, user=user, history=_history(run, steps, tenant_row, user_row)
+        run,
+        tool,
+        step.arguments,
+        user=user,
+        history=_history(run, steps, tenant_row, user_row, uses_spend=policies.uses_spend),
     )
     verdict = cedar.evaluate(
         request, legacy=legacy_rules(run, tool), with_approval=step.status == StepStatus.PROPOSED
@@ -163,8 +178,12 @@ def count_call(step: Step) -> None:
     config = cedar.compiled(step.tool.tenant_id)
     name = config.config.totals.get(step.tool.name) if config else None
     amount = counted_amount(step.arguments, name)
-    _, created = CountedCall.objects.get_or_create(
-        step_id=step.pk, defaults={"total_id": rows[0], "amount": amount}
-    )
-    if created:
-        ToolDayTotal.objects.filter(pk__in=rows).update(calls=F("calls") + 1, amount=F("amount") + amount)
+    # One round trip: the step is counted once (CountedCall's key), and only then the totals move.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH counted AS (INSERT INTO {CountedCall._meta.db_table} (step_id, total_id, amount) "
+            "VALUES (%(step)s, %(total)s, %(amount)s) ON CONFLICT DO NOTHING RETURNING step_id) "
+            f"UPDATE {ToolDayTotal._meta.db_table} SET calls = calls + 1, amount = amount + %(amount)s "
+            "WHERE id IN (%(total)s, %(user_total)s) AND EXISTS (SELECT 1 FROM counted)",
+            {"step": step.pk, "total": rows[0], "user_total": rows[1], "amount": amount},
+        )

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 import cedarpy
+from django.db import connection
 from prometheus_client import Counter
 
 from approvals.models import PolicyMode, PolicySet, TenantPolicies
@@ -110,6 +111,7 @@ class Compiled:
     enforce: _Part  # permits and forbids of enforced sets (with the default permit if any)
     approve: _Part  # @approval permits of enforced sets
     shadow: tuple[tuple[str, _Part, _Part], ...]  # (set name, enforce, approve)
+    uses_spend: bool = True  # whether any policy reads context.run.spend (a query per call)
 
 
 _cache: dict[int, Compiled] = {}
@@ -118,9 +120,14 @@ _cache_lock = threading.Lock()
 
 def compiled(tenant_id: int) -> Compiled | None:
     """The tenant's policies, parsed; None when the tenant has none (one query per decision)."""
-    version = TenantPolicies.objects.filter(tenant_id=tenant_id).values_list("version", flat=True).first()
-    if version is None:
+    with connection.cursor() as cursor:  # on every tool call: the ORM's query building costs more
+        cursor.execute(
+            f"SELECT version FROM {TenantPolicies._meta.db_table} WHERE tenant_id = %s", [tenant_id]
+        )
+        row = cursor.fetchone()
+    if row is None:
         return None
+    version = row[0]
     found = _cache.get(tenant_id)
     if found is not None and found.version == version:
         return found
@@ -144,7 +151,8 @@ def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Co
         for name, mode, text in sets
         if mode == PolicyMode.SHADOW
     )
-    return Compiled(config.version, config, enforce, approve, shadow)
+    uses_spend = any("spend" in text for _, _, text in sets)
+    return Compiled(config.version, config, enforce, approve, shadow, uses_spend)
 
 
 def split_policies(text: str) -> tuple[_Part, _Part]:
