@@ -55,7 +55,9 @@ def legacy_rules(run: Run, tool) -> tuple[str, ...]:
     return (tool.approval_policy or "never", str(override) if override else "")
 
 
-def request_for(run: Run, tool, arguments: dict, *, user, history=None, editor=None) -> cedar.CallRequest:
+def request_for(
+    run: Run, tool, arguments: dict, *, user, history=None, editor=None, tool_names=None
+) -> cedar.CallRequest:
     return cedar.CallRequest(
         tenant_id=run.tenant_id,
         user=user,
@@ -65,7 +67,7 @@ def request_for(run: Run, tool, arguments: dict, *, user, history=None, editor=N
         agent_name=run.agent.name,
         version_number=run.version.number,
         history=history or cedar.History(),
-        tool_names=list(run.version.spec.get("tools", [])),
+        tool_names=tool_names if tool_names is not None else list(run.version.spec.get("tools", [])),
         editor=editor,
         editor_groups=groups_of(editor) if editor is not None else [],
     )
@@ -139,6 +141,7 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
         step.arguments,
         user=user,
         history=_history(run, steps, tenant_row, user_row, uses_spend=policies.uses_spend),
+        tool_names=policies.config.tool_names,  # what context.run.calls_by_tool was validated with
     )
     verdict = cedar.evaluate(
         request, legacy=legacy_rules(run, tool), with_approval=step.status == StepStatus.PROPOSED
@@ -178,6 +181,12 @@ def count_call(step: Step) -> None:
     config = cedar.compiled(step.tool.tenant_id)
     name = config.config.totals.get(step.tool.name) if config else None
     amount = counted_amount(step.arguments, name)
+    if connection.vendor != "postgresql":
+        # SQLite (make demo) has no INSERT inside WITH; its writers queue anyway.
+        if not CountedCall.objects.filter(step_id=step.pk).exists():
+            CountedCall.objects.create(step_id=step.pk, total_id=rows[0], amount=amount)
+            ToolDayTotal.objects.filter(pk__in=rows).update(calls=F("calls") + 1, amount=F("amount") + amount)
+        return
     # One round trip: the step is counted once (CountedCall's key), and only then the totals move.
     with connection.cursor() as cursor:
         cursor.execute(

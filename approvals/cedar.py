@@ -73,9 +73,11 @@ class Decision:
 class Denial:
     policy_id: str
     reason: str
+    also: tuple[str, ...] = ()  # other forbids that held too
 
     def __str__(self) -> str:
-        return f"denied by policy {self.policy_id}: {self.reason}"
+        more = f" (also forbidden by {', '.join(self.also)})" if self.also else ""
+        return f"denied by policy {self.policy_id}: {self.reason}{more}"
 
 
 @dataclass(frozen=True)
@@ -352,7 +354,7 @@ def _deny_of(part: _Part, request: dict, entities) -> Denial | None:
         return None
     forbids = [pid for pid in result.diagnostics.reasons if part.effects.get(pid) == "forbid"]
     if forbids:
-        return Denial(forbids[0], part.reasons[forbids[0]])
+        return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:]))
     return Denial("default-deny", "no policy permits this call")
 
 

@@ -84,6 +84,7 @@ class TenantPolicies(models.Model):
     tool_attribute_types = models.JSONField(default=dict, blank=True)
     tool_attributes = models.JSONField(default=dict, blank=True)  # tool name -> {name: value}
     totals = models.JSONField(default=dict, blank=True)  # tool name -> argument summed per day
+    tool_names = models.JSONField(default=list, blank=True)  # the tools the schema was generated for
     version = models.PositiveIntegerField(default=1)  # moves on every change: the compiled cache key
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -71,8 +71,9 @@ class PolicySpec:
     sets: list[SourceSet] = field(default_factory=list)
     tests: list[PolicyTest] = field(default_factory=list)
 
-    def config(self, tenant) -> TenantPolicies:
+    def config(self, tenant, tool_names=()) -> TenantPolicies:
         return TenantPolicies(
+            tool_names=sorted(tool_names),
             tenant=tenant,
             default=self.default,
             user_attribute_types=self.user_attribute_types,
@@ -274,7 +275,7 @@ def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
 def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
     """The file's policy tests: each request's decision (with the enforced sets) as expected."""
     by_name = {t.name: t for t in tools}
-    config = spec.config(tenant)
+    config = spec.config(tenant, by_name)
     sets = [(s.name, s.mode, s.text) for s in spec.sets]
     policies = cedar.compile_sets(config, sets)
     problems = []
@@ -317,7 +318,7 @@ def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
 
 def outcome(verdict: cedar.Verdict) -> tuple[str, tuple[str, ...]]:
     if verdict.denial is not None:
-        return "deny", (verdict.denial.policy_id,)
+        return "deny", (verdict.denial.policy_id, *verdict.denial.also)
     if verdict.approval.required:
         return "approval", verdict.approval.policies
     return "allow", ()
@@ -333,7 +334,7 @@ def _groups(user) -> list[str]:
 def install(tenant, spec: PolicySpec) -> list[str]:
     """Write the spec (after `check` found nothing); what changed, for apply's report."""
     changes = []
-    config = spec.config(tenant)
+    config = spec.config(tenant, Tool.objects.filter(tenant=tenant).values_list("name", flat=True))
     values = {
         name: getattr(config, name)
         for name in (
@@ -344,6 +345,7 @@ def install(tenant, spec: PolicySpec) -> list[str]:
             "tool_attribute_types",
             "tool_attributes",
             "totals",
+            "tool_names",
         )
     }
     row, created = TenantPolicies.objects.get_or_create(tenant=tenant, defaults=values)

@@ -41,6 +41,7 @@ def apply_config(data: dict, *, dry_run: bool = False, source: str | None = None
 
     `source`: the file `data` was read from (policies may name `.cedar` files beside it)."""
     problems = Problems()
+    source = source or getattr(data, "source", None)
     data = expand_env(data, problems)
     if isinstance(data, dict) and "policies" in data:
         data = dict(data)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from runs.lifecycle import record_event
 from runs.models import Run, Step
 
-WOULD = {"deny": "would have denied", "approval": "would have required approval for", "allow": "would allow"}
+WOULD = {"deny": "would have denied", "approval": "would have required approval for"}
 
 
 def record_shadow(run: Run, step: Step) -> None:
     verdict = getattr(step, "policy_verdict", None)
     for shadow in verdict.shadow if verdict is not None else ():
+        if shadow.outcome == "allow":
+            continue  # counted in ShadowDecision for the report; the timeline shows what differs
         by = f" ({', '.join(shadow.policies)})" if shadow.policies else ""
         record_event(
             run.pk,

@@ -20,7 +20,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, file: str, dry_run: bool, **options) -> None:
         try:
-            report = apply_config(load_file(file), dry_run=dry_run, source=file)
+            report = apply_config(load_file(file), dry_run=dry_run)
         except ConfigError as exc:
             for path, message in exc.errors:
                 self.stderr.write(f"{path}: {message}" if path else message)
