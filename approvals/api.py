@@ -9,8 +9,9 @@ from rest_framework.views import APIView
 from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
 from agentplatform.schema import JsonObjectField, errors
 from approvals import selectors
+from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
-from runs.lifecycle import decide_approval
+from runs.lifecycle import correct_approval, decide_approval
 
 
 @extend_schema_serializer(component_name="Approval")
@@ -99,10 +100,14 @@ class _DecisionApi(APIView):
             approve=self.approve,
             reason=data.validated_data["reason"],
         )
-        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(
-            pk=approval.pk
-        )
-        return Response(ApprovalOutput(approval).data)
+        repeated = getattr(approval, "repeated", False)
+        approval = Approval.objects.select_related(
+            "tool", "requested_by", "decided_by", "step", "tenant"
+        ).get(pk=approval.pk)
+        body = {**ApprovalOutput(approval).data, "repeated": repeated}
+        if repeated:
+            body["detail"] = approvals.first_decision(approval)
+        return Response(body)
 
 
 class ApprovalApproveApi(_DecisionApi):
@@ -149,3 +154,34 @@ class ApprovalDenyApi(_DecisionApi):
         """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
         another path. Repeating your own decision answers it again."""
         return self.decide(request, approval_id, self.InputSerializer)
+
+
+class ApprovalCorrectApi(APIView):
+    @extend_schema_serializer(component_name="Correct")
+    class InputSerializer(serializers.Serializer):
+        arguments = JsonObjectField(help_text="the corrected call's arguments, in full")
+        reason = serializers.CharField(max_length=2000, help_text="why; told to the model")
+
+    @extend_schema(
+        operation_id="correct",
+        summary="Correct a call and approve the corrected one",
+        request=InputSerializer,
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
+    )
+    def post(self, request, approval_id):
+        """Change the call's arguments (needs approve_tool): the corrected call is checked again (its
+        schema, the requester's grant, the tenant's policies with you as editor), gets its own digest
+        and is approved; the model is told what you changed. 403 `correction_refused` if a check fails."""
+        require_tenant(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        approval = correct_approval(
+            approval_id=approval_id,
+            user=request.user,
+            arguments=data.validated_data["arguments"],
+            reason=data.validated_data["reason"],
+        )
+        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(
+            pk=approval.pk
+        )
+        return Response(ApprovalOutput(approval).data)

@@ -152,6 +152,26 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     return str(verdict.denial) if verdict.denial else None
 
 
+def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict) -> str | None:
+    """Why the tenant's policies refuse an approver's corrected call, or None: the requester is the
+    principal, the approver `context.editor`; read under the day's totals lock like any call."""
+    policies = cedar.compiled(run.tenant_id)
+    if policies is None:
+        return None
+    tenant_row, user_row = _locked_totals(run, step.tool, requester)
+    request = request_for(
+        run,
+        step.tool,
+        arguments,
+        user=requester,
+        history=_history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend),
+        editor=editor,
+        tool_names=policies.config.tool_names,
+    )
+    verdict = cedar.evaluate(request, with_approval=False)
+    return str(verdict.denial) if verdict.denial else None
+
+
 def record_shadow(run: Run, step: Step, verdict: cedar.Verdict) -> None:
     if not verdict.shadow:
         return

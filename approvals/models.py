@@ -53,6 +53,13 @@ class Approval(models.Model):
         related_name="approvals_decided",
     )
     decision_reason = models.TextField(blank=True)
+    # An approver's correction of the call (approvals.services.correct): what the model proposed,
+    # who changed it and why; `arguments` and `digest` are then the corrected call's.
+    original_arguments = models.JSONField(null=True, blank=True)
+    corrected_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    correction_reason = models.TextField(blank=True)
     void_reason = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(db_index=True)

@@ -10,11 +10,12 @@ import datetime as dt
 import enum
 import uuid
 
+import jsonschema
 from django.utils import timezone
 from guardian.shortcuts import get_objects_for_user
 
 from agentplatform.digests import digest
-from agentplatform.errors import Conflict, Forbidden, IllegalTransition, NotFound
+from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
 from approvals import calls, cedar
 from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
@@ -141,12 +142,96 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     if repeated:
         return Verdict.REPEATED
     if approval.status != ApprovalStatus.PENDING:
-        raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
+        said = f" ({first_decision(approval)})" if approval.decided_by_id else ""
+        raise Conflict(f"approval is already {approval.status}{said}", code=f"approval_{approval.status}")
     if approval.expires_at <= timezone.now():
         _transition(approval, ApprovalStatus.EXPIRED)
         return Verdict.EXPIRED
     _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
     return Verdict.DECIDED
+
+
+def first_decision(approval: Approval) -> str:
+    """What a repeated decision is answered with: "already approved by ravi at 13:44; nothing changed"
+    (the time in the tenant's zone)."""
+    verb = "denied" if approval.status == ApprovalStatus.DENIED else "approved"
+    at = approval.decided_at.astimezone(approval.tenant.zone).strftime("%H:%M on %Y-%m-%d")
+    used = "; the call was dispatched" if approval.status == ApprovalStatus.CONSUMED else ""
+    return f"already {verb} by {approval.decided_by.username} at {at}{used}; nothing changed"
+
+
+def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str) -> dict:
+    """An approver's corrected call, checked again as a new one and approved; the changes made.
+
+    The corrected call must match the tool's schema, the requester must still hold use_tool, and
+    the tenant's policies must allow it with the requester as principal and the approver as
+    `context.editor` (so a rule can refuse an edit above the approver's own limit), read under the
+    day's totals lock like any call; the budget is reserved at dispatch as for any call. The
+    approval then binds to the corrected call's digest.
+    """
+    if not reason.strip():
+        raise DomainError("a correction needs a reason", fields={"reason": ["required"]})
+    if not isinstance(arguments, dict):
+        raise DomainError("arguments must be an object", fields={"arguments": ["must be an object"]})
+    if approval.requested_by_id == user.pk:
+        raise Forbidden("you may not correct your own request", code="self_approval")
+    tool = approval.tool
+    if not can_approve(user, tool):
+        raise Forbidden(f"you do not hold approve_tool on {tool.name}", code="not_an_approver")
+    if approval.status != ApprovalStatus.PENDING:
+        raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
+    if approval.expires_at <= timezone.now():
+        raise Conflict("approval expired before it was corrected", code="approval_expired")
+    changes = {
+        name: (approval.arguments.get(name), arguments.get(name))
+        for name in sorted(set(approval.arguments) | set(arguments))
+        if approval.arguments.get(name) != arguments.get(name)
+    }
+    if not changes:
+        raise DomainError("the corrected call is the same call", fields={"arguments": ["nothing changed"]})
+    schema = tool.input_schema or {"type": "object"}
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments)
+    )
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(arguments)"
+        raise DomainError(
+            f"arguments invalid at {where}: {error.message}", fields={"arguments": [error.message]}
+        )
+    requester = run.created_by
+    may_use = get_objects_for_user(
+        requester,
+        "tools.use_tool",
+        klass=Tool.objects.filter(pk=tool.pk),
+        with_superuser=False,
+        accept_global_perms=False,
+    ).exists()
+    if not requester.is_active or not may_use:
+        raise Forbidden(f"{requester.username} may no longer use {tool.name}", code="correction_refused")
+    step = approval.step
+    step.tool = tool
+    denial = calls.check_correction(run, step, requester=requester, editor=user, arguments=arguments)
+    if denial:
+        raise Forbidden(f"the corrected call is refused: {denial}", code="correction_refused")
+    _transition(
+        approval,
+        ApprovalStatus.APPROVED,
+        original_arguments=approval.arguments,
+        arguments=arguments,
+        digest=call_digest(
+            tool=tool,
+            arguments=arguments,
+            run_id=run.pk,
+            user_id=approval.requested_by_id,
+            policy_version=tool.policy_version,
+        ),
+        corrected_by=user,
+        correction_reason=reason,
+        decided_by=user,
+        decision_reason=reason,
+        decided_at=timezone.now(),
+    )
+    return changes
 
 
 def _expected_digest(step: Step, approval: Approval) -> str:

@@ -172,3 +172,22 @@ def test_policy_report_counts_shadow_decisions_by_policy(tmp_path):
     text = out.getvalue()
     assert "over the last 3 call(s)" in text
     assert "trial: deny 2" in text and "no-urgent-from-support: 2" in text and "trial: allow 1" in text
+
+
+def test_every_policy_in_the_doc_is_one_the_examples_run():
+    """docs/policies.md shows policies of examples/dispute.cedar, whose tests (examples/dispute.yaml)
+    run at every apply of the example: a policy edited in one place and not the other fails here."""
+    import re
+
+    from approvals.policy_sets import statements
+
+    doc = (ROOT / "docs" / "policies.md").read_text()
+    example = " ".join((ROOT / "examples" / "dispute.cedar").read_text().split())
+    blocks = re.findall(r"```cedar\n(.*?)```", doc, re.S)
+    shown = [" ".join(text.split()) for block in blocks for _, text in statements(block)]
+    assert len(shown) >= 7
+    for policy in shown:
+        body = (
+            " ".join(line for line in policy.split("// ")[-1:] if line) if policy.startswith("//") else policy
+        )
+        assert body.split("@id", 1)[-1] in example, policy
