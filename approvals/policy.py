@@ -504,7 +504,7 @@ def to_cedar(text: str, *, tool: str, policy_id: str) -> str:
         return ""
     condition = "true" if isinstance(root, Always) else f"!({_cedar(root, want=False)})"
     return (
-        f"@id({_cedar_string(policy_id)})\n@approval({_cedar_string(_render(root))})\n"
+        f"@id({_cedar_string(policy_id)})\n@approval({_cedar_string('policy: ' + _render(root))})\n"
         f"permit (principal, action == Action::{_cedar_string(tool)}, resource)\n"
         f"when {{ {condition} }};"
     )

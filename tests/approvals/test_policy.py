@@ -40,7 +40,7 @@ def convertible(policy: str) -> bool:
 
 def test_dispute_rule_fires_on_large_amount_and_reason_names_the_rule() -> None:
     decision = rule_decision(DISPUTE, {"amount": 12499, "currency": "INR"})
-    assert decision.required and decision.reason == "amount > 5000 or currency != 'INR'"
+    assert decision.required and decision.reason == "policy: amount > 5000 or currency != 'INR'"
 
 
 def test_dispute_rule_small_inr_needs_no_approval() -> None:
@@ -55,7 +55,7 @@ def test_dispute_rule_converts_to_readable_cedar() -> None:
     text = to_cedar(DISPUTE, tool="bank__issue_refund", policy_id="bank__issue_refund.approval")
     assert 'permit (principal, action == Action::"bank__issue_refund", resource)' in text
     assert "context.arguments.amount > 5000" in text
-    assert "@approval(\"amount > 5000 or currency != 'INR'\")" in text
+    assert "@approval(\"policy: amount > 5000 or currency != 'INR'\")" in text
 
 
 # --------------------------------------------------------------------------

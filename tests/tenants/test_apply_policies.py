@@ -128,7 +128,7 @@ def test_an_old_approval_rule_is_converted_and_decides_with_cedar_in_the_files_t
     apply_config(load_file(path))
     out = StringIO()
     call_command("policy", "convert", str(path), stdout=out)
-    assert "@approval(\"priority == 'high'\")" in out.getvalue()
+    assert "@approval(\"policy: priority == 'high'\")" in out.getvalue()
     assert 'context.arguments.priority == "high"' in out.getvalue()
 
 
