@@ -43,11 +43,6 @@ from approvals.models import PolicyMode, PolicySet, TenantPolicies
 from approvals.policy import to_cedar
 
 CALL_TOOL = "call_tool"
-START_RUN = "start_run"
-APPROVE_CALL = "approve_call"
-RESERVED_USER_ATTRIBUTES = frozenset({"username", "tenant", "roles"})
-RESERVED_TOOL_ATTRIBUTES = frozenset({"name", "server", "effect"})
-ATTRIBUTE_TYPES = {"long": "Long", "string": "String", "bool": "Boolean", "set": "Set"}
 
 SHADOW_DECISIONS = Counter(
     "agentplatform_policy_shadow_decisions",
