@@ -46,6 +46,18 @@ class ApprovalOutput(serializers.ModelSerializer):
         ]
 
 
+@extend_schema_serializer(component_name="Decision")
+class DecisionOutput(ApprovalOutput):
+    repeated = serializers.BooleanField(help_text="true when this repeats your own earlier decision")
+    detail = serializers.CharField(
+        required=False,
+        help_text='on a repeat, what happened the first time: "already approved by ravi at ..."',
+    )
+
+    class Meta(ApprovalOutput.Meta):
+        fields = [*ApprovalOutput.Meta.fields, "repeated", "detail"]
+
+
 class ApprovalListApi(APIView):
     class FilterSerializer(serializers.Serializer):
         status = serializers.ChoiceField(choices=ApprovalStatus.choices, required=False)
@@ -123,7 +135,7 @@ class ApprovalApproveApi(_DecisionApi):
         operation_id="approve",
         summary="Approve a call",
         request=InputSerializer,
-        responses={200: ApprovalOutput, **DECISION_ERRORS},
+        responses={200: DecisionOutput, **DECISION_ERRORS},
     )
     def post(self, request, approval_id):
         """Approve one exact call (needs approve_tool on its tool); the run goes on with it.
@@ -148,7 +160,7 @@ class ApprovalDenyApi(_DecisionApi):
         operation_id="deny",
         summary="Deny a call",
         request=InputSerializer,
-        responses={200: ApprovalOutput, **DECISION_ERRORS},
+        responses={200: DecisionOutput, **DECISION_ERRORS},
     )
     def post(self, request, approval_id):
         """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
