@@ -22,6 +22,16 @@ class ApprovalOutput(serializers.ModelSerializer):
     requested_by = serializers.CharField(source="requested_by.username")
     decided_by = serializers.CharField(source="decided_by.username", allow_null=True, default=None)
     arguments = JsonObjectField(help_text="the exact arguments of the call being approved")
+    repeated = serializers.SerializerMethodField(help_text="on a decision: true when it repeats your own")
+    detail = serializers.SerializerMethodField(
+        help_text='on a repeated decision, what happened the first time: "already approved by ravi at ..."'
+    )
+
+    def get_repeated(self, approval) -> bool:
+        return getattr(approval, "repeated", False)
+
+    def get_detail(self, approval) -> str | None:
+        return approvals.first_decision(approval) if getattr(approval, "repeated", False) else None
 
     class Meta:
         model = Approval
@@ -43,19 +53,9 @@ class ApprovalOutput(serializers.ModelSerializer):
             "expires_at",
             "decided_at",
             "consumed_at",
+            "repeated",
+            "detail",
         ]
-
-
-@extend_schema_serializer(component_name="Decision")
-class DecisionOutput(ApprovalOutput):
-    repeated = serializers.BooleanField(help_text="true when this repeats your own earlier decision")
-    detail = serializers.CharField(
-        required=False,
-        help_text='on a repeat, what happened the first time: "already approved by ravi at ..."',
-    )
-
-    class Meta(ApprovalOutput.Meta):
-        fields = [*ApprovalOutput.Meta.fields, "repeated", "detail"]
 
 
 class ApprovalListApi(APIView):
@@ -116,10 +116,8 @@ class _DecisionApi(APIView):
         approval = Approval.objects.select_related(
             "tool", "requested_by", "decided_by", "step", "tenant"
         ).get(pk=approval.pk)
-        body = {**ApprovalOutput(approval).data, "repeated": repeated}
-        if repeated:
-            body["detail"] = approvals.first_decision(approval)
-        return Response(body)
+        approval.repeated = repeated
+        return Response(ApprovalOutput(approval).data)
 
 
 class ApprovalApproveApi(_DecisionApi):
@@ -135,7 +133,7 @@ class ApprovalApproveApi(_DecisionApi):
         operation_id="approve",
         summary="Approve a call",
         request=InputSerializer,
-        responses={200: DecisionOutput, **DECISION_ERRORS},
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
     )
     def post(self, request, approval_id):
         """Approve one exact call (needs approve_tool on its tool); the run goes on with it.
@@ -160,7 +158,7 @@ class ApprovalDenyApi(_DecisionApi):
         operation_id="deny",
         summary="Deny a call",
         request=InputSerializer,
-        responses={200: DecisionOutput, **DECISION_ERRORS},
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
     )
     def post(self, request, approval_id):
         """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
