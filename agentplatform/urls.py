@@ -32,6 +32,7 @@ v1 = [
     path("approvals/<str:approval_id>", approvals_api.ApprovalDetailApi.as_view()),
     path("approvals/<str:approval_id>/approve", approvals_api.ApprovalApproveApi.as_view()),
     path("approvals/<str:approval_id>/deny", approvals_api.ApprovalDenyApi.as_view()),
+    path("approvals/<str:approval_id>/correct", approvals_api.ApprovalCorrectApi.as_view()),
     path("usage", budgets_api.UsageApi.as_view()),
     path("reservations", budgets_api.ReservationListApi.as_view()),
     path("reservations/<str:reservation_id>/reconcile", budgets_api.ReservationReconcileApi.as_view()),

@@ -35,7 +35,7 @@ from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for
 from budgets.models import BudgetAccount
 from runs.admin import conversation
-from runs.approval_effects import decide_approval
+from runs.approval_effects import correct_approval, decide_approval
 from runs.flags import risk_flags
 from runs.models import Run, Step, StepKind, StepStatus
 from runs.search import Q_MAX
@@ -150,6 +150,24 @@ class ReasonForm(forms.Form):
     )
 
 
+class CorrectionForm(forms.Form):
+    """An approver corrects the call before approving it (runs.approval_effects.correct_approval)."""
+
+    arguments = forms.JSONField(
+        widget=forms.Textarea(attrs={"rows": 8, "cols": 60}),
+        help_text="The corrected call's arguments, in full. Checked again like a new call.",
+    )
+    reason = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}), help_text="Required; told to the model."
+    )
+
+    def clean_arguments(self):
+        value = self.cleaned_data["arguments"]
+        if not isinstance(value, dict):
+            raise forms.ValidationError("an object of argument names to values")
+        return value
+
+
 @admin.register(Approval, site=site)
 class ApprovalAdmin(ReadOnlyAdmin):
     list_display = [
@@ -211,7 +229,41 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     def get_urls(self):
         view = self.admin_site.admin_view
-        return [path("watch/", view(self.watch_view), name="approvals_approval_watch"), *super().get_urls()]
+        return [
+            path("watch/", view(self.watch_view), name="approvals_approval_watch"),
+            path("<path:object_id>/correct/", view(self.correct_view), name="approvals_approval_correct"),
+            *super().get_urls(),
+        ]
+
+    def correct_view(self, request, object_id):
+        """Correct the call (for example the amount) with a reason, and approve the corrected one."""
+        approval = self.get_object(request, unquote(object_id))
+        if approval is None or not self.has_decide_permission(request, approval):
+            raise PermissionDenied
+        form = CorrectionForm(request.POST or None, initial={"arguments": approval.arguments})
+        if request.method == "POST" and form.is_valid():
+            try:
+                correct_approval(
+                    approval_id=approval.pk,
+                    user=request.user,
+                    arguments=form.cleaned_data["arguments"],
+                    reason=form.cleaned_data["reason"],
+                )
+            except DomainError as exc:
+                form.add_error(None, exc.message)
+            else:
+                messages.success(request, f"corrected and approved: {approval.tool.name}")
+                return redirect(self._inbox_url(request))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Correct {approval.tool.name}",
+            "approval": approval,
+            "arguments": arguments_html(approval.arguments),
+            "form": form,
+            "inbox_url": self._inbox_url(request),
+        }
+        return TemplateResponse(request, "admin/approvals/approval/correct.html", context)
 
     def watch_view(self, request):
         """A change marker of the inbox for the page's poller: which approvals are pending."""

@@ -9,8 +9,9 @@ from rest_framework.views import APIView
 from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
 from agentplatform.schema import JsonObjectField, errors
 from approvals import selectors
+from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
-from runs.approval_effects import decide_approval
+from runs.approval_effects import correct_approval, decide_approval
 
 
 @extend_schema_serializer(component_name="Approval")
@@ -21,6 +22,16 @@ class ApprovalOutput(serializers.ModelSerializer):
     requested_by = serializers.CharField(source="requested_by.username")
     decided_by = serializers.CharField(source="decided_by.username", allow_null=True, default=None)
     arguments = JsonObjectField(help_text="the exact arguments of the call being approved")
+    repeated = serializers.SerializerMethodField(help_text="on a decision: true when it repeats your own")
+    detail = serializers.SerializerMethodField(
+        help_text='on a repeated decision, what happened the first time: "already approved by ravi at ..."'
+    )
+
+    def get_repeated(self, approval) -> bool:
+        return getattr(approval, "repeated", False)
+
+    def get_detail(self, approval) -> str | None:
+        return approvals.first_decision(approval) if getattr(approval, "repeated", False) else None
 
     class Meta:
         model = Approval
@@ -42,6 +53,8 @@ class ApprovalOutput(serializers.ModelSerializer):
             "expires_at",
             "decided_at",
             "consumed_at",
+            "repeated",
+            "detail",
         ]
 
 
@@ -99,9 +112,11 @@ class _DecisionApi(APIView):
             approve=self.approve,
             reason=data.validated_data["reason"],
         )
-        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(
-            pk=approval.pk
-        )
+        repeated = getattr(approval, "repeated", False)
+        approval = Approval.objects.select_related(
+            "tool", "requested_by", "decided_by", "step", "tenant"
+        ).get(pk=approval.pk)
+        setattr(approval, "repeated", repeated)  # noqa: B010 -- read by ApprovalOutput
         return Response(ApprovalOutput(approval).data)
 
 
@@ -149,3 +164,34 @@ class ApprovalDenyApi(_DecisionApi):
         """Deny a call (needs approve_tool on its tool); the model is told and may explain or choose
         another path. Repeating your own decision answers it again."""
         return self.decide(request, approval_id, self.InputSerializer)
+
+
+class ApprovalCorrectApi(APIView):
+    @extend_schema_serializer(component_name="Correct")
+    class InputSerializer(serializers.Serializer):
+        arguments = JsonObjectField(help_text="the corrected call's arguments, in full")
+        reason = serializers.CharField(max_length=2000, help_text="why; told to the model")
+
+    @extend_schema(
+        operation_id="correct",
+        summary="Correct a call and approve the corrected one",
+        request=InputSerializer,
+        responses={200: ApprovalOutput, **DECISION_ERRORS},
+    )
+    def post(self, request, approval_id):
+        """Change the call's arguments (needs approve_tool): the corrected call is checked again (its
+        schema, the requester's grant, the tenant's policies with you as editor), gets its own digest
+        and is approved; the model is told what you changed. 403 `correction_refused` if a check fails."""
+        require_tenant(request.user)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        approval = correct_approval(
+            approval_id=approval_id,
+            user=request.user,
+            arguments=data.validated_data["arguments"],
+            reason=data.validated_data["reason"],
+        )
+        approval = Approval.objects.select_related("tool", "requested_by", "decided_by", "step").get(
+            pk=approval.pk
+        )
+        return Response(ApprovalOutput(approval).data)

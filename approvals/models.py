@@ -53,6 +53,13 @@ class Approval(models.Model):
         related_name="approvals_decided",
     )
     decision_reason = models.TextField(blank=True)
+    # An approver's correction of the call (approvals.services.correct): what the model proposed,
+    # who changed it and why; `arguments` and `digest` are then the corrected call's.
+    original_arguments = models.JSONField(null=True, blank=True)
+    corrected_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    correction_reason = models.TextField(blank=True)
     void_reason = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(db_index=True)
@@ -64,3 +71,98 @@ class Approval(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tool.name} for run {self.run_id} ({self.status})"
+
+
+class PolicyMode(models.TextChoices):
+    ENFORCE = "enforce"  # decides
+    SHADOW = "shadow"  # evaluated and recorded, never enforced
+
+
+class TenantPolicies(models.Model):
+    """What the tenant's configuration file says about Cedar policies, besides their text: the
+    declared attributes of users and tools, the argument whose total per day the platform keeps
+    per tool, and whether a call no policy permits is allowed (approvals/cedar.py)."""
+
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="policies")
+    default = models.CharField(max_length=8, default="permit")  # permit | deny
+    user_attribute_types = models.JSONField(default=dict, blank=True)  # name -> long|string|bool|set
+    user_attributes = models.JSONField(default=dict, blank=True)  # username -> {name: value}
+    group_roles = models.JSONField(default=dict, blank=True)  # group name -> [role]
+    tool_attribute_types = models.JSONField(default=dict, blank=True)
+    tool_attributes = models.JSONField(default=dict, blank=True)  # tool name -> {name: value}
+    totals = models.JSONField(default=dict, blank=True)  # tool name -> argument summed per day
+    tool_names = models.JSONField(default=list, blank=True)  # the tools the schema was generated for
+    version = models.PositiveIntegerField(default=1)  # moves on every change: the compiled cache key
+    updated_at = models.DateTimeField(auto_now=True)
+
+
+class PolicySet(models.Model):
+    """One named set of Cedar policies of a tenant, enforced or in shadow mode."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="policy_sets")
+    name = models.SlugField(max_length=100)
+    mode = models.CharField(max_length=8, choices=PolicyMode.choices, default=PolicyMode.ENFORCE)
+    text = models.TextField()
+    source = models.CharField(max_length=500, blank=True)  # the file it came from
+    first_line = models.PositiveIntegerField(default=1)  # of the text in that file
+    private = models.BooleanField(default=False)  # the text is never shown outside the admin
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_policy_set")]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.mode})"
+
+
+class ToolDayTotal(models.Model):
+    """Calls of a tool dispatched on one local day, and the sum of its declared argument: one row
+    for the tenant (user null) and one per user. The tenant row is the lock a daily-total rule is
+    decided under (approvals/totals.py)."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    tool = models.ForeignKey("tools.Tool", on_delete=models.CASCADE, related_name="+")
+    day = models.DateField()
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.CASCADE, related_name="+")
+    calls = models.BigIntegerField(default=0)
+    amount = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "tool", "day"],
+                condition=models.Q(user__isnull=True),
+                name="uniq_tool_day_total_tenant",
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "tool", "day", "user"],
+                condition=models.Q(user__isnull=False),
+                name="uniq_tool_day_total_user",
+            ),
+        ]
+
+
+class CountedCall(models.Model):
+    """A tool step counted into its day's totals: once, however often it is claimed again."""
+
+    step = models.OneToOneField("runs.Step", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    total = models.ForeignKey(ToolDayTotal, on_delete=models.CASCADE, related_name="+")
+    amount = models.BigIntegerField(default=0)
+
+
+class ShadowDecision(models.Model):
+    """What a policy set in shadow mode would have decided on one call (not enforced)."""
+
+    class Outcome(models.TextChoices):
+        ALLOW = "allow"
+        DENY = "deny"
+        APPROVAL = "approval"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="+")
+    step_seq = models.PositiveIntegerField()
+    tool_name = models.CharField(max_length=200)
+    policy_set = models.CharField(max_length=100)
+    outcome = models.CharField(max_length=8, choices=Outcome.choices)
+    policies = models.JSONField(default=list)  # ids of the policies that decided it
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)

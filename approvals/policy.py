@@ -1,21 +1,25 @@
-"""A small, safe expression language for approval rules on tool-call arguments.
+"""The retired approval expressions (``amount > 5000 or currency != "INR"``), kept only to convert
+them into Cedar (approvals/cedar.py decides; docs/policies.md).
 
-Example: ``amount > 5000 or currency != "INR"``.
+A tool's `approval:` in a configuration file, an agent version's `approval_overrides` and the
+admin's approval field still accept the old text; it is parsed here (tokenised and parsed by
+hand; nothing reaches eval) and translated by `to_cedar` into one Cedar permit annotated
+`@approval`, which is what is evaluated. A form with no Cedar equivalent is refused with a
+PolicyError that says what to write instead.
 
-The text is tokenised and parsed by hand into frozen dataclasses and then
-interpreted; nothing is ever handed to ``eval``/``compile``, so a policy can
-only read argument values, never run code.
-
-Evaluation is fail safe. A comparison whose field is missing or whose operands
-have incompatible types is *unknown*, and unknowns combine with Kleene logic
-(``unknown or true`` is true, ``unknown and false`` is false, ``not unknown``
-is unknown). A policy whose result is unknown requires approval, so odd
-arguments can never cause an approval to be skipped, not even under ``not``.
+The old language was fail safe: a comparison whose field is missing or whose operands have
+incompatible types is *unknown*, unknowns combine with Kleene logic, and an unknown result
+requires approval. The translation keeps that: approval is required unless the expression is
+definitely false, where "definitely" means every field it reads is present (`has` guards). A
+value of the wrong type makes Cedar raise an error, and an @approval policy that errors requires
+approval (approvals/cedar.py), so a mismatch never skips an approval; it can require one where
+the old language had found another operand of an `and` false (arguments are checked against
+the tool's JSON schema before any policy runs, so for declared fields this cannot happen).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Union
@@ -26,7 +30,6 @@ MAX_DEPTH = 32
 __all__ = [
     "MAX_DEPTH",
     "MAX_LENGTH",
-    "Decision",
     "Policy",
     "PolicyError",
     "canonical",
@@ -102,12 +105,6 @@ Node = Union[Expr, Always, Never]
 
 
 @dataclass(frozen=True)
-class Decision:
-    required: bool
-    reason: str
-
-
-@dataclass(frozen=True)
 class Policy:
     root: Node
 
@@ -117,15 +114,6 @@ class Policy:
 
     def __str__(self) -> str:
         return self.text
-
-    def evaluate(self, arguments: Mapping[str, object]) -> Decision:
-        if isinstance(self.root, Always):
-            return Decision(True, "policy: always")
-        if isinstance(self.root, Never):
-            return Decision(False, "policy: never")
-        outcome = _evaluate(self.root, arguments, negated=False)
-        # None (unknown) requires approval: that is the fail-safe rule.
-        return Decision(outcome.value is not False, "; ".join(outcome.reasons))
 
 
 # --------------------------------------------------------------------------
@@ -497,195 +485,165 @@ def stricter(base: str, override: str | None) -> str:
 
 
 # --------------------------------------------------------------------------
-# Evaluation
+# Conversion to Cedar
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_CEDAR_RESERVED = frozenset(
+    {"true", "false", "if", "then", "else", "in", "like", "has", "is", "__cedar", "permit", "forbid"}
+)
+_LONG_MAX = 2**63 - 1
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    value: bool | None  # None means unknown: missing field or type mismatch
-    reasons: tuple[str, ...]
+def to_cedar(text: str, *, tool: str, policy_id: str) -> str:
+    """The Cedar policy that requires approval exactly when `text` does; "" for `never`.
+
+    Raises PolicyError for a form Cedar cannot express, with what to write instead.
+    """
+    root = parse_policy(text).root
+    if isinstance(root, Never):
+        return ""
+    condition = "true" if isinstance(root, Always) else f"!({_cedar(root, want=False)})"
+    return (
+        f"@id({_cedar_string(policy_id)})\n@approval({_cedar_string('policy: ' + _render(root))})\n"
+        f"permit (principal, action == Action::{_cedar_string(tool)}, resource)\n"
+        f"when {{ {condition} }};"
+    )
 
 
-class _Mismatch(Exception):
-    pass
-
-
-class _Missing(Exception):
-    def __init__(self, field: Field) -> None:
-        self.field = field
-
-
-_NEGATED = {
-    "==": "!=",
-    "!=": "==",
-    "<": ">=",
-    ">=": "<",
-    ">": "<=",
-    "<=": ">",
-    "in": "not in",
-    "not in": "in",
-}
-
-
-def _evaluate(node: Expr, arguments: object, negated: bool) -> _Outcome:
-    # Negation is pushed down to the comparisons (De Morgan) so that the
-    # and/or groups can pick the operands that actually decided the result.
-    if isinstance(node, Compare):
-        return _evaluate_compare(node, arguments, negated)
+def _cedar(node: Expr, *, want: bool) -> str:
+    """A Cedar expression true exactly when `node` is definitely `want` (all its fields present)."""
     if isinstance(node, Not):
-        return _evaluate(node.operand, arguments, not negated)
-    outcomes = [_evaluate(child, arguments, negated) for child in node.operands]
-    is_or = isinstance(node, Or) != negated
-    decisive = is_or  # the value that settles the whole group on its own
-    for wanted in (decisive, None):
-        matching = [o for o in outcomes if o.value is wanted]
-        if matching:
-            return _Outcome(wanted, tuple(r for o in matching for r in o.reasons))
-    return _Outcome(not decisive, tuple(r for o in outcomes for r in o.reasons))
+        return _cedar(node.operand, want=not want)
+    if isinstance(node, (And, Or)):
+        # "definitely true" of an and, or "definitely false" of an or, needs every operand.
+        joiner = " && " if isinstance(node, And) == want else " || "
+        return "(" + joiner.join(_cedar(child, want=want) for child in node.operands) + ")"
+    guards, comparison = _cedar_compare(node)
+    if not want:
+        comparison = f"!({comparison})"
+    return "(" + " && ".join([*guards, comparison]) + ")"
 
 
-def _evaluate_compare(node: Compare, arguments: object, negated: bool) -> _Outcome:
-    try:
-        left = _resolve(node.left, arguments)
-        right = _resolve(node.right, arguments)
-    except _Missing as missing:
-        return _Outcome(None, (f"{_render_path(missing.field.path)} is missing",))
-    try:
-        result = _apply(node.op, left, right)
-    except _Mismatch:
-        subject = next(
-            (_render_operand(o) for o in (node.left, node.right) if isinstance(o, Field)), _render(node)
-        )
-        return _Outcome(None, (f"{subject}: cannot compare {_show(left)} with {_show(right)}",))
-    # The reason states what actually holds, whichever way the rule went.
-    op = node.op if result else _NEGATED[node.op]
-    text = f"{_render_operand(node.left)} {op} {_render_operand(node.right)}"
-    values = []
-    for operand, value in ((node.left, left), (node.right, right)):
-        if isinstance(operand, Field):
-            entry = f"{_render_operand(operand)} = {_show(value)}"
-            if entry not in values:
-                values.append(entry)
-    if values:
-        text += f" ({', '.join(values)})"
-    return _Outcome(result != negated, (text,))
-
-
-def _resolve(operand: Operand, arguments: object) -> object:
-    if isinstance(operand, Literal):
-        return operand.value
-    value = arguments
-    # Only item lookups on plain data, never attribute access.
-    for segment in operand.path:
-        if (
-            isinstance(segment, str)
-            and isinstance(value, Mapping)
-            and segment in value
-            or isinstance(segment, int)
-            and isinstance(value, (list, tuple))
-            and segment < len(value)
-        ):
-            value = value[segment]
+def _cedar_compare(node: Compare) -> tuple[list[str], str]:
+    guards: list[str] = []
+    left, left_kind = _cedar_operand(node.left, guards)
+    right, right_kind = _cedar_operand(node.right, guards)
+    op = node.op
+    if op in ("in", "not in"):
+        if right_kind == "list":
+            kinds = {_kind_of(item) for item in node.right.value}  # type: ignore[union-attr]
+            if len(kinds) > 1:
+                raise PolicyError("a list of mixed types has no Cedar equivalent: use one type per list", 0)
+            check = _type_check(left, kinds.pop()) if kinds else None
+            expression = f"{right}.contains({left})"
+            expression = f"{check} && {expression}" if check else expression
+        elif right_kind == "field":
+            expression = f"{right}.contains({left})"
         else:
-            raise _Missing(operand)
-    return value
-
-
-def _kind(value: object) -> tuple[str, object]:
-    """Classify a value; numbers become Decimal so 0.1 + 0.2 style surprises cannot happen."""
-    if value is None:
-        return "null", None
-    if isinstance(value, bool):  # before int: bool is not a number here
-        return "bool", value
-    if isinstance(value, int):
-        return "number", Decimal(value)
-    if isinstance(value, float):
-        return (
-            ("number", Decimal(repr(value)))
-            if value == value and abs(value) != float("inf")
-            else ("other", value)
+            raise PolicyError(f"'{op}' needs a list on its right", 0)
+        return guards, expression if op == "in" else f"!({expression})"
+    if "list" in (left_kind, right_kind):
+        raise PolicyError(
+            "comparing with a list literal has no Cedar equivalent (Cedar sets ignore order and "
+            "repeats): compare the elements, or use `in`",
+            0,
         )
+    if op in ("==", "!="):
+        if left_kind == "field" and right_kind == "field":
+            raise PolicyError(
+                "comparing two fields for equality has no exact Cedar equivalent (Cedar answers "
+                "false where the old rule asked for approval): compare each with a literal",
+                0,
+            )
+        field, kind = (left, right_kind) if left_kind == "field" else (right, left_kind)
+        check = _type_check(field, kind) if left_kind != right_kind else None
+        expression = f"{left} == {right}"
+        if check:
+            expression = f"{check} && {expression}"
+        return guards, expression if op == "==" else f"!({expression})"
+    for kind in (left_kind, right_kind):
+        if kind not in ("field", "number"):
+            raise PolicyError(
+                f"'{op}' on {kind} values has no Cedar equivalent: Cedar orders whole numbers only", 0
+            )
+    return guards, f"{left} {op} {right}"
+
+
+def _kind_of(value: Scalar) -> str:
+    if isinstance(value, bool):
+        return "bool"
     if isinstance(value, Decimal):
-        return ("number", value) if value.is_finite() else ("other", value)
-    if isinstance(value, str):
-        return "string", value
-    if isinstance(value, (list, tuple)):
-        return "list", value
-    return "other", value
+        return "number"
+    return "string"
 
 
-def _equal(left: object, right: object) -> bool:
-    left_kind, left_value = _kind(left)
-    right_kind, right_value = _kind(right)
-    if left_kind == "null" or right_kind == "null":
-        return left_kind == right_kind
-    if left_kind != right_kind or left_kind == "other":
-        raise _Mismatch()
-    if left_kind == "list":
-        assert isinstance(left_value, (list, tuple)) and isinstance(right_value, (list, tuple))
-        return len(left_value) == len(right_value) and all(map(_equal, left_value, right_value))
-    return left_value == right_value
+def _type_check(expression: str, kind: str) -> str:
+    """An expression that is true for a value of `kind` and an error for any other type: an
+    error in an @approval policy requires approval, as a type mismatch did in the old rule."""
+    return {
+        "string": f'({expression} like "*")',
+        "number": f"({expression} < 0 || true)",
+        "bool": f"({expression} || true)",
+    }[kind]
 
 
-def _contains(item: object, container: object) -> bool:
-    if _kind(container)[0] != "list":
-        raise _Mismatch()
-    assert isinstance(container, (list, tuple))
-    comparable = False
-    for element in container:
-        try:
-            if _equal(item, element):
-                return True
-            comparable = True
-        except _Mismatch:
-            continue
-    # "amount in ['INR']" with a number amount is a type error, not a "no".
-    if container and not comparable:
-        raise _Mismatch()
-    return False
+def _cedar_operand(operand: Operand, guards: list[str]) -> tuple[str, str]:
+    if isinstance(operand, Field):
+        expression = "context.arguments"
+        for segment in operand.path:
+            if isinstance(segment, int):
+                raise PolicyError(
+                    f"{_render_path(operand.path)}: Cedar has no list indexes; give the tool a "
+                    "named argument for that value",
+                    0,
+                )
+            guard = f"{expression} has {_cedar_attr(segment)}"
+            if guard not in guards:
+                guards.append(guard)
+            expression = _cedar_get(expression, segment)
+        return expression, "field"
+    value = operand.value
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_cedar_literal(item) for item in value) + "]", "list"
+    return _cedar_literal(value), _kind_of(value)  # type: ignore[arg-type]
 
 
-def _apply(op: str, left: object, right: object) -> bool:
-    if op == "==":
-        return _equal(left, right)
-    if op == "!=":
-        return not _equal(left, right)
-    if op == "in":
-        return _contains(left, right)
-    if op == "not in":
-        return not _contains(left, right)
-    left_kind, left_value = _kind(left)
-    right_kind, right_value = _kind(right)
-    if left_kind != right_kind or left_kind not in ("number", "string"):
-        raise _Mismatch()
-    if op == "<":
-        return left_value < right_value  # type: ignore[operator]
-    if op == "<=":
-        return left_value <= right_value  # type: ignore[operator]
-    if op == ">":
-        return left_value > right_value  # type: ignore[operator]
-    return left_value >= right_value  # type: ignore[operator]
+def _cedar_attr(name: str) -> str:
+    return name if _IDENTIFIER.match(name) and name not in _CEDAR_RESERVED else _cedar_string(name)
 
 
-def _show(value: object) -> str:
-    """Argument values as shown in reasons; clipped because reasons end up in logs and UIs."""
-    kind, normalised = _kind(value)
-    if kind == "number":
-        return str(normalised)
-    if kind == "bool":
-        return "true" if value else "false"
-    if kind == "null":
-        return "null"
-    if kind == "string":
-        return _clip(repr(value))
-    if kind == "list":
-        assert isinstance(value, (list, tuple))
-        return _clip(
-            "[" + ", ".join(_show(item) for item in value[:10]) + (", ..." if len(value) > 10 else "") + "]"
+def _cedar_get(expression: str, name: str) -> str:
+    if _IDENTIFIER.match(name) and name not in _CEDAR_RESERVED:
+        return f"{expression}.{name}"
+    return f"{expression}[{_cedar_string(name)}]"
+
+
+def _cedar_literal(value: Scalar) -> str:
+    if value is None:
+        raise PolicyError(
+            "null has no Cedar equivalent: a missing or null argument already requires approval "
+            "in any comparison; write the rule without null",
+            0,
         )
-    if isinstance(value, Mapping):
-        return "an object"
-    return f"a {type(value).__name__}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Decimal):
+        if value != value.to_integral_value():
+            raise PolicyError(
+                f"{value}: Cedar compares whole numbers; write the amount in minor units "
+                "(paise, cents) or round the limit",
+                0,
+            )
+        if abs(int(value)) > _LONG_MAX:
+            raise PolicyError(f"{value}: larger than Cedar's 64-bit numbers", 0)
+        return str(int(value))
+    return _cedar_string(value)
+
+
+def _cedar_string(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = escaped.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r").replace("\0", "\\0")
+    return f'"{escaped}"'
 
 
 def _clip(text: str, limit: int = 80) -> str:

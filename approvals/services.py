@@ -10,14 +10,18 @@ import datetime as dt
 import enum
 import uuid
 
+import jsonschema
 from django.utils import timezone
 
 from agentplatform.digests import digest
-from agentplatform.errors import Conflict, Forbidden, IllegalTransition, NotFound
+from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
+from approvals import calls, cedar
+from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
-from approvals.policy import Decision, parse_policy, stricter
+from approvals.policy import stricter
 from runs.models import Run, Step
 from tenants import permissions
+from tenants.permissions import holds
 from tools.models import Tool
 
 
@@ -27,8 +31,17 @@ def effective_policy(run: Run, tool: Tool) -> str:
     return stricter(tool.approval_policy, override)
 
 
-def decision_for(run: Run, tool: Tool, arguments: dict) -> Decision:
-    return parse_policy(effective_policy(run, tool)).evaluate(arguments)
+def decision_for(run: Run, tool: Tool, arguments: dict, *, step: Step | None = None) -> Decision:
+    """Whether the call needs approval: the tenant's @approval policies and the tool's converted
+    `approval:` rule (approvals/cedar.py). With the claim's step, its verdict from check_dispatch
+    is used and a call that needs no approval is counted into the day's totals (approvals/calls.py)."""
+    verdict = getattr(step, "policy_verdict", None)
+    if verdict is None:
+        request = calls.request_for(run, tool, arguments, user=run.created_by)
+        verdict = cedar.evaluate(request, legacy=calls.legacy_rules(run, tool))
+    if not verdict.approval.required and step is not None:
+        calls.count_call(step)
+    return verdict.approval
 
 
 def call_digest(*, tool: Tool, arguments: dict, run_id, user_id, policy_version: int) -> str:
@@ -130,7 +143,8 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     if repeated:
         return Verdict.REPEATED
     if approval.status != ApprovalStatus.PENDING:
-        raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
+        said = f" ({first_decision(approval)})" if approval.decided_by_id else ""
+        raise Conflict(f"approval is already {approval.status}{said}", code=f"approval_{approval.status}")
     if approval.expires_at <= timezone.now():
         _transition(approval, ApprovalStatus.EXPIRED)
         return Verdict.EXPIRED
@@ -142,6 +156,85 @@ def _tool_of(step: Step) -> Tool:
     if step.tool is None:
         raise ValueError(f"step {step.seq} of run {step.run_id} calls no tool: nothing to approve")
     return step.tool
+
+
+def first_decision(approval: Approval) -> str:
+    """What a repeated decision is answered with: "already approved by ravi at 13:44; nothing changed"
+    (the time in the tenant's zone)."""
+    verb = "denied" if approval.status == ApprovalStatus.DENIED else "approved"
+    decided = approval.decided_at
+    at = decided.astimezone(approval.tenant.zone).strftime("%H:%M on %Y-%m-%d") if decided else "?"
+    who = approval.decided_by.username if approval.decided_by else "?"
+    used = "; the call was dispatched" if approval.status == ApprovalStatus.CONSUMED else ""
+    return f"already {verb} by {who} at {at}{used}; nothing changed"
+
+
+def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str) -> dict:
+    """An approver's corrected call, checked again as a new one and approved; the changes made.
+
+    The corrected call must match the tool's schema, the requester must still hold use_tool, and
+    the tenant's policies must allow it with the requester as principal and the approver as
+    `context.editor` (so a rule can refuse an edit above the approver's own limit), read under the
+    day's totals lock like any call; the budget is reserved at dispatch as for any call. The
+    approval then binds to the corrected call's digest.
+    """
+    if not reason.strip():
+        raise DomainError("a correction needs a reason", fields={"reason": ["required"]})
+    if not isinstance(arguments, dict):
+        raise DomainError("arguments must be an object", fields={"arguments": ["must be an object"]})
+    if approval.requested_by_id == user.pk:
+        raise Forbidden("you may not correct your own request", code="self_approval")
+    tool = approval.tool
+    if not can_approve(user, tool):
+        raise Forbidden(f"you do not hold approve_tool on {tool.name}", code="not_an_approver")
+    if approval.status != ApprovalStatus.PENDING:
+        raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")
+    if approval.expires_at <= timezone.now():
+        raise Conflict("approval expired before it was corrected", code="approval_expired")
+    changes = {
+        name: (approval.arguments.get(name), arguments.get(name))
+        for name in sorted(set(approval.arguments) | set(arguments))
+        if approval.arguments.get(name) != arguments.get(name)
+    }
+    if not changes:
+        raise DomainError("the corrected call is the same call", fields={"arguments": ["nothing changed"]})
+    schema = tool.input_schema or {"type": "object"}
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments)
+    )
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "(arguments)"
+        raise DomainError(
+            f"arguments invalid at {where}: {error.message}", fields={"arguments": [error.message]}
+        )
+    requester = run.created_by
+    may_use = holds(requester, "use_tool", Tool, tool.pk)
+    if not requester.is_active or not may_use:
+        raise Forbidden(f"{requester.username} may no longer use {tool.name}", code="correction_refused")
+    step = approval.step
+    step.tool = tool
+    denial = calls.check_correction(run, step, requester=requester, editor=user, arguments=arguments)
+    if denial:
+        raise Forbidden(f"the corrected call is refused: {denial}", code="correction_refused")
+    _transition(
+        approval,
+        ApprovalStatus.APPROVED,
+        original_arguments=approval.arguments,
+        arguments=arguments,
+        digest=call_digest(
+            tool=tool,
+            arguments=arguments,
+            run_id=run.pk,
+            user_id=approval.requested_by_id,
+            policy_version=tool.policy_version,
+        ),
+        corrected_by=user,
+        correction_reason=reason,
+        decided_by=user,
+        decision_reason=reason,
+        decided_at=timezone.now(),
+    )
+    return changes
 
 
 def _expected_digest(step: Step, approval: Approval) -> str:
@@ -162,6 +255,7 @@ def verify_for_dispatch(step: Step) -> str | None:
         return f"approval is {approval.status if approval else 'missing'}"
     if _expected_digest(step, approval) != approval.digest:
         return "the approval does not cover this exact call (arguments, tool or policy changed)"
+    calls.count_call(step)  # it is dispatched next, in this transaction
     return None
 
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from django.db import DataError, transaction
 
+from configuration import policies
 from configuration.discovery import discover
 from configuration.egress import check_egress
 from configuration.loading import load_file, load_text
 from configuration.report import ApplyReport, ConfigError
 from configuration.schema import Problems, expand_env, parse
 from configuration.writing import write
+from tenants.models import Tenant
 
 __all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file", "load_text"]
 
@@ -34,10 +36,19 @@ __all__ = ["ApplyReport", "ConfigError", "apply_config", "load_file", "load_text
 # --- entry points --------------------------------------------------------------------------------
 
 
-def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
-    """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error."""
+def apply_config(data: dict, *, dry_run: bool = False, source: str | None = None) -> ApplyReport:
+    """Create or update one tenant from `data`, all or nothing; raise ConfigError with every error.
+
+    `source`: the file `data` was read from (policies may name `.cedar` files beside it)."""
     problems = Problems()
-    plan = parse(expand_env(data, problems), problems)
+    source = source or getattr(data, "source", None)
+    data = expand_env(data, problems)
+    if isinstance(data, dict) and "policies" in data:
+        data = dict(data)
+        spec = policies.read(data.pop("policies"), data.get("groups"), problems, source)
+    else:
+        spec = None
+    plan = parse(data, problems)
     check_egress(plan, problems)
     remote = discover(plan, problems)
     if plan.tenant is None:
@@ -45,6 +56,9 @@ def apply_config(data: dict, *, dry_run: bool = False) -> ApplyReport:
     try:
         with transaction.atomic():
             report = write(plan, remote, problems)
+            tenant = Tenant.objects.filter(slug=plan.tenant.key).first()
+            if tenant is not None:
+                policies.apply(tenant, spec, problems, report)
             if problems:
                 raise ConfigError(problems.in_file_order())
             if dry_run:

@@ -24,6 +24,12 @@ MAX_TEXT = 100_000  # characters in one value; fields have tighter limits of the
 MERGE_KEY = "tag:yaml.org,2002:merge"
 
 
+class FileData(dict):
+    """The file's mapping, knowing where it was read from (policies may name files beside it)."""
+
+    source: str = ""
+
+
 def load_file(path: str | Path) -> dict:
     try:
         with open(path, "rb") as handle:
@@ -36,7 +42,9 @@ def load_file(path: str | Path) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([("", f"the file is not UTF-8 text (byte {exc.start})")]) from None
-    return load_text(text)
+    data = FileData(load_text(text))
+    data.source = str(path)
+    return data
 
 
 def load_text(text: str) -> dict:

@@ -8,6 +8,7 @@ import datetime as dt
 from django.db import transaction
 from django.utils import timezone
 
+from agentplatform.digests import digest
 from agentplatform.errors import Conflict
 from approvals import services as approvals
 from approvals.models import Approval
@@ -19,7 +20,7 @@ from runs.models import (
     StopReason,
 )
 from runs.queueing import enqueue
-from runs.transitions import end_run, lock_run, record_event, transition_run, transition_step
+from runs.transitions import end_run, lock_run, record_event, transition_run, transition_step, update_row
 
 
 def request_approval(run: Run, step: Step, decision) -> None:
@@ -43,12 +44,40 @@ def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Ap
         run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
         approval = approvals.locked(approval_id)
         verdict = approvals.decide(approval, user=user, approve=approve, reason=reason)
+        # The API answers a repeat with what happened the first time (approvals/api.py).
+        setattr(approval, "repeated", verdict == approvals.Verdict.REPEATED)  # noqa: B010
         if verdict == approvals.Verdict.DECIDED:
             _approval_decided(run, approval, user=user, approve=approve, reason=reason)
         elif verdict == approvals.Verdict.EXPIRED:
             _approval_expired(run, approval)
     if verdict == approvals.Verdict.EXPIRED:
         raise Conflict("approval expired before it was decided", code="approval_expired")
+    return approval
+
+
+def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Approval:
+    """An approver corrects the call and approves the corrected one (approvals.services.correct
+    checks it again); the step is sent with the corrected arguments, both versions on the timeline."""
+    with transaction.atomic():
+        run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
+        approval = approvals.locked(approval_id)
+        changes = approvals.correct(approval, run=run, user=user, arguments=arguments, reason=reason)
+        step = approval.step
+        what = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in changes.items())
+        update_row(Step, step.pk, arguments=arguments, args_digest=digest(arguments))
+        step.arguments = arguments
+        record_event(
+            run.pk,
+            "approval_corrected",
+            f"{approval.tool.name} corrected by {user.username}: {what} ({reason})",
+            step_seq=step.seq,
+            actor=user,
+            approval=str(approval.pk),
+            proposed=approval.original_arguments,
+            corrected=arguments,
+            reason=reason,
+        )
+        _approval_decided(run, approval, user=user, approve=True, reason=reason)
     return approval
 
 

@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
 from agentplatform.admin_site import TenantGuardedAdmin, TenantScopedAdmin, is_operator, money, site
-from approvals.policy import PolicyError, parse_policy
+from approvals.policy import PolicyError, to_cedar
 from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
 from tools.models import Tool, ToolServer
@@ -67,7 +67,7 @@ class ToolForm(forms.ModelForm):
     def clean_approval_policy(self):
         text = self.cleaned_data["approval_policy"]
         try:
-            parse_policy(text)
+            to_cedar(text, tool="tool", policy_id="approval")  # what is evaluated (approvals/cedar.py)
         except PolicyError as exc:
             raise forms.ValidationError(str(exc)) from None
         return text

@@ -1,5 +1,6 @@
 """The checks at dispatch: may this exact call be sent now? They decide and return a reason; the
-engine writes what follows (a denial, the dispatch). Approvals are verified by approvals/services.py."""
+engine writes what follows (a denial, the dispatch). Approvals are verified by approvals/services.py;
+the tenant's Cedar policies are the last check (approvals/calls.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.db import connection
 
 from agentplatform import sql
 from agents.spec import spec_for
+from approvals.calls import check_call
 from runs.models import Run, Step
 from tools.models import Tool, ToolServer
 from tools.offer import fresh_user, offered_on, use_tool_sql
@@ -54,7 +56,11 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
     revealed = run.revealed_tools if fresh else Run.objects.get(pk=run.pk).revealed_tools
     if tool.name not in offered_on(step, steps) and tool.name not in revealed:
         return f"tool {tool.name} was not offered on this call"
-    return argument_error(tool.input_schema, step.arguments)
+    problem = argument_error(tool.input_schema, step.arguments)
+    if problem:
+        return problem
+    # Cedar narrows the grant: forbid wins, under the lock of the day's totals (approvals/calls.py).
+    return check_call(run, step, user=user, steps=steps)
 
 
 def argument_error(schema: dict | None, arguments) -> str | None:

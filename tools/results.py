@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
+from approvals.models import Approval
 from runs.models import Run, Step
 from tenants.crypto import redact, redact_obj
 from tenants.secrets import known_secrets
@@ -24,7 +25,31 @@ def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
         )
     if result.is_error:
         observation = f"ERROR: {observation}"
-    return stored, observation
+    return stored, correction_note(step) + observation
+
+
+def correction_note(step: Step) -> str:
+    """The model is told what an approver changed in its call, and by whom, before the result."""
+    if step.kind != "tool":
+        return ""
+    corrected = (
+        Approval.objects.filter(step_id=step.pk, corrected_by__isnull=False)
+        .values_list("original_arguments", "arguments", "corrected_by__username", "correction_reason")
+        .first()
+    )
+    if corrected is None:
+        return ""
+    before, after, who, reason = corrected
+    before, after = before or {}, after or {}
+    changes = "; ".join(
+        f"{name}: {before.get(name)!r} -> {after.get(name)!r}"
+        for name in sorted(set(before) | set(after))
+        if before.get(name) != after.get(name)
+    )
+    return (
+        f"[platform] Before this call was sent, approver {who} corrected it ({changes}); reason: "
+        f"{reason}. It was made with the corrected arguments.\n"
+    )
 
 
 def actual_price(step: Step, result: ToolResult | None) -> int:

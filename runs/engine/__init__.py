@@ -12,7 +12,8 @@
             while the lease lasts (dispatch.through_database_outage).
 
 Lock order, in every transaction that takes more than one: the run row, then its steps (and
-other rows of that run: approvals, events), then the budget accounts of ONE reservation, locked
+other rows of that run: approvals, events), then the tool's day-totals rows of a policy decision
+(one tool, one day: approvals/calls.py), then the budget accounts of ONE reservation, locked
 by one ledger statement in the ledger's own order (tenant-day sub-accounts by shard, user day,
 run account; budgets/statements.py). Why this cannot deadlock: the engine's two transactions
 are the only ones that hold a run and budget accounts together, each holds exactly one run and

@@ -32,6 +32,7 @@ from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
 from runs.models import Run, RunStatus, Step, StepStatus
+from runs.policy_events import record_shadow
 from runs.queueing import continue_run, lease_seconds_for
 from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
 from tenants.permissions import may_run_agent
@@ -240,6 +241,7 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
     # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
     # the permission in one statement; the call's offer from the proposing model step (in the window).
     denial = checks.check_dispatch(run, step, user=run.created_by, steps=window)
+    record_shadow(run, step)  # shadow-mode policy sets: on the timeline, never enforced
     if denial:
         writer.deny(run, step, denial)
         return None
@@ -256,7 +258,7 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
         writer.replay(run, step, prior)
         return None
     if step.status == StepStatus.PROPOSED:
-        decision = approvals.decision_for(run, tool_of(step), step.arguments or {})
+        decision = approvals.decision_for(run, tool_of(step), step.arguments or {}, step=step)
         if decision.required:
             request_approval(run, step, decision)
             transition_step(

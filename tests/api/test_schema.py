@@ -98,6 +98,7 @@ def test_error_answers_carry_the_error_body_where_each_operation_can_answer_them
         "POST /v1/runs/{run_id}/steps/{seq}/resolve",
         "POST /v1/approvals/{approval_id}/approve",
         "POST /v1/approvals/{approval_id}/deny",
+        "POST /v1/approvals/{approval_id}/correct",
         "POST /v1/reservations/{reservation_id}/reconcile",
         "POST /v1/reservations/{reservation_id}/write-off",
     }

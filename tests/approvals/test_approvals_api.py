@@ -14,7 +14,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalStatus
-from runs.models import Run, RunStatus, Step, StepStatus
+from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from runs.services import start_run
 from tenants.models import User
 from tests import factories
@@ -228,3 +228,24 @@ def test_concurrent_decisions_by_two_supervisors_have_one_winner(second, tenant,
     assert len(bank.effects("issue_refund")) == expected
     assert approval.status == (ApprovalStatus.CONSUMED if expected else ApprovalStatus.DENIED)
     assert run.status == RunStatus.SUCCEEDED
+
+
+def test_a_repeated_decision_answers_what_happened_the_first_time(tenant, asha, ravi, bank, tools):
+    meera = factories.make_user(tenant, "meera", staff=True)
+    factories.grant(tools["issue_refund"], approve=[meera])
+    run, approval = park(tenant, asha, tools["issue_refund"], REFUND)
+    first = approve(ravi, approval)
+    assert first.status_code == 200 and first.json()["repeated"] is False and first.json()["detail"] is None
+    decided = Approval.objects.get(pk=approval.pk).decided_at.astimezone(tenant.zone)
+
+    again = approve(ravi, approval)
+
+    at = decided.strftime("%H:%M on %Y-%m-%d")
+    assert again.status_code == 200 and again.json()["repeated"] is True
+    assert again.json()["detail"] == f"already approved by ravi at {at}; nothing changed"
+    other = approve(meera, approval)  # someone else: 409, saying who decided and when
+    assert (
+        other.status_code == 409 and f"already approved by ravi at {at}" in other.json()["error"]["message"]
+    )
+    events = RunEvent.objects.filter(run=run, kind="approval_approved")
+    assert events.count() == 1  # the repeat wrote nothing

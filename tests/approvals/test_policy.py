@@ -1,53 +1,61 @@
 from __future__ import annotations
 
+import json
 import random
-from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
+from approvals.cedar import rule_decision
 from approvals.policy import (
     MAX_DEPTH,
     MAX_LENGTH,
-    Decision,
     PolicyError,
     canonical,
     parse_policy,
     stricter,
+    to_cedar,
 )
 
 DISPUTE = 'amount > 5000 or currency != "INR"'
+DATA = Path(__file__).parent / "data" / "legacy_decisions.json"
 
 
 def required(policy: str, arguments: dict) -> bool:
-    return parse_policy(policy).evaluate(arguments).required
+    """The old rule, converted to Cedar and decided by Cedar (approvals/cedar.py)."""
+    return rule_decision(policy, arguments).required
+
+
+def convertible(policy: str) -> bool:
+    try:
+        to_cedar(policy, tool="tool", policy_id="p")
+    except PolicyError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------
 # The dispute rule from the product spec
 
 
-def test_dispute_rule_fires_on_large_amount_and_reason_names_the_value() -> None:
-    decision = parse_policy(DISPUTE).evaluate({"amount": 12499, "currency": "INR"})
-    assert decision == Decision(True, "amount > 5000 (amount = 12499)")
-    assert "12499" in decision.reason
+def test_dispute_rule_fires_on_large_amount_and_reason_names_the_rule() -> None:
+    decision = rule_decision(DISPUTE, {"amount": 12499, "currency": "INR"})
+    assert decision.required and decision.reason == "policy: amount > 5000 or currency != 'INR'"
 
 
 def test_dispute_rule_small_inr_needs_no_approval() -> None:
-    decision = parse_policy(DISPUTE).evaluate({"amount": 3000, "currency": "INR"})
-    assert decision.required is False
-    assert "amount <= 5000 (amount = 3000)" in decision.reason
+    assert required(DISPUTE, {"amount": 3000, "currency": "INR"}) is False
 
 
 def test_dispute_rule_fires_on_foreign_currency() -> None:
-    decision = parse_policy(DISPUTE).evaluate({"amount": 3000, "currency": "USD"})
-    assert decision.required is True
-    assert decision.reason == "currency != 'INR' (currency = 'USD')"
+    assert required(DISPUTE, {"amount": 3000, "currency": "USD"}) is True
 
 
-def test_dispute_rule_reports_every_firing_part() -> None:
-    decision = parse_policy(DISPUTE).evaluate({"amount": 9000, "currency": "USD"})
-    assert decision.required
-    assert "amount = 9000" in decision.reason and "currency = 'USD'" in decision.reason
+def test_dispute_rule_converts_to_readable_cedar() -> None:
+    text = to_cedar(DISPUTE, tool="bank__issue_refund", policy_id="bank__issue_refund.approval")
+    assert 'permit (principal, action == Action::"bank__issue_refund", resource)' in text
+    assert "context.arguments.amount > 5000" in text
+    assert "@approval(\"policy: amount > 5000 or currency != 'INR'\")" in text
 
 
 # --------------------------------------------------------------------------
@@ -59,7 +67,6 @@ def test_dispute_rule_reports_every_firing_part() -> None:
     [
         ("amount == 5000", {"amount": 5000}, True),
         ("amount == 5000", {"amount": 5000.0}, True),
-        ("amount == 5000", {"amount": Decimal("5000.00")}, True),
         ("amount != 5000", {"amount": 5000}, False),
         ("amount < 10", {"amount": 9}, True),
         ("amount < 10", {"amount": 10}, False),
@@ -67,17 +74,12 @@ def test_dispute_rule_reports_every_firing_part() -> None:
         ("amount > 10", {"amount": 10}, False),
         ("amount >= 10", {"amount": 10}, True),
         ("amount >= -5", {"amount": -5}, True),
-        ("amount < -5.5", {"amount": -6}, True),
         # Decimal semantics: no float surprises.
-        ("total == 0.3", {"total": 0.1 + 0.2 - 0.00000000000000004}, True),
-        ("total > 0.1", {"total": Decimal("0.1000000000000000000001")}, True),
-        ("total == 1.10", {"total": Decimal("1.1")}, True),
         ("5000 < amount", {"amount": 5001}, True),
         ("amount > limit", {"amount": 5, "limit": 4}, True),
         ("amount > limit", {"amount": 4, "limit": 4}, False),
         ('currency == "INR"', {"currency": "INR"}, True),
         ("currency == 'INR'", {"currency": "inr"}, False),
-        ('name < "b"', {"name": "apple"}, True),
         ('currency in ["INR", "USD"]', {"currency": "USD"}, True),
         ('currency in ["INR", "USD"]', {"currency": "EUR"}, False),
         ('currency not in ["INR", "USD"]', {"currency": "EUR"}, True),
@@ -88,15 +90,7 @@ def test_dispute_rule_reports_every_firing_part() -> None:
         ("refund == true", {"refund": True}, True),
         ("refund == true", {"refund": False}, False),
         ("refund != false", {"refund": True}, True),
-        ("coupon == null", {"coupon": None}, True),
-        ("coupon != null", {"coupon": "SAVE10"}, True),
-        ("coupon == null", {"coupon": "SAVE10"}, False),
         ("customer.tier == 'gold'", {"customer": {"tier": "gold"}}, True),
-        ("items[0].price > 100", {"items": [{"price": 150}]}, True),
-        ("items[1].price > 100", {"items": [{"price": 150}, {"price": 50}]}, False),
-        ("matrix[1][0] == 3", {"matrix": [[1, 2], [3, 4]]}, True),
-        ("tags == ['a', 'b']", {"tags": ["a", "b"]}, True),
-        ("tags != ['a', 'b']", {"tags": ["a"]}, True),
         ("a > 1 and b > 1", {"a": 2, "b": 2}, True),
         ("a > 1 and b > 1", {"a": 2, "b": 0}, False),
         ("a > 1 or b > 1", {"a": 0, "b": 0}, False),
@@ -115,8 +109,29 @@ def test_evaluate(policy: str, arguments: dict, expected: bool) -> None:
 
 
 def test_always_and_never() -> None:
-    assert parse_policy("always").evaluate({}) == Decision(True, "policy: always")
-    assert parse_policy("  never ").evaluate({"amount": 10**9}).required is False
+    assert rule_decision("always", {}).required is True
+    assert rule_decision("  never ", {"amount": 10**9}).required is False
+    assert to_cedar("never", tool="t", policy_id="p") == ""
+
+
+@pytest.mark.parametrize(
+    ("policy", "explains"),
+    [
+        ("amount < -5.5", "whole numbers"),
+        ("total == 0.3", "whole numbers"),
+        ('name < "b"', "whole numbers only"),
+        ("coupon == null", "null has no Cedar equivalent"),
+        ("coupon != null", "null has no Cedar equivalent"),
+        ("items[0].price > 100", "no list indexes"),
+        ("matrix[1][0] == 3", "no list indexes"),
+        ("tags == ['a', 'b']", "list literal"),
+        ("amount == limit", "two fields"),
+        ("x in [1, 'a']", "mixed types"),
+    ],
+)
+def test_forms_with_no_cedar_equivalent_are_refused_with_what_to_write(policy: str, explains: str) -> None:
+    with pytest.raises(PolicyError, match=explains):
+        to_cedar(policy, tool="t", policy_id="p")
 
 
 # --------------------------------------------------------------------------
@@ -154,48 +169,53 @@ def test_always_and_never() -> None:
 def test_missing_or_mismatched_arguments_require_approval(
     policy: str, arguments: dict, reason: str | None
 ) -> None:
-    decision = parse_policy(policy).evaluate(arguments)
-    assert decision.required is True
-    if reason is not None:
-        assert decision.reason == reason
+    if not convertible(policy):
+        pytest.skip("no Cedar equivalent: refused at apply")
+    assert required(policy, arguments) is True
 
 
 def test_unknown_part_does_not_matter_when_the_rest_decides() -> None:
     # "unknown and false" is false whatever the missing value would be.
     assert required("amount > 5000 and currency == 'USD'", {"currency": "INR"}) is False
-    # "unknown or true" is true, and the reason is the known firing part.
-    decision = parse_policy("amount > 5000 or currency == 'USD'").evaluate({"currency": "USD"})
-    assert decision == Decision(True, "currency == 'USD' (currency = 'USD')")
+    # "unknown or true" is true.
+    assert required("amount > 5000 or currency == 'USD'", {"currency": "USD"}) is True
 
 
-def test_arguments_that_are_not_a_mapping_require_approval() -> None:
-    assert parse_policy("amount > 1").evaluate(None).required  # type: ignore[arg-type]
-    assert parse_policy("amount > 1").evaluate(["amount"]).required  # type: ignore[arg-type]
+def test_odd_argument_containers_require_approval() -> None:
+    assert required("obj.amount > 1", {"obj": "not a mapping"}) is True
+    assert required("x.__class__ == 'a'", {"x": "s"}) is True
 
 
-def test_objects_are_never_inspected_through_attributes() -> None:
-    class Sneaky:
-        amount = 10**9
+def test_legacy_table_gives_the_old_decisions() -> None:
+    """Every rule the old evaluator decided (tests/approvals/data/legacy_decisions.json, recorded
+    from approvals/policy.py before its evaluator was removed): converted to Cedar, the same
+    decision; or refused at apply. Where a value has a type the rule did not expect (which the
+    tool's JSON schema rules out for declared fields), Cedar may ask for approval where the old
+    rule did not, never the other way round."""
+    data = json.loads(DATA.read_text())
+    same = stricter_only = refused = 0
+    for case in data["cases"]:
+        if not convertible(case["policy"]):
+            refused += 1
+            continue
+        for arguments, old in zip(data["arguments"], case["required"], strict=True):
+            new = required(case["policy"], arguments)
+            if new == old:
+                same += 1
+            else:
+                assert new and not old, (case["policy"], arguments)
+                assert _mistyped(arguments), (case["policy"], arguments)
+                stricter_only += 1
+    # Well-typed arguments ({} and the second set) always agree.
+    for case in data["cases"]:
+        if convertible(case["policy"]):
+            for index in (0, 1):
+                assert required(case["policy"], data["arguments"][index]) == case["required"][index]
+    assert same > 10 * stricter_only and refused < len(data["cases"])
 
-    assert parse_policy("obj.amount > 1").evaluate({"obj": Sneaky()}).reason == "obj.amount is missing"
-    assert parse_policy("x.__class__ == 'a'").evaluate({"x": "s"}).reason == "x.__class__ is missing"
 
-
-def test_reason_for_negation_states_what_holds() -> None:
-    decision = parse_policy("not (amount > 5000 and currency == 'INR')").evaluate(
-        {"amount": 10, "currency": "INR"}
-    )
-    assert decision == Decision(True, "amount <= 5000 (amount = 10)")
-
-
-def test_reason_shows_both_fields() -> None:
-    decision = parse_policy("amount > limit").evaluate({"amount": 7, "limit": 5})
-    assert decision.reason == "amount > limit (amount = 7, limit = 5)"
-
-
-def test_long_values_are_clipped_in_reasons() -> None:
-    decision = parse_policy("note != 'ok'").evaluate({"note": "x" * 500})
-    assert decision.required and len(decision.reason) < 150
+def _mistyped(arguments: dict) -> bool:
+    return arguments not in ({}, {"amount": 5000, "currency": "INR"})
 
 
 # --------------------------------------------------------------------------
@@ -310,7 +330,7 @@ def test_depth_limit_parentheses() -> None:
 
 
 def test_depth_limit_not() -> None:
-    assert parse_policy("not " * MAX_DEPTH + "a > 1").evaluate({"a": 2}).required is True
+    assert required("not " * MAX_DEPTH + "a > 1", {"a": 2}) is True
     with pytest.raises(PolicyError):
         parse_policy("not " * (MAX_DEPTH + 1) + "a > 1")
 
@@ -357,8 +377,8 @@ def test_canonical(text: str, expected: str) -> None:
 
 def test_canonical_preserves_meaning() -> None:
     for text, arguments in _policy_argument_pairs():
-        original = parse_policy(text).evaluate(arguments)
-        assert parse_policy(canonical(text)).evaluate(arguments) == original
+        if convertible(text):
+            assert required(canonical(text), arguments) == required(text, arguments)
 
 
 # --------------------------------------------------------------------------
@@ -400,11 +420,13 @@ def _policy_argument_pairs() -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("base", POLICIES)
 @pytest.mark.parametrize("override", [None, "", *POLICIES])
 def test_stricter_never_loosens(base: str, override: str | None) -> None:
-    effective = parse_policy(stricter(base, override))
+    effective = stricter(base, override)
+    if not all(convertible(text) for text in (effective, base, override or "never")):
+        pytest.skip("no Cedar equivalent: refused at apply")
     for arguments in ARGUMENTS:
         base_required = required(base, arguments)
         override_required = bool(override) and required(override, arguments)
-        assert effective.evaluate(arguments).required == (base_required or override_required), arguments
+        assert required(effective, arguments) == (base_required or override_required), arguments
 
 
 @pytest.mark.parametrize("base", POLICIES)
@@ -478,13 +500,12 @@ def test_random_expressions_stricter_and_canonical() -> None:
     rng = random.Random(20240501)
     for _ in range(300):
         base_text, override_text = _random_expression(rng), _random_expression(rng)
-        base, override = parse_policy(base_text), parse_policy(override_text)
-        normalised = parse_policy(base.text)
-        assert normalised.text == base.text
-        effective = parse_policy(stricter(base_text, override_text))
+        base = parse_policy(base_text)
+        assert parse_policy(base.text).text == base.text
+        effective = stricter(base_text, override_text)
+        if not (convertible(base_text) and convertible(override_text)):
+            continue
         for arguments in RANDOM_ARGUMENTS:
-            base_decision = base.evaluate(arguments)
-            assert normalised.evaluate(arguments) == base_decision
-            expected = base_decision.required or override.evaluate(arguments).required
-            assert effective.evaluate(arguments).required == expected
-            assert base_decision.reason  # every decision explains itself
+            expected = required(base_text, arguments) or required(override_text, arguments)
+            assert required(effective, arguments) == expected
+            assert required(base.text, arguments) == required(base_text, arguments)

@@ -1,0 +1,222 @@
+"""A tool call decided by Cedar at dispatch, under the lock of its day's totals (approvals/cedar.py).
+
+Inside the claim's transaction (runs/engine/claim.py), after the run and its steps are locked:
+
+    check_call   lock this tool's totals row for the tenant's local day (SELECT ... FOR UPDATE),
+                 read the run's and the day's history, and evaluate the tenant's policies: a
+                 denial names its policy; the verdict (approval, shadow decisions) stays on the step
+    count_call   when the call goes on to be dispatched (no approval needed, or approved): add it
+                 to the day's totals, the tenant's and the user's, once per step (CountedCall)
+
+Because the totals row stays locked until the claim commits, and the claim commits the step as
+`dispatching` in the same transaction, twenty runs racing for the same tool see each other's
+calls one after another: a rule over "refunded today" cannot be got around. A call counts when
+it is dispatched, not when it succeeds (a call that fails still counted; a budget refusal right
+after the count is counted too: the totals err on the side of the limit).
+
+Lock order: the totals row sits after the run and its steps and before the budget accounts of
+the call's reservation (runs/engine/__init__.py): one totals row per claim, and nothing that
+holds budget accounts waits for it.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_CEILING, Decimal
+
+from django.db import connection
+from django.db.models import F, Q
+
+from approvals import cedar
+from approvals.models import CountedCall, ShadowDecision, ToolDayTotal
+from budgets.models import BudgetAccount
+from budgets.services import local_day
+from runs.models import Run, Step, StepKind, StepStatus
+from tenants.models import TenantGroup
+
+# Steps that reached the provider (or may have): what "calls in this run" counts.
+DISPATCHED = {
+    StepStatus.DISPATCHING,
+    StepStatus.SUCCEEDED,
+    StepStatus.FAILED,
+    StepStatus.OUTCOME_UNKNOWN,
+    StepStatus.RESOLVED_SUCCEEDED,
+    StepStatus.RESOLVED_FAILED,
+    StepStatus.RETRIED,
+}
+
+
+def groups_of(user) -> list[str]:
+    return sorted(TenantGroup.objects.filter(group__user=user).values_list("name", flat=True))
+
+
+def legacy_rules(run: Run, tool) -> tuple[str, ...]:
+    """The tool's `approval:` rule and the version's stricter override, to convert to Cedar."""
+    override = (run.version.spec.get("approval_overrides") or {}).get(tool.name)
+    return (tool.approval_policy or "never", str(override) if override else "")
+
+
+def request_for(
+    run: Run, tool, arguments: dict, *, user, history=None, editor=None, tool_names=None
+) -> cedar.CallRequest:
+    return cedar.CallRequest(
+        tenant_id=run.tenant_id,
+        user=user,
+        groups=groups_of(user),
+        tool=tool,
+        arguments=arguments,
+        agent_name=run.agent.name,
+        version_number=run.version.number,
+        history=history or cedar.History(),
+        tool_names=tool_names if tool_names is not None else list(run.version.spec.get("tools", [])),
+        editor=editor,
+        editor_groups=groups_of(editor) if editor is not None else [],
+    )
+
+
+def counted_amount(arguments: dict, name: str | None) -> int:
+    """The value of the argument the tenant totals for this tool, as a whole number (rounded up)."""
+    if not name:
+        return 0
+    value = (arguments or {}).get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return 0
+    return int(Decimal(repr(value) if isinstance(value, float) else value).to_integral_value(ROUND_CEILING))
+
+
+def _locked_totals(run: Run, tool, user) -> tuple[ToolDayTotal, ToolDayTotal]:
+    """The tenant's and the user's rows of this tool's day, both locked in one statement, in id
+    order: the tenant row was created with the day's first user row, before any other user's."""
+    day = local_day(run.tenant)
+    keys = {"tenant_id": run.tenant_id, "tool_id": tool.pk, "day": day}
+    mine = Q(user__isnull=True) | Q(user_id=user.pk)
+    for _ in range(2):
+        rows = list(ToolDayTotal.objects.select_for_update().filter(mine, **keys).order_by("id"))
+        if len(rows) == 2:
+            tenant_row, user_row = sorted(rows, key=lambda r: r.user_id is not None)
+            return tenant_row, user_row
+        ToolDayTotal.objects.bulk_create(
+            [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
+        )
+    raise RuntimeError("the day's totals rows could not be created")  # a constraint refused them
+
+
+def _history(
+    run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal, *, uses_spend: bool
+) -> cedar.History:
+    if steps is None:
+        steps = list(Step.objects.filter(run_id=run.pk).only("kind", "status", "tool_name"))
+    calls: dict[str, int] = {}
+    for s in steps:
+        if s.kind == StepKind.TOOL and s.status in DISPATCHED:
+            calls[s.tool_name] = calls.get(s.tool_name, 0) + 1
+    spend = None
+    if uses_spend:  # one query fewer on every call of a tenant whose policies never read it
+        spend = (
+            BudgetAccount.objects.filter(run_id=run.pk)
+            .values_list(F("spent_micros") + F("reserved_micros") + F("held_micros"), flat=True)
+            .first()
+        )
+    return cedar.History(
+        spend_micros=spend or 0,
+        calls_by_tool=calls,
+        today_calls=tenant_row.calls,
+        today_amount=tenant_row.amount,
+        user_calls=user_row.calls,
+        user_amount=user_row.amount,
+    )
+
+
+def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
+    """Why the tenant's policies refuse this call now, or None (see the module's opening)."""
+    policies = cedar.compiled(run.tenant_id)
+    if policies is None:
+        return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
+    tool = step.tool
+    tenant_row, user_row = _locked_totals(run, tool, user)
+    request = request_for(
+        run,
+        tool,
+        step.arguments or {},
+        user=user,
+        history=_history(run, steps, tenant_row, user_row, uses_spend=policies.uses_spend),
+        tool_names=policies.config.tool_names,  # what context.run.calls_by_tool was validated with
+    )
+    verdict = cedar.evaluate(
+        request, legacy=legacy_rules(run, tool), with_approval=step.status == StepStatus.PROPOSED
+    )
+    # Read by decision_for and count_call in the same transaction (attributes of this instance only).
+    setattr(step, "policy_verdict", verdict)  # noqa: B010
+    setattr(step, "policy_totals", (tenant_row.pk, user_row.pk))  # noqa: B010
+    record_shadow(run, step, verdict)
+    return str(verdict.denial) if verdict.denial else None
+
+
+def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict) -> str | None:
+    """Why the tenant's policies refuse an approver's corrected call, or None: the requester is the
+    principal, the approver `context.editor`; read under the day's totals lock like any call."""
+    policies = cedar.compiled(run.tenant_id)
+    if policies is None:
+        return None
+    tenant_row, user_row = _locked_totals(run, step.tool, requester)
+    request = request_for(
+        run,
+        step.tool,
+        arguments,
+        user=requester,
+        history=_history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend),
+        editor=editor,
+        tool_names=policies.config.tool_names,
+    )
+    verdict = cedar.evaluate(request, with_approval=False)
+    return str(verdict.denial) if verdict.denial else None
+
+
+def record_shadow(run: Run, step: Step, verdict: cedar.Verdict) -> None:
+    if not verdict.shadow:
+        return
+    ShadowDecision.objects.bulk_create(
+        [
+            ShadowDecision(
+                tenant_id=run.tenant_id,
+                run_id=run.pk,
+                step_seq=step.seq,
+                tool_name=step.tool_name,
+                policy_set=shadow.policy_set,
+                outcome=shadow.outcome,
+                policies=list(shadow.policies),
+            )
+            for shadow in verdict.shadow
+        ]
+    )
+    for shadow in verdict.shadow:
+        cedar.SHADOW_DECISIONS.labels(run.tenant.slug, shadow.policy_set, shadow.outcome).inc()
+
+
+def count_call(step: Step) -> None:
+    """Add a call about to be dispatched to its day's totals, once (the totals row is locked)."""
+    rows = getattr(step, "policy_totals", None)
+    if rows is None:
+        return
+    tool = step.tool
+    if tool is None:
+        return
+    config = cedar.compiled(tool.tenant_id)
+    name = config.config.totals.get(tool.name) if config else None
+    amount = counted_amount(step.arguments or {}, name)
+    if connection.vendor != "postgresql":
+        # SQLite (make demo) has no INSERT inside WITH; its writers queue anyway.
+        if not CountedCall.objects.filter(step_id=step.pk).exists():
+            CountedCall.objects.create(step_id=step.pk, total_id=rows[0], amount=amount)
+            ToolDayTotal.objects.filter(pk__in=rows).update(calls=F("calls") + 1, amount=F("amount") + amount)
+        return
+    # One round trip: the step is counted once (CountedCall's key), and only then the totals move.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH counted AS (INSERT INTO {CountedCall._meta.db_table} (step_id, total_id, amount) "
+            "VALUES (%(step)s, %(total)s, %(amount)s) ON CONFLICT DO NOTHING RETURNING step_id) "
+            f"UPDATE {ToolDayTotal._meta.db_table} SET calls = calls + 1, amount = amount + %(amount)s "
+            "WHERE id IN (%(total)s, %(user_total)s) AND EXISTS (SELECT 1 FROM counted)",
+            {"step": step.pk, "total": rows[0], "user_total": rows[1], "amount": amount},
+        )

@@ -1,0 +1,418 @@
+"""Cedar policies decide what a call may do: permit, forbid (forbid wins), or permit with approval.
+
+Guardian's `use_tool` grant is the first, coarse check (tools/checks.py); Cedar only narrows it.
+A tenant's policies come from its configuration file (configuration/policies.py) and are
+evaluated by the Cedar engine (`cedarpy`) against entities and a context the platform builds for
+each decision (docs/policies.md):
+
+    principal  User::"<username>"   tenant, username, roles; groups as parents (Group::"<name>");
+                                    the attributes the tenant declares (refund_limit, region)
+    action     Action::"<tool name>"  one per tool, each a member of Action::"call_tool", so that
+                                    a tool's arguments are typed by its own schema
+    resource   Tool::"<tool name>"  name, server, effect, the tenant's declared tool attributes
+    context    arguments (the call's, typed by the tool's JSON schema), agent and version,
+               run {spend, calls, tool_calls, calls_by_tool}, today {calls, amount, user_calls,
+               user_amount}: this tool's totals in the tenant's local day before this call, read
+               under the lock of approvals/totals.py; editor: the approver who corrected the call
+
+Approval is an annotation: a `permit` carrying `@approval("why")` never permits anything; when
+it is satisfied the call needs a person's approval. Every tenant policy carries `@id("...")`
+(the name a denial gives) and may carry `@reason("...")` (the human reason the model is told);
+the text of a policy never leaves the platform.
+
+Errors fail closed: a forbid that cannot be evaluated (a value of an unexpected type) denies,
+naming the policy; an @approval policy that cannot be evaluated requires approval.
+
+Policy sets in shadow mode are evaluated the same way and their would-be decisions recorded
+(ShadowDecision, a run event, a metric), never enforced.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import cedarpy
+from django.db import connection
+from prometheus_client import Counter
+
+from approvals.models import PolicyMode, PolicySet, TenantPolicies
+from approvals.policy import to_cedar
+
+CALL_TOOL = "call_tool"
+
+SHADOW_DECISIONS = Counter(
+    "agentplatform_policy_shadow_decisions",
+    "Decisions of policy sets in shadow mode (recorded, not enforced), by set and outcome.",
+    ["tenant", "policy_set", "outcome"],
+)
+
+
+class PolicyInputError(ValueError):
+    """A call's arguments cannot be handed to Cedar (a number too large, or with a fraction too fine)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether a call needs approval, and why (the reason is shown to the approver)."""
+
+    required: bool
+    reason: str
+    policies: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Denial:
+    policy_id: str
+    reason: str
+    also: tuple[str, ...] = ()  # other forbids that held too
+
+    def __str__(self) -> str:
+        more = f" (also forbidden by {', '.join(self.also)})" if self.also else ""
+        return f"denied by policy {self.policy_id}: {self.reason}{more}"
+
+
+@dataclass(frozen=True)
+class Shadow:
+    policy_set: str
+    outcome: str  # allow | deny | approval
+    policies: tuple[str, ...]
+
+
+@dataclass
+class Verdict:
+    denial: Denial | None = None
+    approval: Decision = field(default_factory=lambda: Decision(False, "no approval policy applies"))
+    shadow: list[Shadow] = field(default_factory=list)
+
+
+# --- compiled policies, cached per tenant and version ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Policies of one kind from one or more sets, parsed once."""
+
+    policies: cedarpy.PolicySet | None
+    effects: dict  # policy id -> "permit" | "forbid"
+    reasons: dict  # policy id -> human reason
+
+
+@dataclass(frozen=True)
+class Compiled:
+    version: int
+    config: TenantPolicies
+    enforce: _Part  # permits and forbids of enforced sets (with the default permit if any)
+    approve: _Part  # @approval permits of enforced sets
+    shadow: tuple[tuple[str, _Part, _Part], ...]  # (set name, enforce, approve)
+    uses_spend: bool = True  # whether any policy reads context.run.spend (a query per call)
+
+
+_cache: dict[int, Compiled] = {}
+_cache_lock = threading.Lock()
+
+
+def compiled(tenant_id: int) -> Compiled | None:
+    """The tenant's policies, parsed; None when the tenant has none (one query per decision)."""
+    with connection.cursor() as cursor:  # on every tool call: the ORM's query building costs more
+        cursor.execute(
+            f"SELECT version FROM {TenantPolicies._meta.db_table} WHERE tenant_id = %s", [tenant_id]
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    version = row[0]
+    found = _cache.get(tenant_id)
+    if found is not None and found.version == version:
+        return found
+    config = TenantPolicies.objects.get(tenant_id=tenant_id)
+    sets = [(s.name, s.mode, s.text) for s in PolicySet.objects.filter(tenant_id=tenant_id)]
+    result = compile_sets(config, sets)
+    with _cache_lock:
+        _cache[tenant_id] = result
+    return result
+
+
+def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Compiled:
+    """Parse (name, mode, text) sets: enforced ones together, each shadow set on its own."""
+    enforced = [text for _, mode, text in sets if mode == PolicyMode.ENFORCE]
+    baseline = (
+        ['@id("default-permit")\npermit (principal, action, resource);'] if config.default == "permit" else []
+    )
+    enforce, approve = split_policies("\n".join([*enforced, *baseline]))
+    shadow = tuple(
+        (name, *split_policies("\n".join([text, *baseline])))
+        for name, mode, text in sets
+        if mode == PolicyMode.SHADOW
+    )
+    uses_spend = any("spend" in text for _, _, text in sets)
+    return Compiled(config.version, config, enforce, approve, shadow, uses_spend)
+
+
+def split_policies(text: str) -> tuple[_Part, _Part]:
+    """The permits and forbids, and the @approval permits, of a policy text, each parsed once."""
+    est = json.loads(cedarpy.policies_to_json_str(text)) if text.strip() else {"staticPolicies": {}}
+    deciding: dict = {}
+    approving: dict = {}
+    for generated, policy in est["staticPolicies"].items():
+        annotations = policy.get("annotations") or {}
+        policy_id = annotations.get("id") or generated
+        (approving if "approval" in annotations else deciding)[policy_id] = policy
+    return _part(deciding), _part(approving)
+
+
+def _part(policies: dict) -> _Part:
+    if not policies:
+        return _Part(None, {}, {})
+    handle = cedarpy.PolicySet.from_json_str(
+        json.dumps({"staticPolicies": policies, "templates": {}, "templateLinks": []})
+    )
+    effects = {pid: p["effect"] for pid, p in policies.items()}
+    reasons = {}
+    for pid, p in policies.items():
+        annotations = p.get("annotations") or {}
+        reasons[pid] = annotations.get("approval") or annotations.get("reason") or f"policy {pid}"
+    return _Part(handle, effects, reasons)
+
+
+@functools.lru_cache(maxsize=4096)
+def legacy_part(tool_name: str, texts: tuple[str, ...]) -> _Part:
+    """The tool's `approval:` rule and the version's override, converted (approvals/policy.py)."""
+    policies = [
+        to_cedar(text, tool=tool_name, policy_id=f"{tool_name}.approval{'' if i == 0 else '.override'}")
+        for i, text in enumerate(texts)
+        if text and text.strip()
+    ]
+    return split_policies("\n".join(p for p in policies if p))[1]
+
+
+# --- entities and context ------------------------------------------------------------------------
+
+
+def uid(kind: str, name) -> dict:
+    return {"type": kind, "id": str(name)}
+
+
+def cedar_value(value):
+    """A JSON argument value as Cedar JSON: null is left out (as if missing), lists are sets."""
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if abs(value) > 2**63 - 1:
+            raise PolicyInputError(f"{value} is larger than Cedar's 64-bit numbers")
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise PolicyInputError(f"{value} is not a number Cedar can compare")
+        if value.is_integer():
+            return cedar_value(int(value))
+        text = str(Decimal(repr(value)).quantize(Decimal("0.0001")))
+        # A fraction arrives as a Cedar decimal: comparing it with a whole number is an error,
+        # which denies (forbid) or asks for approval (@approval) rather than passing silently.
+        return {"__extn": {"fn": "decimal", "arg": text}}
+    if isinstance(value, list):
+        return [cedar_value(item) for item in value if item is not None]
+    if isinstance(value, dict):
+        return {str(k): cedar_value(v) for k, v in value.items() if v is not None}
+    raise PolicyInputError(f"a {type(value).__name__} cannot be handed to Cedar")
+
+
+def _declared(values: dict, types: dict) -> dict:
+    attrs = {}
+    for name, spec in types.items():
+        value = values.get(name, spec.get("default"))
+        if value is not None:
+            attrs[name] = cedar_value(value)
+    return attrs
+
+
+def user_entity(user, config: TenantPolicies, groups: list[str]) -> dict:
+    roles = sorted({role for g in groups for role in config.group_roles.get(g, [])})
+    attrs = {"username": user.username, "tenant": str(user.tenant_id), "roles": roles}
+    attrs.update(_declared(config.user_attributes.get(user.username, {}), config.user_attribute_types))
+    return {"uid": uid("User", user.username), "attrs": attrs, "parents": [uid("Group", g) for g in groups]}
+
+
+def tool_entity(tool, config: TenantPolicies) -> dict:
+    server = tool.server.name if tool.server_id else ""
+    attrs = {"name": tool.name, "server": server, "effect": tool.effect_class}
+    attrs.update(_declared(config.tool_attributes.get(tool.name, {}), config.tool_attribute_types))
+    return {"uid": uid("Tool", tool.name), "attrs": attrs, "parents": []}
+
+
+@dataclass(frozen=True)
+class History:
+    """What the platform counted before this call: the run's, and this tool's today."""
+
+    spend_micros: int = 0
+    calls_by_tool: dict = field(default_factory=dict)
+    today_calls: int = 0
+    today_amount: int = 0
+    user_calls: int = 0
+    user_amount: int = 0
+
+
+@dataclass
+class CallRequest:
+    """One call to decide: who asks, for which tool, with which arguments, after what history."""
+
+    tenant_id: int
+    user: Any  # tenants.models.User
+    groups: list[str]
+    tool: Any  # tools.models.Tool (above this app: its row is handed in)
+    arguments: dict
+    agent_name: str
+    version_number: int
+    history: History
+    tool_names: list[str]
+    editor: Any = None
+    editor_groups: list[str] = field(default_factory=list)
+
+
+def _request_and_entities(request: CallRequest, config: TenantPolicies):
+    users = [user_entity(request.user, config, request.groups)]
+    context = {
+        "arguments": cedar_value(request.arguments or {}),
+        "agent": {"__entity": uid("Agent", request.agent_name)},
+        "version": request.version_number,
+        "run": {
+            "spend": request.history.spend_micros,
+            "calls": request.history.calls_by_tool.get(request.tool.name, 0),
+            "tool_calls": sum(request.history.calls_by_tool.values()),
+            "calls_by_tool": {
+                name: request.history.calls_by_tool.get(name, 0) for name in request.tool_names
+            },
+        },
+        "today": {
+            "calls": request.history.today_calls,
+            "amount": request.history.today_amount,
+            "user_calls": request.history.user_calls,
+            "user_amount": request.history.user_amount,
+        },
+    }
+    if request.editor is not None:
+        if request.editor.username != request.user.username:
+            users.append(user_entity(request.editor, config, request.editor_groups))
+        context["editor"] = {"__entity": uid("User", request.editor.username)}
+    groups = {g for g in request.groups} | set(request.editor_groups)
+    entities = [
+        *users,
+        *({"uid": uid("Group", g), "attrs": {}, "parents": []} for g in sorted(groups)),
+        tool_entity(request.tool, config),
+        {
+            "uid": uid("Agent", request.agent_name),
+            "attrs": {"name": request.agent_name, "version": request.version_number},
+            "parents": [],
+        },
+        {"uid": uid("Action", request.tool.name), "attrs": {}, "parents": [uid("Action", CALL_TOOL)]},
+        {"uid": uid("Action", CALL_TOOL), "attrs": {}, "parents": []},
+    ]
+    cedar_request = {
+        "principal": uid("User", request.user.username),
+        "action": uid("Action", request.tool.name),
+        "resource": uid("Tool", request.tool.name),
+        "context": context,
+    }
+    return cedar_request, cedarpy.Entities.from_json_str(json.dumps(entities))
+
+
+def _errored(result) -> list[str]:
+    """Ids of the policies whose evaluation raised an error (Cedar names them in its message)."""
+    found = []
+    for message in result.diagnostics.errors:
+        start = message.find("`")
+        end = message.find("`", start + 1)
+        if start >= 0 and end > start:
+            found.append(message[start + 1 : end])
+    return found
+
+
+def _annotated(result, part: _Part, ids) -> list[str]:
+    mapping = result.diagnostics.id_annotations_by_reason
+    return [mapping.get(pid, pid) for pid in ids]
+
+
+def _deny_of(part: _Part, request: dict, entities) -> Denial | None:
+    if part.policies is None:
+        return Denial("default-deny", "no policy permits this call")
+    result = cedarpy.is_authorized(request, part.policies, entities)
+    # Forbids that raised deny too: a forbid that cannot tell is not a permit.
+    broken = [pid for pid in _errored(result) if part.effects.get(pid) == "forbid"]
+    if broken:
+        return Denial(
+            broken[0], f"{part.reasons[broken[0]]} (the policy could not be evaluated on this call)"
+        )
+    if result.allowed:
+        return None
+    forbids = [pid for pid in result.diagnostics.reasons if part.effects.get(pid) == "forbid"]
+    if forbids:
+        return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:]))
+    return Denial("default-deny", "no policy permits this call")
+
+
+def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
+    fired: list[tuple[str, str]] = []
+    for part in parts:
+        if part.policies is None:
+            continue
+        result = cedarpy.is_authorized(request, part.policies, entities)
+        # An @approval policy that raised asks for approval: odd arguments never skip one.
+        for pid in [*result.diagnostics.reasons, *_errored(result)]:
+            if pid in part.reasons and pid not in dict(fired):
+                fired.append((pid, part.reasons[pid]))
+    if not fired:
+        return Decision(False, "no approval policy applies")
+    return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
+
+
+_LOOKUP = object()
+
+
+def evaluate(
+    request: CallRequest, *, legacy: tuple[str, ...] = (), with_approval: bool = True, policies=_LOOKUP
+) -> Verdict:
+    """Decide one call: forbid wins, then @approval; shadow sets are evaluated alongside.
+    `policies`: compiled sets to use instead of the tenant's (the file's policy tests)."""
+    if policies is _LOOKUP:
+        policies = compiled(request.tenant_id)
+    legacy_policies = legacy_part(request.tool.name, legacy) if any(t.strip() for t in legacy) else None
+    if policies is None:
+        verdict = Verdict()
+        if with_approval and legacy_policies is not None:
+            cedar_request, entities = _request_and_entities(request, TenantPolicies())
+            verdict.approval = _approval_of([legacy_policies], cedar_request, entities)
+        return verdict
+    try:
+        cedar_request, entities = _request_and_entities(request, policies.config)
+    except PolicyInputError as exc:
+        return Verdict(denial=Denial("arguments", f"the call's arguments cannot be checked: {exc}"))
+    verdict = Verdict(denial=_deny_of(policies.enforce, cedar_request, entities))
+    if with_approval and verdict.denial is None:
+        parts = [policies.approve, *([legacy_policies] if legacy_policies is not None else [])]
+        verdict.approval = _approval_of(parts, cedar_request, entities)
+    for name, enforce, approve in policies.shadow:
+        denial = _deny_of(enforce, cedar_request, entities)
+        if denial is not None:
+            verdict.shadow.append(Shadow(name, "deny", (denial.policy_id,)))
+            continue
+        approval = _approval_of([approve], cedar_request, entities)
+        outcome = "approval" if approval.required else "allow"
+        verdict.shadow.append(Shadow(name, outcome, approval.policies))
+    return verdict
+
+
+def rule_decision(rule: str, arguments: dict, *, tool: str = "tool") -> Decision:
+    """Whether an old `approval:` rule, converted, requires approval for these arguments
+    (`manage.py policy convert` and the conversion's table of cases)."""
+    part = legacy_part(tool, (rule,))
+    try:
+        context = {"arguments": cedar_value(arguments)}
+    except PolicyInputError as exc:
+        return Decision(True, f"the arguments cannot be checked: {exc}")
+    request = {"principal": uid("User", "u"), "action": uid("Action", tool), "resource": uid("Tool", tool)}
+    entities = cedarpy.Entities.from_json_str("[]")
+    return _approval_of([part], {**request, "context": context}, entities)

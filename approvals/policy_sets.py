@@ -1,0 +1,379 @@
+"""A tenant's Cedar policies as its configuration file states them: the schema the platform
+generates for them, validation, the policy tests of the file, and installing them.
+
+    cedar_schema(tenant, spec)   the Cedar schema (JSON form) of the tenant's entities, actions
+                                 and context (approvals/cedar.py), from its tools' JSON schemas
+                                 and the attributes the file declares
+    check(tenant, spec)          every problem, each with its file and line: a policy that does
+                                 not parse, one the Cedar validator refuses (its message), a
+                                 policy without @id, a policy test whose decision differs
+    install(tenant, spec)        write the sets and settings; the compiled cache follows `version`
+
+configuration/policies.py reads the file's `policies:` section into a PolicySpec and calls these
+inside apply's one transaction (nothing is applied on error); `manage.py policy test` runs
+`check` without writing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+import cedarpy
+from django.db.models import F
+
+from approvals import cedar
+from approvals.models import PolicyMode, PolicySet, TenantPolicies
+from tenants.models import TenantGroup, User
+from tools.models import Tool
+
+_TYPES = {"long": {"type": "Long"}, "string": {"type": "String"}, "bool": {"type": "Boolean"}}
+_SET = {"type": "Set", "element": {"type": "String"}}
+
+
+@dataclass
+class SourceSet:
+    name: str
+    text: str
+    mode: str = PolicyMode.ENFORCE
+    source: str = ""  # the file the text is in
+    first_line: int = 1  # the text's first line in that file
+    private: bool = False
+    path: str = ""  # where in the configuration file it was declared
+
+
+@dataclass
+class PolicyTest:
+    name: str
+    principal: str
+    tool: str
+    expect: str  # allow | deny | approval
+    arguments: dict = field(default_factory=dict)
+    policy: str = ""  # the policy id expected to decide, if given
+    today: dict = field(default_factory=dict)
+    run: dict = field(default_factory=dict)
+    editor: str = ""
+    agent: str = "agent"
+    version: int = 1
+    path: str = ""
+
+
+@dataclass
+class PolicySpec:
+    default: str = "permit"
+    user_attribute_types: dict = field(default_factory=dict)  # name -> {"type": ..., "default": ...}
+    user_attributes: dict = field(default_factory=dict)
+    tool_attribute_types: dict = field(default_factory=dict)
+    tool_attributes: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+    group_roles: dict = field(default_factory=dict)
+    sets: list[SourceSet] = field(default_factory=list)
+    tests: list[PolicyTest] = field(default_factory=list)
+
+    def config(self, tenant, tool_names=()) -> TenantPolicies:
+        return TenantPolicies(
+            tool_names=sorted(tool_names),
+            tenant=tenant,
+            default=self.default,
+            user_attribute_types=self.user_attribute_types,
+            user_attributes=self.user_attributes,
+            group_roles=self.group_roles,
+            tool_attribute_types=self.tool_attribute_types,
+            tool_attributes=self.tool_attributes,
+            totals=self.totals,
+        )
+
+
+# --- the schema ----------------------------------------------------------------------------------
+
+
+def _declared_shape(types: dict, fixed: dict) -> dict:
+    attributes = dict(fixed)
+    for name, spec in types.items():
+        kind = _SET if spec["type"] == "set" else _TYPES[spec["type"]]
+        attributes[name] = {**kind, "required": "default" in spec}
+    return {"type": "Record", "attributes": attributes}
+
+
+def json_schema_type(schema) -> dict | None:
+    """The Cedar type of a JSON schema, or None where Cedar has none (left out of the context)."""
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        kind = kinds[0] if len(kinds) == 1 else None
+    if kind in ("integer", "number"):
+        return {"type": "Long"}
+    if kind == "string":
+        return {"type": "String"}
+    if kind == "boolean":
+        return {"type": "Boolean"}
+    if kind == "array":
+        element = json_schema_type(schema.get("items"))
+        return {"type": "Set", "element": element} if element else None
+    if kind == "object" or "properties" in schema:
+        required = set(schema.get("required") or [])
+        attributes = {}
+        for name, sub in (schema.get("properties") or {}).items():
+            sub_type = json_schema_type(sub)
+            if sub_type is not None:
+                attributes[name] = {**sub_type, "required": name in required}
+        return {"type": "Record", "attributes": attributes}
+    return None
+
+
+def cedar_schema(tenant, spec: PolicySpec, tools: list | None = None) -> dict:
+    tools = tools if tools is not None else list(Tool.objects.filter(tenant=tenant).select_related("server"))
+    names = [t.name for t in tools]
+    history = {
+        "run": {
+            "type": "Record",
+            "attributes": {
+                "spend": {"type": "Long"},
+                "calls": {"type": "Long"},
+                "tool_calls": {"type": "Long"},
+                "calls_by_tool": {"type": "Record", "attributes": {n: {"type": "Long"} for n in names}},
+            },
+        },
+        "today": {
+            "type": "Record",
+            "attributes": {k: {"type": "Long"} for k in ("calls", "amount", "user_calls", "user_amount")},
+        },
+    }
+    actions: dict = {cedar.CALL_TOOL: {}}
+    for tool in tools:
+        arguments = json_schema_type(tool.input_schema or {"type": "object"}) or {
+            "type": "Record",
+            "attributes": {},
+        }
+        context = {
+            "arguments": arguments,
+            "agent": {"type": "Entity", "name": "Agent"},
+            "version": {"type": "Long"},
+            **history,
+            "editor": {"type": "Entity", "name": "User", "required": False},
+        }
+        actions[tool.name] = {
+            "memberOf": [{"id": cedar.CALL_TOOL}],
+            "appliesTo": {
+                "principalTypes": ["User"],
+                "resourceTypes": ["Tool"],
+                "context": {"type": "Record", "attributes": context},
+            },
+        }
+    user_fixed = {"username": {"type": "String"}, "tenant": {"type": "String"}, "roles": _SET}
+    tool_fixed = {"name": {"type": "String"}, "server": {"type": "String"}, "effect": {"type": "String"}}
+    entity_types = {
+        "Group": {},
+        "User": {"memberOfTypes": ["Group"], "shape": _declared_shape(spec.user_attribute_types, user_fixed)},
+        "Tool": {"shape": _declared_shape(spec.tool_attribute_types, tool_fixed)},
+        "Agent": {
+            "shape": {
+                "type": "Record",
+                "attributes": {"name": {"type": "String"}, "version": {"type": "Long"}},
+            }
+        },
+    }
+    return {"": {"entityTypes": entity_types, "actions": actions}}
+
+
+# --- checking ------------------------------------------------------------------------------------
+
+
+def statements(text: str) -> list[tuple[int, str]]:
+    """The policies of a text, each with the line it starts on (1-based): split at `;` outside
+    strings and comments, so that an error can be placed in the file."""
+    found = []
+    start, line, start_line = 0, 1, None
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "\n":
+            line += 1
+        elif char == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                if text[i] == "\\":
+                    i += 1
+                elif text[i] == "\n":
+                    line += 1
+                i += 1
+        elif text.startswith("//", i):
+            while i < len(text) and text[i] != "\n":
+                i += 1
+            continue
+        elif not char.isspace() and start_line is None:
+            start_line = line
+        if char == ";" and start_line is not None:
+            found.append((start_line, text[start : i + 1]))
+            start, start_line = i + 1, None
+        i += 1
+    if start_line is not None and text[start:].strip():
+        found.append((start_line, text[start:]))
+    return found
+
+
+_PLACE = re.compile(r"policy(\d+)")
+
+
+def _where(source_set: SourceSet, line: int) -> str:
+    return f"{source_set.source or source_set.path}:{source_set.first_line + line - 1}"
+
+
+def check_set(source_set: SourceSet, schema: dict) -> list[tuple[str, str]]:
+    """Parse and validate one set; each problem at its file and line, with Cedar's message."""
+    problems = []
+    parts = statements(source_set.text)
+    ids: dict[str, str] = {}
+    for line, text in parts:
+        try:
+            est = json.loads(cedarpy.policies_to_json_str(text))
+        except ValueError as exc:
+            problems.append((_where(source_set, line), f"Cedar cannot parse this policy: {exc}"))
+            continue
+        for policy in est["staticPolicies"].values():
+            annotations = policy.get("annotations") or {}
+            policy_id = annotations.get("id")
+            if not policy_id:
+                problems.append((_where(source_set, line), 'every policy needs @id("...")'))
+            elif policy_id in ids:
+                problems.append((_where(source_set, line), f"@id {policy_id!r} is used twice"))
+            elif "approval" in annotations and policy["effect"] != "permit":
+                problems.append((_where(source_set, line), "@approval is for permit policies"))
+            else:
+                ids[policy_id] = text
+    if problems:
+        return problems
+    result = cedarpy.validate_policies(source_set.text, json.dumps(schema))
+    for error in result.errors:
+        match = _PLACE.fullmatch(error.policy_id or "")
+        line = parts[int(match.group(1))][0] if match and int(match.group(1)) < len(parts) else 1
+        problems.append((_where(source_set, line), f"Cedar's validator: {error.error}"))
+    return problems
+
+
+def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
+    """Every problem of the spec against the tenant as it now stands (see the module's opening)."""
+    tools = list(Tool.objects.filter(tenant=tenant).select_related("server"))
+    schema = cedar_schema(tenant, spec, tools)
+    problems = []
+    seen: dict[str, str] = {}
+    for source_set in spec.sets:
+        problems += check_set(source_set, schema)
+        for _, text in statements(source_set.text):
+            for policy_id in re.findall(r'@id\(\s*"([^"]*)"', text):
+                if policy_id in seen and seen[policy_id] != source_set.name:
+                    problems.append((source_set.path, f"@id {policy_id!r} is also in set {seen[policy_id]}"))
+                seen[policy_id] = source_set.name
+    if problems:
+        return problems
+    return run_tests(tenant, spec, tools)
+
+
+def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
+    """The file's policy tests: each request's decision (with the enforced sets) as expected."""
+    by_name = {t.name: t for t in tools}
+    config = spec.config(tenant, by_name)
+    sets = [(s.name, s.mode, s.text) for s in spec.sets]
+    policies = cedar.compile_sets(config, sets)
+    problems = []
+    for test in spec.tests:
+        tool = by_name.get(test.tool)
+        user = User.objects.filter(tenant=tenant, username=test.principal).first()
+        if tool is None or user is None:
+            missing = f"tool {test.tool}" if tool is None else f"user {test.principal}"
+            problems.append((test.path, f"test {test.name}: no {missing} in this tenant"))
+            continue
+        editor = User.objects.filter(tenant=tenant, username=test.editor).first() if test.editor else None
+        request = cedar.CallRequest(
+            tenant_id=tenant.pk,
+            user=user,
+            groups=_groups(user),
+            tool=tool,
+            arguments=test.arguments,
+            agent_name=test.agent,
+            version_number=test.version,
+            history=cedar.History(
+                spend_micros=int(test.run.get("spend", 0)),
+                calls_by_tool={test.tool: int(test.run.get("calls", 0))},
+                today_calls=int(test.today.get("calls", 0)),
+                today_amount=int(test.today.get("amount", 0)),
+                user_calls=int(test.today.get("user_calls", 0)),
+                user_amount=int(test.today.get("user_amount", 0)),
+            ),
+            tool_names=list(by_name),
+            editor=editor,
+            editor_groups=_groups(editor) if editor else [],
+        )
+        verdict = cedar.evaluate(request, legacy=(tool.approval_policy or "never",), policies=policies)
+        got, deciding = outcome(verdict)
+        if got != test.expect or (test.policy and test.policy not in deciding):
+            said = f"{got}" + (f" by {', '.join(deciding)}" if deciding else "")
+            wanted = test.expect + (f" by {test.policy}" if test.policy else "")
+            problems.append((test.path, f"test {test.name}: expected {wanted}, got {said}"))
+    return problems
+
+
+def outcome(verdict: cedar.Verdict) -> tuple[str, tuple[str, ...]]:
+    if verdict.denial is not None:
+        return "deny", (verdict.denial.policy_id, *verdict.denial.also)
+    if verdict.approval.required:
+        return "approval", verdict.approval.policies
+    return "allow", ()
+
+
+def _groups(user) -> list[str]:
+    return sorted(TenantGroup.objects.filter(group__user=user).values_list("name", flat=True))
+
+
+# --- installing ----------------------------------------------------------------------------------
+
+
+def install(tenant, spec: PolicySpec) -> list[str]:
+    """Write the spec (after `check` found nothing); what changed, for apply's report."""
+    changes = []
+    config = spec.config(tenant, Tool.objects.filter(tenant=tenant).values_list("name", flat=True))
+    values = {
+        name: getattr(config, name)
+        for name in (
+            "default",
+            "user_attribute_types",
+            "user_attributes",
+            "group_roles",
+            "tool_attribute_types",
+            "tool_attributes",
+            "totals",
+            "tool_names",
+        )
+    }
+    row, created = TenantPolicies.objects.get_or_create(tenant=tenant, defaults=values)
+    settings_changed = not created and any(getattr(row, k) != v for k, v in values.items())
+    if settings_changed:
+        TenantPolicies.objects.filter(pk=row.pk).update(**values)
+        changes.append("updated policy settings")
+    elif created:
+        changes.append("created policy settings")
+    existing = {s.name: s for s in PolicySet.objects.filter(tenant=tenant)}
+    for source_set in spec.sets:
+        fields = {
+            "mode": source_set.mode,
+            "text": source_set.text,
+            "source": source_set.source,
+            "first_line": source_set.first_line,
+            "private": source_set.private,
+        }
+        current = existing.pop(source_set.name, None)
+        if current is None:
+            PolicySet.objects.create(tenant=tenant, name=source_set.name, **fields)
+            changes.append(f"created policy set {source_set.name} ({source_set.mode})")
+        elif any(getattr(current, k) != v for k, v in fields.items()):
+            PolicySet.objects.filter(pk=current.pk).update(**fields)
+            changes.append(f"updated policy set {source_set.name} ({source_set.mode})")
+    for name, gone in existing.items():
+        gone.delete()
+        changes.append(f"removed policy set {name}")
+    if changes and not created:
+        TenantPolicies.objects.filter(pk=row.pk).update(version=F("version") + 1)
+    return changes
