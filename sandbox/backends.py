@@ -179,6 +179,7 @@ class Bubblewrap(Backend):
         work_root: str = "/tmp/agentsandbox",
         python: str = "/usr/bin/python3",
         weaken: frozenset[str] = frozenset(),
+        uid_base: int = SLOT_UID_BASE,
     ):
         unknown = set(weaken) - WEAKEN
         if unknown:
@@ -187,6 +188,9 @@ class Bubblewrap(Backend):
         self.work_root = work_root
         self.python = python
         self.weaken = frozenset(weaken)
+        # Slot n runs as uid_base + n. Two runners on one host need bases of their own:
+        # RLIMIT_NPROC and the orphan check count per uid across the whole host.
+        self.uid_base = uid_base
         self.bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
 
@@ -274,9 +278,9 @@ class Bubblewrap(Backend):
 
     def execute(self, execution: Execution, *, slot: int) -> Outcome:
         limits = execution.limits
-        uid = 0 if "uid" in self.weaken else SLOT_UID_BASE + slot
+        uid = 0 if "uid" in self.weaken else self.uid_base + slot
         started = time.monotonic()
-        work = _prepare_work_dir(self.work_root, execution, uid or SLOT_UID_BASE)
+        work = _prepare_work_dir(self.work_root, execution, uid or self.uid_base)
         group = cgroups.Cgroup(f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
         seccomp_fd = None
         report_r = report_w = None

@@ -19,7 +19,7 @@ import socket
 import subprocess
 
 from sandbox import seccomp_filter
-from sandbox.backends import HARNESS, BackendUnavailable, Bubblewrap
+from sandbox.backends import HARNESS, SLOT_UID_BASE, BackendUnavailable, Bubblewrap
 from sandbox.limits import Limits
 
 MOUNT_POINTS = ("usr", "runtime", "in", "out", "tmp", "proc", "dev", "report")
@@ -53,9 +53,14 @@ class Gvisor(Bubblewrap):
     name = "gvisor"
 
     def __init__(
-        self, *, runtime: str, work_root: str = "/tmp/agentsandbox", python: str = "/usr/bin/python3"
+        self,
+        *,
+        runtime: str,
+        work_root: str = "/tmp/agentsandbox",
+        python: str = "/usr/bin/python3",
+        uid_base: int = SLOT_UID_BASE,
     ):
-        super().__init__(runtime=runtime, work_root=work_root, python=python)
+        super().__init__(runtime=runtime, work_root=work_root, python=python, uid_base=uid_base)
         self.runsc = shutil.which("runsc") or "/usr/bin/runsc"
         self.state = os.path.join(work_root, "runsc-state")
         self.rootfs = os.path.join(work_root, "gvisor-rootfs")

@@ -254,13 +254,13 @@ def make_handler(runner: Runner):
     return Handler
 
 
-def make_backend(name: str, *, runtime: str, work_root: str) -> Backend:
+def make_backend(name: str, *, runtime: str, work_root: str, uid_base: int) -> Backend:
     if name == "bubblewrap":
-        return Bubblewrap(runtime=runtime, work_root=work_root)
+        return Bubblewrap(runtime=runtime, work_root=work_root, uid_base=uid_base)
     if name == "gvisor":
         from sandbox.gvisor import Gvisor  # only a runner started for gVisor needs it
 
-        return Gvisor(runtime=runtime, work_root=work_root)
+        return Gvisor(runtime=runtime, work_root=work_root, uid_base=uid_base)
     raise SystemExit(f"unknown backend {name!r}: bubblewrap or gvisor")
 
 
@@ -272,6 +272,7 @@ def serve(argv: list[str] | None = None) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--runtime", default=os.path.join(root, "var", "sandbox-runtime"))
     parser.add_argument("--work-root", default="/tmp/agentsandbox")
+    parser.add_argument("--uid-base", type=int, default=62000, help="slot n runs as this uid + n")
     parser.add_argument("--slots", type=int, default=max(2, (os.cpu_count() or 1) * 2))
     parser.add_argument(
         "--tenant-share", type=float, default=0.5, help="fraction of the slots one tenant may hold"
@@ -279,7 +280,9 @@ def serve(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.host not in ("127.0.0.1", "::1", "localhost"):
         raise SystemExit("the runner listens on loopback only")
-    backend = make_backend(args.backend, runtime=args.runtime, work_root=args.work_root)
+    backend = make_backend(
+        args.backend, runtime=args.runtime, work_root=args.work_root, uid_base=args.uid_base
+    )
     try:
         backend.check()
     except BackendUnavailable as exc:

@@ -3,6 +3,7 @@ tool server that answers CSV files, the kind of tool whose answer becomes an art
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -23,13 +24,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def uid_base() -> int:
+    """Ten slot uids of this test process's own (the backend's four, then a runner's four):
+    pytest-xdist workers and other sessions run sandboxes at once, and RLIMIT_NPROC and the
+    orphan checks count per uid across the host."""
+    return 62000 + (os.getpid() % 300) * 10
+
+
 class Runner:
     def __init__(self, *, slots: int = 4, share: float = 0.5, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             sys.executable, "-m", "sandbox.runner", "--port", str(self.port), "--slots", str(slots),
-            "--tenant-share", str(share), "--runtime", str(RUNTIME),
+            "--tenant-share", str(share), "--runtime", str(RUNTIME), "--uid-base", str(uid_base() + 4),
         ]  # fmt: skip
         self.env = env
         self.proc: subprocess.Popen | None = None

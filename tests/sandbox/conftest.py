@@ -15,7 +15,7 @@ import pytest
 
 from sandbox.backends import Bubblewrap, Execution
 from sandbox.limits import Limits
-from tests.sandbox_runner import RUNTIME, Runner
+from tests.sandbox_runner import RUNTIME, Runner, uid_base
 
 
 def weakened() -> frozenset[str]:
@@ -35,9 +35,9 @@ def backend(request):
     if request.param == "gvisor":
         from sandbox.gvisor import Gvisor
 
-        chosen = Gvisor(runtime=str(RUNTIME))
+        chosen = Gvisor(runtime=str(RUNTIME), uid_base=uid_base())
     else:
-        chosen = Bubblewrap(runtime=str(RUNTIME), weaken=weakened())
+        chosen = Bubblewrap(runtime=str(RUNTIME), weaken=weakened(), uid_base=uid_base())
     chosen.check()
     return chosen
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from sandbox.backends import SLOT_UID_BASE, input_name
+from sandbox.backends import input_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -314,7 +314,7 @@ print("parent done")
     outcome = run(code, slot=3)
     assert outcome.exit_code == 0, outcome.stderr
     if "uid" not in getattr(backend, "weaken", ()):
-        assert _processes_of(SLOT_UID_BASE + 3) == []
+        assert _processes_of(backend.uid_base + 3) == []
 
 
 # -- tenants ---------------------------------------------------------------------------------
