@@ -67,8 +67,15 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
     elif outcome.kind in ("failed", "in_progress"):
         budgets.release(plan.reservation_id, note="this attempt provably took no effect")
     else:
-        return budgets.settle_reporting(plan.reservation_id, actual_micros=tool_of(step).price_micros)[1]
+        return budgets.settle_reporting(plan.reservation_id, actual_micros=charge(step, outcome))[1]
     return None
+
+
+def charge(step: Step, outcome: ToolOutcome) -> int:
+    """What a succeeded call is settled at: its measured cost where the tool reports one (run_python:
+    CPU- and GiB-seconds), never more than what was reserved for it (the tool's price)."""
+    price = tool_of(step).price_micros
+    return min(results.actual_price(step, outcome.result), price)
 
 
 def _call_tool(step: Step, *, send_by: float) -> ToolOutcome:
@@ -147,7 +154,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 StepStatus.SUCCEEDED,
                 result=stored,
                 observation=observation,
-                cost_micros=tool_of(step).price_micros,
+                cost_micros=charge(step, outcome),
                 finished_at=now,
                 error="",
                 message=f"step {step.seq} {step.tool_name}: "
@@ -159,7 +166,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
 
             def settle(step=step, price=price, event=event) -> None:
                 balances = _close_reservation(plan, step, outcome)
-                fill_budget_event(event, run, step, reserved=price, settled=price, balances=balances)
+                settled = charge(step, outcome)
+                fill_budget_event(event, run, step, reserved=price, settled=settled, balances=balances)
 
             at_end(settle)
             if outcome.reconciled:
