@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict
+from agents.spec import spec_for
 from approvals import services as approvals
 from approvals.models import Approval
 from runs.models import (
@@ -126,7 +127,7 @@ def _approval_expired(run: Run, approval: Approval) -> None:
     )
     if run.status != RunStatus.WAITING_APPROVAL:
         return
-    if run.version.spec.get("on_approval_expired") == "stop":
+    if spec_for(run.version).on_approval_expired == "stop":
         end_run(
             run, RunStatus.STOPPED, reason=StopReason.APPROVAL_EXPIRED, message="stopped: approval expired"
         )

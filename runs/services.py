@@ -11,7 +11,7 @@ from django.utils import timezone
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
-from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS
+from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from budgets.services import create_run_account
 from runs import admission
 from runs.models import (
@@ -102,7 +102,7 @@ def start_run(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
         )
     now = timezone.now()
-    limits = effective_limits(pinned.spec.get("limits", {}), tenant)
+    limits = effective_limits(dict(spec_for(pinned).limits), tenant)
     expected = admission.expected_cost(version=pinned, limits=limits, tenant=tenant)
     try:
         with atomic_with_events():

@@ -11,6 +11,7 @@ can act on, and the run goes on (runs/engine/writer.answered).
 
 from __future__ import annotations
 
+from agents.spec import spec_for
 from llm import context
 from runs.engine import writer
 from runs.models import Run, Step, StepKind, StepStatus
@@ -73,7 +74,7 @@ def _read_result(run: Run, step: Step) -> None:
         return _refuse(
             run, step, f"offset {offset} is past the end of step {seq}'s result ({len(text)} characters)"
         )
-    policy = context.ContextPolicy.from_spec(run.version.spec.get("context"))
+    policy = context.ContextPolicy.from_spec(dict(spec_for(run.version).context))
     shown = context.page(text, seq=seq, offset=offset, limit=policy.limit_for(context.READ_RESULT))
     writer.answered(run, step, ok=True, result={"text": shown, "step": seq, "offset": offset}, text=shown)
 
