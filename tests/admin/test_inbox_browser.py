@@ -77,7 +77,7 @@ def test_a_supervisor_approves_from_the_inbox_and_the_run_succeeds(live_server, 
         page.click("input[type=submit]")
 
         row = page.locator("#result_list tbody tr", has_text=run_id[:8])
-        assert row.locator(".field-call_arguments strong.amount").first.inner_text() == "12499"
+        assert row.locator(".field-call_arguments strong.amount").first.text_content() == "12499"
         row.get_by_role("link", name=tool).click()
         assert "Let me do that." in page.locator(".conversation").inner_text()
         page.fill("textarea[name=reason]", "customer identity verified")
