@@ -14,7 +14,7 @@ from configuration.apply import apply_config
 from tenants.models import Tenant
 from tenants.money import amount, money
 from tests import factories
-from tests.tenants.test_apply import SLUG, config, rejected
+from tests.configuration.test_apply import SLUG, config, rejected
 from tools.display import formatted_arguments, summary
 from tools.models import Tool
 
