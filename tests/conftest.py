@@ -121,9 +121,9 @@ def workers(transactional_db):
     started: list[Worker] = []
 
     def start(name: str = "w1", **kwargs) -> Worker:
-        worker = Worker(name, **kwargs).start()
-        started.append(worker)
-        return worker
+        worker = Worker(name, **kwargs)
+        started.append(worker)  # before it starts: a start that fails must still be stopped
+        return worker.start()
 
     yield start
     for worker in started:

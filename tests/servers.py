@@ -67,7 +67,17 @@ class Worker:
         self.env = process_env(**(env or {}))
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30) -> Worker:
+    def start(self, timeout: float = 60) -> Worker:
+        """Start the process and wait until Celery says it is ready. A worker that does not get
+        ready in time is stopped before the error is raised: left running, it would consume the
+        queue of every later test on this pytest process."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> Worker:
         self.log.truncate(0)
         self.proc = subprocess.Popen(
             self.args, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT
