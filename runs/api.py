@@ -219,7 +219,8 @@ class RunListApi(APIView):
                 {
                     404: "No such agent, alias or version",
                     409: "A request with this Idempotency-Key is still in progress; retry it",
-                    422: "This Idempotency-Key was used with a different body",
+                    422: "This Idempotency-Key was used with a different body, or a run of this version is "
+                    "expected to cost more than the tenant's whole daily budget (expected_cost_exceeds_daily_budget)",
                     429: "Start rate or active-run quota reached, or (with wait: false) no budget today",
                 }
             ),
