@@ -83,11 +83,7 @@ def refusal_hint(detail: str, body: dict[str, Any], compat: Compat) -> str:
     if "prompt_cache_key" in sent and mentions("prompt_cache_key"):
         return "the server refused prompt_cache_key: set send_cache_key: false"
     messages = body.get("messages") or []
-    has_system = any(m.get("role") == "system" for m in messages)
-    if mentions("system"):
-        if has_system:
-            return "the server refused the system message: set compat.system_message: in_user"
-        return "the server wants a system message: set compat.system_message: always"
+    # Before the system rule: a validator's answer to one bad message lists every role it tried.
     tool_turns = [m for m in messages if m.get("role") == "assistant" and m.get("tool_calls")]
     if tool_turns and mentions("content"):
         if compat.tool_call_content == "null":
@@ -95,6 +91,10 @@ def refusal_hint(detail: str, body: dict[str, Any], compat: Compat) -> str:
         if compat.tool_call_content == "empty_string":
             return 'the server refused content: "" on a tool-call turn: set compat.tool_call_content: omit'
         return "the server wants content on a tool-call turn: set compat.tool_call_content: empty_string"
+    if mentions("system role", "system message", "role 'system'", 'role "system"', "system prompt"):
+        if any(m.get("role") == "system" for m in messages):
+            return "the server refused the system message: set compat.system_message: in_user"
+        return "the server wants a system message: set compat.system_message: always"
     return (
         "the server refused this request shape; the endpoint's compat settings adapt it ("
         + ", ".join(f"{key}: {'|'.join(values)}" for key, values in SETTINGS.items())
