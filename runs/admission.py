@@ -168,7 +168,7 @@ def expected_start(run, now: dt.datetime | None = None) -> dict | None:
     room, remaining = room_micros(tenant)
     if remaining <= 0 or day_gave_out(tenant, now):
         when, at = "next_local_midnight", budgets.next_local_midnight(tenant, now)
-    elif ahead == 0 and (room >= run.expected_cost_micros or may_start_alone(tenant, remaining, now)):
+    elif ahead == 0 and (room >= (run.expected_cost_micros or 0) or may_start_alone(tenant, remaining, now)):
         interval = settings.CELERY_BEAT_SCHEDULE["sweep"]["schedule"]
         when, at = "next_admission_pass", now + dt.timedelta(seconds=float(interval))
     else:
