@@ -140,7 +140,9 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
         tool,
         step.arguments or {},
         user=user,
-        history=_history(run, steps, tenant_row, user_row, uses_spend=policies.uses_spend),
+        # The run's calls per tool from its whole log: the engine hands the checks only the steps
+        # its decision reads (runs/statements.step_window), which would undercount them.
+        history=_history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend),
         tool_names=policies.config.tool_names,  # what context.run.calls_by_tool was validated with
     )
     verdict = cedar.evaluate(

@@ -16,6 +16,7 @@ from django.core.validators import URLValidator, validate_email, validate_slug
 from agentplatform.api import MONEY_MAX_MICROS
 from agentplatform.parsers import check_json, text_problem
 from approvals.policy import PolicyError, parse_policy
+from llm.compat import problems as compat_problems
 from tenants.models import validate_time_zone
 from tools.origins import OriginError, split_host_port
 
@@ -180,6 +181,15 @@ def _json(value: Any) -> Any:
         at, message = problem
         raise _Invalid(message, at=f".{at}" if at and not at.startswith("[") else at)
     return value
+
+
+def _compat(value: Any) -> dict:
+    """An OpenAI-compatible endpoint's compatibility settings (llm/compat.py)."""
+    found = compat_problems(value)
+    if found:
+        at, message = found[0]
+        raise _Invalid(message, at=at)
+    return dict(value)
 
 
 def _mapping(value: Any) -> dict:

@@ -13,6 +13,7 @@ from configuration.convert import (
     _aliases,
     _bool,
     _choice,
+    _compat,
     _currency,
     _email,
     _exchange_rate,
@@ -217,6 +218,7 @@ ENDPOINT: Spec = {
     "secret": Field("secret", _nullable(_text(100, empty=False))),
     "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
     "send_cache_key": Field("send_cache_key", _bool),
+    "compat": Field("compat", _compat),
     "prices": {
         "input": Field("price_input", _price),
         "cached_input": Field("price_cached_input", _price),

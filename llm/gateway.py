@@ -16,6 +16,7 @@ from decimal import Decimal
 
 from agents.spec import spec_for
 from llm import context
+from llm.compat import Compat
 from llm.models import ModelEndpoint
 from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
@@ -168,6 +169,7 @@ def _provider(endpoint: ModelEndpoint):
         endpoint.base_url,
         endpoint.model,
         endpoint.send_cache_key,
+        json.dumps(endpoint.compat or {}, sort_keys=True),
         hashlib.sha256((api_key or "").encode()).hexdigest(),
     )
     with _providers_lock:
@@ -177,7 +179,11 @@ def _provider(endpoint: ModelEndpoint):
                 from llm.providers.openai import OpenAIProvider  # see _provider's first import
 
                 provider = OpenAIProvider(
-                    endpoint.base_url, api_key, endpoint.model, send_cache_key=endpoint.send_cache_key
+                    endpoint.base_url,
+                    api_key,
+                    endpoint.model,
+                    send_cache_key=endpoint.send_cache_key,
+                    compat=Compat.of(endpoint.compat),
                 )
             else:
                 from llm.providers.anthropic import AnthropicProvider  # see _provider's first import

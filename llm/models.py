@@ -32,6 +32,9 @@ class ModelEndpoint(models.Model):
     # OpenAI-compatible: send the run as `prompt_cache_key` (OpenAI routes requests with one key
     # to one cache). Off for servers that reject fields they do not know.
     send_cache_key = models.BooleanField(default=True)
+    # OpenAI-compatible: how this server differs from OpenAI's API (llm/compat.py: output limit's
+    # name, content of a tool-call turn, tool_choice, system message); {} is OpenAI's shape.
+    compat = models.JSONField(default=dict, blank=True)
     # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
     config = models.JSONField(default=dict, blank=True)
 

@@ -33,6 +33,7 @@ from approvals.services import can_approve
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
+from runs import admission
 from runs.display import run_title, status_label
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, Step, StepKind, StepStatus
 from runs.recovery.resolution import OUTCOMES, resolve_step
@@ -164,9 +165,12 @@ def attention(run: Run, rows: list[dict]) -> dict | None:
         return {"kind": "waiting_approval", "steps": waiting}
     if run.status in (RunStatus.WAITING_BUDGET, RunStatus.WAITING_SETTLE):
         until = run.resume_at
-        if until is None and run.status == RunStatus.WAITING_BUDGET:
+        start = admission.expected_start(run, now)
+        if start is not None:
+            until = start["at"]
+        elif until is None and run.status == RunStatus.WAITING_BUDGET:
             until = next_local_midnight(run.tenant, now)
-        return {"kind": run.status, "until": until, "in": time_left(until) if until else ""}
+        return {"kind": run.status, "until": until, "in": time_left(until) if until else "", "start": start}
     return None
 
 

@@ -16,14 +16,26 @@ is answered 429 with Retry-After instead.
 
 A version's expected cost per run is `expected_cost_micros` in its spec, or else the 90th
 percentile over its last LEARN_FROM succeeded runs (from MIN_LEARNED of them) of what each spent
-plus its largest single reservation, or else, with nothing to learn from, the run's own cost limit
-(its worst case). The largest reservation is in it because a run needs that much room at its
-peak, not only what it ends up spending: its last call reserves a worst case (several times what
-the call costs) on top of everything spent before it. Sized by spend alone, admitted runs would
-refuse each other's reservations and stop part-way, which admission is there to prevent. It is capped at the tenant's
-daily budget, so a version more expensive than a whole day still runs, alone, on a fresh day,
-instead of blocking the queue behind it forever. The expectation is snapshotted on the run at
-admission (Run.expected_cost_micros), so the sum above is one SQL statement.
+plus its largest single reservation, or else, with nothing to learn from (a cold version), the
+run's own cost limit capped at the tenant's daily budget (its worst case). The largest reservation
+is in it because a run needs that much room at its peak, not only what it ends up spending: its
+last call reserves a worst case (several times what the call costs) on top of everything spent
+before it. Sized by spend alone, admitted runs would refuse each other's reservations and stop
+part-way, which admission is there to prevent. The expectation is snapshotted on the run
+(Run.expected_cost_micros), so the sum above is one SQL statement; the sweeper recomputes a waiting
+run's before admitting it, so runs queued while their version was cold use what was learned since.
+
+Admission always makes progress. Room alone would let a queue wait forever: 50 runs of a cold
+version with a 2.00 limit on a day with 0.20 left never fit their worst case. So when nothing of
+the tenant is admitted and unfinished and the day has budget left, the head of the queue starts
+alone (at most one run at a time is then at risk of stopping part-way, and the ledger still
+refuses what does not fit). A cold version's runs thus start one at a time on a tight day until
+MIN_LEARNED have succeeded, then by their learned p90. Once a run of the tenant has stopped today
+on the day's budget (tenant_budget_exhausted), the day has shown it cannot carry one more, and the
+queue waits for the next local day instead of starting run after run that stops at once. A run
+whose configured or learned expectation is above the tenant's whole daily budget could never be
+admitted by room: start_run refuses it (422 expected_cost_exceeds_daily_budget) instead of letting it
+wait forever.
 
 Admission decisions of one tenant are serialized on its row (start_run and admit_waiting both
 lock it), and room is read in one statement, so the day's balances and the admitted runs'
@@ -33,16 +45,18 @@ admission decides who starts, the ledger guarantees the limit.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 
+from django.conf import settings
 from django.db import connection
-from django.db.models import Max
+from django.db.models import Max, Q
 
 from agentplatform import sql
 from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import BudgetAccount
-from runs.models import TERMINAL, Run, RunStatus
+from runs.models import TERMINAL, Run, RunStatus, StopReason
 
 LEARN_FROM = 20
 MIN_LEARNED = 5
@@ -51,26 +65,31 @@ MIN_LEARNED = 5
 RETRY_SOON_SECONDS = 30
 
 
-def expected_cost(*, version, limits: dict, tenant) -> int:
-    """What a run of this version is expected to cost, in micros (see the module docstring)."""
+def expectation(*, version, limits: dict, tenant) -> tuple[int, str]:
+    """(what a run of this version is expected to cost in micros, where that comes from:
+    "configured", "learned" or "cold"). A configured or learned figure may exceed the tenant's daily
+    budget (start_run refuses such a run); the cold worst case is capped by it."""
     configured = spec_for(version).expected_cost_micros
     if configured:
-        expected = int(configured)
-    else:
-        peaks = [
-            spent + held + (reserved or 0)
-            for spent, held, reserved in Run.objects.filter(version=version, status=RunStatus.SUCCEEDED)
-            .order_by("-finished_at")
-            .annotate(largest_reservation=Max("steps__reserved_micros"))
-            .values_list("budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
-            if spent is not None
-        ]
-        if len(peaks) >= MIN_LEARNED:
-            costs = sorted(peaks)
-            expected = costs[math.ceil(0.9 * len(costs)) - 1]  # nearest-rank 90th percentile
-        else:
-            expected = limits["max_cost_micros"]
-    return max(min(expected, limits["max_cost_micros"], tenant.daily_budget_micros), 1)
+        return max(min(int(configured), limits["max_cost_micros"]), 1), "configured"
+    peaks = [
+        spent + held + (reserved or 0)
+        for spent, held, reserved in Run.objects.filter(version=version, status=RunStatus.SUCCEEDED)
+        .order_by("-finished_at")
+        .annotate(largest_reservation=Max("steps__reserved_micros"))
+        .values_list("budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
+        if spent is not None
+    ]
+    if len(peaks) >= MIN_LEARNED:
+        costs = sorted(peaks)
+        learned = costs[math.ceil(0.9 * len(costs)) - 1]  # nearest-rank 90th percentile
+        return max(min(learned, limits["max_cost_micros"]), 1), "learned"
+    return max(min(limits["max_cost_micros"], tenant.daily_budget_micros), 1), "cold"
+
+
+def expected_cost(*, version, limits: dict, tenant) -> int:
+    """What a run of this version is expected to cost, in micros (see the module docstring)."""
+    return expectation(version=version, limits=limits, tenant=tenant)[0]
 
 
 def room_micros(tenant) -> tuple[int, int]:
@@ -101,12 +120,58 @@ def waiting_runs(tenant):
     return Run.objects.filter(tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
 
 
+def _running(tenant):
+    return Run.objects.filter(tenant=tenant, admitted_at__isnull=False).exclude(status__in=TERMINAL)
+
+
+def day_gave_out(tenant, now: dt.datetime | None = None) -> bool:
+    """Has a run of the tenant stopped today because the day's budget could not carry it?"""
+    now = now or budgets.clock()
+    day_began = budgets.next_local_midnight(tenant, now) - dt.timedelta(days=1)
+    return Run.objects.filter(
+        tenant=tenant, stop_reason=StopReason.TENANT_BUDGET_EXHAUSTED, finished_at__gte=day_began
+    ).exists()
+
+
+def may_start_alone(tenant, remaining: int, now: dt.datetime | None = None) -> bool:
+    """The progress rule: nothing of the tenant admitted and unfinished, budget left today, and no
+    run has stopped on today's budget. The caller holds the tenant row lock."""
+    return remaining > 0 and not _running(tenant).exists() and not day_gave_out(tenant, now)
+
+
 def decide(*, tenant, expected: int) -> tuple[bool, int]:
     """(admit now?, Retry-After seconds if not). The caller holds the tenant row lock."""
     room, remaining = room_micros(tenant)
-    if room >= expected and not waiting_runs(tenant).exists():
-        return True, 0
     now = budgets.clock()
+    if not waiting_runs(tenant).exists() and (room >= expected or may_start_alone(tenant, remaining, now)):
+        return True, 0
     until_tomorrow = int((budgets.next_local_midnight(tenant, now) - now).total_seconds()) + 1
-    # If even a day with no other run on it has too little left, nothing frees room before tomorrow.
-    return False, until_tomorrow if remaining < expected else min(RETRY_SOON_SECONDS, until_tomorrow)
+    # With nothing left today, nothing frees room before tomorrow.
+    return False, until_tomorrow if remaining <= 0 or day_gave_out(tenant, now) else min(
+        RETRY_SOON_SECONDS, until_tomorrow
+    )
+
+
+def expected_start(run, now: dt.datetime | None = None) -> dict | None:
+    """When a run waiting for admission is expected to start, for its API representation and page:
+    {"when": "next_admission_pass" | "as_admitted_runs_finish" | "next_local_midnight",
+     "at": a time or None, "runs_ahead": n}. None for a run not waiting to be admitted."""
+    if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
+        return None
+    tenant = run.tenant
+    now = now or budgets.clock()
+    ahead = (
+        waiting_runs(tenant)
+        .filter(Q(created_at__lt=run.created_at) | Q(created_at=run.created_at, id__lt=run.id))
+        .count()
+    )
+    room, remaining = room_micros(tenant)
+    if remaining <= 0 or day_gave_out(tenant, now):
+        when, at = "next_local_midnight", budgets.next_local_midnight(tenant, now)
+    elif ahead == 0 and (room >= (run.expected_cost_micros or 0) or may_start_alone(tenant, remaining, now)):
+        interval = settings.CELERY_BEAT_SCHEDULE["sweep"]["schedule"]
+        when, at = "next_admission_pass", now + dt.timedelta(seconds=float(interval))
+    else:
+        # Budget remains: the progress rule starts the head once the admitted runs finish.
+        when, at = "as_admitted_runs_finish", None
+    return {"when": when, "at": at, "runs_ahead": ahead}

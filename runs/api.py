@@ -1,6 +1,12 @@
 from __future__ import annotations
 
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_serializer
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    extend_schema_serializer,
+)
 from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -8,10 +14,18 @@ from rest_framework.views import APIView
 from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
 from agentplatform.errors import Forbidden
 from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
-from runs import search, selectors, services
+from runs import admission, search, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
 from tenants.auth import RunStartThrottle
+
+
+class ExpectedStart(serializers.Serializer):
+    when = serializers.ChoiceField(
+        choices=["next_admission_pass", "as_admitted_runs_finish", "next_local_midnight"]
+    )
+    at = serializers.DateTimeField(allow_null=True)
+    runs_ahead = serializers.IntegerField()
 
 
 @extend_schema_serializer(component_name="Run")
@@ -23,6 +37,12 @@ class RunOutput(serializers.ModelSerializer):
     input = JsonObjectField(help_text="what the run was started with")
     metadata = JsonObjectField(help_text="the caller's own labels, stored as given")
     limits = JsonObjectField(help_text="the limits in force: the version's, capped by the tenant's")
+    expected_start = serializers.SerializerMethodField(
+        help_text="for a run waiting to be admitted (waiting_budget, admitted_at null): when it is expected "
+        "to start. `when` is next_admission_pass (within the sweeper's period), as_admitted_runs_finish "
+        "(budget remains; the tenant's admitted runs must finish first) or next_local_midnight (today's "
+        "budget is spent); `at` is a time or null; `runs_ahead` counts the waiting runs before it"
+    )
 
     class Meta:
         model = Run
@@ -50,7 +70,12 @@ class RunOutput(serializers.ModelSerializer):
             "finished_at",
             "deadline_at",
             "resume_at",
+            "expected_start",
         ]
+
+    @extend_schema_field(ExpectedStart(allow_null=True))
+    def get_expected_start(self, run) -> dict | None:
+        return admission.expected_start(run)
 
 
 @extend_schema_serializer(component_name="Step")
@@ -194,7 +219,8 @@ class RunListApi(APIView):
                 {
                     404: "No such agent, alias or version",
                     409: "A request with this Idempotency-Key is still in progress; retry it",
-                    422: "This Idempotency-Key was used with a different body",
+                    422: "This Idempotency-Key was used with a different body, or a run of this version is "
+                    "expected to cost more than the tenant's whole daily budget (expected_cost_exceeds_daily_budget)",
                     429: "Start rate or active-run quota reached, or (with wait: false) no budget today",
                 }
             ),

@@ -75,9 +75,10 @@ def start_run(
 ) -> tuple[Run, bool]:
     """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
 
-    The run is admitted (queued) only if the tenant's day can carry its expected cost on top of
-    what admitted runs are still expected to spend (runs/admission.py); otherwise it waits in
-    `waiting_budget`, or with wait=False the call answers 429 with Retry-After.
+    The run is admitted (queued) if the tenant's day can carry its expected cost on top of what
+    admitted runs are still expected to spend, or if nothing of the tenant runs and budget remains
+    (runs/admission.py); otherwise it waits in `waiting_budget`, or with wait=False the call
+    answers 429 with Retry-After. A run expected to cost more than a whole day is refused (422).
     """
     tenant = user.tenant
     if tenant is None:
@@ -103,7 +104,16 @@ def start_run(
         )
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)
-    expected = admission.expected_cost(version=pinned, limits=limits, tenant=tenant)
+    expected, source = admission.expectation(version=pinned, limits=limits, tenant=tenant)
+    if expected > tenant.daily_budget_micros:
+        # Room could never be found for it: refuse now rather than leave it waiting forever.
+        raise DomainError(
+            f"a run of {pinned} is expected to cost {expected} micros ({source}), more than the "
+            f"tenant's whole daily budget of {tenant.daily_budget_micros} micros: lower the version's "
+            "expected_cost_micros or limits.max_cost_micros, or raise the daily budget",
+            code="expected_cost_exceeds_daily_budget",
+            status=422,
+        )
     try:
         with atomic_with_events():
             # Admissions of one tenant queue on its row, so two starts cannot both pass a quota only

@@ -28,6 +28,8 @@ _REFUSAL = re.compile(
     r"validat|invalid|unsupported|not supported|unrecognized|unknown (field|parameter)", re.I
 )
 
+_TAGS = re.compile(r"<(script|style)\b.*?</\1>|<[^>]+>", re.I | re.S)
+
 
 def make_client() -> httpx.Client:
     """A thread-safe client with transport-level retries disabled."""
@@ -98,16 +100,25 @@ def status_error(response: httpx.Response, *, provider: str, secret: str | None)
 
 
 def error_detail(response: httpx.Response) -> str:
-    """The provider's error message (both APIs use {"error": {"message": ...}}), else raw text."""
+    """The provider's error message, from the shapes servers answer with: {"error": {"message"}}
+    (OpenAI, Anthropic, llama.cpp), {"error": "..."} (Ollama), {"message": ...} (vLLM),
+    {"detail": ...} (FastAPI servers); else the body as text, an HTML page reduced to its words."""
     try:
         data = response.json()
     except ValueError:
-        return response.text[:_MAX_ERROR_DETAIL] or response.reason_phrase
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        kind = error.get("type")
-        message = error["message"][:_MAX_ERROR_DETAIL]
-        return f"{kind}: {message}" if kind else message
+        text = response.text
+        if "<" in text and re.search(r"<(html|body|head|title|h1|p)\b", text, re.I):
+            text = " ".join(_TAGS.sub(" ", text).split())
+        return text.strip()[:_MAX_ERROR_DETAIL] or response.reason_phrase
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            kind = error.get("type")
+            message = error["message"][:_MAX_ERROR_DETAIL]
+            return f"{kind}: {message}" if kind else message
+        for key in ("error", "message", "detail"):
+            if isinstance(data.get(key), str):
+                return data[key][:_MAX_ERROR_DETAIL]
     return json.dumps(data)[:_MAX_ERROR_DETAIL]
 
 

@@ -1,9 +1,10 @@
 """OpenAI-compatible Chat Completions client (OpenAI, vLLM, llama.cpp, Ollama, LiteLLM...).
 
-Output limit: only `max_completion_tokens` is sent by default. OpenAI rejects `max_tokens`
-for reasoning models and deprecated it elsewhere, and sending both is rejected too; vLLM,
-llama.cpp and LiteLLM accept `max_completion_tokens`. Pass max_tokens_param="max_tokens" for
-older servers that only know the legacy name.
+The request shape follows the endpoint's compatibility settings (llm/compat.py): the output
+limit's name (`max_completion_tokens` by default: OpenAI rejects `max_tokens` for reasoning models
+and deprecated it elsewhere, and sending both is rejected too), the content of a tool-call turn,
+tool_choice, and where the instructions go. A refused request raises a non-retried ProviderError
+whose message names the setting to change (compat.refusal_hint).
 
 Prompt caching is automatic on a byte-stable prefix (the gateway keeps it so). The request's
 cache key, the run, goes out as `prompt_cache_key` so requests of one run reach the same cache
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llm.compat import Compat, refusal_hint
 from llm.providers.http import make_client, post_json
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 
@@ -29,13 +31,18 @@ class OpenAIProvider:
         api_key: str | None,
         model: str,
         *,
-        max_tokens_param: str = "max_completion_tokens",
+        max_tokens_param: str | None = None,
         send_cache_key: bool = True,
+        compat: Compat | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.send_cache_key = send_cache_key
         self.model = model
-        self.max_tokens_param = max_tokens_param
+        compat = compat or Compat()
+        if max_tokens_param is not None:
+            compat = Compat(**{**compat.__dict__, "max_tokens_field": max_tokens_param})
+        self.compat = compat
+        self.max_tokens_param = compat.max_tokens_field
         self._api_key = api_key
         self._client = make_client()
 
@@ -46,26 +53,40 @@ class OpenAIProvider:
         self._client.close()
 
     def complete(self, request: ModelRequest) -> ModelReply:
-        data = post_json(
-            self._client,
-            f"{self.base_url}/chat/completions",
-            headers=self._headers(),
-            body=self.build_body(request),
-            timeout_seconds=request.timeout_seconds,
-            provider=PROVIDER,
-            secret=self._api_key,
-        )
+        body = self.build_body(request)
+        try:
+            data = post_json(
+                self._client,
+                f"{self.base_url}/chat/completions",
+                headers=self._headers(),
+                body=body,
+                timeout_seconds=request.timeout_seconds,
+                provider=PROVIDER,
+                secret=self._api_key,
+            )
+        except ProviderError as exc:
+            if exc.retryable or exc.status in (None, 401, 403, 404):
+                raise
+            # Refused as shaped: the same request would be refused again, so say what to change.
+            raise ProviderError(
+                f"{exc}; {refusal_hint(str(exc), body, self.compat)}",
+                retryable=False,
+                sent=exc.sent,
+                status=exc.status,
+            ) from None
         return parse_reply(data)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             # The request may pin a model; otherwise the provider's configured one is used.
             "model": request.model or self.model,
-            "messages": build_messages(request.instructions, request.messages),
+            "messages": build_messages(request.instructions, request.messages, self.compat),
             self.max_tokens_param: request.max_output_tokens,
         }
         if request.tools:
             body["tools"] = [tool_to_wire(tool) for tool in request.tools]
+            if self.compat.tool_choice != "omit":
+                body["tool_choice"] = self.compat.tool_choice
         if request.cache_key and self.send_cache_key:
             body["prompt_cache_key"] = request.cache_key
         return body
@@ -82,15 +103,27 @@ def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
     }
 
 
-def build_messages(instructions: str, messages: list[Message]) -> list[dict[str, Any]]:
+def build_messages(
+    instructions: str, messages: list[Message], compat: Compat | None = None
+) -> list[dict[str, Any]]:
+    compat = compat or Compat()
     wire: list[dict[str, Any]] = []
-    if instructions:
+    if compat.system_message == "always" or (instructions and compat.system_message == "system"):
         wire.append({"role": "system", "content": instructions})
-    wire.extend(message_to_wire(message) for message in messages)
+    wire.extend(message_to_wire(message, compat) for message in messages)
+    if instructions and compat.system_message == "in_user":
+        # Templates without a system role: the instructions lead the first user message, the same
+        # bytes on every call of the run (the cached prefix stays stable).
+        first = next((m for m in wire if m["role"] == "user"), None)
+        if first is None:
+            wire.insert(0, {"role": "user", "content": instructions})
+        else:
+            first["content"] = f"{instructions}\n\n{first['content']}"
     return wire
 
 
-def message_to_wire(message: Message) -> dict[str, Any]:
+def message_to_wire(message: Message, compat: Compat | None = None) -> dict[str, Any]:
+    compat = compat or Compat()
     if message.role == "tool":
         # Observations of failed calls already begin with "ERROR:" (the platform writes them so);
         # only a tool's own error result needs the marker here, where is_error has no field.
@@ -98,12 +131,15 @@ def message_to_wire(message: Message) -> dict[str, Any]:
         content = message.content if marked else f"ERROR: {message.content}"
         return {"role": "tool", "tool_call_id": message.tool_call_id, "content": content}
     if message.role == "assistant" and message.tool_calls:
-        return {
-            "role": "assistant",
-            # null (not "") is the canonical "no text" for a tool-calling turn
-            "content": message.content or None,
-            "tool_calls": [call_to_wire(call) for call in message.tool_calls],
-        }
+        turn: dict[str, Any] = {"role": "assistant"}
+        # null (not "") is the canonical "no text" for a tool-calling turn; some servers' templates
+        # want a string, some no key at all (compat.tool_call_content).
+        if message.content or compat.tool_call_content == "null":
+            turn["content"] = message.content or None
+        elif compat.tool_call_content == "empty_string":
+            turn["content"] = ""
+        turn["tool_calls"] = [call_to_wire(call) for call in message.tool_calls]
+        return turn
     if message.role in ("user", "assistant"):
         return {"role": message.role, "content": message.content}
     raise ValueError(f"unknown message role {message.role!r}")
@@ -121,7 +157,7 @@ def parse_reply(data: dict[str, Any]) -> ModelReply:
     try:
         choice = data["choices"][0]
         message = choice["message"]
-        calls = [parse_call(raw) for raw in message.get("tool_calls") or []]
+        calls = [parse_call(raw, i) for i, raw in enumerate(message.get("tool_calls") or [])]
     except (KeyError, IndexError, TypeError) as exc:
         raise ProviderError(
             f"{PROVIDER}: malformed reply ({type(exc).__name__}: {exc})",
@@ -137,9 +173,11 @@ def parse_reply(data: dict[str, Any]) -> ModelReply:
     )
 
 
-def parse_call(raw: dict[str, Any]) -> ToolCall:
+def parse_call(raw: dict[str, Any], index: int = 0) -> ToolCall:
     function = raw["function"]
-    return ToolCall(id=raw["id"], name=function["name"], arguments=parse_arguments(function.get("arguments")))
+    # Some local servers leave the id out; the tool message must still answer the call by one.
+    call_id = raw.get("id") or f"call_{index}"
+    return ToolCall(id=call_id, name=function["name"], arguments=parse_arguments(function.get("arguments")))
 
 
 def parse_arguments(raw: Any) -> dict:

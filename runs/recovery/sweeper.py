@@ -189,8 +189,10 @@ def _resume_budget_waits(now: dt.datetime) -> int:
 
 def _admit_waiting_runs(now: dt.datetime) -> int:
     """Admit runs waiting for budget (runs/admission.py), per tenant in order of arrival, while the
-    oldest one's expected cost fits: as admitted runs finish under their expectation, holds are
-    settled, or a new local day begins."""
+    oldest one's expected cost fits (as admitted runs finish under their expectation, holds are
+    settled, or a new local day begins), or alone when nothing of the tenant runs and budget
+    remains (the progress rule). Each expectation is recomputed first: runs queued while their
+    version was cold are admitted by what its finished runs have taught since."""
     admitted = 0
     tenant_ids = sorted(
         set(
@@ -203,15 +205,27 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
         with atomic_with_events():
             # The lock start_run takes: one admission decision at a time per tenant.
             tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
-            room, _ = admission.room_micros(tenant)
-            for run_id, expected in (
-                admission.waiting_runs(tenant)
-                .order_by("created_at", "id")
-                .values_list("pk", "expected_cost_micros")[:BATCH]
+            room, remaining = admission.room_micros(tenant)
+            alone = admission.may_start_alone(tenant, remaining, now)
+            expectations: dict = {}
+            for run in (
+                admission.waiting_runs(tenant).select_related("version").order_by("created_at", "id")[:BATCH]
             ):
-                if expected > room:
+                if run.version_id not in expectations:
+                    expected, _ = admission.expectation(version=run.version, limits=run.limits, tenant=tenant)
+                    # Accepted when it fitted a day: a later, higher figure must not strand it.
+                    expectations[run.version_id] = min(expected, tenant.daily_budget_micros)
+                expected = expectations[run.version_id]
+                if expected <= room:
+                    how = f"admitted: {expected} micros expected, {room} micros of room"
+                elif alone:
+                    how = (
+                        f"admitted alone: {expected} micros expected, {room} micros of room, nothing "
+                        f"of the tenant running and {remaining} micros left today"
+                    )
+                else:
                     break  # strictly in order of arrival: nobody overtakes the oldest
-                run = lock_run(run_id)
+                run = lock_run(run.pk)
                 if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
                     continue
                 transition_run(
@@ -219,12 +233,18 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
                     RunStatus.QUEUED,
                     admitted_at=now,
                     resume_at=None,
+                    expected_cost_micros=expected,
                     deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
-                    message=f"admitted: {expected} micros expected, {room} micros of room",
-                    event_data={"expected_cost_micros": expected, "room_micros": room},
+                    message=how,
+                    event_data={
+                        "expected_cost_micros": expected,
+                        "room_micros": room,
+                        "alone": expected > room,
+                    },
                 )
                 enqueue(run.pk)
                 room -= expected
+                alone = False
                 admitted += 1
     return admitted
 

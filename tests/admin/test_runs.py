@@ -216,11 +216,13 @@ def test_it_shows_a_run_waiting_to_be_admitted(as_ravi, acme):
     html = as_ravi.get(run_url(run.pk)).content.decode()
 
     assert 'id="run-status" data-status="waiting_budget">waiting for budget</td>' in html
-    admission = html.split('<p id="run-admission">')[1].split("</p>")[0]
+    admission = html.split('<p id="run-admission" data-expected-start="next_local_midnight">')[1].split(
+        "</p>"
+    )[0]
     assert admission.startswith(
-        "The tenant's day budget cannot carry this run's expected cost (USD 2.00) today. Starts at 00:00 "
+        "Today's budget is spent: expected to start after the next local midnight, at 00:00 "
     ), admission
-    assert ", in " in admission and "in order of arrival" in admission
+    assert ", in " in admission and "0 waiting runs ahead" in admission
 
 
 def test_the_run_page_lists_the_runs_files_and_downloads_them_for_who_may_read_the_run(as_ravi, acme):

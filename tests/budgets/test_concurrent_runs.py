@@ -103,18 +103,22 @@ def test_fifty_runs_at_once_finish_what_starts_and_never_spend_more_than_the_ten
     assert all(int(o[3]) > 0 for o in refused)
     assert all(Run.objects.get(pk=o[3]).input["i"] % 2 == 0 for o in waiting)  # only those who would wait
 
-    # The sweeper admits waiting runs, oldest first, as finished runs leave room they did not use.
+    # The sweeper admits waiting runs, oldest first, as finished runs leave room they did not use;
+    # when nothing runs and budget remains, the head alone (the progress rule): that one run may
+    # stop part-way on the day's budget, and then the day is done.
     while True:
         admitted = sweeper._admit_waiting_runs(timezone.now())
         if not admitted:
             break
         for run in Run.objects.filter(tenant=tenant, status="queued"):
-            assert _drive(run.pk).status == "succeeded"
+            alone = run.events.filter(kind="status", data__alone=True).exists()
+            assert _drive(run.pk).status in (("succeeded", "stopped") if alone else ("succeeded",))
 
     runs = Run.objects.filter(tenant=tenant)
     started = runs.filter(admitted_at__isnull=False)
-    assert set(started.values_list("status", flat=True)) == {"succeeded"}
-    assert not runs.filter(status="stopped").exists()
+    stopped = list(runs.filter(status="stopped"))
+    assert len(stopped) <= 1 and all(r.stop_reason == "tenant_budget_exhausted" for r in stopped)
+    assert set(started.exclude(status="stopped").values_list("status", flat=True)) == {"succeeded"}
     still_waiting = runs.filter(status="waiting_budget")
     assert set(still_waiting.values_list("admitted_at", "started_at")) <= {(None, None)}
     assert not Step.objects.filter(run__in=still_waiting).exists()

@@ -48,7 +48,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 HOST = "127.0.0.1"
@@ -57,7 +57,11 @@ _STATUS_TYPES = {429: "rate_limit_error", 529: "overloaded_error", 401: "authent
 
 
 class BadRequest(Exception):
-    """A malformed request: becomes a 400 with the provider's error body."""
+    """A malformed request: becomes a 400 (or `status`) with the provider's error body."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def require(condition: bool, message: str) -> None:
@@ -176,7 +180,7 @@ class FakeModelServer:
         try:
             self.validate(body, request.headers)
         except BadRequest as exc:
-            return self.error(400, "invalid_request_error", str(exc))
+            return self.error(exc.status, "invalid_request_error", str(exc))
         reply = self._next_reply(body)
         fault = str(reply.get("fault", ""))
         if fault == "timeout":
@@ -260,9 +264,50 @@ _OPENAI_KEYS = {
 }
 
 
+# The differences of the servers banks host themselves, as FakeOpenAI(quirks=...) plays them (each
+# answers the way that server family does; llm/compat.py has the setting that adapts to it).
+QUIRKS = {
+    # older vLLM and Azure API versions: only the legacy output limit's name
+    "legacy_max_tokens": "Unrecognized request argument supplied: max_completion_tokens",
+    # llama-cpp-python's request model: an assistant turn's content must be a string (422, FastAPI)
+    "string_content": "messages.{index}.content: Input should be a valid string",
+    # Gemma's chat template under llama.cpp: no system role (a 500 from the template engine)
+    "no_system_role": "Value error: System role not supported",
+    # servers that know only some tool_choice values
+    "no_tool_choice": "tool_choice is not supported by this server",
+    # servers whose tool-call template needs a system message
+    "system_required": "a system message is required when tools are given",
+    # error bodies as plain text, like a proxy's or a template engine's
+    "text_errors": "",
+}
+
+
 class FakeOpenAI(FakeModelServer):
     path = "/v1/chat/completions"
     url_suffix = "/v1"
+
+    def __init__(self, *, quirks: tuple[str, ...] = (), **kwargs: Any):
+        unknown = set(quirks) - set(QUIRKS)
+        if unknown:
+            raise ValueError(f"unknown quirks {sorted(unknown)}")
+        self.quirks = set(quirks)
+        super().__init__(**kwargs)
+
+    def check_quirks(self, body: dict[str, Any]) -> None:
+        messages = body.get("messages") or []
+        if "legacy_max_tokens" in self.quirks and "max_completion_tokens" in body:
+            raise BadRequest(QUIRKS["legacy_max_tokens"])
+        if "string_content" in self.quirks:
+            for index, message in enumerate(messages):
+                if message.get("role") == "assistant" and not isinstance(message.get("content", ""), str):
+                    raise BadRequest(QUIRKS["string_content"].format(index=index), status=422)
+        if "no_system_role" in self.quirks and any(m.get("role") == "system" for m in messages):
+            raise BadRequest(QUIRKS["no_system_role"], status=500)
+        if "no_tool_choice" in self.quirks and "tool_choice" in body:
+            raise BadRequest(QUIRKS["no_tool_choice"])
+        if "system_required" in self.quirks and body.get("tools"):
+            if not any(m.get("role") == "system" for m in messages):
+                raise BadRequest(QUIRKS["system_required"])
 
     def check_auth(self, headers: Any) -> str | None:
         if self.api_key is None:
@@ -270,13 +315,18 @@ class FakeOpenAI(FakeModelServer):
         given = headers.get("authorization", "").removeprefix("Bearer ")
         return None if given == self.api_key else f"Incorrect API key provided: {given}."
 
-    def error(self, status: int, kind: str, message: str) -> JSONResponse:
+    def error(self, status: int, kind: str, message: str) -> Response:
+        if "text_errors" in self.quirks:
+            return PlainTextResponse(
+                f"{'Internal Server Error' if status >= 500 else 'Bad Request'}: {message}", status
+            )
         return JSONResponse(
             {"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status
         )
 
     def validate(self, body: Any, headers: Any) -> None:
         require(isinstance(body, dict), "request body must be a JSON object")
+        self.check_quirks(body)
         unknown = sorted(set(body) - _OPENAI_KEYS)
         require(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown)}")
         require(isinstance(body.get("model"), str) and body["model"] != "", "model is required")
