@@ -103,6 +103,7 @@ def view_of(run: Run) -> decisions.RunView:
     return decisions.RunView(
         status=run.status,
         cancel_requested=run.cancel_requested,
+        pause_requested=run.pause_requested,
         deadline_at=run.deadline_at,
         leased=run.lease_token is not None,
         lease_expires_at=run.lease_expires_at,
@@ -167,6 +168,8 @@ def _apply(
             writer.end(run, decision)
         case decisions.Park():
             writer.park(run, decision)
+        case decisions.Pause():
+            writer.pause(run)
         case decisions.WaitForRetry():
             continue_run(run, countdown=decision.countdown)
         case decisions.Poison():
