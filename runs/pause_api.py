@@ -1,0 +1,171 @@
+"""The API's pause and resume (runs/pausing.py does the work): one run, or every run a filter
+matches. Platform operators everywhere, a tenant's supervisors for their tenant."""
+
+from __future__ import annotations
+
+import uuid
+
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from agentplatform.errors import NotFound
+from agentplatform.schema import errors
+from runs import pausing, selectors
+from runs.api import RunOutput
+from runs.models import BulkAction, Run, RunStatus
+
+
+def _run(user, run_id) -> Run:
+    """The run as the caller may act on it: a platform operator's from any tenant."""
+    if user.is_superuser:
+        try:
+            return Run.objects.select_related("agent", "version", "created_by", "budget").get(
+                pk=uuid.UUID(str(run_id))
+            )
+        except (Run.DoesNotExist, ValueError):
+            raise NotFound("run") from None
+    if user.tenant_id is None:
+        raise NotFound("run")
+    return selectors.get_run(user, run_id)
+
+
+class RunPauseApi(APIView):
+    @extend_schema_serializer(component_name="PauseRun")
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(
+            max_length=2000, help_text="why; shown with the run and in its timeline"
+        )
+        until = serializers.DateTimeField(
+            required=False, allow_null=True, default=None, help_text="until when it is meant to stay paused"
+        )
+
+    @extend_schema(
+        operation_id="pause_run",
+        summary="Pause a run",
+        request=InputSerializer,
+        responses={
+            200: RunOutput,
+            **errors(
+                {
+                    403: "Not an operator or the tenant's supervisor",
+                    409: "The run has ended or is being cancelled",
+                }
+            ),
+        },
+    )
+    def post(self, request, run_id):
+        """Pause the run at its next step boundary: a call in flight is recorded first (the run
+        shows pause_requested until then), then nothing is dispatched until it is resumed."""
+        run = _run(request.user, run_id)
+        pausing.require_may_pause(request.user, run.tenant_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        pausing.pause_run(run_id=run.pk, actor=request.user, **data.validated_data)
+        return Response(RunOutput(_run(request.user, run.pk)).data)
+
+
+class RunResumeApi(APIView):
+    @extend_schema_serializer(component_name="ResumeRun")
+    class InputSerializer(serializers.Serializer):
+        reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
+
+    @extend_schema(
+        operation_id="resume_run",
+        summary="Resume a paused run",
+        request=InputSerializer,
+        responses={
+            200: RunOutput,
+            **errors({403: "Not an operator or the tenant's supervisor", 409: "The run is not paused"}),
+        },
+    )
+    def post(self, request, run_id):
+        """Resume a paused run where it stopped (a pause not yet taken is withdrawn)."""
+        run = _run(request.user, run_id)
+        pausing.require_may_pause(request.user, run.tenant_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        pausing.resume_run(run_id=run.pk, actor=request.user, **data.validated_data)
+        return Response(RunOutput(_run(request.user, run.pk)).data)
+
+
+class BulkFilters(serializers.Serializer):
+    tenant = serializers.SlugField(
+        required=False, help_text="a tenant's slug (platform operators; a supervisor's own)"
+    )
+    agent = serializers.SlugField(max_length=100, required=False, help_text="the agent's name")
+    version = serializers.IntegerField(
+        required=False, min_value=1, max_value=2**31 - 1, help_text="one version of agent"
+    )
+    tool = serializers.CharField(
+        max_length=200, required=False, help_text="runs whose next or pending call is to this tool"
+    )
+    endpoint = serializers.CharField(
+        max_length=100, required=False, help_text="runs whose version calls this model endpoint"
+    )
+    created_by = serializers.CharField(max_length=150, required=False, help_text="a username")
+    status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+    created_before = serializers.DateTimeField(required=False)
+
+
+@extend_schema_serializer(component_name="BulkAction")
+class BulkOutput(serializers.ModelSerializer):
+    actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
+
+    class Meta:
+        model = BulkAction
+        fields = ["id", "kind", "actor", "reason", "filters", "count", "at"]
+
+
+class _Bulk(APIView):
+    kind = ""
+
+    @extend_schema_serializer(component_name="BulkRunAction")
+    class InputSerializer(BulkFilters):
+        reason = serializers.CharField(
+            max_length=2000, help_text="why; kept with the action and each run's event"
+        )
+        until = serializers.DateTimeField(
+            required=False, allow_null=True, default=None, help_text="pause only"
+        )
+
+    def post(self, request):
+        pausing.require_may_pause(request.user, request.user.tenant_id)
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        reason, until = values.pop("reason"), values.pop("until")
+        if self.kind == BulkAction.Kind.PAUSE:
+            action = pausing.pause_matching(actor=request.user, reason=reason, filters=values, until=until)
+        else:
+            action = pausing.resume_matching(actor=request.user, reason=reason, filters=values)
+        return Response(BulkOutput(action).data)
+
+
+class BulkPauseApi(_Bulk):
+    kind = BulkAction.Kind.PAUSE
+
+    @extend_schema(
+        operation_id="pause_runs",
+        summary="Pause every matching run",
+        request=_Bulk.InputSerializer,
+        responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+    )
+    def post(self, request):
+        """Pause every live run the filters match, each at its step boundary; answers how many."""
+        return super().post(request)
+
+
+class BulkResumeApi(_Bulk):
+    kind = BulkAction.Kind.RESUME
+
+    @extend_schema(
+        operation_id="resume_runs",
+        summary="Resume every matching paused run",
+        request=_Bulk.InputSerializer,
+        responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+    )
+    def post(self, request):
+        """Resume every paused run the filters match, oldest pause first, 20 a second at most."""
+        return super().post(request)
