@@ -15,7 +15,7 @@ from django.views.decorators.http import require_POST
 
 from agentplatform.errors import DomainError
 from runs import pausing
-from runs.models import TERMINAL, RunStatus
+from runs.models import TERMINAL, BulkAction, RunStatus
 
 
 class ReasonActionForm(ActionForm):
@@ -98,19 +98,31 @@ class PauseAdminMixin:
             return
         runs = queryset.exclude(status__in=TERMINAL)
         runs = runs.filter(status=RunStatus.PAUSED) | runs.filter(pause_requested=True) if resume else runs
-        for n, run in enumerate(runs.order_by("created_at")):
-            if not self.has_pause_permission(request, run):
-                continue
+        chosen = [run for run in runs.order_by("created_at") if self.has_pause_permission(request, run)]
+        action = BulkAction.objects.create(
+            kind=BulkAction.Kind.RESUME if resume else BulkAction.Kind.PAUSE,
+            tenant_id=request.user.tenant_id,
+            actor=request.user,
+            reason=reason,
+            filters={"selected_in_admin": [str(run.pk) for run in chosen]},
+        )
+        count = 0
+        for run in chosen:
             try:
                 if resume:
                     pausing.resume_run(
                         run_id=run.pk,
                         actor=request.user,
                         reason=reason,
-                        countdown=n / pausing.RESUME_PER_SECOND,
+                        countdown=count / pausing.RESUME_PER_SECOND,
+                        bulk=action.pk,
                     )
                 else:
-                    pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason)
+                    pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason, bulk=action.pk)
+                count += 1
             except DomainError as exc:
                 messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
-        messages.success(request, f"{'resume' if resume else 'pause'}: done for the selected runs")
+        BulkAction.objects.filter(pk=action.pk).update(count=count)
+        messages.success(
+            request, f"{'resumed' if resume else 'paused'} {count} run{'s' if count != 1 else ''}"
+        )
