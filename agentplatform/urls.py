@@ -21,6 +21,7 @@ v1 = [
     path("agents/<slug:name>/aliases/<slug:alias>", agents_api.AliasApi.as_view()),
     path("runs", runs_api.RunListApi.as_view()),
     path("runs/pause", pause_api.BulkPauseApi.as_view()),
+    path("kill-switches", pause_api.KillSwitchApi.as_view()),
     path("runs/resume", pause_api.BulkResumeApi.as_view()),
     path("runs/<str:run_id>", runs_api.RunDetailApi.as_view()),
     path("runs/<str:run_id>/steps", runs_api.RunStepsApi.as_view()),

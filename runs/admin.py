@@ -33,6 +33,7 @@ from approvals.services import can_approve
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
+from runs import kill_switch_admin  # noqa: F401 -- registers the operators' page of kill switches
 from runs.display import run_title, status_label
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, Step, StepKind, StepStatus
 from runs.pause_admin import PauseAdminMixin

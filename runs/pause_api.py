@@ -12,9 +12,10 @@ from rest_framework.views import APIView
 
 from agentplatform.errors import NotFound
 from agentplatform.schema import errors
-from runs import pausing, selectors
+from runs import kill_switches, pausing, selectors
 from runs.api import RunOutput
-from runs.models import BulkAction, Run, RunStatus
+from runs.models import BulkAction, KillSwitch, Run, RunStatus
+from tenants.models import Tenant
 
 
 def _run(user, run_id) -> Run:
@@ -169,3 +170,59 @@ class BulkResumeApi(_Bulk):
     def post(self, request):
         """Resume every paused run the filters match, oldest pause first, 20 a second at most."""
         return super().post(request)
+
+
+@extend_schema_serializer(component_name="KillSwitch")
+class KillSwitchOutput(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.slug")
+    changed_by = serializers.CharField(source="changed_by.username", allow_null=True, default=None)
+
+    class Meta:
+        model = KillSwitch
+        fields = ["id", "scope", "tenant", "target_name", "on", "changed_by", "reason", "changed_at"]
+
+
+class KillSwitchApi(APIView):
+    @extend_schema_serializer(component_name="FlipKillSwitch")
+    class InputSerializer(serializers.Serializer):
+        scope = serializers.ChoiceField(choices=KillSwitch.Scope.choices)
+        target = serializers.CharField(
+            max_length=200, help_text="the tenant's slug, or the agent's, tool's or endpoint's name"
+        )
+        on = serializers.BooleanField(help_text="true: kill; false: lift, and resume what the switch paused")
+        reason = serializers.CharField(max_length=2000)
+        tenant = serializers.SlugField(required=False, help_text="platform operators: the target's tenant")
+
+    @extend_schema(
+        operation_id="list_kill_switches", summary="List kill switches", responses=KillSwitchOutput(many=True)
+    )
+    def get(self, request):
+        """The switches the caller may flip, those on first."""
+        pausing.require_may_pause(request.user, request.user.tenant_id)
+        switches = KillSwitch.objects.select_related("tenant", "changed_by").order_by("-on", "-changed_at")
+        if not request.user.is_superuser:
+            switches = switches.filter(tenant_id=request.user.tenant_id)
+        return Response(KillSwitchOutput(switches, many=True).data)
+
+    @extend_schema(
+        operation_id="flip_kill_switch",
+        summary="Turn a kill switch on or off",
+        request=InputSerializer,
+        responses={200: KillSwitchOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+    )
+    def post(self, request):
+        """On: a killed tenant or agent starts no run, a killed tool or endpoint is never called (its
+        runs pause at their next call). Off: the runs it paused resume, oldest first, rate-limited."""
+        data = self.InputSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        slug = values.pop("tenant", None)
+        if request.user.is_superuser and slug:
+            tenant = Tenant.objects.filter(slug=slug).first()
+        else:
+            tenant = Tenant.objects.filter(pk=request.user.tenant_id).first()
+        if tenant is None:
+            raise NotFound("tenant")
+        change = kill_switches.flip(actor=request.user, tenant=tenant, **values)
+        switch = KillSwitch.objects.select_related("tenant", "changed_by").get(pk=change.switch_id)
+        return Response({**KillSwitchOutput(switch).data, "runs_resumed": change.runs_resumed})
