@@ -81,3 +81,48 @@ def test_a_bulk_pause_stops_every_new_call_survives_sigkill_and_resumes_without_
     keys = [e["idempotency_key"] for e in effects]
     assert len(keys) == len(set(keys)) == RUNS  # one refund per run, none twice
     assert all(s.attempts == 1 for s in Step.objects.filter(run_id__in=ids, kind="tool"))
+
+
+def test_a_kill_switch_on_a_tool_sends_no_call_after_it_answers_and_off_resumes_every_run(
+    tenant, asha, supervisor, bank, workers, fast_sweeps
+):
+    refund = http_bank_tool(tenant, bank, "issue_refund", effect_class="idempotent")
+    single_call_agent(tenant, asha, refund, REFUND, final="refunded")
+    bank.fault(tool="issue_refund", delay_before_effect=3, times=SLOW)
+    workers("w1", env=FAST_LEASES, concurrency=SLOW)
+    ids = [start_run(user=asha, agent="agent", input={"n": i})[0].pk for i in range(20)]
+    wait_for(lambda: len(bank_calls(bank)) >= SLOW, timeout=30, what="calls held in the bank")
+
+    on = client_for(supervisor).post(
+        "/v1/kill-switches",
+        {"scope": "tool", "target": refund.name, "on": True, "reason": "ledger down"},
+        format="json",
+    )
+    assert on.status_code == 200, on.json()
+    calls_at_answer = len(bank_calls(bank))
+    wait_for(
+        lambda: not Run.objects.filter(pk__in=ids).exclude(status__in=["paused", "succeeded"]).exists(),
+        timeout=30,
+        what="every run paused by the switch (or ended before it)",
+    )
+    until = time.monotonic() + 3
+    while time.monotonic() < until:  # a window for a wrong call to show, not a synchronisation
+        sweeper.sweep()
+        time.sleep(0.3)
+    assert len(bank_calls(bank)) == calls_at_answer  # 0 calls after the switch answered
+    by_switch = Run.objects.filter(pk__in=ids, status="paused", paused_by_switch__isnull=False).count()
+    assert by_switch >= 20 - calls_at_answer
+
+    off = client_for(supervisor).post(
+        "/v1/kill-switches",
+        {"scope": "tool", "target": refund.name, "on": False, "reason": "ledger back"},
+        format="json",
+    )
+    assert off.json()["runs_resumed"] == by_switch
+    wait_for(
+        lambda: Run.objects.filter(pk__in=ids, status="succeeded").count() == 20,
+        timeout=60,
+        what="all 20 finished after the switch went off",
+    )
+    keys = [e["idempotency_key"] for e in bank.effects("issue_refund")]
+    assert len(keys) == len(set(keys)) == 20
