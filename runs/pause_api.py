@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.errors import NotFound
-from agentplatform.schema import errors
+from agentplatform.schema import JsonObjectField, errors
 from runs import kill_switches, pausing, selectors
 from runs.api import RunOutput
 from runs.models import BulkAction, KillSwitch, Run, RunStatus
@@ -113,6 +113,7 @@ class BulkFilters(serializers.Serializer):
 @extend_schema_serializer(component_name="BulkAction")
 class BulkOutput(serializers.ModelSerializer):
     actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
+    filters = JsonObjectField(help_text="the filters as applied (a supervisor's hold their tenant)")
 
     class Meta:
         model = BulkAction
