@@ -39,7 +39,7 @@ def _target(scope: str, name: str, tenant: Tenant):
         Scope.AGENT: lambda: AgentDefinition.objects.filter(tenant=tenant, name=name).first(),
         Scope.TOOL: lambda: Tool.objects.filter(tenant=tenant, name=name).first(),
         Scope.ENDPOINT: lambda: ModelEndpoint.objects.filter(tenant=tenant, name=name).first(),
-    }[scope]()
+    }[Scope(scope)]()
     if found is None:
         raise DomainError(f"no {scope} {name} in {tenant.slug}", fields={"target": [f"no such {scope}"]})
     return found
@@ -96,7 +96,7 @@ def _resume_paused_by(switch: KillSwitch, *, actor, reason: str) -> int:
 
 
 def _describe(switch: KillSwitch) -> str:
-    who = switch.changed_by.username if switch.changed_by_id else "an operator"
+    who = switch.changed_by.username if switch.changed_by is not None else "an operator"
     return f"kill switch on {switch.scope} {switch.target_name}, set by {who}: {switch.reason}"
 
 
@@ -116,6 +116,8 @@ def stops_call(run: Run, *, tool_id: int | None = None, endpoint_id: int | None 
     """In the claim, with `run` locked, before anything is reserved: True (and the run paused,
     with the switch as its reason) if the call's tool or endpoint is killed."""
     scope, target = (Scope.TOOL, tool_id) if tool_id is not None else (Scope.ENDPOINT, endpoint_id)
+    if target is None:
+        return False
     switch = (
         KillSwitch.objects.filter(on=True, scope=scope, target_id=target).select_related("changed_by").first()
     )

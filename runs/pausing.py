@@ -26,6 +26,7 @@ tenant's view_runs) for their tenant's runs; nobody else.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
@@ -82,8 +83,14 @@ def _pause(run: Run, *, actor, reason: str, until, bulk: int | None) -> bool:
         raise Conflict(f"run is already {run.status}: there is nothing to pause", code="run_finished")
     if run.cancel_requested:
         raise Conflict("run is being cancelled: there is nothing to pause", code="run_cancelling")
-    who = dict(paused_by=actor, pause_reason=reason, paused_until=until)
-    data = {"reason": reason, "until": until.isoformat() if until else None, "bulk_action": bulk}
+    who: dict[str, Any] = dict(
+        paused_by=actor, pause_reason=reason, paused_until=until, paused_by_switch=None
+    )
+    data: dict[str, Any] = {
+        "reason": reason,
+        "until": until.isoformat() if until else None,
+        "bulk_action": bulk,
+    }
     if run.lease_token is not None:
         # A worker holds the run (or held it and was lost): the call in flight is recorded first,
         # then its record or the next claim pauses the run (decisions.Pause). A lost worker's
@@ -121,8 +128,15 @@ def resume_run(
 
 
 def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int | None) -> bool:
-    cleared = dict(pause_requested=False, paused_by=None, paused_at=None, pause_reason="", paused_until=None)
-    data = {"reason": reason, "bulk_action": bulk}
+    cleared: dict[str, Any] = dict(
+        pause_requested=False,
+        paused_by=None,
+        paused_at=None,
+        pause_reason="",
+        paused_until=None,
+        paused_by_switch=None,
+    )
+    data: dict[str, Any] = {"reason": reason, "bulk_action": bulk}
     if run.status != RunStatus.PAUSED:
         if not run.pause_requested:
             return False
@@ -140,7 +154,7 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
         return True
     now = timezone.now()
     paused_for = now - run.paused_at if run.paused_at else dt.timedelta(0)
-    fields = dict(cleared)
+    fields: dict[str, Any] = dict(cleared)
     if run.deadline_at is not None:
         # The pause does not count toward max_wall_seconds (module docstring).
         fields["deadline_at"] = run.deadline_at + paused_for
@@ -213,8 +227,8 @@ def _scope(filters: dict, actor) -> tuple[dict, Tenant | None]:
         if filters.get("tenant") and tenant is None:
             raise DomainError("no such tenant", fields={"tenant": ["no tenant with this slug"]})
         return filters, tenant
-    tenant = Tenant.objects.filter(pk=actor.tenant_id).first()
     require_may_pause(actor, actor.tenant_id)
+    tenant = Tenant.objects.get(pk=actor.tenant_id)
     if filters.get("tenant") and filters["tenant"] != tenant.slug:
         raise Forbidden("a supervisor may pause or resume only their own tenant's runs", code="not_permitted")
     filters["tenant"] = tenant.slug
