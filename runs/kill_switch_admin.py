@@ -52,7 +52,28 @@ class KillSwitchAdmin(TenantScopedAdmin):
         form = super().get_form(request, obj, change=change, **kwargs)
         if obj is not None:
             form.base_fields["target"].required = False
-        return form
+            return form
+
+        class Checked(form):  # type: ignore[misc, valid-type]
+            def clean(self):
+                # A target that does not exist is the form's error, not a failed save.
+                data = super().clean()
+                tenant = self._tenant(data.get("tenant_slug"))
+                if tenant is None:
+                    self.add_error("tenant_slug" if request.user.is_superuser else None, "no such tenant")
+                elif data.get("scope") and data.get("target"):
+                    try:
+                        kill_switches.target_of(data["scope"], data["target"], tenant)
+                    except DomainError as exc:
+                        self.add_error("target", exc.message)
+                return data
+
+            def _tenant(self, slug):
+                if slug:
+                    return Tenant.objects.filter(slug=slug).first()
+                return Tenant.objects.filter(pk=request.user.tenant_id).first()
+
+        return Checked
 
     def _may(self, request) -> bool:
         return pausing.may_pause(request.user, request.user.tenant_id)

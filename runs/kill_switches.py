@@ -32,7 +32,7 @@ from tools.models import Tool
 Scope = KillSwitch.Scope
 
 
-def _target(scope: str, name: str, tenant: Tenant):
+def target_of(scope: str, name: str, tenant: Tenant):
     """The switch's target by name within the tenant (a tenant by its slug)."""
     found = {
         Scope.TENANT: lambda: Tenant.objects.filter(pk=tenant.pk, slug=name).first(),
@@ -49,7 +49,7 @@ def flip(*, actor, tenant: Tenant, scope: str, target: str, on: bool, reason: st
     if not reason.strip():
         raise DomainError("say why", fields={"reason": ["a reason is required"]})
     pausing.require_may_pause(actor, tenant.pk)
-    obj = _target(scope, target, tenant)
+    obj = target_of(scope, target, tenant)
     with transaction.atomic():
         switch, _ = KillSwitch.objects.select_for_update().get_or_create(
             scope=scope,

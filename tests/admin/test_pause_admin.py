@@ -53,3 +53,20 @@ def test_a_support_user_sees_no_pause_button(client, acme):
     client.force_login(sam)
     assert client.post(f"{RUNS}{approval.run_id}/pause/", {"reason": "x"}).status_code in (302, 403, 404)
     assert Run.objects.get(pk=approval.run_id).status == "waiting_approval"
+
+
+def test_the_switches_page_flips_a_switch_with_a_reason(as_ravi, acme):
+    from runs.models import KillSwitch, KillSwitchChange
+
+    page = "/admin/runs/killswitch/"
+    echo = acme.tools["echo"].name
+    bad = as_ravi.post(f"{page}add/", {"scope": "tool", "target": "nope", "on": "on", "reason": "x"})
+    assert bad.status_code == 200 and not KillSwitch.objects.exists()  # the form's error
+    as_ravi.post(f"{page}add/", {"scope": "tool", "target": echo, "on": "on", "reason": "echo leaks"})
+    switch = KillSwitch.objects.get()
+    assert (switch.on, switch.reason, switch.changed_by_id) == (True, "echo leaks", acme.ravi.pk)
+    assert "echo leaks" in as_ravi.get(page).content.decode()
+    as_ravi.post(f"{page}{switch.pk}/change/", {"reason": "patched"})  # the box unticked: off
+    switch.refresh_from_db()
+    assert (switch.on, switch.reason) == (False, "patched")
+    assert KillSwitchChange.objects.count() == 2
