@@ -120,24 +120,33 @@ class BulkOutput(serializers.ModelSerializer):
         fields = ["id", "kind", "actor", "reason", "filters", "count", "at"]
 
 
-class _Bulk(APIView):
-    kind = ""
-
-    @extend_schema_serializer(component_name="BulkRunAction")
-    class InputSerializer(BulkFilters):
-        reason = serializers.CharField(
+def _bulk_input(name: str, *, pause: bool) -> type[serializers.Serializer]:
+    """Each operation's request body is a component of its own."""
+    fields: dict = {
+        "reason": serializers.CharField(
             max_length=2000, help_text="why; kept with the action and each run's event"
         )
-        until = serializers.DateTimeField(
-            required=False, allow_null=True, default=None, help_text="pause only"
+    }
+    if pause:
+        fields["until"] = serializers.DateTimeField(
+            required=False,
+            allow_null=True,
+            default=None,
+            help_text="until when they are meant to stay paused",
         )
+    return extend_schema_serializer(component_name=name)(type(name, (BulkFilters,), fields))
 
-    def post(self, request):
+
+class _Bulk(APIView):
+    kind = ""
+    InputSerializer: type[serializers.Serializer]
+
+    def act(self, request):
         pausing.require_may_pause(request.user, request.user.tenant_id)
         data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         values = dict(data.validated_data)
-        reason, until = values.pop("reason"), values.pop("until")
+        reason, until = values.pop("reason"), values.pop("until", None)
         if self.kind == BulkAction.Kind.PAUSE:
             action = pausing.pause_matching(actor=request.user, reason=reason, filters=values, until=until)
         else:
@@ -147,30 +156,32 @@ class _Bulk(APIView):
 
 class BulkPauseApi(_Bulk):
     kind = BulkAction.Kind.PAUSE
+    InputSerializer = _bulk_input("PauseRuns", pause=True)
 
     @extend_schema(
         operation_id="pause_runs",
         summary="Pause every matching run",
-        request=_Bulk.InputSerializer,
+        request=InputSerializer,
         responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
     )
     def post(self, request):
         """Pause every live run the filters match, each at its step boundary; answers how many."""
-        return super().post(request)
+        return self.act(request)
 
 
 class BulkResumeApi(_Bulk):
     kind = BulkAction.Kind.RESUME
+    InputSerializer = _bulk_input("ResumeRuns", pause=False)
 
     @extend_schema(
         operation_id="resume_runs",
         summary="Resume every matching paused run",
-        request=_Bulk.InputSerializer,
+        request=InputSerializer,
         responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
     )
     def post(self, request):
         """Resume every paused run the filters match, oldest pause first, 20 a second at most."""
-        return super().post(request)
+        return self.act(request)
 
 
 @extend_schema_serializer(component_name="KillSwitch")
