@@ -95,6 +95,8 @@ def test_error_answers_carry_the_error_body_where_each_operation_can_answer_them
     assert conflicts == {
         "POST /v1/runs",
         "POST /v1/runs/{run_id}/cancel",
+        "POST /v1/runs/{run_id}/pause",
+        "POST /v1/runs/{run_id}/resume",
         "POST /v1/runs/{run_id}/steps/{seq}/resolve",
         "POST /v1/approvals/{approval_id}/approve",
         "POST /v1/approvals/{approval_id}/deny",
