@@ -46,6 +46,7 @@ from tools.display import formatted_arguments
 # to declare how to scope it.
 TENANT_PATHS = {
     "artifacts.artifact": "tenant",
+    "runs.killswitch": "tenant",
     "tenants.tenant": "pk",
     "tenants.user": "tenant",
     "tenants.secret": "tenant",

@@ -252,6 +252,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
+    # A run's status is also a filter of bulk pause/resume requests: one enum, under its own name.
+    "ENUM_NAME_OVERRIDES": {"RunStatusEnum": "runs.models.RunStatus"},
     # /v1/docs loads Swagger UI from our own static files (drf-spectacular-sidecar, pinned in
     # requirements.txt): it works on a network with no internet. No validator badge (it calls out).
     "SWAGGER_UI_DIST": "SIDECAR",

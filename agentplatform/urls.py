@@ -8,6 +8,7 @@ from approvals import api as approvals_api
 from artifacts import api as artifacts_api
 from budgets import api as budgets_api
 from runs import api as runs_api
+from runs import pause_api
 from runs.stream import RunStreamApi
 from tenants import api as tenants_api
 
@@ -19,11 +20,16 @@ v1 = [
     path("agents/<slug:name>/versions/<int:number>", agents_api.VersionDetailApi.as_view()),
     path("agents/<slug:name>/aliases/<slug:alias>", agents_api.AliasApi.as_view()),
     path("runs", runs_api.RunListApi.as_view()),
+    path("runs/pause", pause_api.BulkPauseApi.as_view()),
+    path("kill-switches", pause_api.KillSwitchApi.as_view()),
+    path("runs/resume", pause_api.BulkResumeApi.as_view()),
     path("runs/<str:run_id>", runs_api.RunDetailApi.as_view()),
     path("runs/<str:run_id>/steps", runs_api.RunStepsApi.as_view()),
     path("runs/<str:run_id>/events", runs_api.RunEventsApi.as_view()),
     path("runs/<str:run_id>/stream", RunStreamApi.as_view()),
     path("runs/<str:run_id>/cancel", runs_api.RunCancelApi.as_view()),
+    path("runs/<str:run_id>/pause", pause_api.RunPauseApi.as_view()),
+    path("runs/<str:run_id>/resume", pause_api.RunResumeApi.as_view()),
     path("runs/<str:run_id>/artifacts", artifacts_api.ArtifactListApi.as_view()),
     path("artifacts/<str:artifact_id>", artifacts_api.ArtifactDetailApi.as_view()),
     path("artifacts/<str:artifact_id>/content", artifacts_api.ArtifactContentApi.as_view()),

@@ -17,6 +17,8 @@ class Event(models.TextChoices):
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_EXPIRING = "approval_expiring"
     RUN_NEEDS_ATTENTION = "run_needs_attention"
+    RUN_PAUSED = "run_paused"  # an operator's or a kill switch's pause taken (runs/pausing.py)
+    RUN_RESUMED = "run_resumed"
 
 
 class Webhook(models.Model):

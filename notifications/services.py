@@ -77,7 +77,12 @@ def _wants(hook: Webhook, event: str) -> bool:
     return event in hook.events
 
 
-_WATCHED = Q(kind="approval_requested") | Q(kind="status", data__to=RunStatus.NEEDS_ATTENTION)
+_WATCHED = (
+    Q(kind="approval_requested")
+    | Q(kind="status", data__to=RunStatus.NEEDS_ATTENTION)
+    | Q(kind__in=["paused", "resumed"])
+)
+_PAUSES = {"paused": Event.RUN_PAUSED, "resumed": Event.RUN_RESUMED}
 
 
 def _scan_run_events(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:
@@ -119,6 +124,13 @@ def _event_deliveries(events: list[RunEvent], hooks: dict[int, list[Webhook]]) -
                 continue
             kind, subject = Event.APPROVAL_REQUESTED, str(approval.pk)
             payload = {"occurred_at": event.at.isoformat(), **_approval_payload(approval, run)}
+        elif event.kind in _PAUSES:
+            kind, subject = _PAUSES[event.kind], f"{run.pk}:{event.seq}"
+            payload = {
+                "occurred_at": event.at.isoformat(),
+                "run": _run_payload(run),
+                "reason": event.data.get("reason") or event.message,
+            }
         else:
             kind, subject = Event.RUN_NEEDS_ATTENTION, f"{run.pk}:{event.seq}"
             payload = {

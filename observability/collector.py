@@ -63,6 +63,23 @@ class DatabaseCollector:
                 runs.add_metric([tenant_slug, status], counts.get((tenant_id, status), 0))
         yield runs
 
+        # Operators' holds (runs/pausing.py): one reason is shared by a bulk action's runs, and
+        # the reason is cut, so the label set stays as small as the number of pauses people make.
+        paused = GaugeMetricFamily(
+            "agentplatform_runs_paused",
+            "Paused runs, by tenant, agent and reason.",
+            labels=["tenant", "agent", "reason"],
+        )
+        for slug, agent, reason, n in (
+            Run.objects.filter(status=RunStatus.PAUSED)
+            .values("tenant__slug", "agent__name", "pause_reason")
+            .annotate(n=Count("id"))
+            .values_list("tenant__slug", "agent__name", "pause_reason", "n")
+            .order_by()
+        ):
+            paused.add_metric([slug, agent, reason[:60]], n)
+        yield paused
+
         attention = GaugeMetricFamily(
             "agentplatform_runs_needing_attention", "Runs waiting for a person to resolve an unknown outcome."
         )

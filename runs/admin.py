@@ -33,9 +33,13 @@ from approvals.services import can_approve
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
-from runs import admission
+from runs import (
+    admission,
+    kill_switch_admin,  # noqa: F401 -- registers the operators' page of kill switches
+)
 from runs.display import run_title, status_label
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, Step, StepKind, StepStatus
+from runs.pause_admin import PauseAdminMixin
 from runs.recovery.resolution import OUTCOMES, resolve_step
 from runs.search import Q_MAX, search
 from runs.selectors import events_of, steps_of
@@ -223,7 +227,7 @@ class ResolveForm(forms.Form):
 
 
 @admin.register(Run, site=site)
-class RunAdmin(ReadOnlyAdmin):
+class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
 
     list_display = ["short_id", "title", "version_number", "status_label", "created", "spent"]
@@ -240,7 +244,7 @@ class RunAdmin(ReadOnlyAdmin):
         "A run id or its first characters (a7390f2e), or a value of its input or metadata (TXN-1002)."
     )
     date_hierarchy = "created_at"
-    actions = ["cancel_selected"]
+    actions = ["cancel_selected", "pause_selected", "resume_selected"]
 
     def changelist_view(self, request, extra_context=None):
         return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
@@ -319,6 +323,7 @@ class RunAdmin(ReadOnlyAdmin):
             "run_events": [event_row(e, run.tenant) for e in events if e.step_seq is None],
             "event_count": len(events),
             "can_cancel": not run.is_terminal and self.has_cancel_permission(request, run),
+            **self.pause_context(request, run),
             "can_open_version": request.user.has_perm("agents.view_agentversion"),
             "watch_url": reverse("admin:runs_run_watch", args=[run.pk]) if not run.is_terminal else "",
             "marker": run_marker(run),

@@ -16,6 +16,7 @@ STATUS_LABELS = {
     RunStatus.WAITING_BUDGET: "waiting for budget",
     RunStatus.WAITING_SETTLE: "waiting for the provider",
     RunStatus.NEEDS_ATTENTION: "needs attention",
+    RunStatus.PAUSED: "paused",
     RunStatus.SUCCEEDED: "succeeded",
     RunStatus.FAILED: "failed",
     RunStatus.CANCELLED: "cancelled",

@@ -13,6 +13,7 @@ class RunStatus(models.TextChoices):
     WAITING_BUDGET = "waiting_budget"
     WAITING_SETTLE = "waiting_settle"  # a call's outcome is not knowable yet (DESIGN.md 5.1)
     NEEDS_ATTENTION = "needs_attention"
+    PAUSED = "paused"  # an operator's or a kill switch's hold, taken at a step boundary (runs/pausing.py)
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -25,18 +26,29 @@ WAITING = {
     RunStatus.WAITING_BUDGET,
     RunStatus.WAITING_SETTLE,
     RunStatus.NEEDS_ATTENTION,
+    RunStatus.PAUSED,
 }
 _END = {RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.STOPPED}
 
 RUN_TRANSITIONS: dict[str, set[str]] = {
     # queued -> waiting_budget: not admitted yet (runs/admission.py); waiting_budget -> queued: admitted.
-    RunStatus.QUEUED: {RunStatus.RUNNING, RunStatus.WAITING_BUDGET} | _END,
+    RunStatus.QUEUED: {RunStatus.RUNNING, RunStatus.WAITING_BUDGET, RunStatus.PAUSED} | _END,
     RunStatus.RUNNING: WAITING | TERMINAL,
-    RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING} | _END,
-    RunStatus.WAITING_BUDGET: {RunStatus.RUNNING, RunStatus.QUEUED} | _END,
+    RunStatus.WAITING_APPROVAL: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
+    RunStatus.WAITING_BUDGET: {RunStatus.RUNNING, RunStatus.QUEUED, RunStatus.PAUSED} | _END,
     # A cancel never drops a call in flight: it waits for a person (runs.services.cancel_run).
-    RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION} | _END,
-    RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING} | _END,
+    RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION, RunStatus.PAUSED} | _END,
+    RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
+    # Paused from any live status; resumed to where the run can go on (runs/pausing.py): queued
+    # if it never started, waiting_budget if never admitted, else running (the claim re-decides);
+    # -> needs_attention: cancelled with a scheduled retry's outcome unknown (services.cancel_run).
+    RunStatus.PAUSED: {
+        RunStatus.RUNNING,
+        RunStatus.QUEUED,
+        RunStatus.WAITING_BUDGET,
+        RunStatus.NEEDS_ATTENTION,
+    }
+    | _END,
     RunStatus.SUCCEEDED: set(),
     RunStatus.FAILED: set(),
     RunStatus.CANCELLED: set(),
@@ -72,6 +84,18 @@ class Run(models.Model):
     error = models.TextField(blank=True)
     final_output = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
+    # An operator's pause (runs/pausing.py): requested while a call is in flight, taken by the
+    # record or the next claim at the step boundary; who, why and until when, kept while paused.
+    pause_requested = models.BooleanField(default=False)
+    paused_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    paused_at = models.DateTimeField(null=True, blank=True)
+    pause_reason = models.TextField(blank=True)
+    paused_until = models.DateTimeField(null=True, blank=True)
+    paused_by_switch = models.ForeignKey(
+        "runs.KillSwitch", null=True, blank=True, on_delete=models.SET_NULL, related_name="paused_runs"
+    )  # turning the switch off resumes the runs it paused
     lease_token = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     step_count = models.PositiveIntegerField(default=0)
@@ -282,3 +306,7 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+
+# An operator's controls over runs (runs/pausing.py, runs/kill_switches.py), in a module of their own.
+from runs.control_models import BulkAction, KillSwitch, KillSwitchChange  # noqa: E402, F401

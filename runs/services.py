@@ -13,7 +13,7 @@ from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from budgets.services import create_run_account
-from runs import admission
+from runs import admission, kill_switches
 from runs.models import (
     TERMINAL,
     Run,
@@ -102,6 +102,7 @@ def start_run(
         raise Forbidden(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
         )
+    kill_switches.refuse_start(tenant, pinned.agent_id)
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)
     expected, source = admission.expectation(version=pinned, limits=limits, tenant=tenant)

@@ -26,7 +26,7 @@ from django.utils import timezone
 from approvals import services as approvals
 from llm import gateway as model_gateway
 from observability import observe
-from runs import statements
+from runs import kill_switches, statements
 from runs.approval_effects import request_approval
 from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
@@ -103,6 +103,7 @@ def view_of(run: Run) -> decisions.RunView:
     return decisions.RunView(
         status=run.status,
         cancel_requested=run.cancel_requested,
+        pause_requested=run.pause_requested,
         deadline_at=run.deadline_at,
         leased=run.lease_token is not None,
         lease_expires_at=run.lease_expires_at,
@@ -167,6 +168,8 @@ def _apply(
             writer.end(run, decision)
         case decisions.Park():
             writer.park(run, decision)
+        case decisions.Pause():
+            writer.pause(run)
         case decisions.WaitForRetry():
             continue_run(run, countdown=decision.countdown)
         case decisions.Poison():
@@ -177,6 +180,10 @@ def _apply(
             return _new_plan(run, "recover_model", 5, step_id=inflight.pk)
         case decisions.Retry():
             assert inflight is not None and inflight.tool is not None
+            if inflight.next_attempt_at is not None and kill_switches.stops_call(
+                run, tool_id=inflight.tool_id
+            ):
+                return None  # a scheduled retry to a killed tool waits, kept, for the switch to go off
             writer.recovery_event(run, inflight, decision, effect=inflight.tool.effect_class)
             inflight.run = run
             return _new_plan(
@@ -195,8 +202,12 @@ def _apply(
             if decision.platform:
                 platform_tools.answer(run, step)
                 return None
+            if kill_switches.stops_call(run, tool_id=step.tool_id):
+                return None  # a killed tool is never called: the run is paused, the call kept
             return _open_tool_call(run, step, window)
         case decisions.CallModel():
+            if kill_switches.stops_call(run, endpoint_id=run.version.model_endpoint_id):
+                return None
             return _plan_model(run, window, decision.seq, upto)
     return None
 

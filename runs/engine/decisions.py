@@ -74,6 +74,7 @@ class RunView:
 
     status: str
     cancel_requested: bool = False
+    pause_requested: bool = False  # an operator's pause, taken at this step boundary
     deadline_at: dt.datetime | None = None
     leased: bool = False  # a lease token is set
     lease_expires_at: dt.datetime | None = None
@@ -117,6 +118,12 @@ class Quiet:
 @dataclass(frozen=True, slots=True)
 class Cancel:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """An operator asked to pause the run while a call was in flight: it is recorded, nothing new
+    is dispatched, the run waits as a row (status paused) until someone resumes it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +233,7 @@ class GiveUp:
 Decision = (
     Quiet
     | Cancel
+    | Pause
     | Stop
     | FailRun
     | Park
@@ -276,6 +284,12 @@ def next_move(
         return Quiet("leased by a live worker")
     if run.cancel_requested:
         return Cancel()
+    if run.pause_requested:
+        lost = next((s for s in log if s.status == DISPATCHING and s.next_attempt_at is None), None)
+        # A call lost with its worker is recovered first (the table below: it may be settled,
+        # asked about or sent again with its key); a scheduled retry waits, kept, until resume.
+        if lost is None:
+            return Pause()
     if run.deadline_at is not None and now >= run.deadline_at:
         return Stop("deadline", "stopped: deadline passed")
     inflight = in_flight(log)

@@ -155,6 +155,8 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not calls:
             end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
+        elif run.pause_requested:
+            writer.pause(run)  # its proposed calls wait, undispatched, for the resume
         else:
             continue_run(run)
 

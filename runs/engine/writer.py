@@ -28,6 +28,7 @@ from runs.transitions import (
     void_approval,
     write_run_at_end,
 )
+from tenants.models import User
 
 STOP_REASONS = {reason.value for reason in StopReason}
 
@@ -63,6 +64,30 @@ def end(run: Run, decision: decisions.Cancel | decisions.Stop | decisions.FailRu
 
 def park(run: Run, decision: decisions.Park) -> None:
     transition_run(run, decision.status, message=decision.message)
+
+
+def pause(run: Run) -> None:
+    """An operator's pause requested during a call, taken at this step boundary: the run waits as
+    a row (no lease, no message) until runs.pausing.resume_run re-enqueues it."""
+    paused_at = timezone.now()
+    message = "paused" + (f": {run.pause_reason}" if run.pause_reason else "")
+    transition_run(
+        run,
+        RunStatus.PAUSED,
+        message=message,
+        event_data={"reason": run.pause_reason},
+        pause_requested=False,
+        paused_at=paused_at,
+    )
+    record_event(
+        run.pk,
+        "paused",
+        message,
+        actor=User(pk=run.paused_by_id) if run.paused_by_id else None,
+        reason=run.pause_reason,
+        until=run.paused_until.isoformat() if run.paused_until else None,
+        at_step_boundary=True,
+    )
 
 
 def count_crash(run: Run, step: Step) -> None:
@@ -242,6 +267,9 @@ def tool_finished(run: Run, step: Step) -> None:
         return
     if run.cancel_requested:
         end(run, decisions.Cancel())
+        return
+    if run.pause_requested:
+        pause(run)
         return
     continue_run(run)
 

@@ -154,7 +154,9 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
 def _stop_past_deadline(now: dt.datetime) -> int:
     count = 0
     for run_id in (
-        Run.objects.exclude(status__in=TERMINAL)
+        Run.objects.exclude(
+            status__in=TERMINAL | {RunStatus.PAUSED}
+        )  # a pause does not count (runs/pausing.py)
         .filter(deadline_at__lt=now)
         .values_list("pk", flat=True)[:BATCH]
     ):

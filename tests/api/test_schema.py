@@ -46,7 +46,7 @@ def test_every_request_body_is_a_component_of_its_own_operation(schema):
     bodies = {
         name: json_schema(op["requestBody"])["$ref"] for name, op in operations(schema) if "requestBody" in op
     }
-    assert len(bodies) == 12
+    assert len(bodies) == 17
     assert len(set(bodies.values())) == len(bodies), bodies
     assert bodies["POST /v1/runs"] == "#/components/schemas/StartRunRequest"
     assert bodies["POST /v1/approvals/{approval_id}/approve"] == "#/components/schemas/ApproveRequest"
@@ -95,6 +95,8 @@ def test_error_answers_carry_the_error_body_where_each_operation_can_answer_them
     assert conflicts == {
         "POST /v1/runs",
         "POST /v1/runs/{run_id}/cancel",
+        "POST /v1/runs/{run_id}/pause",
+        "POST /v1/runs/{run_id}/resume",
         "POST /v1/runs/{run_id}/steps/{seq}/resolve",
         "POST /v1/approvals/{approval_id}/approve",
         "POST /v1/approvals/{approval_id}/deny",

@@ -121,6 +121,19 @@ MODEL_WITH_CALLS = step(1, "model", has_tool_calls=True)
         (run(), [step(1, "model", "dispatching")], d.RecoverModel),
         (run(), [step(1, "model", "dispatching", crashes=2)], d.Poison),
         (run(engine_errors=3), [], d.Poison),
+        # An operator's pause, at the step boundary: after cancel, before anything is dispatched.
+        (run(pause_requested=True), [MODEL_WITH_CALLS, step(2, status="proposed")], d.Pause),
+        (run(pause_requested=True), [], d.Pause),
+        (run(pause_requested=True, cancel_requested=True), [], d.Cancel),
+        (run(pause_requested=True, leased=True, lease_expires_at=NOW + SECOND), [], d.Quiet),
+        (run(pause_requested=True, deadline_at=NOW), [], d.Pause),  # the pause does not count
+        # a call lost with its worker is recovered first; a scheduled retry waits for the resume
+        (run(pause_requested=True), [step(1, "model", "dispatching")], d.RecoverModel),
+        (
+            run(pause_requested=True),
+            [MODEL_WITH_CALLS, step(2, status="dispatching", next_attempt_at=NOW + SECOND)],
+            d.Pause,
+        ),
     ],
 )
 def test_next_move(view, log, expected):
@@ -179,6 +192,21 @@ RUN_MOVES = {
     d.FailRun: [("running", "failed")],
     d.Finish: [("running", "succeeded")],
     d.Poison: [("running", "failed")],
+    d.Pause: [("running", "paused")],
+    # runs/pausing.py: a pause no worker holds, from every live status; a resume, to where it goes on
+    "pause_run": [
+        (old, "paused")
+        for old in (
+            "queued",
+            "running",
+            "waiting_approval",
+            "waiting_budget",
+            "waiting_settle",
+            "needs_attention",
+        )
+    ],
+    "resume_run": [("paused", "running"), ("paused", "queued"), ("paused", "waiting_budget")],
+    "cancel_paused": [("paused", "cancelled"), ("paused", "needs_attention")],
 }
 
 

@@ -1,0 +1,147 @@
+"""Kill switches: an operator's stop on a tenant, an agent, a tool or a model endpoint.
+
+    flip(actor, scope, target, on, reason)   turn a switch on or off (audited: KillSwitchChange);
+                                             off resumes the runs it paused, oldest pause first,
+                                             at pausing.RESUME_PER_SECOND
+    refuse_start(tenant, agent_id)           services.start_run: a killed tenant or agent starts
+                                             no run (423, naming the switch, who set it and why)
+    stops_call(run, tool_id=, endpoint_id=)  the claim, before a call is reserved and dispatched:
+                                             a killed tool or endpoint is never called; the run is
+                                             paused with the switch as its reason
+
+The claim's probe is one statement on the partial index `kill_switch_on` (empty while no switch
+is on). A call already committed as `dispatching` before a switch went on is in flight and
+finishes; no call after that is sent. Who may flip: as for pausing (runs/pausing.may_pause).
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from agentplatform.errors import DomainError
+from agents.models import AgentDefinition
+from llm.models import ModelEndpoint
+from runs import pausing
+from runs.models import KillSwitch, KillSwitchChange, Run, RunStatus
+from runs.transitions import atomic_with_events, lock_run, record_event, transition_run
+from tenants.models import Tenant, User
+from tools.models import Tool
+
+Scope = KillSwitch.Scope
+
+
+def target_of(scope: str, name: str, tenant: Tenant):
+    """The switch's target by name within the tenant (a tenant by its slug)."""
+    found = {
+        Scope.TENANT: lambda: Tenant.objects.filter(pk=tenant.pk, slug=name).first(),
+        Scope.AGENT: lambda: AgentDefinition.objects.filter(tenant=tenant, name=name).first(),
+        Scope.TOOL: lambda: Tool.objects.filter(tenant=tenant, name=name).first(),
+        Scope.ENDPOINT: lambda: ModelEndpoint.objects.filter(tenant=tenant, name=name).first(),
+    }[Scope(scope)]()
+    if found is None:
+        raise DomainError(f"no {scope} {name} in {tenant.slug}", fields={"target": [f"no such {scope}"]})
+    return found
+
+
+def flip(*, actor, tenant: Tenant, scope: str, target: str, on: bool, reason: str) -> KillSwitchChange:
+    if not reason.strip():
+        raise DomainError("say why", fields={"reason": ["a reason is required"]})
+    pausing.require_may_pause(actor, tenant.pk)
+    obj = target_of(scope, target, tenant)
+    with transaction.atomic():
+        switch, _ = KillSwitch.objects.select_for_update().get_or_create(
+            scope=scope,
+            target_id=obj.pk,
+            defaults={
+                "tenant": tenant,
+                "target_name": target,
+                "on": on,
+                "changed_by": actor,
+                "reason": reason,
+                "changed_at": timezone.now(),
+            },
+        )
+        KillSwitch.objects.filter(pk=switch.pk).update(
+            on=on, changed_by=actor, reason=reason, changed_at=timezone.now()
+        )
+        switch.on, switch.changed_by, switch.reason = on, actor, reason
+        change = KillSwitchChange.objects.create(switch=switch, on=on, actor=actor, reason=reason)
+    if not on:
+        change.runs_resumed = _resume_paused_by(switch, actor=actor, reason=reason)
+        KillSwitchChange.objects.filter(pk=change.pk).update(runs_resumed=change.runs_resumed)
+    return change
+
+
+def _resume_paused_by(switch: KillSwitch, *, actor, reason: str) -> int:
+    count = 0
+    for run_id in (
+        Run.objects.filter(paused_by_switch=switch, status=RunStatus.PAUSED)
+        .order_by("paused_at", "created_at")
+        .values_list("pk", flat=True)
+    ):
+        with atomic_with_events():
+            run = lock_run(run_id)
+            if run.status != RunStatus.PAUSED or run.paused_by_switch_id != switch.pk:
+                continue  # resumed, or paused again by a person, meanwhile
+            count += pausing._resume(
+                run,
+                actor=actor,
+                reason=f"kill switch {switch.scope} {switch.target_name} turned off: {reason}",
+                countdown=count / pausing.RESUME_PER_SECOND,
+                bulk=None,
+            )
+    return count
+
+
+def _describe(switch: KillSwitch) -> str:
+    who = switch.changed_by.username if switch.changed_by is not None else "an operator"
+    return f"kill switch on {switch.scope} {switch.target_name}, set by {who}: {switch.reason}"
+
+
+def refuse_start(tenant: Tenant, agent_id: int) -> None:
+    """A run of a killed tenant or agent is not started (423, with the switch's who and why)."""
+    switch = (
+        KillSwitch.objects.filter(on=True)
+        .filter(Q(scope=Scope.TENANT, target_id=tenant.pk) | Q(scope=Scope.AGENT, target_id=agent_id))
+        .select_related("changed_by")
+        .first()
+    )
+    if switch is not None:
+        raise DomainError(f"no new runs: {_describe(switch)}", code="kill_switch_on", status=423)
+
+
+def stops_call(run: Run, *, tool_id: int | None = None, endpoint_id: int | None = None) -> bool:
+    """In the claim, with `run` locked, before anything is reserved: True (and the run paused,
+    with the switch as its reason) if the call's tool or endpoint is killed."""
+    scope, target = (Scope.TOOL, tool_id) if tool_id is not None else (Scope.ENDPOINT, endpoint_id)
+    if target is None:
+        return False
+    switch = (
+        KillSwitch.objects.filter(on=True, scope=scope, target_id=target).select_related("changed_by").first()
+    )
+    if switch is None:
+        return False
+    message = f"paused: {_describe(switch)}"
+    transition_run(
+        run,
+        RunStatus.PAUSED,
+        message=message,
+        pause_requested=False,
+        paused_at=timezone.now(),
+        paused_by=switch.changed_by,
+        pause_reason=_describe(switch),
+        paused_until=None,
+        paused_by_switch=switch,
+    )
+    record_event(
+        run.pk,
+        "paused",
+        message,
+        actor=User(pk=switch.changed_by_id) if switch.changed_by_id else None,
+        reason=_describe(switch),
+        kill_switch=switch.pk,
+        at_step_boundary=True,
+    )
+    return True
