@@ -374,7 +374,10 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": LOG_FORMAT,
-            "filters": ["run_context", "quiet_periodic"],
+            # LOG_QUIET_PERIODIC=0 keeps the periodic passes' "nothing found" lines (a test counts them).
+            "filters": ["run_context", "quiet_periodic"]
+            if env_bool("LOG_QUIET_PERIODIC", True)
+            else ["run_context"],
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},

@@ -76,7 +76,11 @@ class KillSwitchAdmin(TenantScopedAdmin):
         return Checked
 
     def _may(self, request) -> bool:
-        return pausing.may_pause(request.user, request.user.tenant_id)
+        user = request.user
+        # The admin asks every model's permissions on its login page too, for an anonymous user.
+        if not user.is_authenticated or not user.is_active:
+            return False
+        return pausing.may_pause(user, user.tenant_id)
 
     def has_module_permission(self, request):
         return self._may(request)

@@ -23,7 +23,12 @@ PASS_ENDED = re.compile(r"notifications\.tasks\.notify\[[^\]]+\] succeeded in") 
 
 @pytest.fixture
 def beat_and_worker(tmp_path):
-    env = {"NOTIFY_INTERVAL_SECONDS": str(INTERVAL), "SWEEP_INTERVAL_SECONDS": "3600"}
+    # LOG_QUIET_PERIODIC=0: the test counts the passes by the worker's log lines of each.
+    env = {
+        "NOTIFY_INTERVAL_SECONDS": str(INTERVAL),
+        "SWEEP_INTERVAL_SECONDS": "3600",
+        "LOG_QUIET_PERIODIC": "0",
+    }
     worker = Worker("notify", env=env)
     queue = worker.args.index("-Q") + 1
     worker.args[queue] = f"{settings.CELERY_TASK_DEFAULT_QUEUE},{settings.SWEEP_QUEUE}"
