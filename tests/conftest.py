@@ -41,8 +41,18 @@ def _machine_services_untouched():
 
 @pytest.fixture(autouse=True)
 def _purge_broker():
-    """Unit tests drive runs in-process; drop the messages their commits sent to the broker."""
+    """Unit tests drive runs in-process; drop the messages their commits sent to the broker.
+
+    Before the test too: the sweeper reads the queue's oldest message (runs/recovery/broker.py),
+    so a message left by anything that published after the last test's teardown (a worker still
+    stopping, a late on-commit) would make a test's lost run look merely queued behind it.
+    """
+    _empty_queue()
     yield
+    _empty_queue()
+
+
+def _empty_queue() -> None:
     if settings.CELERY_BROKER_URL.startswith("redis"):
         import redis
 
