@@ -134,6 +134,14 @@ def fetch(sql: str, params, *models) -> list[list]:
         return [split(row, *models) for row in cursor.fetchall()]
 
 
+def fetch_with_rest(sql: str, params, *models) -> list[tuple[list, tuple]]:
+    """As fetch, with each row's columns after the models' own: (instances, the rest)."""
+    width = sum(len(_fields(model)[0]) for model in models)
+    with connection.cursor() as cursor:
+        execute(cursor, sql, params)
+        return [(split(row, *models), tuple(row[width:])) for row in cursor.fetchall()]
+
+
 def insert(objs: list) -> None:
     """INSERT the (new) instances of one model in one statement and set their primary keys.
 
@@ -142,23 +150,29 @@ def insert(objs: list) -> None:
     """
     if not objs:
         return
-    model = type(objs[0])
-    meta = model._meta
-    fields = [f for f in meta.concrete_fields if not (f.primary_key and getattr(objs[0], f.attname) is None)]
-    params = []
-    for obj in objs:
-        params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
-    row = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    meta = type(objs[0])._meta
+    text, params = insert_sql(objs)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table(model)} ({', '.join(quote(f.column) for f in fields)}) "
-            f"VALUES {', '.join([row] * len(objs))} RETURNING {quote(meta.pk.column)}",
-            params,
-        )
+        cursor.execute(f"{text} RETURNING {quote(meta.pk.column)}", params)
         for obj, (pk,) in zip(objs, cursor.fetchall()):
             setattr(obj, meta.pk.attname, pk)
             obj._state.adding = False
             obj._state.db = connection.alias
+
+
+def insert_sql(objs: list) -> tuple[str, list]:
+    """The INSERT of `insert` (without its RETURNING), and its parameters, for a caller that sends
+    it inside another statement."""
+    model = type(objs[0])
+    fields = [
+        f for f in model._meta.concrete_fields if not (f.primary_key and getattr(objs[0], f.attname) is None)
+    ]
+    params = []
+    for obj in objs:
+        params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
+    row = "(" + ", ".join(["%s"] * len(fields)) + ")"
+    columns = ", ".join(quote(f.column) for f in fields)
+    return f"INSERT INTO {table(model)} ({columns}) VALUES {', '.join([row] * len(objs))}", params
 
 
 def _value(field, obj):
@@ -184,6 +198,14 @@ def take(model, pk, field: str, count: int) -> int:
 
 def update(model, pk, *, where: dict | None = None, **values) -> int:
     """UPDATE one row by primary key (and `where` equalities, for conditional updates): rows changed."""
+    text, params = update_sql(model, pk, where=where, **values)
+    with connection.cursor() as cursor:
+        cursor.execute(text, params)
+        return cursor.rowcount
+
+
+def update_sql(model, pk, *, where: dict | None = None, **values) -> tuple[str, list]:
+    """The UPDATE of `update`, and its parameters, for a caller that sends it inside another statement."""
     meta = model._meta
     sets, params = [], []
     for name, value in values.items():
@@ -196,8 +218,4 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
         field = meta.get_field(name)
         conditions.append(f"{quote(field.column)} = %s")
         params.append(field.get_db_prep_value(value, connection))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params
-        )
-        return cursor.rowcount
+    return f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params

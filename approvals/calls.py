@@ -58,10 +58,12 @@ def legacy_rules(run: Run, tool) -> tuple[str, ...]:
 def request_for(
     run: Run, tool, arguments: dict, *, user, history=None, editor=None, tool_names=None
 ) -> cedar.CallRequest:
+    reads = run.claim_reads
     return cedar.CallRequest(
         tenant_id=run.tenant_id,
         user=user,
-        groups=groups_of(user),
+        # The creator's groups as the claim read them with the run's lock, else read now.
+        groups=list(reads.groups) if reads is not None and user.pk == run.created_by_id else groups_of(user),
         tool=tool,
         arguments=arguments,
         agent_name=run.agent.name,
@@ -128,9 +130,17 @@ def _history(
     )
 
 
+def policies_of(run: Run) -> cedar.Compiled | None:
+    """The tenant's compiled policies, at the version the claim read with the run's lock (else read now)."""
+    reads = run.claim_reads
+    if reads is None:
+        return cedar.compiled(run.tenant_id)
+    return cedar.compiled(run.tenant_id, version=reads.policy_version)
+
+
 def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     """Why the tenant's policies refuse this call now, or None (see the module's opening)."""
-    policies = cedar.compiled(run.tenant_id)
+    policies = policies_of(run)
     if policies is None:
         return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
     tool = step.tool
@@ -151,6 +161,7 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     # Read by decision_for and count_call in the same transaction (attributes of this instance only).
     setattr(step, "policy_verdict", verdict)  # noqa: B010
     setattr(step, "policy_totals", (tenant_row.pk, user_row.pk))  # noqa: B010
+    setattr(step, "policy_config", policies.config)  # noqa: B010
     record_shadow(run, step, verdict)
     return str(verdict.denial) if verdict.denial else None
 
@@ -204,8 +215,11 @@ def count_call(step: Step) -> None:
     tool = step.tool
     if tool is None:
         return
-    config = cedar.compiled(tool.tenant_id)
-    name = config.config.totals.get(tool.name) if config else None
+    config = getattr(step, "policy_config", None)  # set by check_call in this transaction
+    if config is None:
+        policies = cedar.compiled(tool.tenant_id)
+        config = policies.config if policies else None
+    name = config.totals.get(tool.name) if config else None
     amount = counted_amount(step.arguments or {}, name)
     if connection.vendor != "postgresql":
         # SQLite (make demo) has no INSERT inside WITH; its writers queue anyway.

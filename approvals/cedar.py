@@ -112,20 +112,32 @@ class Compiled:
     uses_spend: bool = True  # whether any policy reads context.run.spend (a query per call)
 
 
+class Unread:
+    """The caller did not read the policy version: compiled() reads it."""
+
+
+UNREAD = Unread()
+
 _cache: dict[int, Compiled] = {}
 _cache_lock = threading.Lock()
 
 
-def compiled(tenant_id: int) -> Compiled | None:
-    """The tenant's policies, parsed; None when the tenant has none (one query per decision)."""
-    with connection.cursor() as cursor:  # on every tool call: the ORM's query building costs more
-        cursor.execute(
-            f"SELECT version FROM {TenantPolicies._meta.db_table} WHERE tenant_id = %s", [tenant_id]
-        )
-        row = cursor.fetchone()
-    if row is None:
+def compiled(tenant_id: int, *, version: int | None | Unread = UNREAD) -> Compiled | None:
+    """The tenant's policies, parsed; None when the tenant has none.
+
+    `version`: the tenant's policy version as the caller read it in this transaction (the
+    engine's claim reads it with the run's lock: runs.models.ClaimReads), None for no policies;
+    otherwise it is read here (one query).
+    """
+    if isinstance(version, Unread):
+        with connection.cursor() as cursor:  # the ORM's query building costs more
+            cursor.execute(
+                f"SELECT version FROM {TenantPolicies._meta.db_table} WHERE tenant_id = %s", [tenant_id]
+            )
+            row = cursor.fetchone()
+        version = row[0] if row is not None else None
+    if version is None:
         return None
-    version = row[0]
     found = _cache.get(tenant_id)
     if found is not None and found.version == version:
         return found

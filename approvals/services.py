@@ -38,7 +38,9 @@ def decision_for(run: Run, tool: Tool, arguments: dict, *, step: Step | None = N
     verdict = getattr(step, "policy_verdict", None)
     if verdict is None:
         request = calls.request_for(run, tool, arguments, user=run.created_by)
-        verdict = cedar.evaluate(request, legacy=calls.legacy_rules(run, tool))
+        verdict = cedar.evaluate(
+            request, legacy=calls.legacy_rules(run, tool), policies=calls.policies_of(run)
+        )
     if not verdict.approval.required and step is not None:
         calls.count_call(step)
     return verdict.approval

@@ -28,12 +28,30 @@ from bench import engine as engine_bench
 from bench import peers, sqlcount
 
 
+def _caller() -> str:
+    """The innermost frame of the product's own code (not the SQL helpers) that sent a statement."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if (
+            name.startswith(str(ROOT))
+            and "/.venv/" not in name
+            and not name.endswith(("sql.py", "sqlcount.py"))
+        ):
+            return f"{Path(name).relative_to(ROOT)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--sql", action="store_true")
+    parser.add_argument(
+        "--callers", action="store_true", help="with --sql: each statement by the product line that sent it"
+    )
     parser.add_argument("--sort", default="cumulative", help="pstats order: cumulative, tottime, ...")
     parser.add_argument("--no-profile", action="store_true", help="CPU per step without the profiler's cost")
     opts = parser.parse_args()
@@ -80,7 +98,8 @@ def main() -> None:
             original = connection.ops.__class__.last_executed_query
 
             def remember(ops, cursor, sql, params):
-                texts[" ".join(str(sql).split())[:90]] += 1
+                text = " ".join(str(sql).split())[:90]
+                texts[f"{text}  <- {_caller()}" if opts.callers else text] += 1
                 return original(ops, cursor, sql, params)
 
             connection.ops.__class__.last_executed_query = remember
@@ -124,7 +143,7 @@ def main() -> None:
             print("own CPU by package or engine file (share of the profiled time):")
             for where, seconds in by_package.most_common(25):
                 print(f"{seconds * 100 / total:6.1f}% {where}")
-        for text, n in texts.most_common(40):
+        for text, n in texts.most_common(60):
             print(f"{n / steps:6.2f} {text}")
     finally:
         for proc in servers:

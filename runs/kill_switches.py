@@ -118,6 +118,8 @@ def stops_call(run: Run, *, tool_id: int | None = None, endpoint_id: int | None 
     scope, target = (Scope.TOOL, tool_id) if tool_id is not None else (Scope.ENDPOINT, endpoint_id)
     if target is None:
         return False
+    if run.claim_reads is not None and not run.claim_reads.switches_on:
+        return False  # read with the run's lock: no tool or endpoint switch of its tenant is on
     switch = (
         KillSwitch.objects.filter(on=True, scope=scope, target_id=target).select_related("changed_by").first()
     )

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import models
@@ -68,7 +69,21 @@ class StopReason(models.TextChoices):
     RUN_AGENT_REVOKED = "run_agent_revoked"
 
 
+@dataclass(frozen=True)
+class ClaimReads:
+    """What a step's claim reads with the run's lock, in the same statement (runs.transitions
+    .lock_run): each would otherwise be a statement of its own on every step."""
+
+    policy_version: int | None  # the tenant's Cedar policies (approvals/cedar.py); None: it has none
+    switches_on: bool  # a tool or endpoint kill switch of the tenant is on (runs/kill_switches.py)
+    groups: tuple[str, ...]  # the creator's tenant groups, by name (Cedar's principal parents)
+    may_run_agent: bool  # the creator holds run_agent on the run's agent right now
+
+
 class Run(models.Model):
+    # Set by lock_run(for_step=True) on the instance it returns; not a column.
+    claim_reads: ClaimReads | None = None
+
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="runs")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="runs")

@@ -11,10 +11,12 @@ PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from django.db import connection, models
 
 from agentplatform import sql
+from agentplatform.errors import IllegalTransition
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
 RUNS = sql.table(Run)
@@ -33,39 +35,85 @@ _EVENT_FIELDS = [_field(RunEvent, name) for name in ("at", "kind", "step_seq", "
 _EVENT_CASTS = ("timestamptz", "text", "integer", "bigint", "text", "jsonb")
 
 
+@dataclass(frozen=True)
+class StepWrite:
+    """A guarded step UPDATE deferred to the run's one statement at the end of the transaction
+    (runs.transitions.transition_step(defer=True))."""
+
+    step_id: int
+    status: str  # the status it was read in: the guard
+    values: dict  # columns to write, by field name
+
+    def sql(self) -> tuple[str, list, int]:
+        text, params = sql.update_sql(Step, self.step_id, where={"status": self.status}, **self.values)
+        return text, params, 1
+
+
+@dataclass(frozen=True)
+class StepInsert:
+    """New steps whose INSERT is deferred to the run's one statement (runs.transitions.insert_steps)."""
+
+    steps: list[Step]
+
+    def sql(self) -> tuple[str, list, int]:
+        text, params = sql.insert_sql(self.steps)
+        return text, params, len(self.steps)
+
+
 @functools.cache
-def _insert_events_sql(count: int, sets: tuple[str, ...], adds: tuple[str, ...]) -> str:
+def _insert_events_sql(
+    count: int, sets: tuple[str, ...], adds: tuple[str, ...], guarded: tuple[str, ...]
+) -> str:
     """INSERT_EVENTS for `count` events of one run, and the run's own columns written with them.
 
     The run's event counter moves and the events are inserted in one statement: the UPDATE
     locks the run row (the engine holds it already), so writers of one run number in turn. The
     same UPDATE writes what the transaction deferred to its end (runs.transitions.write_run_at_end:
     the lease, the step counters, the enqueue time), so a step's run row is written once.
+    `guarded`: the texts of deferred step writes (StepWrite, StepInsert), run in the same
+    statement; it returns how many rows they wrote, so a guard that failed is seen before COMMIT.
     """
     assignments = [f"event_seq = event_seq + {count}"]
     assignments += [f"{sql.quote(column)} = %s" for column in sets]
     assignments += [f"{sql.quote(column)} = {sql.quote(column)} + %s" for column in adds]
     update = f"UPDATE {RUNS} SET {', '.join(assignments)} WHERE id = %s"
+    ctes = [f"s{i} AS ({text} RETURNING 1)" for i, text in enumerate(guarded)]
+    moved = " + ".join(f"(SELECT count(*) FROM s{i})" for i in range(len(guarded)))
     if count == 0:
-        return update
+        if not guarded:
+            return update
+        return f"WITH {', '.join(ctes)} {update} RETURNING {moved}"
     first = "(1, " + ", ".join(f"%s::{cast}" for cast in _EVENT_CASTS) + ")"
     more = [f"({i}, " + ", ".join(["%s"] * len(_EVENT_CASTS)) + ")" for i in range(2, count + 1)]
     return f"""
-WITH counter AS ({update} RETURNING event_seq)
+WITH {", ".join([*ctes, f"counter AS ({update} RETURNING event_seq)"])}
 INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data)
 SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data
   FROM counter, (VALUES {", ".join([first, *more])}) AS v(i, at, kind, step_seq, actor_id, message, data)
-RETURNING id, seq
+RETURNING id, seq{", " + moved if guarded else ""}
 """
 
 
-def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds: dict | None = None) -> None:
+def write_run(
+    run_id,
+    events: list[RunEvent],
+    *,
+    sets: dict | None = None,
+    adds: dict | None = None,
+    steps: list[StepWrite | StepInsert] | tuple = (),
+) -> None:
     """Number one run's events after its latest and INSERT them, writing `sets` (field: value) and
-    adding `adds` (field: n) to the run's row in the same statement (PostgreSQL; SQLite: in steps)."""
+    adding `adds` (field: n) to the run's row, and the deferred step writes `steps`, in the same
+    statement (PostgreSQL; SQLite: in steps). A step write whose guard fails raises IllegalTransition."""
     sets, adds = sets or {}, adds or {}
-    if not events and not sets and not adds:
+    if not events and not sets and not adds and not steps:
         return
     if connection.vendor != "postgresql":
+        for write in steps:
+            if isinstance(write, StepInsert):
+                sql.insert(write.steps)
+            elif not sql.update(Step, write.step_id, where={"status": write.status}, **write.values):
+                raise _moved(write)
         if sets:
             sql.update(Run, run_id, **sets)
         for name, n in adds.items():
@@ -77,13 +125,21 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
                 event.seq = first + i
             sql.insert(events)
         return
+    params: list = []
+    guarded = []
+    expected = 0
+    for write in steps:
+        text, step_params, rows = write.sql()
+        guarded.append(text)
+        params += step_params
+        expected += rows
     set_fields = [_field(Run, name) for name in sets]
     add_fields = [_field(Run, name) for name in adds]
     statement = _insert_events_sql(
-        len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields)
+        len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields), tuple(guarded)
     )
     run = sql.adapt(run_id)
-    params = [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
+    params += [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
     params += list(adds.values())
     params.append(run)
     if events:
@@ -93,9 +149,14 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
                 params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
-        if not events:
-            return
-        ids = dict((seq, pk) for pk, seq in cursor.fetchall())
+        rows = cursor.fetchall() if events or steps else []
+    if steps:
+        moved = rows[0][-1] if rows else 0
+        if moved != expected:
+            raise _moved(next((w for w in steps if isinstance(w, StepWrite)), None))
+    if not events:
+        return
+    ids = {row[1]: row[0] for row in rows}
     if len(ids) != len(events):
         raise Run.DoesNotExist(f"no run {run_id}")
     first = min(ids)
@@ -104,6 +165,13 @@ def write_run(run_id, events: list[RunEvent], *, sets: dict | None = None, adds:
         event.pk = ids[event.seq]
         event._state.adding = False
         event._state.db = connection.alias
+
+
+def _moved(write: StepWrite | None) -> IllegalTransition:
+    """A deferred step write found its step no longer in the status it was read in."""
+    if write is None:
+        return IllegalTransition("step", "new", "proposed")
+    return IllegalTransition("step", write.status, write.values.get("status", "?"))
 
 
 @functools.cache

@@ -6,18 +6,20 @@ the approvals it can no longer use. The engine (runs/engine/) and the services w
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import uuid
 from contextlib import contextmanager
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from agentplatform import sql
 from agentplatform.errors import IllegalTransition
-from agents.models import AgentVersion
+from agents.models import AgentDefinition, AgentVersion
 from approvals import services as approvals
+from approvals.models import TenantPolicies
 from llm.models import ModelEndpoint
 from observability import observe
 from runs import statements
@@ -27,12 +29,15 @@ from runs.models import (
     STEP_TRANSITIONS,
     TERMINAL,
     WAITING,
+    ClaimReads,
+    KillSwitch,
     Run,
     RunEvent,
     Step,
     StepStatus,
 )
-from tenants.models import Tenant, User
+from tenants.models import Tenant, TenantGroup, User
+from tenants.permissions import held_sql
 
 _batch = threading.local()
 
@@ -69,13 +74,14 @@ def write_events(events: list[RunEvent]) -> None:
     _flush(events, {})
 
 
-def _flush(events: list[RunEvent], run_writes: dict) -> None:
-    by_run: dict = {run_id: [] for run_id in run_writes}
+def _flush(events: list[RunEvent], run_writes: dict, step_writes: dict | None = None) -> None:
+    step_writes = step_writes or {}
+    by_run: dict = {run_id: [] for run_id in [*run_writes, *step_writes]}
     for event in events:
         by_run.setdefault(event.run_id, []).append(event)
     for run_id, of_run in by_run.items():
         sets, adds = run_writes.get(run_id, ({}, {}))
-        statements.write_run(run_id, of_run, sets=sets, adds=adds)
+        statements.write_run(run_id, of_run, sets=sets, adds=adds, steps=step_writes.get(run_id, ()))
 
 
 def write_run_at_end(run: Run, *, adds: dict | None = None, **values) -> None:
@@ -118,17 +124,18 @@ def atomic_with_events():
         return
     pending: list[RunEvent] = []
     run_writes: dict = {}
+    step_writes: dict = {}
     last: list = []
-    _batch.events, _batch.run_writes, _batch.last = pending, run_writes, last
+    _batch.events, _batch.run_writes, _batch.step_writes, _batch.last = pending, run_writes, step_writes, last
     try:
         with transaction.atomic():
             yield
             for write in last:  # at_end: just before the events, with them still batched
                 write()
-            _batch.events = _batch.run_writes = _batch.last = None
-            _flush(pending, run_writes)  # one statement per run, in order
+            _batch.events = _batch.run_writes = _batch.step_writes = _batch.last = None
+            _flush(pending, run_writes, step_writes)  # one statement per run, in order
     finally:
-        _batch.events = _batch.run_writes = _batch.last = None
+        _batch.events = _batch.run_writes = _batch.step_writes = _batch.last = None
 
 
 def at_end(write) -> None:
@@ -171,11 +178,24 @@ def transition_run(
     observe.run_moved(run, old, to, reason=fields.get("stop_reason", ""), message=message)
 
 
-def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fields) -> None:
+def transition_step(
+    step: Step, to: str, *, message: str = "", actor=None, defer: bool = False, **fields
+) -> None:
+    """Move a step from its current status to `to`, or raise. One conditional UPDATE plus an event.
+
+    `defer`: inside `atomic_with_events`, the UPDATE goes into the run's one statement at the end
+    of the transaction (runs.statements.StepWrite), its guard checked there: for the engine's
+    last write of a step in a transaction, when nothing after it reads the step's row back.
+    """
     old = step.status
     if to not in STEP_TRANSITIONS.get(old, set()):
         raise IllegalTransition("step", old, to)
-    if not update_row(Step, step.pk, where={"status": old}, status=to, **fields):
+    deferred = getattr(_batch, "step_writes", None) if defer else None
+    if deferred is not None and not any(hasattr(v, "resolve_expression") for v in fields.values()):
+        deferred.setdefault(step.run_id, []).append(
+            statements.StepWrite(step.pk, old, {"status": to, **fields})
+        )
+    elif not update_row(Step, step.pk, where={"status": old}, status=to, **fields):
         raise IllegalTransition("step", old, to)
     step.status = to
     for name, value in fields.items():
@@ -192,6 +212,30 @@ def transition_step(step: Step, to: str, *, message: str = "", actor=None, **fie
     observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
 
 
+def insert_steps(steps: list[Step], *, defer: bool = False) -> None:
+    """INSERT new steps now, or with `defer` (inside `atomic_with_events`) in the run's one
+    statement at the end of the transaction: then nothing in the transaction may read them back
+    and they get no primary key in memory."""
+    deferred = getattr(_batch, "step_writes", None) if defer else None
+    if deferred is None or not steps:
+        sql.insert(steps)
+        return
+    deferred.setdefault(steps[0].run_id, []).append(statements.StepInsert(steps))
+
+
+def write_step(step: Step, **values) -> None:
+    """Write columns of a step without moving it: into its deferred write of this transaction
+    when it has one (transition_step(defer=True): that write would otherwise overwrite these
+    columns at the end), else now. `step` (the instance) is updated at once."""
+    for name, value in values.items():
+        setattr(step, name, value)
+    for write in (getattr(_batch, "step_writes", None) or {}).get(step.run_id, []):
+        if isinstance(write, statements.StepWrite) and write.step_id == step.pk:
+            write.values.update(values)
+            return
+    update_row(Step, step.pk, **values)
+
+
 def update_row(model, pk, *, where: dict | None = None, **values) -> int:
     """One conditional UPDATE by primary key; in SQL written here unless a value is an expression."""
     if any(hasattr(v, "resolve_expression") for v in values.values()):
@@ -201,12 +245,21 @@ def update_row(model, pk, *, where: dict | None = None, **values) -> int:
 
 @functools.cache
 def _lock_run_row_sql() -> str:
-    return f"SELECT {sql.columns(Run, 'r')} FROM {sql.table(Run)} r WHERE r.id = %s {sql.for_update('r')}"
+    # With the tenant's secrets generation: the record redacts with it (tenants/secrets.py).
+    return (
+        f"SELECT {sql.columns(Run, 'r')}, (SELECT t.secrets_generation FROM {sql.table(Tenant)} t "
+        f"WHERE t.id = r.tenant_id) FROM {sql.table(Run)} r WHERE r.id = %(run)s {sql.for_update('r')}"
+    )
 
 
 @functools.cache
 def _lock_run_sql(for_step: bool) -> str:
-    """LOCK_RUN (built once: the column lists come from the models' metadata)."""
+    """LOCK_RUN (built once: the column lists come from the models' metadata).
+
+    For a step, the same statement also reads what the claim would otherwise ask in statements
+    of their own (ClaimReads): the tenant's policy version, whether a tool or endpoint switch of
+    the tenant is on, the creator's groups and run_agent grant, and the agent.
+    """
     joins = (
         f"JOIN {sql.table(Tenant)} t ON t.id = r.tenant_id "
         f"JOIN {sql.table(AgentVersion)} v ON v.id = r.version_id "
@@ -216,37 +269,66 @@ def _lock_run_sql(for_step: bool) -> str:
         joins += (
             f"JOIN {sql.table(User)} u ON u.id = r.created_by_id "
             f"JOIN {sql.table(ModelEndpoint)} e ON e.id = v.model_endpoint_id "
+            f"JOIN {sql.table(AgentDefinition)} a ON a.id = r.agent_id "
         )
-        select += f", {sql.columns(User, 'u')}, {sql.columns(ModelEndpoint, 'e')}"
-    return f"SELECT {select} FROM {sql.table(Run)} r {joins}WHERE r.id = %s {sql.for_update('r')}"
+        groups = (
+            f"SELECT g.name FROM {sql.table(TenantGroup)} g JOIN {sql.table(User.groups.through)} m "
+            "ON m.group_id = g.group_id WHERE m.user_id = r.created_by_id ORDER BY g.name"
+        )
+        select += (
+            f", {sql.columns(User, 'u')}, {sql.columns(ModelEndpoint, 'e')}, {sql.columns(AgentDefinition, 'a')}"
+            f", (SELECT p.version FROM {sql.table(TenantPolicies)} p WHERE p.tenant_id = r.tenant_id)"
+            f", EXISTS (SELECT 1 FROM {sql.table(KillSwitch)} k WHERE k.tenant_id = r.tenant_id "
+            f"""AND k."on" AND k.scope IN ('{KillSwitch.Scope.TOOL}', '{KillSwitch.Scope.ENDPOINT}'))"""
+            f", {_names_array(groups)}"
+            ", u.is_active AND "
+            + held_sql("agents", "agentdefinition", "run_agent", column="r.agent_id").replace(
+                "%(user)s", "r.created_by_id"
+            )
+        )
+    return f"SELECT {select} FROM {sql.table(Run)} r {joins}WHERE r.id = %(run)s {sql.for_update('r')}"
+
+
+def _names_array(query: str) -> str:
+    """A subquery's one column as a list: an array in PostgreSQL, a JSON array in SQLite (the demo)."""
+    if connection.vendor == "postgresql":
+        return f"ARRAY({query})"
+    return f"(SELECT json_group_array(name) FROM ({query}))"
 
 
 def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
     """The run row locked FOR UPDATE, with its tenant and version (and for a step: the user who
-    started it and the version's model endpoint), read fresh in one statement.
+    started it, the version's model endpoint, the agent and its ClaimReads), read fresh in one
+    statement.
 
     `like`: the same run as this worker read it earlier in the step (the claim): only the run
-    row is read (fresh, locked); its tenant, version and user are taken from `like`.
+    row is read (fresh, locked), with the tenant's secrets generation; its tenant, version and
+    user are taken from `like`.
     """
     try:
         run_id = uuid.UUID(str(run_id))
     except ValueError:
         raise Run.DoesNotExist(f"no run {run_id}") from None
     if like is not None:
-        found = sql.fetch(_lock_run_row_sql(), [run_id], Run)
+        found = sql.fetch_with_rest(_lock_run_row_sql(), {"run": run_id}, Run)
         if not found:
             raise Run.DoesNotExist(f"no run {run_id}")
-        (run,) = found[0]
+        (run,), (generation,) = found[0]
         run.tenant, run.version, run.created_by = like.tenant, like.version, like.created_by
+        run.tenant.secrets_generation = generation
         return run
-    models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint] if for_step else [])
-    found = sql.fetch(_lock_run_sql(for_step), [run_id], *models)
+    models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint, AgentDefinition] if for_step else [])
+    found = sql.fetch_with_rest(_lock_run_sql(for_step), {"run": run_id}, *models)
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")
-    run, tenant, version, *more = found[0]
+    (run, tenant, version, *more), rest = found[0]
     run.tenant, run.version = tenant, version
     if more:
-        run.created_by, version.model_endpoint = more
+        run.created_by, version.model_endpoint, run.agent = more
+        policy_version, switches_on, groups, may_run_agent = rest
+        if isinstance(groups, str):  # SQLite's JSON array
+            groups = json.loads(groups)
+        run.claim_reads = ClaimReads(policy_version, switches_on, tuple(groups), bool(may_run_agent))
     return run
 
 

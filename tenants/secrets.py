@@ -28,10 +28,14 @@ _secrets: dict[int, tuple[int | None, list[str]]] = {}  # tenant id -> (secrets_
 _secrets_lock = threading.Lock()
 
 
-def known_secrets(tenant_id) -> list[str]:
-    """The tenant's secret values, for redaction: a secret written a moment ago counts at once."""
+def known_secrets(tenant_id, *, generation: int | None = None) -> list[str]:
+    """The tenant's secret values, for redaction: a secret written a moment ago counts at once.
+
+    `generation`: the tenant's secrets_generation as the caller read it in this transaction (the
+    engine's record reads it with the run's lock); otherwise it is read here (one query).
+    """
     cached = _secrets.get(tenant_id)
-    if cached is not None and cached[0] == _generation(tenant_id):
+    if cached is not None and cached[0] == (generation if generation is not None else _generation(tenant_id)):
         return cached[1]
     generation, stored = _load(tenant_id)
     values = [decrypt(ciphertext, settings.SECRET_ENCRYPTION_KEYS) for ciphertext in stored]
@@ -72,17 +76,17 @@ def _sql() -> dict[str, str]:
     return _statements
 
 
-def redact_text(tenant_id, text: str) -> str:
-    return redact(text, known_secrets(tenant_id))
+def redact_text(tenant_id, text: str, *, generation: int | None = None) -> str:
+    return redact(text, known_secrets(tenant_id, generation=generation))
 
 
-def redact_reply(tenant_id, reply) -> tuple[str, list[dict]]:
+def redact_reply(tenant_id, reply, *, generation: int | None = None) -> tuple[str, list[dict]]:
     """A model reply's text and tool calls with the tenant's secrets redacted, before they are
     stored or sent.
 
     A model that got hold of a secret (pasted into a ticket, say) could otherwise copy it into a
     step record or smuggle it out in a tool call's arguments.
     """
-    secrets = known_secrets(tenant_id)
+    secrets = known_secrets(tenant_id, generation=generation)
     calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in reply.tool_calls]
     return redact(reply.text, secrets), redact_obj(calls, secrets)

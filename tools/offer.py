@@ -72,10 +72,12 @@ def spec_of(tool: Tool) -> ToolSpec:
     return ToolSpec(name=tool.name, description=tool.description, input_schema=tool.input_schema)
 
 
-def offered_tools(run: Run, steps=(), *, user=None) -> list[ToolSpec]:
+def offered_tools(run: Run, steps=(), *, user=None, permitted: list[Tool] | None = None) -> list[ToolSpec]:
     """Sorted by name so the request prefix stays byte-stable between steps. (The model gateway
-    adds read_result, which the context policy needs: llm.gateway.build_request.)"""
-    tools = permitted_tools(run, user=user)
+    adds read_result, which the context policy needs: llm.gateway.build_request.)
+
+    `permitted`: permitted_tools(run, user=user) as the caller read it in this transaction."""
+    tools = permitted if permitted is not None else permitted_tools(run, user=user)
     limit = spec_for(run.version).max_visible_tools
     limit = settings.VISIBLE_TOOLS_MAX if limit is None else limit
     if len(tools) <= limit:

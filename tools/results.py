@@ -11,9 +11,13 @@ from tenants.secrets import known_secrets
 from tools.types import ToolResult
 
 
-def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
-    """Redact, store in full, and give the model a capped view with a clear marker."""
-    secrets = known_secrets(run.tenant_id)
+def shape_result(
+    run: Run, step: Step, result: ToolResult, *, may_be_corrected: bool = True
+) -> tuple[dict, str]:
+    """Redact, store in full, and give the model a capped view with a clear marker (after what an
+    approver corrected, when the call went through an approval: `may_be_corrected`)."""
+    # The generation as the record read it with the run's lock (runs.transitions.lock_run).
+    secrets = known_secrets(run.tenant_id, generation=run.tenant.secrets_generation)
     text = redact(result.text, secrets)
     stored = {"text": text, "structured": redact_obj(result.structured, secrets), "is_error": result.is_error}
     limit = settings.TOOL_RESULT_MODEL_CHARS
@@ -25,7 +29,7 @@ def shape_result(run: Run, step: Step, result: ToolResult) -> tuple[dict, str]:
         )
     if result.is_error:
         observation = f"ERROR: {observation}"
-    return stored, correction_note(step) + observation
+    return stored, (correction_note(step) if may_be_corrected else "") + observation
 
 
 def correction_note(step: Step) -> str:

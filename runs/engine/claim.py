@@ -31,11 +31,10 @@ from runs.approval_effects import request_approval
 from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
-from runs.models import Run, RunStatus, Step, StepStatus
+from runs.models import ClaimReads, Run, RunStatus, Step, StepStatus
 from runs.policy_events import record_shadow
 from runs.queueing import continue_run, lease_seconds_for
 from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
-from tenants.permissions import may_run_agent
 from tools import checks, offer
 from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool
 
@@ -212,6 +211,12 @@ def _apply(
     return None
 
 
+def _claim_reads(run: Run) -> ClaimReads:
+    if run.claim_reads is None:
+        raise TypeError("the run was not locked for a step (runs.transitions.lock_run)")
+    return run.claim_reads
+
+
 def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Plan | None:
     stop = decisions.model_turn(
         view_of(run),
@@ -219,13 +224,14 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
         user_active=run.created_by.is_active,
         # Starting a run needs run_agent, and so does every model turn: a revoked grant (direct
         # or through a group) stops the run here, before anything is reserved for the call.
-        may_run_agent=run.created_by.is_active and may_run_agent(run.created_by, run.agent_id),
+        may_run_agent=_claim_reads(run).may_run_agent,
         username=run.created_by.username,
     )
     if stop is not None:
         writer.end(run, stop)
         return None
-    offered = offer.offered_tools(run, user=run.created_by)  # the user row this claim read
+    permitted = offer.permitted_tools(run, user=run.created_by)  # the user row this claim read
+    offered = offer.offered_tools(run, user=run.created_by, permitted=permitted)
     messages, results = conversation.conversation(run, window, upto)
     request = model_gateway.request_for(run, messages, results, offered)
     endpoint = run.version.model_endpoint
@@ -242,6 +248,7 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
             endpoint=endpoint,
             seq=seq,
             summary=model_gateway.request_summary(request, input_tokens=input_tokens),
+            tools={tool.name: tool for tool in permitted},
         ),
     )
 
@@ -290,6 +297,5 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
     if stop is not None:
         writer.end(run, stop)
         return None
-    return _new_plan(
-        run, "tool", tool_of(step).timeout_seconds, step_id=step.pk, tool=ToolPlan(step=step, steps=window)
-    )
+    call = ToolPlan(step=step, steps=window, may_be_corrected=step.status != StepStatus.PROPOSED)
+    return _new_plan(run, "tool", tool_of(step).timeout_seconds, step_id=step.pk, tool=call)

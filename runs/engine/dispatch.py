@@ -172,6 +172,7 @@ def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
         dispatched_at=now,
         message=f"step {step.seq} {step.tool_name} dispatched (attempt {step.attempts + 1}, "
         f"key {step.idempotency_key})",
+        defer=True,  # the claim's last write of the step: sent with the lease and the events
     )
 
 

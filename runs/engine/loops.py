@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from agents.spec import LoopLimits, spec_for
 from runs.models import Run, RunStatus, Step, StepStatus, StopReason
-from runs.transitions import end_run, record_event, write_run_at_end
+from runs.transitions import end_run, record_event, write_run_at_end, write_step
 
 EMPTY = {"", "[]", "{}", "null", "none", "no results", "0 results"}
 WARNING = (
@@ -171,8 +171,7 @@ def check(run: Run, step: Step) -> bool:
         return True
     if run.loop_warnings == 0:
         warning = WARNING.format(pattern=pattern)
-        Step.objects.filter(pk=step.pk).update(observation=f"{step.observation}\n{warning}")
-        step.observation = f"{step.observation}\n{warning}"
+        write_step(step, observation=f"{step.observation}\n{warning}")
         write_run_at_end(run, adds={"loop_warnings": 1})
         record_event(
             run.pk,

@@ -126,7 +126,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
                 )
             ],
         )
-        text, calls = secrets.redact_reply(run.tenant_id, reply)
+        text, calls = secrets.redact_reply(run.tenant_id, reply, generation=run.tenant.secrets_generation)
         usage = {
             "input_tokens": reply.usage.input_tokens,
             "cached_input_tokens": reply.usage.cached_input_tokens,
@@ -142,6 +142,7 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             finished_at=timezone.now(),
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
+            defer=True,  # written with the run row and the events, in the record's last statement
         )
         event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
         at_end(
@@ -150,7 +151,14 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             )
         )
         writer.recorded(run)
-        proposals.propose(run=run, parent_seq=step.seq, calls=calls)
+        # A cancel ends the run here and skips the proposed steps, reading them back: not deferred then.
+        proposals.propose(
+            run=run,
+            parent_seq=step.seq,
+            calls=calls,
+            known=plan.model_call.tools,
+            defer=not run.cancel_requested,
+        )
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
         elif not calls:

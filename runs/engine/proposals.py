@@ -12,7 +12,7 @@ from __future__ import annotations
 from agentplatform import sql
 from agentplatform.digests import digest
 from runs.models import Run, Step, StepKind, StepStatus
-from runs.transitions import record_event
+from runs.transitions import insert_steps, record_event
 from tools.models import Tool
 from tools.offer import PLATFORM_TOOLS
 
@@ -57,22 +57,32 @@ def storable_calls(calls: list[dict]) -> list[dict]:
     ]
 
 
-def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
-    """Store the model's tool calls as proposed steps parent_seq + 1, + 2, ... (nothing is checked yet)."""
+def propose(
+    *, run: Run, parent_seq: int, calls: list[dict], known: dict[str, Tool] | None = None, defer: bool = False
+) -> list[Step]:
+    """Store the model's tool calls as proposed steps parent_seq + 1, + 2, ... (nothing is checked yet).
+
+    Each step names its tool's row: from `known` (the tools the claim read, by name), else read
+    here; a name the tenant has no tool for stays without one (the dispatch checks deny it).
+    `defer`: INSERT them with the run's events at the end of the transaction (the caller reads
+    none of them back; they then have no primary key in memory).
+    """
     if not calls:
         return []
-    names = {call["name"] for call in calls} - PLATFORM_TOOLS
-    params = {"tenant": run.tenant_id}
-    in_names = sql.in_list("name", sorted(names), params)
-    tools = {
-        t.name: t
-        for (t,) in sql.fetch(
-            f"SELECT {sql.columns(Tool, 't')} FROM {sql.table(Tool)} t "
-            f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}",
-            params,
-            Tool,
+    tools = dict(known or {})
+    names = {call["name"] for call in calls} - PLATFORM_TOOLS - set(tools)
+    if names:
+        params = {"tenant": run.tenant_id}
+        in_names = sql.in_list("name", sorted(names), params)
+        tools.update(
+            (t.name, t)
+            for (t,) in sql.fetch(
+                f"SELECT {sql.columns(Tool, 't')} FROM {sql.table(Tool)} t "
+                f"WHERE t.tenant_id = %(tenant)s AND t.name {in_names}",
+                params,
+                Tool,
+            )
         )
-    }
     steps = []
     for seq, call in enumerate(calls, start=parent_seq + 1):
         name = call["name"]
@@ -105,5 +115,5 @@ def propose(*, run: Run, parent_seq: int, calls: list[dict]) -> list[Step]:
             step_kind=StepKind.TOOL,
             tool=name,
         )
-    sql.insert(steps)
+    insert_steps(steps, defer=defer)
     return steps

@@ -148,7 +148,9 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
         if outcome.kind == "succeeded":
-            stored, observation = results.shape_result(run, step, outcome.answer)
+            stored, observation = results.shape_result(
+                run, step, outcome.answer, may_be_corrected=plan.tool_call.may_be_corrected
+            )
             transition_step(
                 step,
                 StepStatus.SUCCEEDED,
@@ -160,6 +162,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 message=f"step {step.seq} {step.tool_name}: "
                 f"{'error reported by tool' if outcome.answer.is_error else 'succeeded'}"
                 f"{' (found by status lookup)' if outcome.reconciled else ''}",
+                defer=True,  # written with the run row and the events (loops.check may add a warning)
             )
             price = tool_of(step).price_micros
             event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
@@ -176,7 +179,9 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         else:
             at_end(lambda: _close_reservation(plan, step, outcome))
         if outcome.kind == "failed":
-            error = secrets.redact_text(run.tenant_id, outcome.error)
+            error = secrets.redact_text(
+                run.tenant_id, outcome.error, generation=run.tenant.secrets_generation
+            )
             transition_step(
                 step,
                 StepStatus.FAILED,
@@ -184,6 +189,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 observation=f"ERROR: {error}",
                 finished_at=now,
                 message=f"step {step.seq} {step.tool_name} failed: {error}",
+                defer=True,
             )
         elif outcome.kind != "succeeded":
             _record_unknown(run, step, outcome)
@@ -202,7 +208,7 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     """The call's outcome is unknown, or the provider has it "in progress": the recovery table
     (runs.engine.decisions.after_unknown) says what follows; the writer applies it."""
     tool = tool_of(step)
-    error = secrets.redact_text(run.tenant_id, outcome.error)
+    error = secrets.redact_text(run.tenant_id, outcome.error, generation=run.tenant.secrets_generation)
     now = timezone.now()
     in_progress = outcome.kind == "in_progress"
     if in_progress:

@@ -29,6 +29,9 @@ class ModelPlan:
     endpoint: ModelEndpoint  # with its secret read: the call needs no database
     seq: int
     summary: dict  # the redacted request as stored on the step
+    # The tools the user was allowed at the claim, by name: the record proposes the model's calls
+    # to them without reading them again (runs/engine/proposals.propose).
+    tools: dict[str, Tool] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,6 +40,9 @@ class ToolPlan:
 
     step: Step
     steps: list[Step]
+    # False for a call the model proposed and nobody approved: no approver can have corrected
+    # it, so its result needs no correction note (tools/results.correction_note reads approvals).
+    may_be_corrected: bool = True
 
 
 @dataclass
