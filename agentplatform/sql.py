@@ -107,6 +107,29 @@ def build(model, values):
     return model.from_db(connection.alias, attnames, values)
 
 
+def new(model, **values):
+    """A new (unsaved) instance, as `model(**values)` makes it but without Model.__init__'s
+    descriptor work per field (the engine makes several events and steps a step). `values` by
+    field name or attname; a related instance is kept as the relation's cached object."""
+    if not _plain(model):
+        return model(**values)
+    obj = model.__new__(model)
+    state = obj._state = ModelState()
+    attrs = obj.__dict__
+    for field in model._meta.concrete_fields:
+        if field.name in values:
+            value = values[field.name]
+            if field.is_relation:
+                state.fields_cache[field.name] = value
+                value = value.pk if value is not None else None
+        elif field.attname in values:
+            value = values[field.attname]
+        else:
+            value = field.get_default()
+        attrs[field.attname] = value
+    return obj
+
+
 @functools.cache
 def _plain(model) -> bool:
     """True when building an instance needs nothing but its field values: no init signals are

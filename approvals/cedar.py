@@ -395,7 +395,12 @@ def evaluate(
     if policies is None:
         verdict = Verdict()
         if with_approval and legacy_policies is not None:
-            cedar_request, entities = _request_and_entities(request, TenantPolicies())
+            try:
+                cedar_request, entities = _request_and_entities(request, TenantPolicies())
+            except PolicyInputError as exc:
+                # Fails closed like an @approval policy that cannot be evaluated: a person decides.
+                verdict.approval = Decision(True, f"the call's arguments cannot be checked: {exc}")
+                return verdict
             verdict.approval = _approval_of([legacy_policies], cedar_request, entities)
         return verdict
     try:

@@ -106,6 +106,7 @@ class Result:
     load: tuple[float, float] = (0.0, 0.0)
     notes: list[str] = field(default_factory=list)
     pg_cpu: float | None = None
+    lock_waits: float | None = None  # share of PostgreSQL samples with a backend waiting for a lock
     # Long scenarios: (worker ms/step, PostgreSQL ms/step) over steps 1-25 and over the last 26.
     early: tuple[float, float] | None = None
     late: tuple[float, float] | None = None
@@ -421,6 +422,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, ste
         if timeline is not None:
             timeline.stop()
         pg_cpu = pg.stop()
+        lock_waits = pg.lock_wait_share
         load_end = os.getloadavg()[0]
         bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
         if bad:
@@ -450,6 +452,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, ste
         load=(load_start, load_end),
         commits=after["commits"] - before["commits"] - own_commits,
         pg_cpu=pg_cpu,
+        lock_waits=lock_waits,
     )
     if timeline is not None:
         early, late = windows(opts.runs, steps_per_run)
@@ -568,6 +571,7 @@ def run_child(
         commits=data["commits"],
         load=(load_start, load_end),
         pg_cpu=pg_cpu,
+        lock_waits=pg.lock_wait_share,
     )
     if timeline is not None:
         # The child's CPU before its first tool call is its start-up (imports): the first window
@@ -633,7 +637,7 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
     header = (
         f"{'round':>5} | {'scenario':<15} | {'procs':>5} | {'seconds':>7} | {'steps/s':>7} | "
         f"{'CPU ms/step':>11} | {'PG ms/step':>10} | {'stmts/step':>10} | {'commits/step':>12} | "
-        f"{'load start→end':>14}"
+        f"{'lock waits':>10} | {'load start→end':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -644,6 +648,7 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
             f"{r.per_step(r.cpu, 1000):>11} | {'-' if no_db else r.per_step(r.pg_cpu, 1000):>10} | "
             f"{'-' if no_db else r.per_step(r.statements):>10} | "
             f"{'-' if no_db else r.per_step(r.commits):>12} | "
+            f"{'-' if r.lock_waits is None else f'{r.lock_waits * 100:.1f}%':>10} | "
             f"{r.load[0]:>6.2f}→{r.load[1]:<6.2f}" + (f"  ({'; '.join(r.notes)})" if r.notes else "")
         )
     print()

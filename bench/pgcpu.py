@@ -8,6 +8,9 @@ sampling started (a backend that was already there counts from its first sample;
 zero, start-up included). A backend that exits between two samples loses what it used after the
 last one (at most INTERVAL of its time): close connections after `stop()` where possible.
 
+Each sample also notes whether a backend of the database was waiting for a lock
+(`lock_wait_share`).
+
 Needs the PostgreSQL server on this machine and /proc readable (root, or the same user); else
 `total()` is None. The reads go through a connection to the maintenance database `postgres`, so
 they add nothing to the figures of the database measured.
@@ -39,16 +42,27 @@ class BackendCpu:
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self.readable = True
+        self.samples = self.lock_samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def _pids(self, conn) -> list[int]:
         rows = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'",
+            "SELECT pid, wait_event_type = 'Lock' FROM pg_stat_activity "
+            "WHERE datname = %s AND backend_type = 'client backend'",
             [pgstats.database_name(self.url)],
         ).fetchall()
-        return [pid for (pid,) in rows]
+        # A sample in which some backend waits for a heavyweight lock (a row held by another
+        # transaction: the run row, a budget account's shard): the issue's "lock convoy" figure.
+        self.samples += 1
+        self.lock_samples += any(waiting for _, waiting in rows)
+        return [pid for (pid, _) in rows]
+
+    @property
+    def lock_wait_share(self) -> float | None:
+        """The share of samples with a backend waiting for a lock (0..1)."""
+        return self.lock_samples / self.samples if self.samples else None
 
     def sample(self, conn, *, baseline: bool = False) -> None:
         for pid in self._pids(conn):

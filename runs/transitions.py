@@ -46,7 +46,8 @@ def record_event(
     run_id, kind: str, message: str = "", *, step_seq: int | None = None, actor=None, **data
 ) -> RunEvent:
     """Append an event; inside `atomic_with_events` it is inserted with the others at the end."""
-    event = RunEvent(
+    event = sql.new(
+        RunEvent,
         run_id=run_id,
         kind=kind,
         message=message,

@@ -92,7 +92,8 @@ def propose(
             else {"_raw": call.get("arguments")}
         )
         steps.append(
-            Step(
+            sql.new(
+                Step,
                 run=run,
                 seq=seq,
                 kind=StepKind.TOOL,

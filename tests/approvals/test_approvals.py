@@ -464,3 +464,16 @@ def test_a_thousand_waiting_runs_hold_no_message_and_no_worker_and_one_approval_
     assert set(RunEvent.objects.filter(at__gte=decided_at).values_list("run_id", flat=True)) == {target}
     assert Step.objects.count() == steps_before + 1  # the approved run's final model step
     assert broker.llen(queue) == 0
+
+
+def test_an_amount_cedar_cannot_compare_goes_to_a_person_not_to_an_engine_error(tenant, asha, bank, refund):
+    """10^30 is past Cedar's 64-bit numbers: the converted `approval:` rule cannot be evaluated,
+    so it fails closed (approval required) instead of raising in the claim."""
+    factories.make_agent(tenant, tools=[refund], turns=[refund_call(refund, amount=10**30), {"text": "done"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    run = drive(run.pk)
+    assert run.status == RunStatus.WAITING_APPROVAL, run.error
+    approval = Approval.objects.get(run=run)
+    assert "cannot be checked" in approval.reason
+    assert not RunEvent.objects.filter(run=run, kind="engine_error").exists()
+    assert bank.effects("issue_refund") == []
