@@ -97,3 +97,28 @@ def test_the_bulk_form_pauses_and_resumes_every_matching_run_and_lists_the_recor
     assert BulkAction.objects.filter(kind="resume", count=3).exists()
     assert as_ravi.post(f"{page}{action.pk}/change/", {"reason": "rewritten"}).status_code == 403
     assert BulkAction.objects.get(pk=action.pk).reason == "refunds on hold"
+
+
+def test_the_run_page_pause_can_be_given_an_end_in_the_tenants_zone(as_ravi, acme):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    approval = park_on_approval(acme.asha, "refunder")
+    page = as_ravi.get(f"{RUNS}{approval.run_id}/change/").content.decode()
+    assert 'name="until"' in page
+    local = (
+        (timezone.now() + dt.timedelta(days=1)).astimezone(acme.tenant.zone).replace(second=0, microsecond=0)
+    )
+    as_ravi.post(
+        f"{RUNS}{approval.run_id}/pause/",
+        {"reason": "until tomorrow", "until": local.strftime("%Y-%m-%dT%H:%M")},
+    )
+    run = Run.objects.get(pk=approval.run_id)
+    assert (run.status, run.paused_until) == ("paused", local)
+    assert as_ravi.post(f"{RUNS}{approval.run_id}/resume/", {"reason": ""}).status_code == 302
+    answer = as_ravi.post(
+        f"{RUNS}{approval.run_id}/pause/", {"reason": "x", "until": "2001-01-01T00:00"}, follow=True
+    )
+    assert "the pause would end before it began" in answer.content.decode()
+    assert Run.objects.get(pk=approval.run_id).status != "paused"
