@@ -47,6 +47,7 @@ from tools.display import formatted_arguments
 TENANT_PATHS = {
     "artifacts.artifact": "tenant",
     "runs.killswitch": "tenant",
+    "runs.bulkaction": "tenant",
     "tenants.tenant": "pk",
     "tenants.user": "tenant",
     "tenants.secret": "tenant",

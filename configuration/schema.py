@@ -158,6 +158,10 @@ TENANT: Spec = {
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1, APPROVAL_TTL_MAX)),
+    "pauses": {
+        "on_killed_tool": Field("on_killed_tool", _choice(Tenant.OnKilledTool.values)),
+        "paused_time_counts": Field("paused_time_counts", _bool),
+    },
     "view_runs": Field("view_runs", _text_list),
     "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
     "quotas": {

@@ -35,6 +35,7 @@ from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
 from runs import (
     admission,
+    bulk_action_admin,  # noqa: F401 -- registers the pause and resume by filter, and its audit list
     kill_switch_admin,  # noqa: F401 -- registers the operators' page of kill switches
 )
 from runs.display import run_title, status_label

@@ -33,6 +33,17 @@ class RunOutput(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent.name")
     version = serializers.IntegerField(source="version.number")
     created_by = serializers.CharField(source="created_by.username")
+    paused_by = serializers.CharField(
+        source="paused_by.username",
+        allow_null=True,
+        default=None,
+        help_text="who paused it (or set the kill switch that did), while paused or pause_requested",
+    )
+    paused_by_switch = serializers.IntegerField(
+        source="paused_by_switch_id",
+        allow_null=True,
+        help_text="the kill switch that paused it (GET /v1/kill-switches); turning it off resumes the run",
+    )
     budget = BudgetSerializer(allow_null=True)
     input = JsonObjectField(help_text="what the run was started with")
     metadata = JsonObjectField(help_text="the caller's own labels, stored as given")
@@ -60,6 +71,8 @@ class RunOutput(serializers.ModelSerializer):
             "created_by",
             "cancel_requested",
             "pause_requested",
+            "paused_by",
+            "paused_by_switch",
             "paused_at",
             "pause_reason",
             "paused_until",

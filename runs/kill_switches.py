@@ -5,13 +5,21 @@
                                              at pausing.RESUME_PER_SECOND
     refuse_start(tenant, agent_id)           services.start_run: a killed tenant or agent starts
                                              no run (423, naming the switch, who set it and why)
-    stops_call(run, tool_id=, endpoint_id=)  the claim, before a call is reserved and dispatched:
-                                             a killed tool or endpoint is never called; the run is
-                                             paused with the switch as its reason
+    killed(tool_id= | endpoint_id=)          before every call is reserved and sent: the claim
+                                             (a new call, an approved one, a retry or a status
+                                             lookup) and mark_after_lookup (a resend after a
+                                             lookup found nothing); a killed tool or endpoint is
+                                             never called
+    pause_by(run, switch)                    what the engine does then: the run is paused with the
+                                             switch as its reason; or, for a tool call never sent
+                                             whose tenant chose so (answers_unavailable), the
+                                             call is answered as unavailable and the model goes on
 
-The claim's probe is one statement on the partial index `kill_switch_on` (empty while no switch
-is on). A call already committed as `dispatching` before a switch went on is in flight and
-finishes; no call after that is sent. Who may flip: as for pausing (runs/pausing.may_pause).
+The probe is one statement on the partial index `kill_switch_on` (empty while no switch is on).
+A call already committed as `dispatching` before a switch went on is in flight and finishes; no
+call after that is sent. A call that was sent before (a retry of an unknown outcome, one a
+person asked to retry) always pauses: the model must not hear "unavailable" about a call that
+may have happened. Who may flip: as for pausing (runs/pausing.may_pause).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from agentplatform.errors import DomainError
 from agents.models import AgentDefinition
 from llm.models import ModelEndpoint
 from runs import pausing
-from runs.models import KillSwitch, KillSwitchChange, Run, RunStatus
+from runs.models import ClaimReads, KillSwitch, KillSwitchChange, Run, RunStatus
 from runs.transitions import atomic_with_events, lock_run, record_event, transition_run
 from tenants.models import Tenant, User
 from tools.models import Tool
@@ -95,7 +103,7 @@ def _resume_paused_by(switch: KillSwitch, *, actor, reason: str) -> int:
     return count
 
 
-def _describe(switch: KillSwitch) -> str:
+def describe(switch: KillSwitch) -> str:
     who = switch.changed_by.username if switch.changed_by is not None else "an operator"
     return f"kill switch on {switch.scope} {switch.target_name}, set by {who}: {switch.reason}"
 
@@ -109,41 +117,56 @@ def refuse_start(tenant: Tenant, agent_id: int) -> None:
         .first()
     )
     if switch is not None:
-        raise DomainError(f"no new runs: {_describe(switch)}", code="kill_switch_on", status=423)
+        raise DomainError(f"no new runs: {describe(switch)}", code="kill_switch_on", status=423)
 
 
-def stops_call(run: Run, *, tool_id: int | None = None, endpoint_id: int | None = None) -> bool:
-    """In the claim, with `run` locked, before anything is reserved: True (and the run paused,
-    with the switch as its reason) if the call's tool or endpoint is killed."""
+def killed(
+    *, tool_id: int | None = None, endpoint_id: int | None = None, reads: ClaimReads | None = None
+) -> KillSwitch | None:
+    """The switch that is on for this tool (or endpoint), if any: probed before every call is
+    reserved and sent (the claim, and runs.engine.dispatch.mark_after_lookup before a resend).
+
+    `reads`: what the claim read with the run's lock; when no tool or endpoint switch of the
+    tenant was on then, there is nothing to probe."""
     scope, target = (Scope.TOOL, tool_id) if tool_id is not None else (Scope.ENDPOINT, endpoint_id)
     if target is None:
-        return False
-    if run.claim_reads is not None and not run.claim_reads.switches_on:
-        return False  # read with the run's lock: no tool or endpoint switch of its tenant is on
-    switch = (
+        return None
+    if reads is not None and not reads.switches_on:
+        return None  # read with the run's lock: no tool or endpoint switch of its tenant is on
+    return (
         KillSwitch.objects.filter(on=True, scope=scope, target_id=target).select_related("changed_by").first()
     )
-    if switch is None:
-        return False
-    message = f"paused: {_describe(switch)}"
+
+
+def answers_unavailable(run: Run) -> bool:
+    """The tenant's choice for a killed tool's call never sent (Tenant.on_killed_tool): answer it
+    as unavailable and let the model go on, instead of pausing the run."""
+    return run.tenant.on_killed_tool == Tenant.OnKilledTool.UNAVAILABLE
+
+
+def pause_by(run: Run, switch: KillSwitch) -> None:
+    """With `run` locked, before anything is reserved: the run is paused with the switch as its
+    reason (and holds no lease: transition_run drops it); turning the switch off resumes it."""
+    if run.pause_requested:
+        # A person asked first: theirs is the pause taken (who, why, until), and turning the
+        # switch off does not undo it.
+        who: dict = {"paused_by_id": run.paused_by_id, "pause_reason": run.pause_reason}
+        who.update(paused_until=run.paused_until, paused_by_switch=None)
+    else:
+        who = dict(paused_by=switch.changed_by, pause_reason=describe(switch), paused_until=None)
+        who.update(paused_by_switch=switch)
+    message = f"paused: {who['pause_reason']}"
     transition_run(
-        run,
-        RunStatus.PAUSED,
-        message=message,
-        pause_requested=False,
-        paused_at=timezone.now(),
-        paused_by=switch.changed_by,
-        pause_reason=_describe(switch),
-        paused_until=None,
-        paused_by_switch=switch,
+        run, RunStatus.PAUSED, message=message, pause_requested=False, paused_at=timezone.now(), **who
     )
+    actor_id = run.paused_by_id if run.pause_requested else switch.changed_by_id
     record_event(
         run.pk,
         "paused",
         message,
-        actor=User(pk=switch.changed_by_id) if switch.changed_by_id else None,
-        reason=_describe(switch),
+        actor=User(pk=actor_id) if actor_id else None,
+        reason=who["pause_reason"],
+        until=who["paused_until"].isoformat() if who["paused_until"] else None,
         kill_switch=switch.pk,
         at_step_boundary=True,
     )
-    return True

@@ -149,6 +149,12 @@ class Run(models.Model):
         indexes = [
             models.Index(fields=["tenant", "status"]),
             models.Index(fields=["status", "lease_expires_at"]),
+            # The sweeper's pass over pauses given an end (runs/pausing.resume_due): empty most days.
+            models.Index(
+                fields=["paused_until"],
+                name="run_pause_ends",
+                condition=models.Q(status="paused", paused_until__isnull=False),
+            ),
         ]
         ordering = ["-created_at"]
 

@@ -11,6 +11,8 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import redirect
 from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from agentplatform.errors import DomainError
@@ -59,19 +61,26 @@ class PauseAdminMixin:
         run = self.get_object(request, unquote(object_id))
         if run is None or not self.has_pause_permission(request, run):
             raise PermissionDenied
-        self._act(request, run, reason=request.POST.get("reason", "").strip(), resume=resume)
+        until = request.POST.get("until", "").strip()
+        self._act(request, run, reason=request.POST.get("reason", "").strip(), resume=resume, until=until)
         return redirect(reverse("admin:runs_run_change", args=[run.pk]))
 
-    def _act(self, request, run, *, reason: str, resume: bool) -> bool:
+    def _act(self, request, run, *, reason: str, resume: bool, until: str = "") -> bool:
         label = str(run.pk)[:8]
         if not resume and not reason:
             messages.error(request, f"run {label}: say why it is paused")
             return False
+        ends = parse_datetime(until) if until else None
+        if until and ends is None:
+            messages.error(request, f"run {label}: until: not a date and time")
+            return False
+        if ends is not None and timezone.is_naive(ends):
+            ends = timezone.make_aware(ends, run.tenant.zone)  # as the form says: the tenant's zone
         try:
             if resume:
                 pausing.resume_run(run_id=run.pk, actor=request.user, reason=reason)
             else:
-                pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason)
+                pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason, until=ends)
         except DomainError as exc:
             messages.error(request, f"run {label}: {exc.message}")
             return False

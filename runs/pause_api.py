@@ -39,7 +39,10 @@ class RunPauseApi(APIView):
             max_length=2000, help_text="why; shown with the run and in its timeline"
         )
         until = serializers.DateTimeField(
-            required=False, allow_null=True, default=None, help_text="until when it is meant to stay paused"
+            required=False,
+            allow_null=True,
+            default=None,
+            help_text="when the pause ends: the platform resumes the run then (null: a person resumes it)",
         )
 
     @extend_schema(
@@ -132,7 +135,7 @@ def _bulk_input(name: str, *, pause: bool) -> type[serializers.Serializer]:
             required=False,
             allow_null=True,
             default=None,
-            help_text="until when they are meant to stay paused",
+            help_text="when the pause ends: the platform resumes them then (null: a person resumes them)",
         )
     return extend_schema_serializer(component_name=name)(type(name, (BulkFilters,), fields))
 

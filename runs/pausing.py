@@ -14,10 +14,14 @@ A paused run is a row: no lease, no message (one still queued is dropped by the 
 the run paused), no open reservation. Approvals can still be decided (the step moves, the run
 stays paused; resume dispatches it with the usual fresh checks) and keep their expiry.
 
-The deadline: a pause does not count toward max_wall_seconds. On resume `deadline_at` moves later
-by the time the run spent paused, and the sweeper never stops a paused run for its deadline.
-`paused_until` is the operator's stated intention, shown with the run; nothing resumes a run by
-itself (only a person, or turning off what paused it).
+The deadline is the tenant's choice (Tenant.paused_time_counts). By default a pause does not
+count toward max_wall_seconds: on resume `deadline_at` moves later by the time the run spent
+paused, and the sweeper never stops a paused run for its deadline. A tenant that counts paused
+time keeps the deadline, and the sweeper stops a run still paused when it passes.
+
+`paused_until`: a pause given an end time is resumed by the sweeper once it has passed
+(resume_due, a beat pass: the run holds no worker meanwhile). A pause without one waits for a
+person, or for the switch that took it to go off; nothing else wakes a paused run.
 
 Who may: platform operators (superusers) everywhere; a tenant's supervisors (staff holding the
 tenant's view_runs) for their tenant's runs; nobody else.
@@ -69,10 +73,16 @@ def pause_run(
 ) -> Run:
     """Pause the run now, or at its step boundary if a call is in flight. An already paused (or
     pause-requested) run is answered as it is; an ended or cancelling one is refused (409)."""
+    _check_until(until)
     with atomic_with_events():
         run = lock_run(run_id)
         _pause(run, actor=actor, reason=reason, until=until, bulk=bulk)
     return run
+
+
+def _check_until(until: dt.datetime | None) -> None:
+    if until is not None and until <= timezone.now():
+        raise DomainError("the pause would end before it began", fields={"until": ["must be in the future"]})
 
 
 def _pause(run: Run, *, actor, reason: str, until, bulk: int | None) -> bool:
@@ -127,6 +137,10 @@ def resume_run(
     return run
 
 
+def _who(actor) -> str:
+    return actor.username if actor is not None else "the platform"
+
+
 def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int | None) -> bool:
     cleared: dict[str, Any] = dict(
         pause_requested=False,
@@ -146,7 +160,7 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
         record_event(
             run.pk,
             "resumed",
-            f"pause withdrawn by {actor.username} before it was taken" + (f": {reason}" if reason else ""),
+            f"pause withdrawn by {_who(actor)} before it was taken" + (f": {reason}" if reason else ""),
             actor=actor,
             withdrawn=True,
             **data,
@@ -155,8 +169,8 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
     now = timezone.now()
     paused_for = now - run.paused_at if run.paused_at else dt.timedelta(0)
     fields: dict[str, Any] = dict(cleared)
-    if run.deadline_at is not None:
-        # The pause does not count toward max_wall_seconds (module docstring).
+    if run.deadline_at is not None and not run.tenant.paused_time_counts:
+        # The tenant's choice (module docstring): by default a pause does not count.
         fields["deadline_at"] = run.deadline_at + paused_for
     if run.admitted_at is None:
         to = RunStatus.WAITING_BUDGET  # never admitted: admitted in order of arrival by the sweeper
@@ -164,7 +178,7 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
         to = RunStatus.QUEUED
     else:
         to = RunStatus.RUNNING  # the claim decides again from the step log: it goes on where it stopped
-    message = f"resumed by {actor.username}" + (f": {reason}" if reason else "")
+    message = f"resumed by {_who(actor)}" + (f": {reason}" if reason else "")
     transition_run(run, to, actor=actor, message=message, **fields)
     record_event(
         run.pk, "resumed", message, actor=actor, paused_seconds=round(paused_for.total_seconds(), 3), **data
@@ -172,6 +186,30 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
     if to != RunStatus.WAITING_BUDGET:
         enqueue(run.pk, countdown=countdown)
     return True
+
+
+def resume_due(now: dt.datetime) -> int:
+    """The sweeper's pass: resume every pause whose `paused_until` has passed, the earliest end
+    first, at RESUME_PER_SECOND. A run that is still paused when its turn comes was not resumed
+    meanwhile by a person; one paused again since (a new end, or none) is left as it is."""
+    count = 0
+    for run_id in (
+        Run.objects.filter(status=RunStatus.PAUSED, paused_until__lte=now)
+        .order_by("paused_until", "created_at")
+        .values_list("pk", flat=True)[:BULK_MAX]
+    ):
+        with atomic_with_events():
+            run = lock_run(run_id)
+            if run.status != RunStatus.PAUSED or run.paused_until is None or run.paused_until > now:
+                continue
+            count += _resume(
+                run,
+                actor=None,
+                reason=f"the pause ended at {run.paused_until.isoformat()}",
+                countdown=count / RESUME_PER_SECOND,
+                bulk=None,
+            )
+    return count
 
 
 # --- in bulk ------------------------------------------------------------------------------------
@@ -248,6 +286,7 @@ def resume_matching(*, actor, reason: str, filters: dict) -> BulkAction:
 def _bulk(kind: str, *, actor, reason: str, filters: dict, until=None) -> BulkAction:
     if not reason.strip():
         raise DomainError("say why", fields={"reason": ["a reason is required"]})
+    _check_until(until)
     filters, tenant = _scope(filters, actor)
     stored = {k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in filters.items()}
     action = BulkAction.objects.create(kind=kind, tenant=tenant, actor=actor, reason=reason, filters=stored)

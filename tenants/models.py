@@ -24,6 +24,10 @@ class Tenant(models.Model):
         STOP = "stop"
         PAUSE = "pause"
 
+    class OnKilledTool(models.TextChoices):
+        PAUSE = "pause"  # the run waits, its call kept, until the switch goes off
+        UNAVAILABLE = "unavailable"  # the call is answered "unavailable" and the model goes on
+
     slug = models.SlugField(unique=True)
     name = models.CharField(max_length=200)
     time_zone = models.CharField(max_length=64, default="UTC", validators=[validate_time_zone])
@@ -35,6 +39,10 @@ class Tenant(models.Model):
     on_budget_exhausted = models.CharField(
         max_length=8, choices=OnBudgetExhausted.choices, default=OnBudgetExhausted.STOP
     )
+    # A kill switch on a tool: what a run about to call it does (runs/kill_switches.py).
+    on_killed_tool = models.CharField(max_length=12, choices=OnKilledTool.choices, default=OnKilledTool.PAUSE)
+    # Whether time spent paused counts toward a run's max_wall_seconds (runs/pausing.py).
+    paused_time_counts = models.BooleanField(default=False)
     max_active_runs = models.PositiveIntegerField(default=100)
     max_starts_per_minute = models.PositiveIntegerField(default=60)  # per user
     approval_ttl_seconds = models.PositiveIntegerField(default=24 * 3600)

@@ -179,10 +179,13 @@ def _apply(
             return _new_plan(run, "recover_model", 5, step_id=inflight.pk)
         case decisions.Retry():
             assert inflight is not None and inflight.tool is not None
-            if inflight.next_attempt_at is not None and kill_switches.stops_call(
-                run, tool_id=inflight.tool_id
-            ):
-                return None  # a scheduled retry to a killed tool waits, kept, for the switch to go off
+            switch = kill_switches.killed(tool_id=inflight.tool_id, reads=run.claim_reads)
+            if switch is not None:
+                # Neither the retry nor a status lookup is sent to a killed tool: the step waits,
+                # kept as a retry due now, for the switch to go off (or a person to resume).
+                writer.keep_retry(inflight)
+                kill_switches.pause_by(run, switch)
+                return None
             writer.recovery_event(run, inflight, decision, effect=inflight.tool.effect_class)
             inflight.run = run
             return _new_plan(
@@ -201,11 +204,19 @@ def _apply(
             if decision.platform:
                 platform_tools.answer(run, step)
                 return None
-            if kill_switches.stops_call(run, tool_id=step.tool_id):
-                return None  # a killed tool is never called: the run is paused, the call kept
-            return _open_tool_call(run, step, window)
+            switch = kill_switches.killed(tool_id=step.tool_id, reads=run.claim_reads)
+            if switch is None:
+                return _open_tool_call(run, step, window)
+            # A killed tool is never called. A call never sent is answered as unavailable where
+            # the tenant chose so; otherwise (and for a retry a person asked for) the run pauses.
+            if step.status != StepStatus.RETRIED and kill_switches.answers_unavailable(run):
+                writer.unavailable(run, step, kill_switches.describe(switch))
+            else:
+                kill_switches.pause_by(run, switch)
         case decisions.CallModel():
-            if kill_switches.stops_call(run, endpoint_id=run.version.model_endpoint_id):
+            switch = kill_switches.killed(endpoint_id=run.version.model_endpoint_id, reads=run.claim_reads)
+            if switch is not None:
+                kill_switches.pause_by(run, switch)
                 return None
             return _plan_model(run, window, decision.seq, upto)
     return None

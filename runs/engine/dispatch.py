@@ -17,6 +17,7 @@ from agentplatform import sql
 from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
+from runs import kill_switches
 from runs.engine import heartbeat, writer
 from runs.engine.types import Plan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
@@ -139,7 +140,8 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded) -> None:
 
 def mark_after_lookup(plan: Plan) -> bool:
     """After a status lookup that found nothing: reserve and commit the retry as `dispatching`,
-    if this worker still holds the lease and nobody asked to cancel. One short transaction."""
+    if this worker still holds the lease, nobody asked to cancel or pause, and no kill switch is
+    on for the tool. One short transaction."""
     with atomic_with_events():
         run = lock_run(plan.run_id, for_step=True)
         if not fenced(run, plan):
@@ -150,6 +152,16 @@ def mark_after_lookup(plan: Plan) -> bool:
         plan.run = run
         plan.tool_call.step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_pk)
         plan.tool_call.step.run = run
+        # A switch may have gone on, or a pause been asked for, during the lookup: the resend is
+        # a new call like any other, and the step waits as a retry due at the resume.
+        switch = kill_switches.killed(tool_id=plan.tool_call.step.tool_id)
+        if switch is not None or run.pause_requested:
+            writer.keep_retry(plan.tool_call.step)
+            if switch is not None:
+                kill_switches.pause_by(run, switch)
+            else:
+                writer.pause(run)
+            return False
         if not reserve_and_mark(run, plan, take_lease=False):
             return False
     let_go(plan)

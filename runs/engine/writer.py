@@ -226,6 +226,33 @@ def deny(run: Run, step: Step, reason: str) -> None:
     tool_finished(run, step)
 
 
+def unavailable(run: Run, step: Step, switch: str) -> None:
+    """A kill switch is on for the tool and the tenant chose to tell the model: nothing is sent,
+    the call is answered as unavailable (an approval it had is withdrawn, never consumed), and
+    the run goes on. The operator's reason stays in the step's error, out of the model's sight."""
+    if step.status == StepStatus.APPROVED:
+        void_approval(step, reason=f"not sent: {switch}")
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name}: not sent, the tool is unavailable ({switch})",
+        error=f"tool unavailable: {switch}",
+        observation=f"ERROR: the tool {step.tool_name} is unavailable right now (turned off by an "
+        "operator); nothing was sent. Go on without it.",
+        finished_at=timezone.now(),
+    )
+    tool_finished(run, step)
+
+
+def keep_retry(step: Step) -> None:
+    """A step in flight that is not sent now (its tool is killed) is kept as a retry due now: the
+    claim after the resume retries it (or asks the provider first), and does not count the lost
+    attempt's worker death a second time."""
+    if step.next_attempt_at is None:
+        step.next_attempt_at = timezone.now()
+        Step.objects.filter(pk=step.pk).update(next_attempt_at=step.next_attempt_at)
+
+
 def replay(run: Run, step: Step, prior: Step) -> None:
     """An identical call already succeeded in this run: answer from the record, call nothing."""
     note = (

@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
-from runs import admission
+from runs import admission, pausing
 from runs.approval_effects import expire_approvals
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.queueing import enqueue, resend
@@ -50,6 +50,7 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "budget_resumed": _resume_budget_waits(now),
         "admitted": _admit_waiting_runs(now),
         "settle_resumed": _resume_settle_waits(now),
+        "pauses_ended": pausing.resume_due(now),
         "approvals_expired": expire_approvals(now=now),
         "orphan_reservations": budgets.release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),
@@ -154,9 +155,9 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
 def _stop_past_deadline(now: dt.datetime) -> int:
     count = 0
     for run_id in (
-        Run.objects.exclude(
-            status__in=TERMINAL | {RunStatus.PAUSED}
-        )  # a pause does not count (runs/pausing.py)
+        Run.objects.exclude(status__in=TERMINAL)
+        # A pause counts toward the deadline only where the tenant says so (runs/pausing.py).
+        .exclude(status=RunStatus.PAUSED, tenant__paused_time_counts=False)
         .filter(deadline_at__lt=now)
         .values_list("pk", flat=True)[:BATCH]
     ):

@@ -70,3 +70,55 @@ def test_the_switches_page_flips_a_switch_with_a_reason(as_ravi, acme):
     switch.refresh_from_db()
     assert (switch.on, switch.reason) == (False, "patched")
     assert KillSwitchChange.objects.count() == 2
+
+
+def test_the_bulk_form_pauses_and_resumes_every_matching_run_and_lists_the_record(as_ravi, acme):
+    page = "/admin/runs/bulkaction/"
+    runs = [park_on_approval(acme.asha, "refunder").run_id for _ in range(3)]
+    form = as_ravi.get(f"{page}add/").content.decode()
+    assert (
+        'name="agent"' in form and 'name="until"' in form and 'name="tenant"' not in form
+    )  # a supervisor's own
+    answer = as_ravi.post(
+        f"{page}add/", {"kind": "pause", "reason": "refunds on hold", "agent": "refunder"}, follow=True
+    )
+    assert answer.status_code == 200 and "3 runs paused" in answer.content.decode()
+    assert Run.objects.filter(pk__in=runs, status="paused").count() == 3
+    action = BulkAction.objects.get()
+    assert (action.kind, action.count, action.actor_id, action.filters) == (
+        "pause",
+        3,
+        acme.ravi.pk,
+        {"agent": "refunder", "tenant": acme.tenant.slug},
+    )
+    assert "refunds on hold" in as_ravi.get(page).content.decode()
+    as_ravi.post(f"{page}add/", {"kind": "resume", "reason": "back", "agent": "refunder"})
+    assert Run.objects.filter(pk__in=runs, status="paused").count() == 0
+    assert BulkAction.objects.filter(kind="resume", count=3).exists()
+    assert as_ravi.post(f"{page}{action.pk}/change/", {"reason": "rewritten"}).status_code == 403
+    assert BulkAction.objects.get(pk=action.pk).reason == "refunds on hold"
+
+
+def test_the_run_page_pause_can_be_given_an_end_in_the_tenants_zone(as_ravi, acme):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    approval = park_on_approval(acme.asha, "refunder")
+    page = as_ravi.get(f"{RUNS}{approval.run_id}/change/").content.decode()
+    assert 'name="until"' in page
+    local = (
+        (timezone.now() + dt.timedelta(days=1)).astimezone(acme.tenant.zone).replace(second=0, microsecond=0)
+    )
+    as_ravi.post(
+        f"{RUNS}{approval.run_id}/pause/",
+        {"reason": "until tomorrow", "until": local.strftime("%Y-%m-%dT%H:%M")},
+    )
+    run = Run.objects.get(pk=approval.run_id)
+    assert (run.status, run.paused_until) == ("paused", local)
+    assert as_ravi.post(f"{RUNS}{approval.run_id}/resume/", {"reason": ""}).status_code == 302
+    answer = as_ravi.post(
+        f"{RUNS}{approval.run_id}/pause/", {"reason": "x", "until": "2001-01-01T00:00"}, follow=True
+    )
+    assert "the pause would end before it began" in answer.content.decode()
+    assert Run.objects.get(pk=approval.run_id).status != "paused"

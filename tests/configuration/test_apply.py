@@ -192,6 +192,21 @@ def test_it_stores_the_file_values():
     assert ModelEndpoint.objects.get(tenant=tenant).price_cache_write == pytest.approx(3.75)
 
 
+def test_it_stores_the_tenants_choices_for_pauses_and_kill_switches():
+    apply_config(config())
+    tenant = Tenant.objects.get(slug=SLUG)
+    assert (tenant.on_killed_tool, tenant.paused_time_counts) == ("pause", False)  # the defaults
+    data = config()
+    data["tenant"]["pauses"] = {"on_killed_tool": "unavailable", "paused_time_counts": True}
+    apply_config(data)
+    tenant.refresh_from_db()
+    assert (tenant.on_killed_tool, tenant.paused_time_counts) == ("unavailable", True)
+    data["tenant"]["pauses"] = {"on_killed_tool": "ignore", "paused_time_counts": "sometimes"}
+    errors = dict(rejected(data))
+    assert errors["tenant.pauses.on_killed_tool"] == "must be one of pause, unavailable"
+    assert "tenant.pauses.paused_time_counts" in errors
+
+
 def test_it_reports_every_bad_field_and_writes_nothing():
     data = config()
     data["tenant"]["time_zone"] = "Mars/Olympus"

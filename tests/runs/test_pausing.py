@@ -236,3 +236,65 @@ def test_manage_py_pauses_and_resumes(tenant, asha, ravi, echo, capsys):
     call_command("resume_runs", "--reason", "done", "--as", "ravi")
     assert "resume: 1 runs" in capsys.readouterr().out
     assert drive(run.pk).status == RunStatus.SUCCEEDED
+
+
+def test_a_pause_with_an_end_is_resumed_by_the_sweeper_once_it_has_passed(tenant, asha, ravi, echo):
+    from runs.recovery.sweeper import sweep
+
+    run, _ = start_run(user=asha, agent="agent", input={"word": "hi"})
+    until = timezone.now() + dt.timedelta(minutes=10)
+    answer = api(ravi).post(
+        f"/v1/runs/{run.pk}/pause",
+        {"reason": "maintenance window", "until": until.isoformat()},
+        format="json",
+    )
+    assert answer.status_code == 200, answer.json()
+    assert (answer.json()["paused_by"], answer.json()["paused_by_switch"]) == ("ravi", None)
+    assert sweep()["pauses_ended"] == 0  # before its end: nothing wakes it
+    assert Run.objects.get(pk=run.pk).status == "paused"
+
+    assert sweep(now=until + dt.timedelta(seconds=1))["pauses_ended"] == 1
+    run.refresh_from_db()
+    assert run.status == "queued" and run.paused_until is None
+    resumed = RunEvent.objects.get(run=run, kind="resumed")
+    assert resumed.actor_id is None and "the platform" in resumed.message and "pause ended" in resumed.message
+    assert sweep(now=until + dt.timedelta(seconds=2))["pauses_ended"] == 0  # once
+    assert drive(run.pk).status == RunStatus.SUCCEEDED
+
+
+def test_a_pause_without_an_end_is_never_resumed_by_the_sweeper(tenant, asha, ravi, echo):
+    from runs.recovery.sweeper import sweep
+
+    run, _ = start_run(user=asha, agent="agent", input={"word": "hi"})
+    pausing.pause_run(run_id=run.pk, actor=ravi, reason="hold")
+    assert sweep(now=timezone.now() + dt.timedelta(days=30))["pauses_ended"] == 0
+    assert Run.objects.get(pk=run.pk).status == "paused"
+
+
+def test_an_end_that_has_passed_is_a_field_error(tenant, asha, ravi, echo):
+    run, _ = start_run(user=asha, agent="agent", input={"word": "hi"})
+    past = (timezone.now() - dt.timedelta(minutes=1)).isoformat()
+    one = api(ravi).post(f"/v1/runs/{run.pk}/pause", {"reason": "x", "until": past}, format="json")
+    assert one.status_code == 400 and "until" in one.json()["error"]["fields"]
+    bulk = api(ravi).post("/v1/runs/pause", {"reason": "x", "until": past}, format="json")
+    assert bulk.status_code == 400 and "until" in bulk.json()["error"]["fields"]
+    assert Run.objects.get(pk=run.pk).status == "queued" and not BulkAction.objects.exists()
+
+
+def test_a_tenant_that_counts_paused_time_keeps_the_deadline_and_is_stopped_at_it(tenant, asha, ravi, echo):
+    from runs.recovery.sweeper import sweep
+
+    tenant.paused_time_counts = True
+    tenant.save()
+    run, _ = start_run(user=asha, agent="agent", input={"word": "hi"})
+    deadline = run.deadline_at
+    pausing.pause_run(run_id=run.pk, actor=ravi, reason="hold")
+    pausing.resume_run(run_id=run.pk, actor=ravi)
+    assert Run.objects.get(pk=run.pk).deadline_at == deadline  # the pause counted: not moved
+
+    pausing.pause_run(run_id=run.pk, actor=ravi, reason="hold again")
+    sweep(now=deadline - dt.timedelta(seconds=1))
+    assert Run.objects.get(pk=run.pk).status == "paused"
+    sweep(now=deadline + dt.timedelta(seconds=1))
+    run.refresh_from_db()
+    assert (run.status, run.stop_reason) == ("stopped", "deadline")
