@@ -226,6 +226,21 @@ def deny(run: Run, step: Step, reason: str) -> None:
     tool_finished(run, step)
 
 
+def deny_after_sending_nothing(run: Run, step: Step, reason: str) -> None:
+    """The user's identity provider refused a token for the call: a denial the model is told, with
+    the IdP's reason; nothing was sent. Like the gateway's own denial, the run goes on."""
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied: {reason}",
+        finished_at=timezone.now(),
+        next_attempt_at=None,
+    )
+    tool_finished(run, step)
+
+
 def replay(run: Run, step: Step, prior: Step) -> None:
     """An identical call already succeeded in this run: answer from the record, call nothing."""
     note = (
