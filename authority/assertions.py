@@ -10,6 +10,7 @@ Claims (docs/authority.md lists what a provider must check):
     approval     {"id", "approver", "digest"} when a person approved this exact call
     jti     the step's idempotency key: a retry of the same call carries a fresh assertion
             with the same jti, so a provider de-duplicates by it
+    attempt which attempt of the call this is (1, 2, ...): each attempt's assertion is new
     iat, nbf, exp   exp at most ASSERTION_TTL_SECONDS after iat
     purpose "call", or "status_lookup" on a recovery's question "did the call with this jti
             happen?" (it authorises that question only)
@@ -47,6 +48,7 @@ class CallFacts:
     tool: str
     arguments: dict
     idempotency_key: str
+    attempt: int = 1
     approval_id: str | None = None
     approver: str | None = None
     approval_digest: str | None = None
@@ -79,6 +81,7 @@ def claims(facts: CallFacts, *, audience: str, now: dt.datetime, status_lookup: 
         "step": facts.step,
         "args_digest": digest(facts.arguments),
         "jti": facts.idempotency_key,
+        "attempt": facts.attempt,
         "iat": issued,
         "nbf": issued,
         "exp": issued + settings.ASSERTION_TTL_SECONDS,

@@ -137,6 +137,7 @@ def _facts(step: Step, remote_name: str) -> assertions.CallFacts:
         tool=remote_name,
         arguments=step.arguments or {},
         idempotency_key=step.idempotency_key,
+        attempt=max(step.attempts, 1),
         approval_id=str(approval.pk) if approval else None,
         approver=approval.decided_by.get_username() if approval and approval.decided_by else None,
         approval_digest=approval.digest if approval else None,
