@@ -65,9 +65,9 @@ class TokenExchangeGrant(BaseGrant, TokenEndpointMixin):
         form = self.request.payload.data
         if form.get("subject_token_type") != JWT_TYPE or not form.get("subject_token"):
             raise InvalidRequestError(description="subject_token of type jwt is required")
-        idp: IdentityProvider = self.server.idp
+        idp: TokenServer = self.server.idp
         try:
-            token = jwt.decode(form["subject_token"], idp.platform_keys())
+            token = jwt.decode(form["subject_token"], idp.platform_keys(), algorithms=["EdDSA"])
             jwt.JWTClaimsRegistry(
                 iss={"essential": True, "value": idp.platform_issuer},
                 exp={"essential": True},
@@ -86,7 +86,7 @@ class TokenExchangeGrant(BaseGrant, TokenEndpointMixin):
         self.request.credential = claims
 
     def create_token_response(self):
-        idp: IdentityProvider = self.server.idp
+        idp: TokenServer = self.server.idp
         claims, form = self.request.credential, self.request.payload.data
         now = int(time.time())
         issued = {
@@ -112,7 +112,7 @@ class TokenExchangeGrant(BaseGrant, TokenEndpointMixin):
 
 
 class _Server(AuthorizationServer):
-    def __init__(self, idp: IdentityProvider):
+    def __init__(self, idp: TokenServer):
         super().__init__()
         self.idp = idp
 
@@ -132,7 +132,7 @@ class _Server(AuthorizationServer):
         return status, body, headers
 
 
-class IdentityProvider:
+class TokenServer:
     """Start with `.start()`; `token_url`, `refused` (user -> reason), `exchanges` (answered)."""
 
     def __init__(self, *, platform_jwks_url: str, platform_issuer: str, lifetime: int = 600):
@@ -162,7 +162,7 @@ class IdentityProvider:
     def token_url(self) -> str:
         return f"{self.url}/token"
 
-    def start(self) -> IdentityProvider:
+    def start(self) -> TokenServer:
         idp = self
 
         class Handler(BaseHTTPRequestHandler):
