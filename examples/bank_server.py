@@ -419,9 +419,8 @@ class BankService:
     pending: set[str] = field(default_factory=set)  # keys received but not applied (pending_visible)
     calls: list[dict[str, Any]] = field(default_factory=list)  # every tool call received (GET /calls)
     authority: AssertionCheck | None = None
-    identities: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # who each verified call named    refund_limits: dict[str, float] = field(default_factory=dict)  # person -> the most they may refund
+    identities: list[dict[str, Any]] = field(default_factory=list)  # who each verified call named
+    refund_limits: dict[str, float] = field(default_factory=dict)  # person -> the most they may refund
 
     async def identify(self, token: str | None, name: str, raw_args: Any, key: str | None) -> dict | None:
         """The verified claims of the call's assertion (None when the bank does not ask for one)."""
