@@ -91,7 +91,9 @@ def platform_jwks(live_server) -> str:
 
 def http_tool(tenant, url: str, *, server_name: str = "hr", remote: str = "lookup", **fields) -> Tool:
     server = ToolServer.objects.create(tenant=tenant, name=server_name, kind=ToolServer.Kind.HTTP, url=url)
-    defaults = dict(input_schema={"type": "object"}, enabled=True, effect_class="read_only", timeout_seconds=5)
+    defaults = dict(
+        input_schema={"type": "object"}, enabled=True, effect_class="read_only", timeout_seconds=5
+    )
     defaults.update(fields)
     return Tool.objects.create(
         tenant=tenant, server=server, name=f"{server_name}__{remote}", remote_name=remote, **defaults
@@ -100,7 +102,9 @@ def http_tool(tenant, url: str, *, server_name: str = "hr", remote: str = "looku
 
 def verify(token: str, jwks_url: str, audience: str) -> dict:
     key = jwt.PyJWKClient(jwks_url).get_signing_key_from_jwt(token)
-    return jwt.decode(token, key.key, algorithms=["EdDSA"], audience=audience, issuer=settings.ASSERTION_ISSUER)
+    return jwt.decode(
+        token, key.key, algorithms=["EdDSA"], audience=audience, issuer=settings.ASSERTION_ISSUER
+    )
 
 
 def secret(tenant, name: str, value: str) -> Secret:

@@ -75,7 +75,9 @@ def test_a_retried_idempotent_call_presents_a_fresh_assertion_with_the_same_jti(
     a, b = (verify(t, platform_jwks, audience=flaky.url) for t in (first, second))
     assert a["jti"] == b["jti"] == step.idempotency_key
     assert (a["attempt"], b["attempt"]) == (1, 2)
-    assert [e.data["jti"] for e in RunEvent.objects.filter(run=run, kind="identity")] == [step.idempotency_key] * 2
+    assert [e.data["jti"] for e in RunEvent.objects.filter(run=run, kind="identity")] == [
+        step.idempotency_key
+    ] * 2
 
 
 def test_an_approved_call_names_the_approval_and_the_approver(tenant, asha, ravi, recorder, platform_jwks):
@@ -84,7 +86,9 @@ def test_an_approved_call_names_the_approval_and_the_approver(tenant, asha, ravi
     tool = http_tool(tenant, recorder.url, approval_policy="always")
     factories.grant(tool, use=[asha], approve=[ravi])
     factories.make_agent(
-        tenant, tools=[tool], turns=[{"tool_calls": [{"name": tool.name, "arguments": ARGS}]}, {"text": "done"}]
+        tenant,
+        tools=[tool],
+        turns=[{"tool_calls": [{"name": tool.name, "arguments": ARGS}]}, {"text": "done"}],
     )
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
@@ -110,7 +114,11 @@ def test_a_server_configured_for_it_gets_the_assertion_in_mcp_meta_and_a_custom_
         tenant,
         tools=[tools["lookup_transaction"]],
         turns=[
-            {"tool_calls": [{"name": "bank__lookup_transaction", "arguments": {"transaction_id": "TXN-1001"}}]},
+            {
+                "tool_calls": [
+                    {"name": "bank__lookup_transaction", "arguments": {"transaction_id": "TXN-1001"}}
+                ]
+            },
             {"text": "done"},
         ],
     )
@@ -155,7 +163,9 @@ def test_the_private_key_is_stored_only_encrypted_and_the_key_set_holds_no_priva
     assert set(published) == {"kty", "crv", "x", "kid", "use", "alg"}
 
 
-def test_a_tampered_assertion_or_one_for_other_arguments_does_not_verify(tenant, asha, recorder, platform_jwks):
+def test_a_tampered_assertion_or_one_for_other_arguments_does_not_verify(
+    tenant, asha, recorder, platform_jwks
+):
     tool = http_tool(tenant, recorder.url)
     _one_call_run(tenant, asha, tool)
     token = recorder.requests[0]["headers"]["Agent-Assertion"]

@@ -45,11 +45,16 @@ def _database_dump() -> str:
 
 
 def test_it_keeps_keys_assertions_and_exchanged_tokens_out_of_everything_stored_or_shown(
-    tenant, asha, claude, live_server, caplog  # noqa: F811
+    tenant,
+    asha,
+    claude,
+    live_server,
+    caplog,  # noqa: F811
 ):
     caplog.set_level(logging.DEBUG)
     idp = TokenServer(
-        platform_jwks_url=f"{live_server.url}/.well-known/jwks.json", platform_issuer=settings.ASSERTION_ISSUER
+        platform_jwks_url=f"{live_server.url}/.well-known/jwks.json",
+        platform_issuer=settings.ASSERTION_ISSUER,
     ).start()
     # A careless provider that echoes every credential it was sent, in its answer and its errors.
     leaky = RecordingToolServer(idp_keys=idp.public_keys(), echo=("Agent-Assertion", "Authorization")).start()
@@ -65,7 +70,9 @@ def test_it_keeps_keys_assertions_and_exchanged_tokens_out_of_everything_stored_
             server=tool.server, mode=Delegation.Mode.TOKEN_EXCHANGE, audience="https://payments.example"
         )
         factories.grant(tool, use=[asha])
-        factories.make_agent(tenant, endpoint=ModelEndpoint.objects.get(tenant=tenant, name="claude"), tools=[tool])
+        factories.make_agent(
+            tenant, endpoint=ModelEndpoint.objects.get(tenant=tenant, name="claude"), tools=[tool]
+        )
         claude.queue(
             {"tool_calls": [{"name": tool.name, "arguments": {"q": "who am I"}}]},
             {"tool_calls": [{"name": tool.name, "arguments": {"q": "again"}}]},
@@ -122,7 +129,12 @@ def test_it_keeps_keys_assertions_and_exchanged_tokens_out_of_everything_stored_
         places["database dump"] = _database_dump()
         assert ExchangedToken.objects.get().ciphertext in places["database dump"]  # the dump is real
 
-        leaks = [f"{what} in {where}" for where, text in places.items() for what, v in canaries.items() if v in text]
+        leaks = [
+            f"{what} in {where}"
+            for where, text in places.items()
+            for what, v in canaries.items()
+            if v in text
+        ]
         assert not leaks, "leaked: " + "; ".join(leaks)
         # What may be shown is: who was presented, to whom, under which jti.
         assert "asha" in places["events"] and steps[0].idempotency_key in places["events"]

@@ -68,7 +68,10 @@ def test_the_tool_gets_a_token_issued_to_the_user_and_one_exchange_serves_many_c
     assert steps[0].result["structured"]["scope"] == "payments:write"
     assert idp.exchanges == [{"sub": "asha", "aud": AUDIENCE, "scope": "payments:write"}]  # one round trip
     events = list(RunEvent.objects.filter(run=run, kind="identity").order_by("seq"))
-    assert [(e.data["token_subject"], e.data["token_from_cache"]) for e in events] == [("asha", False), ("asha", True)]
+    assert [(e.data["token_subject"], e.data["token_from_cache"]) for e in events] == [
+        ("asha", False),
+        ("asha", True),
+    ]
     cached = ExchangedToken.objects.get(user=asha, audience=AUDIENCE)
     token = payments.requests[0]["headers"]["Authorization"].removeprefix("Bearer ")
     assert cached.subject == "asha" and token not in cached.ciphertext
@@ -78,7 +81,9 @@ def test_the_tool_gets_a_token_issued_to_the_user_and_one_exchange_serves_many_c
     assert not [e for e in RunEvent.objects.filter(run=run) if token in e.message + str(e.data)]
 
 
-def test_a_user_the_idp_refuses_gets_a_denial_with_its_reason_and_nothing_is_sent(tenant, asha, idp, payments):
+def test_a_user_the_idp_refuses_gets_a_denial_with_its_reason_and_nothing_is_sent(
+    tenant, asha, idp, payments
+):
     idp.refused["asha"] = "asha is suspended from payments until the audit closes"
     tool = _exchange_tool(tenant, payments.url)
     run = _run(tenant, asha, tool)
@@ -99,7 +104,9 @@ def test_an_idp_that_does_not_answer_is_retried_with_backoff_and_the_call_goes_o
     tool = _exchange_tool(tenant, payments.url, effect_class="unsafe", backoff_seconds=0.05, max_attempts=5)
     factories.grant(tool, use=[asha])
     factories.make_agent(
-        tenant, tools=[tool], turns=[{"tool_calls": [{"name": tool.name, "arguments": {"n": 1}}]}, {"text": "done"}]
+        tenant,
+        tools=[tool],
+        turns=[{"tool_calls": [{"name": tool.name, "arguments": {"n": 1}}]}, {"text": "done"}],
     )
     run, _ = start_run(user=asha, agent="agent", input={})
     from runs.engine import advance

@@ -55,7 +55,10 @@ def test_it_stores_a_servers_delegation_and_the_identity_provider_and_is_idempot
     assert not again.changed
 
     changed = apply_config(with_authority(audience="https://crm2.bank.example"))
-    assert "updated tool_servers crm (delegation.mode, delegation.audience, delegation.scopes)" in changed.changes
+    assert (
+        "updated tool_servers crm (delegation.mode, delegation.audience, delegation.scopes)"
+        in changed.changes
+    )
     assert Delegation.objects.get(server=crm).mode == "assertion"
 
 

@@ -65,7 +65,10 @@ def test_the_bank_refuses_by_its_own_check_a_refund_the_platforms_grants_allowed
         assert first.status == second.status == StepStatus.SUCCEEDED
         assert first.result["structured"]["status"] == "issued"
         # The bank refused the second on its own rule, and the run shows it.
-        assert "Refused by the bank: asha may refund up to INR 5000; this refund is INR 12499" in second.observation
+        assert (
+            "Refused by the bank: asha may refund up to INR 5000; this refund is INR 12499"
+            in second.observation
+        )
         applied = bank.effects("issue_refund")
         assert [(e["arguments"]["amount"], e["subject"], e["jti"]) for e in applied] == [
             (3200, "asha", first.idempotency_key)
@@ -88,7 +91,8 @@ def test_a_tool_behind_token_exchange_acts_for_the_user_and_a_refused_user_is_to
 ):
     bob = factories.make_user(tenant, "bob")
     idp = TokenServer(
-        platform_jwks_url=f"{live_server.url}/.well-known/jwks.json", platform_issuer=settings.ASSERTION_ISSUER
+        platform_jwks_url=f"{live_server.url}/.well-known/jwks.json",
+        platform_issuer=settings.ASSERTION_ISSUER,
     ).start()
     payments = RecordingToolServer(idp_keys=idp.public_keys()).start()
     try:
