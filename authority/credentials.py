@@ -3,7 +3,8 @@ behind token exchange, the IdP's access token for the user (DESIGN.md 7.1, docs/
 
 `for_call` is the only entry point; the engine calls it once per attempt just before sending, after
 the gateway's own checks passed (delegation is a second lock, never a replacement of the first),
-and the transport places what it returns. Each attempt gets a fresh assertion; its `jti` is the
+and the transport places what it returns. It reads a few short rows and then releases the
+database connection, so the call itself holds none. Each attempt gets a fresh assertion; its `jti` is the
 step's idempotency key, so a retry and a status lookup of the same call carry the same `jti`.
 """
 
@@ -111,6 +112,7 @@ def for_call(step: Step, *, status_lookup: bool = False) -> Credentials:
         headers["Authorization"] = f"Bearer {signed.token}"
     if server.kind == ToolServer.Kind.HTTP:
         meta = {}
+    exchange.release_connection()
     return Credentials(headers=headers, meta=meta, presented=presented, values=tuple(values))
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import httpx
 import jwt
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from authority.errors import AuthorityRefused, AuthorityUnavailable
@@ -75,7 +76,11 @@ def access_token(
         raise AuthorityRefused(
             "this tool server needs a token from the tenant's identity provider, and none is configured"
         )
-    token, subject, lifetime = _exchange(idp, audience=audience, scope=scope, subject_token=subject_token)
+    client_id, client_secret = idp.client_id.reveal(), idp.client_secret.reveal()
+    release_connection()  # no database connection held across the IdP's round trip
+    token, subject, lifetime = _exchange(
+        idp, (client_id, client_secret), audience=audience, scope=scope, subject_token=subject_token
+    )
     use_until = now + dt.timedelta(seconds=lifetime - margin(lifetime))
     ExchangedToken.objects.update_or_create(
         user_id=user_id,
@@ -116,7 +121,7 @@ def _exchange(
         response = httpx.post(
             idp.token_url,
             data=form,
-            auth=(idp.client_id.reveal(), idp.client_secret.reveal()),
+            auth=client,
             headers={"Accept": "application/json"},
             timeout=httpx.Timeout(idp.timeout_seconds, connect=min(5.0, idp.timeout_seconds)),
             follow_redirects=False,

@@ -22,15 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 
-import django  # noqa: E402
+import django
 
 django.setup()
 
-import jwt  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
-from django.conf import settings  # noqa: E402
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.conf import settings
 
-from authority.assertions import ALGORITHM, TYPE, CallFacts, claims  # noqa: E402
+from authority.assertions import ALGORITHM, TYPE, CallFacts, claims
 
 ARGS = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR", "reason": "duplicate charge"}
 FACTS = CallFacts(

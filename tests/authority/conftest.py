@@ -12,6 +12,7 @@ import pytest
 from django.conf import settings
 
 from tenants.models import Secret
+from tests.gateway.conftest import claude  # noqa: F401  (the recording model server, as a fixture here)
 from tools.models import Tool, ToolServer
 
 

@@ -25,7 +25,7 @@ from tenants.models import User
 from tests import factories
 from tests.authority.conftest import RecordingToolServer, http_tool, secret
 from tests.conftest import drive
-from tests.gateway.conftest import MODEL_KEY, claude  # noqa: F401  (the recording model server fixture)
+from tests.gateway.conftest import MODEL_KEY
 from tests.gateway.test_servers import _admin_pages
 from tests.idp import TokenServer
 
@@ -49,7 +49,7 @@ def test_it_keeps_keys_assertions_and_exchanged_tokens_out_of_everything_stored_
     asha,
     claude,
     live_server,
-    caplog,  # noqa: F811
+    caplog,
 ):
     caplog.set_level(logging.DEBUG)
     idp = TokenServer(
