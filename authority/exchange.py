@@ -105,8 +105,15 @@ def forget(*, user_id: int, audience: str | None = None) -> int:
     return tokens.delete()[0]
 
 
+def release_connection() -> None:
+    """Close this thread's database connection unless a transaction needs it: the engine's act
+    phase holds none while a request is on the network (runs/engine/__init__.py)."""
+    if not connection.in_atomic_block:
+        connection.close()
+
+
 def _exchange(
-    idp: IdentityProvider, *, audience: str, scope: str, subject_token: str
+    idp: IdentityProvider, client: tuple[str, str], *, audience: str, scope: str, subject_token: str
 ) -> tuple[str, str, float]:
     form = {
         "grant_type": GRANT_TYPE,
