@@ -263,6 +263,11 @@ class AssertionCheck:
             )
         except jwt.PyJWTError as exc:
             raise AssertionRejected(f"assertion rejected: {exc}") from None
+        if claims.get("purpose") == "status_lookup":
+            # Recovery asks whether the call with this jti happened: that question only.
+            if tool != "refund_status" or claims.get("jti") != arguments.get("idempotency_key"):
+                raise AssertionRejected("assertion rejected: a status lookup asks about its own jti only")
+            return claims
         canonical = json.dumps(dict(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if claims.get("args_digest") != hashlib.sha256(canonical.encode()).hexdigest():
             raise AssertionRejected("assertion rejected: it was signed for other arguments")

@@ -177,3 +177,71 @@ def test_a_tampered_assertion_or_one_for_other_arguments_does_not_verify(
     with pytest.raises(jwt.InvalidAudienceError):
         verify(token, platform_jwks, audience="https://elsewhere.example")
     assert ASSERTION_META_KEY == "io.agentplatform/assertion"
+
+
+def test_a_status_lookup_of_a_reconcilable_call_carries_an_assertion_with_the_calls_jti(
+    tenant, asha, live_server
+):
+    from tests.servers import BankServer
+
+    bank = BankServer(
+        "bank",
+        "--assertion-jwks",
+        f"{live_server.url}/.well-known/jwks.json",
+        "--assertion-issuer",
+        settings.ASSERTION_ISSUER,
+        "--assertion-audience",
+        "https://bank.example",
+        "--refund-limit",
+        "asha=5000",
+    ).start()
+    try:
+        tools = factories.make_bank_tools(tenant, bank.mcp_url)
+        Delegation.objects.create(server=tools["issue_refund"].server, audience="https://bank.example")
+        refund = tools["issue_refund"]
+        refund.effect_class, refund.approval_policy = "reconcilable", "never"
+        refund.save()
+        factories.grant(refund, use=[asha])
+        bank.fault(tool="issue_refund", fail_5xx_after_effect=True)  # applied, then the answer is lost
+        arguments = {"transaction_id": "TXN-1002", "amount": 3200, "currency": "INR"}
+        factories.make_agent(
+            tenant,
+            tools=[refund],
+            turns=[
+                {"tool_calls": [{"name": "bank__issue_refund", "arguments": arguments}]},
+                {"text": "done"},
+            ],
+        )
+        run, _ = start_run(user=asha, agent="agent", input={})
+        run = drive(run.pk)
+
+        assert run.status == RunStatus.SUCCEEDED, run.error
+        step = Step.objects.get(run=run, kind="tool")
+        assert step.status == StepStatus.SUCCEEDED and "found by status lookup" in " ".join(
+            RunEvent.objects.filter(run=run).values_list("message", flat=True)
+        )
+        assert len(bank.effects("issue_refund")) == 1
+        import httpx
+
+        seen = httpx.get(f"{bank.url}/calls", timeout=10).json()["identities"]
+        assert [(c["tool"], c["jti"]) for c in seen] == [
+            ("issue_refund", step.idempotency_key),
+            ("refund_status", step.idempotency_key),
+        ]
+    finally:
+        bank.stop()
+
+
+def test_the_rotate_command_publishes_a_key_that_signs_after_its_lead():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    first, _ = keys.signing_key()
+    out = StringIO()
+    call_command("rotate_signing_key", "--lead-seconds", "300", stdout=out)
+    new = SigningKey.objects.exclude(kid=first).get()
+    assert f"key {new.kid} published" in out.getvalue()
+    assert keys.signing_key()[0] == first  # the old key signs until the new one's lead has passed
+    assert keys.signing_key(timezone.now() + dt.timedelta(seconds=301))[0] == new.kid
+    assert SigningKey.objects.get(kid=first).retired_at == new.signs_from
