@@ -67,6 +67,10 @@ TENANT_PATHS = {
     "budgets.budgetaccount": "tenant",
     "budgets.reservation": "tenant",
     "budgets.ledgerentry": "reservation__tenant",
+    # authority.signingkey is platform-wide: operators only (not listed).
+    "authority.delegation": "server__tenant",
+    "authority.identityprovider": "tenant",
+    "authority.exchangedtoken": "tenant",
 }
 
 

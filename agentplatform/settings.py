@@ -109,6 +109,7 @@ INSTALLED_APPS = [
     "tenants",
     "agents",
     "llm",
+    "authority",
     "tools",
     "budgets",
     "runs",
@@ -240,6 +241,15 @@ API_TOKEN_TTL_SECONDS = env_int("API_TOKEN_TTL_SECONDS", 8 * 3600, minimum=60, m
 API_TOKEN_MAX_AGE_SECONDS = env_int(
     "API_TOKEN_MAX_AGE_SECONDS", 7 * 24 * 3600, minimum=60, maximum=90 * 24 * 3600
 )
+# --- delegated authority (authority/, docs/authority.md) ---
+# The `iss` of the platform's signed assertions: its public base URL, where providers find the key
+# set at /.well-known/jwks.json.
+ASSERTION_ISSUER = (env_str("ASSERTION_ISSUER") or "http://127.0.0.1:8000").rstrip("/")
+# How long an assertion is good for: a call is sent at once, so a short life bounds a replay.
+ASSERTION_TTL_SECONDS = env_int("ASSERTION_TTL_SECONDS", 120, minimum=10, maximum=600)
+# A new signing key is published this long before it signs, so verifiers caching the key set see it.
+SIGNING_KEY_LEAD_SECONDS = env_int("SIGNING_KEY_LEAD_SECONDS", 600, minimum=0, maximum=7 * 24 * 3600)
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",
     "VERSION": "1.0.0",

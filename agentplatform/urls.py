@@ -6,6 +6,7 @@ from agentplatform import errors
 from agents import api as agents_api
 from approvals import api as approvals_api
 from artifacts import api as artifacts_api
+from authority import api as authority_api
 from budgets import api as budgets_api
 from runs import api as runs_api
 from runs import pause_api
@@ -49,6 +50,7 @@ v1 = [
 ]
 
 urlpatterns = [
+    path(".well-known/jwks.json", authority_api.jwks, name="jwks"),
     path("admin/", admin.site.urls),
     path("v1/", include(v1)),
 ]

@@ -94,6 +94,7 @@ class Plan:
     sections: dict[str, list[Item]] = field(default_factory=dict)
     dropped: dict[str, set[str]] = field(default_factory=dict)
     secret_values: dict[str, str] = field(default_factory=dict)
+    identity_provider: Item | None = None  # None: the tenant has none (the file owns it)
 
     def drop(self, kind: str, key: str) -> None:
         self.dropped.setdefault(kind, set()).add(key)
@@ -242,7 +243,26 @@ SERVER: Spec = {
     "auth_scheme": Field("auth_scheme", _text(20)),
     "status_tool": Field("status_tool", _text(200)),
     "discover": Field("discover", _bool),
+    "delegation": Field("delegation", _mapping),  # read by _check_server with DELEGATION
 }
+# How a server's calls carry the user's authority (authority.models.Delegation, docs/authority.md).
+DELEGATION: Spec = {
+    "auth": Field("mode", _choice(["assertion", "token_exchange"])),
+    "audience": Field("audience", _text(500, empty=False)),
+    "scopes": Field("scopes", _text_list),
+    "header": Field("header", _text(100)),
+    "mcp_meta": Field("mcp_meta", _bool),
+    "mcp_authorization": Field("mcp_authorization", _bool),
+}
+# The tenant's identity provider for token exchange; the client credentials are secret names.
+IDENTITY_PROVIDER: Spec = {
+    "token_url": Field("token_url", _url, required=True),
+    "client_id": Field("client_id", _text(100, empty=False), required=True),
+    "client_secret": Field("client_secret", _text(100, empty=False), required=True),
+    "timeout_seconds": Field("timeout_seconds", _seconds(60)),
+}
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")
+_RESERVED_HEADERS = {"authorization", "idempotency-key", "content-type", "content-length", "host"}
 TOOL: Spec = {
     "server": Field("server", _slug(50), required=True),
     "name": Field("remote_name", _text(150, empty=False), required=True),
@@ -349,6 +369,46 @@ def _check_server(values: dict, path: str, problems: Problems) -> None:
             problems.add(f"{path}.url", "required for an http server: its tools' calls go to its origin")
     for key, default in SERVER_DESTINATION.items():
         values.setdefault(key, default)
+    if "delegation" in values:
+        values["delegation"] = _check_delegation(values, f"{path}.delegation", problems)
+    else:
+        values["delegation"] = None  # the file owns it: an omitted block means the defaults
+
+
+def _check_delegation(server: dict, path: str, problems: Problems) -> dict:
+    values = _read(server["delegation"], path, DELEGATION, problems)
+    mode = values.setdefault("mode", "assertion")
+    is_mcp = server.get("kind") == ToolServer.Kind.MCP
+    header = values.get("header")
+    if header and (not _HEADER_NAME.match(header) or header.lower() in _RESERVED_HEADERS):
+        problems.add(
+            f"{path}.header", "must be a plain HTTP header name other than Authorization or Idempotency-Key"
+        )
+    for key in ("mcp_meta", "mcp_authorization"):
+        if key in values and not is_mcp:
+            problems.add(f"{path}.{key}", "only for mcp servers")
+    if "scopes" in values and mode != "token_exchange":
+        problems.add(f"{path}.scopes", "only with auth: token_exchange")
+    takes_authorization = mode == "token_exchange" or values.get("mcp_authorization")
+    if (
+        takes_authorization
+        and server.get("secret")
+        and (server.get("auth_header") or "").lower() == "authorization"
+    ):
+        problems.add(
+            f"{path}.auth" if mode == "token_exchange" else f"{path}.mcp_authorization",
+            "the user's token goes in the Authorization header, which this server's secret already uses "
+            "(give the secret another auth_header)",
+        )
+    if mode == "token_exchange" and values.get("mcp_authorization"):
+        problems.add(
+            f"{path}.mcp_authorization", "with auth: token_exchange, Authorization carries the IdP's token"
+        )
+    if server.get("transport") == ToolServer.Transport.STDIO and (
+        "header" in values or values.get("mcp_authorization")
+    ):
+        problems.add(path, "a stdio server has no HTTP headers: the assertion goes in _meta")
+    return values
 
 
 def _check_endpoint(values: dict, path: str, problems: Problems) -> None:
@@ -457,8 +517,15 @@ def parse(data: Any, problems: Problems) -> Plan:
         problems.add("", "the file must be a mapping with a tenant section")
         return plan
     for key in data:
-        if key != "tenant" and key not in SECTIONS:
-            problems.add(str(key), f"unknown section; one of tenant, {', '.join(SECTIONS)}")
+        if key not in ("tenant", "identity_provider") and key not in SECTIONS:
+            problems.add(
+                str(key), f"unknown section; one of tenant, identity_provider, {', '.join(SECTIONS)}"
+            )
+    if data.get("identity_provider") is not None:
+        before = len(problems)
+        values = _read(data["identity_provider"], "identity_provider", IDENTITY_PROVIDER, problems)
+        if len(problems) == before:
+            plan.identity_provider = Item("identity_provider", "identity_provider", values)
     if "tenant" not in data:
         problems.add("tenant", "required")
     else:

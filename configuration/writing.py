@@ -18,6 +18,7 @@ from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from budgets.models import BudgetAccount
 from budgets.services import local_day, set_day_limit
+from configuration import delegation
 from configuration.report import ApplyReport
 from configuration.schema import (
     AGENT_PERMS,
@@ -94,6 +95,7 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
     for section, apply_item in steps:
         for item in plan.sections[section]:
             apply_item(item, ctx)
+    delegation.apply_identity_provider(plan.identity_provider, ctx.tenant, ctx.problems, ctx.report)
     _apply_tenant_grants(plan.tenant, ctx)
     return report
 
@@ -267,11 +269,12 @@ def _apply_endpoint(item: Item, ctx: _Context) -> None:
 
 
 def _apply_server(item: Item, ctx: _Context) -> None:
-    values = {k: v for k, v in item.values.items() if k not in ("name", "discover")}
+    values = {k: v for k, v in item.values.items() if k not in ("name", "discover", "delegation")}
     if not _secret_ref(values, item.path, ctx):
         ctx.skip("tool_servers", item)
         return
     server = _upsert(ToolServer, "tool_servers", item, values, ctx)
+    delegation.apply_delegation(server, item.values.get("delegation"), item.key, ctx.report)
     if item.key not in ctx.remote:
         return
     remote = ctx.remote[item.key]

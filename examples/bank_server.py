@@ -42,6 +42,16 @@ lookup in between truthfully answers "not found" (or 409 with `pending_visible`)
 `--require-token T` makes `/mcp` and `/http/*` answer 401 without `Authorization: Bearer T`;
 the ledger and fault routes stay open because they are test controls, not tools.
 
+`--assertion-jwks URL --assertion-issuer ISS --assertion-audience AUD` makes every tool call
+need the agent platform's signed assertion (docs/authority.md): in the MCP request's `_meta`
+(`io.agentplatform/assertion`) or the `Agent-Assertion` header (HTTP). The bank checks it with
+the platform's public keys (PyJWT) and its own rules, whatever the platform allowed:
+`--refund-limit USER=AMOUNT` (repeatable) caps the refunds each person may issue; a user with no
+limit may not refund at all. A call without a valid assertion is rejected before any effect
+(MCP: INVALID_REQUEST; HTTP: 401); a refund above the acting person's limit is refused (MCP: an
+`isError` result; HTTP: 403). `GET /calls` then also lists `identities`: each verified call's
+subject and `jti`, the bank's side of the audit trail.
+
 Over MCP, bad arguments and unknown tools are JSON-RPC INVALID_PARAMS errors (the request is
 rejected, nothing is applied); failures inside a tool are `isError` results.
 """
@@ -50,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import random
@@ -65,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import jwt
 import mcp_types as types
 import uvicorn
 from mcp.server.lowlevel import Server
@@ -79,6 +91,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 # as a third-party server would.
 IDEMPOTENCY_META_KEY = "io.agentplatform/idempotency-key"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+ASSERTION_META_KEY = "io.agentplatform/assertion"
+ASSERTION_HEADER = "Agent-Assertion"
 READY_PREFIX = "BANK_SERVER_READY"
 
 TRANSACTIONS: dict[str, dict[str, Any]] = {
@@ -136,6 +150,14 @@ TICKETS: list[dict[str, Any]] = [
 
 class ToolError(Exception):
     """The tool ran and failed; reported to the caller as a tool result, not a rejection."""
+
+
+class PolicyRefusal(ToolError):
+    """The bank's own rule refuses the acting person, whatever the caller's platform allowed."""
+
+
+class AssertionRejected(Exception):
+    """The call carries no valid assertion of who acts: rejected before any effect."""
 
 
 class ArgumentError(Exception):
@@ -211,6 +233,49 @@ class Call:
     idempotency_key: str | None
     transport: str  # "mcp" | "http"
     protocol_version: str | None = None
+    who: dict[str, Any] | None = None  # the verified assertion's claims, when the bank asks for one
+
+
+@dataclass
+class AssertionCheck:
+    """How the bank verifies the agent platform's assertion (docs/authority.md, as a provider would)."""
+
+    jwks_url: str
+    issuer: str
+    audience: str
+    _keys: jwt.PyJWKClient | None = None
+
+    def verify(self, token: str | None, *, tool: str, arguments: Mapping[str, Any], key: str | None) -> dict:
+        if not token:
+            raise AssertionRejected("no assertion of who acts")
+        if self._keys is None:
+            self._keys = jwt.PyJWKClient(self.jwks_url, cache_keys=True, lifespan=300)
+        try:
+            signing = self._keys.get_signing_key_from_jwt(token)
+            claims = jwt.decode(
+                token,
+                signing.key,
+                algorithms=["EdDSA"],
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=30,
+                options={"require": ["iss", "sub", "aud", "exp", "iat", "jti"]},
+            )
+        except jwt.PyJWTError as exc:
+            raise AssertionRejected(f"assertion rejected: {exc}") from None
+        if claims.get("purpose") == "status_lookup":
+            # Recovery asks whether the call with this jti happened: that question only.
+            if tool != "refund_status" or claims.get("jti") != arguments.get("idempotency_key"):
+                raise AssertionRejected("assertion rejected: a status lookup asks about its own jti only")
+            return claims
+        canonical = json.dumps(dict(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if claims.get("args_digest") != hashlib.sha256(canonical.encode()).hexdigest():
+            raise AssertionRejected("assertion rejected: it was signed for other arguments")
+        if claims.get("tool") != tool or claims.get("purpose") != "call":
+            raise AssertionRejected("assertion rejected: it was signed for another tool or purpose")
+        if key is not None and claims.get("jti") != key:
+            raise AssertionRejected("assertion rejected: its jti is not this request's idempotency key")
+        return claims
 
 
 class Ledger:
@@ -253,6 +318,9 @@ class Ledger:
                     "transport": call.transport,
                     "protocol_version": call.protocol_version,
                     "result": result,
+                    "subject": (call.who or {}).get("sub"),
+                    "jti": (call.who or {}).get("jti"),
+                    "approver": ((call.who or {}).get("approval") or {}).get("approver"),
                 }
             )
             self._persist()
@@ -355,6 +423,19 @@ class BankService:
     page_size: int = 0  # 0: tools/list returns everything in one page
     pending: set[str] = field(default_factory=set)  # keys received but not applied (pending_visible)
     calls: list[dict[str, Any]] = field(default_factory=list)  # every tool call received (GET /calls)
+    authority: AssertionCheck | None = None
+    identities: list[dict[str, Any]] = field(default_factory=list)  # who each verified call named
+    refund_limits: dict[str, float] = field(default_factory=dict)  # person -> the most they may refund
+
+    async def identify(self, token: str | None, name: str, raw_args: Any, key: str | None) -> dict | None:
+        """The verified claims of the call's assertion (None when the bank does not ask for one)."""
+        if self.authority is None:
+            return None
+        arguments = raw_args if isinstance(raw_args, Mapping) else {}
+        check = functools.partial(self.authority.verify, token, tool=name, arguments=arguments, key=key)
+        claims = await anyio.to_thread.run_sync(check)  # the key set may be fetched: off the loop
+        self.identities.append({"tool": name, "key": key, "subject": claims["sub"], "jti": claims["jti"]})
+        return claims
 
     async def execute(
         self, name: str, raw_args: Mapping[str, Any], call: Call, faults: CallFaults
@@ -391,6 +472,17 @@ def search_tickets(svc: BankService, args: dict[str, Any], call: Call) -> dict[s
 
 def issue_refund(svc: BankService, args: dict[str, Any], call: Call) -> dict[str, Any]:
     txn = _transaction(args["transaction_id"])
+    if call.who is not None:
+        person = call.who["sub"]
+        limit = svc.refund_limits.get(person)
+        if limit is None or args["amount"] > limit:
+            allowed = (
+                f"may refund up to {txn['currency']} {limit:g}" if limit is not None else "may not refund"
+            )
+            raise PolicyRefusal(
+                f"Refused by the bank: {person} {allowed}; this refund is {args['currency']} {args['amount']:g}"
+                f" (bank policy, checked against the caller's signed identity)"
+            )
     if args["amount"] > txn["amount"]:
         raise ToolError(f"Refund {args['amount']} exceeds transaction amount {txn['amount']}")
     if args["currency"] != txn["currency"]:
@@ -600,8 +692,17 @@ def build_mcp_server(svc: BankService) -> Server[Any]:
     async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         if params.name not in TOOLS:
             raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {params.name}")
-        key = (params.meta or {}).get(IDEMPOTENCY_META_KEY)
-        call = Call(key if isinstance(key, str) else None, "mcp", ctx.protocol_version)
+        meta = params.meta or {}
+        key = meta.get(IDEMPOTENCY_META_KEY)
+        key = key if isinstance(key, str) else None
+        token = meta.get(ASSERTION_META_KEY)
+        try:
+            who = await svc.identify(
+                token if isinstance(token, str) else None, params.name, params.arguments, key
+            )
+        except AssertionRejected as exc:
+            raise MCPError(code=types.INVALID_REQUEST, message=str(exc)) from exc
+        call = Call(key, "mcp", ctx.protocol_version, who)
         # fail_5xx needs the HTTP response, so the ASGI wrapper consumes that kind.
         faults = svc.faults.take(params.name, DELAY_KINDS, call.idempotency_key)
         try:
@@ -664,7 +765,7 @@ def _http_routes(svc: BankService) -> list[Route]:
         return JSONResponse({"faults": svc.faults.armed(), "taken": svc.faults.taken()})
 
     async def calls(request: Request) -> Response:
-        return JSONResponse({"calls": [dict(c) for c in svc.calls]})
+        return JSONResponse({"calls": [dict(c) for c in svc.calls], "identities": list(svc.identities)})
 
     async def faults_reset(request: Request) -> Response:
         svc.faults.reset()
@@ -682,7 +783,12 @@ def _http_routes(svc: BankService) -> list[Route]:
             return JSONResponse(
                 {"error": "body must be a JSON object of arguments", "fields": {}}, status_code=422
             )
-        call = Call(request.headers.get(IDEMPOTENCY_HEADER), "http")
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        try:
+            who = await svc.identify(request.headers.get(ASSERTION_HEADER), name, raw, key)
+        except AssertionRejected as exc:
+            return JSONResponse({"error": str(exc)}, status_code=401)
+        call = Call(key, "http", None, who)
         if call.idempotency_key in svc.pending:
             # Like payment APIs that lock a key while its first request runs.
             return JSONResponse(
@@ -696,6 +802,8 @@ def _http_routes(svc: BankService) -> list[Route]:
             result = await svc.execute(name, raw, call, faults)
         except ArgumentError as exc:
             return JSONResponse({"error": "invalid arguments", "fields": exc.fields}, status_code=422)
+        except PolicyRefusal as exc:
+            return JSONResponse({"error": str(exc)}, status_code=403)
         except ToolError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         finally:
@@ -946,8 +1054,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ledger", help="JSON file mirroring the ledger")
     parser.add_argument("--page-size", type=int, default=0, help="tools/list page size (0 = no pagination)")
     parser.add_argument("--require-token", help="bearer token required on /mcp and /http/*")
+    parser.add_argument(
+        "--assertion-jwks", help="the agent platform's JWKS URL: every tool call needs its assertion"
+    )
+    parser.add_argument("--assertion-issuer", default="", help="the assertion's expected iss")
+    parser.add_argument("--assertion-audience", default="", help="the assertion's expected aud (this bank)")
+    parser.add_argument(
+        "--refund-limit", action="append", default=[], metavar="USER=AMOUNT", help="most USER may refund"
+    )
     opts = parser.parse_args(argv)
     svc = BankService(label=opts.label, ledger=Ledger(opts.ledger, opts.label), page_size=opts.page_size)
+    if opts.assertion_jwks:
+        if not (opts.assertion_issuer and opts.assertion_audience):
+            parser.error("--assertion-jwks needs --assertion-issuer and --assertion-audience")
+        svc.authority = AssertionCheck(opts.assertion_jwks, opts.assertion_issuer, opts.assertion_audience)
+    for limit in opts.refund_limit:
+        person, _, amount = limit.partition("=")
+        try:
+            svc.refund_limits[person] = float(amount)
+        except ValueError:
+            parser.error(f"--refund-limit {limit!r}: expected USER=AMOUNT")
     if opts.stdio:
         anyio.run(_serve_stdio, svc)
     else:

@@ -223,11 +223,14 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
         StepStatus.SKIPPED,
     },
     StepStatus.APPROVED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
+    # -> denied: the user's identity provider refused a token for the call (authority/), so
+    # nothing was sent.
     StepStatus.DISPATCHING: {
         StepStatus.SUCCEEDED,
         StepStatus.FAILED,
         StepStatus.OUTCOME_UNKNOWN,
         StepStatus.DISPATCHING,
+        StepStatus.DENIED,
     },
     StepStatus.OUTCOME_UNKNOWN: {
         StepStatus.RESOLVED_SUCCEEDED,

@@ -31,6 +31,7 @@ PACKAGES = [
     "llm",
     "tools",
     "approvals",
+    "authority",
     "runs",
     "artifacts",
     "notifications",

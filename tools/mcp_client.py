@@ -90,13 +90,21 @@ def list_tools(config: McpServerConfig, *, timeout: float = 30) -> list[RemoteTo
 
 
 def call_tool(
-    config: McpServerConfig, name: str, arguments: dict, *, idempotency_key: str, timeout: float
+    config: McpServerConfig,
+    name: str,
+    arguments: dict,
+    *,
+    idempotency_key: str,
+    timeout: float,
+    meta: dict | None = None,
 ) -> ToolResult:
-    """Call one tool, sending `idempotency_key` in the request `_meta`; see the module docstring."""
+    """Call one tool, sending `idempotency_key` (and `meta`: the user's authority) in the request
+    `_meta`; see the module docstring."""
     tap = _HttpTap()
     progress = _Progress()
+    meta = {**(meta or {}), IDEMPOTENCY_META_KEY: idempotency_key}
     try:
-        result = _run(_call_tool(config, name, arguments, idempotency_key, timeout, tap, progress), timeout)
+        result = _run(_call_tool(config, name, arguments, meta, timeout, tap, progress), timeout)
     except (ToolFailed, ToolOutcomeUnknown):
         raise
     except Exception as exc:
@@ -214,7 +222,7 @@ async def _call_tool(
     config: McpServerConfig,
     name: str,
     arguments: dict,
-    idempotency_key: str,
+    meta: dict,
     timeout: float,
     tap: _HttpTap,
     progress: _Progress,
@@ -224,7 +232,7 @@ async def _call_tool(
             request = mt.CallToolRequest(
                 # Validated from a dict: `_meta` is the field's wire name (an alias the constructor's types omit).
                 params=mt.CallToolRequestParams.model_validate(
-                    {"name": name, "arguments": arguments, "_meta": {IDEMPOTENCY_META_KEY: idempotency_key}}
+                    {"name": name, "arguments": arguments, "_meta": meta}
                 )
             )
             progress.call_sent = True

@@ -38,17 +38,27 @@ def _secret_header(server: ToolServer) -> dict:
     return {server.auth_header or "Authorization": f"{server.auth_scheme} {value}".strip()}
 
 
-def mcp_config(server: ToolServer) -> McpServerConfig:
+def mcp_config(server: ToolServer, *, authority: dict | None = None) -> McpServerConfig:
     return McpServerConfig(
         transport=server.transport or ToolServer.Transport.STREAMABLE_HTTP,
         url=server.url,
         command=tuple(server.command or ()),
-        headers=_secret_header(server),
+        headers={**_secret_header(server), **(authority or {})},
     )
 
 
-def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
+def dispatch(
+    step: Step,
+    *,
+    send_by: float | None = None,
+    authority_headers: dict | None = None,
+    authority_meta: dict | None = None,
+) -> ToolResult:
     """Send the call. Raises ToolFailed (provably not done) or ToolOutcomeUnknown.
+
+    `authority_headers` and `authority_meta` are the user's authority for this attempt
+    (authority.credentials.for_call, docs/authority.md): headers on the HTTP request, entries of
+    the MCP request's `_meta`. Like the server's secret they go to its configured origin only.
 
     `send_by` (time.monotonic()) is when the caller's lease runs out: a worker paused between
     committing the call and sending it (SIGSTOP, a long GC, a starved CPU) may wake after another
@@ -73,10 +83,10 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
         except Exception as exc:
             raise ToolFailed(f"{tool.name} failed: {type(exc).__name__}: {exc}") from None
     if server.kind == ToolServer.Kind.HTTP:
-        return _http_call(server, tool, step, send_by)
+        return _http_call(server, tool, step, send_by, authority_headers or {})
     from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
-    config = mcp_config(server)
+    config = mcp_config(server, authority=authority_headers)
     _before_sending(send_by)
     return mcp_client.call_tool(
         config,
@@ -84,6 +94,7 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
         arguments,
         idempotency_key=step.idempotency_key,
         timeout=tool.timeout_seconds,
+        meta=authority_meta,
     )
 
 
@@ -126,12 +137,14 @@ def _before_sending(send_by: float | None) -> None:
         )
 
 
-def _http_call(server: ToolServer, tool: Tool, step: Step, send_by: float | None) -> ToolResult:
+def _http_call(
+    server: ToolServer, tool: Tool, step: Step, send_by: float | None, authority: dict
+) -> ToolResult:
     url = http_tool_url(server, tool)
     refusal = off_origin(server, url)
     if refusal:
         raise ToolFailed(refusal)
-    headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server)}
+    headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server), **authority}
     _before_sending(send_by)
     try:
         # Redirects are never followed (httpx's default, said here because it matters): the
@@ -203,8 +216,12 @@ def _http_result(response: httpx.Response, step: Step | None = None) -> ToolResu
     return ToolResult(text=json.dumps(body, ensure_ascii=False), structured=body)
 
 
-def lookup_status(step: Step) -> ToolResult | None:
-    """Ask a reconcilable provider whether the call with this key happened. None: it did not."""
+def lookup_status(
+    step: Step, *, authority_headers: dict | None = None, authority_meta: dict | None = None
+) -> ToolResult | None:
+    """Ask a reconcilable provider whether the call with this key happened. None: it did not.
+
+    The lookup carries the user's authority like the call (`purpose: status_lookup`, same `jti`)."""
     tool = step.tool
     if tool is None:
         raise ToolOutcomeUnknown(f"step {step.seq} names no tool to ask")
@@ -217,7 +234,10 @@ def lookup_status(step: Step) -> ToolResult | None:
             raise ToolOutcomeUnknown(f"status lookup {refusal}")
         try:
             response = httpx.get(
-                url, headers=_secret_header(server), timeout=tool.timeout_seconds, follow_redirects=False
+                url,
+                headers={**_secret_header(server), **(authority_headers or {})},
+                timeout=tool.timeout_seconds,
+                follow_redirects=False,
             )
         except httpx.HTTPError as exc:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
@@ -237,11 +257,12 @@ def lookup_status(step: Step) -> ToolResult | None:
         from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
         answer = mcp_client.call_tool(
-            mcp_config(server),
+            mcp_config(server, authority=authority_headers),
             server.status_tool,
             {"idempotency_key": step.idempotency_key},
             idempotency_key=f"{step.idempotency_key}:status",
             timeout=tool.timeout_seconds,
+            meta=authority_meta,
         )
         body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
     else:

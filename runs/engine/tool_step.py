@@ -13,6 +13,8 @@ from django.db import close_old_connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from authority import credentials as authority
+from authority.errors import AuthorityRefused, AuthorityUnavailable
 from budgets import services as budgets
 from observability import observe
 from runs.engine import decisions, heartbeat, writer
@@ -64,7 +66,7 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
         return None
     if outcome.kind == "unknown":
         budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
-    elif outcome.kind in ("failed", "in_progress"):
+    elif outcome.kind in ("failed", "in_progress", "denied", "not_sent"):
         budgets.release(plan.reservation_id, note="this attempt provably took no effect")
     else:
         return budgets.settle_reporting(plan.reservation_id, actual_micros=charge(step, outcome))[1]
@@ -80,14 +82,35 @@ def charge(step: Step, outcome: ToolOutcome) -> int:
 
 def _call_tool(step: Step, *, send_by: float) -> ToolOutcome:
     try:
-        result = transports.dispatch(step, send_by=send_by)
+        # The user's authority for this attempt (a fresh assertion, an IdP token where configured):
+        # the platform's own checks have passed in the claim; this is the provider's second lock.
+        presented = authority.for_call(step)
+    except AuthorityRefused as exc:
+        return ToolOutcome("denied", error=str(exc))
+    except AuthorityUnavailable as exc:
+        return ToolOutcome("not_sent", error=f"not sent: {exc}", retry_after=exc.retry_after)
+    try:
+        result = transports.dispatch(
+            step, send_by=send_by, authority_headers=presented.headers, authority_meta=presented.meta
+        )
     except ToolFailed as exc:
-        return ToolOutcome("failed", error=str(exc))
+        return ToolOutcome("failed", error=presented.scrub(str(exc)), presented=presented.presented)
     except ToolInProgress as exc:
-        return ToolOutcome("in_progress", error=str(exc), retry_after=exc.retry_after, sent=True)
+        return ToolOutcome(
+            "in_progress",
+            error=presented.scrub(str(exc)),
+            retry_after=exc.retry_after,
+            sent=True,
+            presented=presented.presented,
+        )
     except ToolOutcomeUnknown as exc:
-        return ToolOutcome("unknown", error=str(exc), retry_after=exc.retry_after)
-    return ToolOutcome("succeeded", result=result)
+        return ToolOutcome(
+            "unknown",
+            error=presented.scrub(str(exc)),
+            retry_after=exc.retry_after,
+            presented=presented.presented,
+        )
+    return ToolOutcome("succeeded", result=presented.scrub(result), presented=presented.presented)
 
 
 def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
@@ -96,7 +119,13 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
     The claim asks only once the step's settle window has passed, so "not found" is evidence.
     """
     try:
-        result = transports.lookup_status(step)
+        presented = authority.for_call(step, status_lookup=True)
+        result = presented.scrub(
+            transports.lookup_status(step, authority_headers=presented.headers, authority_meta=presented.meta)
+        )
+    except (AuthorityRefused, AuthorityUnavailable) as exc:
+        _lookup_event(plan, step, f" not sent: {exc}", found=None, count_attempt=True)
+        return ToolOutcome("unknown", error=f"status lookup not sent: {exc}")
     except ToolInProgress as exc:
         _lookup_event(plan, step, ": in progress, waiting, not retrying", found=None)
         return ToolOutcome("in_progress", error=str(exc), retry_after=exc.retry_after)
@@ -147,6 +176,11 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
             return
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
+        _identity_event(run, step, outcome)
+        if outcome.kind == "denied":
+            at_end(lambda: _close_reservation(plan, step, outcome))
+            writer.deny_after_sending_nothing(run, step, secrets.redact_text(run.tenant_id, outcome.error))
+            return
         if outcome.kind == "succeeded":
             stored, observation = results.shape_result(
                 run, step, outcome.answer, may_be_corrected=plan.tool_call.may_be_corrected
@@ -197,6 +231,22 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
         writer.tool_finished(run, step)  # failed calls count as repeats too
 
 
+def _identity_event(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    """Which identity the attempt presented, so the platform's audit trail and the provider's join
+    on `jti` (the step's idempotency key). Never the token: its id, subject and audience."""
+    who = outcome.presented
+    if not who:
+        return
+    token = f", IdP token for {who['token_subject'] or '?'}" if "token_subject" in who else ""
+    record_event(
+        run.pk,
+        "identity",
+        f"step {step.seq} {step.tool_name}: presented {who['subject']} to {who['audience']} (jti {who['jti']}{token})",
+        step_seq=step.seq,
+        **who,
+    )
+
+
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:
     price = tool_of(step).price_micros
     transaction.on_commit(
@@ -217,12 +267,15 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     else:
         ended = now  # this worker saw the call end: the window runs from here
     view = tool_view(tool)
+    not_sent = outcome.kind == "not_sent"
     attempt = decisions.Attempt(
-        effect=view.effect,
+        # Not sent (the IdP did not answer): nothing happened, so it is retried with backoff like
+        # a read, whatever the tool's class, and fails (the model told) after max_attempts.
+        effect=decisions.READ_ONLY if not_sent else view.effect,
         attempts=step.attempts,
         max_attempts=view.max_attempts,
         ended_at=ended,
-        settle_seconds=view.settle_seconds,
+        settle_seconds=0 if not_sent else view.settle_seconds,
         backoff_seconds=view.backoff_seconds,
         in_progress=in_progress,
         answered=in_progress and outcome.sent,

@@ -118,12 +118,15 @@ class ToolOutcome:
     """What a tool call (or a status lookup) came to. "in_progress": the provider has the request
     and is still on it (a 409 for a key in use), so it is asked again later, never re-sent."""
 
-    kind: Literal["succeeded", "failed", "unknown", "in_progress"]
+    kind: Literal["succeeded", "failed", "unknown", "in_progress", "denied", "not_sent"]
     result: ToolResult | None = None
     error: str = ""
     retry_after: float | None = None
     reconciled: bool = False
     sent: bool = False  # "in_progress": the call itself was answered so (not a lookup)
+    # Which identity this attempt presented (authority.credentials: jti, subject, audience, never a
+    # token); "denied": the identity provider refused the user, "not_sent": it did not answer.
+    presented: dict | None = None
 
     @property
     def answer(self) -> ToolResult:

@@ -244,6 +244,21 @@ def unavailable(run: Run, step: Step, switch: str) -> None:
     tool_finished(run, step)
 
 
+def deny_after_sending_nothing(run: Run, step: Step, reason: str) -> None:
+    """The user's identity provider refused a token for the call: a denial the model is told, with
+    the IdP's reason; nothing was sent. Like the gateway's own denial, the run goes on."""
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
+        error=reason,
+        observation=f"ERROR: call denied: {reason}",
+        finished_at=timezone.now(),
+        next_attempt_at=None,
+    )
+    tool_finished(run, step)
+
+
 def keep_retry(step: Step) -> None:
     """A step in flight that is not sent now (its tool is killed) is kept as a retry due now: the
     claim after the resume retries it (or asks the provider first), and does not count the lost

@@ -13,6 +13,7 @@ from django.urls import reverse
 from rest_framework.test import APIClient
 
 from approvals.models import Approval
+from authority.models import Delegation, ExchangedToken, IdentityProvider, SigningKey
 from llm.models import ModelEndpoint
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from runs.services import start_run
@@ -119,6 +120,10 @@ def _admin_pages(client) -> dict[str, str]:
         *RunEvent.objects.all()[:20],
         *Approval.objects.all(),
         *ModelEndpoint.objects.all(),
+        *SigningKey.objects.all(),
+        *Delegation.objects.all(),
+        *IdentityProvider.objects.all(),
+        *ExchangedToken.objects.all(),
     ]
     for site in all_sites:
         listed = set()

@@ -1,0 +1,107 @@
+"""The platform's signing keys: generate, rotate with an overlap, publish, sign with.
+
+A key's private half is stored only as Fernet ciphertext (the tenants' secrets' keys,
+SECRET_ENCRYPTION_KEYS), decrypted once per process and kept in memory by key id. Rotation never
+breaks a call in flight: the new key is in the published set `SIGNING_KEY_LEAD_SECONDS` before it
+signs, and the old key stays in it until the last assertion it signed has expired
+(`ASSERTION_TTL_SECONDS` after it stopped signing), then its private half is erased.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import secrets
+import threading
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from jwt.algorithms import OKPAlgorithm
+
+from authority.models import SigningKey
+from tenants.crypto import decrypt, encrypt, rotate
+
+_private: dict[str, Ed25519PrivateKey] = {}
+_private_lock = threading.Lock()
+
+
+def create_key(*, now: dt.datetime | None = None, lead_seconds: int | None = None) -> SigningKey:
+    """Add a key that signs from now + lead; the key signing until then retires at that moment."""
+    now = now or timezone.now()
+    lead = settings.SIGNING_KEY_LEAD_SECONDS if lead_seconds is None else lead_seconds
+    private = Ed25519PrivateKey.generate()
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode("ascii")
+    kid = f"ap-{now:%Y%m%d}-{secrets.token_hex(4)}"
+    jwk = json.loads(OKPAlgorithm.to_jwk(private.public_key()))
+    jwk.update({"kid": kid, "use": "sig", "alg": "EdDSA"})
+    starts = now + dt.timedelta(seconds=lead)
+    with transaction.atomic():
+        # Locked in id order so two rotations at once retire consistently.
+        live = list(SigningKey.objects.select_for_update().filter(retired_at__isnull=True).order_by("id"))
+        SigningKey.objects.filter(pk__in=[k.pk for k in live]).update(retired_at=starts)
+        key = SigningKey.objects.create(
+            kid=kid,
+            private_ciphertext=encrypt(pem, settings.SECRET_ENCRYPTION_KEYS),
+            public_jwk=jwk,
+            created_at=now,
+            signs_from=now if not live else starts,  # the first key has nobody to overlap with
+        )
+    return key
+
+
+def signing_key(now: dt.datetime | None = None) -> tuple[str, Ed25519PrivateKey]:
+    """The key that signs now (created on first use, so a fresh install needs no step)."""
+    now = now or timezone.now()
+    key = (
+        SigningKey.objects.filter(signs_from__lte=now)
+        .filter(Q(retired_at__isnull=True) | Q(retired_at__gt=now))
+        .only("kid", "private_ciphertext")
+        .order_by("-signs_from", "-id")
+        .first()
+    )
+    if key is None:
+        key = create_key(now=now, lead_seconds=0)
+    cached = _private.get(key.kid)
+    if cached is None:
+        pem = decrypt(key.private_ciphertext, settings.SECRET_ENCRYPTION_KEYS)
+        loaded = serialization.load_pem_private_key(pem.encode("ascii"), password=None)
+        assert isinstance(loaded, Ed25519PrivateKey)
+        with _private_lock:
+            cached = _private.setdefault(key.kid, loaded)
+    return key.kid, cached
+
+
+def published(now: dt.datetime | None = None) -> list[SigningKey]:
+    """Keys a verifier may meet: signing, about to sign, or retired less than an assertion's life ago."""
+    now = now or timezone.now()
+    horizon = now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60)  # 60 s: clock skew
+    return list(SigningKey.objects.filter(Q(retired_at__isnull=True) | Q(retired_at__gt=horizon)))
+
+
+def jwks(now: dt.datetime | None = None) -> dict:
+    return {"keys": [key.public_jwk for key in published(now)]}
+
+
+def erase_expired(now: dt.datetime | None = None) -> int:
+    """Delete keys no assertion in circulation can name any more (their private halves with them)."""
+    now = now or timezone.now()
+    horizon = now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60)
+    deleted, _ = SigningKey.objects.filter(retired_at__lte=horizon).delete()
+    return deleted
+
+
+def rotate_ciphertexts() -> int:
+    """Re-encrypt every private half under the first SECRET_ENCRYPTION_KEYS key (before retiring one)."""
+    count = 0
+    for key in SigningKey.objects.all():
+        SigningKey.objects.filter(pk=key.pk).update(
+            private_ciphertext=rotate(key.private_ciphertext, settings.SECRET_ENCRYPTION_KEYS)
+        )
+        count += 1
+    return count
