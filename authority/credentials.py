@@ -70,16 +70,22 @@ def audience_of(server: ToolServer, delegation: Delegation | None) -> str:
     return f"urn:agentplatform:tool-server:{server.tenant_id}:{server.name}"
 
 
-def for_call(step: Step, *, status_lookup: bool = False) -> Credentials:
+def for_call(
+    step: Step, *, status_lookup: bool = False, run: Run | None = None, approved: bool = True
+) -> Credentials:
     """The credentials of this attempt. Raises AuthorityRefused or AuthorityUnavailable (from the
-    IdP) before anything is sent."""
+    IdP) before anything is sent.
+
+    `run`: the run as the claim read it (with its tenant, user, agent and version: what an
+    assertion names of a run never changes); None reads it. `approved`: False when the call was
+    proposed and dispatched without an approval (the claim knows): no approval is looked for."""
     tool = step.tool
     if tool is None or tool.server.kind == ToolServer.Kind.BUILTIN:
         return NONE
     server = tool.server
     delegation = Delegation.objects.filter(server_id=server.pk).first()
     audience = audience_of(server, delegation)
-    facts = _facts(step, tool.remote_name)
+    facts = _facts(step, tool.remote_name, run=run, approved=approved)
     signed = assertions.sign(facts, audience=audience, status_lookup=status_lookup)
     presented: dict[str, object] = {
         "mode": delegation.mode if delegation else Delegation.Mode.ASSERTION,
@@ -116,9 +122,9 @@ def for_call(step: Step, *, status_lookup: bool = False) -> Credentials:
     return Credentials(headers=headers, meta=meta, presented=presented, values=tuple(values))
 
 
-def _facts(step: Step, remote_name: str) -> assertions.CallFacts:
-    # Read now, not from the claim's snapshot: the assertion states what holds at sending time.
-    run = Run.objects.select_related("tenant", "created_by", "agent", "version").get(pk=step.run_id)
+def _facts(step: Step, remote_name: str, *, run: Run | None, approved: bool) -> assertions.CallFacts:
+    if run is None:
+        run = Run.objects.select_related("tenant", "created_by", "agent", "version").get(pk=step.run_id)
     step.run = run
     approval = (
         Approval.objects.filter(
@@ -128,6 +134,8 @@ def _facts(step: Step, remote_name: str) -> assertions.CallFacts:
         )
         .select_related("decided_by")
         .first()
+        if approved
+        else None
     )
     return assertions.CallFacts(
         tenant=run.tenant.slug,

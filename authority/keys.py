@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import secrets
 import threading
+import time
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -27,6 +28,15 @@ from tenants.crypto import decrypt, encrypt, rotate
 
 _private: dict[str, Ed25519PrivateKey] = {}
 _private_lock = threading.Lock()
+# The signing key as last read, until a monotonic deadline (signing_key).
+_current: dict[str, tuple[float, SigningKey]] = {}
+KEY_CHECK_SECONDS = 10
+
+
+# How long a key stays published after it retired: an assertion's life, 60 s of clock skew, and
+# the KEY_CHECK_SECONDS a process may go on signing with it before it reads the table again.
+def _publish_horizon(now: dt.datetime) -> dt.datetime:
+    return now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60 + KEY_CHECK_SECONDS)
 
 
 def create_key(*, now: dt.datetime | None = None, lead_seconds: int | None = None) -> SigningKey:
@@ -52,21 +62,34 @@ def create_key(*, now: dt.datetime | None = None, lead_seconds: int | None = Non
             created_at=now,
             signs_from=now if not live else starts,  # the first key has nobody to overlap with
         )
+    _current.clear()
     return key
 
 
 def signing_key(now: dt.datetime | None = None) -> tuple[str, Ed25519PrivateKey]:
-    """The key that signs now (created on first use, so a fresh install needs no step)."""
+    """The key that signs now (created on first use, so a fresh install needs no step).
+
+    The answer is kept for KEY_CHECK_SECONDS per process: a rotation publishes the next key
+    minutes before it signs and keeps the old one published until its last assertion expired,
+    so signing a little longer with the old key breaks nothing, and no call reads the table."""
+    now_given = now is not None  # a given time: asked about that moment, not cached
+    kept = None if now_given else _current.get("key")
     now = now or timezone.now()
-    key = (
-        SigningKey.objects.filter(signs_from__lte=now)
-        .filter(Q(retired_at__isnull=True) | Q(retired_at__gt=now))
-        .only("kid", "private_ciphertext")
-        .order_by("-signs_from", "-id")
-        .first()
-    )
-    if key is None:
-        key = create_key(now=now, lead_seconds=0)
+    key: SigningKey | None = None
+    if kept is not None and kept[0] > time.monotonic():
+        key = kept[1]
+    else:
+        key = (
+            SigningKey.objects.filter(signs_from__lte=now)
+            .filter(Q(retired_at__isnull=True) | Q(retired_at__gt=now))
+            .only("kid", "private_ciphertext", "signs_from", "retired_at")
+            .order_by("-signs_from", "-id")
+            .first()
+        )
+        if key is None:
+            key = create_key(now=now, lead_seconds=0)
+        if not now_given:
+            _current["key"] = (time.monotonic() + KEY_CHECK_SECONDS, key)
     cached = _private.get(key.kid)
     if cached is None:
         pem = decrypt(key.private_ciphertext, settings.SECRET_ENCRYPTION_KEYS)
@@ -80,7 +103,7 @@ def signing_key(now: dt.datetime | None = None) -> tuple[str, Ed25519PrivateKey]
 def published(now: dt.datetime | None = None) -> list[SigningKey]:
     """Keys a verifier may meet: signing, about to sign, or retired less than an assertion's life ago."""
     now = now or timezone.now()
-    horizon = now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60)  # 60 s: clock skew
+    horizon = _publish_horizon(now)
     return list(SigningKey.objects.filter(Q(retired_at__isnull=True) | Q(retired_at__gt=horizon)))
 
 
@@ -91,7 +114,7 @@ def jwks(now: dt.datetime | None = None) -> dict:
 def erase_expired(now: dt.datetime | None = None) -> int:
     """Delete keys no assertion in circulation can name any more (their private halves with them)."""
     now = now or timezone.now()
-    horizon = now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60)
+    horizon = _publish_horizon(now)
     deleted, _ = SigningKey.objects.filter(retired_at__lte=horizon).delete()
     return deleted
 

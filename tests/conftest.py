@@ -67,6 +67,15 @@ def _clear_rate_limits():
     cache.clear()
 
 
+@pytest.fixture(autouse=True)
+def _forget_signing_key():
+    """A process keeps the signing key it read for a few seconds (authority/keys.py): a test's
+    database starts without the previous test's key."""
+    from authority import keys
+
+    keys._current.clear()
+
+
 @pytest.fixture
 def tenant(db):
     return factories.make_tenant()

@@ -48,7 +48,7 @@ def do_tool(plan: Plan) -> None:
     dispatched = plan.dispatched
     try:
         with observe.tool_call(dispatched) as call:
-            outcome = _call_tool(dispatched, send_by=plan.send_by)
+            outcome = _call_tool(dispatched, plan)
             call.ended(outcome.kind, price_micros=tool_of(dispatched).price_micros, error=outcome.error)
     finally:
         heartbeat.untrack(plan.run_id)
@@ -80,11 +80,12 @@ def charge(step: Step, outcome: ToolOutcome) -> int:
     return min(results.actual_price(step, outcome.result), price)
 
 
-def _call_tool(step: Step, *, send_by: float) -> ToolOutcome:
+def _call_tool(step: Step, plan: Plan) -> ToolOutcome:
+    send_by = plan.send_by
     try:
         # The user's authority for this attempt (a fresh assertion, an IdP token where configured):
         # the platform's own checks have passed in the claim; this is the provider's second lock.
-        presented = authority.for_call(step)
+        presented = authority.for_call(step, run=plan.run, approved=plan.tool_call.may_be_corrected)
     except AuthorityRefused as exc:
         return ToolOutcome("denied", error=str(exc))
     except AuthorityUnavailable as exc:
@@ -119,7 +120,7 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
     The claim asks only once the step's settle window has passed, so "not found" is evidence.
     """
     try:
-        presented = authority.for_call(step, status_lookup=True)
+        presented = authority.for_call(step, status_lookup=True, run=plan.run)
         result = presented.scrub(
             transports.lookup_status(step, authority_headers=presented.headers, authority_meta=presented.meta)
         )

@@ -41,7 +41,8 @@ class ToolPlan:
     step: Step
     steps: list[Step]
     # False for a call the model proposed and nobody approved: no approver can have corrected
-    # it, so its result needs no correction note (tools/results.correction_note reads approvals).
+    # it, so its result needs no correction note (tools/results.correction_note reads approvals)
+    # and its assertion names no approval (authority.for_call).
     may_be_corrected: bool = True
 
 
