@@ -66,6 +66,8 @@ TENANT_PATHS = {
     "budgets.budgetaccount": "tenant",
     "budgets.reservation": "tenant",
     "budgets.ledgerentry": "reservation__tenant",
+    "connections.connection": "tenant",
+    "connections.protectedserver": "tenant",
 }
 
 

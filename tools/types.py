@@ -44,6 +44,18 @@ class ToolFailed(Exception):
     protocol error on a rejected request), or the tool itself reported a failure."""
 
 
+class ToolUnauthorized(ToolFailed):
+    """The server answered 401 before the call ran (an MCP server's handshake): it wants a token.
+
+    `challenge`: its WWW-Authenticate header (RFC 9728: `resource_metadata` says where to start);
+    `connection_id`: the user's connection whose token it refused, or None when none was sent."""
+
+    def __init__(self, message: str, *, challenge: str = "", connection_id: int | None = None):
+        super().__init__(message)
+        self.challenge = challenge
+        self.connection_id = connection_id
+
+
 class ToolOutcomeUnknown(Exception):
     """The request may have reached the provider and its outcome is unknown
     (timeout after sending, connection reset, 5xx, lost session)."""

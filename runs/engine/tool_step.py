@@ -14,6 +14,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from budgets import services as budgets
+from connections import services as connections
 from observability import observe
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.claim import tool_view
@@ -29,7 +30,7 @@ from runs.models import Run, Step, StepStatus
 from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
 from tools import results, transports
-from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
+from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown, ToolUnauthorized
 
 
 def do_tool(plan: Plan) -> None:
@@ -64,7 +65,7 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
         return None
     if outcome.kind == "unknown":
         budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
-    elif outcome.kind in ("failed", "in_progress"):
+    elif outcome.kind in ("failed", "in_progress", "unauthorized"):
         budgets.release(plan.reservation_id, note="this attempt provably took no effect")
     else:
         return budgets.settle_reporting(plan.reservation_id, actual_micros=charge(step, outcome))[1]
@@ -81,6 +82,10 @@ def charge(step: Step, outcome: ToolOutcome) -> int:
 def _call_tool(step: Step, *, send_by: float) -> ToolOutcome:
     try:
         result = transports.dispatch(step, send_by=send_by)
+    except ToolUnauthorized as exc:
+        return ToolOutcome(
+            "unauthorized", error=str(exc), challenge=exc.challenge, presented=exc.connection_id is not None
+        )
     except ToolFailed as exc:
         return ToolOutcome("failed", error=str(exc))
     except ToolInProgress as exc:
@@ -175,6 +180,9 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 _close_holds_on_commit(step, happened=True)
         else:
             at_end(lambda: _close_reservation(plan, step, outcome))
+        if outcome.kind == "unauthorized":
+            _record_unauthorized(run, step, outcome)
+            return
         if outcome.kind == "failed":
             error = secrets.redact_text(run.tenant_id, outcome.error)
             transition_step(
@@ -189,6 +197,26 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
             _record_unknown(run, step, outcome)
             return
         writer.tool_finished(run, step)  # failed calls count as repeats too
+
+
+def _record_unauthorized(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    """The server answered 401 before the call ran: wait for the user to connect, or refuse
+    (runs.engine.decisions.after_unauthorized)."""
+    server = tool_of(step).server
+    decision = decisions.after_unauthorized(step.seq, presented=outcome.presented, server=server.name)
+    if isinstance(decision, decisions.Refuse):
+        transition_step(
+            step,
+            StepStatus.FAILED,
+            error=decision.reason,
+            observation=f"ERROR: call denied: {decision.reason}",
+            finished_at=timezone.now(),
+            message=f"step {step.seq} {step.tool_name} denied: {decision.reason}",
+        )
+        writer.tool_finished(run, step)
+        return
+    connections.note_protected(server, outcome.challenge)
+    writer.wait_for_authorization(run, step, decision)
 
 
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:

@@ -110,14 +110,17 @@ def tool_of(step: Step) -> Tool:
 @dataclass(frozen=True)
 class ToolOutcome:
     """What a tool call (or a status lookup) came to. "in_progress": the provider has the request
-    and is still on it (a 409 for a key in use), so it is asked again later, never re-sent."""
+    and is still on it (a 409 for a key in use), so it is asked again later, never re-sent.
+    "unauthorized": the server answered 401 before the call ran (connections/)."""
 
-    kind: Literal["succeeded", "failed", "unknown", "in_progress"]
+    kind: Literal["succeeded", "failed", "unknown", "in_progress", "unauthorized"]
     result: ToolResult | None = None
     error: str = ""
     retry_after: float | None = None
     reconciled: bool = False
     sent: bool = False  # "in_progress": the call itself was answered so (not a lookup)
+    challenge: str = ""  # "unauthorized": the server's WWW-Authenticate
+    presented: bool = False  # "unauthorized": the user's own token was sent, and refused
 
     @property
     def answer(self) -> ToolResult:
