@@ -164,3 +164,87 @@ def test_a_callback_with_an_unknown_or_used_state_is_refused(tenant, asha, oauth
     response = APIClient().get("/v1/connections/callback?state=nope&code=x")
     assert response.status_code == 400
     assert response.json()["error"]["fields"] == {"state": ["unknown or already used"]}
+
+
+# --- the canary: no token in clear anywhere ------------------------------------------------------
+
+
+def _database_dump() -> str:
+    """Every row of every table, as text: what a database dump would hold."""
+    from django.db import connection as db
+
+    with db.cursor() as cursor:
+        cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        tables = [row[0] for row in cursor.fetchall()]
+        dump = []
+        for table in tables:
+            cursor.execute(f'SELECT row_to_json(t)::text FROM "{table}" t')
+            dump += [row[0] for row in cursor.fetchall()]
+    return "\n".join(dump)
+
+
+def test_canary_refresh_and_access_tokens_stay_out_of_steps_events_logs_api_admin_and_the_database(
+    tenant, asha, oauth_bank, caplog
+):
+    import logging
+
+    from django.urls import reverse
+
+    from connections.services import _client_info
+    from tenants.models import User
+
+    caplog.set_level(logging.DEBUG)
+    tool = statements_tool(tenant, oauth_bank.mcp_url, users=[asha])
+    statements_agent(tenant, tool, calls=2)
+    first = connect(asha, oauth_bank)
+    assert first["connected"]
+    before = Connection.objects.get(user=asha)
+    # The first call refreshes: both the first and the refreshed tokens are canaries.
+    Connection.objects.filter(pk=before.pk).update(access_expires_at=timezone.now() - dt.timedelta(minutes=1))
+    run, _ = start_run(user=asha, agent="cards-agent", input={})
+    run = drive(run.pk)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    after = Connection.objects.get(pk=before.pk)
+    canaries = {
+        "access token": Connection.unseal(before.access_ciphertext),
+        "refresh token": Connection.unseal(before.refresh_ciphertext),
+        "refreshed access token": Connection.unseal(after.access_ciphertext),
+        "refreshed refresh token": Connection.unseal(after.refresh_ciphertext),
+        "client secret": _client_info(ProtectedServer.objects.get(server=tool.server)).get(
+            "client_secret", ""
+        ),
+    }
+    assert all(len(value) > 16 for value in canaries.values()), canaries.keys()
+    assert canaries["access token"] != canaries["refreshed access token"]
+
+    places = {}
+    for step in Step.objects.filter(run=run):
+        places[f"step {step.seq}"] = str(
+            [step.arguments, step.request, step.result, step.observation, step.error]
+        )
+    places["events"] = str([[e.message, e.data] for e in RunEvent.objects.filter(run=run)])
+    places["logs"] = caplog.text + "".join(str(r.args) for r in caplog.records)
+    api = APIClient()
+    api.force_authenticate(asha)
+    for path in ("/v1/connections", f"/v1/runs/{run.pk}/steps", f"/v1/runs/{run.pk}/events"):
+        places[path] = api.get(path).content.decode()
+    operator = User.objects.create_superuser(username="ops", password="pw")
+    web = APIClient()
+    web.force_login(operator)
+    for url in (
+        reverse("admin:connections_connection_changelist"),
+        reverse("admin:connections_connection_change", args=[after.pk]),
+    ):
+        page = web.get(url)
+        assert page.status_code == 200, url
+        places[url] = page.content.decode()
+    assert "statements:read" in places[reverse("admin:connections_connection_changelist")]
+    places["database dump"] = _database_dump()
+
+    leaks = [
+        f"{what} in {where}"
+        for what, value in canaries.items()
+        for where, text in places.items()
+        if value in text
+    ]
+    assert not leaks, f"credentials leaked: {', '.join(leaks)}"
