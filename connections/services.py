@@ -177,8 +177,9 @@ def revoke_connection(*, connection: Connection, actor=None, reason: str = "") -
 # --- a call ----------------------------------------------------------------------------------
 
 
-def token_for_call(*, user_id: int, server: ToolServer) -> tuple[int, str]:
-    """(connection id, access token) for the user's call to the server; refreshed first when due.
+def token_for_call(*, user_id: int, server: ToolServer) -> tuple[int, str, str]:
+    """(connection id, access token, audience) for the user's call to the server; the token
+    refreshed first when due.
 
     Raises ConnectionUnusable: no active connection, or the authorization server refused the
     refresh (the connection is revoked then, so every later call is denied too)."""
@@ -213,7 +214,7 @@ def token_for_call(*, user_id: int, server: ToolServer) -> tuple[int, str]:
         )
     else:
         Connection.objects.filter(pk=connection.pk, status=ConnectionStatus.ACTIVE).update(last_used_at=now)
-    return connection.pk, tokens.access_token
+    return connection.pk, tokens.access_token, protected.resource
 
 
 def refused_by_server(connection_id: int, *, server: ToolServer) -> None:

@@ -80,10 +80,10 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
         return _http_call(server, tool, step, send_by)
     from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
-    config, connection_id = _mcp_config_as_user(server, step)
+    config, connection_id, presented_as = _mcp_config_as_user(server, step)
     _before_sending(send_by)
     try:
-        return mcp_client.call_tool(
+        result = mcp_client.call_tool(
             config,
             tool.remote_name,
             arguments,
@@ -92,23 +92,24 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
         )
     except ToolUnauthorized as exc:
         raise _unauthorized(server, exc, connection_id) from None
+    return dataclasses.replace(result, presented_as=presented_as) if presented_as else result
 
 
-def _mcp_config_as_user(server: ToolServer, step: Step) -> tuple[McpServerConfig, int | None]:
+def _mcp_config_as_user(server: ToolServer, step: Step) -> tuple[McpServerConfig, int | None, str]:
     """The server's config; for a server that asks for each user's own token (connections/), with
     the run's user's access token, refreshed first if due. A user without a usable connection is
     refused here, before anything is sent."""
     config = mcp_config(server)
     if not ProtectedServer.objects.filter(server=server).exists():
-        return config, None
+        return config, None, ""
     user_id = Run.objects.filter(pk=step.run_id).values_list("created_by_id", flat=True).get()
     try:
-        connection_id, token = connections.token_for_call(user_id=user_id, server=server)
+        connection_id, token, audience = connections.token_for_call(user_id=user_id, server=server)
     except connections.ConnectionUnusable as exc:
         raise ToolFailed(f"denied before sending: {exc}") from None
-    return dataclasses.replace(
-        config, headers={**config.headers, "Authorization": f"Bearer {token}"}
-    ), connection_id
+    headers = {**config.headers, "Authorization": f"Bearer {token}"}
+    presented = f"connection {connection_id} (audience {audience})"
+    return dataclasses.replace(config, headers=headers), connection_id, presented
 
 
 def _unauthorized(server: ToolServer, exc: ToolUnauthorized, connection_id: int | None) -> ToolUnauthorized:
@@ -267,7 +268,7 @@ def lookup_status(step: Step) -> ToolResult | None:
     elif server.kind == ToolServer.Kind.MCP and server.status_tool:
         from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
-        config, connection_id = _mcp_config_as_user(server, step)
+        config, connection_id, _ = _mcp_config_as_user(server, step)
         try:
             answer = mcp_client.call_tool(
                 config,

@@ -28,6 +28,9 @@ class ToolResult:
     is_error: bool = False
     # What the call cost by measured usage (run_python), where it differs from the tool's price.
     cost_micros: int | None = None
+    # Whose authority the provider was shown, for the audit trails to join (never the token
+    # itself): "connection 7 (audience https://…/mcp)" for a user's OAuth connection.
+    presented_as: str = ""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from runs.queueing import continue_run, lease_seconds_for
 from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
 from tenants.permissions import may_run_agent
 from tools import checks, offer
-from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool
+from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool, ToolServer
 
 MAX_MODEL_FAILURES = decisions.MAX_MODEL_FAILURES
 PLATFORM_TOOLS = frozenset(offer.PLATFORM_TOOLS)
@@ -249,6 +249,8 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
 
 def _authorization(run: Run, step: Step) -> decisions.WaitForAuthorization | decisions.Refuse | None:
     tool = tool_of(step)
+    if tool.server.kind != ToolServer.Kind.MCP:
+        return None  # only MCP servers are connected per user
     state = state_for(run.created_by_id, tool.server_id)
     return decisions.authorization_turn(
         step.seq,

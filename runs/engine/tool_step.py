@@ -164,7 +164,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 error="",
                 message=f"step {step.seq} {step.tool_name}: "
                 f"{'error reported by tool' if outcome.answer.is_error else 'succeeded'}"
-                f"{' (found by status lookup)' if outcome.reconciled else ''}",
+                f"{' (found by status lookup)' if outcome.reconciled else ''}"
+                f"{f' as {run.created_by.username} through {outcome.answer.presented_as}' if outcome.answer.presented_as else ''}",
             )
             price = tool_of(step).price_micros
             event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled

@@ -61,6 +61,10 @@ def test_it_waits_for_the_users_connection_holding_nothing_then_resumes_and_fini
     assert call["subject"] == "asha" and call["resource"] == oauth_bank.mcp_url  # RFC 8707: its audience
     connection = Connection.objects.get(user=asha, status=ConnectionStatus.ACTIVE)
     assert connection.scopes == "statements:read" and connection.connected_at and connection.last_used_at
+    # The timeline names the identity presented, so the platform's audit and the provider's join.
+    assert RunEvent.objects.filter(
+        run=run, message__contains=f"as asha through connection {connection.pk} (audience {oauth_bank.mcp_url})"
+    ).exists()
 
 
 def test_a_connection_made_before_the_run_is_used_at_once(tenant, asha, oauth_bank):
