@@ -63,7 +63,8 @@ def test_it_waits_for_the_users_connection_holding_nothing_then_resumes_and_fini
     assert connection.scopes == "statements:read" and connection.connected_at and connection.last_used_at
     # The timeline names the identity presented, so the platform's audit and the provider's join.
     assert RunEvent.objects.filter(
-        run=run, message__contains=f"as asha through connection {connection.pk} (audience {oauth_bank.mcp_url})"
+        run=run,
+        message__contains=f"as asha through connection {connection.pk} (audience {oauth_bank.mcp_url})",
     ).exists()
 
 
