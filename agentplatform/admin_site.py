@@ -71,6 +71,8 @@ TENANT_PATHS = {
     "authority.delegation": "server__tenant",
     "authority.identityprovider": "tenant",
     "authority.exchangedtoken": "tenant",
+    "connections.connection": "tenant",
+    "connections.protectedserver": "tenant",
 }
 
 

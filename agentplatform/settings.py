@@ -118,6 +118,7 @@ INSTALLED_APPS = [
     "configuration",
     "notifications",
     "artifacts",
+    "connections",
 ]
 
 MIDDLEWARE = [
@@ -427,6 +428,9 @@ ARTIFACT_MAX_RUN_BYTES = env_int("ARTIFACT_MAX_RUN_BYTES", 256 * 1_048_576, mini
 ARTIFACT_MAX_RUN_COUNT = env_int("ARTIFACT_MAX_RUN_COUNT", 200, minimum=1)
 # Where run_python's executions go: the runner process (python -m sandbox.runner), loopback only.
 SANDBOX_RUNNER_URL = env_str("SANDBOX_RUNNER_URL", "http://127.0.0.1:8790")
+# Where people's browsers reach this platform: the OAuth callback of per-user connections to MCP
+# servers (registered with each authorization server) and the links to connect (docs/authority-oauth.md).
+PUBLIC_BASE_URL = (env_str("PUBLIC_BASE_URL") or "http://127.0.0.1:8000").rstrip("/")
 # run_python's prices (tools/run_python.py): per CPU second used and per GiB of memory limit held
 # per wall second, in micro-units of the tenant's currency.
 SANDBOX_PRICE_CPU_SECOND_MICROS = env_int("SANDBOX_PRICE_CPU_SECOND_MICROS", 50, minimum=0)

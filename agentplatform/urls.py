@@ -8,6 +8,7 @@ from approvals import api as approvals_api
 from artifacts import api as artifacts_api
 from authority import api as authority_api
 from budgets import api as budgets_api
+from connections import api as connections_api
 from runs import api as runs_api
 from runs import pause_api
 from runs.stream import RunStreamApi
@@ -44,6 +45,9 @@ v1 = [
     path("reservations", budgets_api.ReservationListApi.as_view()),
     path("reservations/<str:reservation_id>/reconcile", budgets_api.ReservationReconcileApi.as_view()),
     path("reservations/<str:reservation_id>/write-off", budgets_api.ReservationWriteOffApi.as_view()),
+    path("connections", connections_api.ConnectionListApi.as_view()),
+    path("connections/callback", connections_api.ConnectionCallbackApi.as_view()),
+    path("connections/<int:connection_id>", connections_api.ConnectionDetailApi.as_view()),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
     path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     re_path(r"", errors.unmatched_route),  # last: anything else under /v1/ is a JSON 404

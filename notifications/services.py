@@ -80,6 +80,7 @@ def _wants(hook: Webhook, event: str) -> bool:
 _WATCHED = (
     Q(kind="approval_requested")
     | Q(kind="status", data__to=RunStatus.NEEDS_ATTENTION)
+    | Q(kind="status", data__to=RunStatus.WAITING_AUTHORIZATION)
     | Q(kind__in=["paused", "resumed"])
 )
 _PAUSES = {"paused": Event.RUN_PAUSED, "resumed": Event.RUN_RESUMED}
@@ -130,6 +131,15 @@ def _event_deliveries(events: list[RunEvent], hooks: dict[int, list[Webhook]]) -
                 "occurred_at": event.at.isoformat(),
                 "run": _run_payload(run),
                 "reason": event.data.get("reason") or event.message,
+            }
+        elif event.data.get("to") == RunStatus.WAITING_AUTHORIZATION:
+            kind, subject = Event.RUN_WAITING_AUTHORIZATION, f"{run.pk}:{event.seq}"
+            payload = {
+                "occurred_at": event.at.isoformat(),
+                "run": _run_payload(run),
+                "server": event.data.get("server", ""),
+                "user": event.data.get("user", ""),
+                "connect_url": event.data.get("connect_url", ""),
             }
         else:
             kind, subject = Event.RUN_NEEDS_ATTENTION, f"{run.pk}:{event.seq}"

@@ -13,6 +13,8 @@ class RunStatus(models.TextChoices):
     WAITING_APPROVAL = "waiting_approval"
     WAITING_BUDGET = "waiting_budget"
     WAITING_SETTLE = "waiting_settle"  # a call's outcome is not knowable yet (DESIGN.md 5.1)
+    # A tool call needs the user's own OAuth connection to its server, and there is none (connections/).
+    WAITING_AUTHORIZATION = "waiting_authorization"
     NEEDS_ATTENTION = "needs_attention"
     PAUSED = "paused"  # an operator's or a kill switch's hold, taken at a step boundary (runs/pausing.py)
     SUCCEEDED = "succeeded"
@@ -26,6 +28,7 @@ WAITING = {
     RunStatus.WAITING_APPROVAL,
     RunStatus.WAITING_BUDGET,
     RunStatus.WAITING_SETTLE,
+    RunStatus.WAITING_AUTHORIZATION,
     RunStatus.NEEDS_ATTENTION,
     RunStatus.PAUSED,
 }
@@ -40,6 +43,8 @@ RUN_TRANSITIONS: dict[str, set[str]] = {
     # A cancel never drops a call in flight: it waits for a person (runs.services.cancel_run).
     RunStatus.WAITING_SETTLE: {RunStatus.RUNNING, RunStatus.NEEDS_ATTENTION, RunStatus.PAUSED} | _END,
     RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
+    # -> running: the user connected (runs/authorization_effects.py); ended by the deadline like any run.
+    RunStatus.WAITING_AUTHORIZATION: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
     # Paused from any live status; resumed to where the run can go on (runs/pausing.py): queued
     # if it never started, waiting_budget if never admitted, else running (the claim re-decides);
     # -> needs_attention: cancelled with a scheduled retry's outcome unknown (services.cancel_run).
@@ -93,7 +98,7 @@ class Run(models.Model):
     metadata = models.JSONField(default=dict, blank=True)
     limits = models.JSONField(default=dict)  # snapshot at admission, capped by the tenant
     status = models.CharField(
-        max_length=20, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
+        max_length=24, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
     )
     stop_reason = models.CharField(max_length=32, choices=StopReason.choices, blank=True)
     error = models.TextField(blank=True)
@@ -175,6 +180,7 @@ class StepStatus(models.TextChoices):
     PROPOSED = "proposed"
     DENIED = "denied"
     AWAITING_APPROVAL = "awaiting_approval"
+    AWAITING_AUTHORIZATION = "awaiting_authorization"  # the user must connect the tool's server first
     APPROVED = "approved"
     REJECTED = "rejected"
     EXPIRED = "expired"
@@ -203,14 +209,23 @@ OBSERVED = {
 READY = {StepStatus.PROPOSED, StepStatus.APPROVED, StepStatus.RETRIED}
 # Steps whose status will still change: what the claim reads besides the log's tail
 # (runs/statements.step_window), through a partial index so its cost does not grow with the run.
-OPEN = READY | {StepStatus.AWAITING_APPROVAL, StepStatus.DISPATCHING, StepStatus.OUTCOME_UNKNOWN}
+OPEN = READY | {
+    StepStatus.AWAITING_APPROVAL,
+    StepStatus.AWAITING_AUTHORIZATION,
+    StepStatus.DISPATCHING,
+    StepStatus.OUTCOME_UNKNOWN,
+}
 
 STEP_TRANSITIONS: dict[str, set[str]] = {
     # -> succeeded / failed without dispatching: a replay of an identical call, or a platform
     # tool answered from the run's own rows (a malformed call to one fails, and the model is told).
+    # -> awaiting_authorization: the user has no connection to the tool's OAuth-protected server
+    # (from approved or retried too, and from dispatching when the server's 401 says so first);
+    # back to proposed once they connect, so every check (an approval too) is made again.
     StepStatus.PROPOSED: {
         StepStatus.DENIED,
         StepStatus.AWAITING_APPROVAL,
+        StepStatus.AWAITING_AUTHORIZATION,
         StepStatus.DISPATCHING,
         StepStatus.SUCCEEDED,
         StepStatus.FAILED,
@@ -222,7 +237,13 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
         StepStatus.EXPIRED,
         StepStatus.SKIPPED,
     },
-    StepStatus.APPROVED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
+    StepStatus.AWAITING_AUTHORIZATION: {StepStatus.PROPOSED, StepStatus.SKIPPED},
+    StepStatus.APPROVED: {
+        StepStatus.DISPATCHING,
+        StepStatus.DENIED,
+        StepStatus.SKIPPED,
+        StepStatus.AWAITING_AUTHORIZATION,
+    },
     # -> denied: the user's identity provider refused a token for the call (authority/), so
     # nothing was sent.
     StepStatus.DISPATCHING: {
@@ -231,6 +252,7 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
         StepStatus.OUTCOME_UNKNOWN,
         StepStatus.DISPATCHING,
         StepStatus.DENIED,
+        StepStatus.AWAITING_AUTHORIZATION,
     },
     StepStatus.OUTCOME_UNKNOWN: {
         StepStatus.RESOLVED_SUCCEEDED,
@@ -238,7 +260,12 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
         StepStatus.RETRIED,
     },
     # -> denied: a person asked for a retry, and the checks at dispatch refused it (a revoked grant).
-    StepStatus.RETRIED: {StepStatus.DISPATCHING, StepStatus.DENIED, StepStatus.SKIPPED},
+    StepStatus.RETRIED: {
+        StepStatus.DISPATCHING,
+        StepStatus.DENIED,
+        StepStatus.SKIPPED,
+        StepStatus.AWAITING_AUTHORIZATION,
+    },
 }
 
 
@@ -248,7 +275,7 @@ class Step(models.Model):
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=8, choices=StepKind.choices)
-    status = models.CharField(max_length=20, choices=StepStatus.choices)
+    status = models.CharField(max_length=24, choices=StepStatus.choices)
     parent_seq = models.PositiveIntegerField(null=True, blank=True)  # tool step: model step that proposed it
     tool = models.ForeignKey(
         "tools.Tool", null=True, blank=True, on_delete=models.PROTECT, related_name="steps"
@@ -288,6 +315,7 @@ class Step(models.Model):
                         "approved",
                         "retried",
                         "awaiting_approval",
+                        "awaiting_authorization",
                         "dispatching",
                         "outcome_unknown",
                     ]

@@ -343,7 +343,8 @@ def end_run(
     transition_run(
         run, status, actor=actor, message=message, event_data={"reason": reason, "error": error}, **fields
     )
-    for step in Step.objects.filter(run=run, status__in=READY | {StepStatus.AWAITING_APPROVAL}):
+    waiting = {StepStatus.AWAITING_APPROVAL, StepStatus.AWAITING_AUTHORIZATION}
+    for step in Step.objects.filter(run=run, status__in=READY | waiting):
         transition_step(step, StepStatus.SKIPPED, message=f"step {step.seq} skipped: run {status}")
     void_open_approvals(run, reason=f"run {status}" + (f" ({reason})" if reason else ""))
 

@@ -29,6 +29,7 @@ PACKAGES = [
     "agents",
     "budgets",
     "llm",
+    "connections",
     "tools",
     "approvals",
     "authority",

@@ -58,6 +58,7 @@ ROLES: dict[str, tuple[str, ...]] = {
         "runs.view_run",
         "budgets.view_reservation",
         "budgets.change_reservation",
+        "connections.manage_connections",
     ),
 }
 

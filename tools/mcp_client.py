@@ -46,6 +46,7 @@ from tools.types import (
     ToolFailed,
     ToolOutcomeUnknown,
     ToolResult,
+    ToolUnauthorized,
 )
 
 logger = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ class _HttpTap:
     retry_after: dict[str, float] = field(default_factory=dict)
     connect_failed: set[str] = field(default_factory=set)
     refused: list[str] = field(default_factory=list)  # URLs not sent: another origin than the server's
+    challenge: str = ""  # WWW-Authenticate of a 401 (RFC 9728: where the server's auth starts)
 
     def wrap(self, inner: httpx2.AsyncBaseTransport, *, only_to: str) -> httpx2.AsyncBaseTransport:
         return _TapTransport(inner, self, only_to)
@@ -280,6 +282,8 @@ class _HttpTap:
         if method is None:
             return
         self.statuses[method] = response.status_code
+        if response.status_code == 401:
+            self.challenge = response.headers.get("www-authenticate", "")[:2000]
         if (ra := _parse_retry_after(response.headers.get("retry-after"))) is not None:
             self.retry_after[method] = ra
 
@@ -339,6 +343,11 @@ def _describe(exc: BaseException) -> str:
 
 def _classify(exc: Exception, progress: _Progress, tap: _HttpTap) -> Exception:
     detail = _describe(exc)
+    if not progress.call_sent and tap.statuses.get("initialize") == 401:
+        return ToolUnauthorized(
+            f"the MCP server asks for authorization (HTTP 401), tool not called{tap.note()}",
+            challenge=tap.challenge,
+        )
     if not progress.call_sent:
         return ToolFailed(f"MCP handshake failed, tool not called{tap.note()}: {detail}")
     call = "tools/call"

@@ -9,13 +9,16 @@ goes only to the origin of its configured URL, and redirects are never followed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
 
 import httpx
 
-from runs.models import Step
+from connections import services as connections
+from connections.models import ProtectedServer
+from runs.models import Run, Step
 from tenants.models import Secret
 from tools import run_python
 from tools.builtin import BUILTINS
@@ -28,6 +31,7 @@ from tools.types import (
     ToolInProgress,
     ToolOutcomeUnknown,
     ToolResult,
+    ToolUnauthorized,
 )
 
 
@@ -86,16 +90,46 @@ def dispatch(
         return _http_call(server, tool, step, send_by, authority_headers or {})
     from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
-    config = mcp_config(server, authority=authority_headers)
+    config, connection_id, presented_as = _mcp_config_as_user(server, step, authority=authority_headers)
     _before_sending(send_by)
-    return mcp_client.call_tool(
-        config,
-        tool.remote_name,
-        arguments,
-        idempotency_key=step.idempotency_key,
-        timeout=tool.timeout_seconds,
-        meta=authority_meta,
-    )
+    try:
+        result = mcp_client.call_tool(
+            config,
+            tool.remote_name,
+            arguments,
+            idempotency_key=step.idempotency_key,
+            timeout=tool.timeout_seconds,
+            meta=authority_meta,
+        )
+    except ToolUnauthorized as exc:
+        raise _unauthorized(server, exc, connection_id) from None
+    return dataclasses.replace(result, presented_as=presented_as) if presented_as else result
+
+
+def _mcp_config_as_user(
+    server: ToolServer, step: Step, *, authority: dict | None = None
+) -> tuple[McpServerConfig, int | None, str]:
+    """The server's config; for a server that asks for each user's own token (connections/), with
+    the run's user's access token, refreshed first if due. A user without a usable connection is
+    refused here, before anything is sent."""
+    config = mcp_config(server, authority=authority)
+    if not ProtectedServer.objects.filter(server=server).exists():
+        return config, None, ""
+    user_id = Run.objects.filter(pk=step.run_id).values_list("created_by_id", flat=True).get()
+    try:
+        connection_id, token, audience = connections.token_for_call(user_id=user_id, server=server)
+    except connections.ConnectionUnusable as exc:
+        raise ToolFailed(f"denied before sending: {exc}") from None
+    headers = {**config.headers, "Authorization": f"Bearer {token}"}
+    presented = f"connection {connection_id} (audience {audience})"
+    return dataclasses.replace(config, headers=headers), connection_id, presented
+
+
+def _unauthorized(server: ToolServer, exc: ToolUnauthorized, connection_id: int | None) -> ToolUnauthorized:
+    """A 401 to the user's own token ends that connection: its next call is denied."""
+    if connection_id is not None:
+        connections.refused_by_server(connection_id, server=server)
+    return ToolUnauthorized(str(exc), challenge=exc.challenge, connection_id=connection_id)
 
 
 def http_tool_url(server: ToolServer, tool: Tool) -> str:
@@ -256,14 +290,18 @@ def lookup_status(
     elif server.kind == ToolServer.Kind.MCP and server.status_tool:
         from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
-        answer = mcp_client.call_tool(
-            mcp_config(server, authority=authority_headers),
-            server.status_tool,
-            {"idempotency_key": step.idempotency_key},
-            idempotency_key=f"{step.idempotency_key}:status",
-            timeout=tool.timeout_seconds,
-            meta=authority_meta,
-        )
+        config, connection_id, _ = _mcp_config_as_user(server, step, authority=authority_headers)
+        try:
+            answer = mcp_client.call_tool(
+                config,
+                server.status_tool,
+                {"idempotency_key": step.idempotency_key},
+                idempotency_key=f"{step.idempotency_key}:status",
+                timeout=tool.timeout_seconds,
+                meta=authority_meta,
+            )
+        except ToolUnauthorized as exc:
+            raise _unauthorized(server, exc, connection_id) from None
         body = answer.structured if isinstance(answer.structured, dict) else json.loads(answer.text or "{}")
     else:
         raise ToolOutcomeUnknown(f"{tool.name} has no status lookup configured")

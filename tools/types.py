@@ -28,6 +28,9 @@ class ToolResult:
     is_error: bool = False
     # What the call cost by measured usage (run_python), where it differs from the tool's price.
     cost_micros: int | None = None
+    # Whose authority the provider was shown, for the audit trails to join (never the token
+    # itself): "connection 7 (audience https://…/mcp)" for a user's OAuth connection.
+    presented_as: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,18 @@ class McpServerConfig:
 class ToolFailed(Exception):
     """The call provably did not take effect (refused before sending, 4xx validation, MCP
     protocol error on a rejected request), or the tool itself reported a failure."""
+
+
+class ToolUnauthorized(ToolFailed):
+    """The server answered 401 before the call ran (an MCP server's handshake): it wants a token.
+
+    `challenge`: its WWW-Authenticate header (RFC 9728: `resource_metadata` says where to start);
+    `connection_id`: the user's connection whose token it refused, or None when none was sent."""
+
+    def __init__(self, message: str, *, challenge: str = "", connection_id: int | None = None):
+        super().__init__(message)
+        self.challenge = challenge
+        self.connection_id = connection_id
 
 
 class ToolOutcomeUnknown(Exception):

@@ -24,6 +24,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from approvals import services as approvals
+from connections.selectors import state_for
 from llm import gateway as model_gateway
 from observability import observe
 from runs import kill_switches, statements
@@ -36,7 +37,7 @@ from runs.policy_events import record_shadow
 from runs.queueing import continue_run, lease_seconds_for
 from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
 from tools import checks, offer
-from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool
+from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool, ToolServer
 
 MAX_MODEL_FAILURES = decisions.MAX_MODEL_FAILURES
 PLATFORM_TOOLS = frozenset(offer.PLATFORM_TOOLS)
@@ -264,6 +265,19 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
     )
 
 
+def _authorization(run: Run, step: Step) -> decisions.WaitForAuthorization | decisions.Refuse | None:
+    tool = tool_of(step)
+    if tool.server.kind != ToolServer.Kind.MCP:
+        return None  # only MCP servers are connected per user
+    state = state_for(run.created_by_id, tool.server_id)
+    return decisions.authorization_turn(
+        step.seq,
+        decisions.ConnectionView(protected=state.protected, active=state.active, revoked_at=state.revoked_at),
+        server=tool.server.name,
+        run_created_at=run.created_at,
+    )
+
+
 def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
     """A proposed, approved or retried call: the gateway's checks with fresh rows, then a denial,
     a replay, an approval request, a stop for the run's limits, or the dispatch."""
@@ -285,6 +299,15 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
             .get()
         )
         writer.replay(run, step, prior)
+        return None
+    # The user's own authority at the server, after the grants (a second lock, never the first)
+    # and before an approval is asked for: a person approves only a call that can be sent.
+    authorization = _authorization(run, step)
+    if isinstance(authorization, decisions.Refuse):
+        writer.deny(run, step, authorization.reason)
+        return None
+    if isinstance(authorization, decisions.WaitForAuthorization):
+        writer.wait_for_authorization(run, step, authorization)
         return None
     if step.status == StepStatus.PROPOSED:
         decision = approvals.decision_for(run, tool_of(step), step.arguments or {}, step=step)

@@ -15,6 +15,9 @@ of the engine is written once, here, and tested from tables of cases without Pos
                                   "in progress"
     model_turn(run, log)          the stop rules checked before a model call
     tool_turn(run)                the stop rules checked before a tool call
+    authorization_turn(...)       a call to an OAuth-protected server without the user's
+                                  connection: wait for the user to connect, or refuse
+    after_unauthorized(...)       the server answered 401 to the call: wait, or refuse
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -144,7 +147,7 @@ class FailRun:
 class Park:
     """The run waits as a row for a person: an approval, or an unknown outcome to resolve."""
 
-    status: Literal["waiting_approval", "needs_attention"]
+    status: Literal["waiting_approval", "waiting_authorization", "needs_attention"]
     message: str
 
 
@@ -230,6 +233,34 @@ class GiveUp:
     why: str
 
 
+@dataclass(frozen=True, slots=True)
+class WaitForAuthorization:
+    """The call goes to a server that wants each user's own OAuth token, and this user has not
+    connected it: the step waits (awaiting_authorization) and the run waits as a row
+    (waiting_authorization) with the link to connect, holding no worker, message or reservation;
+    it resumes when the user connects, and ends at its deadline like any run."""
+
+    seq: int
+    server: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The call is refused before anything is sent; the model is told why, the run goes on."""
+
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionView:
+    """The run's user and the server of the call (connections.selectors.state_for)."""
+
+    protected: bool  # the server asks for each user's own token
+    active: bool = False
+    revoked_at: dt.datetime | None = None  # the user's latest connection, revoked then
+
+
 Decision = (
     Quiet
     | Cancel
@@ -247,16 +278,26 @@ Decision = (
     | WaitToSettle
     | AskPerson
     | GiveUp
+    | WaitForAuthorization
+    | Refuse
 )
 
 # The log's statuses, spelled as in runs.models.StepStatus.
 DISPATCHING: Final = "dispatching"
 OUTCOME_UNKNOWN: Final = "outcome_unknown"
 AWAITING_APPROVAL: Final = "awaiting_approval"
+AWAITING_AUTHORIZATION: Final = "awaiting_authorization"
 READY = ("proposed", "approved", "retried")
 SUCCEEDED: Final = "succeeded"
 FAILED: Final = "failed"
-WAITING = ("waiting_approval", "waiting_budget", "waiting_settle", "needs_attention", "paused")
+WAITING = (
+    "waiting_approval",
+    "waiting_budget",
+    "waiting_settle",
+    "waiting_authorization",
+    "needs_attention",
+    "paused",
+)
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
 
 
@@ -303,6 +344,8 @@ def next_move(
         return Park("needs_attention", "waiting for a person to resolve an unknown outcome")
     if any(s.status == AWAITING_APPROVAL for s in log):
         return Park("waiting_approval", "waiting for approval")
+    if any(s.status == AWAITING_AUTHORIZATION for s in log):
+        return Park("waiting_authorization", "waiting for the user to connect a tool server")
     ready = next((s for s in log if s.kind == "tool" and s.status in READY), None)
     if ready is not None:
         return OpenToolCall(ready.seq, platform=ready.tool_name in platform_tools)
@@ -476,3 +519,34 @@ def tool_turn(run: RunView) -> Stop | None:
     if run.step_count >= run.max_steps:
         return Stop("max_steps", "stopped: max steps reached")
     return None
+
+
+# --- the user's own authority at the tool's server (connections/) -------------------------------
+
+
+def authorization_turn(
+    seq: int, connection: ConnectionView, *, server: str, run_created_at: dt.datetime
+) -> WaitForAuthorization | Refuse | None:
+    """Whether a call may go to its server on the user's connection, checked after the grants.
+
+    | server             | the user's connection                 | the call                     |
+    |--------------------|---------------------------------------|------------------------------|
+    | not protected      | -                                     | goes on (None)               |
+    | protected          | active                                | goes on, with the user's token |
+    | protected          | revoked while this run lived          | refused: a disconnect denies |
+    | protected          | none (or revoked before the run)      | waits for the user to connect |
+    """
+    if not connection.protected or connection.active:
+        return None
+    if connection.revoked_at is not None and connection.revoked_at >= run_created_at:
+        return Refuse(seq, f"the user's connection to {server} was revoked; they must connect again")
+    return WaitForAuthorization(seq, server)
+
+
+def after_unauthorized(seq: int, *, presented: bool, server: str) -> WaitForAuthorization | Refuse:
+    """The server answered 401 before the call ran (so nothing happened). With no token of the
+    user's sent, it is the server saying it wants one: wait for the user to connect. A token it
+    refused ends that connection: the call is refused (as is the next, until they reconnect)."""
+    if presented:
+        return Refuse(seq, f"{server} refused the user's token; the connection was revoked")
+    return WaitForAuthorization(seq, server)

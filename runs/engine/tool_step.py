@@ -16,6 +16,7 @@ from django.utils import timezone
 from authority import credentials as authority
 from authority.errors import AuthorityRefused, AuthorityUnavailable
 from budgets import services as budgets
+from connections import services as connections
 from observability import observe
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.claim import tool_view
@@ -31,7 +32,7 @@ from runs.models import Run, Step, StepStatus
 from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
 from tools import results, transports
-from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown
+from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown, ToolUnauthorized
 
 
 def do_tool(plan: Plan) -> None:
@@ -66,7 +67,7 @@ def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
         return None
     if outcome.kind == "unknown":
         budgets.hold(plan.reservation_id, note=f"tool outcome unknown: {outcome.error}")
-    elif outcome.kind in ("failed", "in_progress", "denied", "not_sent"):
+    elif outcome.kind in ("failed", "in_progress", "denied", "not_sent", "unauthorized"):
         budgets.release(plan.reservation_id, note="this attempt provably took no effect")
     else:
         return budgets.settle_reporting(plan.reservation_id, actual_micros=charge(step, outcome))[1]
@@ -93,6 +94,14 @@ def _call_tool(step: Step, plan: Plan) -> ToolOutcome:
     try:
         result = transports.dispatch(
             step, send_by=send_by, authority_headers=presented.headers, authority_meta=presented.meta
+        )
+    except ToolUnauthorized as exc:
+        return ToolOutcome(
+            "unauthorized",
+            error=str(exc),
+            challenge=exc.challenge,
+            token_presented=exc.connection_id is not None,
+            presented=presented.presented,
         )
     except ToolFailed as exc:
         return ToolOutcome("failed", error=presented.scrub(str(exc)), presented=presented.presented)
@@ -196,7 +205,8 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 error="",
                 message=f"step {step.seq} {step.tool_name}: "
                 f"{'error reported by tool' if outcome.answer.is_error else 'succeeded'}"
-                f"{' (found by status lookup)' if outcome.reconciled else ''}",
+                f"{' (found by status lookup)' if outcome.reconciled else ''}"
+                f"{f' as {run.created_by.username} through {outcome.answer.presented_as}' if outcome.answer.presented_as else ''}",
                 defer=True,  # written with the run row and the events (loops.check may add a warning)
             )
             price = tool_of(step).price_micros
@@ -213,6 +223,9 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
                 _close_holds_on_commit(step, happened=True)
         else:
             at_end(lambda: _close_reservation(plan, step, outcome))
+        if outcome.kind == "unauthorized":
+            _record_unauthorized(run, step, outcome)
+            return
         if outcome.kind == "failed":
             error = secrets.redact_text(
                 run.tenant_id, outcome.error, generation=run.tenant.secrets_generation
@@ -246,6 +259,26 @@ def _identity_event(run: Run, step: Step, outcome: ToolOutcome) -> None:
         step_seq=step.seq,
         **who,
     )
+
+
+def _record_unauthorized(run: Run, step: Step, outcome: ToolOutcome) -> None:
+    """The server answered 401 before the call ran: wait for the user to connect, or refuse
+    (runs.engine.decisions.after_unauthorized)."""
+    server = tool_of(step).server
+    decision = decisions.after_unauthorized(step.seq, presented=outcome.token_presented, server=server.name)
+    if isinstance(decision, decisions.Refuse):
+        transition_step(
+            step,
+            StepStatus.FAILED,
+            error=decision.reason,
+            observation=f"ERROR: call denied: {decision.reason}",
+            finished_at=timezone.now(),
+            message=f"step {step.seq} {step.tool_name} denied: {decision.reason}",
+        )
+        writer.tool_finished(run, step)
+        return
+    connections.note_protected(server, outcome.challenge)
+    writer.wait_for_authorization(run, step, decision)
 
 
 def _close_holds_on_commit(step: Step, *, happened: bool) -> None:

@@ -117,9 +117,10 @@ def tool_of(step: Step) -> Tool:
 @dataclass(frozen=True)
 class ToolOutcome:
     """What a tool call (or a status lookup) came to. "in_progress": the provider has the request
-    and is still on it (a 409 for a key in use), so it is asked again later, never re-sent."""
+    and is still on it (a 409 for a key in use), so it is asked again later, never re-sent.
+    "unauthorized": the server answered 401 before the call ran (connections/)."""
 
-    kind: Literal["succeeded", "failed", "unknown", "in_progress", "denied", "not_sent"]
+    kind: Literal["succeeded", "failed", "unknown", "in_progress", "denied", "not_sent", "unauthorized"]
     result: ToolResult | None = None
     error: str = ""
     retry_after: float | None = None
@@ -128,6 +129,8 @@ class ToolOutcome:
     # Which identity this attempt presented (authority.credentials: jti, subject, audience, never a
     # token); "denied": the identity provider refused the user, "not_sent": it did not answer.
     presented: dict | None = None
+    challenge: str = ""  # "unauthorized": the server's WWW-Authenticate
+    token_presented: bool = False  # "unauthorized": the user's own token was sent, and refused
 
     @property
     def answer(self) -> ToolResult:

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
+from connections.services import connect_link
 from runs.engine import conversation, decisions, loops
 from runs.engine.types import tool_of
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
@@ -208,6 +209,28 @@ def wait_to_settle(run: Run, step: Step, until: dt.datetime, why: str) -> None:
         message=f"waiting until {until.isoformat(timespec='seconds')} to ask about step {step.seq} "
         f"{step.tool_name}: {why}",
         event_data={"step_seq": step.seq, "tool": step.tool_name, "until": until.isoformat(), "reason": why},
+    )
+
+
+def wait_for_authorization(run: Run, step: Step, decision: decisions.WaitForAuthorization) -> None:
+    """Park the step and the run until the user connects the tool's server; the timeline, the run
+    stream and the webhook carry the link to connect (runs/authorization_effects.py resumes)."""
+    tool = tool_of(step)
+    link = connect_link(tool.server)
+    user = run.created_by.username
+    if step.status == StepStatus.APPROVED:
+        void_approval(step, reason="the call waits for the user to connect its server; it is asked again")
+    transition_step(
+        step,
+        StepStatus.AWAITING_AUTHORIZATION,
+        next_attempt_at=None,
+        message=f"step {step.seq} {step.tool_name}: waiting for {user} to connect {decision.server}",
+    )
+    transition_run(
+        run,
+        RunStatus.WAITING_AUTHORIZATION,
+        message=f"waiting for {user} to connect {decision.server}: {link}",
+        event_data={"step_seq": step.seq, "server": decision.server, "user": user, "connect_url": link},
     )
 
 

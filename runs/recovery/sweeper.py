@@ -29,6 +29,7 @@ from budgets import services as budgets
 from budgets.models import Reservation
 from runs import admission, pausing
 from runs.approval_effects import expire_approvals
+from runs.authorization_effects import resume_authorized_waits
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.queueing import enqueue, resend
 from runs.recovery import broker
@@ -51,6 +52,7 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "admitted": _admit_waiting_runs(now),
         "settle_resumed": _resume_settle_waits(now),
         "pauses_ended": pausing.resume_due(now),
+        "authorization_resumed": resume_authorized_waits(),
         "approvals_expired": expire_approvals(now=now),
         "orphan_reservations": budgets.release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),

@@ -114,6 +114,8 @@ MODEL_WITH_CALLS = step(1, "model", has_tool_calls=True)
         (run(deadline_at=NOW), [], d.Stop),
         (run(), [MODEL_WITH_CALLS, step(2, status="outcome_unknown")], d.Park),
         (run(), [MODEL_WITH_CALLS, step(2, status="awaiting_approval")], d.Park),
+        (run(status="waiting_authorization"), [], d.Quiet),
+        (run(), [MODEL_WITH_CALLS, step(2, status="awaiting_authorization")], d.Park),
         (run(), [MODEL_WITH_CALLS, step(2, status="succeeded"), step(3, status="proposed")], d.OpenToolCall),
         (run(), [MODEL_WITH_CALLS, step(2)], d.CallModel),
         (run(), [MODEL_WITH_CALLS, step(2), step(3, "model")], d.Finish),
@@ -182,9 +184,27 @@ STEP_MOVES = {
     "deny": [("proposed", "denied"), ("approved", "denied"), ("retried", "denied")],
     "replay": [("proposed", "succeeded")],
     "answered": [("proposed", "succeeded"), ("proposed", "failed")],
+    # the user has no connection to the tool's OAuth-protected server: from every open call, and
+    # from dispatching when the server's 401 said so first; back to proposed once they connect
+    d.WaitForAuthorization: [
+        ("proposed", "awaiting_authorization"),
+        ("approved", "awaiting_authorization"),
+        ("retried", "awaiting_authorization"),
+        ("dispatching", "awaiting_authorization"),
+    ],
+    "resume_connected": [("awaiting_authorization", "proposed")],
+    # refused at the claim (a denial, above), or by the server's 401 to the user's token
+    d.Refuse: [("dispatching", "failed")],
 }
 RUN_MOVES = {
-    d.Park: [("running", "waiting_approval"), ("running", "needs_attention")],
+    d.Park: [
+        ("running", "waiting_approval"),
+        ("running", "waiting_authorization"),
+        ("running", "needs_attention"),
+    ],
+    d.WaitForAuthorization: [("running", "waiting_authorization")],
+    "resume_connected": [("waiting_authorization", "running")],
+    "deadline": [("waiting_authorization", "stopped")],
     d.WaitToSettle: [("running", "waiting_settle")],
     d.AskPerson: [("running", "needs_attention")],
     d.Cancel: [("queued", "cancelled"), ("running", "cancelled")],
@@ -202,6 +222,7 @@ RUN_MOVES = {
             "waiting_approval",
             "waiting_budget",
             "waiting_settle",
+            "waiting_authorization",
             "needs_attention",
         )
     ],
@@ -228,3 +249,32 @@ def test_every_run_move_the_writer_makes_is_in_the_map(decision, moves):
 
 def test_a_denial_can_start_from_every_status_next_move_offers_as_an_open_call():
     assert {old for old, _ in STEP_MOVES["deny"]} == set(d.READY)
+
+
+CONNECTED = d.ConnectionView(protected=True, active=True)
+
+
+@pytest.mark.parametrize(
+    "connection,expected",
+    [
+        (d.ConnectionView(protected=False), None),
+        (CONNECTED, None),
+        (d.ConnectionView(protected=True), d.WaitForAuthorization(2, "cards")),
+        # revoked while the run lived: a disconnect denies the call
+        (d.ConnectionView(protected=True, revoked_at=NOW + SECOND), d.Refuse),
+        # revoked before the run began: the run waits for a new connection, like one never made
+        (d.ConnectionView(protected=True, revoked_at=NOW - SECOND), d.WaitForAuthorization(2, "cards")),
+    ],
+)
+def test_the_authorization_table(connection, expected):
+    decision = d.authorization_turn(2, connection, server="cards", run_created_at=NOW)
+    if isinstance(expected, type):
+        assert isinstance(decision, expected) and "revoked" in decision.reason
+    else:
+        assert decision == expected
+
+
+def test_a_401_waits_for_a_connection_unless_the_users_own_token_was_refused():
+    assert d.after_unauthorized(2, presented=False, server="cards") == d.WaitForAuthorization(2, "cards")
+    refused = d.after_unauthorized(2, presented=True, server="cards")
+    assert isinstance(refused, d.Refuse) and "refused the user's token" in refused.reason
