@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0013_kill_switches'),
+        ('runs', '0014_pause_until'),
         ('tools', '0003_tool_summary_and_money'),
     ]
 
