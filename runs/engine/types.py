@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llm.fallback import Attempt, Chain
 from llm.models import ModelEndpoint
 from llm.types import ModelRequest
 from runs.models import Run, Step
@@ -29,6 +30,11 @@ class ModelPlan:
     endpoint: ModelEndpoint  # with its secret read: the call needs no database
     seq: int
     summary: dict  # the redacted request as stored on the step
+    # Where the call sits in the version's chain of endpoints, the run's model calls before it,
+    # and whether it is its endpoint's circuit probe (llm/fallback.py, llm/breaker.py).
+    chain: Chain | None = None
+    history: tuple[Attempt, ...] = ()
+    probe: bool = False
 
 
 @dataclass
