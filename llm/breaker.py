@@ -65,7 +65,11 @@ def admit(endpoint: ModelEndpoint, *, now: dt.datetime | None = None) -> Admissi
     state, until = row
     if until is not None and until > now:
         _refused(endpoint)
-        return Admission("open", (until - now).total_seconds())
+        left = (until - now).total_seconds()
+        if state == State.HALF_OPEN:
+            # A probe is out; it usually answers well before its lease ends, so ask again soon.
+            left = min(left, float(endpoint.breaker_open_seconds))
+        return Admission("open", left)
     lease = now + dt.timedelta(seconds=endpoint.timeout_seconds + PROBE_MARGIN_SECONDS)
     # Open past its time, or half open with a probe whose lease ran out: one caller takes the probe.
     took = EndpointCircuit.objects.filter(pk=endpoint.pk, state=state, until=until).update(
@@ -73,7 +77,7 @@ def admit(endpoint: ModelEndpoint, *, now: dt.datetime | None = None) -> Admissi
     )
     if not took:
         _refused(endpoint)
-        return Admission("open", endpoint.timeout_seconds + PROBE_MARGIN_SECONDS)
+        return Admission("open", float(endpoint.breaker_open_seconds))
     _moved(endpoint, State.HALF_OPEN)
     return Admission("probe")
 

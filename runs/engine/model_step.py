@@ -53,9 +53,9 @@ def do_model(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
-    _count_for_circuit(model, "", "", cost=cost)
+    circuit = _count_for_circuit(model, "", "", cost=cost)
     through_database_outage(
-        lambda retry: _record_model(plan, step, reply, cost, retry=retry), seconds=plan.lease_seconds
+        lambda retry: _record_model(plan, step, reply, cost, circuit, retry=retry), seconds=plan.lease_seconds
     )
 
 
@@ -135,13 +135,16 @@ def _circuit_event(run, step: Step, model: ModelPlan, state: str) -> None:
             else f"circuit of {endpoint.name} opened again: its probe failed"
         ) + f"; calls are not sent to it for {endpoint.breaker_open_seconds}s"
     else:
-        message = f"circuit of {endpoint.name} {state.replace('_', ' ')}"
+        message = f"circuit of {endpoint.name} closed: its probe call answered"
     record_event(run.pk, "circuit", message, step_seq=step.seq, endpoint=endpoint.name, state=state)
 
 
-def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = False) -> None:
+def _record_model(
+    plan: Plan, step: Step, reply, cost: int, circuit: str = "", *, retry: bool = False
+) -> None:
     """The step's second transaction: lock the run, settle the reservation, write the reply if
     this worker still holds the lease, the step's events, and enqueue the next step on commit.
+    `circuit`: "closed" when this answer was its endpoint's probe and closed the circuit.
 
     On a retry, from the step as stored (the failed attempt's in-memory writes were rolled back).
     """
@@ -195,6 +198,8 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
         )
+        if circuit:
+            _circuit_event(run, step, plan.model_call, circuit)
         event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
         at_end(
             lambda: fill_budget_event(
