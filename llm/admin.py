@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from agentplatform.admin_site import TenantScopedAdmin, is_operator, price, site
+from llm import breaker
 from llm.models import EndpointCircuit, ModelEndpoint
 
 
@@ -30,6 +31,22 @@ class ModelEndpointAdmin(TenantScopedAdmin):
         ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
+
+    actions = ["close_circuit"]
+
+    @admin.action(
+        description="Close the circuit breaker (the endpoint is known to be back)", permissions=["operate"]
+    )
+    def close_circuit(self, request, queryset):
+        for endpoint in queryset:
+            if breaker.close(endpoint):
+                messages.success(request, f"{endpoint}: circuit closed; calls go to it again")
+            else:
+                messages.info(request, f"{endpoint}: circuit was already closed")
+
+    def has_operate_permission(self, request):
+        # Whether calls go to an endpoint is the operators' call, like where they go.
+        return is_operator(request.user)
 
     @admin.display(description="circuit now")
     def circuit_state(self, endpoint):
