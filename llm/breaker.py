@@ -13,7 +13,8 @@
 Why PostgreSQL and not Redis: the state is a handful of rows that change only on failures, and
 `admit` runs inside the claim's transaction, which must not wait on another network service; the
 demo (SQLite, no Redis) gets the same breaker. A call that answered writes nothing (only a probe's
-answer does), so the hot path costs one primary-key read in the claim.
+answer does), and a closed circuit is read at most once a second per process (CLOSED_FOR_SECONDS),
+so the hot path costs next to nothing.
 
 Every move is one conditional UPDATE (0 rows: another process moved it first) and is counted in
 `agentplatform_circuit_transitions` (docs/operations.md has the alert rule).
@@ -22,6 +23,7 @@ Every move is one conditional UPDATE (0 rows: another process moved it first) an
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -53,15 +55,28 @@ class Admission:
 CLOSED = Admission("closed")
 
 
+# A circuit read closed is taken as closed by this process for this long without reading it
+# again: one read per endpoint per second, not one per model call, at the price of seeing
+# another process open it up to a second late. This process's own failures forget it at once.
+CLOSED_FOR_SECONDS: Final = 1.0
+_closed_at: dict[int, float] = {}
+
+
 def admit(endpoint: ModelEndpoint, *, now: dt.datetime | None = None) -> Admission:
     """May a call go to `endpoint` now? Grants the probe to the first caller once the circuit has
-    been open for its time (or a probe's lease ran out)."""
+    been open for its time (or a probe's lease ran out). `now`: a given time (tests) always reads."""
     if not endpoint.breaker_failures:
         return CLOSED
-    now = now or timezone.now()
+    if now is None:
+        seen = _closed_at.get(endpoint.pk)
+        if seen is not None and time.monotonic() - seen < CLOSED_FOR_SECONDS:
+            return CLOSED
+        now = timezone.now()
     row = EndpointCircuit.objects.filter(pk=endpoint.pk).values_list("state", "until").first()
     if row is None or row[0] == State.CLOSED:
+        _closed_at[endpoint.pk] = time.monotonic()
         return CLOSED
+    _closed_at.pop(endpoint.pk, None)
     state, until = row
     if until is not None and until > now:
         _refused(endpoint)
@@ -95,6 +110,8 @@ def record(
     if not endpoint.breaker_failures:
         return ""
     now = now or timezone.now()
+    if error_class in COUNTED:
+        _closed_at.pop(endpoint.pk, None)
     if error_class not in COUNTED:
         if probe:
             # An answer (a refusal or a 429 is an answer too) to the probe closes the circuit.
