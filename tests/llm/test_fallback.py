@@ -172,3 +172,41 @@ def test_the_spec_names_its_fallbacks_and_each_bad_part_has_its_path(tenant):
     assert validate_spec({**base, "fallbacks": {"model": "backup"}}, tenant) == {
         "fallbacks": ["must be a list of {model, on, rate_limit_retries, move_back}"]
     }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_configuration_file_sets_the_breaker_and_the_fallbacks_and_refuses_bad_breaker_values_at_their_path():
+    from configuration.apply import ConfigError, apply_config
+    from tests.configuration.test_apply import config
+
+    data = config()
+    data["model_endpoints"].append(
+        {
+            "name": "backup",
+            "kind": "scripted",
+            "circuit_breaker": {"failures": 3, "window_seconds": 30, "open_seconds": 10},
+        }
+    )
+    data["agents"][0]["versions"][1]["fallbacks"] = [{"model": "backup", "on": ["server_error", "timeout"]}]
+    apply_config(data)
+    backup = ModelEndpoint.objects.get(name="backup")
+    assert (backup.breaker_failures, backup.breaker_window_seconds, backup.breaker_open_seconds) == (
+        3,
+        30,
+        10,
+    )
+    assert ModelEndpoint.objects.get(name="scripted").breaker_failures == 5  # the default
+    from agents.models import AgentVersion
+    from agents.spec import spec_for
+
+    version = AgentVersion.objects.get(agent__name="helper", number=2)
+    assert spec_for(version).fallbacks == (
+        Fallback("backup", frozenset({"server_error", "timeout"}), rate_limit_retries=2, move_back=True),
+    )
+
+    data["model_endpoints"][-1]["circuit_breaker"] = {"failures": -1, "open_seconds": 0}
+    with pytest.raises(ConfigError) as caught:
+        apply_config(data)
+    paths = [path for path, _ in caught.value.errors]
+    assert "model_endpoints[1].circuit_breaker.failures" in paths
+    assert "model_endpoints[1].circuit_breaker.open_seconds" in paths
