@@ -27,6 +27,37 @@ LIMIT_CAPS = {
 
 LOOP_DEFAULTS = {"max_repeats": 3, "max_empty_results": 3, "alternation_cycles": 2}
 
+# The provider failures that can move a model call to a fallback endpoint (llm/fallback.py
+# classifies an error into one of them): 429; 5xx, overloaded (529) or the server refusing the
+# connection; no answer within the endpoint's timeout; a prompt longer than the model's context.
+ERROR_CLASSES = ("rate_limited", "server_error", "timeout", "context_too_long")
+FALLBACK_KEYS = {"model", "on", "rate_limit_retries", "move_back"}
+RATE_LIMIT_RETRIES = 2  # a 429 is retried this many times on its endpoint before it moves on
+# Below the engine's "failed 5 times in a row" (runs/engine/decisions.MAX_MODEL_FAILURES): the
+# fifth 429 on an endpoint must still be able to move the call on.
+MAX_RATE_LIMIT_RETRIES = 4
+MAX_FALLBACKS = 5
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One endpoint after the primary: the error classes that move a call to it, and whether the
+    run's next model turn goes back to the primary once this endpoint has answered."""
+
+    model: str  # a model endpoint's name in the version's tenant
+    on: frozenset[str]
+    rate_limit_retries: int
+    move_back: bool
+
+    @classmethod
+    def of(cls, raw: dict) -> Fallback:
+        return cls(
+            model=raw["model"],
+            on=frozenset(raw.get("on") or ERROR_CLASSES),
+            rate_limit_retries=raw.get("rate_limit_retries", RATE_LIMIT_RETRIES),
+            move_back=raw.get("move_back", True),
+        )
+
 
 @dataclass(frozen=True)
 class LoopLimits:
@@ -52,6 +83,7 @@ class AgentSpec:
     on_approval_expired: str
     max_visible_tools: int | None
     expected_cost_micros: int | None  # runs.admission: what a run is expected to cost, if configured
+    fallbacks: tuple[Fallback, ...] = ()  # in order, after the primary (`model`): llm/fallback.py
 
 
 _by_version: dict[int, AgentSpec] = {}
@@ -78,6 +110,7 @@ def spec_for(version) -> AgentSpec:
             on_approval_expired=spec.get("on_approval_expired", "tell_model"),
             max_visible_tools=spec.get("max_visible_tools"),
             expected_cost_micros=spec.get("expected_cost_micros"),
+            fallbacks=tuple(Fallback.of(raw) for raw in spec.get("fallbacks") or ()),
         )
         _by_version[version.pk] = found
     return found
@@ -97,6 +130,7 @@ KNOWN_KEYS = {
     "max_visible_tools",
     "description",
     "expected_cost_micros",
+    "fallbacks",
 }
 
 
@@ -186,6 +220,60 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
             "must be a positive integer (micros a run is expected to cost; "
             "learned from finished runs when absent)",
         )
+    for path, message in _fallback_problems(spec.get("fallbacks", []), model, tenant):
+        add(path, message)
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
         add("max_visible_tools", f"must be a positive integer up to {SETTING_MAX}")
     return errors
+
+
+def _fallback_problems(fallbacks, primary, tenant) -> list[tuple[str, str]]:
+    """(path, message) for each bad part of a version's `fallbacks`."""
+    if not isinstance(fallbacks, list):
+        return [("fallbacks", "must be a list of {model, on, rate_limit_retries, move_back}")]
+    if len(fallbacks) > MAX_FALLBACKS:
+        return [("fallbacks", f"at most {MAX_FALLBACKS} fallback endpoints")]
+    found: list[tuple[str, str]] = []
+    names = [f.get("model") for f in fallbacks if isinstance(f, dict)]
+    known = set(
+        ModelEndpoint.objects.filter(
+            tenant=tenant, name__in=[n for n in names if isinstance(n, str)]
+        ).values_list("name", flat=True)
+    )
+    seen = {primary}
+    for i, raw in enumerate(fallbacks):
+        at = f"fallbacks[{i}]"
+        if not isinstance(raw, dict):
+            found.append((at, "must be an object with model, on, rate_limit_retries, move_back"))
+            continue
+        for key in sorted(set(raw) - FALLBACK_KEYS):
+            found.append((f"{at}.{key}", f"unknown field; one of {', '.join(sorted(FALLBACK_KEYS))}"))
+        name = raw.get("model")
+        if not isinstance(name, str) or not name:
+            found.append((f"{at}.model", "required: the name of a model endpoint"))
+        elif name not in known:
+            found.append((f"{at}.model", f"no model endpoint named {name!r} in this tenant"))
+        elif name in seen:
+            found.append(
+                (f"{at}.model", f"{name!r} is already in the chain (the primary or an earlier fallback)")
+            )
+        seen.add(name)
+        on = raw.get("on", list(ERROR_CLASSES))
+        if not isinstance(on, list) or not on:
+            found.append((f"{at}.on", f"must be a non-empty list of {', '.join(ERROR_CLASSES)}"))
+        else:
+            for j, kind in enumerate(on):
+                if kind not in ERROR_CLASSES:
+                    found.append((f"{at}.on[{j}]", f"must be one of {', '.join(ERROR_CLASSES)}"))
+        retries = raw.get("rate_limit_retries", RATE_LIMIT_RETRIES)
+        if (
+            not isinstance(retries, int)
+            or isinstance(retries, bool)
+            or not 0 <= retries <= MAX_RATE_LIMIT_RETRIES
+        ):
+            found.append(
+                (f"{at}.rate_limit_retries", f"must be an integer from 0 to {MAX_RATE_LIMIT_RETRIES}")
+            )
+        if not isinstance(raw.get("move_back", True), bool):
+            found.append((f"{at}.move_back", "must be true or false"))
+    return found

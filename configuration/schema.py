@@ -231,6 +231,11 @@ ENDPOINT: Spec = {
         "output": Field("price_output", _price),
     },
     "config": Field("config", _mapping),
+    "circuit_breaker": {
+        "failures": Field("breaker_failures", _int(0, 10_000)),
+        "window_seconds": Field("breaker_window_seconds", _int(1, DAY)),
+        "open_seconds": Field("breaker_open_seconds", _int(1, DAY)),
+    },
 }
 SERVER: Spec = {
     "name": Field("name", _slug(50), required=True),

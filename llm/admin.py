@@ -1,9 +1,10 @@
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 
 from agentplatform.admin_site import TenantScopedAdmin, is_operator, price, site
-from llm.models import ModelEndpoint
+from llm import breaker
+from llm.models import EndpointCircuit, ModelEndpoint
 
 
 @admin.register(ModelEndpoint, site=site)
@@ -17,8 +18,42 @@ class ModelEndpointAdmin(TenantScopedAdmin):
             "Prices per million tokens",
             {"fields": ["price_input", "price_cached_input", "price_cache_write", "price_output"]},
         ),
+        (
+            "Circuit breaker",
+            {
+                "fields": [
+                    "breaker_failures",
+                    "breaker_window_seconds",
+                    "breaker_open_seconds",
+                    "circuit_state",
+                ]
+            },
+        ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
+
+    actions = ["close_circuit"]
+
+    @admin.action(
+        description="Close the circuit breaker (the endpoint is known to be back)", permissions=["operate"]
+    )
+    def close_circuit(self, request, queryset):
+        for endpoint in queryset:
+            if breaker.close(endpoint):
+                messages.success(request, f"{endpoint}: circuit closed; calls go to it again")
+            else:
+                messages.info(request, f"{endpoint}: circuit was already closed")
+
+    def has_operate_permission(self, request):
+        # Whether calls go to an endpoint is the operators' call, like where they go.
+        return is_operator(request.user)
+
+    @admin.display(description="circuit now")
+    def circuit_state(self, endpoint):
+        circuit = EndpointCircuit.objects.filter(endpoint=endpoint).first() if endpoint.pk else None
+        if circuit is None or circuit.state == EndpointCircuit.State.CLOSED:
+            return "closed"
+        return f"{circuit.get_state_display().lower()} until {circuit.until:%Y-%m-%d %H:%M:%S} UTC: {circuit.last_error}"
 
     @admin.display(description="input price", ordering="price_input")
     def input_price(self, endpoint):
@@ -29,7 +64,7 @@ class ModelEndpointAdmin(TenantScopedAdmin):
         return price(endpoint.price_output)
 
     def get_readonly_fields(self, request, obj=None):
-        readonly = list(super().get_readonly_fields(request, obj))
+        readonly = [*super().get_readonly_fields(request, obj), "circuit_state"]
         if not is_operator(request.user):
             # The endpoint's URL and key are configuration (apply, operators): whoever could edit
             # the URL could have the tenant's provider key sent to a host of theirs.

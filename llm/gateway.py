@@ -85,11 +85,14 @@ def request_for(
     tools: list[ToolSpec],
     *,
     policy: context.ContextPolicy | None = None,
+    endpoint: ModelEndpoint | None = None,
 ) -> ModelRequest:
-    """The request for a conversation already built (the engine keeps it: runs/engine/conversation.py)."""
+    """The request for a conversation already built (the engine keeps it: runs/engine/conversation.py).
+
+    `endpoint`: where it goes, if not the version's primary (a fallback: llm/fallback.py)."""
     version = run.version
     spec = spec_for(version)
-    endpoint = version.model_endpoint
+    endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
     shaped = context.shape(messages, results, policy)
@@ -148,7 +151,7 @@ def request_summary(request: ModelRequest, *, input_tokens: int | None = None) -
     if input_tokens is None:
         input_tokens = estimate_input_tokens(request)
     return {
-        "model": request.model,
+        "model": request.model,  # the endpoint's model: what answered, if anything did
         "messages": len(request.messages),
         "tools": [t.name for t in request.tools],
         "max_output_tokens": request.max_output_tokens,
@@ -206,4 +209,5 @@ def call_model(endpoint: ModelEndpoint, request: ModelRequest) -> ModelReply:
             sent=exc.sent,
             status=exc.status,
             retry_after=exc.retry_after,
+            timed_out=exc.timed_out,
         ) from None

@@ -37,9 +37,43 @@ class ModelEndpoint(models.Model):
     compat = models.JSONField(default=dict, blank=True)
     # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
     config = models.JSONField(default=dict, blank=True)
+    # The circuit breaker (llm/breaker.py): this many failures (5xx, refused connection, timeout)
+    # within the window open it for `breaker_open_seconds`; then one probe call decides. 0: off.
+    breaker_failures = models.PositiveIntegerField(default=5)
+    breaker_window_seconds = models.PositiveIntegerField(default=60)
+    breaker_open_seconds = models.PositiveIntegerField(default=30)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name")]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.kind})"
+
+
+class EndpointCircuit(models.Model):
+    """An endpoint's circuit breaker, shared by every worker process (llm/breaker.py).
+
+    closed: calls go. open: calls fail over (or wait) without being sent, until `until`. half_open:
+    one probe call is out, until `until` (its lease; past it another caller probes); its answer
+    closes or reopens the circuit. Every move is one conditional UPDATE; the row is written only on
+    a failure, a probe or a move, never on a call that simply answered.
+    """
+
+    class State(models.TextChoices):
+        CLOSED = "closed"
+        OPEN = "open"
+        HALF_OPEN = "half_open"
+
+    endpoint = models.OneToOneField(
+        ModelEndpoint, primary_key=True, on_delete=models.CASCADE, related_name="circuit"
+    )
+    state = models.CharField(max_length=10, choices=State.choices, default=State.CLOSED)
+    failures = models.PositiveIntegerField(default=0)  # in the window that began at window_started_at
+    window_started_at = models.DateTimeField(null=True, blank=True)
+    opened_at = models.DateTimeField(null=True, blank=True)
+    until = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    changed_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_id}: {self.state}"

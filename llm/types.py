@@ -75,6 +75,7 @@ class ProviderError(Exception):
 
     retryable: 429, 5xx, timeouts, connection resets. permanent: other 4xx.
     sent: the request may have reached the provider (so it may have been charged).
+    timed_out: no answer within the call's timeout (llm/fallback.error_class: `timeout`).
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class ProviderError(Exception):
         sent: bool,
         status: int | None = None,
         retry_after: float | None = None,
+        timed_out: bool = False,
     ):
         super().__init__(message)
+        self.timed_out = timed_out
         self.retryable = retryable
         self.sent = sent
         self.status = status

@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from approvals.models import Approval, ApprovalStatus
 from budgets.models import Reservation
+from llm.models import EndpointCircuit
 from observability import health
 from runs.models import TERMINAL, Run, RunEvent, RunStatus
 from tenants.models import Tenant
@@ -157,6 +158,20 @@ class DatabaseCollector:
         yield held
         yield held_micros
         yield held_age
+
+        circuits = GaugeMetricFamily(
+            "agentplatform_circuit_open",
+            "Model endpoints whose circuit breaker is not closed (1: open or half open; llm/breaker.py).",
+            labels=["tenant", "endpoint", "state"],
+        )
+        slugs = dict(tenants)
+        for tenant_id, name, state in (
+            EndpointCircuit.objects.exclude(state=EndpointCircuit.State.CLOSED)
+            .values_list("endpoint__tenant_id", "endpoint__name", "state")
+            .order_by()
+        ):
+            circuits.add_metric([slugs.get(tenant_id, ""), name, state], 1)
+        yield circuits
 
 
 class BrokerCollector:

@@ -50,3 +50,29 @@ ENGINE_ERRORS = Counter(
 SWEEPER_RECOVERIES = Counter(
     "agentplatform_sweeper_recoveries", "What the sweeper found and fixed, by kind.", ["kind"]
 )
+MODEL_FALLBACKS = Counter(
+    "agentplatform_model_fallbacks",
+    "Model calls sent to another endpoint of the version's chain than the run's previous call "
+    "(reason: the failure class that moved it, circuit_open, or moved_back).",
+    ["tenant", "from_endpoint", "to_endpoint", "reason"],
+)
+MODEL_ENDPOINT_CALLS = Counter(
+    "agentplatform_model_endpoint_calls",
+    "Model calls per endpoint, by outcome (answered, or the failure class).",
+    ["tenant", "endpoint", "outcome"],
+)
+MODEL_ENDPOINT_SPEND = Counter(
+    "agentplatform_model_endpoint_spend_micros",
+    "Settled model cost per endpoint, in micro-units of the budget currency.",
+    ["tenant", "endpoint"],
+)
+CIRCUIT_TRANSITIONS = Counter(
+    "agentplatform_circuit_transitions",
+    "Circuit breakers of model endpoints entering a state (open, half_open, closed).",
+    ["tenant", "endpoint", "state"],
+)
+CIRCUIT_REFUSED = Counter(
+    "agentplatform_circuit_refused_calls",
+    "Model calls not sent because the endpoint's circuit was open (moved to a fallback or waited).",
+    ["tenant", "endpoint"],
+)

@@ -357,3 +357,17 @@ def swept(found: dict[str, int]) -> dict[str, int]:
             extra={"event": {"kind": "sweep", **found}},
         )
     return found
+
+
+def model_moved(run, before: str, after: str, reason: str) -> None:
+    """A run's model call went to another endpoint of its chain than its previous one."""
+    metrics.MODEL_FALLBACKS.labels(_tenant_of(run) or "", before, after, reason).inc()
+    log.info("model call moved from %s to %s (%s)", before, after, reason)
+
+
+def model_endpoint_call(endpoint, outcome: str, cost_micros: int = 0) -> None:
+    """One model call's outcome at its endpoint (`outcome`: answered, or the failure class)."""
+    tenant = logs.current().get("tenant") or ""
+    metrics.MODEL_ENDPOINT_CALLS.labels(tenant, endpoint.name, outcome).inc()
+    if cost_micros:
+        metrics.MODEL_ENDPOINT_SPEND.labels(tenant, endpoint.name).inc(cost_micros)

@@ -100,6 +100,12 @@ class StepOutput(serializers.ModelSerializer):
     tool = serializers.CharField(source="tool_name")
     duration_ms = serializers.IntegerField(allow_null=True)
     usage = JsonObjectField(allow_null=True, help_text="a model step's tokens (input, output, cached)")
+    endpoint = serializers.SerializerMethodField(
+        help_text="a model step: the endpoint it went to (the primary or a fallback), whose prices it was charged at"
+    )
+    error_class = serializers.CharField(
+        help_text="a failed model step: rate_limited, server_error, timeout, context_too_long or refused"
+    )
 
     class Meta:
         model = Step
@@ -108,6 +114,8 @@ class StepOutput(serializers.ModelSerializer):
             "kind",
             "status",
             "tool",
+            "endpoint",
+            "error_class",
             "parent_seq",
             "arguments",
             "idempotency_key",
@@ -128,6 +136,10 @@ class StepOutput(serializers.ModelSerializer):
             "resolved_at",
             "resolution",
         ]
+
+    def get_endpoint(self, step) -> str:
+        # The name as it was when the call was made (kept in the step's request), without a query.
+        return (step.request or {}).get("endpoint", "") if step.kind == "model" else ""
 
 
 @extend_schema_serializer(component_name="Event")

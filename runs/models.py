@@ -302,6 +302,12 @@ class Step(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)  # when the call's outcome was known
     resolved_at = models.DateTimeField(null=True, blank=True)  # when a person resolved an unknown outcome
     resolution = models.TextField(blank=True)  # what they decided, and why
+    # A model step: the endpoint it was sent to (the primary or a fallback: llm/fallback.py), and
+    # the class of its failure (rate_limited, server_error, timeout, context_too_long; "" answered).
+    model_endpoint = models.ForeignKey(
+        "llm.ModelEndpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    error_class = models.CharField(max_length=20, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_step_seq")]

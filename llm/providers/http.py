@@ -80,7 +80,13 @@ def transport_error(exc: httpx.TransportError, *, provider: str, secret: str | N
     # ConnectTimeout is a TimeoutException, so it must be checked before the timeout branch.
     never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
     detail = redact(str(exc) or "no detail", secret)
-    return ProviderError(f"{provider}: {type(exc).__name__}: {detail}", retryable=True, sent=not never_sent)
+    return ProviderError(
+        f"{provider}: {type(exc).__name__}: {detail}",
+        retryable=True,
+        sent=not never_sent,
+        # A host that does not accept the connection in time is down, not slow: server_error.
+        timed_out=isinstance(exc, httpx.TimeoutException) and not never_sent,
+    )
 
 
 def status_error(response: httpx.Response, *, provider: str, secret: str | None) -> ProviderError:

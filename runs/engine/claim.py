@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from approvals import services as approvals
 from connections.selectors import state_for
+from llm import breaker, fallback
 from llm import gateway as model_gateway
 from observability import observe
 from runs import kill_switches, statements
@@ -32,7 +33,7 @@ from runs.approval_effects import request_approval
 from runs.engine import conversation, decisions, loops, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
-from runs.models import ClaimReads, Run, RunStatus, Step, StepStatus
+from runs.models import ClaimReads, Run, RunStatus, Step, StepKind, StepStatus
 from runs.policy_events import record_shadow
 from runs.queueing import continue_run, lease_seconds_for
 from runs.transitions import atomic_with_events, lock_run, transition_run, transition_step, write_run_at_end
@@ -41,6 +42,7 @@ from tools.models import IN_PROGRESS_PATIENCE, MIN_IN_PROGRESS_PATIENCE, Tool, T
 
 MAX_MODEL_FAILURES = decisions.MAX_MODEL_FAILURES
 PLATFORM_TOOLS = frozenset(offer.PLATFORM_TOOLS)
+MODEL_FINISHED = (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.OUTCOME_UNKNOWN)
 
 
 def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
@@ -131,6 +133,8 @@ def view_of_step(step: Step) -> decisions.StepView:
         dispatched_at=step.dispatched_at,
         has_tool_calls=bool(result.get("tool_calls")),
         error=step.error if step.kind == "model" else "",
+        endpoint_id=step.model_endpoint_id,
+        error_class=step.error_class,
     )
 
 
@@ -230,6 +234,10 @@ def _claim_reads(run: Run) -> ClaimReads:
 
 
 def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Plan | None:
+    chain = fallback.chain_of(run.version)
+    history = model_history(window)
+    choice = fallback.choose(chain, history)
+    chosen = chain.endpoints[choice.index]
     stop = decisions.model_turn(
         view_of(run),
         [view_of_step(s) for s in window],
@@ -238,28 +246,49 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
         # or through a group) stops the run here, before anything is reserved for the call.
         may_run_agent=_claim_reads(run).may_run_agent,
         username=run.created_by.username,
+        endpoint_id=chosen.pk if chain.fallbacks and chosen is not None else None,
     )
     if stop is not None:
         writer.end(run, stop)
         return None
+    route = fallback.route(
+        chain, choice, previous=history[-1].endpoint_id if history else None, admit=breaker.admit
+    )
+    if isinstance(route, fallback.Wait):
+        writer.wait_for_circuit(run, route)
+        return None
+    endpoint = route.endpoint
+    if route.index:
+        switch = kill_switches.killed(endpoint_id=endpoint.pk, reads=run.claim_reads)
+        if switch is not None:
+            kill_switches.pause_by(run, switch)  # the fallback is killed: paused like a killed primary
+            return None
+    if route.moved is not None:
+        writer.model_moved(run, seq, route)
     permitted = offer.permitted_tools(run, user=run.created_by)  # the user row this claim read
     offered = offer.offered_tools(run, user=run.created_by, permitted=permitted)
     messages, results = conversation.conversation(run, window, upto)
-    request = model_gateway.request_for(run, messages, results, offered)
-    endpoint = run.version.model_endpoint
+    request = model_gateway.request_for(run, messages, results, offered, endpoint=endpoint)
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)
+    summary = model_gateway.request_summary(request, input_tokens=input_tokens)
+    summary["endpoint"] = endpoint.name
     return _new_plan(
         run,
         "model",
         endpoint.timeout_seconds,
         model=ModelPlan(
+            # At this endpoint's prices: a fallback that costs more reserves more, and a budget
+            # that cannot carry it stops the run before anything is sent.
             request=request,
             estimate=model_gateway.estimate_cost_micros(endpoint, request, input_tokens=input_tokens),
             endpoint=endpoint,
             seq=seq,
-            summary=model_gateway.request_summary(request, input_tokens=input_tokens),
+            summary=summary,
+            chain=chain,
+            history=history,
+            probe=route.probe,
             tools={tool.name: tool for tool in permitted},
         ),
     )
@@ -275,6 +304,19 @@ def _authorization(run: Run, step: Step) -> decisions.WaitForAuthorization | dec
         decisions.ConnectionView(protected=state.protected, active=state.active, revoked_at=state.revoked_at),
         server=tool.server.name,
         run_created_at=run.created_at,
+    )
+
+
+def model_history(window: list[Step]) -> tuple[fallback.Attempt, ...]:
+    """The run's finished model calls in the window (those since the last tool call, and the
+    answer before it): where each went and how it failed, for llm/fallback.choose."""
+    return tuple(
+        fallback.Attempt(
+            s.model_endpoint_id,
+            "" if s.status == StepStatus.SUCCEEDED else (s.error_class or "failed"),
+        )
+        for s in window
+        if s.kind == StepKind.MODEL and s.status in MODEL_FINISHED
     )
 
 

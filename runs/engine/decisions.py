@@ -57,6 +57,8 @@ class StepView:
     dispatched_at: dt.datetime | None = None
     has_tool_calls: bool = False  # a model step: its reply asked for tools
     error: str = ""  # a failed model step: what the provider answered
+    endpoint_id: int | None = None  # a model step: the endpoint it went to (llm/fallback.py)
+    error_class: str = ""  # a failed model step: rate_limited, server_error, timeout, ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,9 +488,20 @@ def after_unknown(seq: int, a: Attempt, now: dt.datetime) -> Retry | WaitToSettl
 
 
 def model_turn(
-    run: RunView, log: list[StepView], *, user_active: bool, may_run_agent: bool, username: str = ""
+    run: RunView,
+    log: list[StepView],
+    *,
+    user_active: bool,
+    may_run_agent: bool,
+    username: str = "",
+    endpoint_id: int | None = None,
 ) -> Stop | FailRun | None:
-    """Why the next model call must not be made, or None (checked before anything is reserved)."""
+    """Why the next model call must not be made, or None (checked before anything is reserved).
+
+    `endpoint_id`: where the call would go (llm/fallback.choose). With fallbacks, the failures in
+    a row that end the run are those of that endpoint: a fallback gets its own five tries, and the
+    chain only moves down, so a run fails after at most five per endpoint. None counts them all.
+    """
     if not user_active:
         # The run acts with its creator's authority, and a model call spends money on their behalf.
         return Stop("user_deactivated", "stopped: the user who started this run was deactivated")
@@ -503,7 +516,9 @@ def model_turn(
     for step in reversed(log):
         if step.kind != "model":
             break
-        if step.status in (FAILED, OUTCOME_UNKNOWN):
+        if step.status in (FAILED, OUTCOME_UNKNOWN) and (
+            endpoint_id is None or step.endpoint_id in (endpoint_id, None)
+        ):
             failures += 1
             last_error = last_error or step.error
     if failures >= MAX_MODEL_FAILURES:

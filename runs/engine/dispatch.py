@@ -61,9 +61,10 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
             dispatched_at=now,
             reserved_micros=model.estimate,
             request=model.summary,
+            model_endpoint_id=model.endpoint.pk,
         )
         sql.insert([step])
-        if not _reserve(run, plan, step, amount=model.estimate, purpose="model"):
+        if not _reserve(run, plan, step, amount=model.estimate, purpose="model", what=_fallback_of(model)):
             Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
             return False
         record_event(
@@ -96,27 +97,38 @@ def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
     return True
 
 
-def _reserve(run: Run, plan: Plan, step: Step, *, amount: int, purpose: str) -> bool:
+def _fallback_of(model) -> str:
+    """What a refused model reservation was for, when it is a fallback's: the run's record says
+    the budget could not carry the fallback (at its prices), not only that it ran out."""
+    if model.chain is None or not model.chain.index_of(model.endpoint.pk):
+        return ""
+    return f"the fallback endpoint {model.endpoint.name}, reserved at its own prices"
+
+
+def _reserve(run: Run, plan: Plan, step: Step, *, amount: int, purpose: str, what: str = "") -> bool:
     try:
         reservation = budgets.reserve(
             tenant=run.tenant, run=run, user=run.created_by, step=step, amount_micros=amount, purpose=purpose
         )
     except budgets.BudgetExceeded as exc:
-        _record_budget_refusal(run, exc)
+        _record_budget_refusal(run, exc, what=what)
         return False
     plan.reservation_id = reservation.pk
     return True
 
 
-def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded) -> None:
-    record_event(run.pk, "budget", f"refused: {exc.message}", decision="refused", scope=exc.scope)
+def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str = "") -> None:
+    error = f"{exc.message} for {what}" if what else exc.message
+    record_event(run.pk, "budget", f"refused: {error}", decision="refused", scope=exc.scope)
     if exc.scope == BudgetAccount.Scope.RUN:
         end_run(
             run,
             RunStatus.STOPPED,
             reason=StopReason.BUDGET_EXHAUSTED,
-            error=exc.message,
-            message="stopped: run budget exhausted",
+            error=error,
+            message="stopped: run budget cannot carry the fallback"
+            if what
+            else "stopped: run budget exhausted",
         )
     elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
         resume = budgets.next_local_midnight(run.tenant)
@@ -133,7 +145,7 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded) -> None:
             run,
             RunStatus.STOPPED,
             reason=StopReason.TENANT_BUDGET_EXHAUSTED,
-            error=exc.message,
+            error=error,
             message=f"stopped: {exc.scope} budget exhausted",
         )
 

@@ -7,22 +7,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
+from llm import breaker, fallback
 from llm import gateway as model_gateway
 from llm.types import ProviderError, ToolCall
 from observability import observe
 from runs.engine import heartbeat, proposals, writer
 from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
-from runs.engine.types import Plan, fenced
+from runs.engine.types import ModelPlan, Plan, fenced
 from runs.models import RunStatus, Step, StepStatus
 from runs.queueing import continue_run
 from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
 from tenants import secrets
+
+log = logging.getLogger(__name__)
 
 
 def do_model(plan: Plan) -> None:
@@ -39,20 +43,44 @@ def do_model(plan: Plan) -> None:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
         failure = exc  # `exc` is unbound once the except block ends
+        kind = fallback.error_class(failure)
+        circuit = _count_for_circuit(model, kind, str(failure))
         through_database_outage(
-            lambda retry: _record_model_failure(plan, step, failure, retry=retry), seconds=plan.lease_seconds
+            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, retry=retry),
+            seconds=plan.lease_seconds,
         )
         return
     finally:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
+    circuit = _count_for_circuit(model, "", "", cost=cost)
     through_database_outage(
-        lambda retry: _record_model(plan, step, reply, cost, retry=retry), seconds=plan.lease_seconds
+        lambda retry: _record_model(plan, step, reply, cost, circuit, retry=retry), seconds=plan.lease_seconds
     )
 
 
-def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -> None:
-    """Close the reservation and write the failure, in one transaction (run, then budget)."""
+def _count_for_circuit(model: ModelPlan, kind: str, error: str, *, cost: int = 0) -> str:
+    """The call's outcome at its endpoint: metrics, and its circuit breaker (outside any
+    transaction; an answer writes nothing unless it was the probe). The state the circuit moved
+    to, if it moved. A database that is down loses the count, never the step's outcome."""
+    observe.model_endpoint_call(model.endpoint, kind or "answered", cost)
+    try:
+        return breaker.record(model.endpoint, error_class=kind, probe=model.probe, error=error)
+    except (OperationalError, InterfaceError):
+        log.warning("circuit breaker of %s not updated: database unreachable", model.endpoint.name)
+        close_old_connections()
+        return ""
+
+
+def _record_model_failure(
+    plan: Plan, step: Step, exc, kind: str = "", circuit: str = "", *, retry: bool = False
+) -> None:
+    """Close the reservation and write the failure, in one transaction (run, then budget).
+
+    `kind`: the failure's class (llm/fallback.error_class); a failure that moves the run's next
+    call to a fallback sends it at once (not after this endpoint's Retry-After), and a refusal
+    that a fallback takes (a prompt too long for this model) does not end the run. `circuit`: the
+    state this failure moved the endpoint's circuit breaker to, if any."""
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if plan.record_began is None:
@@ -73,9 +101,19 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
                 return
             record_event(run.pk, "late_attempt", message, step_seq=step.seq)
             return
-        transition_step(step, status, message=message, error=str(exc), finished_at=timezone.now())
+        transition_step(
+            step, status, message=message, error=str(exc), finished_at=timezone.now(), error_class=kind
+        )
+        model = plan.model_call
+        if circuit:
+            _circuit_event(run, step, model, circuit)
+        moves = model.chain is not None and fallback.moves_on(
+            model.chain, model.history, fallback.Attempt(model.endpoint.pk, kind)
+        )
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif moves:
+            continue_run(run)
         elif not exc.retryable:
             end_run(
                 run,
@@ -87,9 +125,26 @@ def _record_model_failure(plan: Plan, step: Step, exc, *, retry: bool = False) -
             continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
 
 
-def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = False) -> None:
+def _circuit_event(run, step: Step, model: ModelPlan, state: str) -> None:
+    endpoint = model.endpoint
+    if state == breaker.State.OPEN:
+        message = (
+            f"circuit of {endpoint.name} opened: {endpoint.breaker_failures} failures within "
+            f"{endpoint.breaker_window_seconds}s"
+            if not model.probe
+            else f"circuit of {endpoint.name} opened again: its probe failed"
+        ) + f"; calls are not sent to it for {endpoint.breaker_open_seconds}s"
+    else:
+        message = f"circuit of {endpoint.name} closed: its probe call answered"
+    record_event(run.pk, "circuit", message, step_seq=step.seq, endpoint=endpoint.name, state=state)
+
+
+def _record_model(
+    plan: Plan, step: Step, reply, cost: int, circuit: str = "", *, retry: bool = False
+) -> None:
     """The step's second transaction: lock the run, settle the reservation, write the reply if
     this worker still holds the lease, the step's events, and enqueue the next step on commit.
+    `circuit`: "closed" when this answer was its endpoint's probe and closed the circuit.
 
     On a retry, from the step as stored (the failed attempt's in-memory writes were rolled back).
     """
@@ -144,6 +199,8 @@ def _record_model(plan: Plan, step: Step, reply, cost: int, *, retry: bool = Fal
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
             defer=True,  # written with the run row and the events, in the record's last statement
         )
+        if circuit:
+            _circuit_event(run, step, plan.model_call, circuit)
         event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
         at_end(
             lambda: fill_budget_event(

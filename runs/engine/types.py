@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llm.fallback import Attempt, Chain
 from llm.models import ModelEndpoint
 from llm.types import ModelRequest
 from runs.models import Run, Step
@@ -32,6 +33,11 @@ class ModelPlan:
     # The tools the user was allowed at the claim, by name: the record proposes the model's calls
     # to them without reading them again (runs/engine/proposals.propose).
     tools: dict[str, Tool] = field(default_factory=dict)
+    # Where the call sits in the version's chain of endpoints, the run's model calls before it,
+    # and whether it is its endpoint's circuit probe (llm/fallback.py, llm/breaker.py).
+    chain: Chain | None = None
+    history: tuple[Attempt, ...] = ()
+    probe: bool = False
 
 
 @dataclass

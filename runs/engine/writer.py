@@ -17,6 +17,8 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from connections.services import connect_link
+from llm import fallback
+from observability import observe
 from runs.engine import conversation, decisions, loops
 from runs.engine.types import tool_of
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
@@ -61,6 +63,41 @@ def end(run: Run, decision: decisions.Cancel | decisions.Stop | decisions.FailRu
         end_run(run, RunStatus.FAILED, error=decision.error, message=decision.message)
     else:
         end_run(run, RunStatus.SUCCEEDED, message="succeeded")
+
+
+def model_moved(run: Run, seq: int, route: fallback.Route) -> None:
+    """The run's next model call goes to another endpoint than its previous one: on the timeline
+    and in the metrics, once per switch (the calls after it on the same endpoint say nothing)."""
+    assert route.moved is not None
+    before, after, reason = route.moved
+    why = {
+        fallback.CIRCUIT_OPEN: f"the circuit of {', '.join(route.refused) or before} is open",
+        fallback.MOVED_BACK: f"{before} answered the previous call and the chain moves back",
+    }.get(reason, f"{before} failed: {reason}")
+    record_event(
+        run.pk,
+        "model_fallback",
+        f"step {seq} model call goes to {after} instead of {before}: {why}",
+        step_seq=seq,
+        from_endpoint=before,
+        to_endpoint=after,
+        reason=reason,
+        probe=route.probe,
+    )
+    observe.model_moved(run, before, after, reason)
+
+
+def wait_for_circuit(run: Run, wait: fallback.Wait) -> None:
+    """Every endpoint the call may go to has an open circuit: nothing is reserved or sent, and the
+    run's next message comes when a probe may go (a countdown, no worker held meanwhile)."""
+    record_event(
+        run.pk,
+        "circuit_open",
+        f"model call waits {wait.seconds:.0f}s: the circuit of {', '.join(wait.endpoints)} is open",
+        endpoints=list(wait.endpoints),
+        seconds=round(wait.seconds, 1),
+    )
+    continue_run(run, countdown=wait.seconds)
 
 
 def park(run: Run, decision: decisions.Park) -> None:

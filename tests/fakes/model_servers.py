@@ -25,7 +25,8 @@ document them (per model; a prefix is what every later request that starts with 
 Replies: {"text": "...", "tool_calls": [{"name": ..., "arguments": {...}}]}. Faults:
 {"fault": "429", "retry_after": 2} (any status code works, e.g. "500", "529"),
 {"fault": "timeout", "seconds": 5} (answers after sleeping: received and charged),
-{"fault": "bad_request"}. With an empty queue the server plays an agent: it calls the first
+{"fault": "bad_request"}, {"fault": "context_too_long"} (a 400 as OpenAI words it). `fake.outage = {"fault": "503"}` answers every request so until it is set
+back to None. With an empty queue the server plays an agent: it calls the first
 offered tool with {"i": n} until the request holds `tool_turns` tool results, then says "done".
 
     python -m tests.fakes.model_servers --kind openai --port 8001 --latency-ms 200 --tool-turns 12
@@ -104,6 +105,9 @@ class FakeModelServer:
         self.replies: list[dict[str, Any]] = []  # charged replies, even if the client gave up
         self.base_url = ""
         self._queue: deque[dict[str, Any]] = deque()
+        # While set, every request gets this fault (a server that is down: {"fault": "503"}),
+        # before the queue is read.
+        self.outage: dict[str, Any] | None = None
         self._seen_prefixes: set[str] = set()
         self._cached_prompts: list[tuple[str, list[str]]] = []  # OpenAI: (model, pieces) seen
         self._lock = threading.Lock()
@@ -118,11 +122,12 @@ class FakeModelServer:
         with self._lock:
             self._queue.extend(replies)
 
-    def start(self) -> str:
-        """Serve on a free 127.0.0.1 port from a daemon thread; returns the base URL."""
+    def start(self, port: int = 0) -> str:
+        """Serve on a free 127.0.0.1 port (or `port`: a server coming back where it was) from a
+        daemon thread; returns the base URL."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((HOST, 0))  # binding here (not in uvicorn) avoids a free-port race
+        sock.bind((HOST, port))  # binding here (not in uvicorn) avoids a free-port race
         self._server = uvicorn.Server(self._config())
         self._thread = threading.Thread(
             target=self._server.run,
@@ -188,6 +193,13 @@ class FakeModelServer:
             reply = self.auto_reply(body)
         elif fault == "bad_request":
             return self.error(400, "invalid_request_error", "fake: queued bad_request fault")
+        elif fault == "context_too_long":
+            return self.error(
+                400,
+                "invalid_request_error",
+                "This model's maximum context length is 8192 tokens. However, your messages "
+                "resulted in 9000 tokens. Please reduce the length of the messages.",
+            )
         elif fault:
             return self._status_fault(int(fault), reply.get("retry_after"))
         payload = self.render(body, reply, self._next_id())
@@ -197,6 +209,8 @@ class FakeModelServer:
 
     def _next_reply(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
+            if self.outage is not None:
+                return self.outage
             if self._queue:
                 return self._queue.popleft()
         return self.auto_reply(body)
