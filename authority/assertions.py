@@ -99,8 +99,8 @@ def claims(facts: CallFacts, *, audience: str, now: dt.datetime, status_lookup: 
 def sign(
     facts: CallFacts, *, audience: str, now: dt.datetime | None = None, status_lookup: bool = False
 ) -> Assertion:
+    kid, private = keys.signing_key(now)  # None: the key signing now, as this process keeps it
     now = now or timezone.now()
-    kid, private = keys.signing_key(now)
     body = claims(facts, audience=audience, now=now, status_lookup=status_lookup)
     token = jwt.encode(body, private, algorithm=ALGORITHM, headers={"kid": kid, "typ": TYPE})
     return Assertion(
