@@ -11,14 +11,19 @@ Effect class read_only: the sandbox has no network, so a retry after a lost work
 code again; the step's idempotency key names the execution, and the runner answers a key it has
 already run with the result it produced (or joins the execution still running).
 
-Cost: the reservation is the tool's price (set it to the price of the limits:
-limit_cost_micros); `cost_of` is what the measured usage costs, for the settlement.
+Limits and prices are the tool's configuration (Tool.sandbox, from the configuration file's
+`sandbox` section), capped per tenant (SandboxCaps). Cost: the reservation is the tool's price,
+which configuration sets to what the limits can cost (reservation_micros) and refuses below it;
+`cost_of` is what the measured usage costs, which the engine settles at
+(runs/engine/tool_step.charge, never more than the reservation).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
+import math
 
 import httpx
 from django.conf import settings
@@ -26,6 +31,8 @@ from django.conf import settings
 from artifacts import services as artifacts
 from artifacts.models import Artifact
 from runs.models import Step
+from sandbox.limits import Limits
+from tools.models import SandboxCaps
 from tools.types import ToolFailed, ToolOutcomeUnknown, ToolResult
 
 NAME = "run_python"
@@ -52,26 +59,69 @@ INPUT_SCHEMA = {
 MODEL_TAIL = 8 * 1024
 
 
+# What a tool's configuration may set (tools.Tool.sandbox["limits"]): sandbox.limits.Limits's
+# names but open_files, which is the runner's own business. DESIGN.md's defaults where unset.
+LIMIT_NAMES = (
+    "wall_seconds",
+    "cpu_seconds",
+    "cores",
+    "memory_bytes",
+    "processes",
+    "tmp_bytes",
+    "output_bytes",
+    "output_files",
+    "stdout_bytes",
+)
+DEFAULTS = {name: getattr(Limits(), name) for name in LIMIT_NAMES}
+# Held below the tool's deadline: the runner's answer and the files must come back within it.
+DEADLINE_MARGIN = 2.0
+
+
 def limits_for(tool) -> dict:
-    """The sandbox limits of one call: DESIGN.md's defaults, the wall held under the tool's deadline."""
-    wall = max(1.0, min(30.0, tool.timeout_seconds - 2.0))
-    return {"wall_seconds": wall, "cpu_seconds": min(20.0, wall)}
+    """The sandbox limits of one call: the tool's configuration over DESIGN.md's defaults, each
+    held to the tenant's cap (SandboxCaps), the wall under the tool's deadline, the CPU seconds
+    under what the wall and the cores allow."""
+    limits = {**DEFAULTS, **(tool.sandbox or {}).get("limits", {})}
+    caps = SandboxCaps.objects.filter(tenant_id=tool.tenant_id).values(*LIMIT_NAMES).first() or {}
+    for name, cap in caps.items():
+        if cap is not None:
+            limits[name] = min(limits[name], cap)
+    limits["wall_seconds"] = max(1.0, min(limits["wall_seconds"], tool.timeout_seconds - DEADLINE_MARGIN))
+    limits["cpu_seconds"] = min(limits["cpu_seconds"], limits["wall_seconds"] * limits["cores"])
+    return limits
 
 
-def limit_cost_micros(limits: dict) -> int:
-    """The most a call with these limits can cost: what its reservation should be."""
-    cpu = limits.get("cpu_seconds", 20.0)
-    gib_seconds = limits.get("memory_bytes", 1 << 30) / 2**30 * limits.get("wall_seconds", 30.0)
-    return round(
-        cpu * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
-        + gib_seconds * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    cpu_second_micros: int
+    gib_second_micros: int
+
+
+def prices_for(tool) -> Prices:
+    """The tool's prices per CPU second and per GiB-second (its configuration), else the settings'."""
+    configured = (tool.sandbox or {}).get("prices", {})
+    return Prices(
+        configured.get("cpu_second_micros", settings.SANDBOX_PRICE_CPU_SECOND_MICROS),
+        configured.get("gib_second_micros", settings.SANDBOX_PRICE_GIB_SECOND_MICROS),
     )
 
 
-def cost_of(usage: dict) -> int:
+def limit_cost_micros(limits: dict, prices: Prices) -> int:
+    """The most a call with these limits can cost: what its reservation (the tool's price) must be."""
+    gib_seconds = limits["memory_bytes"] / 2**30 * limits["wall_seconds"]
+    return math.ceil(
+        limits["cpu_seconds"] * prices.cpu_second_micros + gib_seconds * prices.gib_second_micros
+    )
+
+
+def reservation_micros(tool) -> int:
+    return limit_cost_micros(limits_for(tool), prices_for(tool))
+
+
+def cost_of(usage: dict, prices: Prices) -> int:
     return round(
-        usage.get("cpu_seconds", 0) * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
-        + usage.get("gib_seconds", 0) * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+        usage.get("cpu_seconds", 0) * prices.cpu_second_micros
+        + usage.get("gib_seconds", 0) * prices.gib_second_micros
     )
 
 
@@ -116,10 +166,10 @@ def call(step: Step) -> ToolResult:
         raise ToolFailed(
             f"the sandbox runner refused the call ({response.status_code}): {response.text[:500]}"
         )
-    return _result(step, response.json())
+    return _result(step, response.json(), prices_for(step.tool))
 
 
-def _result(step: Step, answer: dict) -> ToolResult:
+def _result(step: Step, answer: dict, prices: Prices) -> ToolResult:
     files, refused = [], []
     for item in answer.get("files", []):
         content = base64.b64decode(item["content_b64"])
@@ -148,7 +198,8 @@ def _result(step: Step, answer: dict) -> ToolResult:
         "files_skipped": answer.get("skipped_files", []),
         "usage": usage,
         "limits": answer.get("limits", {}),
-        "cost_micros": cost_of(usage),
+        "cost_micros": cost_of(usage, prices),
+        "prices": dataclasses.asdict(prices),
         "inputs": [str(i) for i in (step.arguments or {}).get("artifacts") or []],
     }
     return ToolResult(
