@@ -199,6 +199,7 @@ def result_body(outcome: Outcome, limits: Limits, queue_seconds: float) -> dict:
         },
         "limits": limits.as_dict(),
         "queue_seconds": round(queue_seconds, 6),
+        "start_seconds": None if outcome.start_seconds is None else round(outcome.start_seconds, 6),
         "backend": outcome.backend,
     }
 

@@ -30,6 +30,7 @@ from django.conf import settings
 
 from artifacts import services as artifacts
 from artifacts.models import Artifact
+from observability import metrics
 from runs.models import Step
 from sandbox.limits import Limits
 from tools.models import SandboxCaps
@@ -156,17 +157,35 @@ def call(step: Step) -> ToolResult:
     try:
         response = httpx.post(url, json=body, timeout=httpx.Timeout(timeout, connect=2.0))
     except (httpx.ConnectError, httpx.ConnectTimeout):
+        metrics.SANDBOX_EXECUTIONS.labels("unavailable", "").inc()
         raise ToolFailed(f"the sandbox runner at {settings.SANDBOX_RUNNER_URL} is not running") from None
     except httpx.HTTPError as exc:
         # Harmless to repeat (no network inside), and the runner keeps the result under the key.
+        metrics.SANDBOX_EXECUTIONS.labels("unknown", "").inc()
         raise ToolOutcomeUnknown(f"sandbox runner: {type(exc).__name__}") from None
     if response.status_code == 503:
+        metrics.SANDBOX_EXECUTIONS.labels("busy", "").inc()
         raise ToolFailed(f"the sandbox is busy: {response.json().get('error', '')}; nothing ran")
     if response.status_code >= 400:
         raise ToolFailed(
             f"the sandbox runner refused the call ({response.status_code}): {response.text[:500]}"
         )
-    return _result(step, response.json(), prices_for(step.tool))
+    answer = response.json()
+    _observe(answer)
+    return _result(step, answer, prices_for(step.tool))
+
+
+def _observe(answer: dict) -> None:
+    """Count the execution once: a result the runner replays (a retried step) ran only once."""
+    if answer.get("replayed"):
+        return
+    limit = answer.get("limit") or ""
+    outcome = "limit" if limit else ("ok" if answer.get("exit_code") == 0 else "error")
+    metrics.SANDBOX_EXECUTIONS.labels(outcome, limit).inc()
+    if isinstance(answer.get("start_seconds"), (int, float)):
+        metrics.SANDBOX_START_SECONDS.observe(answer["start_seconds"])
+    if isinstance(answer.get("queue_seconds"), (int, float)):
+        metrics.SANDBOX_QUEUE_SECONDS.observe(answer["queue_seconds"])
 
 
 def _result(step: Step, answer: dict, prices: Prices) -> ToolResult:
@@ -197,6 +216,8 @@ def _result(step: Step, answer: dict, prices: Prices) -> ToolResult:
         "files_refused": refused,
         "files_skipped": answer.get("skipped_files", []),
         "usage": usage,
+        "queue_seconds": answer.get("queue_seconds"),
+        "start_seconds": answer.get("start_seconds"),
         "limits": answer.get("limits", {}),
         "cost_micros": cost_of(usage, prices),
         "prices": dataclasses.asdict(prices),
