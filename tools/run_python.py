@@ -269,6 +269,45 @@ def file_result(step: Step, content: bytes, content_type: str, disposition: str)
     return ToolResult(text=artifacts.describe_text(description), structured={"artifact": description})
 
 
+def with_files(step: Step, result: ToolResult) -> ToolResult:
+    """An MCP result's files (embedded resources, resource links read back) stored as artifacts
+    of the step; the model's text gets each one's description and id in place of its content.
+    A file refused by the tenant's limits is named as refused, and nothing of it is stored."""
+    notes, described = [], []
+    for i, file in enumerate(result.files):
+        media_type = artifacts.media_type_of(file.media_type) or (
+            file.media_type.split(";")[0].strip().lower()[:100] or "application/octet-stream"
+        )
+        name = file.uri.rstrip("/").rsplit("/", 1)[-1].split("?")[0]
+        if artifacts.check_name(name) is not None:
+            name = f"{step.tool.remote_name if step.tool else 'file'}-{step.seq}-{i + 1}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
+        try:
+            stored = artifacts.store(
+                run=step.run,
+                step=step,
+                name=name,
+                media_type=media_type,
+                content=file.content,
+                source=Artifact.Source.TOOL,
+            )
+        except artifacts.ArtifactRefused as exc:
+            notes.append(f"the tool returned a file ({file.uri}) that was not stored: {exc.message}")
+            continue
+        description = artifacts.describe(stored, file.content)
+        described.append(description)
+        notes.append(artifacts.describe_text(description))
+    text = "\n\n".join([t for t in (result.text, *notes) if t])
+    structured = result.structured if isinstance(result.structured, dict) else {}
+    if result.structured is not None and not isinstance(result.structured, dict):
+        structured = {"content": result.structured}
+    return ToolResult(
+        text=text,
+        structured={**structured, "files": described} if described else (result.structured),
+        is_error=result.is_error,
+        cost_micros=result.cost_micros,
+    )
+
+
 def _disposition_name(disposition: str) -> str | None:
     for part in disposition.split(";"):
         key, _, value = part.strip().partition("=")

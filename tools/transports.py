@@ -78,13 +78,14 @@ def dispatch(step: Step, *, send_by: float | None = None) -> ToolResult:
 
     config = mcp_config(server)
     _before_sending(send_by)
-    return mcp_client.call_tool(
+    result = mcp_client.call_tool(
         config,
         tool.remote_name,
         arguments,
         idempotency_key=step.idempotency_key,
         timeout=tool.timeout_seconds,
     )
+    return run_python.with_files(step, result) if result.files else result
 
 
 def http_tool_url(server: ToolServer, tool: Tool) -> str:

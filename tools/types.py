@@ -28,6 +28,16 @@ class ToolResult:
     is_error: bool = False
     # What the call cost by measured usage (run_python), where it differs from the tool's price.
     cost_micros: int | None = None
+    # Files the tool answered (an MCP embedded resource, or a resource link read from the server),
+    # stored as artifacts of the step by the transport (tools.run_python.with_files).
+    files: tuple[ToolFile, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolFile:
+    uri: str
+    media_type: str
+    content: bytes
 
 
 @dataclass(frozen=True)
