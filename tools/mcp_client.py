@@ -108,17 +108,12 @@ def call_tool(
 
 def normalise_result(result: mt.CallToolResult, linked: dict[str, ToolFile] | None = None) -> ToolResult:
     """The result as the platform keeps it. Embedded resources, and the resource links read back
-    from the server (`linked`, by URI), become files (stored as artifacts by the transport); the
-    model's text then names them instead of carrying their content."""
+    from the server (`linked`, by URI), become files (stored as artifacts by the transport, which
+    adds each one's description); the text names them, never carries their content."""
     linked = linked or {}
     files = [_embedded_file(b) for b in result.content if isinstance(b, mt.EmbeddedResource)]
     files += [linked[b.uri] for b in result.content if isinstance(b, mt.ResourceLink) and b.uri in linked]
-    parts = [
-        _block_text(block)
-        for block in result.content
-        if not isinstance(block, mt.EmbeddedResource)
-        and not (isinstance(block, mt.ResourceLink) and block.uri in linked)
-    ]
+    parts = [_block_text(block) for block in result.content]
     structured = result.structured_content if isinstance(result.structured_content, dict | list) else None
     text = "\n".join(parts)
     if not text and structured is not None:
