@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import status
 from rest_framework.exceptions import APIException, ParseError
-from rest_framework.parsers import BaseParser
+from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.renderers import JSONRenderer
 
 
@@ -101,3 +101,23 @@ def _finite_float(text: str) -> float:
     if number in (float("inf"), float("-inf")):
         raise ValueError(f"{text} is too large for a number")
     return number
+
+
+class BoundedMultiPartParser(MultiPartParser):
+    """multipart/form-data for the few requests that carry files (a run's start): the whole body
+    is held to API_MAX_UPLOAD_BYTES by its Content-Length before a byte is read (Django streams
+    file parts to disk and bounds only the other fields, by DATA_UPLOAD_MAX_MEMORY_SIZE)."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        request = (parser_context or {}).get("request")
+        meta = request.META if request is not None else {}
+        limit = settings.API_MAX_UPLOAD_BYTES
+        try:
+            length = int(meta.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            raise ParseError("Content-Length is not a number") from None
+        if length <= 0:
+            raise ParseError("a multipart body needs its Content-Length")
+        if length > limit:
+            raise BodyTooLarge(f"The request body is larger than {limit} bytes.")
+        return super().parse(stream, media_type, parser_context)

@@ -213,6 +213,10 @@ STATIC_ROOT.mkdir(exist_ok=True)  # WhiteNoise expects it even before collectsta
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1_048_576, minimum=1024, maximum=50 * 1_048_576)
 API_MAX_JSON_DEPTH = env_int("API_MAX_JSON_DEPTH", 64, minimum=4, maximum=500)
 DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
+# A multipart request (a run started with files): its whole body, files included.
+API_MAX_UPLOAD_BYTES = env_int(
+    "API_MAX_UPLOAD_BYTES", 64 * 1_048_576, minimum=1_048_576, maximum=1024 * 1_048_576
+)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -25,6 +25,8 @@ class Artifact(models.Model):
     size = models.BigIntegerField()
     sha256 = models.CharField(max_length=64)
     content = models.BinaryField()
+    # Given with the run's start request: the model's first message describes it.
+    given_at_start = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

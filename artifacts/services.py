@@ -78,7 +78,92 @@ def check_name(name: str) -> str | None:
     return None
 
 
-def store(*, run, name: str, media_type: str, content: bytes, source: str, step=None) -> Artifact:
+@dataclasses.dataclass(frozen=True)
+class Given:
+    """A file given with a run's start request: uploaded in it, or copied from an artifact the
+    caller may read (`copied_from`)."""
+
+    name: str
+    media_type: str
+    content: bytes
+    copied_from: uuid.UUID | None = None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+def check_given(tenant, files: list[Given]) -> None:
+    """Refuse, before anything is written, files a start request cannot carry: a bad name or
+    type, one over the tenant's limit per artifact, or all of them over its limits per run. The
+    field of each error is the file's place in the request (`files[2].content`)."""
+    limits = limits_for(tenant)
+    if len(files) > limits.max_run_artifacts:
+        raise ArtifactRefused(
+            f"{len(files)} files; this tenant's limit per run is {limits.max_run_artifacts}",
+            field="files",
+            status=413,
+        )
+    names = set()
+    for i, given in enumerate(files):
+        problem = check_name(given.name)
+        if problem:
+            raise ArtifactRefused(f"name {problem}", field=f"files[{i}].name")
+        if given.name in names:
+            raise ArtifactRefused(f"{given.name} is given twice", field=f"files[{i}].name")
+        names.add(given.name)
+        if given.copied_from is None and given.media_type not in UPLOAD_TYPES:
+            raise ArtifactRefused(
+                f"type {given.media_type!r} is not one of {', '.join(sorted(UPLOAD_TYPES))}",
+                field=f"files[{i}].media_type",
+            )
+        if len(given.content) > limits.max_artifact_bytes:
+            raise ArtifactRefused(
+                f"{given.name} is {len(given.content)} bytes; this tenant's limit per artifact is "
+                f"{limits.max_artifact_bytes}",
+                field=f"files[{i}].content",
+                status=413,
+            )
+    total = sum(len(g.content) for g in files)
+    if total > limits.max_run_bytes:
+        raise ArtifactRefused(
+            f"the files add up to {total} bytes; this tenant's limit per run is {limits.max_run_bytes}",
+            field="files",
+            status=413,
+        )
+
+
+def store_given(*, run, files: list[Given]) -> list[Artifact]:
+    """Store the files of a start request with its run, inside the transaction that creates the
+    run: a refusal (check_given first, store's own checks again) rolls back the run with them."""
+    stored = []
+    for i, given in enumerate(files):
+        try:
+            stored.append(
+                store(
+                    run=run,
+                    name=given.name,
+                    media_type=given.media_type,
+                    content=given.content,
+                    source=Artifact.Source.UPLOAD,
+                    given_at_start=True,
+                )
+            )
+        except ArtifactRefused as exc:
+            field = next(iter(exc.fields), "file")
+            raise ArtifactRefused(exc.message, field=f"files[{i}].{field}", status=exc.status) from None
+    return stored
+
+
+def start_descriptions(run) -> list[str]:
+    """What the model's first message says of the files given with the run, in request order."""
+    rows = Artifact.objects.filter(run=run, given_at_start=True).order_by("created_at", "name")
+    return [describe_text(describe(a)) for a in rows]
+
+
+def store(
+    *, run, name: str, media_type: str, content: bytes, source: str, step=None, given_at_start: bool = False
+) -> Artifact:
     problem = check_name(name)
     if problem:
         raise ArtifactRefused(f"name {problem}", field="name")
@@ -124,6 +209,7 @@ def store(*, run, name: str, media_type: str, content: bytes, source: str, step=
                     size=len(content),
                     sha256=digest,
                     content=content,
+                    given_at_start=given_at_start,
                 )
         except IntegrityError:
             return Artifact.objects.defer("content").get(run=run, step=step, name=name, sha256=digest)
@@ -135,6 +221,10 @@ def content_of(artifact: Artifact) -> bytes:
     return bytes(artifact.content)
 
 
+def is_text(media_type: str) -> bool:
+    return media_type.startswith("text/") or media_type == "application/json"
+
+
 def describe(artifact: Artifact, content: bytes | None = None) -> dict:
     """What the model sees of an artifact: its id, name, type, size and a glimpse, never all of it."""
     description = {
@@ -144,7 +234,7 @@ def describe(artifact: Artifact, content: bytes | None = None) -> dict:
         "size": artifact.size,
         "sha256": artifact.sha256,
     }
-    if artifact.media_type.startswith("text/") or artifact.media_type == "application/json":
+    if is_text(artifact.media_type):
         content = content_of(artifact) if content is None else content
         text = content[: 64 * 1024].decode("utf-8", errors="replace")
         lines = text.splitlines()
@@ -166,7 +256,10 @@ def describe_text(description: dict) -> str:
         parts.append("columns: " + ", ".join(description["columns"]))
     if description.get("first_lines"):
         parts.append("first lines:\n" + "\n".join(description["first_lines"]))
-    parts.append("pass its artifact_id to run_python to work on the whole file (mounted under /in)")
+    parts.append(
+        "pass its artifact_id to run_python to work on the whole file (mounted under /in)"
+        + (", or read its text with read_result artifact=<artifact_id>" if "lines" in description else "")
+    )
     return "\n".join(parts)
 
 

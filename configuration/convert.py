@@ -321,3 +321,50 @@ def _money_arguments(value: Any) -> dict:
         if not isinstance(currency, str) or not currency:
             raise _Invalid("must name a currency code (INR) or the argument that holds it", at=f".{key}")
     return mapping
+
+
+MiB = 1024 * 1024
+# run_python's `sandbox` section: each limit's file name, its stored name (sandbox.limits.Limits),
+# the conversion, and the unit that makes bytes of it. The bounds are what one call may ask for;
+# the runner's ceiling and the tenant's cap (tools.SandboxCaps) may hold it lower.
+SANDBOX_LIMITS: dict[str, tuple[str, Convert, int]] = {
+    "wall_seconds": ("wall_seconds", _seconds(300), 1),
+    "cpu_seconds": ("cpu_seconds", _seconds(300), 1),
+    "cores": ("cores", _seconds(16), 1),
+    "memory_mib": ("memory_bytes", _int(16, 64 * 1024), MiB),
+    "processes": ("processes", _int(8, 4096), 1),
+    "tmp_mib": ("tmp_bytes", _int(1, 16 * 1024), MiB),
+    "output_mib": ("output_bytes", _int(1, 1024), MiB),
+    "output_files": ("output_files", _int(1, 1000), 1),
+    "stdout_kib": ("stdout_bytes", _int(1, 64 * 1024), 1024),
+}
+SANDBOX_PRICES = {"cpu_second": "cpu_second_micros", "gib_second": "gib_second_micros"}
+
+
+def _sandbox(value: Any) -> dict:
+    """run_python's limits and prices: {"limits": {stored name: value}, "prices": {...micros}}."""
+    if not isinstance(value, dict):
+        raise _Invalid("must be a mapping")
+    known = (*SANDBOX_LIMITS, "prices")
+    out: dict = {"limits": {}, "prices": {}}
+    for key, raw in value.items():
+        if key not in known:
+            raise _Invalid(f"unknown field; one of {', '.join(known)}", at=f".{key}")
+        if key == "prices":
+            if not isinstance(raw, dict):
+                raise _Invalid("must be a mapping", at=".prices")
+            for name, price in raw.items():
+                if name not in SANDBOX_PRICES:
+                    raise _Invalid(f"unknown price; one of {', '.join(SANDBOX_PRICES)}", at=f".prices.{name}")
+                try:
+                    out["prices"][SANDBOX_PRICES[name]] = _money(price)
+                except _Invalid as exc:
+                    raise _Invalid(exc.message, at=f".prices.{name}") from None
+            continue
+        target, convert, unit = SANDBOX_LIMITS[key]
+        try:
+            converted = convert(raw)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, at=f".{key}") from None
+        out["limits"][target] = converted * unit if unit != 1 else converted
+    return {part: values for part, values in out.items() if values}

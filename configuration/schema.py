@@ -28,6 +28,7 @@ from configuration.convert import (
     _nullable,
     _policy,
     _price,
+    _sandbox,
     _seconds,
     _slug,
     _spec_list,
@@ -286,6 +287,7 @@ TOOL: Spec = {
     "status_url": Field("status_url", _text(500, empty=False)),
     "summary": Field("summary", _summary),
     "money": Field("money_arguments", _money_arguments),
+    "sandbox": Field("sandbox", _sandbox),
 }
 GRANT: Spec = {
     "tool": Field("tool", _text(200, empty=False)),

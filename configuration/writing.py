@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from tenants.crypto import SecretKeyError
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.roles import VIEWS_ALL_RUNS, permissions_for
 from tenants.tokens import revoke_all
+from tools import run_python
 from tools.catalog import SyncReport, schema_hash, sync_server, tool_name
 from tools.models import Tool, ToolServer
 from tools.origins import OriginError, origin_text, same_origin
@@ -331,6 +333,9 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
         )
         ctx.skip("tools", item)
         return
+    if not _sandbox_fits(tool, values, item.path, ctx):
+        ctx.skip("tools", item)
+        return
     # Every tool in the file gets its destination from the file: stored URLs that differ
     # (set in the admin, say) are put back and reported.
     values = {**TOOL_DESTINATION, **values}
@@ -362,6 +367,31 @@ def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context)
         source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
         ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
     return not wrong
+
+
+def _sandbox_fits(tool: Tool, values: dict, path: str, ctx: _Context) -> bool:
+    """run_python's `sandbox` (limits and prices) is the file's, like a destination; its price,
+    the reservation of each call, is what those limits can cost unless the file asks for more.
+    Any other tool has no sandbox."""
+    if not (tool.server.kind == ToolServer.Kind.BUILTIN and tool.remote_name == run_python.NAME):
+        if "sandbox" in values:
+            ctx.problems.add(f"{path}.sandbox", f"only for {run_python.NAME}: this tool runs no code")
+            return False
+        return True
+    values.setdefault("sandbox", {})
+    probe = copy.copy(tool)
+    probe.sandbox = values["sandbox"]
+    probe.timeout_seconds = values.get("timeout_seconds", tool.timeout_seconds)
+    needed = run_python.reservation_micros(probe)
+    if values.get("price_micros", needed) < needed:
+        ctx.problems.add(
+            f"{path}.price",
+            f"must be at least {needed / 1_000_000:.6f}: what this tool's sandbox limits can cost at its "
+            "prices (each call reserves its price before it runs); leave price out to have it set so",
+        )
+        return False
+    values.setdefault("price_micros", needed)
+    return True
 
 
 def _origin_or_none(url: str) -> str:

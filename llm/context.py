@@ -24,15 +24,17 @@ from llm.types import Message, ToolSpec
 READ_RESULT = "read_result"
 READ_RESULT_SPEC = ToolSpec(
     name=READ_RESULT,
-    description="Read a stored tool result that was shortened or masked in this conversation: give the step "
-    "number from its [platform: ...] note, and the offset to read from.",
+    description="Read a stored tool result that was shortened or masked in this conversation (give the step "
+    "number from its [platform: ...] note), or the text of an artifact of this run (give its artifact_id as "
+    "artifact); and the offset to read from.",
     input_schema={
         "type": "object",
         "properties": {
             "step": {"type": "integer", "minimum": 1},
+            "artifact": {"type": "string", "maxLength": 64},
             "offset": {"type": "integer", "minimum": 0},
         },
-        "required": ["step"],
+        "additionalProperties": False,
     },
 )
 
@@ -70,15 +72,19 @@ class Result:
     seq: int
     tool_name: str
     total_chars: int  # of the full stored result (the observation may already be capped)
+    artifacts: bool = False  # it describes an artifact (a file the model can page with read_result)
 
 
-def offered(tools: list[ToolSpec], policy: ContextPolicy, *, paged: bool = True) -> list[ToolSpec]:
+def offered(
+    tools: list[ToolSpec], policy: ContextPolicy, *, paged: bool = True, artifacts: bool = False
+) -> list[ToolSpec]:
     """The tools of a request: sorted by name, then read_result once the policy has shortened or
-    masked a result (`paged`) it could page back. It is added at the end, once: shortened and
-    masked results stay so, so the prefix changes a single time in a run (one cache write) and a
-    run with nothing to page through is never offered it."""
+    masked a result (`paged`) it could page back, or the model has been shown an artifact
+    (`artifacts`: even an agent with no tools may read the files it was given). It is added at
+    the end, once: shortened and masked results stay so, so the prefix changes a single time in a
+    run (one cache write) and a run with nothing to page through is never offered it."""
     tools = sorted(tools, key=lambda t: t.name)
-    return tools + [READ_RESULT_SPEC] if policy.enabled and tools and paged else tools
+    return tools + [READ_RESULT_SPEC] if policy.enabled and ((tools and paged) or artifacts) else tools
 
 
 def pointer(seq: int, shown: int, total: int) -> str:
@@ -130,18 +136,25 @@ def _with(message: Message, content: str) -> Message:
     )
 
 
-def page(text: str, *, seq: int, offset: int, limit: int) -> str:
-    """One page of a stored result for read_result, with a pointer to the next one."""
+def page(text: str, *, offset: int, limit: int, seq: int | None = None, artifact: str | None = None) -> str:
+    """One page of a stored result (of step `seq`) or of an artifact's text, for read_result, with
+    a pointer to the next one."""
     offset = max(offset, 0)
     chunk = text[offset : offset + limit]
     end = offset + len(chunk)
+    what, argument = (
+        (f"artifact {artifact}", f"artifact={artifact}") if artifact else (f"step {seq}", f"step={seq}")
+    )
     if end < len(text):
         return (
             chunk
             + "\n"
             + (
-                f"[platform: result of step {seq}, characters {offset}-{end} of {len(text)}; "
-                f"call {READ_RESULT} with step={seq} and offset={end} to read on]"
+                f"[platform: {'text of ' if artifact else 'result of '}{what}, characters {offset}-{end} of "
+                f"{len(text)}; call {READ_RESULT} with {argument} and offset={end} to read on]"
             )
         )
-    return chunk + f"\n[platform: end of the result of step {seq} ({len(text)} characters)]"
+    return (
+        chunk
+        + f"\n[platform: end of the {'text of ' if artifact else 'result of '}{what} ({len(text)} characters)]"
+    )

@@ -15,6 +15,7 @@ import threading
 from decimal import Decimal
 
 from agents.spec import spec_for
+from artifacts import services as artifacts
 from llm import context
 from llm.compat import Compat
 from llm.models import ModelEndpoint
@@ -41,8 +42,16 @@ def build_messages(run, steps, results: dict | None = None) -> list[Message]:
     return messages
 
 
+FILES_HEADING = "[platform: files given with this run]"
+
+
 def first_message(run) -> Message:
-    return Message(role="user", content=_input_text(run.input))
+    """The run's input, then a description of each file it was started with (never its content)."""
+    text = _input_text(run.input)
+    files = artifacts.start_descriptions(run)
+    if files:
+        text += "\n\n" + FILES_HEADING + "\n" + "\n\n".join(files)
+    return Message(role="user", content=text)
 
 
 def append_messages(messages: list[Message], steps, results: dict) -> None:
@@ -60,10 +69,13 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 (step.result or {}).get("is_error")
             )
             stored = (step.result or {}).get("text")
+            structured = (step.result or {}).get("structured")
             results[len(messages)] = context.Result(
                 seq=step.seq,
                 tool_name=step.tool_name,
                 total_chars=len(stored) if isinstance(stored, str) else len(step.observation),
+                artifacts=isinstance(structured, dict)
+                and bool(structured.get("artifact") or structured.get("files")),
             )
             messages.append(
                 Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)
@@ -96,13 +108,17 @@ def request_for(
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
     shaped = context.shape(messages, results, policy)
-    # read_result only once the policy has shortened or masked something it could page back.
+    # read_result only once the policy has shortened or masked something it could page back, or
+    # the model has been shown an artifact (whose text it can page through).
     paged = any(after is not before for after, before in zip(shaped, messages))
+    shown_artifacts = any(r.artifacts for r in results.values()) or (
+        bool(messages) and FILES_HEADING in messages[0].content
+    )
     return ModelRequest(
         model=endpoint.model,
         instructions=spec.instructions,
         messages=shaped,
-        tools=context.offered(tools, policy, paged=paged),
+        tools=context.offered(tools, policy, paged=paged, artifacts=shown_artifacts),
         max_output_tokens=run.limits["max_output_tokens"],
         timeout_seconds=endpoint.timeout_seconds,
         cache_key=f"run-{run.pk}",

@@ -76,3 +76,22 @@ CIRCUIT_REFUSED = Counter(
     "Model calls not sent because the endpoint's circuit was open (moved to a fallback or waited).",
     ["tenant", "endpoint"],
 )
+# run_python (tools/run_python.py), recorded by the worker that called the sandbox runner.
+SANDBOX_EXECUTIONS = Counter(
+    "agentplatform_sandbox_executions",
+    "run_python executions by outcome (ok, error: the code's own non-zero exit, limit, busy: no "
+    "slot came free, unavailable: no runner, unknown: the answer was lost) and limit hit.",
+    ["outcome", "limit"],
+)
+# Sandbox starts take tens of milliseconds; a queue wait for a slot up to the tool's deadline.
+SANDBOX_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+SANDBOX_START_SECONDS = Histogram(
+    "agentplatform_sandbox_start_seconds",
+    "From the runner taking a slot to the sandboxed interpreter about to run the code.",
+    buckets=SANDBOX_BUCKETS,
+)
+SANDBOX_QUEUE_SECONDS = Histogram(
+    "agentplatform_sandbox_queue_seconds",
+    "Time an execution waited in the runner for a slot (its tenant's share or any free one).",
+    buckets=SANDBOX_BUCKETS,
+)

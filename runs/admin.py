@@ -11,6 +11,7 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
+from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
@@ -150,6 +151,77 @@ def step_summary(step: Step) -> str:
 
 def flower_url() -> str:
     return settings.FLOWER_URL
+
+
+def sandbox_view(run: Run, step, files: list) -> dict | None:
+    """A run_python step on the timeline: its exit, the limit hit, the limits it ran under, what it
+    used, and the files in and out with their download links (the code is shown from its arguments)."""
+    structured = (step.result or {}).get("structured") if isinstance(step.result, dict) else None
+    if not (isinstance(structured, dict) and "exit_code" in structured and "limits" in structured):
+        return None
+    by_id = {str(a.pk): a for a in files}
+
+    def link(artifact) -> dict:
+        return {
+            "name": artifact.name,
+            "size": artifact.size,
+            "url": reverse("admin:runs_run_artifact", args=[run.pk, artifact.pk]),
+        }
+
+    limits = structured.get("limits") or {}
+    usage = structured.get("usage") or {}
+    return {
+        "exit_code": structured.get("exit_code"),
+        "limit": structured.get("limit"),
+        "message": structured.get("message") or "",
+        "limits": [
+            ("wall", f"{limits['wall_seconds']:g} s") if "wall_seconds" in limits else None,
+            ("CPU", f"{limits['cpu_seconds']:g} s") if "cpu_seconds" in limits else None,
+            ("cores", f"{limits['cores']:g}") if "cores" in limits else None,
+            ("memory", filesizeformat(limits["memory_bytes"])) if "memory_bytes" in limits else None,
+            ("processes", str(limits["processes"])) if "processes" in limits else None,
+            ("/tmp", filesizeformat(limits["tmp_bytes"])) if "tmp_bytes" in limits else None,
+            (
+                (
+                    "outputs",
+                    f"{filesizeformat(limits['output_bytes'])} in {limits.get('output_files', '?')} files",
+                )
+                if "output_bytes" in limits
+                else None
+            ),
+            ("stdout", filesizeformat(limits["stdout_bytes"])) if "stdout_bytes" in limits else None,
+        ],
+        "usage": [
+            ("CPU", f"{usage.get('cpu_seconds', 0):.3f} s"),
+            ("wall", f"{usage.get('wall_seconds', 0):.3f} s"),
+            ("peak memory", filesizeformat(usage.get("memory_peak_bytes", 0))),
+            ("GiB-seconds", f"{usage.get('gib_seconds', 0):.3f}"),
+            (
+                "start",
+                f"{structured['start_seconds'] * 1000:.0f} ms" if structured.get("start_seconds") else "—",
+            ),
+            (
+                "queue",
+                f"{structured['queue_seconds'] * 1000:.0f} ms"
+                if structured.get("queue_seconds") is not None
+                else "—",
+            ),
+            ("cost", money(structured.get("cost_micros") or 0, run.tenant)),
+        ],
+        "inputs": [
+            link(by_id[i]) if i in by_id else {"name": i, "size": None, "url": ""}
+            for i in structured.get("inputs", [])
+        ],
+        "outputs": [
+            link(by_id[f["artifact_id"]])
+            for f in structured.get("files", [])
+            if f.get("artifact_id") in by_id
+        ],
+        "refused": structured.get("files_refused", []),
+        "skipped": structured.get("files_skipped", []),
+        "stdout": structured.get("stdout", ""),
+        "stderr": structured.get("stderr", ""),
+    }
 
 
 def attention(run: Run, rows: list[dict]) -> dict | None:
@@ -308,6 +380,9 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             [self._step_row(request, step, run.tenant) for step in steps_of(run)], events, run.tenant
         )
         kinds = Counter(row["step"].kind for row in steps)
+        files = list(artifacts_of(run).select_related("step"))
+        for row in steps:
+            row["sandbox"] = sandbox_view(run, row["step"], files)
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
@@ -329,7 +404,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             "watch_url": reverse("admin:runs_run_watch", args=[run.pk]) if not run.is_terminal else "",
             "marker": run_marker(run),
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
-            "artifacts": artifacts_of(run).select_related("step"),
+            "artifacts": files,
             "metadata": arguments_html(run.metadata) if run.metadata else "",
             "flower_url": flower_url(),
             "rate_note": rate_note(run.tenant),

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import base64
+import binascii
+import json
+
 from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
@@ -12,8 +16,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
-from agentplatform.errors import Forbidden
+from agentplatform.errors import Forbidden, NotFound
+from agentplatform.parsers import BoundedMultiPartParser, StrictJSONParser
 from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
+from artifacts import selectors as artifact_selectors
+from artifacts import services as artifacts
 from runs import admission, search, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
@@ -155,8 +162,99 @@ class EventOutput(serializers.ModelSerializer):
         fields = ["id", "seq", "at", "kind", "step_seq", "actor", "message", "data"]
 
 
+class FileInput(serializers.Serializer):
+    """One file of a start request: its content, or an artifact of a run you may read (copied)."""
+
+    name = serializers.CharField(
+        max_length=200, required=False, help_text="the file name, no path (a copy keeps its own by default)"
+    )
+    media_type = serializers.ChoiceField(choices=sorted(artifacts.UPLOAD_TYPES), required=False)
+    content_b64 = serializers.CharField(
+        required=False, trim_whitespace=False, help_text="the file, base64-encoded"
+    )
+    artifact_id = serializers.UUIDField(
+        required=False, help_text="instead of content: copy this artifact (of a run you may read)"
+    )
+
+    def validate(self, attrs):
+        if ("content_b64" in attrs) == ("artifact_id" in attrs):
+            raise serializers.ValidationError({"content_b64": ["give content_b64 or artifact_id, not both"]})
+        if "content_b64" in attrs:
+            for field in ("name", "media_type"):
+                if field not in attrs:
+                    raise serializers.ValidationError({field: ["required with content_b64"]})
+        return attrs
+
+
+MAX_START_FILES = 200
+
+
+def _given(user, items: list[dict]) -> list[artifacts.Given]:
+    """The files of a start request as the service takes them; a bad one is a 400 on its field."""
+    given = []
+    for i, item in enumerate(items):
+        if "upload" in item:
+            upload = item["upload"]
+            media_type = artifacts.media_type_of(upload.content_type or "") or (upload.content_type or "")
+            given.append(
+                artifacts.Given(name=upload.name or "", media_type=media_type, content=upload.read())
+            )
+        elif "artifact_id" in item:
+            try:
+                found = artifact_selectors.get_artifact(
+                    selectors.runs_for(user), item["artifact_id"], with_content=True
+                )
+            except NotFound:
+                raise artifacts.ArtifactRefused(
+                    f"no artifact {item['artifact_id']} of a run you may read",
+                    field=f"files[{i}].artifact_id",
+                ) from None
+            given.append(
+                artifacts.Given(
+                    name=item.get("name") or found.name,
+                    media_type=found.media_type,
+                    content=bytes(found.content),
+                    copied_from=found.pk,
+                )
+            )
+        else:
+            try:
+                content = base64.b64decode(item["content_b64"], validate=True)
+            except binascii.Error:
+                raise artifacts.ArtifactRefused("not valid base64", field=f"files[{i}].content_b64") from None
+            given.append(artifacts.Given(name=item["name"], media_type=item["media_type"], content=content))
+    return given
+
+
+def _multipart_start(request) -> tuple[dict, list[dict]]:
+    """A multipart start request as the JSON one: `input` and `metadata` are JSON text fields,
+    each file part named `files` is one file (its part's name and type), and each `artifact_ids`
+    field copies one artifact."""
+    data: dict = {}
+    for field in ("agent", "alias", "version", "wait"):
+        if field in request.data:
+            data[field] = request.data[field]
+    for field in ("input", "metadata"):
+        if field in request.data:
+            try:
+                data[field] = json.loads(request.data[field])
+            except ValueError:
+                raise serializers.ValidationError({field: ["must be JSON text (an object)"]}) from None
+    files: list[dict] = [{"upload": upload} for upload in request.FILES.getlist("files")]
+    unknown = sorted(set(request.FILES) - {"files"})
+    if unknown:
+        raise serializers.ValidationError({unknown[0]: ["file parts must be named `files`"]})
+    for raw in request.data.getlist("artifact_ids"):
+        reference = FileInput(data={"artifact_id": raw})
+        if not reference.is_valid():
+            raise serializers.ValidationError({"artifact_ids": [f"{raw!r} is not an artifact id"]})
+        files.append(dict(reference.validated_data))
+    return data, files
+
+
 class RunListApi(APIView):
     throttle_classes = [RunStartThrottle]
+    parser_classes = [StrictJSONParser, BoundedMultiPartParser]
 
     @extend_schema_serializer(component_name="StartRun")
     class InputSerializer(serializers.Serializer):
@@ -183,6 +281,14 @@ class RunListApi(APIView):
             default=True,
             help_text="If the tenant's day cannot carry this run now, wait in waiting_budget (true, the default) "
             "or answer 429 with Retry-After (false).",
+        )
+        files = FileInput(
+            many=True,
+            required=False,
+            max_length=MAX_START_FILES,
+            help_text="files the run starts with (CSV, JSON, text, Parquet), stored as its artifacts with "
+            "the run or not at all; the model is shown each one's description and id. Also as "
+            "multipart/form-data: `files` parts, `artifact_ids` fields, `input` and `metadata` as JSON text",
         )
 
         def validate(self, attrs):
@@ -270,12 +376,22 @@ class RunListApi(APIView):
         waiting_budget and started in order of arrival, or refused with 429 if `wait` is false.
         """
         require_tenant(request.user)
-        data = self.InputSerializer(data=request.data)
+        if request.content_type.startswith("multipart/"):
+            fields, items = _multipart_start(request)
+            if len(items) > MAX_START_FILES:
+                raise serializers.ValidationError({"files": [f"at most {MAX_START_FILES} files"]})
+            data = self.InputSerializer(data=fields)
+        else:
+            data = self.InputSerializer(data=request.data)
         data.is_valid(raise_exception=True)
+        values = dict(data.validated_data)
+        if not request.content_type.startswith("multipart/"):
+            items = [dict(item) for item in values.get("files", [])]
+        values["files"] = _given(request.user, items)
         key = request.headers.get("Idempotency-Key") or None
         if key is not None and len(key) > 200:
             raise serializers.ValidationError({"Idempotency-Key": ["at most 200 characters"]})
-        run, created = services.start_run(user=request.user, idempotency_key=key, **data.validated_data)
+        run, created = services.start_run(user=request.user, idempotency_key=key, **values)
         run = selectors.get_run(request.user, run.pk)
         return Response(
             RunOutput(run).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK

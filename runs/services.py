@@ -4,6 +4,7 @@ and the admin make on runs (runs/transitions.py does the moves)."""
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -12,6 +13,7 @@ from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
+from artifacts import services as artifacts
 from budgets.services import create_run_account
 from runs import admission, kill_switches
 from runs.models import (
@@ -72,6 +74,7 @@ def start_run(
     metadata: dict | None = None,
     idempotency_key: str | None = None,
     wait: bool = True,
+    files: list[artifacts.Given] | None = None,
 ) -> tuple[Run, bool]:
     """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
 
@@ -79,14 +82,18 @@ def start_run(
     admitted runs are still expected to spend, or if nothing of the tenant runs and budget remains
     (runs/admission.py); otherwise it waits in `waiting_budget`, or with wait=False the call
     answers 429 with Retry-After. A run expected to cost more than a whole day is refused (422).
+    `files` are stored with the run in its creating transaction (all of them or, on a refusal,
+    neither they nor the run); the model's first message describes them.
     """
     tenant = user.tenant
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
     metadata = metadata or {}
-    request_hash = digest(
-        {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
-    )
+    files = files or []
+    hashed: dict = {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
+    if files:
+        hashed["files"] = [[f.name, f.media_type, f.sha256] for f in files]
+    request_hash = digest(hashed)
     if idempotency_key:
         existing = Run.objects.filter(tenant=tenant, created_by=user, idempotency_key=idempotency_key).first()
         if existing is not None:
@@ -103,6 +110,7 @@ def start_run(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
         )
     kill_switches.refuse_start(tenant, pinned.agent_id)
+    artifacts.check_given(tenant, files)
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)
     expected, source = admission.expectation(version=pinned, limits=limits, tenant=tenant)
@@ -145,6 +153,14 @@ def start_run(
                 deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None,
             )
             create_run_account(run=run, limit_micros=limits["max_cost_micros"])
+            stored = artifacts.store_given(run=run, files=files)
+            given_files: dict[str, Any] = {}
+            if files:
+                given_files["files"] = [
+                    {"artifact_id": str(a.pk), "name": a.name, "size": a.size}
+                    | ({"copied_from": str(f.copied_from)} if f.copied_from else {})
+                    for a, f in zip(stored, files, strict=True)
+                ]
             record_event(
                 run.pk,
                 "created",
@@ -155,6 +171,7 @@ def start_run(
                 alias=alias or "",
                 limits=limits,
                 expected_cost_micros=expected,
+                **given_files,
             )
             if admitted:
                 enqueue(run.pk)

@@ -61,6 +61,9 @@ class Outcome:
     memory_peak_bytes: int
     wall_seconds: float
     backend: str
+    # From the call to the harness about to run the code (work dir, cgroup, sandbox, interpreter);
+    # None where the backend cannot tell (gVisor's harness has no report descriptor).
+    start_seconds: float | None = None
 
     @property
     def message(self) -> str:
@@ -358,6 +361,7 @@ class Bubblewrap(Backend):
         sel.register(report_r, selectors.EVENT_READ)
         open_fds = set(streams) | {report_r}
         limit = None
+        start_seconds = None
         deadline = started + limits.wall_seconds
         while open_fds:
             now = time.monotonic()
@@ -375,6 +379,9 @@ class Bubblewrap(Backend):
                     open_fds.discard(fd)
                     continue
                 if fd == report_r:
+                    if start_seconds is None and chunk.startswith(b"+"):
+                        start_seconds = time.monotonic() - started
+                        chunk = chunk[1:]
                     report += chunk[: 4096 - len(report)]
                     continue
                 seen[fd] += len(chunk)
@@ -418,4 +425,5 @@ class Bubblewrap(Backend):
             memory_peak_bytes=0,
             wall_seconds=wall,
             backend=self.name,
+            start_seconds=start_seconds,
         )

@@ -199,6 +199,7 @@ def result_body(outcome: Outcome, limits: Limits, queue_seconds: float) -> dict:
         },
         "limits": limits.as_dict(),
         "queue_seconds": round(queue_seconds, 6),
+        "start_seconds": None if outcome.start_seconds is None else round(outcome.start_seconds, 6),
         "backend": outcome.backend,
     }
 
@@ -277,7 +278,17 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tenant-share", type=float, default=0.5, help="fraction of the slots one tenant may hold"
     )
+    parser.add_argument(
+        "--cap",
+        default="{}",
+        help="the runner's ceiling on any request's limits, as JSON over the defaults "
+        '(sandbox.limits.Limits names: \'{"memory_bytes": 4294967296, "wall_seconds": 120}\')',
+    )
     args = parser.parse_args(argv)
+    try:
+        cap = Limits.from_dict(json.loads(args.cap))
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--cap: {exc}") from None
     if args.host not in ("127.0.0.1", "::1", "localhost"):
         raise SystemExit("the runner listens on loopback only")
     backend = make_backend(
@@ -288,7 +299,7 @@ def serve(argv: list[str] | None = None) -> None:
     except BackendUnavailable as exc:
         raise SystemExit(f"sandbox backend {args.backend} unavailable: {exc}") from None
     share = max(1, math.ceil(args.slots * args.tenant_share))
-    runner = Runner(backend, slots=args.slots, tenant_share=share)
+    runner = Runner(backend, slots=args.slots, tenant_share=share, cap=cap)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(runner))
     server.daemon_threads = True
     print(

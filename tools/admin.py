@@ -8,7 +8,7 @@ from agentplatform.admin_site import TenantGuardedAdmin, TenantScopedAdmin, is_o
 from approvals.policy import PolicyError, to_cedar
 from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
-from tools.models import Tool, ToolServer
+from tools.models import SandboxCaps, Tool, ToolServer
 from tools.services import configure_tool
 from tools.types import ToolFailed
 
@@ -166,3 +166,20 @@ class ToolAdmin(TenantGuardedAdmin):
             # The admin history is the only record of who reviewed the change.
             self.log_change(request, tool, f"released from quarantine (was: {tool.quarantine_reason})")
         messages.success(request, f"released {len(released)} tool(s) from quarantine")
+
+
+@admin.register(SandboxCaps, site=site)
+class SandboxCapsAdmin(TenantScopedAdmin):
+    """A tenant's ceiling on run_python's limits: set by platform operators, read by the tenant
+    (a tenant raising its own ceiling would make it no ceiling)."""
+
+    list_display = ["tenant", "wall_seconds", "cpu_seconds", "cores", "memory_bytes", "processes"]
+
+    def has_add_permission(self, request):
+        return is_operator(request.user)
+
+    def has_change_permission(self, request, obj=None):
+        return is_operator(request.user)
+
+    def has_delete_permission(self, request, obj=None):
+        return is_operator(request.user)

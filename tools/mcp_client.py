@@ -23,6 +23,7 @@ Error contract for `call_tool`:
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -44,6 +45,7 @@ from tools.types import (
     McpServerConfig,
     RemoteTool,
     ToolFailed,
+    ToolFile,
     ToolOutcomeUnknown,
     ToolResult,
     ToolUnauthorized,
@@ -110,16 +112,34 @@ def call_tool(
         raise
     except Exception as exc:
         raise _classify(exc, progress, tap) from exc
-    return normalise_result(result)
+    return normalise_result(result, progress.linked)
 
 
-def normalise_result(result: mt.CallToolResult) -> ToolResult:
+def normalise_result(result: mt.CallToolResult, linked: dict[str, ToolFile] | None = None) -> ToolResult:
+    """The result as the platform keeps it. Embedded resources, and the resource links read back
+    from the server (`linked`, by URI), become files (stored as artifacts by the transport, which
+    adds each one's description); the text names them, never carries their content."""
+    linked = linked or {}
+    files = [_embedded_file(b) for b in result.content if isinstance(b, mt.EmbeddedResource)]
+    files += [linked[b.uri] for b in result.content if isinstance(b, mt.ResourceLink) and b.uri in linked]
     parts = [_block_text(block) for block in result.content]
     structured = result.structured_content if isinstance(result.structured_content, dict | list) else None
     text = "\n".join(parts)
     if not text and structured is not None:
         text = json.dumps(structured)
-    return ToolResult(text=text, structured=structured, is_error=bool(result.is_error))
+    return ToolResult(text=text, structured=structured, is_error=bool(result.is_error), files=tuple(files))
+
+
+def _embedded_file(block: mt.EmbeddedResource) -> ToolFile:
+    return _contents_file(block.resource)
+
+
+def _contents_file(contents) -> ToolFile:
+    if isinstance(contents, mt.BlobResourceContents):
+        content = base64.b64decode(contents.blob)
+    else:
+        content = contents.text.encode()
+    return ToolFile(uri=str(contents.uri), media_type=contents.mime_type or "", content=content)
 
 
 def _block_text(block: mt.ContentBlock) -> str:
@@ -217,6 +237,34 @@ class _Progress:
 
     call_sent: bool = False
     result: mt.CallToolResult | None = None
+    linked: dict[str, ToolFile] = field(default_factory=dict)
+
+
+MAX_LINKS = 20
+
+
+async def _read_links(client: Client, result: mt.CallToolResult, timeout: float) -> dict[str, ToolFile]:
+    """Read the result's resource links back from the same server (resources/read), never from a
+    URL of the link's choosing: the platform fetches nothing but the server it was configured
+    with. The call has happened by now, so a link that cannot be read stays a link in the text."""
+    linked: dict[str, ToolFile] = {}
+    links = [b for b in result.content if isinstance(b, mt.ResourceLink)][:MAX_LINKS]
+    for link in links:
+        try:
+            read = await client.session.send_request(
+                mt.ReadResourceRequest(params=mt.ReadResourceRequestParams(uri=link.uri)),
+                mt.ReadResourceResult,
+                request_read_timeout_seconds=timeout,
+            )
+        except Exception as exc:
+            logger.warning("resources/read of %s failed: %s", link.uri, _describe(exc))
+            continue
+        if read.contents:
+            found = _contents_file(read.contents[0])
+            linked[link.uri] = ToolFile(
+                uri=found.uri, media_type=found.media_type or link.mime_type or "", content=found.content
+            )
+    return linked
 
 
 async def _call_tool(
@@ -243,6 +291,7 @@ async def _call_tool(
             progress.result = await client.session.send_request(
                 request, mt.CallToolResult, request_read_timeout_seconds=timeout
             )
+            progress.linked = await _read_links(client, progress.result, timeout)
     except Exception:
         if progress.result is None:
             raise

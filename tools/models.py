@@ -100,6 +100,9 @@ class Tool(models.Model):
     summary = models.CharField(max_length=500, blank=True)
     money_arguments = models.JSONField(default=dict, blank=True)
     status_url = models.CharField(max_length=500, blank=True)  # http reconcilable: GET {key}
+    # run_python: {"limits": {<sandbox.limits.Limits name>: value}, "prices": {"cpu_second_micros",
+    # "gib_second_micros"}}, from the configuration file (tools/run_python.py reads it).
+    sandbox = models.JSONField(default=dict, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_tool_name")]
@@ -119,3 +122,25 @@ class Tool(models.Model):
     @property
     def offerable(self) -> bool:
         return self.enabled and not self.quarantined
+
+
+class SandboxCaps(models.Model):
+    """A tenant's ceiling on run_python's limits: a tool configured above it runs at the cap.
+    An empty field caps nothing (the runner's own ceiling still holds)."""
+
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="sandbox_caps")
+    wall_seconds = models.FloatField(null=True, blank=True)
+    cpu_seconds = models.FloatField(null=True, blank=True)
+    cores = models.FloatField(null=True, blank=True)
+    memory_bytes = models.BigIntegerField(null=True, blank=True)
+    processes = models.PositiveIntegerField(null=True, blank=True)
+    tmp_bytes = models.BigIntegerField(null=True, blank=True)
+    output_bytes = models.BigIntegerField(null=True, blank=True)
+    output_files = models.PositiveIntegerField(null=True, blank=True)
+    stdout_bytes = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "sandbox caps"
+
+    def __str__(self) -> str:
+        return f"sandbox caps of {self.tenant}"

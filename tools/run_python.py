@@ -11,21 +11,29 @@ Effect class read_only: the sandbox has no network, so a retry after a lost work
 code again; the step's idempotency key names the execution, and the runner answers a key it has
 already run with the result it produced (or joins the execution still running).
 
-Cost: the reservation is the tool's price (set it to the price of the limits:
-limit_cost_micros); `cost_of` is what the measured usage costs, for the settlement.
+Limits and prices are the tool's configuration (Tool.sandbox, from the configuration file's
+`sandbox` section), capped per tenant (SandboxCaps). Cost: the reservation is the tool's price,
+which configuration sets to what the limits can cost (reservation_micros) and refuses below it;
+`cost_of` is what the measured usage costs, which the engine settles at
+(runs/engine/tool_step.charge, never more than the reservation).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
+import math
 
 import httpx
 from django.conf import settings
 
 from artifacts import services as artifacts
 from artifacts.models import Artifact
+from observability import metrics
 from runs.models import Step
+from sandbox.limits import Limits
+from tools.models import SandboxCaps
 from tools.types import ToolFailed, ToolOutcomeUnknown, ToolResult
 
 NAME = "run_python"
@@ -52,26 +60,69 @@ INPUT_SCHEMA = {
 MODEL_TAIL = 8 * 1024
 
 
+# What a tool's configuration may set (tools.Tool.sandbox["limits"]): sandbox.limits.Limits's
+# names but open_files, which is the runner's own business. DESIGN.md's defaults where unset.
+LIMIT_NAMES = (
+    "wall_seconds",
+    "cpu_seconds",
+    "cores",
+    "memory_bytes",
+    "processes",
+    "tmp_bytes",
+    "output_bytes",
+    "output_files",
+    "stdout_bytes",
+)
+DEFAULTS = {name: getattr(Limits(), name) for name in LIMIT_NAMES}
+# Held below the tool's deadline: the runner's answer and the files must come back within it.
+DEADLINE_MARGIN = 2.0
+
+
 def limits_for(tool) -> dict:
-    """The sandbox limits of one call: DESIGN.md's defaults, the wall held under the tool's deadline."""
-    wall = max(1.0, min(30.0, tool.timeout_seconds - 2.0))
-    return {"wall_seconds": wall, "cpu_seconds": min(20.0, wall)}
+    """The sandbox limits of one call: the tool's configuration over DESIGN.md's defaults, each
+    held to the tenant's cap (SandboxCaps), the wall under the tool's deadline, the CPU seconds
+    under what the wall and the cores allow."""
+    limits = {**DEFAULTS, **(tool.sandbox or {}).get("limits", {})}
+    caps = SandboxCaps.objects.filter(tenant_id=tool.tenant_id).values(*LIMIT_NAMES).first() or {}
+    for name, cap in caps.items():
+        if cap is not None:
+            limits[name] = min(limits[name], cap)
+    limits["wall_seconds"] = max(1.0, min(limits["wall_seconds"], tool.timeout_seconds - DEADLINE_MARGIN))
+    limits["cpu_seconds"] = min(limits["cpu_seconds"], limits["wall_seconds"] * limits["cores"])
+    return limits
 
 
-def limit_cost_micros(limits: dict) -> int:
-    """The most a call with these limits can cost: what its reservation should be."""
-    cpu = limits.get("cpu_seconds", 20.0)
-    gib_seconds = limits.get("memory_bytes", 1 << 30) / 2**30 * limits.get("wall_seconds", 30.0)
-    return round(
-        cpu * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
-        + gib_seconds * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    cpu_second_micros: int
+    gib_second_micros: int
+
+
+def prices_for(tool) -> Prices:
+    """The tool's prices per CPU second and per GiB-second (its configuration), else the settings'."""
+    configured = (tool.sandbox or {}).get("prices", {})
+    return Prices(
+        configured.get("cpu_second_micros", settings.SANDBOX_PRICE_CPU_SECOND_MICROS),
+        configured.get("gib_second_micros", settings.SANDBOX_PRICE_GIB_SECOND_MICROS),
     )
 
 
-def cost_of(usage: dict) -> int:
+def limit_cost_micros(limits: dict, prices: Prices) -> int:
+    """The most a call with these limits can cost: what its reservation (the tool's price) must be."""
+    gib_seconds = limits["memory_bytes"] / 2**30 * limits["wall_seconds"]
+    return math.ceil(
+        limits["cpu_seconds"] * prices.cpu_second_micros + gib_seconds * prices.gib_second_micros
+    )
+
+
+def reservation_micros(tool) -> int:
+    return limit_cost_micros(limits_for(tool), prices_for(tool))
+
+
+def cost_of(usage: dict, prices: Prices) -> int:
     return round(
-        usage.get("cpu_seconds", 0) * settings.SANDBOX_PRICE_CPU_SECOND_MICROS
-        + usage.get("gib_seconds", 0) * settings.SANDBOX_PRICE_GIB_SECOND_MICROS
+        usage.get("cpu_seconds", 0) * prices.cpu_second_micros
+        + usage.get("gib_seconds", 0) * prices.gib_second_micros
     )
 
 
@@ -106,20 +157,38 @@ def call(step: Step) -> ToolResult:
     try:
         response = httpx.post(url, json=body, timeout=httpx.Timeout(timeout, connect=2.0))
     except (httpx.ConnectError, httpx.ConnectTimeout):
+        metrics.SANDBOX_EXECUTIONS.labels("unavailable", "").inc()
         raise ToolFailed(f"the sandbox runner at {settings.SANDBOX_RUNNER_URL} is not running") from None
     except httpx.HTTPError as exc:
         # Harmless to repeat (no network inside), and the runner keeps the result under the key.
+        metrics.SANDBOX_EXECUTIONS.labels("unknown", "").inc()
         raise ToolOutcomeUnknown(f"sandbox runner: {type(exc).__name__}") from None
     if response.status_code == 503:
+        metrics.SANDBOX_EXECUTIONS.labels("busy", "").inc()
         raise ToolFailed(f"the sandbox is busy: {response.json().get('error', '')}; nothing ran")
     if response.status_code >= 400:
         raise ToolFailed(
             f"the sandbox runner refused the call ({response.status_code}): {response.text[:500]}"
         )
-    return _result(step, response.json())
+    answer = response.json()
+    _observe(answer)
+    return _result(step, answer, prices_for(step.tool))
 
 
-def _result(step: Step, answer: dict) -> ToolResult:
+def _observe(answer: dict) -> None:
+    """Count the execution once: a result the runner replays (a retried step) ran only once."""
+    if answer.get("replayed"):
+        return
+    limit = answer.get("limit") or ""
+    outcome = "limit" if limit else ("ok" if answer.get("exit_code") == 0 else "error")
+    metrics.SANDBOX_EXECUTIONS.labels(outcome, limit).inc()
+    if isinstance(answer.get("start_seconds"), (int, float)):
+        metrics.SANDBOX_START_SECONDS.observe(answer["start_seconds"])
+    if isinstance(answer.get("queue_seconds"), (int, float)):
+        metrics.SANDBOX_QUEUE_SECONDS.observe(answer["queue_seconds"])
+
+
+def _result(step: Step, answer: dict, prices: Prices) -> ToolResult:
     files, refused = [], []
     for item in answer.get("files", []):
         content = base64.b64decode(item["content_b64"])
@@ -147,8 +216,11 @@ def _result(step: Step, answer: dict) -> ToolResult:
         "files_refused": refused,
         "files_skipped": answer.get("skipped_files", []),
         "usage": usage,
+        "queue_seconds": answer.get("queue_seconds"),
+        "start_seconds": answer.get("start_seconds"),
         "limits": answer.get("limits", {}),
-        "cost_micros": cost_of(usage),
+        "cost_micros": cost_of(usage, prices),
+        "prices": dataclasses.asdict(prices),
         "inputs": [str(i) for i in (step.arguments or {}).get("artifacts") or []],
     }
     return ToolResult(
@@ -195,6 +267,45 @@ def file_result(step: Step, content: bytes, content_type: str, disposition: str)
         return ToolResult(text=f"the tool returned a file that was not stored: {exc.message}", is_error=True)
     description = artifacts.describe(stored, content)
     return ToolResult(text=artifacts.describe_text(description), structured={"artifact": description})
+
+
+def with_files(step: Step, result: ToolResult) -> ToolResult:
+    """An MCP result's files (embedded resources, resource links read back) stored as artifacts
+    of the step; the model's text gets each one's description and id in place of its content.
+    A file refused by the tenant's limits is named as refused, and nothing of it is stored."""
+    notes, described = [], []
+    for i, file in enumerate(result.files):
+        media_type = artifacts.media_type_of(file.media_type) or (
+            file.media_type.split(";")[0].strip().lower()[:100] or "application/octet-stream"
+        )
+        name = file.uri.rstrip("/").rsplit("/", 1)[-1].split("?")[0]
+        if artifacts.check_name(name) is not None:
+            name = f"{step.tool.remote_name if step.tool else 'file'}-{step.seq}-{i + 1}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
+        try:
+            stored = artifacts.store(
+                run=step.run,
+                step=step,
+                name=name,
+                media_type=media_type,
+                content=file.content,
+                source=Artifact.Source.TOOL,
+            )
+        except artifacts.ArtifactRefused as exc:
+            notes.append(f"the tool returned a file ({file.uri}) that was not stored: {exc.message}")
+            continue
+        description = artifacts.describe(stored, file.content)
+        described.append(description)
+        notes.append(artifacts.describe_text(description))
+    text = "\n\n".join([t for t in (result.text, *notes) if t])
+    structured = result.structured if isinstance(result.structured, dict) else {}
+    if result.structured is not None and not isinstance(result.structured, dict):
+        structured = {"content": result.structured}
+    return ToolResult(
+        text=text,
+        structured={**structured, "files": described} if described else (result.structured),
+        is_error=result.is_error,
+        cost_micros=result.cost_micros,
+    )
 
 
 def _disposition_name(disposition: str) -> str | None:

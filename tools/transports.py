@@ -103,7 +103,9 @@ def dispatch(
         )
     except ToolUnauthorized as exc:
         raise _unauthorized(server, exc, connection_id) from None
-    return dataclasses.replace(result, presented_as=presented_as) if presented_as else result
+    if presented_as:
+        result = dataclasses.replace(result, presented_as=presented_as)
+    return run_python.with_files(step, result) if result.files else result
 
 
 def _mcp_config_as_user(

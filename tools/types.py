@@ -31,6 +31,16 @@ class ToolResult:
     # Whose authority the provider was shown, for the audit trails to join (never the token
     # itself): "connection 7 (audience https://…/mcp)" for a user's OAuth connection.
     presented_as: str = ""
+    # Files the tool answered (an MCP embedded resource, or a resource link read from the server),
+    # stored as artifacts of the step by the transport (tools.run_python.with_files).
+    files: tuple[ToolFile, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolFile:
+    uri: str
+    media_type: str
+    content: bytes
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ config = {"turns": [...], "latency_ms": 0, "auto_tool": "", "auto_tool_turns": 0
 Turn i answers the request that already holds i assistant messages. A turn is
 {"text": "..."} and/or {"tool_calls": [{"name": ..., "arguments": {...}}]}. A string argument of
 the form "$input.field" is replaced by that field of the run's input (the first user message,
-when it is JSON); "$artifact.N" by the id of the N-th artifact the tool results so far named
+when it is JSON); "$artifact.N" by the id of the N-th artifact the run's files and the tool results so far named
 (what a model copies from a tool's file description into run_python's `artifacts`). After the turns: `auto_tool` is called until `auto_tool_turns` tool results
 exist, then the model answers "done".
 """
@@ -37,8 +37,8 @@ class ScriptedProvider:
         values = _input_values(request)
         values["$artifacts"] = [
             next(g for g in found if g)
-            for m in request.messages
-            if m.role == "tool"
+            for i, m in enumerate(request.messages)
+            if m.role == "tool" or i == 0
             for found in _ARTIFACT_ID.findall(m.content or "")
         ]
         calls = [
@@ -67,7 +67,8 @@ class ScriptedProvider:
 def _input_values(request: ModelRequest) -> dict:
     first = next((m for m in request.messages if m.role == "user"), None)
     try:
-        value = json.loads(first.content) if first else {}
+        # The files a run was started with are described after its input (llm.gateway.first_message).
+        value = json.loads(first.content.split("\n\n[platform: files", 1)[0]) if first else {}
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

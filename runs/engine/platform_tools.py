@@ -4,14 +4,18 @@ no network; they write the step (and the run's revealed tools), so they belong t
 
 Their arguments come from the model, so they are checked like any tool's: against the tool's
 own JSON schema first, then against the run (a step that exists, is a tool step and has a stored
-result; an offset inside it). Whatever the model sends, the step ends `succeeded` or `failed`
+result, or an artifact of this run with text; an offset inside it). Whatever the model sends, the step ends `succeeded` or `failed`
 (transitions the step map allows from `proposed`), the model is told what was wrong in words it
 can act on, and the run goes on (runs/engine/writer.answered).
 """
 
 from __future__ import annotations
 
+import uuid
+
 from agents.spec import spec_for
+from artifacts import services as artifacts
+from artifacts.models import Artifact
 from llm import context
 from runs.engine import writer
 from runs.models import Run, Step, StepKind, StepStatus
@@ -41,10 +45,18 @@ def answer(run: Run, step: Step) -> None:
 
 
 def _read_result(run: Run, step: Step) -> None:
-    """One page of a stored tool result of this run (already redacted)."""
-    arguments = step.arguments or {}  # checked against the schema: an object with a step
-    seq = arguments["step"]
+    """One page of a stored tool result of this run (already redacted), or of an artifact's text."""
+    arguments = step.arguments or {}  # checked against the schema: an object
     offset = arguments.get("offset", 0)
+    if ("step" in arguments) == ("artifact" in arguments):
+        return _refuse(
+            run,
+            step,
+            "give either step (the number from a [platform: ...] note) or artifact (an artifact_id), not both",
+        )
+    if "artifact" in arguments:
+        return _read_artifact(run, step, arguments["artifact"], offset)
+    seq = arguments["step"]
     found = (
         Step.objects.filter(run_id=run.pk, seq=seq)
         .order_by()
@@ -77,6 +89,40 @@ def _read_result(run: Run, step: Step) -> None:
     policy = context.ContextPolicy.from_spec(dict(spec_for(run.version).context))
     shown = context.page(text, seq=seq, offset=offset, limit=policy.limit_for(context.READ_RESULT))
     writer.answered(run, step, ok=True, result={"text": shown, "step": seq, "offset": offset}, text=shown)
+
+
+def _read_artifact(run: Run, step: Step, raw_id: str, offset: int) -> None:
+    """One page of the text of an artifact of this run: a file given with it, returned by one of
+    its tools or left by run_python. Binary files (Parquet) have no text to page."""
+    try:
+        artifact_id = uuid.UUID(raw_id)
+    except ValueError:
+        return _refuse(
+            run, step, f"{raw_id!r} is not an artifact id; give the artifact_id from its description"
+        )
+    found = Artifact.objects.filter(run_id=run.pk, pk=artifact_id).defer("content").first()
+    if found is None:
+        return _refuse(run, step, f"no artifact {artifact_id} in this run")
+    if not artifacts.is_text(found.media_type):
+        return _refuse(
+            run,
+            step,
+            f"artifact {artifact_id} is {found.media_type}, not text: pass its artifact_id to run_python to read it",
+        )
+    text = artifacts.content_of(found).decode("utf-8", errors="replace")
+    if offset >= max(len(text), 1):
+        return _refuse(
+            run,
+            step,
+            f"offset {offset} is past the end of artifact {artifact_id}'s text ({len(text)} characters)",
+        )
+    policy = context.ContextPolicy.from_spec(dict(spec_for(run.version).context))
+    shown = context.page(
+        text, artifact=str(artifact_id), offset=offset, limit=policy.limit_for(context.READ_RESULT)
+    )
+    writer.answered(
+        run, step, ok=True, result={"text": shown, "artifact": str(artifact_id), "offset": offset}, text=shown
+    )
 
 
 def _refuse(run: Run, step: Step, why: str) -> None:

@@ -52,7 +52,7 @@ def test_every_request_body_is_a_component_of_its_own_operation(schema):
     assert bodies["POST /v1/approvals/{approval_id}/approve"] == "#/components/schemas/ApproveRequest"
     start = schema["components"]["schemas"]["StartRunRequest"]
     assert start["required"] == ["agent", "input"]
-    assert set(start["properties"]) == {"agent", "alias", "version", "input", "metadata", "wait"}
+    assert set(start["properties"]) == {"agent", "alias", "version", "input", "metadata", "wait", "files"}
 
 
 def test_json_documents_are_typed_as_objects_in_requests_and_answers(schema):
