@@ -44,6 +44,18 @@ from approvals.models import PolicyMode, PolicySet, TenantPolicies
 from approvals.policy import to_cedar
 
 CALL_TOOL = "call_tool"
+START_RUN = "start_run"
+APPROVE_CALL = "approve_call"
+
+
+_LOOKUP: Any = object()  # "read the tenant's compiled policies" (tests hand theirs in)
+
+
+def approve_action(tool_name: str) -> str:
+    """The action of approving a call of one tool (a member of Action::"approve_call"), so that
+    the call's arguments are typed by the tool's schema as for the call itself."""
+    return f"{APPROVE_CALL}:{tool_name}"
+
 
 SHADOW_DECISIONS = Counter(
     "agentplatform_policy_shadow_decisions",
@@ -140,9 +152,14 @@ def compiled(tenant_id: int) -> Compiled | None:
 def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Compiled:
     """Parse (name, mode, text) sets: enforced ones together, each shadow set on its own."""
     enforced = [text for _, mode, text in sets if mode == PolicyMode.ENFORCE]
-    baseline = (
-        ['@id("default-permit")\npermit (principal, action, resource);'] if config.default == "permit" else []
-    )
+    # `default: deny` is about tool calls: starting a run and approving a call were already
+    # granted by guardian (run_agent, approve_tool), which Cedar narrows and never widens.
+    baseline = [
+        f'@id("default-permit-start-and-approve")\npermit (principal, action in '
+        f'[Action::"{START_RUN}", Action::"{APPROVE_CALL}"], resource);'
+    ]
+    if config.default == "permit":
+        baseline.append('@id("default-permit")\npermit (principal, action, resource);')
     enforce, approve = split_policies("\n".join([*enforced, *baseline]))
     shadow = tuple(
         (name, *split_policies("\n".join([text, *baseline])))
@@ -254,6 +271,7 @@ class History:
     today_amount: int = 0
     user_calls: int = 0
     user_amount: int = 0
+    by_argument: dict = field(default_factory=dict)  # argument -> (calls, amount) for this call's value
 
 
 @dataclass
@@ -294,6 +312,12 @@ def _request_and_entities(request: CallRequest, config: TenantPolicies):
             "user_amount": request.history.user_amount,
         },
     }
+    declared = config.totals_by.get(request.tool.name) if config.totals_by else None
+    if declared:
+        found = request.history.by_argument
+        context["today"]["by_argument"] = {
+            name: dict(zip(("calls", "amount"), found.get(name, (0, 0)), strict=True)) for name in declared
+        }
     if request.editor is not None:
         if request.editor.username != request.user.username:
             users.append(user_entity(request.editor, config, request.editor_groups))
@@ -318,6 +342,118 @@ def _request_and_entities(request: CallRequest, config: TenantPolicies):
         "context": context,
     }
     return cedar_request, cedarpy.Entities.from_json_str(json.dumps(entities))
+
+
+def _run_values(values, types: dict) -> dict:
+    """The declared fields of a run's input or metadata (others are left out: the schema has no
+    type for them); a field without a default is there only if the run has it."""
+    values = values if isinstance(values, dict) else {}
+    found = {}
+    for name, spec in types.items():
+        value = values.get(name, spec.get("default"))
+        if value is not None:
+            found[name] = cedar_value(value)
+    return found
+
+
+def _group_entities(groups) -> list[dict]:
+    return [{"uid": uid("Group", g), "attrs": {}, "parents": []} for g in sorted(set(groups))]
+
+
+def _agent_entity(name: str, version: int) -> dict:
+    return {"uid": uid("Agent", name), "attrs": {"name": name, "version": version}, "parents": []}
+
+
+def evaluate_start(
+    *,
+    tenant_id: int,
+    user,
+    groups: list[str],
+    agent_name: str,
+    version_number: int,
+    input,
+    metadata,
+    policies=_LOOKUP,
+) -> Denial | None:
+    """Whether the tenant's policies forbid `user` starting a run of this agent version with this
+    input and metadata (Action::"start_run", resource the Agent); None when they do not.
+    `policies`: compiled sets to use instead of the tenant's (the file's policy tests)."""
+    if policies is _LOOKUP:
+        policies = compiled(tenant_id)
+    if policies is None:
+        return None
+    types = policies.config.run_attribute_types or {}
+    try:
+        context = {
+            "input": _run_values(input, types.get("input") or {}),
+            "metadata": _run_values(metadata, types.get("metadata") or {}),
+            "version": version_number,
+        }
+    except PolicyInputError as exc:
+        return Denial("input", f"the run's input cannot be checked: {exc}")
+    entities = [
+        user_entity(user, policies.config, groups),
+        *_group_entities(groups),
+        _agent_entity(agent_name, version_number),
+        {"uid": uid("Action", START_RUN), "attrs": {}, "parents": []},
+    ]
+    request = {
+        "principal": uid("User", user.username),
+        "action": uid("Action", START_RUN),
+        "resource": uid("Agent", agent_name),
+        "context": context,
+    }
+    return _deny_of(policies.enforce, request, cedarpy.Entities.from_json_str(json.dumps(entities)))
+
+
+def evaluate_approval(
+    *,
+    tenant_id: int,
+    approver,
+    approver_groups: list[str],
+    requester,
+    requester_groups: list[str],
+    tool,
+    arguments: dict,
+    agent_name: str,
+    version_number: int,
+    policies=_LOOKUP,
+) -> Denial | None:
+    """Whether the tenant's policies forbid `approver` approving this call (Action::
+    "approve_call:<tool>", resource the Tool, the requester in the context); None when not."""
+    if policies is _LOOKUP:
+        policies = compiled(tenant_id)
+    if policies is None:
+        return None
+    config = policies.config
+    try:
+        arguments_value = cedar_value(arguments or {})
+    except PolicyInputError as exc:
+        return Denial("arguments", f"the call's arguments cannot be checked: {exc}")
+    users = [user_entity(approver, config, approver_groups)]
+    if requester.username != approver.username:
+        users.append(user_entity(requester, config, requester_groups))
+    action = approve_action(tool.name)
+    entities = [
+        *users,
+        *_group_entities([*approver_groups, *requester_groups]),
+        tool_entity(tool, config),
+        _agent_entity(agent_name, version_number),
+        {"uid": uid("Action", action), "attrs": {}, "parents": [uid("Action", APPROVE_CALL)]},
+        {"uid": uid("Action", APPROVE_CALL), "attrs": {}, "parents": []},
+    ]
+    request = {
+        "principal": uid("User", approver.username),
+        "action": uid("Action", action),
+        "resource": uid("Tool", tool.name),
+        "context": {
+            "arguments": arguments_value,
+            "requester": {"__entity": uid("User", requester.username)},
+            "agent": {"__entity": uid("Agent", agent_name)},
+            "version": version_number,
+        },
+    }
+    return _deny_of(policies.enforce, request, cedarpy.Entities.from_json_str(json.dumps(entities)))
 
 
 def _errored(result) -> list[str]:
@@ -367,9 +503,6 @@ def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
     if not fired:
         return Decision(False, "no approval policy applies")
     return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
-
-
-_LOOKUP = object()
 
 
 def evaluate(
