@@ -112,6 +112,7 @@ class _Part:
     policies: cedarpy.PolicySet | None
     effects: dict  # policy id -> "permit" | "forbid"
     reasons: dict  # policy id -> human reason
+    sources: dict = field(default_factory=dict)  # policy id -> its JSON form (to combine parts)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ class Compiled:
     approve: _Part  # @approval permits of enforced sets
     shadow: tuple[tuple[str, _Part, _Part], ...]  # (set name, enforce, approve)
     uses_spend: bool = True  # whether any policy reads context.run.spend (a query per call)
+    # enforce and approve in one set, so that a call is decided by one evaluation (_decide)
+    combined: _Part = _Part(None, {}, {})
+    approval_ids: frozenset = frozenset()
 
 
 _cache: dict[int, Compiled] = {}
@@ -161,13 +165,17 @@ def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Co
     if config.default == "permit":
         baseline.append('@id("default-permit")\npermit (principal, action, resource);')
     enforce, approve = split_policies("\n".join([*enforced, *baseline]))
+    both = {**_sources(enforce), **_sources(approve)}
+    combined = _part(both)
     shadow = tuple(
         (name, *split_policies("\n".join([text, *baseline])))
         for name, mode, text in sets
         if mode == PolicyMode.SHADOW
     )
     uses_spend = any("spend" in text for _, _, text in sets)
-    return Compiled(config.version, config, enforce, approve, shadow, uses_spend)
+    return Compiled(
+        config.version, config, enforce, approve, shadow, uses_spend, combined, frozenset(approve.effects)
+    )
 
 
 def split_policies(text: str) -> tuple[_Part, _Part]:
@@ -182,6 +190,10 @@ def split_policies(text: str) -> tuple[_Part, _Part]:
     return _part(deciding), _part(approving)
 
 
+def _sources(part: _Part) -> dict:
+    return part.sources
+
+
 def _part(policies: dict) -> _Part:
     if not policies:
         return _Part(None, {}, {})
@@ -193,7 +205,7 @@ def _part(policies: dict) -> _Part:
     for pid, p in policies.items():
         annotations = p.get("annotations") or {}
         reasons[pid] = annotations.get("approval") or annotations.get("reason") or f"policy {pid}"
-    return _Part(handle, effects, reasons)
+    return _Part(handle, effects, reasons, policies)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -505,6 +517,42 @@ def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
     return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
 
 
+def _decide(policies: Compiled, request: dict, entities) -> tuple[Denial | None, Decision]:
+    """The enforced sets' denial and @approval decision from one evaluation of their union: when
+    Cedar allows, its reasons are every permit that held, @approval ones included; an @approval
+    permit never permits by itself, so "only @approval permits held" is a default deny."""
+    part = policies.combined
+    none = Decision(False, "no approval policy applies")
+    if part.policies is None:
+        return Denial("default-deny", "no policy permits this call"), none
+    result = cedarpy.is_authorized(request, part.policies, entities)
+    errored = _errored(result)
+    # Forbids that raised deny too: a forbid that cannot tell is not a permit.
+    broken = [pid for pid in errored if part.effects.get(pid) == "forbid"]
+    if broken:
+        reason = f"{part.reasons[broken[0]]} (the policy could not be evaluated on this call)"
+        return Denial(broken[0], reason), none
+    reasons = list(result.diagnostics.reasons)
+    if not result.allowed:
+        forbids = [pid for pid in reasons if part.effects.get(pid) == "forbid"]
+        if forbids:
+            return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:])), none
+        return Denial("default-deny", "no policy permits this call"), none
+    if not any(pid not in policies.approval_ids for pid in reasons):
+        return Denial("default-deny", "no policy permits this call"), none
+    # An @approval policy that raised asks for approval: odd arguments never skip one.
+    fired = list(dict.fromkeys(pid for pid in [*reasons, *errored] if pid in policies.approval_ids))
+    if not fired:
+        return None, none
+    return None, Decision(True, "; ".join(part.reasons[pid] for pid in fired), tuple(fired))
+
+
+def _joined(first: Decision, second: Decision) -> Decision:
+    if not first.required:
+        return second
+    return Decision(True, f"{first.reason}; {second.reason}", (*first.policies, *second.policies))
+
+
 def evaluate(
     request: CallRequest, *, legacy: tuple[str, ...] = (), with_approval: bool = True, policies=_LOOKUP
 ) -> Verdict:
@@ -523,10 +571,14 @@ def evaluate(
         cedar_request, entities = _request_and_entities(request, policies.config)
     except PolicyInputError as exc:
         return Verdict(denial=Denial("arguments", f"the call's arguments cannot be checked: {exc}"))
-    verdict = Verdict(denial=_deny_of(policies.enforce, cedar_request, entities))
-    if with_approval and verdict.denial is None:
-        parts = [policies.approve, *([legacy_policies] if legacy_policies is not None else [])]
-        verdict.approval = _approval_of(parts, cedar_request, entities)
+    denial, approval = _decide(policies, cedar_request, entities)
+    verdict = Verdict(denial=denial)
+    if with_approval and denial is None:
+        verdict.approval = approval
+        if legacy_policies is not None:
+            legacy_approval = _approval_of([legacy_policies], cedar_request, entities)
+            if legacy_approval.required:
+                verdict.approval = _joined(approval, legacy_approval)
     for name, enforce, approve in policies.shadow:
         denial = _deny_of(enforce, cedar_request, entities)
         if denial is not None:
