@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -380,7 +381,7 @@ def evaluate_start(
     *,
     tenant_id: int,
     user,
-    groups: list[str],
+    groups: Callable[[], list[str]],
     agent_name: str,
     version_number: int,
     input,
@@ -403,9 +404,10 @@ def evaluate_start(
         }
     except PolicyInputError as exc:
         return Denial("input", f"the run's input cannot be checked: {exc}")
+    groups_read = groups()  # read only for a tenant with policies: most starts skip the query
     entities = [
-        user_entity(user, policies.config, groups),
-        *_group_entities(groups),
+        user_entity(user, policies.config, groups_read),
+        *_group_entities(groups_read),
         _agent_entity(agent_name, version_number),
         {"uid": uid("Action", START_RUN), "attrs": {}, "parents": []},
     ]

@@ -405,7 +405,7 @@ def _run_action_test(
         denial = cedar.evaluate_start(
             tenant_id=tenant.pk,
             user=principal,
-            groups=_groups(principal),
+            groups=lambda: _groups(principal),
             agent_name=test.agent,
             version_number=test.version,
             input=test.input,

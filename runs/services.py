@@ -107,7 +107,7 @@ def start_run(
     refused = cedar.evaluate_start(
         tenant_id=tenant.pk,
         user=user,
-        groups=calls.groups_of(user),
+        groups=lambda: calls.groups_of(user),
         agent_name=pinned.agent.name,
         version_number=pinned.number,
         input=input,
