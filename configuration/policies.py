@@ -206,6 +206,10 @@ def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     if missing:
         problems.add(path, f"missing or not text: {', '.join(missing)}")
         return None
+    version = entry.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        problems.add(f"{path}.version", "a version number (1 or more)")
+        return None
     if action != "call_tool" and entry["expect"] == "approval":
         problems.add(f"{path}.expect", f"allow or deny: @approval applies to tool calls, not to {action}")
         return None
@@ -222,7 +226,7 @@ def _test(entry: Any, path: str, problems) -> PolicyTest | None:
         metadata=dict(entry.get("metadata") or {}),
         requester=str(entry.get("requester") or ""),
         agent=str(entry.get("agent") or "agent"),
-        version=int(entry.get("version") or 1),
+        version=version,
         arguments=dict(entry.get("arguments") or {}),
         policy=str(entry.get("policy") or ""),
         today=dict(entry.get("today") or {}),
