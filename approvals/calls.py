@@ -21,13 +21,16 @@ holds budget accounts waits for it.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from decimal import ROUND_CEILING, Decimal
 
 from django.db import connection
 from django.db.models import Count, F, Q
 
 from approvals import cedar
-from approvals.models import CountedCall, ShadowDecision, ToolDayTotal
+from approvals.models import CountedCall, ShadowDecision, ToolArgumentDayTotal, ToolDayTotal
 from budgets.models import BudgetAccount
 from budgets.services import local_day
 from runs.models import Run, Step, StepKind, StepStatus
@@ -104,6 +107,37 @@ def _locked_totals(run: Run, tool, user) -> tuple[ToolDayTotal, ToolDayTotal]:
     raise RuntimeError("the day's totals rows could not be created")  # a constraint refused them
 
 
+def argument_key(value) -> str | None:
+    """The text a per-argument total is kept under (None: the call has no value for it)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if len(text) > 200:  # the column's width; the hash keeps distinct values apart
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return text
+
+
+def _locked_argument_totals(run: Run, tool, arguments: dict, names: list[str]) -> dict:
+    """This call's per-argument rows of the day (name -> row), locked in id order. Called with the
+    tool's ToolDayTotal rows already locked: claims of one tool's day come here one at a time."""
+    keys = {name: key for name in names if (key := argument_key((arguments or {}).get(name))) is not None}
+    if not keys:
+        return {}
+    base = {"tenant_id": run.tenant_id, "tool_id": tool.pk, "day": local_day(run.tenant)}
+    wanted = Q()
+    for name, key in keys.items():
+        wanted |= Q(argument=name, value=key)
+    for _ in range(2):
+        rows = list(ToolArgumentDayTotal.objects.select_for_update().filter(wanted, **base).order_by("id"))
+        if len(rows) == len(keys):
+            return {row.argument: row for row in rows}
+        ToolArgumentDayTotal.objects.bulk_create(
+            [ToolArgumentDayTotal(**base, argument=n, value=k) for n, k in keys.items()],
+            ignore_conflicts=True,
+        )
+    raise RuntimeError("the day's per-argument totals rows could not be created")
+
+
 def _history(
     run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal, *, uses_spend: bool
 ) -> cedar.History:
@@ -152,14 +186,16 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
         return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
     tool = step.tool
     tenant_row, user_row = _locked_totals(run, tool, user)
+    # The run's calls per tool from its whole log: the engine hands the checks only the steps
+    # its decision reads (runs/statements.step_window), which would undercount them.
+    history = _history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend)
+    history, by_argument = _with_argument_totals(run, tool, step.arguments or {}, policies, history)
     request = request_for(
         run,
         tool,
         step.arguments or {},
         user=user,
-        # The run's calls per tool from its whole log: the engine hands the checks only the steps
-        # its decision reads (runs/statements.step_window), which would undercount them.
-        history=_history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend),
+        history=history,
         tool_names=policies.config.tool_names,  # what context.run.calls_by_tool was validated with
     )
     verdict = cedar.evaluate(
@@ -169,8 +205,18 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     setattr(step, "policy_verdict", verdict)  # noqa: B010
     setattr(step, "policy_totals", (tenant_row.pk, user_row.pk))  # noqa: B010
     setattr(step, "policy_config", policies.config)  # noqa: B010
+    setattr(step, "policy_argument_totals", [row.pk for row in by_argument.values()])  # noqa: B010
     record_shadow(run, step, verdict)
     return str(verdict.denial) if verdict.denial else None
+
+
+def _with_argument_totals(run: Run, tool, arguments: dict, policies: cedar.Compiled, history):
+    names = policies.config.totals_by.get(tool.name) or []
+    if not names:
+        return history, {}
+    rows = _locked_argument_totals(run, tool, arguments, names)
+    by_argument = {name: (rows[name].calls, rows[name].amount) if name in rows else (0, 0) for name in names}
+    return dataclasses.replace(history, by_argument=by_argument), rows
 
 
 def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict) -> str | None:
@@ -180,12 +226,14 @@ def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict
     if policies is None:
         return None
     tenant_row, user_row = _locked_totals(run, step.tool, requester)
+    history = _history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend)
+    history, _ = _with_argument_totals(run, step.tool, arguments, policies, history)
     request = request_for(
         run,
         step.tool,
         arguments,
         user=requester,
-        history=_history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend),
+        history=history,
         editor=editor,
         tool_names=policies.config.tool_names,
     )
@@ -228,18 +276,31 @@ def count_call(step: Step) -> None:
         config = policies.config if policies else None
     name = config.totals.get(tool.name) if config else None
     amount = counted_amount(step.arguments or {}, name)
+    by_argument = list(getattr(step, "policy_argument_totals", None) or [])
     if connection.vendor != "postgresql":
         # SQLite (make demo) has no INSERT inside WITH; its writers queue anyway.
         if not CountedCall.objects.filter(step_id=step.pk).exists():
             CountedCall.objects.create(step_id=step.pk, total_id=rows[0], amount=amount)
             ToolDayTotal.objects.filter(pk__in=rows).update(calls=F("calls") + 1, amount=F("amount") + amount)
+            ToolArgumentDayTotal.objects.filter(pk__in=by_argument).update(
+                calls=F("calls") + 1, amount=F("amount") + amount
+            )
         return
     # One round trip: the step is counted once (CountedCall's key), and only then the totals move.
     with connection.cursor() as cursor:
         cursor.execute(
             f"WITH counted AS (INSERT INTO {CountedCall._meta.db_table} (step_id, total_id, amount) "
-            "VALUES (%(step)s, %(total)s, %(amount)s) ON CONFLICT DO NOTHING RETURNING step_id) "
+            "VALUES (%(step)s, %(total)s, %(amount)s) ON CONFLICT DO NOTHING RETURNING step_id), "
+            f"per_value AS (UPDATE {ToolArgumentDayTotal._meta.db_table} "
+            "SET calls = calls + 1, amount = amount + %(amount)s "
+            "WHERE id = ANY(%(by_argument)s) AND EXISTS (SELECT 1 FROM counted) RETURNING 1) "
             f"UPDATE {ToolDayTotal._meta.db_table} SET calls = calls + 1, amount = amount + %(amount)s "
             "WHERE id IN (%(total)s, %(user_total)s) AND EXISTS (SELECT 1 FROM counted)",
-            {"step": step.pk, "total": rows[0], "user_total": rows[1], "amount": amount},
+            {
+                "step": step.pk,
+                "total": rows[0],
+                "user_total": rows[1],
+                "amount": amount,
+                "by_argument": by_argument,
+            },
         )

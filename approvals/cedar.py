@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -44,6 +45,18 @@ from approvals.models import PolicyMode, PolicySet, TenantPolicies
 from approvals.policy import to_cedar
 
 CALL_TOOL = "call_tool"
+START_RUN = "start_run"
+APPROVE_CALL = "approve_call"
+
+
+_LOOKUP: Any = object()  # "read the tenant's compiled policies" (tests hand theirs in)
+
+
+def approve_action(tool_name: str) -> str:
+    """The action of approving a call of one tool (a member of Action::"approve_call"), so that
+    the call's arguments are typed by the tool's schema as for the call itself."""
+    return f"{APPROVE_CALL}:{tool_name}"
+
 
 SHADOW_DECISIONS = Counter(
     "agentplatform_policy_shadow_decisions",
@@ -100,6 +113,7 @@ class _Part:
     policies: cedarpy.PolicySet | None
     effects: dict  # policy id -> "permit" | "forbid"
     reasons: dict  # policy id -> human reason
+    sources: dict = field(default_factory=dict)  # policy id -> its JSON form (to combine parts)
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,9 @@ class Compiled:
     approve: _Part  # @approval permits of enforced sets
     shadow: tuple[tuple[str, _Part, _Part], ...]  # (set name, enforce, approve)
     uses_spend: bool = True  # whether any policy reads context.run.spend (a query per call)
+    # enforce and approve in one set, so that a call is decided by one evaluation (_decide)
+    combined: _Part = _Part(None, {}, {})
+    approval_ids: frozenset = frozenset()
 
 
 class Unread:
@@ -152,17 +169,26 @@ def compiled(tenant_id: int, *, version: int | None | Unread = UNREAD) -> Compil
 def compile_sets(config: TenantPolicies, sets: list[tuple[str, str, str]]) -> Compiled:
     """Parse (name, mode, text) sets: enforced ones together, each shadow set on its own."""
     enforced = [text for _, mode, text in sets if mode == PolicyMode.ENFORCE]
-    baseline = (
-        ['@id("default-permit")\npermit (principal, action, resource);'] if config.default == "permit" else []
-    )
+    # `default: deny` is about tool calls: starting a run and approving a call were already
+    # granted by guardian (run_agent, approve_tool), which Cedar narrows and never widens.
+    baseline = [
+        f'@id("default-permit-start-and-approve")\npermit (principal, action in '
+        f'[Action::"{START_RUN}", Action::"{APPROVE_CALL}"], resource);'
+    ]
+    if config.default == "permit":
+        baseline.append('@id("default-permit")\npermit (principal, action, resource);')
     enforce, approve = split_policies("\n".join([*enforced, *baseline]))
+    both = {**_sources(enforce), **_sources(approve)}
+    combined = _part(both)
     shadow = tuple(
         (name, *split_policies("\n".join([text, *baseline])))
         for name, mode, text in sets
         if mode == PolicyMode.SHADOW
     )
     uses_spend = any("spend" in text for _, _, text in sets)
-    return Compiled(config.version, config, enforce, approve, shadow, uses_spend)
+    return Compiled(
+        config.version, config, enforce, approve, shadow, uses_spend, combined, frozenset(approve.effects)
+    )
 
 
 def split_policies(text: str) -> tuple[_Part, _Part]:
@@ -177,6 +203,10 @@ def split_policies(text: str) -> tuple[_Part, _Part]:
     return _part(deciding), _part(approving)
 
 
+def _sources(part: _Part) -> dict:
+    return part.sources
+
+
 def _part(policies: dict) -> _Part:
     if not policies:
         return _Part(None, {}, {})
@@ -188,7 +218,7 @@ def _part(policies: dict) -> _Part:
     for pid, p in policies.items():
         annotations = p.get("annotations") or {}
         reasons[pid] = annotations.get("approval") or annotations.get("reason") or f"policy {pid}"
-    return _Part(handle, effects, reasons)
+    return _Part(handle, effects, reasons, policies)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,6 +296,7 @@ class History:
     today_amount: int = 0
     user_calls: int = 0
     user_amount: int = 0
+    by_argument: dict = field(default_factory=dict)  # argument -> (calls, amount) for this call's value
 
 
 @dataclass
@@ -306,6 +337,12 @@ def _request_and_entities(request: CallRequest, config: TenantPolicies):
             "user_amount": request.history.user_amount,
         },
     }
+    declared = config.totals_by.get(request.tool.name) if config.totals_by else None
+    if declared:
+        found = request.history.by_argument
+        context["today"]["by_argument"] = {
+            name: dict(zip(("calls", "amount"), found.get(name, (0, 0)), strict=True)) for name in declared
+        }
     if request.editor is not None:
         if request.editor.username != request.user.username:
             users.append(user_entity(request.editor, config, request.editor_groups))
@@ -330,6 +367,119 @@ def _request_and_entities(request: CallRequest, config: TenantPolicies):
         "context": context,
     }
     return cedar_request, cedarpy.Entities.from_json_str(json.dumps(entities))
+
+
+def _run_values(values, types: dict) -> dict:
+    """The declared fields of a run's input or metadata (others are left out: the schema has no
+    type for them); a field without a default is there only if the run has it."""
+    values = values if isinstance(values, dict) else {}
+    found = {}
+    for name, spec in types.items():
+        value = values.get(name, spec.get("default"))
+        if value is not None:
+            found[name] = cedar_value(value)
+    return found
+
+
+def _group_entities(groups) -> list[dict]:
+    return [{"uid": uid("Group", g), "attrs": {}, "parents": []} for g in sorted(set(groups))]
+
+
+def _agent_entity(name: str, version: int) -> dict:
+    return {"uid": uid("Agent", name), "attrs": {"name": name, "version": version}, "parents": []}
+
+
+def evaluate_start(
+    *,
+    tenant_id: int,
+    user,
+    groups: Callable[[], list[str]],
+    agent_name: str,
+    version_number: int,
+    input,
+    metadata,
+    policies=_LOOKUP,
+) -> Denial | None:
+    """Whether the tenant's policies forbid `user` starting a run of this agent version with this
+    input and metadata (Action::"start_run", resource the Agent); None when they do not.
+    `policies`: compiled sets to use instead of the tenant's (the file's policy tests)."""
+    if policies is _LOOKUP:
+        policies = compiled(tenant_id)
+    if policies is None:
+        return None
+    types = policies.config.run_attribute_types or {}
+    try:
+        context = {
+            "input": _run_values(input, types.get("input") or {}),
+            "metadata": _run_values(metadata, types.get("metadata") or {}),
+            "version": version_number,
+        }
+    except PolicyInputError as exc:
+        return Denial("input", f"the run's input cannot be checked: {exc}")
+    groups_read = groups()  # read only for a tenant with policies: most starts skip the query
+    entities = [
+        user_entity(user, policies.config, groups_read),
+        *_group_entities(groups_read),
+        _agent_entity(agent_name, version_number),
+        {"uid": uid("Action", START_RUN), "attrs": {}, "parents": []},
+    ]
+    request = {
+        "principal": uid("User", user.username),
+        "action": uid("Action", START_RUN),
+        "resource": uid("Agent", agent_name),
+        "context": context,
+    }
+    return _deny_of(policies.enforce, request, cedarpy.Entities.from_json_str(json.dumps(entities)))
+
+
+def evaluate_approval(
+    *,
+    tenant_id: int,
+    approver,
+    approver_groups: list[str],
+    requester,
+    requester_groups: list[str],
+    tool,
+    arguments: dict,
+    agent_name: str,
+    version_number: int,
+    policies=_LOOKUP,
+) -> Denial | None:
+    """Whether the tenant's policies forbid `approver` approving this call (Action::
+    "approve_call:<tool>", resource the Tool, the requester in the context); None when not."""
+    if policies is _LOOKUP:
+        policies = compiled(tenant_id)
+    if policies is None:
+        return None
+    config = policies.config
+    try:
+        arguments_value = cedar_value(arguments or {})
+    except PolicyInputError as exc:
+        return Denial("arguments", f"the call's arguments cannot be checked: {exc}")
+    users = [user_entity(approver, config, approver_groups)]
+    if requester.username != approver.username:
+        users.append(user_entity(requester, config, requester_groups))
+    action = approve_action(tool.name)
+    entities = [
+        *users,
+        *_group_entities([*approver_groups, *requester_groups]),
+        tool_entity(tool, config),
+        _agent_entity(agent_name, version_number),
+        {"uid": uid("Action", action), "attrs": {}, "parents": [uid("Action", APPROVE_CALL)]},
+        {"uid": uid("Action", APPROVE_CALL), "attrs": {}, "parents": []},
+    ]
+    request = {
+        "principal": uid("User", approver.username),
+        "action": uid("Action", action),
+        "resource": uid("Tool", tool.name),
+        "context": {
+            "arguments": arguments_value,
+            "requester": {"__entity": uid("User", requester.username)},
+            "agent": {"__entity": uid("Agent", agent_name)},
+            "version": version_number,
+        },
+    }
+    return _deny_of(policies.enforce, request, cedarpy.Entities.from_json_str(json.dumps(entities)))
 
 
 def _errored(result) -> list[str]:
@@ -381,7 +531,40 @@ def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
     return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
 
 
-_LOOKUP = object()
+def _decide(policies: Compiled, request: dict, entities) -> tuple[Denial | None, Decision]:
+    """The enforced sets' denial and @approval decision from one evaluation of their union: when
+    Cedar allows, its reasons are every permit that held, @approval ones included; an @approval
+    permit never permits by itself, so "only @approval permits held" is a default deny."""
+    part = policies.combined
+    none = Decision(False, "no approval policy applies")
+    if part.policies is None:
+        return Denial("default-deny", "no policy permits this call"), none
+    result = cedarpy.is_authorized(request, part.policies, entities)
+    errored = _errored(result)
+    # Forbids that raised deny too: a forbid that cannot tell is not a permit.
+    broken = [pid for pid in errored if part.effects.get(pid) == "forbid"]
+    if broken:
+        reason = f"{part.reasons[broken[0]]} (the policy could not be evaluated on this call)"
+        return Denial(broken[0], reason), none
+    reasons = list(result.diagnostics.reasons)
+    if not result.allowed:
+        forbids = [pid for pid in reasons if part.effects.get(pid) == "forbid"]
+        if forbids:
+            return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:])), none
+        return Denial("default-deny", "no policy permits this call"), none
+    if not any(pid not in policies.approval_ids for pid in reasons):
+        return Denial("default-deny", "no policy permits this call"), none
+    # An @approval policy that raised asks for approval: odd arguments never skip one.
+    fired = list(dict.fromkeys(pid for pid in [*reasons, *errored] if pid in policies.approval_ids))
+    if not fired:
+        return None, none
+    return None, Decision(True, "; ".join(part.reasons[pid] for pid in fired), tuple(fired))
+
+
+def _joined(first: Decision, second: Decision) -> Decision:
+    if not first.required:
+        return second
+    return Decision(True, f"{first.reason}; {second.reason}", (*first.policies, *second.policies))
 
 
 def evaluate(
@@ -407,10 +590,14 @@ def evaluate(
         cedar_request, entities = _request_and_entities(request, policies.config)
     except PolicyInputError as exc:
         return Verdict(denial=Denial("arguments", f"the call's arguments cannot be checked: {exc}"))
-    verdict = Verdict(denial=_deny_of(policies.enforce, cedar_request, entities))
-    if with_approval and verdict.denial is None:
-        parts = [policies.approve, *([legacy_policies] if legacy_policies is not None else [])]
-        verdict.approval = _approval_of(parts, cedar_request, entities)
+    denial, approval = _decide(policies, cedar_request, entities)
+    verdict = Verdict(denial=denial)
+    if with_approval and denial is None:
+        verdict.approval = approval
+        if legacy_policies is not None:
+            legacy_approval = _approval_of([legacy_policies], cedar_request, entities)
+            if legacy_approval.required:
+                verdict.approval = _joined(approval, legacy_approval)
     for name, enforce, approve in policies.shadow:
         denial = _deny_of(enforce, cedar_request, entities)
         if denial is not None:

@@ -91,6 +91,10 @@ class TenantPolicies(models.Model):
     tool_attribute_types = models.JSONField(default=dict, blank=True)
     tool_attributes = models.JSONField(default=dict, blank=True)  # tool name -> {name: value}
     totals = models.JSONField(default=dict, blank=True)  # tool name -> argument summed per day
+    # tool name -> [argument]: the day's totals are also kept per value of each (customer_id)
+    totals_by = models.JSONField(default=dict, blank=True)
+    # {"input": {name: type}, "metadata": {name: type}}: the run fields start_run policies read
+    run_attribute_types = models.JSONField(default=dict, blank=True)
     tool_names = models.JSONField(default=list, blank=True)  # the tools the schema was generated for
     version = models.PositiveIntegerField(default=1)  # moves on every change: the compiled cache key
     updated_at = models.DateTimeField(auto_now=True)
@@ -139,6 +143,27 @@ class ToolDayTotal(models.Model):
                 condition=models.Q(user__isnull=False),
                 name="uniq_tool_day_total_user",
             ),
+        ]
+
+
+class ToolArgumentDayTotal(models.Model):
+    """Calls of a tool dispatched on one local day for one value of a declared argument (the same
+    customer_id), and the sum of the totalled argument. Locked after the tool's ToolDayTotal rows,
+    which serialise every claim of the tool's day, so its creation never races (approvals/calls.py)."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    tool = models.ForeignKey("tools.Tool", on_delete=models.CASCADE, related_name="+")
+    day = models.DateField()
+    argument = models.CharField(max_length=200)
+    value = models.CharField(max_length=200)  # the value as text; a long one by its hash
+    calls = models.BigIntegerField(default=0)
+    amount = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "tool", "day", "argument", "value"], name="uniq_tool_argument_day_total"
+            )
         ]
 
 

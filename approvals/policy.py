@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal
 from typing import Union
 
 MAX_LENGTH = 2000
@@ -518,13 +518,82 @@ def _cedar(node: Expr, *, want: bool) -> str:
         # "definitely true" of an and, or "definitely false" of an or, needs every operand.
         joiner = " && " if isinstance(node, And) == want else " || "
         return "(" + joiner.join(_cedar(child, want=want) for child in node.operands) + ")"
+    present = _null_compare(node)
+    if present is not None:
+        # Cedar cannot tell a null argument from a missing one (both are left out), and a missing
+        # one left the old rule undecided: never definitely null, definitely not when present.
+        return f"({present})" if not want else "false"
     guards, comparison = _cedar_compare(node)
     if not want:
         comparison = f"!({comparison})"
     return "(" + " && ".join([*guards, comparison]) + ")"
 
 
+_MIRROR = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+
+
+def _fraction(operand: Operand) -> Decimal | None:
+    value = operand.value if isinstance(operand, Literal) else None
+    if isinstance(value, Decimal) and not isinstance(value, bool) and value != value.to_integral_value():
+        return value
+    return None
+
+
+def _whole_number_compare(node: Compare) -> tuple[list[str], str] | None:
+    """A field compared with a fractional literal (`amount > 99.99`), for whole-number arguments:
+    the literal rounded the way the comparison keeps its answer (> 99, >= 100, < 100, <= 99;
+    == never). A fractional argument reaches Cedar as a decimal, which errors against a whole
+    number: the @approval policy then asks for approval, stricter than the old rule, never looser."""
+    left, right, op = node.left, node.right, node.op
+    if _fraction(left) is not None and isinstance(right, Field):
+        left, right, op = right, left, _MIRROR.get(op, op)
+    limit = _fraction(right)
+    if limit is None or not isinstance(left, Field) or op not in _MIRROR:
+        return None
+    guards: list[str] = []
+    field, _ = _cedar_operand(left, guards)
+    down = int(limit.to_integral_value(rounding=ROUND_FLOOR))
+    if abs(down) + 1 > _LONG_MAX:
+        raise PolicyError(f"{limit}: larger than Cedar's 64-bit numbers", 0)
+    number = _type_check(field, "number")
+    expression = {
+        ">": f"{field} > {down}",
+        ">=": f"{field} > {down}",
+        "<": f"{field} <= {down}",
+        "<=": f"{field} <= {down}",
+        "==": f"{number} && false",
+        "!=": f"{number} && true",
+    }[op]
+    return guards, expression
+
+
+def _null_compare(node: Compare) -> str | None:
+    """For `field == null`: the Cedar test that the argument is there (not null, not missing);
+    None for any other comparison (`!= null` has no equivalent: see _cedar_literal)."""
+    left, right = node.left, node.right
+    if isinstance(left, Literal) and isinstance(right, Field):
+        left, right = right, left
+    if (
+        node.op != "=="
+        or not isinstance(left, Field)
+        or not isinstance(right, Literal)
+        or right.value is not None
+    ):
+        return None
+    if any(isinstance(segment, int) for segment in left.path):
+        return None
+    parent, name = "context.arguments", left.path[-1]
+    checks = []
+    for segment in left.path[:-1]:
+        checks.append(f"{parent} has {_cedar_attr(segment)}")  # type: ignore[arg-type]
+        parent = _cedar_get(parent, segment)  # type: ignore[arg-type]
+    return " && ".join([*checks, f"{parent} has {_cedar_attr(name)}"])  # type: ignore[arg-type]
+
+
 def _cedar_compare(node: Compare) -> tuple[list[str], str]:
+    converted = _whole_number_compare(node)
+    if converted is not None:
+        return converted
     guards: list[str] = []
     left, left_kind = _cedar_operand(node.left, guards)
     right, right_kind = _cedar_operand(node.right, guards)

@@ -47,8 +47,12 @@ class SourceSet:
 class PolicyTest:
     name: str
     principal: str
-    tool: str
+    tool: str  # "" for a start_run test
     expect: str  # allow | deny | approval
+    action: str = cedar.CALL_TOOL  # call_tool | start_run | approve_call
+    input: dict = field(default_factory=dict)  # start_run: the run's input and metadata
+    metadata: dict = field(default_factory=dict)
+    requester: str = ""  # approve_call: who asked (the principal is the approver)
     arguments: dict = field(default_factory=dict)
     policy: str = ""  # the policy id expected to decide, if given
     today: dict = field(default_factory=dict)
@@ -67,6 +71,8 @@ class PolicySpec:
     tool_attribute_types: dict = field(default_factory=dict)
     tool_attributes: dict = field(default_factory=dict)
     totals: dict = field(default_factory=dict)
+    totals_by: dict = field(default_factory=dict)  # tool -> [argument] whose values are totalled apart
+    run_attribute_types: dict = field(default_factory=dict)  # {"input": {...}, "metadata": {...}}
     group_roles: dict = field(default_factory=dict)
     sets: list[SourceSet] = field(default_factory=list)
     tests: list[PolicyTest] = field(default_factory=list)
@@ -82,6 +88,8 @@ class PolicySpec:
             tool_attribute_types=self.tool_attribute_types,
             tool_attributes=self.tool_attributes,
             totals=self.totals,
+            totals_by=self.totals_by,
+            run_attribute_types=self.run_attribute_types,
         )
 
 
@@ -137,22 +145,48 @@ def cedar_schema(tenant, spec: PolicySpec, tools: list | None = None) -> dict:
                 "calls_by_tool": {"type": "Record", "attributes": {n: {"type": "Long"} for n in names}},
             },
         },
-        "today": {
-            "type": "Record",
-            "attributes": {k: {"type": "Long"} for k in ("calls", "amount", "user_calls", "user_amount")},
+    }
+    today = {k: {"type": "Long"} for k in ("calls", "amount", "user_calls", "user_amount")}
+    counts = {"type": "Record", "attributes": {"calls": {"type": "Long"}, "amount": {"type": "Long"}}}
+    runs = spec.run_attribute_types
+    actions: dict = {
+        cedar.CALL_TOOL: {},
+        cedar.APPROVE_CALL: {},
+        cedar.START_RUN: {
+            "appliesTo": {
+                "principalTypes": ["User"],
+                "resourceTypes": ["Agent"],
+                "context": {
+                    "type": "Record",
+                    "attributes": {
+                        "input": _declared_shape(runs.get("input") or {}, {}),
+                        "metadata": _declared_shape(runs.get("metadata") or {}, {}),
+                        "version": {"type": "Long"},
+                    },
+                },
+            }
         },
     }
-    actions: dict = {cedar.CALL_TOOL: {}}
     for tool in tools:
         arguments = json_schema_type(tool.input_schema or {"type": "object"}) or {
             "type": "Record",
             "attributes": {},
+        }
+        by_argument = spec.totals_by.get(tool.name) or []
+        today_shape = {
+            **today,
+            **(
+                {"by_argument": {"type": "Record", "attributes": {n: counts for n in by_argument}}}
+                if by_argument
+                else {}
+            ),
         }
         context = {
             "arguments": arguments,
             "agent": {"type": "Entity", "name": "Agent"},
             "version": {"type": "Long"},
             **history,
+            "today": {"type": "Record", "attributes": today_shape},
             "editor": {"type": "Entity", "name": "User", "required": False},
         }
         actions[tool.name] = {
@@ -161,6 +195,22 @@ def cedar_schema(tenant, spec: PolicySpec, tools: list | None = None) -> dict:
                 "principalTypes": ["User"],
                 "resourceTypes": ["Tool"],
                 "context": {"type": "Record", "attributes": context},
+            },
+        }
+        actions[cedar.approve_action(tool.name)] = {
+            "memberOf": [{"id": cedar.APPROVE_CALL}],
+            "appliesTo": {
+                "principalTypes": ["User"],
+                "resourceTypes": ["Tool"],
+                "context": {
+                    "type": "Record",
+                    "attributes": {
+                        "arguments": arguments,
+                        "requester": {"type": "Entity", "name": "User"},
+                        "agent": {"type": "Entity", "name": "Agent"},
+                        "version": {"type": "Long"},
+                    },
+                },
             },
         }
     user_fixed = {"username": {"type": "String"}, "tenant": {"type": "String"}, "roles": _SET}
@@ -258,7 +308,7 @@ def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
     """Every problem of the spec against the tenant as it now stands (see the module's opening)."""
     tools = list(Tool.objects.filter(tenant=tenant).select_related("server"))
     schema = cedar_schema(tenant, spec, tools)
-    problems = []
+    problems = _check_totals(spec, {t.name: t for t in tools})
     seen: dict[str, str] = {}
     for source_set in spec.sets:
         problems += check_set(source_set, schema)
@@ -272,6 +322,23 @@ def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
     return run_tests(tenant, spec, tools)
 
 
+def _check_totals(spec: PolicySpec, tools: dict) -> list[tuple[str, str]]:
+    """Totals name tools of the tenant and arguments of their schemas."""
+    problems = []
+    for kind, declared in (("total", spec.totals), ("by", spec.totals_by)):
+        for name, arguments in declared.items():
+            path = f"policies.tools.{name}.{kind}"
+            tool = tools.get(name)
+            if tool is None:
+                problems.append((path, f"no tool {name} in this tenant"))
+                continue
+            properties = (tool.input_schema or {}).get("properties") or {}
+            for argument in [arguments] if isinstance(arguments, str) else arguments:
+                if argument not in properties:
+                    problems.append((path, f"{argument!r} is not an argument of {name}"))
+    return problems
+
+
 def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
     """The file's policy tests: each request's decision (with the enforced sets) as expected."""
     by_name = {t.name: t for t in tools}
@@ -280,6 +347,9 @@ def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
     policies = cedar.compile_sets(config, sets)
     problems = []
     for test in spec.tests:
+        if test.action != cedar.CALL_TOOL:
+            problems += _run_action_test(tenant, test, by_name, policies)
+            continue
         tool = by_name.get(test.tool)
         user = User.objects.filter(tenant=tenant, username=test.principal).first()
         if tool is None or user is None:
@@ -302,6 +372,10 @@ def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
                 today_amount=int(test.today.get("amount", 0)),
                 user_calls=int(test.today.get("user_calls", 0)),
                 user_amount=int(test.today.get("user_amount", 0)),
+                by_argument={
+                    name: (int(counts.get("calls", 0)), int(counts.get("amount", 0)))
+                    for name, counts in (test.today.get("by_argument") or {}).items()
+                },
             ),
             tool_names=list(by_name),
             editor=editor,
@@ -314,6 +388,53 @@ def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
             wanted = test.expect + (f" by {test.policy}" if test.policy else "")
             problems.append((test.path, f"test {test.name}: expected {wanted}, got {said}"))
     return problems
+
+
+def _run_action_test(
+    tenant, test: PolicyTest, tools: dict, policies: cedar.Compiled
+) -> list[tuple[str, str]]:
+    """A start_run or approve_call test: allow or deny, by the enforced sets."""
+    users = {
+        u.username: u
+        for u in User.objects.filter(tenant=tenant, username__in=[test.principal, test.requester])
+    }
+    principal = users.get(test.principal)
+    if principal is None:
+        return [(test.path, f"test {test.name}: no user {test.principal} in this tenant")]
+    if test.action == cedar.START_RUN:
+        denial = cedar.evaluate_start(
+            tenant_id=tenant.pk,
+            user=principal,
+            groups=lambda: _groups(principal),
+            agent_name=test.agent,
+            version_number=test.version,
+            input=test.input,
+            metadata=test.metadata,
+            policies=policies,
+        )
+    else:
+        tool, requester = tools.get(test.tool), users.get(test.requester)
+        if tool is None or requester is None:
+            missing = f"tool {test.tool}" if tool is None else f"user {test.requester or '(requester)'}"
+            return [(test.path, f"test {test.name}: no {missing} in this tenant")]
+        denial = cedar.evaluate_approval(
+            tenant_id=tenant.pk,
+            approver=principal,
+            approver_groups=_groups(principal),
+            requester=requester,
+            requester_groups=_groups(requester),
+            tool=tool,
+            arguments=test.arguments,
+            agent_name=test.agent,
+            version_number=test.version,
+            policies=policies,
+        )
+    got, deciding = ("deny", (denial.policy_id, *denial.also)) if denial else ("allow", ())
+    if got != test.expect or (test.policy and test.policy not in deciding):
+        said = f"{got}" + (f" by {', '.join(deciding)}" if deciding else "")
+        wanted = test.expect + (f" by {test.policy}" if test.policy else "")
+        return [(test.path, f"test {test.name}: expected {wanted}, got {said}")]
+    return []
 
 
 def outcome(verdict: cedar.Verdict) -> tuple[str, tuple[str, ...]]:
@@ -345,6 +466,8 @@ def install(tenant, spec: PolicySpec) -> list[str]:
             "tool_attribute_types",
             "tool_attributes",
             "totals",
+            "totals_by",
+            "run_attribute_types",
             "tool_names",
         )
     }

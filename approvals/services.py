@@ -150,8 +150,29 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     if approval.expires_at <= timezone.now():
         _transition(approval, ApprovalStatus.EXPIRED)
         return Verdict.EXPIRED
+    if approve:
+        refuse_approver(approval, approver=user, arguments=approval.arguments)
     _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
     return Verdict.DECIDED
+
+
+def refuse_approver(approval: Approval, *, approver, arguments: dict) -> None:
+    """Raise Forbidden when the tenant's policies forbid this approver approving this call
+    (Action::"approve_call:<tool>": "supervisors approve refunds up to INR 25,000")."""
+    run = approval.run
+    denial = cedar.evaluate_approval(
+        tenant_id=approval.tenant_id,
+        approver=approver,
+        approver_groups=calls.groups_of(approver),
+        requester=approval.requested_by,
+        requester_groups=calls.groups_of(approval.requested_by),
+        tool=approval.tool,
+        arguments=arguments,
+        agent_name=run.agent.name,
+        version_number=run.version.number,
+    )
+    if denial is not None:
+        raise Forbidden(f"you may not approve this call: {denial}", code="approval_refused")
 
 
 def _tool_of(step: Step) -> Tool:
@@ -218,6 +239,7 @@ def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str)
     denial = calls.check_correction(run, step, requester=requester, editor=user, arguments=arguments)
     if denial:
         raise Forbidden(f"the corrected call is refused: {denial}", code="correction_refused")
+    refuse_approver(approval, approver=user, arguments=arguments)
     _transition(
         approval,
         ApprovalStatus.APPROVED,

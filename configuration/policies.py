@@ -20,7 +20,13 @@ from tools.models import Tool
 
 KEYS = {"default", "attributes", "users", "tools", "sets", "tests"}
 ATTRIBUTE_TYPES = {"long", "string", "bool", "set"}
-RESERVED = {"user": {"username", "tenant", "roles"}, "tool": {"name", "server", "effect"}}
+RESERVED = {
+    "user": {"username", "tenant", "roles"},
+    "tool": {"name", "server", "effect"},
+    "input": set(),
+    "metadata": set(),
+}
+ACTIONS = {"call_tool", "start_run", "approve_call"}
 OUTCOMES = {"allow", "deny", "approval"}
 
 
@@ -42,17 +48,24 @@ def read(data: Any, groups: Any, problems, source: str | None) -> PolicySpec | N
     for kind in ("user", "tool"):
         declared = _attribute_types(attributes.get(kind) or {}, f"policies.attributes.{kind}", kind, problems)
         setattr(spec, f"{kind}_attribute_types", declared)
+    for kind in ("input", "metadata"):  # the run's fields start_run policies read
+        declared = _attribute_types(attributes.get(kind) or {}, f"policies.attributes.{kind}", kind, problems)
+        if declared:
+            spec.run_attribute_types[kind] = declared
+    for kind in attributes if isinstance(attributes, dict) else ():
+        if kind not in RESERVED:
+            problems.add(f"policies.attributes.{kind}", f"unknown kind; one of {', '.join(sorted(RESERVED))}")
     spec.user_attributes = _values(
         data.get("users") or {}, "policies.users", spec.user_attribute_types, problems
     )
     tools = data.get("tools") or {}
     if not isinstance(tools, dict):
-        problems.add("policies.tools", "must map tool names to {attributes, total}")
+        problems.add("policies.tools", "must map tool names to {attributes, total, by}")
         tools = {}
     raw_values = {}
     for name, entry in tools.items():
         if not isinstance(entry, dict):
-            problems.add(f"policies.tools.{name}", "must be a mapping with attributes and/or total")
+            problems.add(f"policies.tools.{name}", "must be a mapping with attributes, total and/or by")
             continue
         raw_values[name] = entry.get("attributes") or {}
         if entry.get("total") is not None:
@@ -60,6 +73,12 @@ def read(data: Any, groups: Any, problems, source: str | None) -> PolicySpec | N
                 problems.add(f"policies.tools.{name}.total", "the name of a number argument")
             else:
                 spec.totals[name] = entry["total"]
+        by = entry.get("by")
+        if by is not None:
+            if not isinstance(by, list) or not by or not all(isinstance(a, str) for a in by):
+                problems.add(f"policies.tools.{name}.by", "a list of argument names (customer_id)")
+            else:
+                spec.totals_by[name] = list(by)
     spec.tool_attributes = _values(raw_values, "policies.tools", spec.tool_attribute_types, problems)
     if isinstance(groups, list):
         spec.group_roles = {
@@ -177,9 +196,22 @@ def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     if not isinstance(entry, dict):
         problems.add(path, "a test is a mapping: name, principal, tool, arguments, expect")
         return None
-    missing = [k for k in ("name", "principal", "tool", "expect") if not isinstance(entry.get(k), str)]
+    action = entry.get("action", "call_tool")
+    if action not in ACTIONS:
+        problems.add(f"{path}.action", f"one of {', '.join(sorted(ACTIONS))}")
+        return None
+    needed = ["name", "principal", "expect", *([] if action == "start_run" else ["tool"])]
+    needed += ["requester"] if action == "approve_call" else []
+    missing = [k for k in needed if not isinstance(entry.get(k), str)]
     if missing:
         problems.add(path, f"missing or not text: {', '.join(missing)}")
+        return None
+    version = entry.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        problems.add(f"{path}.version", "a version number (1 or more)")
+        return None
+    if action != "call_tool" and entry["expect"] == "approval":
+        problems.add(f"{path}.expect", f"allow or deny: @approval applies to tool calls, not to {action}")
         return None
     if entry["expect"] not in OUTCOMES:
         problems.add(f"{path}.expect", "allow, deny or approval")
@@ -187,8 +219,14 @@ def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     return PolicyTest(
         name=entry["name"],
         principal=entry["principal"],
-        tool=entry["tool"],
+        tool=str(entry.get("tool") or ""),
         expect=entry["expect"],
+        action=action,
+        input=dict(entry.get("input") or {}),
+        metadata=dict(entry.get("metadata") or {}),
+        requester=str(entry.get("requester") or ""),
+        agent=str(entry.get("agent") or "agent"),
+        version=version,
         arguments=dict(entry.get("arguments") or {}),
         policy=str(entry.get("policy") or ""),
         today=dict(entry.get("today") or {}),

@@ -14,6 +14,7 @@ from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from artifacts import services as artifacts
+from approvals import calls, cedar
 from budgets.services import create_run_account
 from runs import admission, kill_switches
 from runs.models import (
@@ -110,6 +111,17 @@ def start_run(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
         )
     kill_switches.refuse_start(tenant, pinned.agent_id)
+    refused = cedar.evaluate_start(
+        tenant_id=tenant.pk,
+        user=user,
+        groups=lambda: calls.groups_of(user),
+        agent_name=pinned.agent.name,
+        version_number=pinned.number,
+        input=input,
+        metadata=metadata,
+    )
+    if refused is not None:
+        raise Forbidden(f"you may not start this run: {refused}", code="policy_denied")
     artifacts.check_given(tenant, files)
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)

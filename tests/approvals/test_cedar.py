@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 
 from approvals.calls import check_call
-from approvals.models import Approval, ShadowDecision, ToolDayTotal
+from approvals.models import Approval, ShadowDecision, ToolArgumentDayTotal, ToolDayTotal
 from approvals.policy_sets import PolicySpec, SourceSet, check, install
 from runs.engine import advance
 from runs.models import RunEvent, RunStatus, Step, StepStatus
@@ -228,3 +228,90 @@ def test_a_repeated_claim_counts_a_call_once(tenant, asha, refund, bank):
         calls.count_call(step)
     total = ToolDayTotal.objects.get(tool=refund, user__isnull=True)
     assert (total.calls, total.amount) == (1, 3000)
+
+
+PER_TRANSACTION = """
+@id("third-refund-same-transaction-needs-second-person")
+@approval("the third refund for the same transaction today needs a second person")
+permit (principal, action == Action::"bank__issue_refund", resource)
+when { context.today.by_argument.transaction_id.calls >= 2 };
+
+@id("per-transaction-ceiling")
+@reason("at most INR 10,000 a day refunded on one transaction")
+forbid (principal, action == Action::"bank__issue_refund", resource)
+when { context.today.by_argument.transaction_id.amount + context.arguments.amount > 10000 };
+"""
+
+
+def test_per_argument_totals_hold_when_twenty_runs_race(tenant, asha, refund, bank):
+    # Twenty runs refund INR 1,000 each, ten on TXN-1001 and ten on TXN-1002: on each transaction the
+    # first two go out and the other eight wait for a second person, whatever the interleaving.
+    policies(tenant, PER_TRANSACTION, totals={REFUND: "amount"}, totals_by={REFUND: ["transaction_id"]})
+    factories.make_agent(
+        tenant,
+        tools=[refund],
+        turns=[
+            {"tool_calls": [{"name": REFUND, "arguments": refund_args(1000, "$input.txn")}]},
+            {"text": "done"},
+        ],
+    )
+    runs = [start_run(user=asha, agent="agent", input={"txn": f"TXN-100{i % 2 + 1}"})[0] for i in range(20)]
+    for run in runs:
+        advance(run.pk)
+    assert Step.objects.filter(run__in=runs, kind="tool", status=StepStatus.PROPOSED).count() == 20
+    barrier = threading.Barrier(20)
+    errors = []
+
+    def go(run_id):
+        try:
+            barrier.wait()
+            drive(run_id)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=go, args=(run.pk,)) for run in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    for txn in ("TXN-1001", "TXN-1002"):
+        sent = [e for e in bank.effects("issue_refund") if e["arguments"]["transaction_id"] == txn]
+        assert len(sent) == 2
+        waiting = Approval.objects.filter(run__in=runs, arguments__transaction_id=txn, status="pending")
+        assert waiting.count() == 8
+        assert {a.reason for a in waiting} == {
+            "the third refund for the same transaction today needs a second person"
+        }
+        total = ToolArgumentDayTotal.objects.get(tool=refund, argument="transaction_id", value=txn)
+        assert (total.calls, total.amount) == (2, 2000)
+    assert ToolDayTotal.objects.get(tool=refund, user__isnull=True).calls == 4
+
+
+def test_a_per_argument_forbid_and_the_schema_knows_by_argument(tenant, asha, refund, bank):
+    policies(tenant, PER_TRANSACTION, totals={REFUND: "amount"}, totals_by={REFUND: ["transaction_id"]})
+    factories.make_agent(
+        tenant,
+        tools=[refund],
+        turns=[
+            {"tool_calls": [{"name": REFUND, "arguments": refund_args(4000)}]},
+            {"tool_calls": [{"name": REFUND, "arguments": refund_args(7000)}]},
+            {"text": "done"},
+        ],
+    )
+    run, _ = start_run(user=asha, agent="agent", input={})
+    drive(run.pk)
+    first, second = Step.objects.filter(run=run, kind="tool").order_by("seq")
+    assert first.status == StepStatus.SUCCEEDED
+    assert second.status == StepStatus.DENIED and "per-transaction-ceiling" in second.error
+    # Without `by`, the validator refuses a policy that reads by_argument, naming the attribute.
+    spec = PolicySpec(sets=[SourceSet(name="s", text=PER_TRANSACTION)], totals={REFUND: "amount"})
+    problems = check(tenant, spec)
+    assert problems and all("by_argument" in message for _, message in problems)
+    # `by` must name an argument of the tool.
+    spec = PolicySpec(sets=[], totals_by={REFUND: ["customer_id"]})
+    assert check(tenant, spec) == [
+        ("policies.tools.bank__issue_refund.by", "'customer_id' is not an argument of bank__issue_refund")
+    ]

@@ -115,12 +115,39 @@ def test_always_and_never() -> None:
 
 
 @pytest.mark.parametrize(
+    ("policy", "arguments", "expected"),
+    [
+        ("amount > 99.99", {"amount": 99}, False),
+        ("amount > 99.99", {"amount": 100}, True),
+        ("amount >= 99.99", {"amount": 100}, True),
+        ("amount >= 99.99", {"amount": 99}, False),
+        ("amount < -5.5", {"amount": -6}, True),
+        ("amount < -5.5", {"amount": -5}, False),
+        ("amount <= 0.5", {"amount": 0}, True),
+        ("amount <= 0.5", {"amount": 1}, False),
+        ("99.99 < amount", {"amount": 100}, True),
+        ("99.99 < amount", {"amount": 99}, False),
+        ("total == 0.3", {"total": 0}, False),
+        ("total != 0.3", {"total": 0}, True),
+        ("amount > 99.99", {}, True),  # missing: approval, as before
+        ("amount > 99.99", {"amount": 99.98}, True),  # a fraction: approval (stricter, never looser)
+        ("coupon == null", {}, True),
+        ("coupon == null", {"coupon": None}, True),
+        ("coupon == null", {"coupon": "X"}, False),
+        ("order.coupon == null", {"order": {}}, True),
+        ("order.coupon == null", {"order": {"coupon": "X"}}, False),
+    ],
+)
+def test_fractional_limits_and_null_checks_are_converted(
+    policy: str, arguments: dict, expected: bool
+) -> None:
+    assert required(policy, arguments) is expected
+
+
+@pytest.mark.parametrize(
     ("policy", "explains"),
     [
-        ("amount < -5.5", "whole numbers"),
-        ("total == 0.3", "whole numbers"),
         ('name < "b"', "whole numbers only"),
-        ("coupon == null", "null has no Cedar equivalent"),
         ("coupon != null", "null has no Cedar equivalent"),
         ("items[0].price > 100", "no list indexes"),
         ("matrix[1][0] == 3", "no list indexes"),
