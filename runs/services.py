@@ -13,8 +13,8 @@ from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
-from artifacts import services as artifacts
 from approvals import calls, cedar
+from artifacts import services as artifacts
 from budgets.services import create_run_account
 from runs import admission, kill_switches
 from runs.models import (
