@@ -35,11 +35,25 @@ class ModelEndpoint(models.Model):
     # OpenAI-compatible: how this server differs from OpenAI's API (llm/compat.py: output limit's
     # name, content of a tool-call turn, tool_choice, system message); {} is OpenAI's shape.
     compat = models.JSONField(default=dict, blank=True)
+    # The provider's quota for this account and model (llm/quotas.py), shared by every worker and
+    # every tenant whose endpoint reaches the same account; null: not limited here.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
     # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
     config = models.JSONField(default=dict, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name")]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name"),
+            models.CheckConstraint(
+                condition=models.Q(requests_per_minute__isnull=True) | models.Q(requests_per_minute__gt=0),
+                name="endpoint_rpm_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(tokens_per_minute__isnull=True) | models.Q(tokens_per_minute__gt=0),
+                name="endpoint_tpm_positive",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.kind})"
