@@ -12,10 +12,14 @@ worker counts on the same clock:
 
 The script keeps, per account:
     tat, ttat   the next time a request may start, for requests and for tokens (GCRA, the
-                generic cell rate algorithm): requests are spaced by window / requests_per_minute,
-                so no window of that length ever holds more than the limit (providers enforce
-                per-minute limits over shorter periods too); a request of k tokens holds the
-                token quota for window * k / tokens_per_minute
+                generic cell rate algorithm). Requests keep a schedule of slots r =
+                window / (requests_per_minute - 1) apart and each takes the next slot, or one
+                that passed less than r / 2 ago: a call that comes back a little late (a
+                countdown is never exact) does not waste its slot, and still any n + 1 calls
+                span at least n * r - r / 2 = window + r / 2, so no window ever holds more than
+                the limit, with r / 2 to spare for the calls' way to the provider. Providers
+                enforce per-minute limits over shorter periods too, so spacing is what they expect. A
+                request of k tokens holds the token quota for window * k / tokens_per_minute
     pause       until when the provider asked everyone to wait (Retry-After)
     f:<tenant>  the tenant's fair next start: each admitted call moves it by the call's cost
                 times (sum of the weights of the tenants waiting) / (the tenant's weight), so
@@ -52,8 +56,8 @@ log = logging.getLogger(__name__)
 MAX_PAUSE_SECONDS = 600.0
 
 ADMIT = """
-local bucket, active = KEYS[1], KEYS[2]
-local tenant = ARGV[1]
+local bucket, active, waiting = KEYS[1], KEYS[2], KEYS[3]
+local tenant, run = ARGV[1], ARGV[7]
 local weight = tonumber(ARGV[2])
 local tokens = tonumber(ARGV[3])
 local window = tonumber(ARGV[4])
@@ -61,48 +65,75 @@ local rpm = tonumber(ARGV[5])
 local tpm = tonumber(ARGV[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local req, tok = 0, 0
-if rpm > 0 then req = window / rpm end
+local req, tok, catch_up = 0, 0, 0
+if rpm > 1 then req = window / (rpm - 1); catch_up = req / 2 elseif rpm == 1 then req = window end
 if tpm > 0 then tok = window * tokens / tpm end
 local cost = math.max(req, tok)
-local s = redis.call('HMGET', bucket, 'tat', 'ttat', 'pause', 'f:' .. tenant, 'q:' .. tenant)
+local late = cost + LATE_SECONDS
+local s = redis.call('HMGET', bucket, 'tat', 'ttat', 'pause', 'v', 'f:' .. tenant)
 local tat, ttat, pause = tonumber(s[1]) or 0, tonumber(s[2]) or 0, tonumber(s[3]) or 0
-local fair, queue = tonumber(s[4]) or 0, tonumber(s[5]) or 0
+local v, finish = tonumber(s[4]) or 0, tonumber(s[5]) or 0
+local start = math.max(finish, v)
 redis.call('ZREMRANGEBYSCORE', active, '-inf', now - cost)
-local others = redis.call('ZRANGE', active, 0, -1)
-local total = weight
+redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now - window - late)
+local names = redis.call('ZRANGE', active, 0, -1)
 local fields = {}
-for _, name in ipairs(others) do
-  if name ~= tenant then fields[#fields + 1] = 'w:' .. name end
+for _, name in ipairs(names) do
+  if name ~= tenant then
+    fields[#fields + 1] = 'w:' .. name
+    fields[#fields + 1] = 'f:' .. name
+    fields[#fields + 1] = 'h:' .. name
+  end
 end
+local total, owed = weight, false
 if #fields > 0 then
-  for _, w in ipairs(redis.call('HMGET', bucket, unpack(fields))) do total = total + (tonumber(w) or 1) end
+  local values = redis.call('HMGET', bucket, unpack(fields))
+  for i = 1, #values, 3 do
+    total = total + (tonumber(values[i]) or 1)
+    local their_start, head = math.max(tonumber(values[i + 1]) or 0, v), tonumber(values[i + 2]) or 0
+    -- Another tenant's waiting call is due back now and is further behind its share: the slot is its.
+    if head > 0 and head <= now and head >= now - late and their_start < start then owed = true end
+  end
 end
 local spacing = cost * total / weight
-local ready = math.max(now, tat, ttat, pause, fair)
+local ready = math.max(now, tat, ttat, pause)
 local ttl = math.ceil((math.max(pause - now, 0) + 2 * window + spacing) * 1000)
-if ready <= now then
-  if req > 0 then tat = now + req end
-  if tok > 0 then ttat = now + tok end
-  fair = now + spacing
-  redis.call('HSET', bucket, 'tat', tat, 'ttat', ttat, 'f:' .. tenant, fair, 'w:' .. tenant, weight)
-  redis.call('ZADD', active, math.max(fair, queue), tenant)
+local function keep(interest)
+  local head = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')[2]
+  if head then redis.call('HSET', bucket, 'h:' .. tenant, head) else redis.call('HDEL', bucket, 'h:' .. tenant) end
+  local last = tonumber(redis.call('ZRANGE', waiting, -1, -1, 'WITHSCORES')[2]) or 0
+  redis.call('ZADD', active, math.max(interest, last), tenant)
   redis.call('PEXPIRE', bucket, ttl)
   redis.call('PEXPIRE', active, ttl)
+  redis.call('PEXPIRE', waiting, ttl)
+end
+if ready <= now and not owed then
+  if req > 0 then tat = math.max(tat, now - catch_up) + req end
+  if tok > 0 then ttat = now + tok end
+  redis.call('HSET', bucket, 'tat', tat, 'ttat', ttat, 'v', start, 'f:' .. tenant, start + cost / weight,
+    'w:' .. tenant, weight)
+  redis.call('ZREM', waiting, run)
+  keep(now + spacing)
   return {1, 0, ''}
 end
-local at = math.max(ready, queue)
-queue = at + spacing
-redis.call('HSET', bucket, 'q:' .. tenant, queue, 'w:' .. tenant, weight)
-redis.call('ZADD', active, math.max(fair, queue), tenant)
-redis.call('PEXPIRE', bucket, ttl)
-redis.call('PEXPIRE', active, ttl)
+if owed then ready = math.max(ready, now + cost) end
+local ticket = ready
+if redis.call('ZSCORE', waiting, run) then
+  -- Back at its time and still held: it keeps its place among the tenant's waiting calls.
+  ticket = ready + redis.call('ZRANK', waiting, run) * spacing
+else
+  local last = tonumber(redis.call('ZRANGE', waiting, -1, -1, 'WITHSCORES')[2])
+  if last then ticket = math.max(ready, last + spacing) end
+end
+redis.call('ZADD', waiting, ticket, run)
+redis.call('HSET', bucket, 'w:' .. tenant, weight)
+keep(ticket)
 local limit = 'tokens'
 if pause > now then limit = 'retry_after'
-elseif total > weight and fair > now and fair >= tat and fair >= ttat then limit = 'fair_share'
+elseif owed then limit = 'fair_share'
 elseif tat >= ttat then limit = 'requests' end
-return {0, math.ceil((at - now) * 1000000), limit}
-"""
+return {0, math.ceil((ticket - now) * 1000000), limit}
+""".replace("LATE_SECONDS", "0.1")
 
 SLOW_DOWN = """
 local clock = redis.call('TIME')
@@ -188,21 +219,22 @@ def account_of(endpoint: ModelEndpoint) -> str:
     return account
 
 
-def _keys(account: str) -> list[str]:
-    # One hash tag: on a Redis Cluster both keys live in one slot, as a script needs.
-    return [f"quota:{{{account}}}", f"quota:{{{account}}}:active"]
+def _keys(account: str, tenant: str = "") -> list[str]:
+    # One hash tag: on a Redis Cluster the keys live in one slot, as a script needs.
+    return [f"quota:{{{account}}}", f"quota:{{{account}}}:active", f"quota:{{{account}}}:waiting:{tenant}"]
 
 
-def admit(endpoint: ModelEndpoint, *, tenant: str, weight: int, tokens: int) -> Admission:
+def admit(endpoint: ModelEndpoint, *, tenant: str, weight: int, tokens: int, caller: str) -> Admission:
     """Ask the account's quota for one call of `tokens` (input estimate plus output cap, as
-    providers count them). Admitted calls are counted; a call told to wait is not."""
+    providers count them) from `caller` (the run: a run told to wait keeps its place when it
+    comes back). Admitted calls are counted; a call told to wait is not."""
     limiter = _get_limiter()
     if limiter is None:
         return GO
     account = account_of(endpoint)
     try:
         admitted, wait_us, limit = limiter.admit(
-            keys=_keys(account),
+            keys=_keys(account, tenant),
             args=[
                 tenant,
                 max(int(weight), 1),
@@ -210,6 +242,7 @@ def admit(endpoint: ModelEndpoint, *, tenant: str, weight: int, tokens: int) -> 
                 settings.QUOTA_WINDOW_SECONDS,
                 endpoint.requests_per_minute or 0,
                 endpoint.tokens_per_minute or 0,
+                caller,
             ],
         )
     except redis.RedisError as exc:

@@ -36,7 +36,9 @@ def quota_wait(run: Run, endpoint: ModelEndpoint, seq: int, *, tokens: int) -> d
     waits leaves nothing to undo. It is one Redis round trip with a short timeout (the limiter
     lets the call go if Redis does not answer), not a provider call.
     """
-    admission = quotas.admit(endpoint, tenant=run.tenant.slug, weight=run.tenant.quota_weight, tokens=tokens)
+    admission = quotas.admit(
+        endpoint, tenant=run.tenant.slug, weight=run.tenant.quota_weight, tokens=tokens, caller=str(run.pk)
+    )
     return decisions.quota_turn(seq, admission.wait_seconds, admission.limit)
 
 
