@@ -6,7 +6,8 @@ by the account (`account_of`: the endpoint's kind, base URL, model and a digest 
 and one Lua script answers a call in one round trip, reading the time from Redis so that every
 worker counts on the same clock:
 
-    admit(endpoint, tenant, weight, tokens)   go now, or wait this long (the call is not counted)
+    admit(endpoint, tenant, weight, tokens, caller)
+                                              go now, or wait this long (the call is not counted)
     slow_down(endpoint, seconds)              the provider answered Retry-After: every caller of
                                               that account waits it out, not only the one told
 
@@ -21,15 +22,22 @@ The script keeps, per account:
                 enforce per-minute limits over shorter periods too, so spacing is what they expect. A
                 request of k tokens holds the token quota for window * k / tokens_per_minute
     pause       until when the provider asked everyone to wait (Retry-After)
-    f:<tenant>  the tenant's fair next start: each admitted call moves it by the call's cost
-                times (sum of the weights of the tenants waiting) / (the tenant's weight), so
-                while several tenants wait, each gets calls in proportion to its weight; a tenant
-                alone is held back by nothing but the quota itself (work-conserving)
-    q:<tenant>  where the tenant's next waiting call is told to come back: the tenant's waiting
-                calls come back spaced by its fair spacing, not all at once
-    w:<tenant>  the tenant's weight, read by the other tenants' calls
-    active      the tenants that have calls waiting or were served within their fair spacing,
-                scored by when that ends
+    v, f:<t>    fair order (start-time fair queueing): each admitted call of tenant t takes the
+                start tag max(f:<t>, v) and moves f:<t> on by the call's cost / the tenant's
+                weight; v is the start tag of the last call admitted. A free slot goes to the
+                call that arrives, unless another tenant has a call due back now (h:<t>, below)
+                with a smaller start tag: then it is held for that call, for one slot plus 100
+                ms. So while several tenants wait, each gets calls in proportion to its weight,
+                counted in calls actually made (a slot lost to a late countdown costs everyone
+                alike); a tenant alone takes every slot (work-conserving); a tenant that was idle
+                starts at v, with no credit saved up
+    waiting:<t> the tenant's waiting calls (run id -> when it comes back): a new one is told to
+                come back one fair spacing (the slot times the weights of the tenants waiting
+                over its own weight) after the tenant's last, a run coming back and held again
+                keeps its place, so a tenant's 500 runs come back spread out, not all at once;
+                h:<t> is the earliest, w:<t> the tenant's weight
+    active      the tenants with calls waiting or served within their fair spacing, scored by
+                when that ends: the weights the fair spacing divides by
 
 A call that must wait is not counted and holds nothing: the engine sends the run's next message
 with the countdown (runs/engine/model_step.quota_wait) and the run asks again then. With Redis

@@ -228,3 +228,18 @@ def test_every_run_move_the_writer_makes_is_in_the_map(decision, moves):
 
 def test_a_denial_can_start_from_every_status_next_move_offers_as_an_open_call():
     assert {old for old, _ in STEP_MOVES["deny"]} == set(d.READY)
+
+
+@pytest.mark.parametrize(
+    "wait,limit,expected",
+    [
+        (0.0, "", None),
+        (0.0, "unavailable", None),  # the limiter could not be asked: the call goes
+        (0.25, "requests", d.WaitForQuota(4, 0.25, "requests")),
+        (3.0, "fair_share", d.WaitForQuota(4, 3.0, "fair_share")),
+        # A long Retry-After is waited in countdowns the sweeper does not take for a lost message.
+        (90.0, "retry_after", d.WaitForQuota(4, d.LONGEST_QUOTA_COUNTDOWN, "retry_after")),
+    ],
+)
+def test_a_model_call_waits_for_its_endpoints_quota_only_when_told(wait, limit, expected):
+    assert d.quota_turn(4, wait, limit) == expected
