@@ -14,20 +14,20 @@ worker counts on the same clock:
 The script keeps, per account:
     tat, ttat   the next time a request may start, for requests and for tokens (GCRA, the
                 generic cell rate algorithm). Requests keep a schedule of slots r =
-                window / (requests_per_minute - 1) apart and each takes the next slot, or one
-                that passed less than r / 2 ago: a call that comes back a little late (a
-                countdown is never exact) does not waste its slot, and still any n + 1 calls
-                span at least n * r - r / 2 = window + r / 2, so no window ever holds more than
-                the limit, with r / 2 to spare for the calls' way to the provider. Providers
+                window / (requests_per_minute - 1) apart and each takes the next slot, or the
+                one scheduled if it passed less than r / 4 ago: a call that comes back a little
+                late (a countdown is never exact) does not waste its slot, and still any n + 1
+                calls span at least n * r - r / 4 = window + 3r / 4, so no window ever holds
+                more than the limit, with 3r / 4 to spare for the calls' way to the provider. Providers
                 enforce per-minute limits over shorter periods too, so spacing is what they expect. A
                 request of k tokens holds the token quota for window * k / tokens_per_minute
     pause       until when the provider asked everyone to wait (Retry-After)
     v, f:<t>    fair order (start-time fair queueing): each admitted call of tenant t takes the
                 start tag max(f:<t>, v) and moves f:<t> on by the call's cost / the tenant's
                 weight; v is the start tag of the last call admitted. A free slot goes to the
-                call that arrives, unless another tenant has a call due back now (h:<t>, below)
-                with a smaller start tag: then it is held for that call, for one slot plus 100
-                ms. So while several tenants wait, each gets calls in proportion to its weight,
+                call that arrives, unless another tenant with a smaller start tag has a call due
+                back within one slot plus half a second of now (h:<t>, below; a countdown fires
+                late on a busy worker): then it is held for that call. So while several tenants wait, each gets calls in proportion to its weight,
                 counted in calls actually made (a slot lost to a late countdown costs everyone
                 alike); a tenant alone takes every slot (work-conserving); a tenant that was idle
                 starts at v, with no credit saved up
@@ -74,7 +74,7 @@ local tpm = tonumber(ARGV[6])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local req, tok, catch_up = 0, 0, 0
-if rpm > 1 then req = window / (rpm - 1); catch_up = req / 2 elseif rpm == 1 then req = window end
+if rpm > 1 then req = window / (rpm - 1); catch_up = req / 4 elseif rpm == 1 then req = window end
 if tpm > 0 then tok = window * tokens / tpm end
 local cost = math.max(req, tok)
 local late = cost + LATE_SECONDS
@@ -99,8 +99,8 @@ if #fields > 0 then
   for i = 1, #values, 3 do
     total = total + (tonumber(values[i]) or 1)
     local their_start, head = math.max(tonumber(values[i + 1]) or 0, v), tonumber(values[i + 2]) or 0
-    -- Another tenant's waiting call is due back now and is further behind its share: the slot is its.
-    if head > 0 and head <= now and head >= now - late and their_start < start then owed = true end
+    -- Another tenant further behind its share has a call due back about now: the slot is its.
+    if head > 0 and math.abs(head - now) <= late and their_start < start then owed = true end
   end
 end
 local spacing = cost * total / weight
@@ -116,7 +116,12 @@ local function keep(interest)
   redis.call('PEXPIRE', waiting, ttl)
 end
 if ready <= now and not owed then
-  if req > 0 then tat = math.max(tat, now - catch_up) + req end
+  -- The slot this call takes: the scheduled one, if it passed less than catch_up ago; else now
+  -- (an idle quota saves up no credit).
+  if req > 0 then
+    if tat < now - catch_up then tat = now end
+    tat = tat + req
+  end
   if tok > 0 then ttat = now + tok end
   redis.call('HSET', bucket, 'tat', tat, 'ttat', ttat, 'v', start, 'f:' .. tenant, start + cost / weight,
     'w:' .. tenant, weight)
@@ -141,7 +146,7 @@ if pause > now then limit = 'retry_after'
 elseif owed then limit = 'fair_share'
 elseif tat >= ttat then limit = 'requests' end
 return {0, math.ceil((ticket - now) * 1000000), limit}
-""".replace("LATE_SECONDS", "0.1")
+""".replace("LATE_SECONDS", "0.5")
 
 SLOW_DOWN = """
 local clock = redis.call('TIME')

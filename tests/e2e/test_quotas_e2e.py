@@ -27,7 +27,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 WINDOW = 2.0
 LIMIT = 8  # requests per window: one every 1/4 s
 WEIGHTS = {"acme": 1, "globex": 2, "initech": 3}
-RUNS_PER_TENANT = 3
+RUNS_PER_TENANT = 6  # more than a share needs, even on a slow box: the quota is the limit
 CALLS = 72  # measured: 12, 24 and 36 by weight
 
 
@@ -91,7 +91,7 @@ def test_it_keeps_every_window_under_the_limit_and_shares_calls_by_weight(worker
         # No window at the provider holds more than the limit.
         counts = per_window([t for t, _ in arrivals])
         assert max(counts.values()) <= LIMIT, sorted(counts.items())
-        # ...and the quota is what holds the runs back: the windows run near it (slots leave half a
+        # ...and the quota is what holds the runs back: the windows run near it (slots leave a
         # slot to spare, so 7 of 8 at most; full windows only, the first and last are partial).
         full = [n for _, n in sorted(counts.items())[1:-1]]
         assert full and sum(full) / len(full) >= LIMIT / 2, sorted(counts.items())

@@ -74,9 +74,8 @@ def test_it_tells_a_call_over_the_limit_how_long_to_wait_and_does_not_count_it()
     waits = [quotas.admit(ep, tenant="acme", weight=1, tokens=1, caller=next_caller()) for _ in range(3)]
     assert all(w.limit == "requests" for w in waits)
     # A waiting call holds nothing; the tenant's waiting calls are told to come back one spacing apart.
-    # Slots are a third of a second apart (4 a second, with half a slot to spare); an idle
-    # endpoint's first call takes a slot that began half a slot ago.
-    assert 1 / 6 - 0.02 <= waits[0].wait_seconds <= 1 / 6
+    # Slots are a third of a second apart (4 a second, with a slot to spare).
+    assert 1 / 3 - 0.02 <= waits[0].wait_seconds <= 1 / 3
     assert waits[1].wait_seconds == pytest.approx(waits[0].wait_seconds + 1 / 3, abs=0.02)
 
 
@@ -155,9 +154,9 @@ def follow(
 
 def test_tenants_waiting_together_share_the_quota_by_weight():
     weights = {"small": 1, "middle": 2, "large": 3}
-    calls = follow(endpoint(requests_per_minute=60), dict.fromkeys(weights, 4), weights, 3.0)
+    calls = follow(endpoint(requests_per_minute=30), dict.fromkeys(weights, 4), weights, 4.0)
     total = sum(calls.values())
-    assert total <= 3.0 * 60 + 1
+    assert total <= 4.0 * 30 + 1
     for tenant, weight in weights.items():
         expected = total * weight / sum(weights.values())
         assert abs(calls[tenant] - expected) <= 0.2 * expected, (calls, total)
@@ -165,8 +164,9 @@ def test_tenants_waiting_together_share_the_quota_by_weight():
 
 def test_a_tenant_with_many_runs_does_not_starve_one_with_few():
     weights = {"busy": 1, "quiet": 1}
-    calls = follow(endpoint(requests_per_minute=40), {"busy": 50, "quiet": 2}, weights, 3.0)
-    assert calls["quiet"] >= 0.8 * calls["busy"], calls
+    calls = follow(endpoint(requests_per_minute=20), {"busy": 50, "quiet": 2}, weights, 3.0)
+    # Their equal share is half; by runs it would be 2 in 52.
+    assert calls["quiet"] >= sum(calls.values()) / 3, calls
 
 
 def test_a_tenant_alone_gets_the_whole_quota():
