@@ -17,6 +17,10 @@ class ModelEndpointAdmin(TenantScopedAdmin):
             "Prices per million tokens",
             {"fields": ["price_input", "price_cached_input", "price_cache_write", "price_output"]},
         ),
+        (
+            "Provider quota, shared by every endpoint on this key and model",
+            {"fields": list(ModelEndpoint.QUOTA_FIELDS)},
+        ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
 
@@ -34,6 +38,9 @@ class ModelEndpointAdmin(TenantScopedAdmin):
             # The endpoint's URL and key are configuration (apply, operators): whoever could edit
             # the URL could have the tenant's provider key sent to a host of theirs.
             readonly += ModelEndpoint.DESTINATION_FIELDS
+            # The quota is the provider account's, shared with other tenants: raising it here
+            # would let this tenant's calls crowd theirs.
+            readonly += ModelEndpoint.QUOTA_FIELDS
         return readonly
 
     def has_add_permission(self, request):

@@ -10,6 +10,8 @@ class ModelEndpoint(models.Model):
 
     # Where calls go and which key they carry: apply and operators only (ToolServer's note).
     DESTINATION_FIELDS = ("kind", "base_url", "secret")
+    # The provider account's limits (llm/quotas.py), shared with other tenants: operators only.
+    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute")
 
     class Kind(models.TextChoices):
         OPENAI = "openai"
