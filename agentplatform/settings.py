@@ -355,6 +355,36 @@ def _cache() -> dict:
 
 CACHES = {"default": _cache()}
 
+
+def _quota_redis_url() -> str:
+    """Model endpoint quotas count in Redis, shared by every worker (llm/quotas.py)."""
+    url = env_str("QUOTA_REDIS_URL") or next(
+        (
+            candidate
+            for candidate in (env_str("CACHE_URL") or "", CELERY_BROKER_URL)
+            if candidate.startswith(("redis://", "rediss://"))
+        ),
+        "",
+    )
+    if url and not url.startswith(("redis://", "rediss://")):
+        raise ConfigError(f"QUOTA_REDIS_URL must be redis://… or rediss://…, got {url!r}")
+    if PRODUCTION and not url:
+        raise ConfigError(
+            "production needs a Redis shared by all workers for model endpoint quotas: set "
+            "QUOTA_REDIS_URL=redis://… or use a Redis CELERY_BROKER_URL"
+        )
+    return url
+
+
+QUOTA_REDIS_URL = _quota_redis_url()
+# The period an endpoint's requests_per_minute and tokens_per_minute are counted over; tests
+# shorten it so a quota fills in seconds.
+QUOTA_WINDOW_SECONDS = env_float("QUOTA_WINDOW_SECONDS", 60.0)
+if QUOTA_WINDOW_SECONDS <= 0:
+    raise ConfigError(f"QUOTA_WINDOW_SECONDS must be positive, got {QUOTA_WINDOW_SECONDS}")
+# How long the limiter may take to answer before the call goes ahead unlimited (Redis down).
+QUOTA_TIMEOUT_SECONDS = env_float("QUOTA_TIMEOUT_SECONDS", 0.25)
+
 # --- Platform ---
 LEASE_SECONDS = env_int("LEASE_SECONDS", 60)  # model steps; tool steps: tool timeout + margin
 LEASE_MARGIN_SECONDS = env_int("LEASE_MARGIN_SECONDS", 15)

@@ -10,7 +10,7 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     failed = 0
-    for script in ("engine.py", "gateway.py", "budget.py"):
+    for script in ("engine.py", "gateway.py", "budget.py", "quotas.py"):
         print(f"\n===== bench/{script} =====", flush=True)
         failed |= subprocess.call([sys.executable, str(HERE / script)], cwd=HERE.parent)
     sys.exit(failed)

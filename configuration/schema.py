@@ -41,7 +41,7 @@ from configuration.convert import (
 )
 from llm.models import ModelEndpoint
 from notifications.models import Event as WebhookEvent
-from tenants.models import Tenant
+from tenants.models import QUOTA_WEIGHT_MAX, Tenant
 from tenants.roles import ROLES
 from tools.models import EffectClass, ToolServer
 
@@ -54,6 +54,7 @@ APPROVAL_TTL_MAX = 30 * DAY
 # A call must end inside one worker task (CELERY_TASK_SOFT_TIME_LIMIT, 330 s by default); a longer
 # timeout (or "1e400", once stored as Infinity) left every run using the tool stuck.
 CALL_TIMEOUT_MAX = 300
+QUOTA_PER_MINUTE_MAX = 2_000_000_000  # a PositiveIntegerField
 
 
 # --- problems and plan ---------------------------------------------------------------------------
@@ -169,6 +170,7 @@ TENANT: Spec = {
     "quotas": {
         "max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
         "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000)),
+        "model_quota_weight": Field("quota_weight", _int(1, QUOTA_WEIGHT_MAX)),
     },
     "caps": {
         "max_steps": Field("max_steps_cap", _int(1, 100_000)),
@@ -225,6 +227,10 @@ ENDPOINT: Spec = {
     "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
     "send_cache_key": Field("send_cache_key", _bool),
     "compat": Field("compat", _compat),
+    "quota": {
+        "requests_per_minute": Field("requests_per_minute", _nullable(_int(1, QUOTA_PER_MINUTE_MAX))),
+        "tokens_per_minute": Field("tokens_per_minute", _nullable(_int(1, QUOTA_PER_MINUTE_MAX))),
+    },
     "prices": {
         "input": Field("price_input", _price),
         "cached_input": Field("price_cached_input", _price),

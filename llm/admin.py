@@ -29,6 +29,10 @@ class ModelEndpointAdmin(TenantScopedAdmin):
                 ]
             },
         ),
+        (
+            "Provider quota, shared by every endpoint on this key and model",
+            {"fields": list(ModelEndpoint.QUOTA_FIELDS)},
+        ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
 
@@ -69,6 +73,9 @@ class ModelEndpointAdmin(TenantScopedAdmin):
             # The endpoint's URL and key are configuration (apply, operators): whoever could edit
             # the URL could have the tenant's provider key sent to a host of theirs.
             readonly += ModelEndpoint.DESTINATION_FIELDS
+            # The quota is the provider account's, shared with other tenants: raising it here
+            # would let this tenant's calls crowd theirs.
+            readonly += ModelEndpoint.QUOTA_FIELDS
         return readonly
 
     def has_add_permission(self, request):

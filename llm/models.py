@@ -10,6 +10,8 @@ class ModelEndpoint(models.Model):
 
     # Where calls go and which key they carry: apply and operators only (ToolServer's note).
     DESTINATION_FIELDS = ("kind", "base_url", "secret")
+    # The provider account's limits (llm/quotas.py), shared with other tenants: operators only.
+    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute")
 
     class Kind(models.TextChoices):
         OPENAI = "openai"
@@ -35,6 +37,10 @@ class ModelEndpoint(models.Model):
     # OpenAI-compatible: how this server differs from OpenAI's API (llm/compat.py: output limit's
     # name, content of a tool-call turn, tool_choice, system message); {} is OpenAI's shape.
     compat = models.JSONField(default=dict, blank=True)
+    # The provider's quota for this account and model (llm/quotas.py), shared by every worker and
+    # every tenant whose endpoint reaches the same account; null: not limited here.
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
     # Scripted endpoints keep their script here ({"turns": [...], "latency_ms": 0}).
     config = models.JSONField(default=dict, blank=True)
     # The circuit breaker (llm/breaker.py): this many failures (5xx, refused connection, timeout)
@@ -44,7 +50,17 @@ class ModelEndpoint(models.Model):
     breaker_open_seconds = models.PositiveIntegerField(default=30)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name")]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="uniq_endpoint_name"),
+            models.CheckConstraint(
+                condition=models.Q(requests_per_minute__isnull=True) | models.Q(requests_per_minute__gt=0),
+                name="endpoint_rpm_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(tokens_per_minute__isnull=True) | models.Q(tokens_per_minute__gt=0),
+                name="endpoint_tpm_positive",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.kind})"

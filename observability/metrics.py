@@ -95,3 +95,33 @@ SANDBOX_QUEUE_SECONDS = Histogram(
     "Time an execution waited in the runner for a slot (its tenant's share or any free one).",
     buckets=SANDBOX_BUCKETS,
 )
+
+# Model endpoint quotas (llm/quotas.py). Wait times are short (a quota's spacing) to minutes (a
+# provider's Retry-After).
+QUOTA_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUOTA_ADMITTED = Counter(
+    "agentplatform_quota_admitted",
+    "Model calls the shared endpoint quota let through, by endpoint and tenant.",
+    ["endpoint", "tenant"],
+)
+QUOTA_WAITS = Counter(
+    "agentplatform_quota_waits",
+    "Model calls told to wait by the shared endpoint quota, by endpoint, tenant and what held them "
+    "(requests, tokens, fair_share, retry_after).",
+    ["endpoint", "tenant", "limit"],
+)
+QUOTA_WAIT_SECONDS = Histogram(
+    "agentplatform_quota_wait_seconds",
+    "Waits the shared endpoint quota gave, by what held the call.",
+    ["limit"],
+    buckets=QUOTA_BUCKETS,
+)
+QUOTA_THROTTLES = Counter(
+    "agentplatform_quota_throttles",
+    "Provider answers with Retry-After that paused every caller of the endpoint's account.",
+    ["endpoint"],
+)
+QUOTA_UNAVAILABLE = Counter(
+    "agentplatform_quota_unavailable",
+    "Quota checks that could not reach Redis: the call went ahead unlimited.",
+)

@@ -37,6 +37,13 @@ class TenantAdmin(TenantScopedAdmin):
     def has_delete_permission(self, request, obj=None):
         return is_operator(request.user) and super().has_delete_permission(request, obj)
 
+    def get_readonly_fields(self, request, obj=None):
+        readonly = list(super().get_readonly_fields(request, obj))
+        if not is_operator(request.user):
+            # Its share of quotas other tenants wait for too: a tenant does not set its own.
+            readonly.append("quota_weight")
+        return readonly
+
     def get_urls(self):
         return [
             path(

@@ -5,9 +5,12 @@ import zoneinfo
 from django.conf import settings
 from django.contrib.auth.models import AbstractUser, Group
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from tenants.crypto import decrypt, encrypt
+
+QUOTA_WEIGHT_MAX = 1000
 
 
 def validate_time_zone(value: str) -> None:
@@ -55,6 +58,11 @@ class Tenant(models.Model):
     # (migration 0005): the workers' cache of decrypted values is keyed by it (tenants/secrets.py).
     secrets_generation = models.PositiveBigIntegerField(default=0, editable=False)
     max_cost_micros_cap = models.BigIntegerField(default=10_000_000)
+    # The tenant's share of a model provider's quota when several tenants wait for it
+    # (llm/quotas.py): a tenant of weight 2 gets twice the calls of a tenant of weight 1.
+    quota_weight = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(QUOTA_WEIGHT_MAX)]
+    )
     # Hosts the tenant's tool servers and model endpoints may reach (`host`, `host:port`,
     # `*.domain`), checked by `manage.py apply`; null: not restricted.
     egress_hosts = models.JSONField(null=True, blank=True)

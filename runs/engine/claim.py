@@ -11,7 +11,9 @@ It reads as: read, decide, apply, act.
              as `dispatching` (runs/engine/dispatch.reserve_and_mark) and handed on as a Plan
     act      the caller (runs.engine.advance) makes the call, outside any transaction
 
-Everything here runs in the claim's one short transaction and needs no network.
+Everything here runs in the claim's one short transaction and needs no network, but for the
+model call's one round trip to the endpoint's shared quota in Redis (runs/engine/model_step.quota_wait),
+asked before anything is reserved so that a call told to wait leaves nothing to undo.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from llm import gateway as model_gateway
 from observability import observe
 from runs import kill_switches, statements
 from runs.approval_effects import request_approval
-from runs.engine import conversation, decisions, loops, platform_tools, writer
+from runs.engine import conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
 from runs.models import ClaimReads, Run, RunStatus, Step, StepKind, StepStatus
@@ -272,6 +274,11 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)
+    # Providers count a request's tokens as its input and its output cap, as the reservation does.
+    wait = model_step.quota_wait(run, endpoint, seq, tokens=input_tokens + request.max_output_tokens)
+    if wait is not None:
+        writer.wait_for_quota(run, wait)
+        return None
     summary = model_gateway.request_summary(request, input_tokens=input_tokens)
     summary["endpoint"] = endpoint.name
     return _new_plan(

@@ -18,6 +18,7 @@ of the engine is written once, here, and tested from tables of cases without Pos
     authorization_turn(...)       a call to an OAuth-protected server without the user's
                                   connection: wait for the user to connect, or refuse
     after_unauthorized(...)       the server answered 401 to the call: wait, or refuse
+    quota_turn(seq, admission)    whether the model call waits for its endpoint's shared quota
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -181,6 +182,16 @@ class WaitForRetry:
 
 
 @dataclass(frozen=True, slots=True)
+class WaitForQuota:
+    """The endpoint's shared quota (llm/quotas.py) has no room for the model call yet: nothing is
+    reserved or dispatched; the run's next message is sent with this countdown."""
+
+    seq: int
+    countdown: float
+    limit: str  # what held it: requests, tokens, fair_share, retry_after
+
+
+@dataclass(frozen=True, slots=True)
 class RecoverModel:
     """A model call lost with its worker: hold its reservation, mark it unknown, call again."""
 
@@ -274,6 +285,7 @@ Decision = (
     | CallModel
     | OpenToolCall
     | WaitForRetry
+    | WaitForQuota
     | RecoverModel
     | Poison
     | Retry
@@ -565,3 +577,19 @@ def after_unauthorized(seq: int, *, presented: bool, server: str) -> WaitForAuth
     if presented:
         return Refuse(seq, f"{server} refused the user's token; the connection was revoked")
     return WaitForAuthorization(seq, server)
+
+
+# --- the endpoint's shared quota before a model call ---------------------------------------------
+
+# A quota wait longer than this is taken in several countdowns: the run asks again (one Redis
+# round trip in its claim) rather than sit silent long enough for the sweeper to find its message
+# lost (QUEUED_TOO_LONG_SECONDS).
+LONGEST_QUOTA_COUNTDOWN = 10.0
+
+
+def quota_turn(seq: int, wait_seconds: float, limit: str) -> WaitForQuota | None:
+    """Whether the model call of step `seq` waits for its endpoint's quota (the limiter's answer:
+    `wait_seconds` 0 is "go now")."""
+    if wait_seconds <= 0:
+        return None
+    return WaitForQuota(seq, min(wait_seconds, LONGEST_QUOTA_COUNTDOWN), limit)

@@ -1,6 +1,8 @@
 """A model step: call the model, then settle and record in one transaction (runs/engine/__init__.py).
 
-The claim has reserved the call's budget and committed the step as `dispatching`.
+Before the claim reserves the call's budget and commits the step as `dispatching`, it asks the
+endpoint's shared quota (`quota_wait`); a provider's Retry-After slows every caller of the
+endpoint (`_throttled`).
 """
 
 from __future__ import annotations
@@ -14,19 +16,39 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
-from llm import breaker, fallback
+from llm import breaker, fallback, quotas
 from llm import gateway as model_gateway
+from llm.models import ModelEndpoint
 from llm.types import ProviderError, ToolCall
 from observability import observe
-from runs.engine import heartbeat, proposals, writer
+from runs.engine import decisions, heartbeat, proposals, writer
 from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
 from runs.engine.types import ModelPlan, Plan, fenced
-from runs.models import RunStatus, Step, StepStatus
+from runs.models import Run, RunStatus, Step, StepStatus
 from runs.queueing import continue_run
 from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
 from tenants import secrets
 
 log = logging.getLogger(__name__)
+
+
+def quota_wait(run: Run, endpoint: ModelEndpoint, seq: int, *, tokens: int) -> decisions.WaitForQuota | None:
+    """Ask the endpoint's shared quota for the call (llm/quotas.py): None to go now.
+
+    In the claim's transaction, with the run row locked, before anything is reserved: a call that
+    waits leaves nothing to undo. It is one Redis round trip with a short timeout (the limiter
+    lets the call go if Redis does not answer), not a provider call.
+    """
+    admission = quotas.admit(
+        endpoint, tenant=run.tenant.slug, weight=run.tenant.quota_weight, tokens=tokens, caller=str(run.pk)
+    )
+    return decisions.quota_turn(seq, admission.wait_seconds, admission.limit)
+
+
+def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> None:
+    """The provider said when to come back: so does every other run calling that account."""
+    if exc.retryable and exc.retry_after is not None:
+        quotas.slow_down(endpoint, exc.retry_after)
 
 
 def do_model(plan: Plan) -> None:
@@ -41,6 +63,7 @@ def do_model(plan: Plan) -> None:
             call.replied(reply, cost)
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
+        _throttled(model.endpoint, exc)
         close_old_connections()
         failure = exc  # `exc` is unbound once the except block ends
         kind = fallback.error_class(failure)

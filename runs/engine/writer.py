@@ -104,6 +104,29 @@ def park(run: Run, decision: decisions.Park) -> None:
     transition_run(run, decision.status, message=decision.message)
 
 
+def wait_for_quota(run: Run, decision: decisions.WaitForQuota) -> None:
+    """The model call waits for its endpoint's shared quota: no lease, no reservation, no step;
+    the run's next message comes with the countdown and asks again."""
+    record_event(
+        run.pk,
+        "quota_wait",
+        f"step {decision.seq} model call waits {decision.countdown:.2f}s for the endpoint's quota "
+        f"({QUOTA_LIMITS.get(decision.limit, decision.limit)})",
+        step_seq=decision.seq,
+        limit=decision.limit,
+        countdown=round(decision.countdown, 3),
+    )
+    continue_run(run, countdown=decision.countdown)
+
+
+QUOTA_LIMITS = {
+    "requests": "requests per minute",
+    "tokens": "tokens per minute",
+    "fair_share": "other tenants' turn",
+    "retry_after": "the provider asked to wait",
+}
+
+
 def pause(run: Run) -> None:
     """An operator's pause requested during a call, taken at this step boundary: the run waits as
     a row (no lease, no message) until runs.pausing.resume_run re-enqueues it."""

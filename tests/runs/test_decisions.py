@@ -278,3 +278,18 @@ def test_a_401_waits_for_a_connection_unless_the_users_own_token_was_refused():
     assert d.after_unauthorized(2, presented=False, server="cards") == d.WaitForAuthorization(2, "cards")
     refused = d.after_unauthorized(2, presented=True, server="cards")
     assert isinstance(refused, d.Refuse) and "refused the user's token" in refused.reason
+
+
+@pytest.mark.parametrize(
+    "wait,limit,expected",
+    [
+        (0.0, "", None),
+        (0.0, "unavailable", None),  # the limiter could not be asked: the call goes
+        (0.25, "requests", d.WaitForQuota(4, 0.25, "requests")),
+        (3.0, "fair_share", d.WaitForQuota(4, 3.0, "fair_share")),
+        # A long Retry-After is waited in countdowns the sweeper does not take for a lost message.
+        (90.0, "retry_after", d.WaitForQuota(4, d.LONGEST_QUOTA_COUNTDOWN, "retry_after")),
+    ],
+)
+def test_a_model_call_waits_for_its_endpoints_quota_only_when_told(wait, limit, expected):
+    assert d.quota_turn(4, wait, limit) == expected
