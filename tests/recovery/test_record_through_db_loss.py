@@ -75,10 +75,13 @@ def _record_with_kill(run, bank, n: int) -> KillBackendAt:
 
 def test_it_records_an_unsafe_tools_answer_whatever_statement_the_connection_dies_at(tenant, asha, bank):
     _email_agent(tenant, asha, bank)
-    # How many statements the record makes, counted on an undisturbed run.
+    # How many statements the record makes, counted on an undisturbed run (the second: the first
+    # may also fill this process's caches, the tenant's secrets say). The lock and the one closing
+    # statement go through Django's cursor; the budget's settle is a prepared statement of its own.
+    _record_with_kill(_email_run(asha), bank, n=10**6)
     counting = _record_with_kill(_email_run(asha), bank, n=10**6)
     statements = counting.seen
-    assert statements >= 3
+    assert statements >= 2
 
     for n in range(1, statements + 1):
         run = _email_run(asha)
@@ -92,7 +95,7 @@ def test_it_records_an_unsafe_tools_answer_whatever_statement_the_connection_die
         assert not events(run.pk, "late_attempt"), n
         assert [r.status for r in Reservation.objects.filter(step=step)] == ["settled"], n
     # One email per run, none sent twice.
-    assert len(bank.effects("send_customer_email")) == statements + 1
+    assert len(bank.effects("send_customer_email")) == statements + 2
 
 
 def test_it_records_a_model_reply_whatever_statement_the_connection_dies_at(tenant, asha, bank):
@@ -118,8 +121,9 @@ def test_it_records_a_model_reply_whatever_statement_the_connection_dies_at(tena
             advance(run.pk)
         return run, killer
 
+    record_model_step(10**6)  # warms this process's caches: the next count is every run's
     statements = record_model_step(10**6)[1].seen
-    assert statements >= 3
+    assert statements >= 2
     for n in range(1, statements + 1):
         run, killer = record_model_step(n)
         assert killer.killed_sql, f"statement {n} was never reached"
