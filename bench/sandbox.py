@@ -92,6 +92,25 @@ def bare_starts(n: int) -> list[float]:
     return out
 
 
+def bwrap_starts(backend, n: int) -> list[float]:
+    """bwrap alone around the same start, run by hand as root: the namespaces, /usr, a private
+    /proc and /dev, nothing of the runner (no cgroup, uid, seccomp, harness, work directory).
+    What is left above the bare interpreter is bubblewrap's own cost: no runner change goes
+    below this line."""
+    args = [backend.bwrap, "--unshare-all", "--unshare-user", "--as-pid-1", "--die-with-parent"]
+    args += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+    for link in ("lib", "lib64", "bin", "sbin"):
+        if os.path.islink(f"/{link}"):
+            args += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+    args += ["/usr/bin/python3", "-I", "-S", "-B", "-c", "pass"]
+    out = []
+    for _ in range(n):
+        began = time.perf_counter()
+        subprocess.run(args, env={}, check=True)
+        out.append(time.perf_counter() - began)
+    return out
+
+
 def inside(backend, code: str, files: dict, rounds: int) -> tuple[float, str]:
     execution = Execution(code=code.format(d="/in"), inputs=files, limits=Limits())
     times, answer = [], ""
@@ -160,6 +179,12 @@ def main() -> None:
         n = args.starts if name == "bubblewrap" else max(10, args.starts // 4)
         s = starts(backend, n)
         print(f"\n== {name}")
+        if name == "bubblewrap":
+            floor = bwrap_starts(backend, n)
+            print(
+                f"bare bwrap (namespaces, /usr, /proc, /dev) python -c pass, no runner: "
+                f"p50 {pct(floor, 0.5) * 1000:.1f} ms, p95 {pct(floor, 0.95) * 1000:.1f} ms"
+            )
         print(
             f"start (python -c pass, whole execution): p50 {pct(s, 0.5) * 1000:.1f} ms, p95 {pct(s, 0.95) * 1000:.1f} ms ({n} starts)"
         )
@@ -175,6 +200,7 @@ def main() -> None:
         print(
             f"parallel: {parallel(backend, args.parallel, total):.1f} executions/s with {args.parallel} at once"
         )
+    print(f"\nload at the end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,20 +16,26 @@ Bubblewrap, in the order it happens:
 4. the runner watches wall clock, CPU (cpuacct) and output size, and kills the cgroup's
    processes on a limit;
 5. only once the cgroup is empty are /out's regular files read (no symlink, fifo or device is
-   followed), then the tmpfs is unmounted and the cgroup removed.
+   followed) and the counters read; then the outcome is returned while a sweeper thread
+   unmounts the tmpfs, removes the work directory and the cgroup: that teardown waits on the
+   kernel dropping the sandbox's mount namespace (milliseconds under load) and nothing in the
+   outcome depends on it. Nothing of the sandbox is left running by then: the cgroup is empty.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import os
+import queue
 import selectors
 import shutil
 import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 
@@ -88,6 +94,9 @@ class Backend:
     def execute(self, execution: Execution, *, slot: int) -> Outcome:
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """Work done once when a runner starts, not on the path of any execution."""
+
 
 def input_name(name: str) -> str:
     """An input file's name inside /in: a plain file name, nothing that walks out of it."""
@@ -120,7 +129,8 @@ def _umount(path: str) -> None:
 
 def _prepare_work_dir(root: str, execution: Execution, uid: int) -> str:
     os.makedirs(root, mode=0o711, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="x-", dir=root)
+    # named after this process, so that a later runner can tell a dead one's leftovers
+    work = tempfile.mkdtemp(prefix=f"x-{os.getpid()}-", dir=root)
     try:
         return _fill_work_dir(work, execution, uid)
     except BaseException:
@@ -143,6 +153,72 @@ def _fill_work_dir(work: str, execution: Execution, uid: int) -> str:
     os.mkdir(out, 0o700)
     _mount_tmpfs(out, size=execution.limits.output_bytes, inodes=execution.limits.output_files + 1, uid=uid)
     return work
+
+
+class _Sweeper:
+    """Removes what executions leave on the host (the work directory with its /out tmpfs, the
+    empty cgroup), in order, off the path of the call; drained when the process exits."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, work: str, group: cgroups.Cgroup) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sandbox-sweeper", daemon=True)
+                self._thread.start()
+                atexit.register(self.drain)
+        self._queue.put((work, group))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._sweep(*item)
+
+    @staticmethod
+    def _sweep(work: str, group: cgroups.Cgroup) -> None:
+        _umount(os.path.join(work, "out"))
+        shutil.rmtree(work, ignore_errors=True)
+        group.remove()
+
+    def drain(self) -> None:
+        """Let every pending removal finish (at exit the daemon thread would be cut short)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join(timeout=30)
+        while True:  # whatever a stuck thread left
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._sweep(*item)
+
+
+def remove_stale(work_root: str) -> None:
+    """What runners that are gone left on the host (killed between an answer and its sweep, or
+    mid-execution): work directories and empty cgroups named after a pid no longer running."""
+    try:
+        names = os.listdir(work_root)
+    except OSError:
+        names = []
+    for name in names:
+        pid = name.split("-")[1] if name.startswith("x-") and name.count("-") >= 2 else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            work = os.path.join(work_root, name)
+            _umount(os.path.join(work, "out"))
+            shutil.rmtree(work, ignore_errors=True)
+    cgroups.remove_stale()
+
+
+_sweeper = _Sweeper()
 
 
 def _collect(out: str, limits: Limits) -> tuple[dict[str, bytes], list[str], bool]:
@@ -209,6 +285,9 @@ class Bubblewrap(Backend):
         if not os.path.isdir(os.path.join(self.runtime, "site-packages")):
             raise BackendUnavailable(f"no sandbox runtime at {self.runtime} (scripts/ensure_sandbox.sh)")
         seccomp_filter.compiled()
+
+    def prepare(self) -> None:
+        remove_stale(self.work_root)
 
     def _bwrap_args(self, work: str, limits: Limits, seccomp_fd: int | None, report_fd: int) -> list[str]:
         args = [self.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
@@ -329,27 +408,32 @@ class Bubblewrap(Backend):
                 files, skipped, over = _collect(os.path.join(work, "out"), limits)
             except OSError:
                 files, skipped, over = {}, [], False
-            _umount(os.path.join(work, "out"))
-            shutil.rmtree(work, ignore_errors=True)
+            # the counters are read before the group goes to the sweeper
+            cpu, peak, oom, refused = (
+                group.cpu_seconds(),
+                group.memory_peak(),
+                group.oom_killed(),
+                group.pids_refused(),
+            )
+            _sweeper.put(work, group)
         outcome.files, outcome.skipped = files, skipped
         if over and not outcome.limit:
             outcome.limit = OUTPUT
-        outcome.cpu_seconds = group.cpu_seconds()
-        outcome.memory_peak_bytes = group.memory_peak()
-        if group.oom_killed():
+        outcome.cpu_seconds = cpu
+        outcome.memory_peak_bytes = peak
+        if oom:
             outcome.limit = MEMORY
-        elif group.pids_refused() and outcome.exit_code != 0:
+        elif refused and outcome.exit_code != 0:
             outcome.limit = PROCESSES
-        group.remove()
         return outcome
 
     def _watch(self, proc, execution, group, report_r, started) -> Outcome:
         limits = execution.limits
-        try:
-            proc.stdin.write(execution.code.encode())
-        except BrokenPipeError:
-            pass
-        proc.stdin.close()
+        for step in (lambda: proc.stdin.write(execution.code.encode()), proc.stdin.close):
+            try:
+                step()
+            except BrokenPipeError:
+                pass  # the launcher is gone already: its exit status says why
         streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
         seen = dict.fromkeys(streams, 0)
         report = bytearray()

@@ -97,9 +97,9 @@ class Cgroup:
             time.sleep(0.005)
         return not self.pids()
 
-    def remove(self) -> None:
+    def remove(self, *, tries: int = 200) -> None:
         for path in self.paths.values():
-            for _ in range(200):
+            for _ in range(tries):
                 try:
                     os.rmdir(path)
                     break
@@ -107,3 +107,19 @@ class Cgroup:
                     break
                 except OSError:
                     time.sleep(0.005)
+
+
+def remove_stale() -> None:
+    """Empty groups left by processes that are gone (a runner killed before its sweep)."""
+    parent = os.path.join(ROOT, CONTROLLERS[0], PARENT)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid, dash, _ = name.partition("-")
+        if not dash or not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        group = Cgroup(name)
+        if not group.pids():
+            group.remove(tries=1)

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -298,6 +299,10 @@ def serve(argv: list[str] | None = None) -> None:
         backend.check()
     except BackendUnavailable as exc:
         raise SystemExit(f"sandbox backend {args.backend} unavailable: {exc}") from None
+    backend.prepare()
+    # SIGTERM (make serve's stop, a test's terminate) exits through atexit, which lets the
+    # backend finish removing what the last executions left on the host
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     share = max(1, math.ceil(args.slots * args.tenant_share))
     runner = Runner(backend, slots=args.slots, tenant_share=share, cap=cap)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(runner))

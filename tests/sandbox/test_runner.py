@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import os
+import shutil
+import subprocess
 import time
 
 import httpx
+
+from sandbox import cgroups
+from sandbox.backends import _mount_tmpfs, _umount
+from tests.sandbox_runner import Runner
+
+WORK_ROOT = "/tmp/agentsandbox"  # the runner's default --work-root
 
 
 def execute(url: str, *, key: str, tenant: str = "t1", code: str = "print(1)", **extra) -> httpx.Response:
@@ -101,3 +110,54 @@ def test_one_tenants_backlog_of_fork_bombs_leaves_another_tenant_its_slots(runne
     assert honest.status_code == 200 and honest.json()["stdout"].strip() == "499500"
     assert took < 2.5, f"the quiet tenant waited {took:.1f} s behind the noisy one"
     assert all(r.status_code in (200, 503) for r in done)
+
+
+def _leftovers(pid: int) -> list[str]:
+    work = [n for n in os.listdir(WORK_ROOT) if n.startswith(f"x-{pid}-")] if os.path.isdir(WORK_ROOT) else []
+    groups = [
+        f"{c}/{n}"
+        for c in cgroups.CONTROLLERS
+        for n in os.listdir(os.path.join(cgroups.ROOT, c, cgroups.PARENT))
+        if n.startswith(f"{pid}-")
+    ]
+    return work + groups
+
+
+def test_a_stopped_runner_leaves_no_work_directory_or_cgroup_behind():
+    # the teardown runs after the answer: stopping the runner must still let it finish
+    runner = Runner(slots=2).start()
+    try:
+        for i in range(3):
+            r = execute(runner.url, key=f"k-left-{i}", code="open('/out/a.txt', 'w').write('x')")
+            assert r.status_code == 200, r.text
+    finally:
+        runner.stop()
+    assert runner.proc.returncode == 0
+    assert _leftovers(runner.proc.pid) == []
+
+
+def test_a_runner_start_removes_what_a_killed_runner_left():
+    gone = subprocess.Popen(["/bin/true"])
+    gone.wait()  # a pid no process has any more, as a killed runner's
+    work = os.path.join(WORK_ROOT, f"x-{gone.pid}-stale")
+    os.makedirs(os.path.join(work, "in"))
+    os.makedirs(os.path.join(work, "out"))
+    with open(os.path.join(work, "in", "card.csv"), "w") as f:
+        f.write("txn_id,amount\n1,10\n")
+    _mount_tmpfs(os.path.join(work, "out"), size=1 << 20, inodes=4, uid=0)
+    stale = cgroups.Cgroup(f"{gone.pid}-stale")
+    stale.create(memory_bytes=64 << 20, processes=8, cores=1)
+    alive = cgroups.Cgroup(f"{os.getpid()}-alive")  # a running process's group is not touched
+    alive.create(memory_bytes=64 << 20, processes=8, cores=1)
+    runner = Runner(slots=2)
+    try:
+        runner.start()
+        assert _leftovers(gone.pid) == []
+        assert not any(m.split()[1] == os.path.join(work, "out") for m in open("/proc/mounts"))
+        assert all(os.path.isdir(p) for p in alive.paths.values())
+    finally:
+        runner.stop()
+        alive.remove()
+        stale.remove()
+        _umount(os.path.join(work, "out"))
+        shutil.rmtree(work, ignore_errors=True)
