@@ -252,3 +252,26 @@ def test_apply_refuses_bad_reminder_settings_with_the_field_named(acme):
         "tools[0].escalate_to": "no group named 'audit' in this tenant"
     }
     assert not ReminderRule.objects.exists()
+
+
+def test_the_example_of_docs_policies_md_applies_and_schedules_as_it_says(acme):
+    """The YAML of docs/policies.md's "Reminders and escalation", on acme's tools in place of the bank's."""
+    import re
+
+    import yaml
+
+    from approvals.reminders import schedule_for
+    from tests.servers import ROOT
+
+    doc = (ROOT / "docs" / "policies.md").read_text()
+    section = doc[doc.index("## Reminders and escalation") :]
+    data = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    data["tenant"]["slug"] = "acme"
+    for tool, ours in zip(data["tools"], ["echo", "noop"], strict=True):
+        tool.update(server="platform", name=ours)
+    data["groups"] = [{"name": "duty-managers"}]
+    apply_config(data)
+
+    refund, lookup = (schedule_for(acme.tools[name]) for name in ("echo", "noop"))
+    assert (refund.remind_after, refund.escalate_after, refund.escalate_to.name) == (1800, 2700, "duty-managers")
+    assert (lookup.remind_after, lookup.escalate_after, lookup.escalate_to.name) == (None, 7200, "duty-managers")
