@@ -2,7 +2,8 @@
 
 Two phases, run by one periodic task (tasks.notify) every NOTIFY_INTERVAL_SECONDS:
 
-1. `scan`: read RunEvents past a cursor (approval requested, run entered needs_attention) and
+1. `scan`: read RunEvents past a cursor (approval requested, reminded or escalated by the sweeper,
+   run entered needs_attention) and
    pending approvals about to expire, and create one Delivery per (webhook, subject, event). The
    unique constraint makes the scan idempotent, so scans may overlap and events may be re-read.
    The engine is not touched: it already writes these events.

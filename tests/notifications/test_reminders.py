@@ -273,5 +273,33 @@ def test_the_example_of_docs_policies_md_applies_and_schedules_as_it_says(acme):
     apply_config(data)
 
     refund, lookup = (schedule_for(acme.tools[name]) for name in ("echo", "noop"))
-    assert (refund.remind_after, refund.escalate_after, refund.escalate_to.name) == (1800, 2700, "duty-managers")
-    assert (lookup.remind_after, lookup.escalate_after, lookup.escalate_to.name) == (None, 7200, "duty-managers")
+    assert (refund.remind_after, refund.escalate_after, refund.escalate_to.name) == (
+        1800,
+        2700,
+        "duty-managers",
+    )
+    assert (lookup.remind_after, lookup.escalate_after, lookup.escalate_to.name) == (
+        None,
+        7200,
+        "duty-managers",
+    )
+
+
+def test_the_api_shows_the_times_and_lists_the_approval_to_the_group_once_escalated(acme):
+    from rest_framework.test import APIClient
+
+    configure(acme)
+    approval = parked_approval(acme)
+    client = APIClient()
+    client.force_authenticate(User.objects.get(username="meera"))
+    assert client.get("/v1/approvals").json()["results"] == []
+
+    remind_approvals(now=later(11))
+    remind_approvals(now=later(61))
+
+    listed = client.get("/v1/approvals").json()["results"]
+    assert [a["id"] for a in listed] == [str(approval.pk)]
+    assert listed[0]["escalated_to"] == "risk"
+    assert listed[0]["reminded_at"] is not None and listed[0]["escalated_at"] is not None
+    answer = client.post(f"/v1/approvals/{approval.pk}/deny", {"reason": "not today"}, format="json")
+    assert answer.status_code == 200 and answer.json()["status"] == "denied"
