@@ -31,8 +31,9 @@ from agentplatform.admin_site import (
     time_left,
 )
 from agentplatform.errors import DomainError
+from approvals import reminders
 from approvals.models import Approval, ApprovalStatus
-from approvals.selectors import approvable_tools, approvals_for
+from approvals.selectors import approvable_tools, approvals_for, escalated_to
 from budgets.models import BudgetAccount
 from runs.admin import conversation
 from runs.approval_effects import correct_approval, decide_approval
@@ -142,6 +143,27 @@ def cost_so_far(run) -> dict:
     }
 
 
+def follow_ups(approval: Approval) -> list[tuple[str, str]]:
+    """The approval's reminder and escalation, as (label, what happened or is due), for its page."""
+    zone = approval.tenant.zone
+
+    def at(moment) -> str:
+        return moment.astimezone(zone).strftime("%H:%M on %d %b %Y")
+
+    rows = []
+    if approval.reminded_at:
+        rows.append(("Reminded", f"at {at(approval.reminded_at)}"))
+    elif approval.remind_at:
+        rows.append(("Reminder", f"due at {at(approval.remind_at)}"))
+    group = approval.escalate_to.name if approval.escalate_to else "(group removed)"
+    if approval.escalated_at:
+        names = ", ".join(user.username for user in reminders.members(approval)) or "no members"
+        rows.append(("Escalated", f"to {group} ({names}) at {at(approval.escalated_at)}"))
+    elif approval.escalate_at:
+        rows.append(("Escalation", f"to {group} due at {at(approval.escalate_at)}"))
+    return rows
+
+
 class ReasonForm(forms.Form):
     reason = forms.CharField(
         required=False,
@@ -210,7 +232,13 @@ class ApprovalAdmin(ReadOnlyAdmin):
         user = request.user
         if not (user.is_active and user.is_staff):  # e.g. the anonymous user on the login page
             return False
-        return user.is_superuser or (user.tenant_id is not None and approvable_tools(user).exists())
+        if user.is_superuser:
+            return True
+        # Members of a group an approval was escalated to see (and decide) that approval.
+        return user.tenant_id is not None and (
+            approvable_tools(user).exists()
+            or Approval.objects.filter(escalated_to(user), tenant_id=user.tenant_id).exists()
+        )
 
     def has_module_permission(self, request):
         return self.has_view_permission(request)
@@ -388,6 +416,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "effect": effect_meaning(approval.tool),
             "cost_so_far": cost_so_far(approval.run),
             "can_open_run": approval.run_visible,
+            "follow_ups": follow_ups(approval),
         }
         return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
 

@@ -23,6 +23,12 @@ class ApprovalOutput(serializers.ModelSerializer):
     decided_by = serializers.CharField(source="decided_by.username", allow_null=True, default=None)
     arguments = JsonObjectField(help_text="the exact arguments of the call being approved")
     repeated = serializers.SerializerMethodField(help_text="on a decision: true when it repeats your own")
+    escalated_to = serializers.CharField(
+        source="escalate_to.name",
+        allow_null=True,
+        default=None,
+        help_text="the group it is escalated to at escalate_at (done: escalated_at), whose members may then decide",
+    )
     detail = serializers.SerializerMethodField(
         help_text='on a repeated decision, what happened the first time: "already approved by ravi at ..."'
     )
@@ -53,6 +59,11 @@ class ApprovalOutput(serializers.ModelSerializer):
             "expires_at",
             "decided_at",
             "consumed_at",
+            "remind_at",
+            "reminded_at",
+            "escalate_at",
+            "escalated_at",
+            "escalated_to",
             "repeated",
             "detail",
         ]

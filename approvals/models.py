@@ -65,9 +65,31 @@ class Approval(models.Model):
     expires_at = models.DateTimeField(db_index=True)
     decided_at = models.DateTimeField(null=True, blank=True)
     consumed_at = models.DateTimeField(null=True, blank=True)
+    # Reminders and escalation (approvals/reminders.py): when they fall due, fixed at the request
+    # from the tenant's and the tool's ReminderRule like expires_at, and when each was done (once).
+    remind_at = models.DateTimeField(null=True, blank=True)
+    escalate_at = models.DateTimeField(null=True, blank=True)
+    escalate_to = models.ForeignKey(
+        "tenants.TenantGroup", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    reminded_at = models.DateTimeField(null=True, blank=True)
+    escalated_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["created_at"]
+        indexes = [
+            # The sweeper's two passes read only pending approvals with something still to do.
+            models.Index(
+                fields=["remind_at"],
+                name="approval_reminder_due",
+                condition=models.Q(status="pending", reminded_at__isnull=True, remind_at__isnull=False),
+            ),
+            models.Index(
+                fields=["escalate_at"],
+                name="approval_escalation_due",
+                condition=models.Q(status="pending", escalated_at__isnull=True, escalate_at__isnull=False),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.tool.name} for run {self.run_id} ({self.status})"
@@ -191,3 +213,29 @@ class ShadowDecision(models.Model):
     outcome = models.CharField(max_length=8, choices=Outcome.choices)
     policies = models.JSONField(default=list)  # ids of the policies that decided it
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+
+class ReminderRule(models.Model):
+    """When a pending approval is reminded of and escalated, from the tenant's configuration file:
+    the tenant's rule (tool null) and a tool's, which overrides it key by key. On a tool's rule a
+    null field inherits the tenant's and 0 turns it off; escalate_to goes with escalate_after."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    tool = models.ForeignKey("tools.Tool", null=True, on_delete=models.CASCADE, related_name="+")
+    remind_after_seconds = models.PositiveIntegerField(null=True)
+    escalate_after_seconds = models.PositiveIntegerField(null=True)
+    escalate_to = models.ForeignKey(
+        "tenants.TenantGroup", null=True, on_delete=models.PROTECT, related_name="+"
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant"], condition=models.Q(tool__isnull=True), name="uniq_reminder_rule_tenant"
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "tool"],
+                condition=models.Q(tool__isnull=False),
+                name="uniq_reminder_rule_tool",
+            ),
+        ]

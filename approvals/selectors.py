@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import uuid
 
+from django.db.models import Q
+
 from agentplatform.errors import NotFound
 from approvals.models import Approval
 from tenants import permissions
@@ -15,11 +17,17 @@ def approvable_tools(user):
     )
 
 
+def escalated_to(user) -> Q:
+    """Approvals escalated to a group the user belongs to (approvals/reminders.py)."""
+    return Q(escalated_at__isnull=False, escalate_to__group__in=user.groups.all())
+
+
 def approvals_for(user, *, status: str | None = None, tool: str | None = None, run: uuid.UUID | None = None):
-    """Approvals in the caller's tenant for tools on which the caller holds approve_tool."""
+    """Approvals in the caller's tenant for tools on which the caller holds approve_tool, and those
+    escalated to one of the caller's groups."""
     approvals = Approval.objects.filter(
-        tenant_id=user.tenant_id, tool__in=approvable_tools(user)
-    ).select_related("tool", "requested_by", "decided_by", "step", "run")
+        Q(tool__in=approvable_tools(user)) | escalated_to(user), tenant_id=user.tenant_id
+    ).select_related("tool", "requested_by", "decided_by", "step", "run", "escalate_to")
     if status:
         approvals = approvals.filter(status=status)
     if tool:

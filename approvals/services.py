@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
-from approvals import calls, cedar
+from approvals import calls, cedar, reminders
 from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import stricter
@@ -65,6 +65,13 @@ def can_approve(user, tool: Tool) -> bool:
     return permissions.holds(user, "approve_tool", Tool, tool.pk)
 
 
+def can_decide(user, approval: Approval) -> bool:
+    """approve_tool on the tool, or membership of the group the approval was escalated to."""
+    if not user.is_active or user.tenant_id != approval.tenant_id:
+        return False
+    return can_approve(user, approval.tool) or reminders.escalated_member(user, approval)
+
+
 def _transition(approval: Approval, to: str, *, where: dict | None = None, **fields) -> bool:
     """Move the approval from the status it was read in to `to` (APPROVAL_TRANSITIONS), or raise.
 
@@ -86,6 +93,8 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
     """The pending approval for this exact call (the caller records the event and parks the step)."""
     tool = _tool_of(step)
     ttl = tool.approval_ttl_seconds or run.tenant.approval_ttl_seconds
+    now = timezone.now()
+    expires_at = now + dt.timedelta(seconds=ttl)
     return Approval.objects.create(
         tenant_id=run.tenant_id,
         run=run,
@@ -103,7 +112,8 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
         policy_version=tool.policy_version,
         reason=decision.reason,
         requested_by_id=run.created_by_id,
-        expires_at=timezone.now() + dt.timedelta(seconds=ttl),
+        expires_at=expires_at,
+        **reminders.times_for(reminders.schedule_for(tool), now=now, expires_at=expires_at),
     )
 
 
@@ -137,7 +147,7 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     target = ApprovalStatus.APPROVED if approve else ApprovalStatus.DENIED
     if approval.requested_by_id == user.pk:
         raise Forbidden("you may not decide your own request", code="self_approval")
-    if not can_approve(user, approval.tool):
+    if not can_decide(user, approval):
         raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
     repeated = approval.decided_by_id == user.pk and (
         approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED)
@@ -208,7 +218,7 @@ def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str)
     if approval.requested_by_id == user.pk:
         raise Forbidden("you may not correct your own request", code="self_approval")
     tool = approval.tool
-    if not can_approve(user, tool):
+    if not can_decide(user, approval):
         raise Forbidden(f"you do not hold approve_tool on {tool.name}", code="not_an_approver")
     if approval.status != ApprovalStatus.PENDING:
         raise Conflict(f"approval is already {approval.status}", code=f"approval_{approval.status}")

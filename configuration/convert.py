@@ -132,6 +132,32 @@ def _seconds(maximum: int) -> Convert:
     return convert
 
 
+_DURATION = re.compile(r"(?:(\d{1,9})d)?(?:(\d{1,9})h)?(?:(\d{1,9})m)?(?:(\d{1,9})s)?")
+_DURATION_UNITS = (86400, 3600, 60, 1)
+
+
+def _duration(maximum: int) -> Convert:
+    """Whole seconds (`1800`) or a duration (`30m`, `2h`, `1h30m`, `1d`), at least 1 s, at most `maximum`."""
+
+    def convert(value: Any) -> int:
+        if isinstance(value, str) and value.strip() and not value.strip().isdigit():
+            match = _DURATION.fullmatch(value.strip())
+            if match is None or not any(match.groups()):
+                raise _Invalid(
+                    'must be whole seconds or a duration such as "90s", "30m", "2h", "1h30m", "1d"'
+                )
+            seconds = sum(int(n) * unit for n, unit in zip(match.groups(), _DURATION_UNITS, strict=True) if n)
+        else:
+            seconds = _int(0, INT_MAX)(value)
+        if seconds < 1:
+            raise _Invalid("must be at least 1 second")
+        if seconds > maximum:
+            raise _Invalid(f"must be at most {maximum} seconds")
+        return seconds
+
+    return convert
+
+
 def _not_negative(value: Any, maximum: Decimal | int) -> Decimal:
     number = _decimal(value)
     if number < 0:

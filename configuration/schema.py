@@ -15,6 +15,7 @@ from configuration.convert import (
     _choice,
     _compat,
     _currency,
+    _duration,
     _email,
     _exchange_rate,
     _hosts,
@@ -161,6 +162,10 @@ TENANT: Spec = {
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1, APPROVAL_TTL_MAX)),
+    # Reminders and escalation of pending approvals (configuration/reminders.py); null: none.
+    "remind_after": Field("remind_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
+    "escalate_after": Field("escalate_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
+    "escalate_to": Field("escalate_to", _nullable(_text(100, empty=False))),
     "pauses": {
         "on_killed_tool": Field("on_killed_tool", _choice(Tenant.OnKilledTool.values)),
         "paused_time_counts": Field("paused_time_counts", _bool),
@@ -282,6 +287,10 @@ TOOL: Spec = {
     "effect": Field("effect_class", _choice(EffectClass.values)),
     "approval": Field("approval_policy", _policy),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1, APPROVAL_TTL_MAX))),
+    # Override the tenant's, key by key; null turns the tool's reminder or escalation off.
+    "remind_after": Field("remind_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
+    "escalate_after": Field("escalate_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
+    "escalate_to": Field("escalate_to", _text(100, empty=False)),
     "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
     "price": Field("price_micros", _money),
     "max_attempts": Field("max_attempts", _int(1, 20)),
@@ -307,6 +316,7 @@ AGENT: Spec = {
     "versions": Field("versions", _spec_list),
     "aliases": Field("aliases", _aliases),
 }
+REMINDER_KEYS = ("remind_after_seconds", "escalate_after_seconds", "escalate_to")
 HTTP_ONLY = ("description", "input_schema", "http_url", "status_url")
 
 

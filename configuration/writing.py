@@ -19,12 +19,13 @@ from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from budgets.models import BudgetAccount
 from budgets.services import local_day, set_day_limit
-from configuration import delegation
+from configuration import delegation, reminders
 from configuration.report import ApplyReport
 from configuration.schema import (
     AGENT_PERMS,
     HTTP_ONLY,
     PERMS,
+    REMINDER_KEYS,
     TENANT_PERMS,
     TOOL,
     TOOL_DESTINATION,
@@ -99,11 +100,12 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
             apply_item(item, ctx)
     delegation.apply_identity_provider(plan.identity_provider, ctx.tenant, ctx.problems, ctx.report)
     _apply_tenant_grants(plan.tenant, ctx)
+    reminders.apply(ctx.tenant, plan, ctx.problems, ctx.report)
     return report
 
 
 def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
-    values = {k: v for k, v in item.values.items() if k not in ("slug", "view_runs")}
+    values = {k: v for k, v in item.values.items() if k not in ("slug", "view_runs", *REMINDER_KEYS)}
     tenant = Tenant.objects.filter(slug=item.key).first()
     if tenant is None:
         values.setdefault("name", item.key)
@@ -306,7 +308,7 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
 
 
 def _apply_tool(item: Item, ctx: _Context) -> None:
-    values = dict(item.values)
+    values = {k: v for k, v in item.values.items() if k not in REMINDER_KEYS}  # configuration/reminders.py
     server_name, remote_name = values.pop("server"), values.pop("remote_name")
     if ctx.plan.is_dropped("tool_servers", server_name):
         # Its server was left out for its own errors: the stored row is not what the file means.

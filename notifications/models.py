@@ -16,6 +16,9 @@ from tenants.crypto import decrypt, encrypt
 class Event(models.TextChoices):
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_EXPIRING = "approval_expiring"
+    # A pending approval's reminder, then its escalation to another group (approvals/reminders.py).
+    APPROVAL_REMINDER = "approval_reminder"
+    APPROVAL_ESCALATED = "approval_escalated"
     RUN_NEEDS_ATTENTION = "run_needs_attention"
     RUN_PAUSED = "run_paused"  # an operator's or a kill switch's pause taken (runs/pausing.py)
     RUN_RESUMED = "run_resumed"

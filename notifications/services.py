@@ -2,7 +2,8 @@
 
 Two phases, run by one periodic task (tasks.notify) every NOTIFY_INTERVAL_SECONDS:
 
-1. `scan`: read RunEvents past a cursor (approval requested, run entered needs_attention) and
+1. `scan`: read RunEvents past a cursor (approval requested, reminded or escalated by the sweeper,
+   run entered needs_attention) and
    pending approvals about to expire, and create one Delivery per (webhook, subject, event). The
    unique constraint makes the scan idempotent, so scans may overlap and events may be re-read.
    The engine is not touched: it already writes these events.
@@ -44,6 +45,7 @@ from notifications.models import (
 from notifications.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, signature
 from runs.models import RunEvent, RunStatus
 from tenants.crypto import SecretKeyError
+from tenants.models import User
 from tools.origins import OriginError, host_allowed
 
 BATCH = 500
@@ -77,8 +79,10 @@ def _wants(hook: Webhook, event: str) -> bool:
     return event in hook.events
 
 
+_REMINDERS = {"approval_reminder": Event.APPROVAL_REMINDER, "approval_escalated": Event.APPROVAL_ESCALATED}
 _WATCHED = (
     Q(kind="approval_requested")
+    | Q(kind__in=list(_REMINDERS))
     | Q(kind="status", data__to=RunStatus.NEEDS_ATTENTION)
     | Q(kind="status", data__to=RunStatus.WAITING_AUTHORIZATION)
     | Q(kind__in=["paused", "resumed"])
@@ -109,13 +113,16 @@ def _scan_run_events(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:
 
 
 def _event_deliveries(events: list[RunEvent], hooks: dict[int, list[Webhook]]) -> list[Delivery]:
-    approval_ids = [e.data.get("approval") for e in events if e.kind == "approval_requested"]
+    approval_ids = [
+        e.data.get("approval") for e in events if e.kind == "approval_requested" or e.kind in _REMINDERS
+    ]
     approvals = {
         str(a.pk): a
         for a in Approval.objects.filter(pk__in=[i for i in approval_ids if i]).select_related(
             "tool", "requested_by"
         )
     }
+    escalated = _members_by_username(events)
     deliveries = []
     for event in events:
         run = event.run
@@ -125,6 +132,25 @@ def _event_deliveries(events: list[RunEvent], hooks: dict[int, list[Webhook]]) -
                 continue
             kind, subject = Event.APPROVAL_REQUESTED, str(approval.pk)
             payload = {"occurred_at": event.at.isoformat(), **_approval_payload(approval, run)}
+        elif event.kind in _REMINDERS:
+            approval = approvals.get(str(event.data.get("approval")))
+            # Decided or expired since the sweeper recorded it: a reminder now would only mislead.
+            if approval is None or approval.status != ApprovalStatus.PENDING:
+                continue
+            kind, subject = _REMINDERS[event.kind], str(approval.pk)
+            payload = {
+                "occurred_at": event.at.isoformat(),
+                "pending_seconds": event.data.get("pending_seconds"),
+                **_approval_payload(approval, run),
+            }
+            if event.kind == "approval_escalated":
+                payload["escalated_to"] = {
+                    "group": event.data.get("group"),
+                    "members": [
+                        escalated.get((run.tenant_id, name), {"username": name})
+                        for name in event.data.get("members") or []
+                    ],
+                }
         elif event.kind in _PAUSES:
             kind, subject = _PAUSES[event.kind], f"{run.pk}:{event.seq}"
             payload = {
@@ -153,6 +179,25 @@ def _event_deliveries(events: list[RunEvent], hooks: dict[int, list[Webhook]]) -
             if _wants(hook, kind) and event.at >= hook.created_at:
                 deliveries.append(_delivery(hook, kind, subject, payload, run_id=run.pk))
     return deliveries
+
+
+def _members_by_username(events: list[RunEvent]) -> dict[tuple, dict]:
+    """(tenant id, username) -> the member as the receiver needs them, for escalation events (one
+    query for the batch; the usernames are those the escalation named, so the notice matches the
+    timeline)."""
+    names = {name for e in events if e.kind == "approval_escalated" for name in e.data.get("members") or []}
+    if not names:
+        return {}
+    return {
+        (user.tenant_id, user.username): {
+            "username": user.username,
+            "name": user.get_full_name(),
+            "email": user.email,
+        }
+        for user in User.objects.filter(
+            username__in=names, tenant_id__in={e.run.tenant_id for e in events}
+        ).only("username", "first_name", "last_name", "email", "tenant_id")
+    }
 
 
 def _scan_expiring(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:

@@ -30,7 +30,7 @@ from agentplatform.admin_site import (
     time_left,
 )
 from agentplatform.errors import DomainError, NotFound
-from approvals.services import can_approve
+from approvals.services import can_approve, can_decide
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
@@ -471,9 +471,10 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             "result": result_text(step),
             "usage": usage_of(step),
         }
-        if step.status == StepStatus.AWAITING_APPROVAL and step.tool and can_approve(request.user, step.tool):
+        if step.status == StepStatus.AWAITING_APPROVAL and step.tool:
             approval = getattr(step, "approval", None)
-            if approval is not None:
+            # can_decide: approve_tool, or a member of the group the approval was escalated to.
+            if approval is not None and can_decide(request.user, approval):
                 row["approval_url"] = reverse("admin:approvals_approval_change", args=[approval.pk])
         if step.status == StepStatus.OUTCOME_UNKNOWN and step.tool and can_approve(request.user, step.tool):
             row["resolve_form"] = ResolveForm(prefix=f"s{step.seq}")

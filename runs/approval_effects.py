@@ -11,6 +11,7 @@ from django.utils import timezone
 from agentplatform.digests import digest
 from agentplatform.errors import Conflict
 from agents.spec import spec_for
+from approvals import reminders
 from approvals import services as approvals
 from approvals.models import Approval
 from runs.models import (
@@ -148,3 +149,59 @@ def expire_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> int
                 _approval_expired(run, approval)
                 count += 1
     return count
+
+
+def remind_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> dict[str, int]:
+    """Remind of, then escalate, pending approvals past their times: each once, with its event.
+
+    The event is what the notification scan sends (approval_reminder, approval_escalated); the
+    guarded UPDATE under the run's lock (the order decide_approval takes) makes a second sweeper,
+    or one that runs after a decision or the expiry, do nothing.
+    """
+    now = now or timezone.now()
+    reminded = escalated = 0
+    for approval_id, run_id in reminders.due_reminders(now=now, limit=limit):
+        with transaction.atomic():
+            lock_run(run_id)
+            if not reminders.mark_reminded(approval_id, now=now):
+                continue
+            approval = Approval.objects.select_related("tool", "step").get(pk=approval_id)
+            waited = _waited(approval, now)
+            record_event(
+                run_id,
+                "approval_reminder",
+                f"approval for {approval.tool.name} still pending after {waited}: approvers reminded",
+                step_seq=approval.step.seq,
+                approval=str(approval.pk),
+                pending_seconds=int((now - approval.created_at).total_seconds()),
+            )
+            reminded += 1
+    for approval_id, run_id in reminders.due_escalations(now=now, limit=limit):
+        with transaction.atomic():
+            lock_run(run_id)
+            if not reminders.mark_escalated(approval_id, now=now):
+                continue
+            approval = Approval.objects.select_related("tool", "step", "escalate_to").get(pk=approval_id)
+            assert approval.escalate_to is not None  # mark_escalated requires it
+            group = approval.escalate_to.name
+            names = [user.username for user in reminders.members(approval)]
+            record_event(
+                run_id,
+                "approval_escalated",
+                f"approval for {approval.tool.name} still pending after {_waited(approval, now)}: "
+                f"escalated to {group} ({', '.join(names) or 'no members'})",
+                step_seq=approval.step.seq,
+                approval=str(approval.pk),
+                group=group,
+                members=names,
+                pending_seconds=int((now - approval.created_at).total_seconds()),
+            )
+            escalated += 1
+    return {"reminded": reminded, "escalated": escalated}
+
+
+def _waited(approval: Approval, now: dt.datetime) -> str:
+    seconds = int((now - approval.created_at).total_seconds())
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return " ".join(f"{n}{unit}" for n, unit in ((hours, "h"), (minutes, "m"), (seconds, "s")) if n) or "0s"

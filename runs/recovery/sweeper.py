@@ -28,7 +28,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from budgets.models import Reservation
 from runs import admission, pausing
-from runs.approval_effects import expire_approvals
+from runs.approval_effects import expire_approvals, remind_approvals
 from runs.authorization_effects import resume_authorized_waits
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.queueing import enqueue, resend
@@ -54,6 +54,8 @@ def sweep(now: dt.datetime | None = None) -> dict[str, int]:
         "pauses_ended": pausing.resume_due(now),
         "authorization_resumed": resume_authorized_waits(),
         "approvals_expired": expire_approvals(now=now),
+        # After the expiry pass: an approval that just expired is neither reminded nor escalated.
+        **{f"approvals_{key}": count for key, count in remind_approvals(now=now).items()},
         "orphan_reservations": budgets.release_orphans(now=now),
         "lost_attempts_held": _hold_lost_attempts(),
     }
