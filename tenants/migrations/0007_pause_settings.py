@@ -3,6 +3,8 @@
 
 from django.db import migrations, models
 
+from tenants.migrations._secret_triggers import create_on_sqlite, drop_on_sqlite
+
 
 class Migration(migrations.Migration):
     dependencies = [
@@ -10,6 +12,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.RunPython(drop_on_sqlite, create_on_sqlite),  # SQLite remakes the table
         migrations.AddField(
             model_name="tenant",
             name="on_killed_tool",
@@ -22,4 +25,5 @@ class Migration(migrations.Migration):
             name="paused_time_counts",
             field=models.BooleanField(default=False),
         ),
+        migrations.RunPython(create_on_sqlite, drop_on_sqlite),
     ]

@@ -143,8 +143,9 @@ def test_a_rotation_keeps_the_old_key_published_until_its_assertions_expire(tena
     assert later.kid in {k["kid"] for k in keys.jwks()["keys"]}
     assert keys.signing_key(timezone.now() + dt.timedelta(seconds=601))[0] == later.kid
     # Once an assertion's life (and a minute of skew) has passed since a key stopped signing, it
-    # is no longer published and its private half is erased.
-    gone = timezone.now() + dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 61)
+    # is no longer published and its private half is erased (plus the seconds a process may go on
+    # signing with the key it keeps: keys.KEY_CHECK_SECONDS).
+    gone = timezone.now() + dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 61 + keys.KEY_CHECK_SECONDS)
     assert old_kid not in {k["kid"] for k in keys.jwks(gone)["keys"]}
     assert keys.erase_expired(gone) == 1
     assert not SigningKey.objects.filter(kid=old_kid).exists()
