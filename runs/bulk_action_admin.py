@@ -41,7 +41,7 @@ class BulkForm(forms.ModelForm):
 
 
 @admin.register(BulkAction, site=site)
-class BulkActionAdmin(TenantScopedAdmin):
+class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
     list_display = ["at", "kind", "count", "actor", "reason", "tenant", "filters"]
     list_filter = ["kind"]
     ordering = ["-at"]
@@ -55,22 +55,6 @@ class BulkActionAdmin(TenantScopedAdmin):
 
     def get_readonly_fields(self, request, obj=None):
         return self.get_fields(request, obj) if obj is not None else []
-
-    def _may(self, request) -> bool:
-        user = request.user
-        # The admin asks every model's permissions on its login page too, for an anonymous user.
-        if not user.is_authenticated or not user.is_active:
-            return False
-        return pausing.may_pause(user, user.tenant_id)
-
-    def has_module_permission(self, request):
-        return self._may(request)
-
-    def has_view_permission(self, request, obj=None):
-        return self._may(request)
-
-    def has_add_permission(self, request):
-        return self._may(request)
 
     def has_change_permission(self, request, obj=None):
         return False  # the record of what was done stays as it was

@@ -28,7 +28,7 @@ class FlipForm(forms.ModelForm):
 
 
 @admin.register(KillSwitch, site=site)
-class KillSwitchAdmin(TenantScopedAdmin):
+class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
     list_display = ["scope", "target_name", "tenant", "on", "changed_by", "reason", "changed_at"]
     list_filter = ["on", "scope"]
     ordering = ["-on", "-changed_at"]
@@ -74,22 +74,6 @@ class KillSwitchAdmin(TenantScopedAdmin):
                 return Tenant.objects.filter(pk=request.user.tenant_id).first()
 
         return Checked
-
-    def _may(self, request) -> bool:
-        user = request.user
-        # The admin asks every model's permissions on its login page too, for an anonymous user.
-        if not user.is_authenticated or not user.is_active:
-            return False
-        return pausing.may_pause(user, user.tenant_id)
-
-    def has_module_permission(self, request):
-        return self._may(request)
-
-    def has_view_permission(self, request, obj=None):
-        return self._may(request)
-
-    def has_add_permission(self, request):
-        return self._may(request)
 
     def has_change_permission(self, request, obj=None):
         return self._may(request)

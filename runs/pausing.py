@@ -312,3 +312,24 @@ def _bulk(kind: str, *, actor, reason: str, filters: dict, until=None) -> BulkAc
     action.count = count
     BulkAction.objects.filter(pk=action.pk).update(count=count)
     return action
+
+
+class PausersOnly:
+    """For the admin pages of pausing's own records (bulk actions, kill switches): only whoever may
+    pause the tenant's runs sees or adds them. The admin asks every model's permissions on its
+    login page too, for an anonymous user: no."""
+
+    def _may(self, request) -> bool:
+        user = request.user
+        if not user.is_authenticated or not user.is_active:
+            return False
+        return may_pause(user, user.tenant_id)
+
+    def has_module_permission(self, request):
+        return self._may(request)
+
+    def has_view_permission(self, request, obj=None):
+        return self._may(request)
+
+    def has_add_permission(self, request):
+        return self._may(request)
