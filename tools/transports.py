@@ -18,7 +18,7 @@ import httpx
 
 from connections import services as connections
 from connections.models import ProtectedServer
-from runs.models import Run, Step
+from runs.models import Step
 from tenants.models import Secret
 from tools import run_python
 from tools.builtin import BUILTINS
@@ -117,7 +117,8 @@ def _mcp_config_as_user(
     config = mcp_config(server, authority=authority)
     if not ProtectedServer.objects.filter(server=server).exists():
         return config, None, ""
-    user_id = Run.objects.filter(pk=step.run_id).values_list("created_by_id", flat=True).get()
+    # The run the engine attached to the step (the claim's): no read of it per call.
+    user_id = step.run.created_by_id
     try:
         connection_id, token, audience = connections.token_for_call(user_id=user_id, server=server)
     except connections.ConnectionUnusable as exc:
