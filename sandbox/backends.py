@@ -202,6 +202,64 @@ class _Sweeper:
                 self._sweep(*item)
 
 
+def reachable_by_slots(path: str) -> bool:
+    """Whether any uid can reach `path`: bwrap runs as the slot's uid and opens the sources of
+    its binds with that uid's rights, so every directory above them must be searchable by others
+    (a checkout under /root or a mktemp directory, both 0700, is not)."""
+    path = os.path.abspath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        parent = os.path.dirname(path)
+        while True:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+            if parent == "/":
+                return True
+            parent = os.path.dirname(parent)
+    except OSError:
+        return False
+
+
+def staged_for_slots(runtime: str, harness: str, work_root: str) -> tuple[str, str]:
+    """The runtime and the harness, or, where a slot could not reach them, a copy of both under
+    the work root (hard links where it is the same file system), made once per runtime build.
+    The copy is what a sandbox binds read-only; the checkout itself stays as it is."""
+    if reachable_by_slots(runtime) and reachable_by_slots(harness):
+        return runtime, harness
+    build = os.stat(os.path.join(runtime, "site-packages"))
+    key = f"{build.st_dev:x}-{build.st_ino:x}-{int(build.st_mtime_ns):x}-{os.stat(harness).st_mtime_ns:x}"
+    os.makedirs(work_root, mode=0o711, exist_ok=True)
+    staged = os.path.join(work_root, f"runtime-{key}")
+    if not os.path.isdir(staged):
+        for name in os.listdir(work_root):  # copies of earlier builds
+            if name.startswith("runtime-") and name != os.path.basename(staged):
+                shutil.rmtree(os.path.join(work_root, name), ignore_errors=True)
+        partial = tempfile.mkdtemp(prefix=".runtime-", dir=work_root)
+        shutil.copytree(runtime, os.path.join(partial, "runtime"), copy_function=_link_or_copy, symlinks=True)
+        shutil.copy(harness, os.path.join(partial, "harness.py"))
+        for top, _dirs, files in os.walk(partial):
+            os.chmod(top, 0o755)
+            for name in files:
+                target = os.path.join(top, name)
+                if not os.path.islink(target):
+                    os.chmod(target, os.stat(target).st_mode | 0o444)
+        try:
+            os.rename(partial, staged)
+        except OSError:  # another runner (or test process) staged the same build first
+            shutil.rmtree(partial, ignore_errors=True)
+            if not os.path.isdir(staged):
+                raise
+    return os.path.join(staged, "runtime"), os.path.join(staged, "harness.py")
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def remove_stale(work_root: str) -> None:
     """What runners that are gone left on the host (killed between an answer and its sweep, or
     mid-execution): work directories and empty cgroups named after a pid no longer running."""
@@ -264,6 +322,7 @@ class Bubblewrap(Backend):
         if unknown:
             raise ValueError(f"unknown walls: {sorted(unknown)}")
         self.runtime = os.path.abspath(runtime)
+        self.harness = HARNESS
         self.work_root = work_root
         self.python = python
         self.weaken = frozenset(weaken)
@@ -285,6 +344,8 @@ class Bubblewrap(Backend):
         if not os.path.isdir(os.path.join(self.runtime, "site-packages")):
             raise BackendUnavailable(f"no sandbox runtime at {self.runtime} (scripts/ensure_sandbox.sh)")
         seccomp_filter.compiled()
+        # Last: from here on the sandboxes bind what a slot's uid can reach.
+        self.runtime, self.harness = staged_for_slots(self.runtime, self.harness, self.work_root)
 
     def prepare(self) -> None:
         remove_stale(self.work_root)
@@ -308,7 +369,7 @@ class Bubblewrap(Backend):
             args += ["--ro-bind", "/etc", "/etc", "--ro-bind", REPO, REPO]
         args += [
             "--ro-bind", self.runtime, "/runtime",
-            "--ro-bind", HARNESS, "/runtime-harness.py",
+            "--ro-bind", self.harness, "/runtime-harness.py",
             "--ro-bind", os.path.join(work, "in"), "/in",
             "--bind", os.path.join(work, "out"), "/out",
             "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",

@@ -19,7 +19,7 @@ import socket
 import subprocess
 
 from sandbox import seccomp_filter
-from sandbox.backends import HARNESS, SLOT_UID_BASE, BackendUnavailable, Bubblewrap
+from sandbox.backends import SLOT_UID_BASE, BackendUnavailable, Bubblewrap
 from sandbox.limits import Limits
 
 MOUNT_POINTS = ("usr", "runtime", "in", "out", "tmp", "proc", "dev", "report")
@@ -131,7 +131,7 @@ class Gvisor(Bubblewrap):
                 {
                     "destination": "/runtime-harness.py",
                     "type": "bind",
-                    "source": HARNESS,
+                    "source": self.harness,
                     "options": ["bind", "ro"],
                 },
                 {

@@ -7,13 +7,15 @@ import concurrent.futures
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import httpx
 
 from sandbox import cgroups
-from sandbox.backends import _mount_tmpfs, _umount
-from tests.sandbox_runner import Runner
+from sandbox.backends import Bubblewrap, Execution, _mount_tmpfs, _umount, reachable_by_slots
+from sandbox.limits import Limits
+from tests.sandbox_runner import Runner, uid_base
 
 WORK_ROOT = "/tmp/agentsandbox"  # the runner's default --work-root
 
@@ -161,3 +163,38 @@ def test_a_runner_start_removes_what_a_killed_runner_left():
         stale.remove()
         _umount(os.path.join(work, "out"))
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_runtime_under_a_directory_the_slots_cannot_enter_is_staged_where_they_can(tmp_path):
+    # A checkout under /root or a mktemp directory (mode 0700): bwrap, running as the slot's uid,
+    # could not open the runtime to bind it. The backend binds a copy the slots can reach.
+    hidden = tmp_path / "private"
+    (hidden / "runtime" / "site-packages").mkdir(parents=True)
+    (hidden / "runtime" / "site-packages" / "staged_marker.py").write_text("VALUE = 'from the runtime'\n")
+    os.chmod(hidden / "runtime" / "site-packages" / "staged_marker.py", 0o644)
+    for path in (hidden / "runtime" / "site-packages", hidden / "runtime"):
+        os.chmod(path, 0o755)
+    os.chmod(hidden, 0o700)
+    work_root = tempfile.mkdtemp(prefix="agentsandbox-staged-")  # pytest's tmp_path is 0700 too
+    os.chmod(work_root, 0o711)
+    try:
+        _run_from_a_staged_runtime(hidden, work_root)
+    finally:
+        shutil.rmtree(work_root, ignore_errors=True)
+
+
+def _run_from_a_staged_runtime(hidden, work_root: str) -> None:
+    backend = Bubblewrap(runtime=str(hidden / "runtime"), work_root=work_root, uid_base=uid_base())
+    assert not reachable_by_slots(str(hidden / "runtime"))
+    backend.check()
+    assert reachable_by_slots(backend.runtime) and reachable_by_slots(backend.harness)
+    execution = Execution(
+        code="import staged_marker\nprint(staged_marker.VALUE)", inputs={}, limits=Limits(wall_seconds=10)
+    )
+    outcome = backend.execute(execution, slot=0)
+    assert outcome.exit_code == 0, outcome.stderr
+    assert outcome.stdout.strip() == b"from the runtime"
+    # A second backend (another runner, the next session) reuses the staged copy.
+    again = Bubblewrap(runtime=str(hidden / "runtime"), work_root=work_root, uid_base=uid_base())
+    again.check()
+    assert again.runtime == backend.runtime
