@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tenants.crypto import (
     REDACTED,
@@ -104,6 +108,25 @@ def test_regex_characters_are_literal() -> None:
 
 def test_non_string_and_none_secrets_are_ignored() -> None:
     assert redact("value 12345", [None, 12345, "value"]) == f"{REDACTED} 12345"  # type: ignore[list-item]
+
+
+def _one_alternation(text: str, secrets: list[str]) -> str:
+    """The reference: every secret in one regular expression, longest first."""
+    ordered = sorted({s for s in secrets if len(s) >= 4}, key=lambda s: (-len(s), s))
+    return re.compile("|".join(map(re.escape, ordered))).sub(REDACTED, text) if ordered else text
+
+
+@given(
+    secrets=st.lists(st.text(alphabet="abc.*", min_size=3, max_size=8), max_size=5),
+    text=st.text(alphabet="abc.* D", max_size=60),
+)
+def test_redaction_matches_one_alternation_of_every_secret(secrets: list[str], text: str) -> None:
+    # Only the secrets found in the text enter the pattern (none or one: no pattern at all); the
+    # result must be what one alternation of all of them gives, overlaps and prefixes included.
+    assert redact(text, secrets) == _one_alternation(text, secrets)
+    assert redact_obj({text: [text]}, secrets) == {
+        _one_alternation(text, secrets): [_one_alternation(text, secrets)]
+    }
 
 
 def test_no_secrets_leaves_text_alone() -> None:
