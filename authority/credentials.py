@@ -59,6 +59,12 @@ class Credentials:
 NONE = Credentials()
 
 
+def delegation_of(server: ToolServer) -> Delegation | None:
+    """The server's delegation settings: as the claim read them with the tool where it did (the
+    dispatch check, a retry), else read now. None: assertion mode with the defaults."""
+    return getattr(server, "delegation", None)  # a cached None, or no row, raises AttributeError
+
+
 def audience_of(server: ToolServer, delegation: Delegation | None) -> str:
     if delegation is not None and delegation.audience:
         return delegation.audience
@@ -83,7 +89,7 @@ def for_call(
     if tool is None or tool.server.kind == ToolServer.Kind.BUILTIN:
         return NONE
     server = tool.server
-    delegation = Delegation.objects.filter(server_id=server.pk).first()
+    delegation = delegation_of(server)
     audience = audience_of(server, delegation)
     facts = _facts(step, tool.remote_name, run=run, approved=approved)
     signed = assertions.sign(facts, audience=audience, status_lookup=status_lookup)

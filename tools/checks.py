@@ -13,6 +13,7 @@ from django.db import connection
 from agentplatform import sql
 from agents.spec import spec_for
 from approvals.calls import check_call
+from authority.models import Delegation
 from runs.models import Run, Step
 from tools.models import Tool, ToolServer
 from tools.offer import fresh_user, offered_on, use_tool_sql
@@ -23,7 +24,7 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
 
     `user` and `steps`: the run's creator and step log as the caller read them in this
     transaction, under the run lock (the run row then is fresh too); None reads them now.
-    The tool is read now, with its server, and attached to the step.
+    The tool is read now, with its server and the server's delegation, and attached to the step.
     """
     fresh = user is not None
     user = user or fresh_user(run)
@@ -35,14 +36,19 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
         return f"unknown tool {step.tool_name!r}"
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {sql.columns(Tool, 't')}, {sql.columns(ToolServer, 's')}, {use_tool_sql()} "
+            f"SELECT {sql.columns(Tool, 't')}, {sql.columns(ToolServer, 's')}, "
+            f"{sql.columns(Delegation, 'd')}, {use_tool_sql()} "
             f"FROM {sql.table(Tool)} t JOIN {sql.table(ToolServer)} s ON s.id = t.server_id "
+            f"LEFT JOIN {sql.table(Delegation)} d ON d.server_id = s.id "
             "WHERE t.id = %(tool)s",
             {"tool": step.tool_id, "user": user.pk},
         )
         row = cursor.fetchone()
-    tool, server = sql.split(row[:-1], Tool, ToolServer)
+    tool, server, delegation = sql.split(row[:-1], Tool, ToolServer, Delegation)
     may_use = row[-1]
+    # Read here, in the claim's transaction: the credentials of the call (authority/credentials.py)
+    # are made after it commits, and would otherwise read the delegation in a transaction of its own.
+    ToolServer.delegation.related.set_cached_value(server, delegation)
     tool.server = server
     step.tool = tool
     if not tool.enabled:

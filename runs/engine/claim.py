@@ -155,7 +155,7 @@ def _tool_of(step: Step) -> decisions.ToolView:
     # With its server: a retry is sent from this row, and the call itself holds no connection.
     if step.tool_id is None:
         raise TypeError(f"step {step.seq} has no tool")
-    tool = Tool.objects.select_related("server").get(pk=step.tool_id)
+    tool = Tool.objects.select_related("server", "server__delegation").get(pk=step.tool_id)
     step.tool = tool
     return tool_view(tool)
 

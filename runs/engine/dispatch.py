@@ -162,7 +162,9 @@ def mark_after_lookup(plan: Plan) -> bool:
             end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
             return False
         plan.run = run
-        plan.tool_call.step = Step.objects.select_related("tool", "tool__server").get(pk=plan.step_pk)
+        plan.tool_call.step = Step.objects.select_related(
+            "tool", "tool__server", "tool__server__delegation"
+        ).get(pk=plan.step_pk)
         plan.tool_call.step.run = run
         # A switch may have gone on, or a pause been asked for, during the lookup: the resend is
         # a new call like any other, and the step waits as a retry due at the resume.
