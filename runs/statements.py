@@ -11,6 +11,7 @@ PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 
 from django.db import connection, models
@@ -31,8 +32,10 @@ def _field(model, name: str) -> models.Field:
     return field
 
 
-_EVENT_FIELDS = [_field(RunEvent, name) for name in ("at", "kind", "step_seq", "actor", "message", "data")]
-_EVENT_CASTS = ("timestamptz", "text", "integer", "bigint", "text", "jsonb")
+_EVENT_DATA = _field(RunEvent, "data")
+_EVENT_COLUMNS = (
+    "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data jsonb"
+)
 
 
 @dataclass(frozen=True)
@@ -83,15 +86,34 @@ def _insert_events_sql(
         if not guarded:
             return update
         return f"WITH {', '.join(ctes)} {update} RETURNING {moved}"
-    first = "(1, " + ", ".join(f"%s::{cast}" for cast in _EVENT_CASTS) + ")"
-    more = [f"({i}, " + ", ".join(["%s"] * len(_EVENT_CASTS)) + ")" for i in range(2, count + 1)]
+    # The events travel as one JSON parameter, not six each: psycopg caches the parsing of a
+    # statement's text only up to 50 parameters, and parsing this one again cost 0.5 ms a step.
     return f"""
 WITH {", ".join([*ctes, f"counter AS ({update} RETURNING event_seq)"])}
 INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data)
 SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data
-  FROM counter, (VALUES {", ".join([first, *more])}) AS v(i, at, kind, step_seq, actor_id, message, data)
+  FROM counter, jsonb_to_recordset(%s::jsonb) AS v({_EVENT_COLUMNS})
 RETURNING id, seq{", " + moved if guarded else ""}
 """
+
+
+def _events_json(events: list[RunEvent]) -> str:
+    """The events as INSERT_EVENTS reads them: one JSON array of objects, `i` numbering them from 1."""
+    rows = []
+    for i, event in enumerate(events, 1):
+        at = event.at
+        rows.append(
+            {
+                "i": i,
+                "at": at.isoformat() if at is not None else None,
+                "kind": event.kind,
+                "step_seq": event.step_seq,
+                "actor_id": event.actor_id,
+                "message": event.message,
+                "data": event.data,
+            }
+        )
+    return json.dumps(rows, cls=_EVENT_DATA.encoder)
 
 
 def write_run(
@@ -143,10 +165,7 @@ def write_run(
     params += list(adds.values())
     params.append(run)
     if events:
-        params.append(run)
-        for event in events:
-            for field in _EVENT_FIELDS:
-                params.append(field.get_db_prep_save(getattr(event, field.attname), connection))
+        params += [run, _events_json(events)]
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall() if events or steps else []
