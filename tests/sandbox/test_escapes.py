@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -105,7 +106,8 @@ print(json.dumps(found))
 
 def test_it_cannot_connect_to_an_abstract_or_a_host_unix_socket(run, tmp_path):
     abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    name = f"\0agentsandbox-contract-{os.getpid()}"
+    # Unique per call: a listener a failed run of the other backend left open must not collide.
+    name = f"\0agentsandbox-contract-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     abstract.bind(name)
     abstract.listen(4)
     abstract.settimeout(0.2)
