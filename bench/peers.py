@@ -107,6 +107,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     pg_cpu: float | None = None
     lock_waits: float | None = None  # share of PostgreSQL samples with a backend waiting for a lock
+    waits: dict[str, int] = field(default_factory=dict)  # what waited, on what (bench/pgcpu.py)
     # Long scenarios: (worker ms/step, PostgreSQL ms/step) over steps 1-25 and over the last 26.
     early: tuple[float, float] | None = None
     late: tuple[float, float] | None = None
@@ -422,7 +423,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, ste
         if timeline is not None:
             timeline.stop()
         pg_cpu = pg.stop()
-        lock_waits = pg.lock_wait_share
+        lock_waits, waits = pg.lock_wait_share, pg.waits
         load_end = os.getloadavg()[0]
         bad = list(runs.exclude(status="succeeded").values_list("status", "error")[:5])
         if bad:
@@ -453,6 +454,7 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, ste
         commits=after["commits"] - before["commits"] - own_commits,
         pg_cpu=pg_cpu,
         lock_waits=lock_waits,
+        waits=waits,
     )
     if timeline is not None:
         early, late = windows(opts.runs, steps_per_run)
@@ -687,6 +689,12 @@ def report(results: list[Result], opts: argparse.Namespace, started: float) -> N
                 f"{r.early[1]:.2f} -> {r.late[1]:.2f} ms/step"
                 + (f" ({r.late[1] / r.early[1]:.2f}x)" if r.early[1] else "")
             )
+    for r in results:
+        if r.waits:
+            top = sorted(r.waits.items(), key=lambda kv: -kv[1])[:3]
+            print(f"round {r.round} {r.scenario}: lock waits, by what waited <- what held the lock:")
+            for what, n in top:
+                print(f"    {n:>4} samples  {what}")
     checks = [f"{r.scenario} r{r.round} {r.per_step(r.checks)}" for r in results if r.checks]
     if checks:
         print(

@@ -43,21 +43,30 @@ class BackendCpu:
         self.last: dict[int, float] = {}
         self.readable = True
         self.samples = self.lock_samples = 0
+        self.waits: dict[str, int] = {}  # "wait_event: waiter's statement <- holder's state: statement"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def _pids(self, conn) -> list[int]:
         rows = conn.execute(
-            "SELECT pid, wait_event_type = 'Lock' FROM pg_stat_activity "
-            "WHERE datname = %s AND backend_type = 'client backend'",
+            "SELECT a.pid, a.wait_event_type = 'Lock', "
+            "CASE WHEN a.wait_event_type = 'Lock' THEN a.wait_event || ': ' || left(regexp_replace("
+            "a.query, '\\s+', ' ', 'g'), 70) || ' <- ' || coalesce((SELECT b.state || ': ' || "
+            "left(regexp_replace(b.query, '\\s+', ' ', 'g'), 70) FROM pg_stat_activity b "
+            "WHERE b.pid = (pg_blocking_pids(a.pid))[1]), '?') END "
+            "FROM pg_stat_activity a WHERE a.datname = %s AND a.backend_type = 'client backend'",
             [pgstats.database_name(self.url)],
         ).fetchall()
         # A sample in which some backend waits for a heavyweight lock (a row held by another
         # transaction: the run row, a budget account's shard): the "lock convoy" figure.
+        # Each wait is kept by what waited and what held it (its state and its last statement).
         self.samples += 1
-        self.lock_samples += any(waiting for _, waiting in rows)
-        return [pid for (pid, _) in rows]
+        self.lock_samples += any(waiting for _, waiting, _ in rows)
+        for _, waiting, what in rows:
+            if waiting:
+                self.waits[what] = self.waits.get(what, 0) + 1
+        return [pid for (pid, _, _) in rows]
 
     @property
     def lock_wait_share(self) -> float | None:

@@ -32,7 +32,8 @@ def _field(model, name: str) -> models.Field:
     return field
 
 
-_EVENT_DATA = _field(RunEvent, "data")
+_EVENT_DATA = RunEvent._meta.get_field("data")
+assert isinstance(_EVENT_DATA, models.JSONField)
 _EVENT_COLUMNS = (
     "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data jsonb"
 )
