@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from approvals.policy import PolicyError, to_cedar
+from approvals.policy import PolicyError, Unconvertible, to_cedar
 from llm.models import ModelEndpoint
 from tools.models import Tool
 
@@ -190,6 +190,8 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
                 add(f"approval_overrides.{name}", "tool is not in this agent's tools")
             try:
                 to_cedar(str(policy), tool=str(name), policy_id="override")  # evaluated as Cedar
+            except Unconvertible as exc:
+                add(f"approval_overrides.{name}", exc.advice)
             except PolicyError as exc:
                 add(f"approval_overrides.{name}", str(exc))
     for section, keys in (("loop", LOOP_KEYS), ("context", CONTEXT_KEYS)):

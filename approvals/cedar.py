@@ -42,7 +42,7 @@ from django.db import connection
 from prometheus_client import Counter
 
 from approvals.models import PolicyMode, PolicySet, TenantPolicies
-from approvals.policy import to_cedar
+from approvals.policy import Unconvertible, to_cedar
 
 CALL_TOOL = "call_tool"
 START_RUN = "start_run"
@@ -223,12 +223,19 @@ def _part(policies: dict) -> _Part:
 
 @functools.lru_cache(maxsize=4096)
 def legacy_part(tool_name: str, texts: tuple[str, ...]) -> _Part:
-    """The tool's `approval:` rule and the version's override, converted (approvals/policy.py)."""
-    policies = [
-        to_cedar(text, tool=tool_name, policy_id=f"{tool_name}.approval{'' if i == 0 else '.override'}")
-        for i, text in enumerate(texts)
-        if text and text.strip()
-    ]
+    """The tool's `approval:` rule and the version's override, converted (approvals/policy.py).
+
+    A rule stored before the conversion refused its form (apply and the admin refuse it now)
+    is evaluated as its nearest stricter policy: it asks for approval at least where it did."""
+    policies = []
+    for i, text in enumerate(texts):
+        if not (text and text.strip()):
+            continue
+        policy_id = f"{tool_name}.approval{'' if i == 0 else '.override'}"
+        try:
+            policies.append(to_cedar(text, tool=tool_name, policy_id=policy_id))
+        except Unconvertible as exc:
+            policies.append(exc.nearest)
     return split_policies("\n".join(p for p in policies if p))[1]
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_LENGTH",
     "Policy",
     "PolicyError",
+    "Unconvertible",
     "canonical",
     "parse_policy",
     "stricter",
@@ -494,15 +495,44 @@ _CEDAR_RESERVED = frozenset(
 _LONG_MAX = 2**63 - 1
 
 
+class Unconvertible(PolicyError):
+    """A rule with a part Cedar cannot express exactly. `nearest` is the Cedar policy that asks
+    for approval wherever the rule did and also wherever those parts would have decided: the
+    parts are taken as undecided, which under the old rule's Kleene logic can only turn a "no
+    approval" into "approval", never the reverse. Printed for the tenant to adopt or rewrite."""
+
+    def __init__(self, detail: str, nearest: str, parts: list[str]) -> None:
+        super().__init__(detail, 0)
+        self.nearest = nearest
+        self.parts = parts
+
+    @property
+    def advice(self) -> str:
+        return (
+            f"{self.detail}. The nearest stricter Cedar policy (it also asks for approval where "
+            f"{'; '.join(self.parts)} would have decided) is:\n{self.nearest}"
+        )
+
+
 def to_cedar(text: str, *, tool: str, policy_id: str) -> str:
     """The Cedar policy that requires approval exactly when `text` does; "" for `never`.
 
-    Raises PolicyError for a form Cedar cannot express, with what to write instead.
+    Raises PolicyError for text that does not parse, and Unconvertible for a form Cedar cannot
+    express exactly, with what to write instead and the nearest stricter policy.
     """
     root = parse_policy(text).root
     if isinstance(root, Never):
         return ""
-    condition = "true" if isinstance(root, Always) else f"!({_cedar(root, want=False)})"
+    try:
+        return _policy(root, tool=tool, policy_id=policy_id, refused=None)
+    except PolicyError as exc:
+        parts: list[str] = []
+        nearest = _policy(root, tool=tool, policy_id=policy_id, refused=parts)
+        raise Unconvertible(exc.detail, nearest, sorted(set(parts))) from None
+
+
+def _policy(root: Expr | Always, *, tool: str, policy_id: str, refused: list[str] | None) -> str:
+    condition = "true" if isinstance(root, Always) else f"!({_cedar(root, want=False, refused=refused)})"
     return (
         f"@id({_cedar_string(policy_id)})\n@approval({_cedar_string('policy: ' + _render(root))})\n"
         f"permit (principal, action == Action::{_cedar_string(tool)}, resource)\n"
@@ -510,14 +540,27 @@ def to_cedar(text: str, *, tool: str, policy_id: str) -> str:
     )
 
 
-def _cedar(node: Expr, *, want: bool) -> str:
-    """A Cedar expression true exactly when `node` is definitely `want` (all its fields present)."""
+def _cedar(node: Expr, *, want: bool, refused: list[str] | None = None) -> str:
+    """A Cedar expression true exactly when `node` is definitely `want` (all its fields present).
+
+    `refused`: None raises PolicyError on a comparison Cedar cannot express; a list takes such a
+    comparison as never definite ("false") and notes it there (Unconvertible.nearest)."""
     if isinstance(node, Not):
-        return _cedar(node.operand, want=not want)
+        return _cedar(node.operand, want=not want, refused=refused)
     if isinstance(node, (And, Or)):
         # "definitely true" of an and, or "definitely false" of an or, needs every operand.
         joiner = " && " if isinstance(node, And) == want else " || "
-        return "(" + joiner.join(_cedar(child, want=want) for child in node.operands) + ")"
+        return "(" + joiner.join(_cedar(child, want=want, refused=refused) for child in node.operands) + ")"
+    try:
+        return _cedar_leaf(node, want=want)
+    except PolicyError:
+        if refused is None:
+            raise
+        refused.append(f"`{_render(node)}`")
+        return "false"
+
+
+def _cedar_leaf(node: Compare, *, want: bool) -> str:
     present = _null_compare(node)
     if present is not None:
         # Cedar cannot tell a null argument from a missing one (both are left out), and a missing

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from approvals.models import PolicyMode
-from approvals.policy import PolicyError, to_cedar
+from approvals.policy import PolicyError, Unconvertible, to_cedar
 from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install
 from tools.models import Tool
 
@@ -241,6 +241,8 @@ def convert_approval_rules(tenant, problems) -> None:
     for tool in Tool.objects.filter(tenant=tenant).only("name", "approval_policy"):
         try:
             to_cedar(tool.approval_policy or "never", tool=tool.name, policy_id=f"{tool.name}.approval")
+        except Unconvertible as exc:
+            problems.add(f"tools.{tool.name}.approval", f"cannot be converted to Cedar exactly: {exc.advice}")
         except PolicyError as exc:
             problems.add(f"tools.{tool.name}.approval", f"cannot be converted to Cedar: {exc.detail}")
 

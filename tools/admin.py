@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
 from agentplatform.admin_site import TenantGuardedAdmin, TenantScopedAdmin, is_operator, money, site
-from approvals.policy import PolicyError, to_cedar
+from approvals.policy import PolicyError, Unconvertible, to_cedar
 from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
 from tools.models import SandboxCaps, Tool, ToolServer
@@ -68,6 +68,8 @@ class ToolForm(forms.ModelForm):
         text = self.cleaned_data["approval_policy"]
         try:
             to_cedar(text, tool="tool", policy_id="approval")  # what is evaluated (approvals/cedar.py)
+        except Unconvertible as exc:
+            raise forms.ValidationError(exc.advice) from None
         except PolicyError as exc:
             raise forms.ValidationError(str(exc)) from None
         return text

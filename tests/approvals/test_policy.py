@@ -11,6 +11,7 @@ from approvals.policy import (
     MAX_DEPTH,
     MAX_LENGTH,
     PolicyError,
+    Unconvertible,
     canonical,
     parse_policy,
     stricter,
@@ -239,6 +240,50 @@ def test_legacy_table_gives_the_old_decisions() -> None:
             for index in (0, 1):
                 assert required(case["policy"], data["arguments"][index]) == case["required"][index]
     assert same > 10 * stricter_only and refused < len(data["cases"])
+
+
+def _refusal(policy: str) -> Unconvertible | None:
+    try:
+        to_cedar(policy, tool="tool", policy_id="p")
+    except Unconvertible as exc:
+        return exc
+    return None
+
+
+def test_a_refused_rule_comes_with_its_nearest_stricter_cedar_policy() -> None:
+    """Every rule of the table that has no exact Cedar form: the refusal prints a Cedar policy
+    that asks for approval wherever the old evaluator did (and is what a rule stored before the
+    conversion is evaluated as), and keeps the rest of the rule: it is not simply "always"."""
+    data = json.loads(DATA.read_text())
+    refused = kept_decisions = 0
+    for case in data["cases"]:
+        exc = _refusal(case["policy"])
+        if exc is None:
+            continue
+        refused += 1
+        assert exc.parts and exc.parts[0].startswith("`"), case["policy"]
+        assert 'permit (principal, action == Action::"tool", resource)' in exc.nearest
+        assert "nearest stricter Cedar policy" in exc.advice and exc.nearest in exc.advice
+        for arguments, old in zip(data["arguments"], case["required"], strict=True):
+            new = required(case["policy"], arguments)  # the stored rule, evaluated as its nearest
+            assert new or not old, (case["policy"], arguments)
+            kept_decisions += not new
+    assert refused > 20
+    assert kept_decisions > 0  # some refused rules still let calls through without approval
+
+
+def test_the_nearest_policy_keeps_what_cedar_can_say() -> None:
+    with pytest.raises(Unconvertible) as info:
+        to_cedar('amount > 5000 or name < "b"', tool="t", policy_id="p")
+    assert info.value.parts == ['`name < "b"`'] or info.value.parts == ["`name < 'b'`"]
+    assert "whole numbers only" in info.value.advice
+    # The amount part survives: a small amount with the name present still needs approval (the
+    # name part is now undecided), and so does a large one.
+    assert "context.arguments.amount > 5000" in info.value.nearest
+    assert required('amount > 5000 or name < "b"', {"amount": 10, "name": "a"}) is True
+    # "and": the refused part undecided, a false amount part still decides "no approval".
+    assert required('amount > 5000 and name < "b"', {"amount": 10, "name": "a"}) is False
+    assert required('amount > 5000 and name < "b"', {"amount": 9000, "name": "z"}) is True
 
 
 def _mistyped(arguments: dict) -> bool:

@@ -109,7 +109,10 @@ def test_an_old_approval_rule_without_a_cedar_equivalent_is_refused_with_why(tmp
     with pytest.raises(ConfigError) as caught:
         apply_config(data)
     assert any(
-        p == "tools.crm__create_ticket.approval" and "no Cedar equivalent" in m
+        p == "tools.crm__create_ticket.approval"
+        and "no Cedar equivalent" in m
+        and "The nearest stricter Cedar policy" in m
+        and 'permit (principal, action == Action::"crm__create_ticket", resource)' in m
         for p, m in caught.value.errors
     )
 

@@ -14,7 +14,7 @@ from collections import Counter
 from django.core.management.base import BaseCommand, CommandError
 
 from approvals.models import ShadowDecision
-from approvals.policy import PolicyError, to_cedar
+from approvals.policy import PolicyError, Unconvertible, to_cedar
 from approvals.policy_sets import check
 from configuration import policies
 from configuration.apply import ConfigError, load_file
@@ -67,9 +67,13 @@ class Command(BaseCommand):
             name = f"{tool.get('server')}__{tool.get('name')}"
             try:
                 text = to_cedar(rule, tool=name, policy_id=f"{name}.approval")
+            except Unconvertible as exc:
+                refused += 1
+                self.stderr.write(f"tools[{i}] {name}: {rule!r} has no exact Cedar equivalent: {exc.advice}")
+                continue
             except PolicyError as exc:
                 refused += 1
-                self.stderr.write(f"tools[{i}] {name}: {rule!r} has no Cedar equivalent: {exc.detail}")
+                self.stderr.write(f"tools[{i}] {name}: {rule!r} does not parse: {exc}")
                 continue
             self.stdout.write(f"// tools[{i}] {name}: approval: {rule}")
             self.stdout.write((text or "// never: no policy") + "\n")
