@@ -201,6 +201,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
         "run_link",
         "requested_by",
         "waiting",
+        "follow_up",
         "left",
         "reason",
         "status",
@@ -213,7 +214,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
         ("requested_by", admin.RelatedOnlyFieldListFilter),
         AgeFilter,
     ]
-    list_select_related = ["tool", "tool__server", "requested_by", "run", "run__agent"]
+    list_select_related = ["tool", "tool__server", "requested_by", "run", "run__agent", "escalate_to"]
     # The box searches the runs' ids and input/metadata values, tool names and requesters.
     search_fields = ["tool__name"]
     search_help_text = "A tool name, a requester, a run id or its first characters, or a value of the run's input (TXN-1002)."
@@ -348,6 +349,17 @@ class ApprovalAdmin(ReadOnlyAdmin):
     @admin.display(description="age", ordering="created_at")
     def waiting(self, approval):
         return age(approval.created_at)
+
+    @admin.display(description="reminded / escalated")
+    def follow_up(self, approval):
+        """What already happened to a pending call that waited long (approvals/reminders.py): an
+        approver sees at a glance which calls others were already told about."""
+        if approval.escalated_at:
+            group = approval.escalate_to.name if approval.escalate_to else "(group removed)"
+            return f"escalated to {group} {age(approval.escalated_at)} ago"
+        if approval.reminded_at:
+            return f"reminded {age(approval.reminded_at)} ago"
+        return "—"
 
     @admin.display(description="time left", ordering="expires_at")
     def left(self, approval):

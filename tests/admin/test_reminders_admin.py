@@ -63,3 +63,19 @@ def test_a_member_of_the_escalation_group_decides_it_in_the_admin(client, acme):
     assert response.status_code == 302
     approval.refresh_from_db()
     assert (approval.status, approval.decided_by) == (ApprovalStatus.APPROVED, meera)
+
+
+def test_the_inbox_says_which_calls_were_already_reminded_of_or_escalated(as_ravi, acme):
+    configure()
+    reminded = park_on_approval(acme.asha, "refunder")
+    remind_approvals(now=timezone.now() + dt.timedelta(minutes=11))
+    inbox = reverse("admin:approvals_approval_changelist")
+
+    html = as_ravi.get(inbox).content.decode()
+    assert "Reminded / escalated" in html
+    assert "reminded 0" in html and "escalated to risk" not in html
+
+    remind_approvals(now=timezone.now() + dt.timedelta(minutes=61))
+    html = as_ravi.get(inbox).content.decode()
+    assert "escalated to risk" in html
+    assert str(reminded.pk) in html
