@@ -52,6 +52,12 @@ def main() -> None:
     parser.add_argument(
         "--callers", action="store_true", help="with --sql: each statement by the product line that sent it"
     )
+    parser.add_argument(
+        "--plans",
+        action="store_true",
+        help="PostgreSQL's planning and execution time of each statement of a step, by EXPLAIN ANALYZE "
+        "of one of its calls (in a transaction rolled back)",
+    )
     parser.add_argument("--sort", default="cumulative", help="pstats order: cumulative, tottime, ...")
     parser.add_argument("--no-profile", action="store_true", help="CPU per step without the profiler's cost")
     opts = parser.parse_args()
@@ -94,12 +100,20 @@ def main() -> None:
         )
         ids, _held, _ = engine_bench.create_runs(user, agents[0], opts.runs)
         texts: collections.Counter = collections.Counter()
-        if opts.sql:
+        samples: dict[str, str] = {}  # --plans: one call of each statement, its parameters bound
+        if opts.sql or opts.plans:
             original = connection.ops.__class__.last_executed_query
 
             def remember(ops, cursor, sql, params):
                 text = " ".join(str(sql).split())[:90]
                 texts[f"{text}  <- {_caller()}" if opts.callers else text] += 1
+                if opts.plans and text.startswith(("SELECT", "WITH", "UPDATE", "INSERT")):
+                    try:
+                        import psycopg  # a cursor of its own: mogrify would reset this one's result
+
+                        samples[text] = psycopg.ClientCursor(cursor.connection).mogrify(sql, params)
+                    except Exception:  # a statement mogrify cannot render is left out
+                        pass
                 return original(ops, cursor, sql, params)
 
             connection.ops.__class__.last_executed_query = remember
@@ -143,8 +157,11 @@ def main() -> None:
             print("own CPU by package or engine file (share of the profiled time):")
             for where, seconds in by_package.most_common(25):
                 print(f"{seconds * 100 / total:6.1f}% {where}")
-        for text, n in texts.most_common(60):
-            print(f"{n / steps:6.2f} {text}")
+        if opts.sql:
+            for text, n in texts.most_common(60):
+                print(f"{n / steps:6.2f} {text}")
+        if opts.plans:
+            _print_plans(samples, texts, steps)
     finally:
         for proc in servers:
             proc.terminate()
@@ -155,6 +172,34 @@ def main() -> None:
 
             connections.close_all()
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+def _print_plans(samples: dict[str, str], counts, steps: int) -> None:
+    """Planning and execution time per statement, weighted by how often a step sends it: where
+    PostgreSQL's CPU per step goes (parse and plan are paid on every call of a statement that is
+    not prepared)."""
+    from django.db import connection, transaction
+
+    rows = []
+    for text, statement in samples.items():
+        n = sum(c for key, c in counts.items() if key.split("  <- ")[0] == text) / steps
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("EXPLAIN (ANALYZE, SUMMARY, FORMAT JSON) " + statement.replace("%", "%%"))
+                plan = cursor.fetchone()[0][0]
+                transaction.set_rollback(True)
+        except Exception as exc:  # e.g. a guarded write that finds its row moved on
+            print(f"  (not explained: {text[:60]}: {str(exc)[:80]})")
+            continue
+        rows.append((n, plan["Planning Time"], plan["Execution Time"], text))
+    rows.sort(key=lambda r: -r[0] * (r[1] + r[2]))
+    print("per step: calls, planning ms, execution ms (each per call), statement")
+    for n, planning, execution, text in rows:
+        print(f"{n:6.2f}  {planning:7.3f}  {execution:7.3f}  {text}")
+    print(
+        f"planning {sum(n * p for n, p, _, _ in rows):.3f} ms and execution "
+        f"{sum(n * e for n, _, e, _ in rows):.3f} ms per step (EXPLAIN's own timing overhead included)"
+    )
 
 
 if __name__ == "__main__":
