@@ -22,6 +22,7 @@ holds budget accounts waits for it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from decimal import ROUND_CEILING, Decimal
@@ -29,6 +30,7 @@ from decimal import ROUND_CEILING, Decimal
 from django.db import connection
 from django.db.models import Count, F, Q
 
+from agentplatform import sql
 from approvals import cedar
 from approvals.models import CountedCall, ShadowDecision, ToolArgumentDayTotal, ToolDayTotal
 from budgets.models import BudgetAccount
@@ -101,9 +103,7 @@ def _locked_totals(run: Run, tool, user) -> tuple[ToolDayTotal, ToolDayTotal]:
         if len(rows) == 2:
             tenant_row, user_row = sorted(rows, key=lambda r: r.user_id is not None)
             return tenant_row, user_row
-        ToolDayTotal.objects.bulk_create(
-            [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
-        )
+        _create_totals(run, tool, user, day)
     raise RuntimeError("the day's totals rows could not be created")  # a constraint refused them
 
 
@@ -138,22 +138,83 @@ def _locked_argument_totals(run: Run, tool, arguments: dict, names: list[str]) -
     raise RuntimeError("the day's per-argument totals rows could not be created")
 
 
+def _locked_history(
+    run: Run, tool, user, *, uses_spend: bool
+) -> tuple[ToolDayTotal, ToolDayTotal, cedar.History]:
+    """The tool's day rows locked (the tenant's, the user's) and the history a decision reads:
+    the run's calls per tool from its whole log (counted by PostgreSQL, no row of it built here;
+    the engine's step window would undercount them), the day's totals and, where a policy reads
+    it, the run's spend. On PostgreSQL one statement: it is on every dispatch of a tenant with
+    policies (bench/policies.py)."""
+    if connection.vendor != "postgresql":
+        tenant_row, user_row = _locked_totals(run, tool, user)
+        return tenant_row, user_row, _history(run, tenant_row, user_row, uses_spend=uses_spend)
+    day = local_day(run.tenant)
+    params = {
+        "tenant": run.tenant_id,
+        "tool": tool.pk,
+        "day": day,
+        "user": user.pk,
+        "run": sql.adapt(run.pk),
+        "kind": StepKind.TOOL,
+    }
+    for _ in range(2):
+        found = sql.fetch_with_rest(_locked_history_sql(uses_spend), params, ToolDayTotal)
+        by_kind = {instances[0].user_id is None: (instances[0], rest) for instances, rest in found}
+        if len(found) == 2 and len(by_kind) == 2:  # the tenant's row (user null) and the user's
+            tenant_row, (calls, spend) = by_kind[True]
+            user_row = by_kind[False][0]
+            history = cedar.History(
+                spend_micros=int(spend or 0),
+                calls_by_tool={name: int(n) for name, n in (calls or {}).items()},
+                today_calls=tenant_row.calls,
+                today_amount=tenant_row.amount,
+                user_calls=user_row.calls,
+                user_amount=user_row.amount,
+            )
+            return tenant_row, user_row, history
+        _create_totals(run, tool, user, day)
+    raise RuntimeError("the day's totals rows could not be created")  # a constraint refused them
+
+
+@functools.cache
+def _locked_history_sql(uses_spend: bool) -> str:
+    dispatched = ", ".join(f"'{status}'" for status in sorted(DISPATCHED))
+    totals = sql.table(ToolDayTotal)
+    spend = (
+        f"(SELECT b.spent_micros + b.reserved_micros + b.held_micros FROM {sql.table(BudgetAccount)} b "
+        "WHERE b.run_id = %(run)s LIMIT 1)"
+        if uses_spend
+        else "NULL::bigint"
+    )
+    return (
+        f"WITH locked AS MATERIALIZED (SELECT {sql.columns(ToolDayTotal, 't')} FROM {totals} t "
+        "WHERE t.tenant_id = %(tenant)s AND t.tool_id = %(tool)s AND t.day = %(day)s "
+        "AND (t.user_id IS NULL OR t.user_id = %(user)s) ORDER BY t.id FOR UPDATE), "
+        f"calls AS (SELECT s.tool_name, count(*) AS n FROM {sql.table(Step)} s WHERE s.run_id = %(run)s "
+        f"AND s.kind = %(kind)s AND s.status IN ({dispatched}) GROUP BY s.tool_name) "
+        f"SELECT {sql.columns(ToolDayTotal, 'locked')}, "
+        "(SELECT json_object_agg(c.tool_name, c.n) FROM calls c), "
+        f"{spend} FROM locked ORDER BY locked.id"
+    )
+
+
+def _create_totals(run: Run, tool, user, day) -> None:
+    keys = {"tenant_id": run.tenant_id, "tool_id": tool.pk, "day": day}
+    ToolDayTotal.objects.bulk_create(
+        [ToolDayTotal(**keys, user=None), ToolDayTotal(**keys, user_id=user.pk)], ignore_conflicts=True
+    )
+
+
 def _history(
-    run: Run, steps, tenant_row: ToolDayTotal, user_row: ToolDayTotal, *, uses_spend: bool
+    run: Run, tenant_row: ToolDayTotal, user_row: ToolDayTotal, *, uses_spend: bool
 ) -> cedar.History:
-    calls: dict[str, int] = {}
-    if steps is None:
-        # Counted by PostgreSQL: the run's whole log, but no row of it built here.
-        calls = dict(
-            Step.objects.filter(run_id=run.pk, kind=StepKind.TOOL, status__in=DISPATCHED)
-            .order_by()
-            .values_list("tool_name")
-            .annotate(n=Count("pk"))
-        )
-    else:
-        for s in steps:
-            if s.kind == StepKind.TOOL and s.status in DISPATCHED:
-                calls[s.tool_name] = calls.get(s.tool_name, 0) + 1
+    calls = dict(
+        Step.objects.filter(run_id=run.pk, kind=StepKind.TOOL, status__in=DISPATCHED)
+        .order_by()
+        .values_list("tool_name")
+        .annotate(n=Count("pk"))
+    )
     spend = None
     if uses_spend:  # one query fewer on every call of a tenant whose policies never read it
         spend = (
@@ -185,10 +246,7 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     if policies is None:
         return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
     tool = step.tool
-    tenant_row, user_row = _locked_totals(run, tool, user)
-    # The run's calls per tool from its whole log: the engine hands the checks only the steps
-    # its decision reads (runs/statements.step_window), which would undercount them.
-    history = _history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend)
+    tenant_row, user_row, history = _locked_history(run, tool, user, uses_spend=policies.uses_spend)
     history, by_argument = _with_argument_totals(run, tool, step.arguments or {}, policies, history)
     request = request_for(
         run,
@@ -225,8 +283,7 @@ def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict
     policies = cedar.compiled(run.tenant_id)
     if policies is None:
         return None
-    tenant_row, user_row = _locked_totals(run, step.tool, requester)
-    history = _history(run, None, tenant_row, user_row, uses_spend=policies.uses_spend)
+    tenant_row, user_row, history = _locked_history(run, step.tool, requester, uses_spend=policies.uses_spend)
     history, _ = _with_argument_totals(run, step.tool, arguments, policies, history)
     request = request_for(
         run,
