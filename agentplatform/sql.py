@@ -15,8 +15,10 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import uuid
+from typing import Any
 
-from django.db import connection, models
+import psycopg
+from django.db import DEFAULT_DB_ALIAS, connection, connections, models
 from django.db.models import signals
 from django.db.models.base import ModelState
 
@@ -151,17 +153,45 @@ def split(row, *models) -> list:
     return found
 
 
+class _PreparedCursor(psycopg.Cursor):
+    """psycopg's server-side-binding cursor, every statement prepared (Django's wrapper passes no
+    `prepare` of its own)."""
+
+    def execute(self, query, params=None, *, prepare=None, binary=None):
+        return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
+
+
+def prepared_cursor():
+    """A cursor whose statements PostgreSQL parses and plans once per connection.
+
+    Django binds parameters on the client, so every call of a statement is parsed and planned
+    again: for the engine's longest reads (the run's claim row, the step window, the tools) that
+    was more of PostgreSQL's time than running them (bench/profile_step.py --plans). These go
+    through psycopg's server-side-binding cursor, prepared (as the budget ledger's statements
+    are: budgets/services._execute), wrapped as Django wraps its own cursors (errors mapped,
+    execute wrappers and DEBUG's query log applied); a pooler in front of PostgreSQL must
+    support prepared statements. SQLite: Django's cursor.
+    """
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    db = connections[DEFAULT_DB_ALIAS]  # one thread-local lookup, not one per attribute
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    raw: Any = _PreparedCursor(db.connection)  # django-stubs types the argument as Django's own wrapper
+    return db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
+
+
 def fetch(sql: str, params, *models) -> list[list]:
-    with connection.cursor() as cursor:
-        execute(cursor, sql, params)
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, adapt_all(params))
         return [split(row, *models) for row in cursor.fetchall()]
 
 
 def fetch_with_rest(sql: str, params, *models) -> list[tuple[list, tuple]]:
     """As fetch, with each row's columns after the models' own: (instances, the rest)."""
     width = sum(len(_fields(model)[0]) for model in models)
-    with connection.cursor() as cursor:
-        execute(cursor, sql, params)
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, adapt_all(params))
         return [(split(row, *models), tuple(row[width:])) for row in cursor.fetchall()]
 
 

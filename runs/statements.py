@@ -167,7 +167,7 @@ def write_run(
     params.append(run)
     if events:
         params += [run, _events_json(events)]
-    with connection.cursor() as cursor:
+    with sql.prepared_cursor() as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall() if events or steps else []
     if steps:

@@ -8,7 +8,6 @@ import functools
 import json
 
 import jsonschema
-from django.db import connection
 
 from agentplatform import sql
 from agents.spec import spec_for
@@ -34,7 +33,7 @@ def check_dispatch(run: Run, step: Step, *, user=None, steps=None) -> str | None
         return f"user {user.username} no longer belongs to this tenant"
     if step.tool_id is None:
         return f"unknown tool {step.tool_name!r}"
-    with connection.cursor() as cursor:
+    with sql.prepared_cursor() as cursor:
         cursor.execute(
             f"SELECT {sql.columns(Tool, 't')}, {sql.columns(ToolServer, 's')}, "
             f"{sql.columns(Delegation, 'd')}, {use_tool_sql()} "
