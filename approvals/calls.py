@@ -257,7 +257,10 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
         tool_names=policies.config.tool_names,  # what context.run.calls_by_tool was validated with
     )
     verdict = cedar.evaluate(
-        request, legacy=legacy_rules(run, tool), with_approval=step.status == StepStatus.PROPOSED
+        request,
+        legacy=legacy_rules(run, tool),
+        with_approval=step.status == StepStatus.PROPOSED,
+        policies=policies,  # at the version the claim read: not looked up a second time
     )
     # Read by decision_for and count_call in the same transaction (attributes of this instance only).
     setattr(step, "policy_verdict", verdict)  # noqa: B010
@@ -294,7 +297,7 @@ def check_correction(run: Run, step: Step, *, requester, editor, arguments: dict
         editor=editor,
         tool_names=policies.config.tool_names,
     )
-    verdict = cedar.evaluate(request, with_approval=False)
+    verdict = cedar.evaluate(request, with_approval=False, policies=policies)
     return str(verdict.denial) if verdict.denial else None
 
 
