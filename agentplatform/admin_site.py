@@ -210,6 +210,20 @@ class TenantGuardedAdmin(TenantScopedAdmin, GuardedModelAdmin):  # type: ignore[
         return super().obj_perms_manage_group_view(request, object_pk, group_id)
 
 
+class OperatorsWrite:
+    """Rows that platform operators add, change and delete, and a tenant's staff at most read (a
+    tenant's ceilings, its webhooks): put before the ModelAdmin class it narrows."""
+
+    def has_add_permission(self, request, obj=None):
+        return is_operator(request.user)
+
+    def has_change_permission(self, request, obj=None):
+        return is_operator(request.user)
+
+    def has_delete_permission(self, request, obj=None):
+        return is_operator(request.user)
+
+
 class ReadOnlyAdmin(TenantScopedAdmin):
     """Rows are written by services (and their custom admin actions), never by the admin's forms."""
 

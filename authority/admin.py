@@ -7,23 +7,12 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from agentplatform.admin_site import TenantScopedAdmin, site
+from agentplatform.admin_site import ReadOnlyAdmin, site
 from authority.models import Delegation, ExchangedToken, IdentityProvider, SigningKey
 
 
-class ReadOnly(TenantScopedAdmin):
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
-
-
 @admin.register(SigningKey, site=site)
-class SigningKeyAdmin(ReadOnly):
+class SigningKeyAdmin(ReadOnlyAdmin):
     list_display = ("kid", "algorithm", "signs_from", "retired_at")
     fields = (
         "kid",
@@ -36,17 +25,17 @@ class SigningKeyAdmin(ReadOnly):
 
 
 @admin.register(Delegation, site=site)
-class DelegationAdmin(ReadOnly):
+class DelegationAdmin(ReadOnlyAdmin):
     list_display = ("server", "mode", "audience", "header", "mcp_meta", "mcp_authorization")
 
 
 @admin.register(IdentityProvider, site=site)
-class IdentityProviderAdmin(ReadOnly):
+class IdentityProviderAdmin(ReadOnlyAdmin):
     list_display = ("tenant", "token_url", "client_id", "client_secret")  # secrets by name
 
 
 @admin.register(ExchangedToken, site=site)
-class ExchangedTokenAdmin(ReadOnly):
+class ExchangedTokenAdmin(ReadOnlyAdmin):
     list_display = ("user", "subject", "audience", "scope", "issued_at", "use_until")
     fields = (
         "tenant",

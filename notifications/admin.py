@@ -6,7 +6,7 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin
 
-from agentplatform.admin_site import ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
+from agentplatform.admin_site import OperatorsWrite, ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
 from notifications.models import Delivery, DeliveryAttempt, Event, Webhook
 from notifications.services import egress_refusal
 
@@ -45,21 +45,12 @@ class OperatorOnly:
 
 
 @admin.register(Webhook, site=site)
-class WebhookAdmin(OperatorOnly, TenantScopedAdmin):
+class WebhookAdmin(OperatorOnly, OperatorsWrite, TenantScopedAdmin):
     form = WebhookForm
     fields = ["tenant", "name", "url", "signing_secret", "events", "enabled", "created_at", "updated_at"]
     readonly_fields = ["created_at", "updated_at"]
     list_display = ["name", "tenant", "url", "events", "enabled"]
     list_filter = ["enabled"]
-
-    def has_add_permission(self, request):
-        return is_operator(request.user)
-
-    def has_change_permission(self, request, obj=None):
-        return is_operator(request.user)
-
-    def has_delete_permission(self, request, obj=None):
-        return is_operator(request.user)
 
     def save_model(self, request, obj, form, change):
         secret = form.cleaned_data.get("signing_secret")

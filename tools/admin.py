@@ -4,7 +4,14 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
-from agentplatform.admin_site import TenantGuardedAdmin, TenantScopedAdmin, is_operator, money, site
+from agentplatform.admin_site import (
+    OperatorsWrite,
+    TenantGuardedAdmin,
+    TenantScopedAdmin,
+    is_operator,
+    money,
+    site,
+)
 from approvals.policy import PolicyError, Unconvertible, to_cedar
 from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
@@ -171,17 +178,8 @@ class ToolAdmin(TenantGuardedAdmin):
 
 
 @admin.register(SandboxCaps, site=site)
-class SandboxCapsAdmin(TenantScopedAdmin):
+class SandboxCapsAdmin(OperatorsWrite, TenantScopedAdmin):
     """A tenant's ceiling on run_python's limits: set by platform operators, read by the tenant
     (a tenant raising its own ceiling would make it no ceiling)."""
 
     list_display = ["tenant", "wall_seconds", "cpu_seconds", "cores", "memory_bytes", "processes"]
-
-    def has_add_permission(self, request):
-        return is_operator(request.user)
-
-    def has_change_permission(self, request, obj=None):
-        return is_operator(request.user)
-
-    def has_delete_permission(self, request, obj=None):
-        return is_operator(request.user)
