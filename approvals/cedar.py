@@ -379,13 +379,7 @@ def _request_and_entities(request: CallRequest, config: TenantPolicies):
 def _run_values(values, types: dict) -> dict:
     """The declared fields of a run's input or metadata (others are left out: the schema has no
     type for them); a field without a default is there only if the run has it."""
-    values = values if isinstance(values, dict) else {}
-    found = {}
-    for name, spec in types.items():
-        value = values.get(name, spec.get("default"))
-        if value is not None:
-            found[name] = cedar_value(value)
-    return found
+    return _declared(values if isinstance(values, dict) else {}, types)
 
 
 def _group_entities(groups) -> list[dict]:
