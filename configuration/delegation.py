@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from authority.models import Delegation, IdentityProvider
 from configuration.report import ApplyReport
+from configuration.rows import assign
 from configuration.schema import Item, Problems
 from tenants.models import Secret, Tenant
 from tools.models import ToolServer
@@ -32,11 +33,8 @@ def apply_delegation(server: ToolServer, values: dict | None, label: str, report
         Delegation.objects.create(server=server, **wanted)
         report.record("tool_servers", label, "updated", ["delegation"])
         return
-    changed = [name for name, value in wanted.items() if getattr(stored, name) != value]
+    changed = assign(stored, wanted)
     if changed:
-        for name in changed:
-            setattr(stored, name, wanted[name])
-        stored.save(update_fields=changed)
         report.record("tool_servers", label, "updated", [f"delegation.{name}" for name in changed])
 
 
@@ -61,9 +59,6 @@ def apply_identity_provider(
         IdentityProvider.objects.create(tenant=tenant, **values)
         report.record("tenant", tenant.slug, "updated", ["identity_provider"])
         return
-    changed = [name for name, value in values.items() if getattr(stored, name) != value]
+    changed = assign(stored, values)
     if changed:
-        for name in changed:
-            setattr(stored, name, values[name])
-        stored.save(update_fields=changed)
         report.record("tenant", tenant.slug, "updated", [f"identity_provider.{name}" for name in changed])

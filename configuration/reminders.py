@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from approvals.models import ReminderRule
 from configuration.report import ApplyReport
+from configuration.rows import assign
 from configuration.schema import Item, Plan, Problems
 from tenants.models import Tenant, TenantGroup
 from tools.models import Tool
@@ -133,7 +134,6 @@ def _store(tenant: Tenant, tool: Tool | None, rule: _Rule | None, label: str, ki
         ReminderRule.objects.create(tenant=tenant, tool=tool, **values)
         report.record(kind, label, "updated", ["reminders"])
         return
-    changed = [name for name, value in values.items() if getattr(stored, name) != value]
+    changed = assign(stored, values)
     if changed:
-        ReminderRule.objects.filter(pk=stored.pk).update(**values)
         report.record(kind, label, "updated", [name.removesuffix("_seconds") for name in changed])

@@ -21,6 +21,7 @@ from budgets.models import BudgetAccount
 from budgets.services import local_day, set_day_limit
 from configuration import delegation, reminders
 from configuration.report import ApplyReport
+from configuration.rows import assign
 from configuration.schema import (
     AGENT_PERMS,
     HTTP_ONLY,
@@ -67,16 +68,6 @@ class _Context:
         self.plan.drop(kind, item.key)
 
 
-def _assign(obj: Any, values: dict) -> list[str]:
-    """Set the fields that differ and save only those, so concurrent changes to others survive."""
-    changed = [name for name, value in values.items() if getattr(obj, name) != value]
-    for name in changed:
-        setattr(obj, name, values[name])
-    if changed:
-        obj.save(update_fields=changed)
-    return changed
-
-
 def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -> ApplyReport:
     assert plan.tenant is not None
     report = ApplyReport(tenant=plan.tenant.key)
@@ -112,7 +103,7 @@ def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
         tenant = Tenant.objects.create(slug=item.key, **values)
         report.record("tenant", item.key, "created")
         return tenant
-    changed = _assign(tenant, values)
+    changed = assign(tenant, values)
     report.record("tenant", item.key, "updated" if changed else "unchanged", changed)
     if {"daily_budget_micros", "user_daily_budget_micros"} & set(changed):
         _update_today_limits(tenant, report)
@@ -220,7 +211,7 @@ def _create_user(username: str, values: dict, password: str | None, tenant: Tena
 
 
 def _update_user(user: User, values: dict, password: str | None) -> list[str]:
-    changed = _assign(user, values)
+    changed = assign(user, values)
     # Hashes are salted: only a password that no longer matches is hashed again.
     if password and not user.check_password(password):
         user.set_password(password)
@@ -258,7 +249,7 @@ def _upsert(model: type, kind: str, item: Item, values: dict, ctx: _Context) -> 
         obj = model.objects.create(tenant=ctx.tenant, name=item.key, **values)
         ctx.report.record(kind, item.key, "created")
         return obj
-    changed = _assign(obj, values)
+    changed = assign(obj, values)
     ctx.report.record(kind, item.key, "updated" if changed else "unchanged", changed)
     ctx.report.restored(kind, item.key, [name for name in changed if name in model.DESTINATION_FIELDS])
     return obj
@@ -652,7 +643,7 @@ def _apply_webhook(item: Item, ctx: _Context) -> None:
         hook.save()
         ctx.report.record("webhooks", item.key, "created")
         return
-    changed = _assign(hook, values)
+    changed = assign(hook, values)
     if not _same_signing_secret(hook, secret):
         # Fernet is randomised: re-encrypting an unchanged secret would look like a change.
         hook.set_signing_secret(secret)
