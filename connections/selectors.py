@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from django.db.models import QuerySet
 
-from connections.models import Connection, ConnectionStatus, ProtectedServer
+from connections.models import Connection, ConnectionStatus
+from tools.models import ToolServer
 
 
 @dataclass(frozen=True)
@@ -19,12 +20,16 @@ class ConnectionState:
     revoked_at: dt.datetime | None = None  # of the user's latest connection, if it was revoked
 
 
-def state_for(user_id: int, server_id: int) -> ConnectionState:
-    """The user's connection to the server, as of now (read fresh: the claim asks at every dispatch)."""
-    if not ProtectedServer.objects.filter(server_id=server_id).exists():
+def state_for(user_id: int, server: ToolServer) -> ConnectionState:
+    """The user's connection to the server, as of now (read fresh: the claim asks at every dispatch).
+
+    Whether the server is protected is read through `server.protection`, which Django keeps on
+    the instance (a missing row too): the transport that sends the call from the same instance
+    (tools/transports._mcp_config_as_user) does not ask again."""
+    if getattr(server, "protection", None) is None:  # no row raises AttributeError
         return ConnectionState(protected=False)
     latest = (
-        Connection.objects.filter(user_id=user_id, server_id=server_id)
+        Connection.objects.filter(user_id=user_id, server_id=server.pk)
         .exclude(status__in=[ConnectionStatus.PENDING, ConnectionStatus.ABANDONED])
         .order_by("-created_at")
         .values_list("status", "revoked_at")

@@ -194,7 +194,7 @@ def token_for_call(*, user_id: int, server: ToolServer) -> tuple[int, str, str]:
         expires_at=connection.access_expires_at.timestamp() if connection.access_expires_at else None,
         scope=connection.scopes,
     )
-    protected = ProtectedServer.objects.get(server=server)
+    protected = server.protection  # as the claim read it on this instance (connections.selectors.state_for)
     try:
         refreshed = oauth.fresh(server.url, callback_url(), _discovery(protected), tokens)
     except oauth.RefreshRefused as exc:

@@ -17,7 +17,6 @@ import time
 import httpx
 
 from connections import services as connections
-from connections.models import ProtectedServer
 from runs.models import Step
 from tenants.models import Secret
 from tools import run_python
@@ -115,7 +114,7 @@ def _mcp_config_as_user(
     the run's user's access token, refreshed first if due. A user without a usable connection is
     refused here, before anything is sent."""
     config = mcp_config(server, authority=authority)
-    if not ProtectedServer.objects.filter(server=server).exists():
+    if getattr(server, "protection", None) is None:  # as the claim read it on this instance
         return config, None, ""
     # The run the engine attached to the step (the claim's): no read of it per call.
     user_id = step.run.created_by_id

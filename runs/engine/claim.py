@@ -305,7 +305,7 @@ def _authorization(run: Run, step: Step) -> decisions.WaitForAuthorization | dec
     tool = tool_of(step)
     if tool.server.kind != ToolServer.Kind.MCP:
         return None  # only MCP servers are connected per user
-    state = state_for(run.created_by_id, tool.server_id)
+    state = state_for(run.created_by_id, tool.server)
     return decisions.authorization_turn(
         step.seq,
         decisions.ConnectionView(protected=state.protected, active=state.active, revoked_at=state.revoked_at),
