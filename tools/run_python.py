@@ -254,19 +254,25 @@ def file_result(step: Step, content: bytes, content_type: str, disposition: str)
         or f"{step.tool.remote_name if step.tool else 'file'}-{step.seq}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
     )
     try:
-        stored = artifacts.store(
-            run=step.run,
-            step=step,
-            name=name,
-            media_type=media_type,
-            content=content,
-            source=Artifact.Source.TOOL,
-        )
+        description = _stored_description(step, name, media_type, content)
     except artifacts.ArtifactRefused as exc:
         # The tool did answer: its file was refused, which the model is told (and nothing stored).
         return ToolResult(text=f"the tool returned a file that was not stored: {exc.message}", is_error=True)
-    description = artifacts.describe(stored, content)
     return ToolResult(text=artifacts.describe_text(description), structured={"artifact": description})
+
+
+def _stored_description(step: Step, name: str, media_type: str, content: bytes) -> dict:
+    """A file a tool returned, stored as an artifact of the step: its description for the model.
+    Raises ArtifactRefused (the tenant's limits), with nothing stored."""
+    stored = artifacts.store(
+        run=step.run,
+        step=step,
+        name=name,
+        media_type=media_type,
+        content=content,
+        source=Artifact.Source.TOOL,
+    )
+    return artifacts.describe(stored, content)
 
 
 def with_files(step: Step, result: ToolResult) -> ToolResult:
@@ -282,18 +288,10 @@ def with_files(step: Step, result: ToolResult) -> ToolResult:
         if artifacts.check_name(name) is not None:
             name = f"{step.tool.remote_name if step.tool else 'file'}-{step.seq}-{i + 1}{artifacts.UPLOAD_TYPES.get(media_type, '')}"
         try:
-            stored = artifacts.store(
-                run=step.run,
-                step=step,
-                name=name,
-                media_type=media_type,
-                content=file.content,
-                source=Artifact.Source.TOOL,
-            )
+            description = _stored_description(step, name, media_type, file.content)
         except artifacts.ArtifactRefused as exc:
             notes.append(f"the tool returned a file ({file.uri}) that was not stored: {exc.message}")
             continue
-        description = artifacts.describe(stored, file.content)
         described.append(description)
         notes.append(artifacts.describe_text(description))
     text = "\n\n".join([t for t in (result.text, *notes) if t])

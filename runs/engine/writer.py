@@ -296,48 +296,65 @@ def wait_for_authorization(run: Run, step: Step, decision: decisions.WaitForAuth
 
 def deny(run: Run, step: Step, reason: str) -> None:
     """The gateway refused the call: nothing is sent; the model is told why; the run goes on."""
-    if step.status == StepStatus.APPROVED:
-        void_approval(step, reason=reason)
-    transition_step(
+    _not_sent(
+        run,
         step,
-        StepStatus.DENIED,
         message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
         error=reason,
         observation=f"ERROR: call denied by the platform: {reason}",
-        finished_at=timezone.now(),
+        void_reason=reason,
     )
-    tool_finished(run, step)
 
 
 def unavailable(run: Run, step: Step, switch: str) -> None:
     """A kill switch is on for the tool and the tenant chose to tell the model: nothing is sent,
     the call is answered as unavailable (an approval it had is withdrawn, never consumed), and
     the run goes on. The operator's reason stays in the step's error, out of the model's sight."""
-    if step.status == StepStatus.APPROVED:
-        void_approval(step, reason=f"not sent: {switch}")
-    transition_step(
+    _not_sent(
+        run,
         step,
-        StepStatus.DENIED,
         message=f"step {step.seq} {step.tool_name}: not sent, the tool is unavailable ({switch})",
         error=f"tool unavailable: {switch}",
         observation=f"ERROR: the tool {step.tool_name} is unavailable right now (turned off by an "
         "operator); nothing was sent. Go on without it.",
-        finished_at=timezone.now(),
+        void_reason=f"not sent: {switch}",
     )
-    tool_finished(run, step)
 
 
 def deny_after_sending_nothing(run: Run, step: Step, reason: str) -> None:
     """The user's identity provider refused a token for the call: a denial the model is told, with
     the IdP's reason; nothing was sent. Like the gateway's own denial, the run goes on."""
-    transition_step(
+    _not_sent(
+        run,
         step,
-        StepStatus.DENIED,
         message=f"step {step.seq} {step.tool_name or '?'} denied: {reason}",
         error=reason,
         observation=f"ERROR: call denied: {reason}",
-        finished_at=timezone.now(),
         next_attempt_at=None,
+    )
+
+
+def _not_sent(
+    run: Run,
+    step: Step,
+    *,
+    message: str,
+    error: str,
+    observation: str,
+    void_reason: str | None = None,
+    **fields,
+) -> None:
+    """A call answered `denied` without anything sent; an approval it had is withdrawn (never consumed)."""
+    if void_reason is not None and step.status == StepStatus.APPROVED:
+        void_approval(step, reason=void_reason)
+    transition_step(
+        step,
+        StepStatus.DENIED,
+        message=message,
+        error=error,
+        observation=observation,
+        finished_at=timezone.now(),
+        **fields,
     )
     tool_finished(run, step)
 
