@@ -576,6 +576,10 @@ def evaluate(
     if policies is _LOOKUP:
         policies = compiled(request.tenant_id)
     legacy_policies = legacy_part(request.tool.name, legacy) if any(t.strip() for t in legacy) else None
+    if legacy_policies is not None and legacy_policies.policies is None:
+        # `never` converts to no policy: nothing to ask, so an argument Cedar cannot take (a
+        # number past its 64 bits) must not turn into an approval of a call no rule covers.
+        legacy_policies = None
     if policies is None:
         verdict = Verdict()
         if with_approval and legacy_policies is not None:
