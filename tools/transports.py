@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import http.cookiejar
 import json
+import os
 import time
 
 import httpx
@@ -158,11 +160,40 @@ def off_origin(server: ToolServer, url: str) -> str | None:
     return f"refused before sending: the URL of this call is not on server {server.name}'s origin {where}"
 
 
+class _NoCookies(http.cookiejar.DefaultCookiePolicy):
+    """The shared client serves every tenant's calls: a cookie one server sets must never ride
+    along on the next call, whoever makes it."""
+
+    def set_ok(self, cookie, request) -> bool:
+        return False
+
+    def return_ok(self, cookie, request) -> bool:
+        return False
+
+
+# An idle connection is let go after a second, well inside the keep-alive of common servers
+# (gunicorn's is 2 s): a request sent on a connection the server is closing would end unanswered,
+# an unknown outcome made by the platform itself rather than by the provider.
+_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=1.0)
+
+
+def _client() -> httpx.Client:
+    return _client_of(os.getpid())
+
+
 @functools.cache
-def _tls():
-    """One TLS context per process: httpx.post builds a new one per call otherwise, and loading the
-    CA bundle into it costs more CPU than the rest of an engine step (docs/performance.md)."""
-    return httpx.create_ssl_context()
+def _client_of(pid: int) -> httpx.Client:
+    """One client per process, its connections kept alive between calls to a server: a client
+    per call (httpx.post) built a TLS context, a pool and a TCP connection every time, about a
+    millisecond of a tool step's CPU (docs/performance.md). Keyed by process so that a forked
+    worker never shares its parent's sockets. Redirects are never followed (httpx's default, said
+    here because it matters): the secret goes to the configured origin and nowhere else."""
+    return httpx.Client(
+        verify=httpx.create_ssl_context(),
+        limits=_LIMITS,
+        follow_redirects=False,
+        cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+    )
 
 
 def _before_sending(send_by: float | None) -> None:
@@ -183,15 +214,11 @@ def _http_call(
     headers = {IDEMPOTENCY_HEADER: step.idempotency_key, **_secret_header(server), **authority}
     _before_sending(send_by)
     try:
-        # Redirects are never followed (httpx's default, said here because it matters): the
-        # secret goes to the configured origin and nowhere else.
-        response = httpx.post(
+        response = _client().post(
             url,
             json=step.arguments,
             headers=headers,
-            follow_redirects=False,
             timeout=httpx.Timeout(tool.timeout_seconds, connect=min(5.0, tool.timeout_seconds)),
-            verify=_tls(),
         )
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise ToolFailed(f"could not connect to {server.name}: {type(exc).__name__}") from None
@@ -269,11 +296,10 @@ def lookup_status(
             # Nothing is learnt about the call itself: its outcome stays unknown.
             raise ToolOutcomeUnknown(f"status lookup {refusal}")
         try:
-            response = httpx.get(
+            response = _client().get(
                 url,
                 headers={**_secret_header(server), **(authority_headers or {})},
                 timeout=tool.timeout_seconds,
-                follow_redirects=False,
             )
         except httpx.HTTPError as exc:
             raise ToolOutcomeUnknown(f"status lookup failed: {type(exc).__name__}") from None
