@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import engine as engine_bench
-from bench import peers, sqlcount
+from bench import peers, pgcpu, sqlcount
 
 
 def _caller() -> str:
@@ -118,6 +118,7 @@ def main() -> None:
 
             connection.ops.__class__.last_executed_query = remember
         sqlcount.install()
+        backends = pgcpu.BackendCpu(url).start()
         profile = cProfile.Profile(time.process_time)  # CPU, not wall time: waits cost nothing
         before = sqlcount.snapshot()
         cpu = time.process_time()
@@ -134,13 +135,20 @@ def main() -> None:
                     if Run.objects.filter(pk=run_id).values_list("status", flat=True)[0] in TERMINAL:
                         break
         cpu = time.process_time() - cpu
+        pg_cpu = backends.stop()
         after = sqlcount.snapshot()
         # The loop's own status read is one statement per advance: left out.
         statements = after["statements"] - before["statements"] - steps
         print(
             f"{steps} advances, {cpu * 1000 / steps:.2f} ms CPU per advance ({'without' if opts.no_profile else 'with'} the profiler), "
-            f"{statements / steps:.2f} statements, {(after['checks'] - before['checks']) / steps:.2f} checks"
+            f"{statements / steps:.2f} statements, {(after['checks'] - before['checks']) / steps:.2f} checks, "
+            + (
+                f"{pg_cpu * 1000 / steps:.2f} ms PostgreSQL CPU"
+                if pg_cpu is not None
+                else "PostgreSQL CPU unreadable"
+            )
         )
+        _print_prepared(connection)
         if not opts.no_profile:
             stats = pstats.Stats(profile)
             stats.sort_stats(opts.sort).print_stats(opts.top)
@@ -172,6 +180,29 @@ def main() -> None:
 
             connections.close_all()
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+def _print_prepared(connection) -> None:
+    """How PostgreSQL planned the engine's prepared statements on this connection: a statement
+    planned anew on every call (custom plans) pays planning each time, as an unprepared one does."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans, left(regexp_replace(statement, '\\s+', ' ', 'g'), 90) "
+            "FROM pg_prepared_statements ORDER BY custom_plans DESC"
+        )
+        rows = cursor.fetchall()
+        cursor.execute(
+            "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+            "WHERE n_tup_upd > 0 ORDER BY n_tup_upd DESC LIMIT 8"
+        )
+        tables = cursor.fetchall()
+    print("rows updated, and of them in place (HOT: no index touched), by table:")
+    for name, inserted, updated, hot in tables:
+        print(f"  {name:<28} {inserted:7d} inserted {updated:7d} updated {hot:7d} HOT")
+    if rows:
+        print("prepared statements of one connection: generic plans, custom plans, statement")
+        for generic, custom, text in rows:
+            print(f"{generic:7d} {custom:7d}  {text}")
 
 
 def _print_plans(samples: dict[str, str], counts, steps: int) -> None:

@@ -153,7 +153,11 @@ class Run(models.Model):
         ]
         indexes = [
             models.Index(fields=["tenant", "status"]),
-            models.Index(fields=["status", "lease_expires_at"]),
+            # No index holds lease_expires_at, last_enqueued_at or the counters: a claim and a
+            # record change them on every step, and PostgreSQL updates a row in place, without
+            # touching its twenty indexes (one a GIN over input and metadata), only when no
+            # indexed column changed (a HOT update; migration 0017). The sweeper finds expired
+            # leases among the running runs through the status index.
             # The sweeper's pass over pauses given an end (runs/pausing.resume_due): empty most days.
             models.Index(
                 fields=["paused_until"],
