@@ -33,8 +33,8 @@ The phases live in their own modules:
     runs/engine/tool_step.py   a tool step: reconcile, act, then settle and record; retries, unknown
                                outcomes, late results
 
-This module holds the entry point; `runs/engine/types.py` holds the `Plan` a claim hands on and the
-`ToolOutcome` of a tool call; `runs.queueing.continue_run` enqueues the next step;
+This module holds the entry point; `runs/engine/types.py` holds the frozen plans a claim hands on
+(`ModelCall`, `ToolCall`, `LostModelCall`) and the `ToolOutcome` of a tool call; `runs.queueing.continue_run` enqueues the next step;
 `runs/statements.py` holds the hand-written SQL of the hot path.
 """
 
@@ -51,6 +51,7 @@ from runs.engine import failures
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model, recover_model
 from runs.engine.tool_step import do_tool
+from runs.engine.types import LostModelCall, ModelCall, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ def advance(run_id, *, enqueued_at: dt.datetime | None = None) -> dict:
             plan = claim(run_id, enqueued_at)
             if plan is None:
                 return report.summary()
-            if plan.kind == "recover_model":
-                recover_model(plan)
-            elif plan.kind == "model":
-                do_model(plan)
-            else:
-                do_tool(plan)
+            match plan:
+                case LostModelCall():
+                    recover_model(plan)
+                case ModelCall():
+                    do_model(plan)
+                case ToolCall():
+                    do_tool(plan)
         except (OperationalError, InterfaceError):
             raise
         except Exception as exc:

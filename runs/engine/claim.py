@@ -8,7 +8,7 @@ It reads as: read, decide, apply, act.
     decide   runs/engine/decisions.py: what the run does next, as one frozen decision
     apply    runs/engine/writer.py for what needs no network (stops, parks, denials, replays,
              platform tools, scheduled retries); a model or tool call is reserved and committed
-             as `dispatching` (runs/engine/dispatch.reserve_and_mark) and handed on as a Plan
+             as `dispatching` (runs/engine/dispatch.reserve_and_mark) and handed on as a frozen plan (runs/engine/types.py)
     act      the caller (runs.engine.advance) makes the call, outside any transaction
 
 Everything here runs in the claim's one short transaction and needs no network, but for the
@@ -34,7 +34,7 @@ from runs import kill_switches, statements
 from runs.approval_effects import request_approval
 from runs.engine import conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
-from runs.engine.types import ModelPlan, Plan, ToolPlan, tool_of
+from runs.engine.types import Intent, Lease, LostModelCall, ModelPlan, Plan, ToolCall, ToolPlan, tool_of
 from runs.models import ClaimReads, Run, RunStatus, Step, StepKind, StepStatus
 from runs.policy_events import record_shadow
 from runs.queueing import continue_run, lease_seconds_for
@@ -87,17 +87,18 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             transition_run(run, RunStatus.RUNNING, started_at=now)
         if inflight_step is not None and inflight_step.next_attempt_at is None:
             writer.count_crash(run, inflight_step)  # found dispatching, nothing scheduled: worker lost
-        plan = _apply(run, decision, window, inflight_step, now, upto)
-        if plan is None:
+        planned = _apply(run, decision, window, inflight_step, now, upto)
+        if planned is None:
             return None
-        plan.run = run
-        if plan.kind == "recover_model" or plan.reconcile_first:
+        if isinstance(planned, (LostModelCall, ToolCall)):
             # Nothing is sent before the lost call is settled or the provider asked: lease only.
+            lease = planned.lease
             write_run_at_end(
-                run, lease_token=plan.token, lease_expires_at=now + dt.timedelta(seconds=plan.lease_seconds)
+                run, lease_token=lease.token, lease_expires_at=now + dt.timedelta(seconds=lease.seconds)
             )
-            return plan
-        if not reserve_and_mark(run, plan, take_lease=True):
+            return planned
+        plan = reserve_and_mark(run, planned)
+        if plan is None:
             return None
     let_go(plan)
     return plan
@@ -160,15 +161,16 @@ def _tool_of(step: Step) -> decisions.ToolView:
     return tool_view(tool)
 
 
-def _new_plan(run: Run, kind: str, timeout: float, **fields) -> Plan:
-    """A plan with a new lease token (taken when the claim commits its intent)."""
-    return Plan(run.pk, uuid.uuid4(), kind, lease_seconds_for(timeout), **fields)
+def _lease(run: Run, timeout: float) -> Lease:
+    """A new lease token for a call of this timeout (taken when the claim commits its intent)."""
+    return Lease(run.pk, uuid.uuid4(), lease_seconds_for(timeout))
 
 
 def _apply(
     run: Run, decision, window: list[Step], inflight: Step | None, now: dt.datetime, upto: int | None
-) -> Plan | None:
-    """Apply a decision of next_move; a Plan when a call is to be made."""
+) -> Intent | ToolCall | LostModelCall | None:
+    """Apply a decision of next_move: an Intent when a call is to be reserved and made; a plan
+    that takes only the lease when a lost call is to be settled or its provider asked first."""
     match decision:
         case decisions.Cancel() | decisions.Stop() | decisions.FailRun() | decisions.Finish():
             writer.end(run, decision)
@@ -183,7 +185,7 @@ def _apply(
         case decisions.RecoverModel():
             assert inflight is not None
             writer.model_lost(run, inflight)
-            return _new_plan(run, "recover_model", 5, step_id=inflight.pk)
+            return LostModelCall(_lease(run, 5), run, inflight.pk)
         case decisions.Retry():
             assert inflight is not None and inflight.tool is not None
             switch = kill_switches.killed(tool_id=inflight.tool_id, reads=run.claim_reads)
@@ -195,14 +197,11 @@ def _apply(
                 return None
             writer.recovery_event(run, inflight, decision, effect=inflight.tool.effect_class)
             inflight.run = run
-            return _new_plan(
-                run,
-                "tool",
-                inflight.tool.timeout_seconds,
-                step_id=inflight.pk,
-                reconcile_first=decision.lookup_first,
-                tool=ToolPlan(step=inflight, steps=window),
-            )
+            call = ToolPlan(step=inflight)
+            lease = _lease(run, inflight.tool.timeout_seconds)
+            if decision.lookup_first:
+                return ToolCall(lease, run, call, reconcile_first=True)
+            return Intent(lease, tool=call)
         case decisions.WaitToSettle() | decisions.AskPerson() | decisions.GiveUp():
             assert inflight is not None
             writer.after_unknown(run, inflight, decision)
@@ -235,7 +234,7 @@ def _claim_reads(run: Run) -> ClaimReads:
     return run.claim_reads
 
 
-def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Plan | None:
+def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Intent | None:
     chain = fallback.chain_of(run.version)
     history = model_history(window)
     choice = fallback.choose(chain, history)
@@ -281,10 +280,8 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Pla
         return None
     summary = model_gateway.request_summary(request, input_tokens=input_tokens)
     summary["endpoint"] = endpoint.name
-    return _new_plan(
-        run,
-        "model",
-        endpoint.timeout_seconds,
+    return Intent(
+        _lease(run, endpoint.timeout_seconds),
         model=ModelPlan(
             # At this endpoint's prices: a fallback that costs more reserves more, and a budget
             # that cannot carry it stops the run before anything is sent.
@@ -327,7 +324,7 @@ def model_history(window: list[Step]) -> tuple[fallback.Attempt, ...]:
     )
 
 
-def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
+def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Intent | None:
     """A proposed, approved or retried call: the gateway's checks with fresh rows, then a denial,
     a replay, an approval request, a stop for the run's limits, or the dispatch."""
     # Fresh rows: the user and the run this claim read under the lock; the tool, its server and
@@ -380,5 +377,5 @@ def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Plan | None:
     if stop is not None:
         writer.end(run, stop)
         return None
-    call = ToolPlan(step=step, steps=window, may_be_corrected=step.status != StepStatus.PROPOSED)
-    return _new_plan(run, "tool", tool_of(step).timeout_seconds, step_id=step.pk, tool=call)
+    call = ToolPlan(step=step, may_be_corrected=step.status != StepStatus.PROPOSED)
+    return Intent(_lease(run, tool_of(step).timeout_seconds), tool=call)

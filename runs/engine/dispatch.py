@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+import uuid
 
 from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
@@ -19,7 +20,7 @@ from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs import kill_switches
 from runs.engine import heartbeat, writer
-from runs.engine.types import Plan, fenced, tool_of
+from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.transitions import (
     atomic_with_events,
@@ -37,64 +38,77 @@ log = logging.getLogger(__name__)
 # --- reserve and mark ------------------------------------------------------------------------
 
 
-def reserve_and_mark(run: Run, plan: Plan, *, take_lease: bool) -> bool:
-    """Reserve the call's worst case and commit its step as `dispatching`, in the caller's
-    transaction with `run` locked (the claim's, or after a status lookup a short one of its own).
+def reserve_and_mark(run: Run, intent: Intent) -> ModelCall | ToolCall | None:
+    """Reserve the call's worst case and commit its step as `dispatching`, in the claim's
+    transaction with `run` locked; the lease is taken in the same UPDATE that counts the step and
+    numbers the events (runs.transitions.write_run_at_end). The plan of the committed call.
 
-    False: refused by the budget (recorded: the run stops or waits) or by a used-up approval
-    (the step is denied); nothing is reserved then. With `take_lease` the lease is taken in the
-    same UPDATE that counts the step and numbers the events (runs.transitions.write_run_at_end);
-    else the caller holds it.
+    None: refused by the budget (recorded: the run stops or waits) or by a used-up approval
+    (the step is denied); nothing is reserved then.
     """
+    if intent.model is not None:
+        return _mark_model(run, intent.lease, intent.model)
+    if intent.tool is None:
+        raise TypeError("an intent names a model call or a tool call")
+    return _mark_tool(run, intent.lease, intent.tool, take_lease=True)
+
+
+def _lease_fields(lease: Lease, now: dt.datetime) -> dict:
+    return {"lease_token": lease.token, "lease_expires_at": now + dt.timedelta(seconds=lease.seconds)}
+
+
+def _mark_model(run: Run, lease: Lease, model: ModelPlan) -> ModelCall | None:
     now = timezone.now()
-    token = plan.token
-    expires = now + dt.timedelta(seconds=plan.lease_seconds)
-    if plan.model is not None:
-        model = plan.model
-        step = Step(
-            run_id=run.pk,
-            seq=model.seq,
-            kind=StepKind.MODEL,
-            status=StepStatus.DISPATCHING,
-            attempts=1,
-            started_at=now,
-            dispatched_at=now,
-            reserved_micros=model.estimate,
-            request=model.summary,
-            model_endpoint_id=model.endpoint.pk,
-        )
-        sql.insert([step])
-        if not _reserve(run, plan, step, amount=model.estimate, purpose="model", what=_fallback_of(model)):
-            Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
-            return False
-        record_event(
-            run.pk,
-            "step",
-            f"step {step.seq} model call dispatched",
-            step_seq=step.seq,
-            to=StepStatus.DISPATCHING,
-            step_kind=StepKind.MODEL,
-        )
-        counters = {"step_count": 1, "model_call_count": 1}
-    else:
-        step = plan.tool_call.step
-        if not _reserve(run, plan, step, amount=tool_of(step).price_micros, purpose="tool"):
-            return False
-        if step.status == StepStatus.APPROVED:
-            # The approval is used up in the transaction that commits the call it covers.
-            if not approvals.consume(step):
-                budgets.release(plan.reservation_id, note="call not made: approval already used")
-                writer.deny(run, step, "approval was already used or withdrawn")
-                return False
-        first = step.status != StepStatus.DISPATCHING
-        _transition_to_dispatching(step, now)
-        counters = {"step_count": 1, "tool_call_count": 1} if first else {}
+    step = Step(
+        run_id=run.pk,
+        seq=model.seq,
+        kind=StepKind.MODEL,
+        status=StepStatus.DISPATCHING,
+        attempts=1,
+        started_at=now,
+        dispatched_at=now,
+        reserved_micros=model.estimate,
+        request=model.summary,
+        model_endpoint_id=model.endpoint.pk,
+    )
+    sql.insert([step])
+    reservation_id = _reserve(run, step, amount=model.estimate, purpose="model", what=_fallback_of(model))
+    if reservation_id is None:
+        Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
+        return None
+    record_event(
+        run.pk,
+        "step",
+        f"step {step.seq} model call dispatched",
+        step_seq=step.seq,
+        to=StepStatus.DISPATCHING,
+        step_kind=StepKind.MODEL,
+    )
+    write_run_at_end(run, adds={"step_count": 1, "model_call_count": 1}, **_lease_fields(lease, now))
+    return ModelCall(lease, run, step, reservation_id, model)
+
+
+def _mark_tool(run: Run, lease: Lease, call: ToolPlan, *, take_lease: bool) -> ToolCall | None:
+    """`take_lease` false: after a status lookup, whose worker holds the lease already."""
+    now = timezone.now()
+    step = call.step
+    reservation_id = _reserve(run, step, amount=tool_of(step).price_micros, purpose="tool")
+    if reservation_id is None:
+        return None
+    if step.status == StepStatus.APPROVED:
+        # The approval is used up in the transaction that commits the call it covers.
+        if not approvals.consume(step):
+            budgets.release(reservation_id, note="call not made: approval already used")
+            writer.deny(run, step, "approval was already used or withdrawn")
+            return None
+    first = step.status != StepStatus.DISPATCHING
+    _transition_to_dispatching(step, now)
+    counters = {"step_count": 1, "tool_call_count": 1} if first else {}
     if take_lease:
-        write_run_at_end(run, adds=counters, lease_token=token, lease_expires_at=expires)
+        write_run_at_end(run, adds=counters, **_lease_fields(lease, now))
     elif counters:
         write_run_at_end(run, adds=counters)
-    plan.step, plan.step_id = step, step.pk
-    return True
+    return ToolCall(lease, run, call, step=step, reservation_id=reservation_id)
 
 
 def _fallback_of(model) -> str:
@@ -105,16 +119,16 @@ def _fallback_of(model) -> str:
     return f"the fallback endpoint {model.endpoint.name}, reserved at its own prices"
 
 
-def _reserve(run: Run, plan: Plan, step: Step, *, amount: int, purpose: str, what: str = "") -> bool:
+def _reserve(run: Run, step: Step, *, amount: int, purpose: str, what: str = "") -> uuid.UUID | None:
+    """The reservation's id; None when the budget refused it (recorded on the run)."""
     try:
         reservation = budgets.reserve(
             tenant=run.tenant, run=run, user=run.created_by, step=step, amount_micros=amount, purpose=purpose
         )
     except budgets.BudgetExceeded as exc:
         _record_budget_refusal(run, exc, what=what)
-        return False
-    plan.reservation_id = reservation.pk
-    return True
+        return None
+    return reservation.pk
 
 
 def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str = "") -> None:
@@ -150,36 +164,37 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str =
         )
 
 
-def mark_after_lookup(plan: Plan) -> bool:
+def mark_after_lookup(plan: ToolCall) -> ToolCall | None:
     """After a status lookup that found nothing: reserve and commit the retry as `dispatching`,
     if this worker still holds the lease, nobody asked to cancel or pause, and no kill switch is
-    on for the tool. One short transaction."""
+    on for the tool. One short transaction; the plan of the resend, read fresh."""
     with atomic_with_events():
         run = lock_run(plan.run_id, for_step=True)
         if not fenced(run, plan):
-            return False
+            return None
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
-            return False
-        plan.run = run
-        plan.tool_call.step = Step.objects.select_related(
-            "tool", "tool__server", "tool__server__delegation"
-        ).get(pk=plan.step_pk)
-        plan.tool_call.step.run = run
+            return None
+        step = Step.objects.select_related("tool", "tool__server", "tool__server__delegation").get(
+            pk=plan.step_id
+        )
+        step.run = run
         # A switch may have gone on, or a pause been asked for, during the lookup: the resend is
         # a new call like any other, and the step waits as a retry due at the resume.
-        switch = kill_switches.killed(tool_id=plan.tool_call.step.tool_id)
+        switch = kill_switches.killed(tool_id=step.tool_id)
         if switch is not None or run.pause_requested:
-            writer.keep_retry(plan.tool_call.step)
+            writer.keep_retry(step)
             if switch is not None:
                 kill_switches.pause_by(run, switch)
             else:
                 writer.pause(run)
-            return False
-        if not reserve_and_mark(run, plan, take_lease=False):
-            return False
-    let_go(plan)
-    return True
+            return None
+        call = ToolPlan(step=step, may_be_corrected=plan.call.may_be_corrected)
+        resend = _mark_tool(run, plan.lease, call, take_lease=False)
+        if resend is None:
+            return None
+    let_go(resend)
+    return resend
 
 
 def let_go(plan: Plan) -> None:

@@ -8,6 +8,7 @@ endpoint (`_throttled`).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
 import logging
 
@@ -23,7 +24,7 @@ from llm.types import ProviderError, ToolCall
 from observability import observe
 from runs.engine import decisions, heartbeat, proposals, writer
 from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
-from runs.engine.types import ModelPlan, Plan, fenced
+from runs.engine.types import LostModelCall, ModelCall, ModelPlan, fenced
 from runs.models import Run, RunStatus, Step, StepStatus
 from runs.queueing import continue_run
 from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
@@ -51,8 +52,8 @@ def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> None:
         quotas.slow_down(endpoint, exc.retry_after)
 
 
-def do_model(plan: Plan) -> None:
-    model, step = plan.model_call, plan.dispatched
+def do_model(plan: ModelCall) -> None:
+    model, step = plan.model, plan.step
     try:
         # The endpoint (and its secret) the claim read: the call itself needs no database connection.
         with observe.model_call(
@@ -68,8 +69,9 @@ def do_model(plan: Plan) -> None:
         failure = exc  # `exc` is unbound once the except block ends
         kind = fallback.error_class(failure)
         circuit = _count_for_circuit(model, kind, str(failure))
+        began = timezone.now()
         through_database_outage(
-            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, retry=retry),
+            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, began, retry=retry),
             seconds=plan.lease_seconds,
         )
         return
@@ -77,8 +79,10 @@ def do_model(plan: Plan) -> None:
         heartbeat.untrack(plan.run_id)
     close_old_connections()
     circuit = _count_for_circuit(model, "", "", cost=cost)
+    began = timezone.now()
     through_database_outage(
-        lambda retry: _record_model(plan, step, reply, cost, circuit, retry=retry), seconds=plan.lease_seconds
+        lambda retry: _record_model(plan, step, reply, cost, circuit, began, retry=retry),
+        seconds=plan.lease_seconds,
     )
 
 
@@ -96,18 +100,17 @@ def _count_for_circuit(model: ModelPlan, kind: str, error: str, *, cost: int = 0
 
 
 def _record_model_failure(
-    plan: Plan, step: Step, exc, kind: str = "", circuit: str = "", *, retry: bool = False
+    plan: ModelCall, step: Step, exc, kind: str, circuit: str, began: dt.datetime, *, retry: bool = False
 ) -> None:
     """Close the reservation and write the failure, in one transaction (run, then budget).
 
     `kind`: the failure's class (llm/fallback.error_class); a failure that moves the run's next
     call to a fallback sends it at once (not after this endpoint's Retry-After), and a refusal
     that a fallback takes (a prompt too long for this model) does not end the run. `circuit`: the
-    state this failure moved the endpoint's circuit breaker to, if any."""
+    state this failure moved the endpoint's circuit breaker to, if any. `began`: when recording
+    was first tried (dispatch.recorded_before)."""
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
-    if plan.record_began is None:
-        plan.record_began = timezone.now()
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
@@ -120,14 +123,14 @@ def _record_model_failure(
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
         if not fenced(run, plan):
-            if retry and recorded_before(run, step, plan.record_began):
+            if retry and recorded_before(run, step, began):
                 return
             record_event(run.pk, "late_attempt", message, step_seq=step.seq)
             return
         transition_step(
             step, status, message=message, error=str(exc), finished_at=timezone.now(), error_class=kind
         )
-        model = plan.model_call
+        model = plan.model
         if circuit:
             _circuit_event(run, step, model, circuit)
         moves = model.chain is not None and fallback.moves_on(
@@ -163,16 +166,15 @@ def _circuit_event(run, step: Step, model: ModelPlan, state: str) -> None:
 
 
 def _record_model(
-    plan: Plan, step: Step, reply, cost: int, circuit: str = "", *, retry: bool = False
+    plan: ModelCall, step: Step, reply, cost: int, circuit: str, began: dt.datetime, *, retry: bool = False
 ) -> None:
     """The step's second transaction: lock the run, settle the reservation, write the reply if
     this worker still holds the lease, the step's events, and enqueue the next step on commit.
     `circuit`: "closed" when this answer was its endpoint's probe and closed the circuit.
 
-    On a retry, from the step as stored (the failed attempt's in-memory writes were rolled back).
+    On a retry, from the step as stored (the failed attempt's in-memory writes were rolled back);
+    `began`: when recording was first tried (dispatch.recorded_before).
     """
-    if plan.record_began is None:
-        plan.record_began = timezone.now()
     if retry:
         step = Step.objects.get(pk=step.pk)
     with atomic_with_events():
@@ -180,7 +182,7 @@ def _record_model(
         settle = functools.partial(_settle, plan, step, cost)
         if not fenced(run, plan):
             reconciled = settle()[2]
-            if retry and recorded_before(run, step, plan.record_began):
+            if retry and recorded_before(run, step, began):
                 return
             record_event(
                 run.pk,
@@ -223,11 +225,11 @@ def _record_model(
             defer=True,  # written with the run row and the events, in the record's last statement
         )
         if circuit:
-            _circuit_event(run, step, plan.model_call, circuit)
+            _circuit_event(run, step, plan.model, circuit)
         event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
         at_end(
             lambda: fill_budget_event(
-                event, run, step, reserved=plan.model_call.estimate, settled=cost, balances=settle()[1]
+                event, run, step, reserved=plan.model.estimate, settled=cost, balances=settle()[1]
             )
         )
         writer.recorded(run)
@@ -236,7 +238,7 @@ def _record_model(
             run=run,
             parent_seq=step.seq,
             calls=calls,
-            known=plan.model_call.tools,
+            known=plan.model.tools,
             defer=not run.cancel_requested,
         )
         if run.cancel_requested:
@@ -249,7 +251,7 @@ def _record_model(
             continue_run(run)
 
 
-def _settle(plan: Plan, step: Step, cost: int) -> tuple[bool, object, bool]:
+def _settle(plan: ModelCall, step: Step, cost: int) -> tuple[bool, object, bool]:
     """Close the call's reservation at its reported cost: (settled, the run account's balances,
     whether a hold was reconciled instead). The record calls it as its transaction's last write
     (runs.transitions.at_end), so the budget rows are locked for microseconds."""
@@ -268,16 +270,16 @@ def _settle(plan: Plan, step: Step, cost: int) -> tuple[bool, object, bool]:
     return settled, balances, reconciled
 
 
-def recover_model(plan: Plan) -> None:
+def recover_model(plan: LostModelCall) -> None:
     for reservation_id in Reservation.objects.filter(
-        step_id=plan.step_pk, status=Reservation.Status.OPEN
+        step_id=plan.step_id, status=Reservation.Status.OPEN
     ).values_list("pk", flat=True):
         budgets.hold(reservation_id, note="model call lost with its worker")
     with atomic_with_events():
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
             return
-        step = Step.objects.get(pk=plan.step_pk)
+        step = Step.objects.get(pk=plan.step_id)
         transition_step(
             step,
             StepStatus.OUTCOME_UNKNOWN,

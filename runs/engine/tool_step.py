@@ -27,7 +27,7 @@ from runs.engine.dispatch import (
     recorded_before,
     through_database_outage,
 )
-from runs.engine.types import Plan, ToolOutcome, fenced, tool_of
+from runs.engine.types import ToolCall, ToolOutcome, fenced, tool_of
 from runs.models import Run, Step, StepStatus
 from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
@@ -35,17 +35,20 @@ from tools import results, transports
 from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown, ToolUnauthorized
 
 
-def do_tool(plan: Plan) -> None:
-    step = plan.tool_call.step
+def do_tool(plan: ToolCall) -> None:
     if plan.reconcile_first:
+        step = plan.call.step
         found = _reconcile(plan, step)
         if found is not None:
+            began = timezone.now()
             through_database_outage(
-                lambda retry: _record_tool(plan, step, found, retry=retry), seconds=plan.lease_seconds
+                lambda retry: _record_tool(plan, step, found, began, retry=retry), seconds=plan.lease_seconds
             )
             return
-        if not mark_after_lookup(plan):
+        resend = mark_after_lookup(plan)
+        if resend is None:
             return
+        plan = resend
     dispatched = plan.dispatched
     try:
         with observe.tool_call(dispatched) as call:
@@ -54,12 +57,13 @@ def do_tool(plan: Plan) -> None:
     finally:
         heartbeat.untrack(plan.run_id)
         close_old_connections()
+    began = timezone.now()
     through_database_outage(
-        lambda retry: _record_tool(plan, dispatched, outcome, retry=retry), seconds=plan.lease_seconds
+        lambda retry: _record_tool(plan, dispatched, outcome, began, retry=retry), seconds=plan.lease_seconds
     )
 
 
-def _close_reservation(plan: Plan, step: Step, outcome: ToolOutcome):
+def _close_reservation(plan: ToolCall, step: Step, outcome: ToolOutcome):
     """Settle, hold or release this attempt's reservation (in the record's transaction, after the
     run lock). A no-op on a reservation already closed, so a retried record repeats it safely.
     Returns the run account's balances after a settle (for the budget event), else None."""
@@ -81,12 +85,12 @@ def charge(step: Step, outcome: ToolOutcome) -> int:
     return min(results.actual_price(step, outcome.result), price)
 
 
-def _call_tool(step: Step, plan: Plan) -> ToolOutcome:
+def _call_tool(step: Step, plan: ToolCall) -> ToolOutcome:
     send_by = plan.send_by
     try:
         # The user's authority for this attempt (a fresh assertion, an IdP token where configured):
         # the platform's own checks have passed in the claim; this is the provider's second lock.
-        presented = authority.for_call(step, run=plan.run, approved=plan.tool_call.may_be_corrected)
+        presented = authority.for_call(step, run=plan.run, approved=plan.call.may_be_corrected)
     except AuthorityRefused as exc:
         return ToolOutcome("denied", error=str(exc))
     except AuthorityUnavailable as exc:
@@ -123,7 +127,7 @@ def _call_tool(step: Step, plan: Plan) -> ToolOutcome:
     return ToolOutcome("succeeded", result=presented.scrub(result), presented=presented.presented)
 
 
-def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
+def _reconcile(plan: ToolCall, step: Step) -> ToolOutcome | None:
     """Ask a reconcilable provider whether key K happened; None means it provably did not.
 
     The claim asks only once the step's settle window has passed, so "not found" is evidence.
@@ -153,7 +157,7 @@ def _reconcile(plan: Plan, step: Step) -> ToolOutcome | None:
 
 
 def _lookup_event(
-    plan: Plan, step: Step, what: str, *, found: bool | None, count_attempt: bool = False
+    plan: ToolCall, step: Step, what: str, *, found: bool | None, count_attempt: bool = False
 ) -> None:
     with atomic_with_events():
         run = lock_run(plan.run_id)
@@ -165,22 +169,23 @@ def _lookup_event(
             )
 
 
-def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = False) -> None:
+def _record_tool(
+    plan: ToolCall, step: Step, outcome: ToolOutcome, began: dt.datetime, *, retry: bool = False
+) -> None:
     """Write the outcome under the run lock if this worker still holds the lease.
 
     On a retry (the first attempt's transaction failed) the step and the step log are read again:
-    the in-memory ones may carry the rolled-back writes.
+    the in-memory ones may carry the rolled-back writes. `began`: when recording was first tried
+    (dispatch.recorded_before).
     """
     now = timezone.now()
-    if plan.record_began is None:
-        plan.record_began = now
     if retry:
         step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         if not fenced(run, plan):
             _close_reservation(plan, step, outcome)
-            if retry and recorded_before(run, step, plan.record_began):
+            if retry and recorded_before(run, step, began):
                 return
             _late_tool_attempt(run, Step.objects.select_related("tool").get(pk=step.pk), outcome)
             return
@@ -193,7 +198,7 @@ def _record_tool(plan: Plan, step: Step, outcome: ToolOutcome, *, retry: bool = 
             return
         if outcome.kind == "succeeded":
             stored, observation = results.shape_result(
-                run, step, outcome.answer, may_be_corrected=plan.tool_call.may_be_corrected
+                run, step, outcome.answer, may_be_corrected=plan.call.may_be_corrected
             )
             transition_step(
                 step,

@@ -1,17 +1,18 @@
-"""The engine's shared types: the `Plan` a claim hands on and the `ToolOutcome` of a tool call.
+"""The engine's shared types: the plan a claim hands on and the `ToolOutcome` of a tool call.
 
-The decisions themselves are frozen types of runs/engine/decisions.py; a Plan is what a decision
-to call becomes once the claim has read what the call needs (the request, the tool's row) and
-committed it: it carries the lease and the reservation from the claim to the record.
+The decisions themselves are frozen types of runs/engine/decisions.py. A decision to call becomes
+an `Intent` once the claim has read what the call needs (the request, the tool's row), and a
+plan once the claim has reserved its budget and committed it: a `ModelCall`, a `ToolCall` or a
+`LostModelCall`, each frozen, each carrying the lease and the reservation from the claim to the
+record. A later phase that learns something makes a new plan; none is changed in place.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from llm.fallback import Attempt, Chain
 from llm.models import ModelEndpoint
@@ -40,59 +41,99 @@ class ModelPlan:
     probe: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToolPlan:
-    """A tool call: its step (with tool and server) and the step log the claim read."""
+    """A tool call: its step, with tool and server, as the claim read it."""
 
     step: Step
-    steps: list[Step]
     # False for a call the model proposed and nobody approved: no approver can have corrected
     # it, so its result needs no correction note (tools/results.correction_note reads approvals)
     # and its assertion names no approval (authority.for_call).
     may_be_corrected: bool = True
 
 
-@dataclass
-class Plan:
-    """What a claim hands on: the lease it took and the call it committed as `dispatching`.
-
-    kind "model" and "tool": the step is committed as dispatching and its budget reserved
-    (`reservation_id`), unless `reconcile_first` (a lookup comes first; dispatch.reserve_and_mark
-    then commits the call). kind "recover_model": a model call lost with its worker.
-    """
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The lease a claim takes: its token, its length, and this process's clock when the claim
+    took it, just after reading the time the lease starts from. Past `send_by` another worker
+    may own the run, so nothing may be sent."""
 
     run_id: uuid.UUID
     token: uuid.UUID
-    kind: str  # "model" | "tool" | "recover_model"
-    lease_seconds: int
-    run: Run | None = None  # the row the claim locked (tenant, version, user, endpoint attached)
-    step_id: int | None = None
-    reservation_id: uuid.UUID | None = None
-    reconcile_first: bool = False
-    model: ModelPlan | None = None
-    tool: ToolPlan | None = None
-    step: Step | None = None  # the step as committed `dispatching`
-    record_began: dt.datetime | None = None  # when recording the outcome was first tried
-    # This process's clock when the claim made the plan, just after reading the time its lease
-    # starts from: past `send_by` another worker may own the run, so nothing may be sent.
-    leased_at: float = field(default_factory=time.monotonic)
+    seconds: int
+    taken_at: float = field(default_factory=time.monotonic)
 
     @property
     def send_by(self) -> float:
-        return self.leased_at + self.lease_seconds
+        return self.taken_at + self.seconds
 
-    # The parts each kind of plan has for sure, once the claim has committed it.
-    @property
-    def model_call(self) -> ModelPlan:
-        if self.model is None:
-            raise TypeError("not a model call")
-        return self.model
+
+@dataclass(frozen=True)
+class Intent:
+    """A call the claim decided to make, before its budget is reserved and its step committed:
+    runs/engine/dispatch.reserve_and_mark turns it into a ModelCall or a ToolCall (or refuses)."""
+
+    lease: Lease
+    model: ModelPlan | None = None
+    tool: ToolPlan | None = None
+
+
+class _Leased:
+    """What every plan answers about its lease (the fencing token the record compares)."""
+
+    lease: Lease
 
     @property
-    def tool_call(self) -> ToolPlan:
-        if self.tool is None:
-            raise TypeError("not a tool call")
-        return self.tool
+    def run_id(self) -> uuid.UUID:
+        return self.lease.run_id
+
+    @property
+    def token(self) -> uuid.UUID:
+        return self.lease.token
+
+    @property
+    def lease_seconds(self) -> int:
+        return self.lease.seconds
+
+    @property
+    def send_by(self) -> float:
+        return self.lease.send_by
+
+
+@dataclass(frozen=True)
+class ModelCall(_Leased):
+    """A model call committed as `dispatching`, its worst case reserved: what the call and its
+    record need, none of it read again."""
+
+    kind: ClassVar[str] = "model"
+    lease: Lease
+    run: Run  # the row the claim locked (tenant, version, user, endpoint attached)
+    step: Step  # as committed `dispatching`
+    reservation_id: uuid.UUID
+    model: ModelPlan
+
+    @property
+    def step_id(self) -> int:
+        return self.step.pk
+
+
+@dataclass(frozen=True)
+class ToolCall(_Leased):
+    """A tool call. Committed as `dispatching` with its budget reserved (`step`,
+    `reservation_id`); or, `reconcile_first`, not yet: the provider is asked first whether the
+    lost attempt happened, and dispatch.mark_after_lookup commits the resend as a new ToolCall."""
+
+    kind: ClassVar[str] = "tool"
+    lease: Lease
+    run: Run
+    call: ToolPlan
+    step: Step | None = None
+    reservation_id: uuid.UUID | None = None
+    reconcile_first: bool = False
+
+    @property
+    def step_id(self) -> int:
+        return self.call.step.pk
 
     @property
     def dispatched(self) -> Step:
@@ -100,17 +141,21 @@ class Plan:
             raise TypeError("nothing committed as dispatching yet")
         return self.step
 
-    @property
-    def step_pk(self) -> int:
-        if self.step_id is None:
-            raise TypeError("no step yet")
-        return self.step_id
 
-    @property
-    def locked_run(self) -> Run:
-        if self.run is None:
-            raise TypeError("the claim has not attached its run")
-        return self.run
+@dataclass(frozen=True)
+class LostModelCall(_Leased):
+    """A model call lost with its worker: the claim took the lease and nothing else;
+    model_step.recover_model settles what the call may have cost."""
+
+    kind: ClassVar[str] = "recover_model"
+    lease: Lease
+    run: Run
+    step_id: int
+    reservation_id: None = None
+
+
+# What a claim hands on (runs.engine.advance dispatches on the type).
+Plan = ModelCall | ToolCall | LostModelCall
 
 
 def tool_of(step: Step) -> Tool:
@@ -146,5 +191,5 @@ class ToolOutcome:
         return self.result
 
 
-def fenced(run: Run, plan: Plan) -> bool:
+def fenced(run: Run, plan: _Leased) -> bool:
     return run.lease_token == plan.token
