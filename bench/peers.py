@@ -15,6 +15,12 @@ bench/tool_server.py, alternating model, tool, model, ..., model. Every HTTP cal
   chain          a plain Celery chain making the same HTTP calls, one task per step, the
                  conversation carried in the message (bench/peer_tasks.py): no durability at all;
                  the same worker settings, one process
+  floor          the least a step can do on this stack and keep the engine's guarantees: the
+                 chain's loop and worker, plus the engine's two transactions per step and nothing
+                 else (lease and fencing, the step row with its idempotency key, the budget
+                 reserved on a run and a tenant-day sub-account before the call and settled after,
+                 one event; bench/peer_floor.py), through Django's connection; one process
+  floor-2        the floor with two worker processes (beside engine-2)
   langgraph      LangGraph 1.x, model node -> tool node looping, PostgresSaver checkpointing every
                  superstep, durability "sync" (bench/peer_langgraph.py), one process, 128 threads
   dbos           a DBOS 3.x durable workflow whose steps are the model call and the tool call, on
@@ -77,7 +83,8 @@ TAG = f"bench_peers_{os.getpid()}"
 DB_URLS = {
     kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")
 }
-ALL_SCENARIOS = ["engine-1", "chain", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
+ALL_SCENARIOS = ["engine-1", "chain", "floor", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
+EXTRA_SCENARIOS = ["floor-2"]  # not in the default list: run them by name
 LONG_SCENARIOS = ["engine-long", "langgraph-long"]  # not in the default list: run them by name
 LONG = "long"  # the key of the long runs' fake model server and agent
 PY = sys.executable
@@ -169,7 +176,7 @@ class Worker:
             "-n",
             f"{TAG}-w{index}@{socket.gethostname()}",
             "-I",
-            "bench.noop_tasks,bench.peer_tasks",
+            "bench.noop_tasks,bench.peer_tasks,bench.peer_floor",
             "--loglevel",
             "WARNING",
             "--without-gossip",
@@ -513,6 +520,81 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
     return result
 
 
+def run_floor(opts, ctx, name: str, round_no: int, workers_n: int) -> Result:
+    import redis
+    from django.db import connection, connections
+
+    from bench import peer_floor
+
+    load_start = os.getloadavg()[0]
+    tools_before = ctx["tools"].get()
+    with connection.cursor() as cursor:
+        peer_floor.create_runs(cursor, opts.runs)
+    connections.close_all()
+    r = redis.Redis.from_url(BROKER_URL)
+    key = f"{TAG}:floor"
+    r.delete(key)
+    before = pgstats.wait_idle(DB_URLS["engine"])
+    workers = [Worker(i + 1, opts) for i in range(workers_n)]
+    stopped = False
+    try:
+        start_workers(workers)
+        cpu_before = sum(w.cpu() for w in workers)
+        pg = pgcpu.BackendCpu(DB_URLS["engine"]).start()
+        start = time.time()
+        for run in range(opts.runs):
+            peer_floor.floor_step.apply_async(
+                (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
+            )
+        deadline = time.monotonic() + opts.timeout
+        while r.llen(key) < opts.runs:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: only {r.llen(key)}/{opts.runs} runs finished in {opts.timeout}s")
+            if any(w.proc.poll() is not None for w in workers):
+                raise RuntimeError(f"{name}: a worker exited: {workers[0].output()[-3000:]}")
+            time.sleep(0.02)
+        cpu = sum(w.cpu() for w in workers) - cpu_before
+        pg_cpu = pg.stop()
+        load_end = os.getloadavg()[0]
+        finished = [item.decode().split(" ", 1) for item in r.lrange(key, 0, -1)]
+        failed = [text for _run, text in finished if text.startswith("ERROR")]
+        if failed:
+            raise RuntimeError(f"{name}: runs failed: {failed[:3]}")
+        end = max(float(text) for _run, text in finished)
+        counts = stop_workers(workers)
+        stopped = True
+    finally:
+        if not stopped:
+            stop_workers(workers)
+        r.delete(key)
+    after = pgstats.wait_idle(DB_URLS["engine"])
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM bench_floor_step WHERE status = 'succeeded'")
+        (steps,) = cursor.fetchone()
+        cursor.execute("SELECT count(*) FROM bench_floor_account WHERE reserved_micros <> 0")
+        (unsettled,) = cursor.fetchone()
+    connections.close_all()
+    if steps != opts.runs * opts.steps or unsettled:
+        raise RuntimeError(f"{name}: {steps} steps recorded, {unsettled} accounts with money still reserved")
+    ctx["tools"].check(tools_before, opts.runs * (opts.steps - 1) // 2, name)
+    result = Result(
+        name,
+        round_no,
+        workers_n,
+        steps,
+        end - start,
+        cpu,
+        load=(load_start, load_end),
+        commits=after["commits"] - before["commits"],
+        pg_cpu=pg_cpu,
+        lock_waits=pg.lock_wait_share,
+        waits=pg.waits,
+    )
+    if counts:
+        result.statements, result.checks = counts["statements"], counts["checks"]
+    return result
+
+
 def run_child(
     opts, ctx, name: str, round_no: int, module: str, db: str, extra: list[str], steps_per_run=None
 ) -> Result:
@@ -592,6 +674,8 @@ def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
         return run_engine(opts, ctx, name, round_no, 1, opts.latency_ms)
     if name == "chain":
         return run_chain(opts, ctx, name, round_no)
+    if name in ("floor", "floor-2"):
+        return run_floor(opts, ctx, name, round_no, 2 if name == "floor-2" else 1)
     if name == "langgraph":
         return run_child(
             opts,
@@ -747,7 +831,7 @@ def parse_args() -> argparse.Namespace:
     if opts.steps < 3 or opts.steps % 2 == 0:
         parser.error("--steps must be odd and at least 3")
     opts.scenarios = [s.strip() for s in opts.scenarios.split(",") if s.strip()]
-    unknown = set(opts.scenarios) - set(ALL_SCENARIOS) - set(LONG_SCENARIOS)
+    unknown = set(opts.scenarios) - set(ALL_SCENARIOS) - set(LONG_SCENARIOS) - set(EXTRA_SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios: {sorted(unknown)}")
     return opts

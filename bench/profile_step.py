@@ -119,6 +119,7 @@ def main() -> None:
             connection.ops.__class__.last_executed_query = remember
         sqlcount.install()
         backends = pgcpu.BackendCpu(url).start()
+        wal_before = _wal(connection)
         profile = cProfile.Profile(time.process_time)  # CPU, not wall time: waits cost nothing
         before = sqlcount.snapshot()
         cpu = time.process_time()
@@ -136,6 +137,7 @@ def main() -> None:
                         break
         cpu = time.process_time() - cpu
         pg_cpu = backends.stop()
+        wal = [after - before for after, before in zip(_wal(connection), wal_before, strict=True)]
         after = sqlcount.snapshot()
         # The loop's own status read is one statement per advance: left out.
         statements = after["statements"] - before["statements"] - steps
@@ -147,6 +149,10 @@ def main() -> None:
                 if pg_cpu is not None
                 else "PostgreSQL CPU unreadable"
             )
+        )
+        print(
+            f"WAL per advance (the whole server's: other work on it adds to it): {wal[0] / steps:.1f} records, "
+            f"{wal[1] / steps:.2f} full-page images, {wal[2] / steps:.0f} bytes"
         )
         _print_prepared(connection)
         if not opts.no_profile:
@@ -182,6 +188,12 @@ def main() -> None:
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
 
 
+def _wal(connection) -> tuple[int, int, int]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT wal_records, wal_fpi, wal_bytes FROM pg_stat_wal")
+        return tuple(int(v) for v in cursor.fetchone())
+
+
 def _print_prepared(connection) -> None:
     """How PostgreSQL planned the engine's prepared statements on this connection: a statement
     planned anew on every call (custom plans) pays planning each time, as an unprepared one does."""
@@ -193,10 +205,10 @@ def _print_prepared(connection) -> None:
         rows = cursor.fetchall()
         cursor.execute(
             "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
-            "WHERE n_tup_upd > 0 ORDER BY n_tup_upd DESC LIMIT 8"
+            "WHERE n_tup_ins + n_tup_upd > 0 ORDER BY n_tup_ins + n_tup_upd DESC LIMIT 10"
         )
         tables = cursor.fetchall()
-    print("rows updated, and of them in place (HOT: no index touched), by table:")
+    print("rows inserted and updated, and of the updates those in place (HOT: no index touched), by table:")
     for name, inserted, updated, hot in tables:
         print(f"  {name:<28} {inserted:7d} inserted {updated:7d} updated {hot:7d} HOT")
     if rows:

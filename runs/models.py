@@ -276,7 +276,8 @@ STEP_TRANSITIONS: dict[str, set[str]] = {
 class Step(models.Model):
     """One model call or one tool call. (run, seq) is unique: a second claim cannot add a twin."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: (run, seq) is unique, and its index serves every lookup by run.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps", db_index=False)
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=8, choices=StepKind.choices)
     status = models.CharField(max_length=24, choices=StepStatus.choices)
@@ -351,13 +352,22 @@ class RunEvent(models.Model):
     the event's id, so a run's timeline says nothing about other runs' activity.
     """
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    # No index of its own: (run, seq) is unique, and its index serves every lookup by run. A step
+    # writes about four events, and each index is one more write per event (docs/performance.md).
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
     seq = models.PositiveIntegerField()
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     kind = models.CharField(max_length=40)
     step_seq = models.PositiveIntegerField(null=True, blank=True)
+    # Indexed only where set (a person's events: the engine's own have no actor), which is all
+    # that deleting a user needs to find.
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
     )
     message = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)
@@ -365,6 +375,9 @@ class RunEvent(models.Model):
     class Meta:
         ordering = ["id"]
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="uniq_run_event_seq")]
+        indexes = [
+            models.Index(fields=["actor"], name="event_actor", condition=models.Q(actor__isnull=False)),
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
