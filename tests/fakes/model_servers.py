@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import itertools
 import json
@@ -79,6 +80,7 @@ def approx_tokens(value: Any) -> int:
 
 
 CACHE_STEP = 128  # OpenAI: cached prefixes grow in 128-token increments
+CACHED_PROMPTS = 512  # the latest prompts a prefix may be found in
 CACHE_LOOKBACK = 20  # Anthropic: blocks searched before a breakpoint for a cached prefix
 
 
@@ -109,7 +111,12 @@ class FakeModelServer:
         # before the queue is read.
         self.outage: dict[str, Any] | None = None
         self._seen_prefixes: set[str] = set()
-        self._cached_prompts: list[tuple[str, list[str]]] = []  # OpenAI: (model, pieces) seen
+        # OpenAI: (model, pieces) of the latest prompts. Bounded, as a provider's cache is: a scan
+        # of every prompt ever seen made each request slower than the last, and a long benchmark
+        # then measured this server (bench/peers.py runs thousands of calls through one).
+        self._cached_prompts: collections.deque[tuple[str, list[str]]] = collections.deque(
+            maxlen=CACHED_PROMPTS
+        )
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._server: uvicorn.Server | None = None
