@@ -8,7 +8,8 @@ It reads as: read, decide, apply, act.
     decide   runs/engine/decisions.py: what the run does next, as one frozen decision
     apply    runs/engine/writer.py for what needs no network (stops, parks, denials, replays,
              platform tools, scheduled retries); a model or tool call is reserved and committed
-             as `dispatching` (runs/engine/dispatch.reserve_and_mark) and handed on as a frozen plan (runs/engine/types.py)
+             as `dispatching` (runs/engine/dispatch.reserve_and_mark) and handed on as a
+             frozen plan (runs/engine/types.py)
     act      the caller (runs.engine.advance) makes the call, outside any transaction
 
 Everything here runs in the claim's one short transaction and needs no network, but for the
