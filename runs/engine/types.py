@@ -151,7 +151,7 @@ class LostModelCall(_Leased):
     lease: Lease
     run: Run
     step_id: int
-    reservation_id: None = None
+    reservation_id: None = None  # nothing is reserved for it: every plan answers the same fields
 
 
 # What a claim hands on (runs.engine.advance dispatches on the type).
