@@ -489,8 +489,11 @@ class Chaos:
         """The local ports of the worker's connections to the banks: one per call in flight."""
         return open_ports(worker.proc.pid, {urlsplit(bank.url).port for bank in self.banks.values()})
 
-    def lose(self, worker: Process) -> None:
-        self.losses.append((time.time(), worker.name, self.calls_in_flight(worker)))
+    def lose(self, worker: Process, ports: set[int]) -> None:
+        """Note a worker lost just now (after its signal was sent), with its calls then in flight:
+        an answer that reached it before this moment may never be recorded, and the time must not
+        be read before the signal, or an answer landing in between would look recordable."""
+        self.losses.append((time.time(), worker.name, ports))
 
     def revive(self) -> None:
         """Play the process supervisor (systemd, Kubernetes): start again what exited by itself."""
@@ -536,8 +539,9 @@ class Chaos:
     def kill(self) -> None:
         worker = self.rng.choice([w for w in self.workers if w.alive] or self.workers)
         log(f"chaos: SIGKILL {worker.name}")
-        self.lose(worker)
+        ports = self.calls_in_flight(worker)  # read first: a dead process holds no socket
         worker.kill()
+        self.lose(worker, ports)
         self.counts["worker SIGKILL"] += 1
         worker.start()
 
@@ -558,8 +562,8 @@ class Chaos:
             time.sleep(0.2)
         seconds = TOOL_TIMEOUT + LEASE_MARGIN + MODEL_TIMEOUT + 10
         log(f"chaos: SIGSTOP {busiest.name} for {seconds} s")
-        self.lose(busiest)
         busiest.signal(signal.SIGSTOP)
+        self.lose(busiest, self.calls_in_flight(busiest))  # a stopped process keeps its sockets
         time.sleep(seconds)
         busiest.signal(signal.SIGCONT)
         self.counts["worker SIGSTOP past its lease"] += 1

@@ -8,7 +8,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from budgets.models import Reservation
-from runs.engine import advance
+from runs.engine import advance, heartbeat
 from runs.models import KillSwitchChange, Run, RunEvent, RunStatus, Step
 from runs.services import start_run
 from tests import factories
@@ -154,6 +154,7 @@ def test_a_retry_of_a_call_lost_with_its_worker_is_not_sent_to_a_killed_tool(ten
     advance(run.pk)
     plan = claim(run.pk)  # committed as dispatching; then the worker dies before sending
     assert plan is not None and plan.kind == "tool"
+    heartbeat.untrack(run.pk)  # and with it the renewal of its lease
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
     flip(ravi, scope="tool", target=echo.name, on=True, reason="echo leaks")
     for _ in range(2):  # the sweeper's re-send, and a duplicate
