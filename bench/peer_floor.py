@@ -25,15 +25,14 @@ the circuit breaker and quotas, metrics, the event stream's payloads.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 
 from celery import shared_task
-from django.conf import settings
 from django.db import connection, transaction
 
 from bench import peer_agent
+from bench.peer_tasks import shared_client, shared_redis
 
 SHARDS = 32
 ESTIMATE = 10_000  # micros reserved per call
@@ -82,26 +81,6 @@ def create_runs(cursor, runs: int) -> None:
         "FROM generate_series(0, %s - 1) s",
         [SHARDS],
     )
-
-
-_lock = threading.Lock()
-_shared: dict[str, object] = {}
-
-
-def _client():
-    with _lock:
-        if "http" not in _shared:
-            _shared["http"] = peer_agent.make_client()
-        return _shared["http"]
-
-
-def _redis():
-    with _lock:
-        if "redis" not in _shared:
-            import redis
-
-            _shared["redis"] = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-        return _shared["redis"]
 
 
 def _claim(run: int, kind: str, key: str):
@@ -193,20 +172,20 @@ def floor_step(done_key: str, run: int, model_url: str, tool_url: str, messages:
     connection.close()  # no connection held during the call (back to the pool)
     try:
         if call is not None:
-            answer = peer_agent.tool_turn(_client(), tool_url, call, key)
+            answer = peer_agent.tool_turn(shared_client(), tool_url, call, key)
         else:
-            answer = peer_agent.model_turn(_client(), model_url, messages)
+            answer = peer_agent.model_turn(shared_client(), model_url, messages)
         messages.append(answer)
         done = peer_agent.is_done(messages)
         if done:
             peer_agent.check_run(messages, steps)
     except peer_agent.StepFailed as exc:
-        _redis().rpush(done_key, f"{run} ERROR {exc}")
+        shared_redis().rpush(done_key, f"{run} ERROR {exc}")
         return
 
     def next_step():
         if done:
-            _redis().rpush(done_key, f"{run} {time.time()}")
+            shared_redis().rpush(done_key, f"{run} {time.time()}")
         else:
             floor_step.apply_async((done_key, run, model_url, tool_url, messages, steps))
 

@@ -30,14 +30,15 @@ _lock = threading.Lock()
 _shared: dict[str, object] = {}
 
 
-def _client():
+def shared_client():
+    """One HTTP client per worker process (the floor's tasks use it too: bench/peer_floor.py)."""
     with _lock:
         if "http" not in _shared:
             _shared["http"] = peer_agent.make_client()
         return _shared["http"]
 
 
-def _redis():
+def shared_redis():
     with _lock:
         if "redis" not in _shared:
             import redis
@@ -52,16 +53,16 @@ def chain_step(done_key: str, run: int, model_url: str, tool_url: str, messages:
         call = peer_agent.pending_call(messages)
         if call is not None:
             key = f"chain-{done_key}-{run}-{len(messages)}"
-            messages.append(peer_agent.tool_turn(_client(), tool_url, call, key))
+            messages.append(peer_agent.tool_turn(shared_client(), tool_url, call, key))
         else:
-            messages.append(peer_agent.model_turn(_client(), model_url, messages))
+            messages.append(peer_agent.model_turn(shared_client(), model_url, messages))
         if peer_agent.is_done(messages):
             peer_agent.check_run(messages, steps)
     except peer_agent.StepFailed as exc:
         # No retry and no durability: the run is lost, and the benchmark is told why.
-        _redis().rpush(done_key, f"{run} ERROR {exc}")
+        shared_redis().rpush(done_key, f"{run} ERROR {exc}")
         return
     if peer_agent.is_done(messages):
-        _redis().rpush(done_key, f"{run} {time.time()}")
+        shared_redis().rpush(done_key, f"{run} {time.time()}")
     else:
         chain_step.apply_async((done_key, run, model_url, tool_url, messages, steps))

@@ -473,6 +473,29 @@ def run_engine(opts, ctx, name: str, round_no: int, workers_n: int, latency, ste
     return result
 
 
+def release_and_wait(opts, ctx, name: str, task, r, key: str, workers: list[Worker]) -> float:
+    """Send every run's first step of `task` (the chain's or the floor's: each step enqueues the
+    next, the last pushes "<run> <finish time>" to `key`) and wait for all of them: the last
+    finish time. Raises if a run failed, a worker exited or the timeout passed."""
+    for run in range(opts.runs):
+        task.apply_async(
+            (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
+        )
+    deadline = time.monotonic() + opts.timeout
+    while r.llen(key) < opts.runs:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name}: only {r.llen(key)}/{opts.runs} runs finished in {opts.timeout}s")
+        exited = next((w for w in workers if w.proc.poll() is not None), None)
+        if exited is not None:
+            raise RuntimeError(f"{name}: a worker exited: {exited.output()[-3000:]}")
+        time.sleep(0.02)
+    finished = [item.decode().split(" ", 1) for item in r.lrange(key, 0, -1)]
+    failed = [text for _run, text in finished if text.startswith("ERROR")]
+    if failed:
+        raise RuntimeError(f"{name}: runs failed: {failed[:3]}")
+    return max(float(text) for _run, text in finished)
+
+
 def run_chain(opts, ctx, name: str, round_no: int) -> Result:
     import redis
 
@@ -489,24 +512,9 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
         start_workers(workers)
         cpu_before = sum(w.cpu() for w in workers)
         start = time.time()
-        for run in range(opts.runs):
-            chain_step.apply_async(
-                (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
-            )
-        deadline = time.monotonic() + opts.timeout
-        while r.llen(key) < opts.runs:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: only {r.llen(key)}/{opts.runs} runs finished in {opts.timeout}s")
-            if workers[0].proc.poll() is not None:
-                raise RuntimeError(f"{name}: worker exited: {workers[0].output()[-3000:]}")
-            time.sleep(0.02)
+        end = release_and_wait(opts, ctx, name, chain_step, r, key, workers)
         cpu = sum(w.cpu() for w in workers) - cpu_before
         load_end = os.getloadavg()[0]
-        finished = [item.decode().split(" ", 1) for item in r.lrange(key, 0, -1)]
-        failed = [text for _run, text in finished if text.startswith("ERROR")]
-        if failed:
-            raise RuntimeError(f"{name}: runs failed: {failed[:3]}")
-        end = max(float(text) for _run, text in finished)
         counts = stop_workers(workers)
         stopped = True
     finally:
@@ -542,25 +550,10 @@ def run_floor(opts, ctx, name: str, round_no: int, workers_n: int) -> Result:
         cpu_before = sum(w.cpu() for w in workers)
         pg = pgcpu.BackendCpu(DB_URLS["engine"]).start()
         start = time.time()
-        for run in range(opts.runs):
-            peer_floor.floor_step.apply_async(
-                (key, run, ctx["model_urls"][0], ctx["tool_url"], peer_agent.first_messages(run), opts.steps)
-            )
-        deadline = time.monotonic() + opts.timeout
-        while r.llen(key) < opts.runs:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: only {r.llen(key)}/{opts.runs} runs finished in {opts.timeout}s")
-            if any(w.proc.poll() is not None for w in workers):
-                raise RuntimeError(f"{name}: a worker exited: {workers[0].output()[-3000:]}")
-            time.sleep(0.02)
+        end = release_and_wait(opts, ctx, name, peer_floor.floor_step, r, key, workers)
         cpu = sum(w.cpu() for w in workers) - cpu_before
         pg_cpu = pg.stop()
         load_end = os.getloadavg()[0]
-        finished = [item.decode().split(" ", 1) for item in r.lrange(key, 0, -1)]
-        failed = [text for _run, text in finished if text.startswith("ERROR")]
-        if failed:
-            raise RuntimeError(f"{name}: runs failed: {failed[:3]}")
-        end = max(float(text) for _run, text in finished)
         counts = stop_workers(workers)
         stopped = True
     finally:
