@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import http.cookiejar
 import json
 import os
 import time
 
 import httpx
 
+from agentplatform.cookies import no_cookies
 from connections import services as connections
 from runs.models import Step
 from tenants.models import Secret
@@ -160,17 +160,6 @@ def off_origin(server: ToolServer, url: str) -> str | None:
     return f"refused before sending: the URL of this call is not on server {server.name}'s origin {where}"
 
 
-class _NoCookies(http.cookiejar.DefaultCookiePolicy):
-    """The shared client serves every tenant's calls: a cookie one server sets must never ride
-    along on the next call, whoever makes it."""
-
-    def set_ok(self, cookie, request) -> bool:
-        return False
-
-    def return_ok(self, cookie, request) -> bool:
-        return False
-
-
 # An idle connection is let go after a second, well inside the keep-alive of common servers
 # (gunicorn's is 2 s): a request sent on a connection the server is closing would end unanswered,
 # an unknown outcome made by the platform itself rather than by the provider.
@@ -192,7 +181,7 @@ def _client_of(pid: int) -> httpx.Client:
         verify=httpx.create_ssl_context(),
         limits=_LIMITS,
         follow_redirects=False,
-        cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
+        cookies=no_cookies(),  # shared by every tenant's calls
     )
 
 

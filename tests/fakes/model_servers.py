@@ -104,6 +104,7 @@ class FakeModelServer:
         self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
+        self.set_cookie = ""  # when set, every answer carries it (as a CDN in front of a provider does)
         self.replies: list[dict[str, Any]] = []  # charged replies, even if the client gave up
         self.base_url = ""
         self._queue: deque[dict[str, Any]] = deque()
@@ -212,7 +213,7 @@ class FakeModelServer:
         payload = self.render(body, reply, self._next_id())
         with self._lock:
             self.replies.append(payload)
-        return JSONResponse(payload)
+        return JSONResponse(payload, headers={"set-cookie": self.set_cookie} if self.set_cookie else None)
 
     def _next_reply(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

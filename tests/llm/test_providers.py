@@ -120,6 +120,16 @@ def test_text_reply(kit: Kit) -> None:
     assert reply.usage.input_tokens > 0
 
 
+def test_a_cookie_the_provider_sets_is_never_sent_back(kit: Kit) -> None:
+    # One client serves every run calling the endpoint: a session cookie from one call must not
+    # travel with the next, whoever's run makes it.
+    kit.fake.set_cookie = "__cf_bm=first-callers-session; Path=/"
+    kit.fake.queue({"text": "one"}, {"text": "two"})
+    kit.ask()
+    kit.ask()
+    assert [h.get("cookie") for h in kit.fake.request_headers[-2:]] == [None, None]
+
+
 def test_openai_request_shape(kit_factory: Any) -> None:
     kit = kit_factory("openai")
     kit.ask("hello")
