@@ -176,6 +176,7 @@ def main() -> None:
         except BackendUnavailable as exc:
             print(f"\n{name}: unavailable ({exc})")
             continue
+        backend.prepare()
         n = args.starts if name == "bubblewrap" else max(10, args.starts // 4)
         s = starts(backend, n)
         print(f"\n== {name}")

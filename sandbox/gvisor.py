@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -23,6 +24,24 @@ from sandbox.backends import SLOT_UID_BASE, BackendUnavailable, Bubblewrap
 from sandbox.limits import Limits
 
 MOUNT_POINTS = ("usr", "runtime", "in", "out", "tmp", "proc", "dev", "report")
+MAP_LOCKED = 0x2000  # <linux/mman.h> on x86-64 and arm64; Python's mmap module does not name it
+
+
+def pin(path: str) -> mmap.mmap:
+    """Read `path` into the page cache now, from this process, and lock it there.
+
+    A page of a file is charged to the memory cgroup of whoever reads it in. runsc is exec'd
+    inside the execution's cgroup, so when its 24 MB were not in the cache (a cold host, or
+    evicted) they were charged to the sandbox: code that then ran into its memory limit made
+    the kernel reclaim runsc's own text instead of killing anything, runsc faulted it back in,
+    and a memory bomb spun at the limit until it was stopped as `cpu` or `timeout` 20 s later
+    (tests/sandbox/test_bombs.py evicts the file to show it). Read here, outside any
+    execution's cgroup, and locked (the runner is root), the pages stay charged to the runner.
+    """
+    with open(path, "rb") as f:
+        return mmap.mmap(
+            f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE | MAP_LOCKED, prot=mmap.PROT_READ
+        )
 
 
 def _container(work: str) -> str:
@@ -64,6 +83,7 @@ class Gvisor(Bubblewrap):
         self.runsc = shutil.which("runsc") or "/usr/bin/runsc"
         self.state = os.path.join(work_root, "runsc-state")
         self.rootfs = os.path.join(work_root, "gvisor-rootfs")
+        self.pinned: mmap.mmap | None = None
 
     def check(self) -> None:
         if not os.access(self.runsc, os.X_OK):
@@ -78,6 +98,11 @@ class Gvisor(Bubblewrap):
             target = os.path.join(self.rootfs, link)
             if os.path.islink(f"/{link}") and not os.path.lexists(target):
                 os.symlink(os.readlink(f"/{link}"), target)
+
+    def prepare(self) -> None:
+        super().prepare()
+        if self.pinned is None:
+            self.pinned = pin(os.path.realpath(self.runsc))
 
     def _launcher(self, work: str, limits: Limits, uid: int, group, seccomp_fd, report_fd: int) -> list[str]:
         report = os.path.join(work, "report")

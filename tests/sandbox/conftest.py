@@ -39,6 +39,7 @@ def backend(request):
     else:
         chosen = Bubblewrap(runtime=str(RUNTIME), weaken=weakened(), uid_base=uid_base())
     chosen.check()
+    chosen.prepare()  # as sandbox.runner does before its first execution
     return chosen
 
 
