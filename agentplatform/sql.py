@@ -25,19 +25,27 @@ from django.db.models.base import ModelState
 _UUID = models.UUIDField()
 
 
-def adapt(value):
+def _db():
+    """The default connection itself. `django.db.connection` is a proxy that looks the connection
+    up in thread-local storage on every attribute, and the fields' conversions read several of
+    them per value: a step converted about 80 values through it (bench/profile_step.py)."""
+    return connections[DEFAULT_DB_ALIAS]
+
+
+def adapt(value, db=None):
     """A parameter as the driver wants it: SQLite stores UUIDs as hex and datetimes as UTC text."""
     if isinstance(value, uuid.UUID):
-        return _UUID.get_db_prep_value(value, connection)
+        return _UUID.get_db_prep_value(value, db or _db())
     if isinstance(value, dt.datetime):
-        return connection.ops.adapt_datetimefield_value(value)
+        return (db or _db()).ops.adapt_datetimefield_value(value)
     return value
 
 
 def adapt_all(params):
+    db = _db()
     if isinstance(params, dict):
-        return {name: adapt(value) for name, value in params.items()}
-    return [adapt(value) for value in params]
+        return {name: adapt(value, db) for name, value in params.items()}
+    return [adapt(value, db) for value in params]
 
 
 def execute(cursor, sql: str, params) -> None:
@@ -88,15 +96,16 @@ def table(model) -> str:
     return quote(model._meta.db_table)
 
 
-def build(model, values):
+def build(model, values, db=None):
     """One instance from values in `columns(model)` order; None for an outer join that found nothing."""
     _, attnames, converters, pk = _fields(model)
     values = list(values)
     if values[pk] is None:
         return None
+    db = db or _db()
     for i, column, functions in converters:
         for convert in functions:
-            values[i] = convert(values[i], column, connection)
+            values[i] = convert(values[i], column, db)
     if _plain(model):
         # What Model.from_db ends with, without Model.__init__'s per-field setattr: every concrete
         # field is a plain attribute of the instance (the engine builds ~30 rows a step).
@@ -104,9 +113,9 @@ def build(model, values):
         obj.__dict__.update(zip(attnames, values))
         obj._state = ModelState()
         obj._state.adding = False
-        obj._state.db = connection.alias
+        obj._state.db = db.alias
         return obj
-    return model.from_db(connection.alias, attnames, values)
+    return model.from_db(db.alias, attnames, values)
 
 
 def new(model, **values):
@@ -145,10 +154,10 @@ def _plain(model) -> bool:
 
 def split(row, *models) -> list:
     """Instances of `models` from one row that selected `columns(m, ...)` of each, in that order."""
-    found, start = [], 0
+    found, start, db = [], 0, _db()
     for model in models:
         width = len(_fields(model)[0])
-        found.append(build(model, row[start : start + width]))
+        found.append(build(model, row[start : start + width], db))
         start += width
     return found
 
@@ -172,9 +181,9 @@ def prepared_cursor():
     execute wrappers and DEBUG's query log applied); a pooler in front of PostgreSQL must
     support prepared statements. SQLite: Django's cursor.
     """
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    db = connections[DEFAULT_DB_ALIAS]  # one thread-local lookup, not one per attribute
+    db = _db()
+    if db.vendor != "postgresql":
+        return db.cursor()
     db.ensure_connection()
     db.validate_thread_sharing()
     raw: Any = _PreparedCursor(db.connection)  # django-stubs types the argument as Django's own wrapper
@@ -216,16 +225,21 @@ def insert(objs: list) -> None:
 def insert_sql(objs: list) -> tuple[str, list]:
     """The INSERT of `insert` (without its RETURNING), and its parameters, for a caller that sends
     it inside another statement."""
-    model = type(objs[0])
-    fields = [
-        f for f in model._meta.concrete_fields if not (f.primary_key and getattr(objs[0], f.attname) is None)
-    ]
-    params = []
+    model: Any = type(objs[0])
+    text, fields = _insert_shape(model, getattr(objs[0], model._meta.pk.attname) is None, len(objs))
+    params, db = [], _db()
     for obj in objs:
-        params += [f.get_db_prep_save(_value(f, obj), connection) for f in fields]
+        params += [f.get_db_prep_save(_value(f, obj), db) for f in fields]
+    return text, params
+
+
+@functools.cache
+def _insert_shape(model, pk_generated: bool, rows: int) -> tuple[str, list]:
+    """The text of an INSERT of `rows` rows and the fields it writes, once per shape."""
+    fields = [f for f in model._meta.concrete_fields if not (f.primary_key and pk_generated)]
     row = "(" + ", ".join(["%s"] * len(fields)) + ")"
     columns = ", ".join(quote(f.column) for f in fields)
-    return f"INSERT INTO {table(model)} ({columns}) VALUES {', '.join([row] * len(objs))}", params
+    return f"INSERT INTO {table(model)} ({columns}) VALUES {', '.join([row] * rows)}", fields
 
 
 def _value(field, obj):
@@ -259,16 +273,25 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
 
 def update_sql(model, pk, *, where: dict | None = None, **values) -> tuple[str, list]:
     """The UPDATE of `update`, and its parameters, for a caller that sends it inside another statement."""
+    where = where or {}
+    text, fields, key, guards = _update_shape(model, tuple(values), tuple(where))
+    db = _db()
+    params = [
+        field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, db)
+        for field, value in zip(fields, values.values())
+    ]
+    params.append(key.get_db_prep_value(pk, db))
+    params += [field.get_db_prep_value(value, db) for field, value in zip(guards, where.values())]
+    return text, params
+
+
+@functools.cache
+def _update_shape(model, names: tuple[str, ...], where: tuple[str, ...]) -> tuple[str, list, Any, list]:
+    """The text of an UPDATE of fields `names` guarded by equalities on `where`, once per shape,
+    with the fields whose conversions its parameters go through."""
     meta = model._meta
-    sets, params = [], []
-    for name, value in values.items():
-        field = meta.get_field(name)
-        sets.append(f"{quote(field.column)} = %s")
-        params.append(field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, connection))
-    conditions = [f"{quote(meta.pk.column)} = %s"]
-    params.append(meta.pk.get_db_prep_value(pk, connection))
-    for name, value in (where or {}).items():
-        field = meta.get_field(name)
-        conditions.append(f"{quote(field.column)} = %s")
-        params.append(field.get_db_prep_value(value, connection))
-    return f"UPDATE {table(model)} SET {', '.join(sets)} WHERE {' AND '.join(conditions)}", params
+    fields = [meta.get_field(name) for name in names]
+    guards = [meta.get_field(name) for name in where]
+    sets = ", ".join(f"{quote(f.column)} = %s" for f in fields)
+    conditions = " AND ".join([f"{quote(meta.pk.column)} = %s"] + [f"{quote(f.column)} = %s" for f in guards])
+    return f"UPDATE {table(model)} SET {sets} WHERE {conditions}", fields, meta.pk, guards

@@ -14,7 +14,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from django.db import connection, models
+from django.db import DEFAULT_DB_ALIAS, connections, models
 
 from agentplatform import sql
 from agentplatform.errors import IllegalTransition
@@ -131,7 +131,8 @@ def write_run(
     sets, adds = sets or {}, adds or {}
     if not events and not sets and not adds and not steps:
         return
-    if connection.vendor != "postgresql":
+    db = connections[DEFAULT_DB_ALIAS]  # not the proxy: one thread-local lookup per attribute
+    if db.vendor != "postgresql":
         for write in steps:
             if isinstance(write, StepInsert):
                 sql.insert(write.steps)
@@ -162,7 +163,7 @@ def write_run(
         len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields), tuple(guarded)
     )
     run = sql.adapt(run_id)
-    params += [field.get_db_prep_save(value, connection) for field, value in zip(set_fields, sets.values())]
+    params += [field.get_db_prep_save(value, db) for field, value in zip(set_fields, sets.values())]
     params += list(adds.values())
     params.append(run)
     if events:
@@ -184,7 +185,7 @@ def write_run(
         event.seq = first + i
         event.pk = ids[event.seq]
         event._state.adding = False
-        event._state.db = connection.alias
+        event._state.db = db.alias
 
 
 def _moved(write: StepWrite | None) -> IllegalTransition:
