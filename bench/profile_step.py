@@ -8,6 +8,11 @@ bench/tool_server.py), but driven by calling `runs.engine.advance` in this proce
 another, its messages held back: no Celery, no threads. Prints CPU ms per step (this process
 only; the fake servers run apart), statements per step (bench/sqlcount.py), and a cProfile of
 advance() sorted by cumulative time. `--sql` lists the statements by their first words.
+
+`--floor ROUNDS`: no profile; the engine's steps and the floor's (bench/peer_floor.py: the two
+transactions the guarantees need and nothing else) alternate round by round in this process,
+and their worker and PostgreSQL CPU per step are printed side by side, with the ratio. The
+machine's drift then falls on both alike: the way to see what a change to the engine moves.
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ def main() -> None:
     )
     parser.add_argument("--sort", default="cumulative", help="pstats order: cumulative, tottime, ...")
     parser.add_argument("--no-profile", action="store_true", help="CPU per step without the profiler's cost")
+    parser.add_argument(
+        "--floor",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="no profile: the engine's steps and the floor's (bench/peer_floor.py) in this process, "
+        "alternating for ROUNDS rounds of --runs runs, and their CPU side by side",
+    )
     opts = parser.parse_args()
     import subprocess
 
@@ -98,6 +111,11 @@ def main() -> None:
         user, agents = peers.setup_engine_data(
             {0: f"http://127.0.0.1:{port}/v1"}, f"http://127.0.0.1:{tport}"
         )
+        if opts.floor:
+            _side_by_side(
+                opts, user, agents[0], f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{tport}", url
+            )
+            return
         ids, _held, _ = engine_bench.create_runs(user, agents[0], opts.runs)
         texts: collections.Counter = collections.Counter()
         samples: dict[str, str] = {}  # --plans: one call of each statement, its parameters bound
@@ -186,6 +204,83 @@ def main() -> None:
 
             connections.close_all()
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) -> None:
+    """--floor: the engine's step and the floor's, the same agent loop over the same servers and
+    database, driven from this process one after the other, round by round.
+
+    Machine speed here drifts by up to 2x within an hour (docs/performance.md), more than most
+    changes move a step; measured minutes apart, two figures compare the machine. Interleaved,
+    the drift falls on both alike, and the ratio engine/floor is what a change moves. Unlike
+    bench/peers.py there is no Celery and no concurrency: only the step itself is measured.
+    """
+    from django.db import connection
+
+    from bench import peer_agent, peer_floor
+    from runs.engine import advance
+    from runs.models import TERMINAL
+
+    def engine() -> int:
+        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
+        steps = 0
+        with engine_bench.HeldMessages():
+            for run_id in ids:
+                for _ in range(opts.steps * 2):
+                    report = advance(run_id)
+                    steps += 1
+                    if report.get("run_status") in TERMINAL or "step" not in report:
+                        break
+        return steps
+
+    def floor() -> int:
+        with connection.cursor() as cursor:
+            peer_floor.create_runs(cursor, opts.runs)
+        steps = 0
+        for run in range(opts.runs):
+            messages = peer_agent.first_messages(run)
+            while not peer_agent.is_done(messages):
+                call = peer_agent.pending_call(messages)
+                key = f"profile-{run}-{len(messages)}"
+                claimed = peer_floor._claim(run, "tool" if call is not None else "model", key)
+                if claimed is None:
+                    raise RuntimeError(f"floor run {run}: not claimed")
+                connection.close()  # as the floor's task: no connection held during the call
+                if call is not None:
+                    answer = peer_agent.tool_turn(client, tool_url, call, key)
+                else:
+                    answer = peer_agent.model_turn(client, model_url, messages)
+                messages.append(answer)
+                peer_floor._record(run, *claimed, answer, peer_agent.is_done(messages), lambda: None)
+                steps += 1
+            peer_agent.check_run(messages, opts.steps)
+        return steps
+
+    client = peer_agent.make_client()
+    engine(), floor()  # not counted: the first round pays for imports, caches and prepared statements
+    totals: dict[str, list[float]] = {"engine": [0.0, 0.0, 0], "floor": [0.0, 0.0, 0]}
+    print(
+        f"{opts.runs} runs x {opts.steps} steps per round, engine then floor, load {os.getloadavg()[0]:.2f}"
+    )
+    for round_no in range(1, opts.floor + 1):
+        for name, drive in (("engine", engine), ("floor", floor)):
+            backends = pgcpu.BackendCpu(url).start()
+            cpu = time.process_time()
+            steps = drive()
+            cpu = time.process_time() - cpu
+            pg_cpu = backends.stop() or 0.0
+            total = totals[name]
+            total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
+            print(
+                f"round {round_no} {name:6} {steps:5} steps  worker {cpu * 1000 / steps:6.2f} ms/step  "
+                f"PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step"
+            )
+    (ecpu, epg, esteps), (fcpu, fpg, fsteps) = totals["engine"], totals["floor"]
+    print(
+        f"all rounds: engine {ecpu * 1000 / esteps:.2f} / {epg * 1000 / esteps:.2f} ms, "
+        f"floor {fcpu * 1000 / fsteps:.2f} / {fpg * 1000 / fsteps:.2f} ms (worker / PostgreSQL per step); "
+        f"engine/floor: worker {ecpu / esteps / (fcpu / fsteps):.2f}x, PostgreSQL {epg / esteps / (fpg / fsteps):.2f}x"
+    )
 
 
 def _wal(connection) -> tuple[int, int, int]:
