@@ -353,7 +353,7 @@ class RunEvent(models.Model):
     """
 
     # No index of its own: (run, seq) is unique, and its index serves every lookup by run. A step
-    # writes about four events, and each index is one more write per event (docs/performance.md).
+    # writes about three events, and each index is one more write per event (docs/performance.md).
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events", db_index=False)
     seq = models.PositiveIntegerField()
     at = models.DateTimeField(auto_now_add=True, db_index=True)

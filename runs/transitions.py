@@ -181,8 +181,10 @@ def transition_run(
 
 def transition_step(
     step: Step, to: str, *, message: str = "", actor=None, defer: bool = False, **fields
-) -> None:
-    """Move a step from its current status to `to`, or raise. One conditional UPDATE plus an event.
+) -> RunEvent:
+    """Move a step from its current status to `to`, or raise. One conditional UPDATE plus an event,
+    which it returns (inside `atomic_with_events` it is inserted at the end: a caller may still
+    add to it, as the record adds the settle's figures).
 
     `defer`: inside `atomic_with_events`, the UPDATE goes into the run's one statement at the end
     of the transaction (runs.statements.StepWrite), its guard checked there: for the engine's
@@ -202,7 +204,7 @@ def transition_step(
     for name, value in fields.items():
         setattr(step, name, value)
     label = step.tool_name or step.kind
-    record_event(
+    event = record_event(
         step.run_id,
         "step",
         message or f"step {step.seq} {label}: {old} → {to}",
@@ -211,6 +213,7 @@ def transition_step(
         **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name},
     )
     observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
+    return event
 
 
 def insert_steps(steps: list[Step], *, defer: bool = False) -> None:

@@ -23,7 +23,7 @@ from llm.models import ModelEndpoint
 from llm.types import ProviderError, ToolCall
 from observability import observe
 from runs.engine import decisions, heartbeat, proposals, writer
-from runs.engine.dispatch import fill_budget_event, recorded_before, through_database_outage
+from runs.engine.dispatch import add_settle, recorded_before, through_database_outage
 from runs.engine.types import LostModelCall, ModelCall, ModelPlan, fenced
 from runs.models import Run, RunStatus, Step, StepStatus
 from runs.queueing import continue_run
@@ -213,7 +213,7 @@ def _record_model(
             "cache_write_tokens": reply.usage.cache_write_tokens,
             "output_tokens": reply.usage.output_tokens,
         }
-        transition_step(
+        event = transition_step(
             step,
             StepStatus.SUCCEEDED,
             result={"text": text, "tool_calls": calls},
@@ -226,9 +226,8 @@ def _record_model(
         )
         if circuit:
             _circuit_event(run, step, plan.model, circuit)
-        event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
-        at_end(
-            lambda: fill_budget_event(
+        at_end(  # the settle's figures join the step's event
+            lambda: add_settle(
                 event, run, step, reserved=plan.model.estimate, settled=cost, balances=settle()[1]
             )
         )

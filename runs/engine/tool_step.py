@@ -21,8 +21,8 @@ from observability import observe
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.claim import tool_view
 from runs.engine.dispatch import (
+    add_settle,
     close_tool_holds,
-    fill_budget_event,
     mark_after_lookup,
     recorded_before,
     through_database_outage,
@@ -200,7 +200,7 @@ def _record_tool(
             stored, observation = results.shape_result(
                 run, step, outcome.answer, may_be_corrected=plan.call.may_be_corrected
             )
-            transition_step(
+            event = transition_step(
                 step,
                 StepStatus.SUCCEEDED,
                 result=stored,
@@ -215,12 +215,11 @@ def _record_tool(
                 defer=True,  # written with the run row and the events (loops.check may add a warning)
             )
             price = tool_of(step).price_micros
-            event = record_event(run.pk, "budget", step_seq=step.seq)  # its figures: once settled
 
-            def settle(step=step, price=price, event=event) -> None:
+            def settle(step=step, price=price, event=event) -> None:  # its figures join the step's event
                 balances = _close_reservation(plan, step, outcome)
                 settled = charge(step, outcome)
-                fill_budget_event(event, run, step, reserved=price, settled=settled, balances=balances)
+                add_settle(event, run, step, reserved=price, settled=settled, balances=balances)
 
             at_end(settle)
             if outcome.reconciled:

@@ -108,7 +108,11 @@ def test_it_records_and_flags_an_answer_that_cost_more_than_reserved(tenant, ash
     for account in (run.budget, day_account(tenant)):
         assert (account.spent_micros, account.overage_micros, account.reserved_micros) == (actual, overage, 0)
     assert LedgerEntry.objects.get(reservation=reservation, kind="overage").amount_micros == overage
-    assert any(e.data.get("settled") == actual for e in run.events.filter(kind="budget"))
+    # The settle's figures are on the step's own outcome event: no budget line of its own.
+    (outcome,) = [e for e in run.events.filter(kind="step") if "budget" in e.data]
+    assert outcome.data["budget"]["settled"] == actual
+    assert f"settled {actual}" in outcome.message
+    assert not run.events.filter(kind="budget").exists()
     assert_books_balance(tenant)
 
 
