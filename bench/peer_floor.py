@@ -161,32 +161,39 @@ def _record(
         transaction.on_commit(on_commit)
 
 
-@shared_task(name="bench.peer_floor_step", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def floor_step(done_key: str, run: int, model_url: str, tool_url: str, messages: list, steps: int) -> None:
+def step(
+    client, run: int, model_url: str, tool_url: str, messages: list, steps: int, key: str, then
+) -> bool | None:
+    """One step of the floor: claim, the call with no connection held, record, and `then(done)`
+    on commit. The answer is appended to `messages`; None when another worker holds the run.
+    Raises peer_agent.StepFailed. (bench/profile_step.py --floor drives it in-process too.)"""
     call = peer_agent.pending_call(messages)
-    key = f"floor-{done_key}-{run}-{len(messages)}"
     claimed = _claim(run, "tool" if call is not None else "model", key)
     if claimed is None:
-        return  # another worker holds the lease
-    step_id, reservation_id, token = claimed
+        return None
     connection.close()  # no connection held during the call (back to the pool)
-    try:
-        if call is not None:
-            answer = peer_agent.tool_turn(shared_client(), tool_url, call, key)
-        else:
-            answer = peer_agent.model_turn(shared_client(), model_url, messages)
-        messages.append(answer)
-        done = peer_agent.is_done(messages)
-        if done:
-            peer_agent.check_run(messages, steps)
-    except peer_agent.StepFailed as exc:
-        shared_redis().rpush(done_key, f"{run} ERROR {exc}")
-        return
+    if call is not None:
+        answer = peer_agent.tool_turn(client, tool_url, call, key)
+    else:
+        answer = peer_agent.model_turn(client, model_url, messages)
+    messages.append(answer)
+    done = peer_agent.is_done(messages)
+    if done:
+        peer_agent.check_run(messages, steps)
+    _record(run, *claimed, answer, done, lambda: then(done))
+    return done
 
-    def next_step():
+
+@shared_task(name="bench.peer_floor_step", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def floor_step(done_key: str, run: int, model_url: str, tool_url: str, messages: list, steps: int) -> None:
+    def next_step(done: bool) -> None:
         if done:
             shared_redis().rpush(done_key, f"{run} {time.time()}")
         else:
             floor_step.apply_async((done_key, run, model_url, tool_url, messages, steps))
 
-    _record(run, step_id, reservation_id, token, answer, done, next_step)
+    key = f"floor-{done_key}-{run}-{len(messages)}"
+    try:
+        step(shared_client(), run, model_url, tool_url, messages, steps, key, next_step)
+    except peer_agent.StepFailed as exc:
+        shared_redis().rpush(done_key, f"{run} ERROR {exc}")

@@ -240,20 +240,15 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
         for run in range(opts.runs):
             messages = peer_agent.first_messages(run)
             while not peer_agent.is_done(messages):
-                call = peer_agent.pending_call(messages)
                 key = f"profile-{run}-{len(messages)}"
-                claimed = peer_floor._claim(run, "tool" if call is not None else "model", key)
-                if claimed is None:
+                if (
+                    peer_floor.step(
+                        client, run, model_url, tool_url, messages, opts.steps, key, lambda done: None
+                    )
+                    is None
+                ):
                     raise RuntimeError(f"floor run {run}: not claimed")
-                connection.close()  # as the floor's task: no connection held during the call
-                if call is not None:
-                    answer = peer_agent.tool_turn(client, tool_url, call, key)
-                else:
-                    answer = peer_agent.model_turn(client, model_url, messages)
-                messages.append(answer)
-                peer_floor._record(run, *claimed, answer, peer_agent.is_done(messages), lambda: None)
                 steps += 1
-            peer_agent.check_run(messages, opts.steps)
         return steps
 
     client = peer_agent.make_client()
