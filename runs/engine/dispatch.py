@@ -294,17 +294,15 @@ def add_settle(
             .get()
         )
     limit, reserved_now, spent, held = balances
-    account = BudgetAccount(
-        limit_micros=limit, reserved_micros=reserved_now, spent_micros=spent, held_micros=held
-    )
-    event.message += (
-        f"; reserved {reserved}, settled {settled}, run remaining {account.remaining_micros} micros"
-    )
+    remaining = (
+        limit - reserved_now - spent - held
+    )  # BudgetAccount.remaining_micros, without a model instance
+    event.message += f"; reserved {reserved}, settled {settled}, run remaining {remaining} micros"
     event.data["budget"] = {
         "reserved": reserved,
         "settled": settled,
         "spent": spent,
         "held": held,
-        "remaining": account.remaining_micros,
+        "remaining": remaining,
         "limit": limit,
     }
