@@ -486,8 +486,17 @@ class Chaos:
         self.losses: list[tuple[float, str, set[int]]] = []
 
     def calls_in_flight(self, worker: Process) -> set[int]:
-        """The local ports of the worker's connections to the banks: one per call in flight."""
-        return open_ports(worker.proc.pid, {urlsplit(bank.url).port for bank in self.banks.values()})
+        """The local ports of the worker's calls to the banks that no bank has answered yet.
+
+        An open connection alone is not a call in flight: the worker's HTTP client keeps idle
+        connections alive between calls (tools/transports.py), and counting them let the stall
+        stop an idle worker (no late attempt to fence out) and excused, as lost with a worker,
+        an earlier call that had gone out on the same connection."""
+        ports = open_ports(worker.proc.pid, {urlsplit(bank.url).port for bank in self.banks.values()})
+        if not ports:
+            return ports
+        waiting = {c["port"] for bank in self.banks.values() for c in bank.calls() if c["answered"] is None}
+        return ports & waiting
 
     def lose(self, worker: Process, ports: set[int]) -> None:
         """Note a worker lost just now (after its signal was sent), with its calls then in flight:
