@@ -314,7 +314,8 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 FLOWER_URL = (env_str("FLOWER_URL") or "").rstrip("/")
 # Survives a Redis restart that kombu 5.7 would turn into a worker exit (see agentplatform/celery.py).
 CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
-CELERY_BEAT_SCHEDULE = {
+# Celery's shape: an entry's values are a task name, a schedule and options; ours are seconds.
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
     "notify": {"task": "notifications.tasks.notify", "schedule": env_float("NOTIFY_INTERVAL_SECONDS", 5.0)},
 }

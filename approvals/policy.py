@@ -285,9 +285,9 @@ class _Parser:
     def not_expr(self) -> Expr:
         if self.at("keyword", "not"):
             self.enter(self.advance().position)
-            node = Not(self.not_expr())
+            negated = Not(self.not_expr())
             self.depth -= 1
-            return node
+            return negated
         if self.at("punct", "("):
             self.enter(self.advance().position)
             node = self.or_expr()
@@ -717,7 +717,7 @@ def _cedar_operand(operand: Operand, guards: list[str]) -> tuple[str, str]:
     value = operand.value
     if isinstance(value, tuple):
         return "[" + ", ".join(_cedar_literal(item) for item in value) + "]", "list"
-    return _cedar_literal(value), _kind_of(value)  # type: ignore[arg-type]
+    return _cedar_literal(value), _kind_of(value)
 
 
 def _cedar_attr(name: str) -> str:

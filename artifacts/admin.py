@@ -16,8 +16,9 @@ class ArtifactAdmin(ReadOnlyAdmin):
     list_display = ["name", "run", "step", "source", "media_type", "size", "created_at", "download"]
     list_filter = ["source", "media_type"]
     search_fields = ["name", "sha256", "=run__id"]
-    fields = ["name", "run", "step", "source", "media_type", "size", "sha256", "created_at", "download"]
-    readonly_fields = fields
+    FIELDS = ("name", "run", "step", "source", "media_type", "size", "sha256", "created_at", "download")
+    fields = FIELDS
+    readonly_fields = FIELDS
 
     def get_queryset(self, request):
         # scoped like runs (tenant, and the creator without view_runs); the content stays unread

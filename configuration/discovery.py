@@ -45,6 +45,7 @@ def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list
     try:
         secret = _secret_plaintext(secret_name, plan, slug)
     except LookupError:
+        assert secret_name is not None  # no name is no secret, never a missing one
         if not plan.is_dropped("secrets", secret_name):
             problems.add(f"{item.path}.secret", f"no secret named {secret_name!r}")
         return None
@@ -70,9 +71,9 @@ def _remote_problem(tool: RemoteTool) -> str | None:
         problem = text_problem(value)
         if problem:
             return f"its {label} {problem}"
-    problem = check_json(tool.input_schema, max_depth=JSON_DEPTH_MAX)
-    if problem:
-        return f"its input schema at {problem[0] or 'the top'}: {problem[1]}"
+    schema_problem = check_json(tool.input_schema, max_depth=JSON_DEPTH_MAX)
+    if schema_problem:
+        return f"its input schema at {schema_problem[0] or 'the top'}: {schema_problem[1]}"
     return None
 
 

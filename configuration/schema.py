@@ -362,7 +362,7 @@ def _check_user(values: dict, path: str, problems: Problems) -> None:
 # Where calls go and which secret they carry is owned by the file: an omitted destination field
 # is set to its default, not left as stored, so a change made elsewhere (say in the admin) is
 # undone by the next apply and reported as drift.
-SERVER_DESTINATION = {
+SERVER_DESTINATION: dict[str, Any] = {
     "transport": "",
     "url": "",
     "command": [],

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.contrib.auth.models import Group
 from django.contrib.contenttypes.models import ContentType
+from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 from guardian.shortcuts import assign_perm, remove_perm
 from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
 
@@ -127,6 +128,7 @@ def _update_today_limits(tenant: Tenant, report: ApplyReport) -> None:
     )
     for account in accounts:
         BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
+        assert account.user is not None  # a user_day account is one user's
         report.record("budgets", f"user_day {day} {account.user.username}", "updated", ["limit"])
 
 
@@ -243,7 +245,9 @@ def _secret_ref(values: dict, path: str, ctx: _Context) -> bool:
     return True
 
 
-def _upsert(model: type, kind: str, item: Item, values: dict, ctx: _Context) -> Any:
+def _upsert(
+    model: type[ModelEndpoint] | type[ToolServer], kind: str, item: Item, values: dict, ctx: _Context
+) -> Any:
     obj = model.objects.filter(tenant=ctx.tenant, name=item.key).first()
     if obj is None:
         obj = model.objects.create(tenant=ctx.tenant, name=item.key, **values)
@@ -502,19 +506,23 @@ def _current_grants(obj: Any, codenames: list[str]) -> dict[GrantKey, tuple]:
         "object_pk": str(obj.pk),
         "permission__codename__in": codenames,
     }
+    user_perms, group_perms = get_user_obj_perms_model(obj), get_group_obj_perms_model(obj)
+    # guardian types both as type[Model]; they are its user and group permission models
+    assert issubclass(user_perms, UserObjectPermissionBase)
+    assert issubclass(group_perms, GroupObjectPermissionBase)
     current: dict[GrantKey, tuple] = {}
-    for row in get_user_obj_perms_model(obj).objects.filter(**lookup).select_related("user", "permission"):
-        current[(row.permission.codename, "user", row.user_id)] = (
-            row.permission.codename,
-            row.user,
-            f"user:{row.user.username}",
+    for user_row in user_perms.objects.filter(**lookup).select_related("user", "permission"):
+        current[(user_row.permission.codename, "user", user_row.user_id)] = (
+            user_row.permission.codename,
+            user_row.user,
+            f"user:{user_row.user.username}",
         )
-    for row in get_group_obj_perms_model(obj).objects.filter(**lookup).select_related("group", "permission"):
-        link = TenantGroup.objects.filter(group=row.group).first()
-        current[(row.permission.codename, "group", row.group_id)] = (
-            row.permission.codename,
-            row.group,
-            f"group:{link.name if link else row.group.name}",
+    for group_row in group_perms.objects.filter(**lookup).select_related("group", "permission"):
+        link = TenantGroup.objects.filter(group=group_row.group).first()
+        current[(group_row.permission.codename, "group", group_row.group_id)] = (
+            group_row.permission.codename,
+            group_row.group,
+            f"group:{link.name if link else group_row.group.name}",
         )
     return current
 
@@ -613,7 +621,7 @@ def _reported_elsewhere(spec: dict, key: str, ctx: _Context) -> bool:
     if key == "model":
         return ctx.plan.is_dropped("model_endpoints", str(spec.get("model")))
     match = re.fullmatch(r"tools\[(\d+)\]", key)
-    return bool(match) and ctx.plan.is_dropped("tools", str(spec["tools"][int(match.group(1))]))
+    return match is not None and ctx.plan.is_dropped("tools", str(spec["tools"][int(match.group(1))]))
 
 
 def _apply_alias(definition: AgentDefinition, alias: str, number: int, path: str, ctx: _Context) -> None:

@@ -25,7 +25,7 @@ class WebhookForm(forms.ModelForm):
         fields = ["tenant", "name", "url", "events", "enabled"]
 
     def clean(self):
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         if self.instance.pk is None and not cleaned.get("signing_secret"):
             self.add_error("signing_secret", "A new webhook needs a signing secret.")
         tenant, url = cleaned.get("tenant"), cleaned.get("url")
@@ -71,8 +71,9 @@ class WebhookAdmin(OperatorOnly, OperatorsWrite, TenantScopedAdmin):
 
 class AttemptInline(admin.TabularInline):
     model = DeliveryAttempt
-    fields = ["number", "started_at", "finished_at", "status_code", "error", "retry_at"]
-    readonly_fields = fields
+    FIELDS = ("number", "started_at", "finished_at", "status_code", "error", "retry_at")
+    fields = FIELDS
+    readonly_fields = FIELDS
     extra = 0
     can_delete = False
 

@@ -25,6 +25,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from django.conf import settings
@@ -476,7 +477,7 @@ def _finish(
     error: str = "",
 ) -> bool:
     """pending -> delivered | failed, as one conditional update fenced by the attempt number."""
-    fields = {"status": to, "last_status_code": status_code, "last_error": error}
+    fields: dict[str, Any] = {"status": to, "last_status_code": status_code, "last_error": error}
     if to == DeliveryStatus.DELIVERED:
         fields["delivered_at"] = now
     return bool(

@@ -112,7 +112,7 @@ class DatabaseCollector:
             "Age of the oldest pending approval (0: none).",
             labels=["tenant"],
         )
-        rows = {
+        pending_rows = {
             tenant_id: (n, first)
             for tenant_id, n, first in Approval.objects.filter(status=ApprovalStatus.PENDING)
             .values("tenant_id")
@@ -121,7 +121,7 @@ class DatabaseCollector:
             .order_by()
         }
         for tenant_id, tenant_slug in tenants:
-            n, first = rows.get(tenant_id, (0, None))
+            n, first = pending_rows.get(tenant_id, (0, None))
             pending.add_metric([tenant_slug], n)
             pending_age.add_metric([tenant_slug], _age(first, now))
         yield pending
@@ -142,7 +142,7 @@ class DatabaseCollector:
             "Age of the oldest held reservation (0: none).",
             labels=["tenant"],
         )
-        rows = {
+        held_rows = {
             tenant_id: (n, amount, first)
             for tenant_id, n, amount, first in Reservation.objects.filter(status=Reservation.Status.HELD)
             .values("tenant_id")
@@ -151,7 +151,7 @@ class DatabaseCollector:
             .order_by()
         }
         for tenant_id, tenant_slug in tenants:
-            n, amount, first = rows.get(tenant_id, (0, 0, None))
+            n, amount, first = held_rows.get(tenant_id, (0, 0, None))
             held.add_metric([tenant_slug], n)
             held_micros.add_metric([tenant_slug], amount or 0)
             held_age.add_metric([tenant_slug], _age(first, now))

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 from contextlib import contextmanager
+from typing import Any
 
 FIELDS = ("tenant", "run_id", "step_seq", "tool")
 _context: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -100,7 +101,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line; the four run fields are always present (null when unknown)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        data = {
+        data: dict[str, Any] = {
             "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,

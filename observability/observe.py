@@ -35,6 +35,12 @@ sweeper_log = logging.getLogger("agentplatform.sweeper")
 BUDGET_STOPS = {StopReason.BUDGET_EXHAUSTED, StopReason.TENANT_BUDGET_EXHAUSTED}
 # Statuses a person or an alert should hear about.
 WARN_RUN = {RunStatus.NEEDS_ATTENTION, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.WAITING_BUDGET}
+# Keyed by str: a transition's `to` comes as a plain string.
+WARN_RUN_WHAT: dict[str, str] = {
+    RunStatus.NEEDS_ATTENTION: "run needs attention",
+    RunStatus.FAILED: "run failed",
+    RunStatus.WAITING_BUDGET: "run paused by budget",
+}
 WARN_STEP = {StepStatus.DENIED, StepStatus.OUTCOME_UNKNOWN}
 # A step's outcome: what the steps counter counts.
 OUTCOMES = {
@@ -105,11 +111,7 @@ def run_moved(run, old: str, to: str, *, reason: str = "", message: str = "") ->
     def committed() -> None:
         metrics.RUN_TRANSITIONS.labels(tenant or "", to, reason or "").inc()
         if to in WARN_RUN:
-            what = {
-                RunStatus.NEEDS_ATTENTION: "run needs attention",
-                RunStatus.FAILED: "run failed",
-                RunStatus.WAITING_BUDGET: "run paused by budget",
-            }.get(to, "run stopped by budget" if reason in BUDGET_STOPS else "run stopped")
+            what = WARN_RUN_WHAT.get(to, "run stopped by budget" if reason in BUDGET_STOPS else "run stopped")
             level = logging.WARNING
         else:
             what, level = "run", logging.INFO

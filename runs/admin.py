@@ -53,7 +53,7 @@ from tools.models import EffectClass
 def conversation(run: Run, *, highlight_seq: int | None = None) -> list[dict]:
     """The run so far as the model saw it: input, the model's messages and tool results, in order."""
     first = run.input if isinstance(run.input, str) else arguments_html(run.input)
-    entries = [{"role": "user", "label": "input", "body": first}]
+    entries: list[dict] = [{"role": "user", "label": "input", "body": first}]
     for step in steps_of(run):
         if step.kind == StepKind.MODEL:
             result = step.result or {}
@@ -284,7 +284,7 @@ class FinishedFilter(admin.SimpleListFilter):
         return [("hour", "in the last hour"), ("day", "in the last day"), ("week", "in the last week")]
 
     def queryset(self, request, queryset):
-        window = self.WINDOWS.get(self.value())
+        window = self.WINDOWS.get(self.value() or "")
         return queryset.filter(finished_at__gte=timezone.now() - window) if window else queryset
 
 
@@ -429,6 +429,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             .order_by()
             .values_list("usage", flat=True)
         ):
+            assert usage is not None  # usage__isnull=False
             totals["uncached"] += usage.get("input_tokens", 0)
             totals["read"] += usage.get("cached_input_tokens", 0)
             totals["written"] += usage.get("cache_write_tokens", 0)
@@ -508,7 +509,8 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             raise PermissionDenied
         form = ResolveForm(request.POST, prefix=f"s{seq}")
         if not form.is_valid():
-            errors = "; ".join(f"{name}: {' '.join(errs)}" for name, errs in form.errors.items())
+            # str(): the stub types an ErrorList's items as stored, but iterating yields their messages
+            errors = "; ".join(f"{name}: {' '.join(map(str, errs))}" for name, errs in form.errors.items())
             messages.error(request, f"step {seq} not resolved: {errors}")
         else:
             data = form.cleaned_data

@@ -155,7 +155,7 @@ class EventOutput(serializers.ModelSerializer):
     # would show other tenants' activity.
     id = serializers.IntegerField(source="seq", help_text="the event's number within its run (same as seq)")
     actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
-    data = JsonObjectField(help_text="the event's details, by kind")
+    data = JsonObjectField(help_text="the event's details, by kind")  # type: ignore[assignment]  # stubs: DRF's metaclass takes declared fields off the class
 
     class Meta:
         model = RunEvent
@@ -285,7 +285,7 @@ class RunListApi(APIView):
         files = FileInput(
             many=True,
             required=False,
-            max_length=MAX_START_FILES,
+            max_length=MAX_START_FILES,  # type: ignore[call-arg]  # stubs: many=True passes it to the ListSerializer
             help_text="files the run starts with (CSV, JSON, text, Parquet), stored as its artifacts with "
             "the run or not at all; the model is shown each one's description and id. Also as "
             "multipart/form-data: `files` parts, `artifact_ids` fields, `input` and `metadata` as JSON text",

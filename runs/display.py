@@ -9,7 +9,7 @@ import re
 
 from runs.models import RunStatus, StepStatus
 
-STATUS_LABELS = {
+STATUS_LABELS: dict[str, str] = {
     RunStatus.QUEUED: "queued",
     RunStatus.RUNNING: "running",
     RunStatus.WAITING_APPROVAL: "waiting for approval",

@@ -57,7 +57,7 @@ def risk_flags(approval) -> list[dict]:
     flags: list[dict] = []
     for step in earlier:
         if step.status == StepStatus.DENIED:
-            arguments = ", ".join(
+            denied_arguments = ", ".join(
                 f"{name} {text}" for name, (text, _) in formatted_arguments(step.tool, step.arguments).items()
             )
             flags.append(
@@ -65,7 +65,7 @@ def risk_flags(approval) -> list[dict]:
                     "kind": "denied",
                     "seq": step.seq,
                     "text": f"Earlier in this run the model asked for {step.tool_name}"
-                    f"{f' ({arguments})' if arguments else ''} and was denied: {step.error or step.observation}",
+                    f"{f' ({denied_arguments})' if denied_arguments else ''} and was denied: {step.error or step.observation}",
                 }
             )
         text = _text_of(step.result)

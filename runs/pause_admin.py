@@ -29,8 +29,8 @@ class ReasonActionForm(ActionForm):
     )
 
 
-class PauseAdminMixin:
-    """Mixed into runs.admin.RunAdmin."""
+class PauseAdminMixin(admin.ModelAdmin):
+    """Mixed into runs.admin.RunAdmin, before its ModelAdmin class."""
 
     action_form = ReasonActionForm
 

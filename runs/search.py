@@ -17,9 +17,12 @@ import datetime as dt
 import re
 import uuid
 from decimal import Decimal
+from typing import Any
 
 from django.db import connection
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Func, JSONField, Q
+from django.db.models.sql.compiler import SQLCompiler
 
 # Every string and number in the run's input and metadata, at any depth. The same text is in the
 # index's definition (runs/migrations/0009_run_search_indexes.py).
@@ -39,7 +42,15 @@ class SearchValues(Func):
     def __init__(self):
         super().__init__(F("input"), F("metadata"))
 
-    def as_sql(self, compiler, connection, **extra):
+    def as_sql(
+        self,
+        compiler: SQLCompiler,
+        connection: BaseDatabaseWrapper,
+        function: str | None = None,
+        template: str | None = None,
+        arg_joiner: str | None = None,
+        **extra_context: Any,
+    ) -> tuple[str, tuple[str | int, ...]]:
         (input_sql, input_params), (metadata_sql, metadata_params) = (
             compiler.compile(expression) for expression in self.get_source_expressions()
         )

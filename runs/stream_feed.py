@@ -303,6 +303,7 @@ class Feed:
                 open=False,
             )
             self.pool_opened = asyncio.ensure_future(self.pool.open())
+        assert self.pool_opened is not None  # set with the pool
         await asyncio.shield(self.pool_opened)
         return self.pool
 

@@ -281,7 +281,9 @@ _sweeper = _Sweeper()
 
 def _collect(out: str, limits: Limits) -> tuple[dict[str, bytes], list[str], bool]:
     """Regular files directly in /out; anything else is skipped by name, never followed."""
-    files, skipped, over = {}, [], False
+    files: dict[str, bytes] = {}
+    skipped: list[str] = []
+    over = False
     total = 0
     for entry in sorted(os.scandir(out), key=lambda e: e.name):
         st = entry.stat(follow_symlinks=False)

@@ -7,6 +7,7 @@ Defaults are DESIGN.md section 11's: wall 30 s, CPU 20 s, one core, 1 GiB, 64 pr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 MiB = 1024 * 1024
 
@@ -57,7 +58,7 @@ class Limits:
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"unknown limits: {', '.join(unknown)}")
-        values = {}
+        values: dict[str, Any] = {}  # each a float or an int, as its field is
         for name, value in data.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"limit {name} must be a positive number, not {value!r}")

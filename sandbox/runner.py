@@ -97,17 +97,16 @@ class Runner:
         self.results: collections.OrderedDict[tuple[str, str], tuple[float, dict]] = collections.OrderedDict()
         self.running: dict[tuple[str, str], threading.Event] = {}
         self.lock = threading.Lock()
-        self.executions = collections.Counter()
+        self.executions: collections.Counter[str] = collections.Counter()
         # /metrics: totals since start, by outcome ("ok", "error" or the limit hit)
-        self.seconds = collections.Counter()
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 
     def parse(self, body: dict) -> tuple[str, str, Execution, float]:
         if not isinstance(body, dict):
             raise BadRequest("body", "the body must be a JSON object")
-        key, tenant, code = body.get("key"), body.get("tenant"), body.get("code")
-        for field, value in (("key", key), ("tenant", tenant), ("code", code)):
-            if not isinstance(value, str) or (field != "code" and not value):
-                raise BadRequest(field, f"{field} must be a non-empty string")
+        key = _string(body, "key")
+        tenant = _string(body, "tenant")
+        code = _string(body, "code", empty=True)
         inputs = {}
         for i, item in enumerate(body.get("inputs") or []):
             try:
@@ -172,6 +171,13 @@ class Runner:
         cutoff = time.monotonic() - self.keep_seconds
         while self.results and next(iter(self.results.values()))[0] < cutoff:
             self.results.popitem(last=False)
+
+
+def _string(body: dict, field: str, *, empty: bool = False) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or (not empty and not value):
+        raise BadRequest(field, f"{field} must be a non-empty string")
+    return value
 
 
 def result_body(outcome: Outcome, limits: Limits, queue_seconds: float) -> dict:

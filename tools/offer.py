@@ -93,6 +93,8 @@ def offered_tools(run: Run, steps=(), *, user=None, permitted: list[Tool] | None
 
 def offered_on(step: Step, steps=None) -> list[str]:
     """Names of the tools the model was shown on the call that proposed this step."""
+    if step.parent_seq is None:
+        return []  # no model call proposed it, so none was shown any tool
     if steps is not None:
         parent = next((s for s in steps if s.seq == step.parent_seq), None)
         if parent is not None:
