@@ -20,11 +20,14 @@ The tenant day is the hottest account of the platform (every call of every run o
 moves it), so on PostgreSQL it is split into BUDGET_DAY_SHARDS sub-accounts whose limits add up
 to the daily budget (DESIGN.md section 9). A reservation takes the first sub-account with room
 that no one else holds, starting from its run's own (`RESERVE_ANY`, SKIP LOCKED), so concurrent
-runs do not queue behind each other; when none is free it waits for its run's own. When that one
-is short, `RESERVE_POOLED` locks all of them in shard order, decides on the day's total room,
-and spreads the free room evenly again: the day is never overspent (no sub-account goes over
-its own limit and the limits add up), and a refusal is never spurious (it is decided with the
-whole day locked).
+runs do not queue behind each other. When none is free with room (the day nearly spent, or every
+sub-account busy), that attempt has locked nothing, and `RESERVE_POOLED` locks all of them in
+shard order, decides on the day's total room, and spreads the free room evenly again: the day is
+never overspent (no sub-account goes over its own limit and the limits add up), and a refusal is
+never spurious (it is decided with the whole day locked). A transaction waits for a sub-account
+of the day only while it holds no budget account, which is what keeps the waits in one order
+(an earlier form waited for the run's own sub-account first and then swept the day from shard 0
+while holding it: two runs short on the day could deadlock).
 
 Each reserve and each close is one SQL statement (`RESERVE_*`, `CLOSE`), prepared once per
 connection, with no round trip to the client inside the lock. The engine runs them inside its
@@ -253,24 +256,30 @@ def reserve(
     reservation = Reservation(
         tenant=tenant, run=run, step=step, purpose=purpose, day=day, amount_micros=amount_micros, note=note
     )
-    take = _reserve_in_one_statement if connection.vendor == "postgresql" else _reserve_portable
     shards = day_shards()
     shard = _shard_for(reservation, shards)
-    attempt: Attempt = MISSING
-    if shards > 1:  # any free sub-account with room; none free: wait for the run's own
-        attempt = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
-    if attempt is MISSING:
-        attempt = take(reservation, user=user, shard=shard)
+    attempt = _attempt(reservation, user=user, shard=shard, shards=shards)
     if attempt is MISSING:  # the first reservation of the day (or of this user's day) opens its accounts
         _make_day_accounts(tenant, day=day, user=user)
-        attempt = take(reservation, user=user, shard=shard)
+        attempt = _attempt(reservation, user=user, shard=shard, shards=shards)
     if attempt is MISSING:
         raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
-    if isinstance(attempt, Short) and attempt.scope == Scope.TENANT_DAY and shards > 1:
-        attempt = _reserve_pooled(reservation, user=user, shard=shard)
     if isinstance(attempt, Short):
         raise BudgetExceeded(attempt.scope, amount_micros, attempt.room_micros)
     return reservation
+
+
+def _attempt(reservation: Reservation, *, user, shard: int, shards: int) -> Attempt:
+    """One attempt at the reservation: any free sub-account of the day with room; when none is
+    (and so nothing was locked), the whole day in shard order. One sub-account a day: that one."""
+    if connection.vendor != "postgresql":
+        return _reserve_portable(reservation, user=user, shard=shard)
+    if shards == 1:
+        return _reserve_in_one_statement(reservation, user=user, shard=shard)
+    attempt = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
+    if attempt is MISSING:
+        attempt = _reserve_pooled(reservation, user=user, shard=shard)
+    return attempt
 
 
 def _shard_for(reservation: Reservation, shards: int) -> int:
@@ -311,36 +320,42 @@ def _reserve_in_one_statement(
     """RESERVED; MISSING: an account is missing (any_free: or no sub-account of the day was
     free); else Short: the first scope without room and its room."""
     params = _params(reservation, user=user, shard=shard)
-    wanted = params["wanted"]
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
         RESERVE_ANY if any_free else RESERVE_OWN, params
     )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
-    if found < wanted:
+    if found < params["wanted"]:
         if any_free:
             return MISSING
-        if (
-            reservation.run_id is not None
-            and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists()
-        ):
-            raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
-        return MISSING
+        return _missing(reservation)
     return Short(short_scopes[0], short_rooms[0])  # `locked` keeps lock order: the first account refused
 
 
 def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> Attempt:
     """The day as a whole decides (budgets.statements.RESERVE_POOLED); answers as _reserve_in_one_statement."""
-    fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
-        RESERVE_POOLED, _params(reservation, user=user, shard=shard)
+    params = _params(reservation, user=user, shard=shard)
+    fits, free, created_at, day_account, user_account, run_account, short_scopes, short_rooms, found, _ = (
+        _execute(RESERVE_POOLED, params)
     )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
-    if free is None or free >= reservation.amount_micros:
-        if not short_scopes:
-            raise BudgetAccount.DoesNotExist("the budget accounts of this reservation are missing")
-        return Short(short_scopes[0], short_rooms[0])
-    return Short(Scope.TENANT_DAY, free)
+    if day_account is None or found < params["wanted"] - 1:  # the run's sub-account, the user day
+        return _missing(reservation)
+    if free < reservation.amount_micros:
+        return Short(Scope.TENANT_DAY, free)
+    return Short(short_scopes[0], short_rooms[0])
+
+
+def _missing(reservation: Reservation) -> Attempt:
+    """MISSING: an account of the day is to be opened. A run's own account is opened with the run,
+    never here: without it the reservation cannot be made at all."""
+    if (
+        reservation.run_id is not None
+        and not BudgetAccount.objects.filter(run_id=reservation.run_id).exists()
+    ):
+        raise BudgetAccount.DoesNotExist(f"run {reservation.run_id} has no budget account")
+    return MISSING
 
 
 def _reserve_portable(reservation: Reservation, *, user, shard: int) -> Attempt:

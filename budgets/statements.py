@@ -19,9 +19,12 @@ ENTRIES = LedgerEntry._meta.db_table
 #
 # First form (`RESERVE_ANY`): the first sub-account, starting from the run's own, that has room
 # and that no other transaction holds (SKIP LOCKED): concurrent runs of a tenant never queue
-# behind each other on the day. It waits for nothing on the day, so it cannot take part in a
-# deadlock there; the user-day and run accounts are waited for as everywhere.
-# Second form (`RESERVE_OWN`): the run's own sub-account, waited for; it reports the room.
+# behind each other on the day. It waits for nothing on the day; the user-day and run accounts
+# are waited for as everywhere, and only once a sub-account of the day is held: when none is free
+# with room it locks nothing at all, so the whole-day form that follows (RESERVE_POOLED) waits for
+# the day's sub-accounts in shard order holding no budget account (services.reserve).
+# Second form (`RESERVE_OWN`, one sub-account a day): the day's sub-account, waited for; it
+# reports the room.
 # The updates find their rows with `id = ANY(ARRAY(SELECT id FROM locked))`: the locks are
 # taken (in order) before the update starts, and the rows are found by primary key whatever the
 # planner thinks of the table's size (a join with the CTE was planned as a sequential scan).
@@ -34,8 +37,9 @@ WITH day AS (
     SELECT id, scope, limit_micros - reserved_micros - spent_micros - held_micros AS room,
            CASE scope WHEN 'user_day' THEN 1 ELSE 2 END AS position
       FROM {accounts}
-     WHERE (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
-        OR run_id = %(run)s
+     WHERE ((tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
+            OR run_id = %(run)s)
+       AND EXISTS (SELECT 1 FROM day)
      ORDER BY position
        FOR NO KEY UPDATE
 ), locked AS (
@@ -84,9 +88,10 @@ RESERVE_OWN = _RESERVE.format(
            shard = %(shard)s
        FOR NO KEY UPDATE""",
 )
-# The run's sub-account of the day is short: lock all of the day's sub-accounts (in shard order,
-# before the user-day and run accounts, as everywhere), and reserve if the day as a whole has
-# room. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
+# No sub-account of the day was free with room: lock all of them (in shard order, before the
+# user-day and run accounts, as everywhere), and reserve if the day as a whole has room. The
+# transaction holds no budget account when it starts waiting (RESERVE_ANY locked nothing), so
+# its waits follow the one order and cannot close a cycle. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
 # the limits still add up to the daily budget, no sub-account is left with negative room, and the
 # next reservations find room in their own sub-account. The refusal here is exact: it is decided
 # with the whole day locked.
@@ -135,7 +140,7 @@ WITH locked AS (
     SELECT %(id)s, 'reserve', %(amount)s, '', now() FROM created
 )
 SELECT verdict.fits, day.free, created.created_at, day.target, others.user_account, others.run_account,
-       others.short_scopes, others.short_rooms,
+       others.short_scopes, others.short_rooms, others.found,
        CASE WHEN %(relaxed)s THEN set_config('synchronous_commit', 'off', true) END
   FROM verdict, day, others LEFT JOIN created ON true
 """

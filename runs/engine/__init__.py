@@ -15,7 +15,9 @@ Lock order, in every transaction that takes more than one: the run row, then its
 other rows of that run: approvals, events), then the tool's day-totals rows of a policy decision
 (one tool, one day: approvals/calls.py), then the budget accounts of ONE reservation, locked
 by one ledger statement in the ledger's own order (tenant-day sub-accounts by shard, user day,
-run account; budgets/statements.py). Why this cannot deadlock: the engine's two transactions
+run account; budgets/statements.py); a reservation that finds no sub-account of the day free
+with room has locked nothing, and its second statement takes the whole day in that same order
+(budgets/services.py). Why this cannot deadlock: the engine's two transactions
 are the only ones that hold a run and budget accounts together, each holds exactly one run and
 locks it first, and after its budget statement it locks nothing another transaction could hold
 while waiting for budget accounts (rows of its own run, which it holds, and new rows); every

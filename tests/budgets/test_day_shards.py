@@ -8,13 +8,17 @@ the daily budget.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from django.db import DatabaseError, connection, transaction
 
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from runs.services import start_run
 from tests import factories
 from tests.budgets.conftest import assert_books_balance, in_threads
+from tests.servers import wait_for
 
 SHARDS = 8
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -97,6 +101,79 @@ def test_sixty_four_runs_racing_on_one_day_get_exactly_the_room_there_is(tenant,
     assert len(sub_accounts(tenant)) == shards
     assert all(a.remaining_micros >= 0 for a in sub_accounts(tenant))
     assert Reservation.objects.filter(status="settled").count() == 40
+    assert_books_balance(tenant)
+
+
+def waiting_for_a_lock(statement: str) -> int:
+    """Backends of this database waiting for a lock in a statement that starts like `statement`."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND ltrim(query, E' \\n') LIKE %s",
+            [statement],
+        )
+        return cursor.fetchone()[0]
+
+
+def test_a_run_that_pools_the_day_waits_for_it_holding_no_other_budget_account(tenant, asha):
+    """The lock order that keeps reservations free of deadlocks: a transaction waits for a
+    sub-account of the day only while it holds no budget account. No sub-account has room for
+    the call here, so it pools the day; while it waits for a sub-account another transaction
+    holds, its run account stays free. (An earlier form had already locked the run account and
+    its own sub-account when it swept the day from shard 0: two runs short on the day deadlocked.)"""
+    tenant.daily_budget_micros = SHARDS * 1_000  # 1,000 a sub-account; the call needs 1,500
+    tenant.save()
+    (run,) = make_runs(tenant, asha, 1)
+    budgets.tenant_day_account(tenant, budgets.local_day(tenant))
+    busy = next(a for a in sub_accounts(tenant) if a.shard == (run.pk.int + 1) % SHARDS)
+    held, release = threading.Event(), threading.Event()
+    found: dict = {}
+
+    def hold_one_sub_account() -> None:
+        try:
+            with transaction.atomic():
+                BudgetAccount.objects.select_for_update(no_key=True).get(pk=busy.pk)
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    def reserve() -> None:
+        try:
+            with transaction.atomic():  # as the engine reserves: inside the claim's transaction
+                found["reservation"] = budgets.reserve(
+                    tenant=tenant, run=run, amount_micros=1_500, purpose="model"
+                )
+        except BaseException as exc:  # re-raised by the test
+            found["error"] = exc
+        finally:
+            connection.close()
+
+    holder, reserver = threading.Thread(target=hold_one_sub_account), threading.Thread(target=reserve)
+    holder.start()
+    try:
+        assert held.wait(10)
+        reserver.start()
+        wait_for(
+            lambda: waiting_for_a_lock("WITH locked AS%"),  # RESERVE_POOLED
+            timeout=10,
+            interval=0.01,
+            what="the reservation waiting for the busy sub-account",
+        )
+        with transaction.atomic():
+            try:
+                BudgetAccount.objects.select_for_update(no_key=True, nowait=True).get(run=run)
+            except DatabaseError as exc:
+                pytest.fail(f"the run account is held by a reservation waiting for the day: {exc}")
+    finally:
+        release.set()
+        holder.join(30)
+    reserver.join(30)
+    if "error" in found:
+        raise found["error"]
+    assert found["reservation"].amount_micros == 1_500
+    assert sum(a.limit_micros for a in sub_accounts(tenant)) == SHARDS * 1_000
+    budgets.settle(found["reservation"].pk, actual_micros=1_500)
     assert_books_balance(tenant)
 
 
