@@ -71,7 +71,7 @@ def test_it_never_repeats_an_unsafe_call_whose_worker_died_and_waits_for_a_perso
     swept = [e for e in events(run.pk, "recovery") if e.data.get("found") == "expired_lease"]
     assert swept and swept[0].data["action"] == "requeue"
     assert any("never retried automatically" in e.message for e in events(run.pk, "step"))
-    time.sleep(2)
+    time.sleep(2)  # a window for a wrong retry to show, not a synchronisation
     assert len(bank.effects("send_customer_email")) == 1
     assert run_of(run.pk).status == "needs_attention"
 

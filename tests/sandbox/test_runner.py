@@ -16,6 +16,7 @@ from sandbox import cgroups
 from sandbox.backends import Bubblewrap, Execution, _mount_tmpfs, _umount, reachable_by_slots
 from sandbox.limits import Limits
 from tests.sandbox_runner import Runner, uid_base
+from tests.servers import wait_for
 
 WORK_ROOT = "/tmp/agentsandbox"  # the runner's default --work-root
 
@@ -27,6 +28,11 @@ def execute(url: str, *, key: str, tenant: str = "t1", code: str = "print(1)", *
 
 def executions(url: str) -> int:
     return sum(httpx.get(url + "/metrics").json()["executions"].values())
+
+
+def running(url: str) -> int:
+    """Executions the runner has taken in and not yet answered (a slot's, or waiting for one)."""
+    return httpx.get(url + "/metrics").json()["running"]
 
 
 def test_it_holds_no_database_url_or_secret_key(runner_url):
@@ -76,7 +82,8 @@ def test_a_retry_while_the_first_still_runs_joins_it_instead_of_running_twice(ru
     code = "import time, random\ntime.sleep(1)\nprint(random.random())"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(execute, url, key="k-join", code=code)
-        time.sleep(0.2)  # the retry arrives while the first is inside its sandbox
+        # The retry arrives while the first is running (it sleeps 1 s inside its sandbox).
+        wait_for(lambda: running(url) == 1, timeout=10, interval=0.01, what="the first execution running")
         second = pool.submit(execute, url, key="k-join", code=code)
         a, b = first.result().json(), second.result().json()
     assert a["stdout"] == b["stdout"]
@@ -102,7 +109,13 @@ def test_one_tenants_backlog_of_fork_bombs_leaves_another_tenant_its_slots(runne
             pool.submit(execute, url, key=f"bomb-{i}", tenant="noisy", code=bomb, limits=limits)
             for i in range(6)
         ]
-        time.sleep(0.5)  # the noisy tenant now holds its share and queues the rest
+        # The noisy tenant now holds its share and queues the rest (a bomb refused a slot is done).
+        wait_for(
+            lambda: running(url) + sum(f.done() for f in bombs) >= len(bombs),
+            timeout=10,
+            interval=0.01,
+            what="every bomb taken in",
+        )
         started = time.monotonic()
         honest = execute(
             url, key="honest", tenant="quiet", code="print(sum(range(1000)))", limits={"wall_seconds": 3}
