@@ -13,6 +13,9 @@ advance() sorted by cumulative time. `--sql` lists the statements by their first
 transactions the guarantees need and nothing else) alternate round by round in this process,
 and their worker and PostgreSQL CPU per step are printed side by side, with the ratio. The
 machine's drift then falls on both alike: the way to see what a change to the engine moves.
+With `--statements`, each side's PostgreSQL CPU is also split by statement (bench/pgstatements.py:
+the backend's own CPU time around each statement and COMMIT, to the microsecond), which moves
+by a few percent from run to run where the whole figure moves by 20%.
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ def main() -> None:
         help="no profile: the engine's steps and the floor's (bench/peer_floor.py) in this process, "
         "alternating for ROUNDS rounds of --runs runs, and their CPU side by side",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="with --floor: each side's worker CPU split into its claim, its call and its record",
+    )
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="with --floor: PostgreSQL's CPU per statement of each side (bench/pgstatements.py); "
+        "the reads add about 10 us of this process's CPU per statement to both sides",
+    )
     opts = parser.parse_args()
     import subprocess
 
@@ -85,8 +99,9 @@ def main() -> None:
         )
         import django
 
-        # Pooled, unchecked connections, as a worker has them (scripts/serve.sh).
-        os.environ.update(DB_POOL_MAX="4", DB_POOL_CHECK="0")
+        # Pooled, unchecked connections and DEBUG off, as a worker has them (scripts/serve.sh). With
+        # DEBUG on Django logs every statement, which --sql and --plans read (and pay for).
+        os.environ.update(DB_POOL_MAX="4", DB_POOL_CHECK="0", DEBUG=str(opts.sql or opts.plans).lower())
         django.setup()
         from django.db import connection
 
@@ -217,7 +232,7 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
     """
     from django.db import connection
 
-    from bench import peer_agent, peer_floor
+    from bench import peer_agent, peer_floor, pgstatements
     from runs.engine import advance
     from runs.models import TERMINAL
 
@@ -254,15 +269,22 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
     client = peer_agent.make_client()
     engine(), floor()  # not counted: the first round pays for imports, caches and prepared statements
     totals: dict[str, list[float]] = {"engine": [0.0, 0.0, 0], "floor": [0.0, 0.0, 0]}
+    costs = {"engine": pgstatements.Costs(), "floor": pgstatements.Costs()}
+    phases = _Phases() if opts.phases else None
     print(
         f"{opts.runs} runs x {opts.steps} steps per round, engine then floor, load {os.getloadavg()[0]:.2f}"
     )
     for round_no in range(1, opts.floor + 1):
         for name, drive in (("engine", engine), ("floor", floor)):
             backends = pgcpu.BackendCpu(url).start()
+            if opts.statements:
+                costs[name].install()
+            if phases is not None:
+                phases.side = name
             cpu = time.process_time()
             steps = drive()
             cpu = time.process_time() - cpu
+            costs[name].uninstall()
             pg_cpu = backends.stop() or 0.0
             total = totals[name]
             total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
@@ -276,6 +298,51 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
         f"floor {fcpu * 1000 / fsteps:.2f} / {fpg * 1000 / fsteps:.2f} ms (worker / PostgreSQL per step); "
         f"engine/floor: worker {ecpu / esteps / (fcpu / fsteps):.2f}x, PostgreSQL {epg / esteps / (fpg / fsteps):.2f}x"
     )
+    if phases is not None:
+        phases.report({"engine": esteps, "floor": fsteps}, {"engine": ecpu, "floor": fcpu})
+    if opts.statements:
+        for name, steps in (("engine", esteps), ("floor", fsteps)):
+            costs[name].report(int(steps), title=f"{name}: ")
+
+
+class _Phases:
+    """--phases: the worker CPU of each side's claim and record (the rest of a step is its call:
+    the model or tool request over HTTP, and for the engine what it does around the call).
+
+    Wraps the two transactions of each side where the step calls them: the engine's claim
+    (runs.engine.claim) and the record every outcome goes through (dispatch.through_database_outage,
+    as model_step and tool_step import it); the floor's _claim and _record."""
+
+    def __init__(self):
+        import runs.engine as engine
+        from bench import peer_floor
+        from runs.engine import model_step, tool_step
+
+        self.side = "engine"
+        self.cpu: collections.Counter = collections.Counter()
+        engine.claim = self._timed("claim", engine.claim)
+        record = self._timed("record", model_step.through_database_outage)
+        model_step.through_database_outage = tool_step.through_database_outage = record
+        peer_floor._claim = self._timed("claim", peer_floor._claim)
+        peer_floor._record = self._timed("record", peer_floor._record)
+
+    def _timed(self, phase: str, function):
+        def timed(*args, **kwargs):
+            started = time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.cpu[self.side, phase] += time.process_time() - started
+
+        return timed
+
+    def report(self, steps: dict, total: dict) -> None:
+        print("worker CPU per step by phase, ms: claim, call (the rest), record")
+        for side in ("engine", "floor"):
+            claim, record = self.cpu[side, "claim"], self.cpu[side, "record"]
+            call = total[side] - claim - record
+            per = 1000 / steps[side]
+            print(f"  {side:6} {claim * per:6.2f} {call * per:6.2f} {record * per:6.2f}")
 
 
 def _wal(connection) -> tuple[int, int, int]:
