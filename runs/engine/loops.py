@@ -10,6 +10,10 @@ Patterns, each with a limit from the version's spec (`loop`, defaults in agents.
 Checked after every tool step has its outcome (also a denial, a replay, a platform tool's answer).
 The counts are kept with the run (`Run.loop_state`) and moved by one pure function per outcome
 (`observed`), so a check never rescans the log: its cost is the same at step 200 as at step 2.
+A call is kept under a 12-character key (`key_of`), not its tool and argument digest: the state
+holds every distinct call of the run and travels with the run row, read by both of a step's
+transactions and written by its record, so its size is on every step's bill (with the long keys
+it was 9 KB at step 200, and a step there cost 1.2x one at step 25).
 The same state answers the replay check (`prior_success`: an identical call that already
 succeeded in this run is answered from its record, not sent again).
 
@@ -22,6 +26,8 @@ tool calls (identical ones are replayed from the record by the engine, not sent 
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -51,8 +57,8 @@ class LoopState:
     def of(cls, stored: dict | None) -> LoopState:
         stored = stored or {}
         return cls(
-            calls={k: list(v) for k, v in (stored.get("calls") or {}).items()},
-            tail=tuple(stored.get("tail") or ()),
+            calls={_short(k): list(v) for k, v in (stored.get("calls") or {}).items()},
+            tail=tuple(_short(k) for k in stored.get("tail") or ()),
             alternating=int(stored.get("alternating") or 0),
             empties=int(stored.get("empties") or 0),
         )
@@ -67,7 +73,16 @@ class LoopState:
 
 
 def key_of(step: Step) -> str:
-    return f"{step.tool_id}:{step.tool_name}:{step.args_digest}"
+    """The call's key: its tool and canonical arguments, in 72 bits (a collision within one run's
+    calls is about as likely as n^2 / 2^73)."""
+    return _short(f"{step.tool_id}:{step.tool_name}:{step.args_digest}")
+
+
+def _short(key: str) -> str:
+    if ":" not in key:
+        return key  # already short
+    # States stored before the short keys held the long form: read, it counts as the same call.
+    return base64.urlsafe_b64encode(hashlib.blake2b(key.encode(), digest_size=9).digest()).decode()
 
 
 def observed(state: LoopState, key: str, *, seq: int, succeeded: bool, empty: bool) -> LoopState:
@@ -88,7 +103,7 @@ def observed(state: LoopState, key: str, *, seq: int, succeeded: bool, empty: bo
     )
 
 
-def patterns(state: LoopState, key: str, limits: LoopLimits) -> list[tuple[str, int, int]]:
+def patterns(state: LoopState, key: str, limits: LoopLimits, *, tool_name: str) -> list[tuple[str, int, int]]:
     """(description, count so far, limit) of each no-progress pattern, after the call `key`."""
     found = []
     if state.alternating >= 3:
@@ -96,15 +111,14 @@ def patterns(state: LoopState, key: str, limits: LoopLimits) -> list[tuple[str, 
             ("alternating between the same two calls", state.alternating, 2 * limits.alternation_cycles)
         )
     repeats = state.calls.get(key, [0, 0])[0]
-    tool_name = key.split(":", 2)[1]
     found.append((f"the same call {tool_name} was made {repeats} times", repeats, limits.max_repeats))
     found.append((f"{state.empties} empty results in a row", state.empties, limits.max_empty_results))
     return found
 
 
-def verdict(state: LoopState, key: str, limits: LoopLimits) -> tuple[str, str] | None:
+def verdict(state: LoopState, key: str, limits: LoopLimits, *, tool_name: str) -> tuple[str, str] | None:
     """("stop" | "warn", pattern) when a limit is reached or is one call away, else None (pure)."""
-    found = patterns(state, key, limits)
+    found = patterns(state, key, limits, tool_name=tool_name)
     for description, count, limit in found:
         if count >= limit:
             return "stop", description
@@ -156,7 +170,7 @@ def check(run: Run, step: Step) -> bool:
         empty=succeeded and is_empty(step),
     )
     write_run_at_end(run, loop_state=state.stored())
-    found = verdict(state, key, spec_for(run.version).loop)
+    found = verdict(state, key, spec_for(run.version).loop, tool_name=step.tool_name)
     if found is None:
         return False
     level, pattern = found
