@@ -21,7 +21,7 @@ import functools
 import json
 import math
 
-from llm.types import ModelRequest
+from llm.types import Message, ModelRequest
 
 CHARS_PER_TOKEN = 3.5
 REQUEST_OVERHEAD = 24  # model name, output limit, the system message wrapper
@@ -52,13 +52,25 @@ def estimate_input_tokens(request: ModelRequest) -> int:
             + _estimate_json(tool.input_schema)
         )
     for message in request.messages:
-        total += MESSAGE_OVERHEAD + estimate_text(message.content)
+        total += _message_tokens(message)
+    return total
+
+
+def _message_tokens(message: Message) -> int:
+    """A message's estimate, kept on the message. A run's messages are kept by the worker and
+    sent again on every model call (runs/engine/conversation.py), and the tool calls' arguments
+    were dumped to JSON anew each time: 0.5 ms a call at step 200 (bench/profile_step.py
+    --stagger). Messages are never changed once made (the context policy makes new ones)."""
+    known = message.__dict__.get("_estimate")
+    if known is None:
+        known = MESSAGE_OVERHEAD + estimate_text(message.content)
         for call in message.tool_calls:
             # OpenAI sends the arguments as a JSON string: escaped once more on the wire.
-            total += (
+            known += (
                 TOOL_CALL_OVERHEAD
                 + estimate_text(call.id)
                 + estimate_text(call.name)
                 + estimate_text(json.dumps(call.arguments, sort_keys=True))
             )
-    return total
+        message.__dict__["_estimate"] = known
+    return known
