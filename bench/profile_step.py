@@ -13,6 +13,7 @@ advance() sorted by cumulative time. `--sql` lists the statements by their first
 transactions the guarantees need and nothing else) alternate round by round in this process,
 and their worker and PostgreSQL CPU per step are printed side by side, with the ratio. The
 machine's drift then falls on both alike: the way to see what a change to the engine moves.
+`--stagger`: cost at length, early and late steps of long runs measured in the same minutes.
 With `--statements`, each side's PostgreSQL CPU is also split by statement (bench/pgstatements.py:
 the backend's own CPU time around each statement and COMMIT, to the microsecond), which moves
 by a few percent from run to run where the whole figure moves by 20%.
@@ -77,6 +78,12 @@ def main() -> None:
         "alternating for ROUNDS rounds of --runs runs, and their CPU side by side",
     )
     parser.add_argument(
+        "--stagger",
+        action="store_true",
+        help="cost at length: --runs runs of --steps steps, started at even spacing and advanced in turn, "
+        "worker and PostgreSQL CPU per advance by its place in its run (steps 1-25 against the last 26)",
+    )
+    parser.add_argument(
         "--phases",
         action="store_true",
         help="with --floor: each side's worker CPU split into its claim, its call and its record",
@@ -124,8 +131,11 @@ def main() -> None:
         proc, tport = peers.start_server(["bench.tool_server"], "tool server")
         servers.append(proc)
         user, agents = peers.setup_engine_data(
-            {0: f"http://127.0.0.1:{port}/v1"}, f"http://127.0.0.1:{tport}"
+            {peers.LONG if opts.stagger else 0: f"http://127.0.0.1:{port}/v1"}, f"http://127.0.0.1:{tport}"
         )
+        if opts.stagger:
+            _staggered(opts, user, agents[peers.LONG])
+            return
         if opts.floor:
             _side_by_side(
                 opts, user, agents[0], f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{tport}", url
@@ -219,6 +229,96 @@ def main() -> None:
 
             connections.close_all()
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+def _staggered(opts, user, agent) -> None:
+    """--stagger: does a step late in a long run cost more than an early one?
+
+    Measured one after the other, the first and the last steps of a run fall minutes apart, and
+    this machine's speed drifts by more than the difference sought (bench/peers.py's engine-long
+    gave 1.33x and 1.03x in two runs ten minutes apart, LangGraph 1.68x and 1.23x beside it). Here
+    a new run starts every 2 x steps/runs turns and each turn advances every run once, so that once
+    the first run has ended and until the last one starts, runs at every place of their length
+    are advanced in the same minutes; only the advances of that window are counted.
+    """
+    from bench import pgstatements
+    from runs.engine import advance
+    from runs.models import TERMINAL
+
+    # Runs enough to span two run lengths: half of them are under way at any turn of the window.
+    spacing = max(2 * opts.steps // opts.runs, 1)
+    window = (opts.steps + 2, spacing * (opts.runs - 1))  # turns: every place has a run in it
+    if window[0] >= window[1]:
+        raise SystemExit(
+            f"--stagger: {opts.runs} runs of {opts.steps} steps leave no turn with every place in use"
+        )
+    worker: collections.Counter = collections.Counter()
+    postgres: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    by_statement: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    costs = pgstatements.Costs().install()
+    try:
+        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
+        with engine_bench.HeldMessages():
+            active: list[list] = []  # [run id, advances made]
+            turn = started = 0
+            while started < len(ids) or active:
+                if started < len(ids) and turn % spacing == 0:
+                    active.append([ids[started], 0])
+                    started += 1
+                for entry in list(active):
+                    pg_before, cpu = collections.Counter(costs.ns), time.process_time()
+                    report = advance(entry[0])
+                    if window[0] <= turn < window[1]:
+                        worker[entry[1]] += time.process_time() - cpu
+                        used = costs.ns - pg_before
+                        postgres[entry[1]] += used.total()
+                        by_statement[entry[1]].update(used)
+                        count[entry[1]] += 1
+                    entry[1] += 1
+                    if report.get("run_status") in TERMINAL or "step" not in report:
+                        active.remove(entry)
+                turn += 1
+    finally:
+        costs.uninstall()
+    last = max(count)
+
+    def per_advance(places: range) -> tuple[float, float, int]:
+        n = sum(count[p] for p in places)
+        return (
+            sum(worker[p] for p in places) * 1000 / n,
+            sum(postgres[p] for p in places) / 1e6 / n,
+            n,
+        )
+
+    print(
+        f"{opts.runs} runs x {opts.steps} steps, a new run every {spacing} turns; counted turns "
+        f"{window[0]}-{window[1]}, load {os.getloadavg()[0]:.2f}"
+    )
+    early = per_advance(range(0, 25))
+    for name, places in (
+        ("steps 1-25", range(0, 25)),
+        ("steps 76-100", range(75, 100)),
+        (f"the last 26 ({last - 24}-{last + 1})", range(last - 25, last + 1)),
+    ):
+        cpu, pg, n = per_advance(places)
+        print(
+            f"  {name:22} worker {cpu:6.2f} ms  PostgreSQL {pg:5.2f} ms per advance  "
+            f"({cpu / early[0]:.2f}x, {pg / early[1]:.2f}x of steps 1-25; {n} advances)"
+        )
+
+    def statements(places: range) -> collections.Counter:
+        total: collections.Counter = collections.Counter()
+        for place in places:
+            total.update(by_statement[place])
+        n = sum(count[p] for p in places)
+        return collections.Counter({what: ns / n / 1e3 for what, ns in total.items()})
+
+    first, final = statements(range(0, 25)), statements(range(last - 25, last + 1))
+    grown = sorted(final, key=lambda what: final[what] - first.get(what, 0.0), reverse=True)[:6]
+    print("  the statements that grew most, us per advance: steps 1-25, the last 26")
+    for what in grown:
+        print(f"    {first.get(what, 0.0):7.1f} {final[what]:7.1f}  {what}")
 
 
 def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) -> None:
