@@ -18,8 +18,11 @@ import httpx
 from agentplatform.cookies import no_cookies
 from llm.types import ProviderError
 
-# Generous pool: one provider instance is shared by many concurrent agent runs.
-_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+# Generous pool: one provider instance is shared by many concurrent agent runs. An idle connection
+# is dropped after 1 s, well before a server closes it: uvicorn (vLLM, LiteLLM) and Node close idle
+# connections after 5 s, httpx's own default, and a call sent on a connection the server is closing
+# fails after it was sent: a lost reply, a held charge and a second call, caused by the platform.
+_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=1.0)
 # The provider's answer is what a supervisor reads on a failed run: kept whole, up to a bound
 # that only a proxy's HTML error page would reach.
 _MAX_ERROR_DETAIL = 8_000

@@ -104,6 +104,7 @@ class FakeModelServer:
         self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
+        self.client_ports: list[int] = []  # per request: one port per TCP connection of the client
         self.set_cookie = ""  # when set, every answer carries it (as a CDN in front of a provider does)
         self.replies: list[dict[str, Any]] = []  # charged replies, even if the client gave up
         self.base_url = ""
@@ -185,6 +186,7 @@ class FakeModelServer:
         with self._lock:
             self.requests.append(body)
             self.request_headers.append(dict(request.headers))
+            self.client_ports.append(request.client.port if request.client else 0)
         if self.latency_ms:
             await asyncio.sleep(self.latency_ms / 1000)
         auth_problem = self.check_auth(request.headers)

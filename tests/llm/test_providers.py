@@ -130,6 +130,19 @@ def test_a_cookie_the_provider_sets_is_never_sent_back(kit: Kit) -> None:
     assert [h.get("cookie") for h in kit.fake.request_headers[-2:]] == [None, None]
 
 
+def test_a_connection_idle_for_a_second_is_not_sent_on_again(kit: Kit) -> None:
+    # Servers close idle connections after 5 s (uvicorn, Node); a call sent as one closes is lost
+    # after it was sent. Calls in quick succession share a connection; after an idle second the
+    # client opens a new one rather than race the server's close.
+    kit.fake.queue({"text": "one"}, {"text": "two"}, {"text": "three"})
+    kit.ask()
+    kit.ask()
+    time.sleep(1.3)  # idle: the time itself is what is tested
+    kit.ask()
+    first, second, third = kit.fake.client_ports[-3:]
+    assert first == second and third != second
+
+
 def test_openai_request_shape(kit_factory: Any) -> None:
     kit = kit_factory("openai")
     kit.ask("hello")
