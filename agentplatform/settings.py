@@ -392,10 +392,11 @@ LEASE_MARGIN_SECONDS = env_int("LEASE_MARGIN_SECONDS", 15)
 # Sub-accounts per tenant day on PostgreSQL (SQLite: always 1). Every process of a deployment
 # must use the same value: a day's sub-accounts are opened by whichever process reserves first.
 # A settle waits for its own sub-account when another step's transaction holds it: with 20 runs
-# of one tenant at once, 8 gave lock waits in 12-30% of samples, 32 in none (bench/peers.py).
+# of one tenant at once, 8 gave lock waits in 12-30% of samples, 32 in none; with 100 runs, 32
+# gave 3.9-7.9% and 64 gave 1.8% and 3.2% at the same CPU per step (bench/peers.py).
 # A call larger than a sub-account's room takes the pooled path (every sub-account locked), so
 # a tenant whose day holds fewer than this many calls' worth queues as on one row.
-BUDGET_DAY_SHARDS = env_int("BUDGET_DAY_SHARDS", 32)
+BUDGET_DAY_SHARDS = env_int("BUDGET_DAY_SHARDS", 64)
 QUEUED_TOO_LONG_SECONDS = env_int("QUEUED_TOO_LONG_SECONDS", 30)
 MAX_STEP_CRASHES = env_int("MAX_STEP_CRASHES", 3)
 TOOL_RESULT_MODEL_CHARS = env_int("TOOL_RESULT_MODEL_CHARS", 8000)

@@ -34,7 +34,7 @@ from django.db import connection, transaction
 from bench import peer_agent
 from bench.peer_tasks import shared_client, shared_redis
 
-SHARDS = 32
+SHARDS = 64  # as many tenant-day sub-accounts as the engine has by default (BUDGET_DAY_SHARDS)
 ESTIMATE = 10_000  # micros reserved per call
 PRICE = 4_000  # micros settled per call
 
