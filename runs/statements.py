@@ -219,8 +219,14 @@ def _step_window_sql() -> str:
         f"SELECT m.seq FROM {STEPS} m WHERE m.run_id = %(run)s AND m.kind = '{StepKind.MODEL}' "
         f"AND m.status = '{StepStatus.SUCCEEDED}' ORDER BY m.seq DESC LIMIT 1"
     )
-    # LEAST skips NULLs: a run with no open step, no tool call or no answer yet bounds by the rest.
-    start = f"LEAST(({first_open}), COALESCE(({last_tool}), 0), ({last_model}), %(after)s)"
+    # A run with no open step or no answer yet bounds by the rest (`after` is never NULL), one with
+    # no tool call yet reads from its start. No bound is NULL, so SQLite's many-argument min() (the
+    # demo's) gives what PostgreSQL's LEAST does.
+    least = "LEAST" if connections[DEFAULT_DB_ALIAS].vendor == "postgresql" else "MIN"
+    start = (
+        f"{least}(COALESCE(({first_open}), %(after)s), COALESCE(({last_tool}), 0), "
+        f"COALESCE(({last_model}), %(after)s), %(after)s)"
+    )
     return (
         f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s AND s.seq >= {start} "
         f"AND (s.status IN ({open_statuses}) OR s.seq >= COALESCE(({last_tool}), 0) OR s.seq = ({last_model}) "

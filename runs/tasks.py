@@ -32,7 +32,13 @@ def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
     admin page is: Flower and the worker's log show it even though no result backend stores it.
     """
     close_old_connections()
-    result = advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
+    try:
+        result = advance(run_id, enqueued_at=dt.datetime.fromisoformat(enqueued_at) if enqueued_at else None)
+    except (OperationalError, InterfaceError) as exc:
+        # Retried below (a database restart passes); said at WARNING because one that does not pass
+        # (SQLite reports a statement it cannot run as an OperationalError too) leaves the run queued.
+        log.warning("run %s: the database refused the step, retrying: %s", run_id, exc)
+        raise
     if isinstance(result, dict):
         result = {**result, "admin": f"/admin/runs/run/{run_id}/change/"}
     return result
