@@ -212,13 +212,15 @@ def _relaxed_commit() -> bool:
 
 class Reserved(enum.Enum):
     """An attempt that is not short: RESERVED (the reservation is written), MISSING (an account
-    it needs does not exist yet, or, asking for any free sub-account, none was free)."""
+    it needs does not exist yet), NONE_FREE (asking for any free sub-account of the day with
+    room, none was, and nothing was locked)."""
 
     RESERVED = "reserved"
     MISSING = "missing"
+    NONE_FREE = "none_free"
 
 
-RESERVED, MISSING = Reserved.RESERVED, Reserved.MISSING
+RESERVED, MISSING, NONE_FREE = Reserved.RESERVED, Reserved.MISSING, Reserved.NONE_FREE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +279,7 @@ def _attempt(reservation: Reservation, *, user, shard: int, shards: int) -> Atte
     if shards == 1:
         return _reserve_in_one_statement(reservation, user=user, shard=shard)
     attempt = _reserve_in_one_statement(reservation, user=user, shard=shard, any_free=True)
-    if attempt is MISSING:
+    if attempt is NONE_FREE:
         attempt = _reserve_pooled(reservation, user=user, shard=shard)
     return attempt
 
@@ -317,17 +319,20 @@ def _reserved(reservation: Reservation, created_at, day_account, user_account, r
 def _reserve_in_one_statement(
     reservation: Reservation, *, user, shard: int, any_free: bool = False
 ) -> Attempt:
-    """RESERVED; MISSING: an account is missing (any_free: or no sub-account of the day was
-    free); else Short: the first scope without room and its room."""
+    """RESERVED; MISSING: an account is missing; NONE_FREE (any_free): no sub-account of the day
+    was free with room, and the statement locked nothing; else Short: the first scope without
+    room and its room."""
     params = _params(reservation, user=user, shard=shard)
     fits, found, created_at, day_account, user_account, run_account, short_scopes, short_rooms, _ = _execute(
         RESERVE_ANY if any_free else RESERVE_OWN, params
     )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
+    if any_free and day_account is None:
+        return NONE_FREE
     if found < params["wanted"]:
-        if any_free:
-            return MISSING
+        # A sub-account of the day is held now: the caller opens the user's day and asks again,
+        # and that sub-account (still this transaction's, with its room) answers the second ask.
         return _missing(reservation)
     return Short(short_scopes[0], short_rooms[0])  # `locked` keeps lock order: the first account refused
 

@@ -91,7 +91,8 @@ RESERVE_OWN = _RESERVE.format(
 # No sub-account of the day was free with room: lock all of them (in shard order, before the
 # user-day and run accounts, as everywhere), and reserve if the day as a whole has room. The
 # transaction holds no budget account when it starts waiting (RESERVE_ANY locked nothing), so
-# its waits follow the one order and cannot close a cycle. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
+# its waits follow the one order and cannot close a cycle; a day not opened yet locks nothing
+# here either. The free room is then spread evenly again, the run's sub-account getting `amount` on top:
 # the limits still add up to the daily budget, no sub-account is left with negative room, and the
 # next reservations find room in their own sub-account. The refusal here is exact: it is decided
 # with the whole day locked.
@@ -102,8 +103,10 @@ WITH locked AS (
            CASE scope WHEN 'tenant_day' THEN 0 WHEN 'user_day' THEN 1 ELSE 2 END AS position
       FROM {ACCOUNTS}
      WHERE (tenant_id = %(tenant)s AND scope = 'tenant_day' AND day = %(day)s)
-        OR (tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
-        OR run_id = %(run)s
+        OR (((tenant_id = %(tenant)s AND scope = 'user_day' AND day = %(day)s AND user_id = %(user)s)
+             OR run_id = %(run)s)
+            AND EXISTS (SELECT 1 FROM {ACCOUNTS} d
+                         WHERE d.tenant_id = %(tenant)s AND d.scope = 'tenant_day' AND d.day = %(day)s))
      ORDER BY position, shard
        FOR NO KEY UPDATE
 ), day AS (
