@@ -142,12 +142,16 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         )
         assert done["status"] == "succeeded", done
         # The run's live stream (ASGI): every event as /events shows it, then the end.
-        stream = follow(http, f"{base}/v1/runs/{run_id}/stream", headers={"Authorization": f"Bearer {token}"})
+        stream = follow(
+            http, f"{base}/v1/runs/{run_id}/stream", headers={"Authorization": f"Bearer {token}"}, seconds=60
+        )
         assert stream.status == 200 and stream.content_type == "text/event-stream"
         assert [m.data for m in stream.events] == http.get(
             f"{base}/v1/runs/{run_id}/events", headers=headers
         ).json()
-        assert stream.end.data["status"] == "succeeded"
+        assert stream.end is not None and stream.end.data["status"] == "succeeded", [
+            m.data for m in stream.messages
+        ]
         steps = http.get(f"{base}/v1/runs/{run_id}/steps", headers=headers).json()
         assert [(s["kind"], s["status"]) for s in steps] == [
             ("model", "succeeded"),
@@ -222,7 +226,11 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             f"{base}/v1/runs", json={"agent": "looker", "input": {"q": "TXN-1002"}}, headers=headers
         )
         assert seen.status_code == 201, seen.text
-        live = follow(http, f"{base}/v1/runs/{seen.json()['id']}/stream", headers=headers)
+        live = follow(http, f"{base}/v1/runs/{seen.json()['id']}/stream", headers=headers, seconds=90)
+        assert live.end is not None, (
+            http.get(f"{base}/v1/runs/{seen.json()['id']}", headers=headers).json(),
+            [m.data for m in live.events],
+        )
         assert live.end.data["status"] == "succeeded" and [m.id for m in live.events] == list(
             range(1, len(live.events) + 1)
         )

@@ -43,10 +43,20 @@ class Stream:
 
 
 def follow(
-    client: httpx.Client, url: str, *, headers=None, until=None, stream: Stream | None = None
+    client: httpx.Client,
+    url: str,
+    *,
+    headers=None,
+    until=None,
+    stream: Stream | None = None,
+    seconds: float | None = None,
 ) -> Stream:
-    """Read a stream until the server closes it, or until `until(stream)` is true (then disconnect)."""
+    """Read a stream until the server closes it, or until `until(stream)` is true (then disconnect).
+
+    `seconds`: disconnect after that long even so (checked at every line, heartbeats included), so
+    that a run which never ends fails its test's assertions instead of holding it until the timeout."""
     stream = stream or Stream()
+    deadline = None if seconds is None else time.monotonic() + seconds
     with client.stream("GET", url, headers=headers or {}) as response:
         stream.status = response.status_code
         stream.content_type = response.headers.get("content-type", "")
@@ -56,6 +66,8 @@ def follow(
             return stream
         fields: dict[str, str] = {}
         for line in response.iter_lines():
+            if deadline is not None and time.monotonic() > deadline:
+                return stream
             if line.startswith(":"):
                 stream.heartbeats += 1
             elif line:
