@@ -3,6 +3,11 @@
 runs/statements.step_window is prepared, so after a few calls PostgreSQL runs it with one generic
 plan for every run; that plan must still start from the run's newest steps. These tests count the
 rows its index scans fetched (this transaction's own counts, pg_stat_xact_user_tables).
+
+The run's log sits among other runs' logs and the table's statistics are fresh, as autovacuum keeps
+them in production: the planner's choice then follows the table, not whatever statistics the
+test database last took (on a table it believes nearly empty, a sequential scan is the cheap plan,
+and CI once counted 405 rows so).
 """
 
 from __future__ import annotations
@@ -48,11 +53,19 @@ def long_run(tenant, asha):
     factories.make_agent(tenant, turns=[{"text": "done"}])
 
     def make(steps: int, **log):
+        for _ in range(OTHER_RUNS):
+            other, _ = start_run(user=asha, agent="agent", input={})
+            _log(other, 200)
         run, _ = start_run(user=asha, agent="agent", input={})
         _log(run, steps, **log)
+        with connection.cursor() as cursor:
+            cursor.execute(f"ANALYZE {Step._meta.db_table}")
         return run
 
     return make
+
+
+OTHER_RUNS = 20  # 4,000 steps besides the run's own: a few hundred pages
 
 
 def _window_reads(run, *, after: int | None) -> tuple[list[int], int]:
