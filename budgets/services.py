@@ -345,7 +345,8 @@ def _reserve_pooled(reservation: Reservation, *, user, shard: int) -> Attempt:
     )
     if fits:
         return _reserved(reservation, created_at, day_account, user_account, run_account)
-    if day_account is None or found < params["wanted"] - 1:  # the run's sub-account, the user day
+    # `found` counts the user-day and run accounts: every account wanted but the day's sub-account
+    if day_account is None or found < params["wanted"] - 1:
         return _missing(reservation)
     if free < reservation.amount_micros:
         return Short(Scope.TENANT_DAY, free)

@@ -15,7 +15,8 @@ ENTRIES = LedgerEntry._meta.db_table
 # Lock one sub-account of the tenant's day, the user-day (when wanted) and run accounts; take
 # `amount` from all of them only if every one has room, and only then create the reservation and
 # its ledger entry. FOR NO KEY UPDATE returns the newest balances, so `room` is never stale.
-# `found` < `wanted`: an account is not there (or, in the first form, no sub-account was free).
+# `found` < `wanted`: an account is not there (the first form: or no sub-account of the day was
+# free with room, and then no day account comes back either).
 #
 # First form (`RESERVE_ANY`): the first sub-account, starting from the run's own, that has room
 # and that no other transaction holds (SKIP LOCKED): concurrent runs of a tenant never queue

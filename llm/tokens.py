@@ -57,12 +57,10 @@ def estimate_input_tokens(request: ModelRequest) -> int:
 
 
 def _message_tokens(message: Message) -> int:
-    """A message's estimate, kept on the message. A run's messages are kept by the worker and
-    sent again on every model call (runs/engine/conversation.py), and the tool calls' arguments
-    were dumped to JSON anew each time: 0.5 ms a call at step 200 (bench/profile_step.py
-    --stagger). Messages are never changed once made (the context policy makes new ones)."""
-    known = message.__dict__.get("_estimate")
-    if known is None:
+    """A message's estimate, kept on the message (Message.estimated_tokens): the tool calls'
+    arguments were dumped to JSON anew on every call, 0.5 ms a call at step 200
+    (bench/profile_step.py --stagger)."""
+    if message.estimated_tokens is None:
         known = MESSAGE_OVERHEAD + estimate_text(message.content)
         for call in message.tool_calls:
             # OpenAI sends the arguments as a JSON string: escaped once more on the wire.
@@ -72,5 +70,5 @@ def _message_tokens(message: Message) -> int:
                 + estimate_text(call.name)
                 + estimate_text(json.dumps(call.arguments, sort_keys=True))
             )
-        message.__dict__["_estimate"] = known
-    return known
+        message.estimated_tokens = known
+    return message.estimated_tokens

@@ -35,6 +35,9 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str = ""
     is_error: bool = False
+    # llm.tokens' estimate of this message, made once: a run's messages are sent again on every
+    # model call, and a message is never changed once made (the context policy makes new ones).
+    estimated_tokens: int | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
