@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import signals
 from django.db.models.base import ModelState
 
@@ -170,6 +171,17 @@ class _PreparedCursor(psycopg.Cursor):
         return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
 
 
+class _PreparedDebugCursor(CursorDebugWrapper):
+    """DEBUG's query log for a prepared cursor. psycopg binds a prepared statement's parameters on
+    the server and keeps no text of it once run, so Django's `last_executed_query` reads None (the
+    log then held `None` for every engine statement, and bench/engine.py's count broke on it): the
+    statement is logged as sent, its parameters beside it in the debug logger's record."""
+
+    def execute(self, sql, params=None):
+        with self.debug_sql(sql, params):
+            return CursorWrapper.execute(self, sql, params)
+
+
 def prepared_cursor():
     """A cursor whose statements PostgreSQL parses and plans once per connection.
 
@@ -187,7 +199,7 @@ def prepared_cursor():
     db.ensure_connection()
     db.validate_thread_sharing()
     raw: Any = _PreparedCursor(db.connection)  # django-stubs types the argument as Django's own wrapper
-    return db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
+    return _PreparedDebugCursor(raw, db) if db.queries_logged else db.make_cursor(raw)
 
 
 def fetch(sql: str, params, *models) -> list[list]:
