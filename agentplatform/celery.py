@@ -6,7 +6,7 @@ from celery.signals import worker_ready
 from celery.utils.log import get_logger
 from celery.worker.consumer import Consumer as CeleryConsumer
 
-from agentplatform import broker
+from core import broker
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 

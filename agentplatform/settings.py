@@ -15,7 +15,7 @@ from typing import Any
 
 import dj_database_url
 
-from agentplatform.env import (
+from core.env import (
     ConfigError,
     env_bool,
     env_float,
@@ -129,7 +129,7 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",  # admin static files under gunicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "agentplatform.middleware.ApiInputGuard",  # NUL in /v1/ paths and query strings: 400
+    "core.middleware.ApiInputGuard",  # NUL in /v1/ paths and query strings: 400
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
@@ -209,7 +209,7 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)  # WhiteNoise expects it even before collectstatic
 
-# --- API input bounds (agentplatform/parsers.py) ---
+# --- API input bounds (core/parsers.py) ---
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1_048_576, minimum=1024, maximum=50 * 1_048_576)
 API_MAX_JSON_DEPTH = env_int("API_MAX_JSON_DEPTH", 64, minimum=4, maximum=500)
 DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
@@ -224,11 +224,11 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["agentplatform.parsers.StrictJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["core.parsers.StrictJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_SCHEMA_CLASS": "agentplatform.schema.AutoSchema",
-    "EXCEPTION_HANDLER": "agentplatform.errors.exception_handler",
-    "DEFAULT_PAGINATION_CLASS": "agentplatform.api.Pagination",
+    "DEFAULT_SCHEMA_CLASS": "core.schema.AutoSchema",
+    "EXCEPTION_HANDLER": "core.errors.exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "core.api.Pagination",
     "PAGE_SIZE": 50,
     # Client address for rate limits: REMOTE_ADDR, or the n-th address from the right of
     # X-Forwarded-For behind n trusted proxies.
@@ -276,7 +276,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_SETTINGS": {"deepLinking": True, "displayOperationId": True, "validatorUrl": None},
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "agentplatform.schema.add_error_responses",
+        "core.schema.add_error_responses",
     ],
 }
 

@@ -1,18 +1,19 @@
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from agentplatform import admin_site as admin  # tenant-scoped AdminSite; `admin.site` below is ours
-from agentplatform import errors
+from agentplatform import desk
 from agents import api as agents_api
 from approvals import api as approvals_api
 from artifacts import api as artifacts_api
 from authority import api as authority_api
 from budgets import api as budgets_api
 from connections import api as connections_api
+from core import errors
 from runs import api as runs_api
 from runs import pause_api
 from runs.stream import RunStreamApi
 from tenants import api as tenants_api
+from tenants.admin_site import site as admin_site  # tenant-scoped, not Django's default site
 
 v1 = [
     path("auth/token", tenants_api.TokenApi.as_view()),
@@ -55,11 +56,13 @@ v1 = [
 
 urlpatterns = [
     path(".well-known/jwks.json", authority_api.jwks, name="jwks"),
-    path("admin/", admin.site.urls),
+    # The index is the supervisors' desk, which reads rooms the admin site sits below.
+    path("admin/", admin_site.admin_view(desk.index), name="admin-desk"),
+    path("admin/", admin_site.urls),
     path("v1/", include(v1)),
 ]
 
-handler400 = "agentplatform.errors.bad_request"
-handler403 = "agentplatform.errors.permission_denied"
-handler404 = "agentplatform.errors.page_not_found"
-handler500 = "agentplatform.errors.server_error"
+handler400 = "core.errors.bad_request"
+handler403 = "core.errors.permission_denied"
+handler404 = "core.errors.page_not_found"
+handler500 = "core.errors.server_error"

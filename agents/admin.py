@@ -6,9 +6,9 @@ from django import forms
 from django.contrib import admin
 from django.utils.html import format_html
 
-from agentplatform.admin_site import ReadOnlyAdmin, TenantGuardedAdmin, TenantScopedAdmin, admin_link, site
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.services import move_alias
+from tenants.admin_site import ReadOnlyAdmin, TenantGuardedAdmin, TenantScopedAdmin, admin_link, site
 
 
 class VersionInline(admin.TabularInline):

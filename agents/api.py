@@ -5,11 +5,11 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import require_tenant
-from agentplatform.errors import DomainError, Forbidden, NotFound
-from agentplatform.schema import JsonObjectField, JsonObjectInput
 from agents import selectors, services
 from agents.models import AgentDefinition, AgentVersion, Alias
+from core.api import require_tenant
+from core.errors import DomainError, Forbidden, NotFound
+from core.schema import JsonObjectField, JsonObjectInput
 
 
 @extend_schema_serializer(component_name="AgentVersion")

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from agentplatform.errors import DomainError, NotFound
 from agents.models import AgentDefinition, AgentVersion, Alias
+from core.errors import DomainError, NotFound
 
 
 def get_agent(*, tenant, name: str) -> AgentDefinition:

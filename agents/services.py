@@ -5,10 +5,10 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 
-from agentplatform.digests import digest
-from agentplatform.errors import DomainError, NotFound
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.spec import validate_spec
+from core.digests import digest
+from core.errors import DomainError, NotFound
 from llm.models import ModelEndpoint
 
 

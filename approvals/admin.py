@@ -19,7 +19,18 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from agentplatform.admin_site import (
+from approvals import reminders
+from approvals.models import Approval, ApprovalStatus
+from approvals.selectors import approvable_tools, approvals_for, escalated_to
+from budgets.models import BudgetAccount
+from core.errors import DomainError
+from runs.admin import conversation
+from runs.approval_effects import correct_approval, decide_approval
+from runs.flags import risk_flags
+from runs.models import Run, Step, StepKind, StepStatus
+from runs.search import Q_MAX
+from runs.search import search as search_runs
+from tenants.admin_site import (
     ReadOnlyAdmin,
     admin_link,
     age,
@@ -30,17 +41,6 @@ from agentplatform.admin_site import (
     status_filter,
     time_left,
 )
-from agentplatform.errors import DomainError
-from approvals import reminders
-from approvals.models import Approval, ApprovalStatus
-from approvals.selectors import approvable_tools, approvals_for, escalated_to
-from budgets.models import BudgetAccount
-from runs.admin import conversation
-from runs.approval_effects import correct_approval, decide_approval
-from runs.flags import risk_flags
-from runs.models import Run, Step, StepKind, StepStatus
-from runs.search import Q_MAX
-from runs.search import search as search_runs
 from tools.display import formatted_arguments, summary
 from tools.models import EffectClass
 
@@ -319,7 +319,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
         return format_html(
             '<div class="call-summary">{}</div><details class="call-arguments"><summary>arguments</summary>{}</details>',
             call_summary(approval),
-            arguments_html(approval.arguments, limit=120, tool=approval.tool),
+            arguments_html(
+                approval.arguments, limit=120, readable=formatted_arguments(approval.tool, approval.arguments)
+            ),
         )
 
     @admin.display(description="agent", ordering="run__agent__name")
@@ -415,7 +417,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "opts": self.opts,
             "title": f"Approve {approval.tool.name}?",
             "approval": approval,
-            "arguments": arguments_html(approval.arguments, tool=approval.tool),
+            "arguments": arguments_html(
+                approval.arguments, readable=formatted_arguments(approval.tool, approval.arguments)
+            ),
             "summary": call_summary(approval),
             "flags": risk_flags(approval),
             "age": age(approval.created_at),

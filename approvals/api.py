@@ -6,11 +6,11 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
-from agentplatform.schema import JsonObjectField, errors
 from approvals import selectors
 from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
+from core.api import PAGE_PARAMETERS, paginate, paginated, require_tenant
+from core.schema import JsonObjectField, errors
 from runs.approval_effects import correct_approval, decide_approval
 
 

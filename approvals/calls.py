@@ -30,11 +30,11 @@ from decimal import ROUND_CEILING, Decimal
 from django.db import connection
 from django.db.models import Count, F, Q
 
-from agentplatform import sql
 from approvals import cedar
 from approvals.models import CountedCall, ShadowDecision, ToolArgumentDayTotal, ToolDayTotal
 from budgets.models import BudgetAccount
 from budgets.services import local_day
+from core import sql
 from runs.models import Run, Step, StepKind, StepStatus
 from tenants.models import TenantGroup
 

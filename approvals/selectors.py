@@ -4,8 +4,8 @@ import uuid
 
 from django.db.models import Q
 
-from agentplatform.errors import NotFound
 from approvals.models import Approval
+from core.errors import NotFound
 from tenants import permissions
 from tools.models import Tool
 

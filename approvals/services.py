@@ -13,12 +13,12 @@ import uuid
 import jsonschema
 from django.utils import timezone
 
-from agentplatform.digests import digest
-from agentplatform.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
 from approvals import calls, cedar, reminders
 from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
 from approvals.policy import stricter
+from core.digests import digest
+from core.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
 from runs.models import Run, Step
 from tenants import permissions
 from tenants.permissions import holds

@@ -7,8 +7,8 @@ from django.http import Http404, HttpResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from agentplatform.admin_site import ReadOnlyAdmin, site
 from artifacts.models import Artifact
+from tenants.admin_site import ReadOnlyAdmin, site
 
 
 @admin.register(Artifact, site=site)

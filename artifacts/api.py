@@ -17,10 +17,10 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import require_tenant
-from agentplatform.schema import errors
 from artifacts import selectors, services
 from artifacts.models import Artifact
+from core.api import require_tenant
+from core.schema import errors
 from runs.selectors import get_run, runs_for
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import uuid
 
-from agentplatform.errors import NotFound
 from artifacts.models import Artifact
+from core.errors import NotFound
 
 
 def artifacts_of(run):

@@ -18,8 +18,8 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, Sum
 
-from agentplatform.errors import DomainError
 from artifacts.models import Artifact, ArtifactLimits
+from core.errors import DomainError
 
 UPLOAD_TYPES = {
     "text/csv": ".csv",

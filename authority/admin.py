@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from agentplatform.admin_site import ReadOnlyAdmin, site
 from authority.models import Delegation, ExchangedToken, IdentityProvider, SigningKey
+from tenants.admin_site import ReadOnlyAdmin, site
 
 
 @admin.register(SigningKey, site=site)

@@ -6,7 +6,7 @@ Claims (docs/authority.md lists what a provider must check):
     aud     the tool server's audience             act      the actor (RFC 8693 section 4.1): the
     tenant  the tenant's slug                               agent, its version and the run
     tool    the tool's remote name                 step     the step's number in the run
-    args_digest  sha256 of the arguments' canonical JSON (agentplatform.digests, as approvals)
+    args_digest  sha256 of the arguments' canonical JSON (core.digests, as approvals)
     approval     {"id", "approver", "digest"} when a person approved this exact call
     jti     the step's idempotency key: a retry of the same call carries a fresh assertion
             with the same jti, so a provider de-duplicates by it
@@ -28,8 +28,8 @@ import jwt
 from django.conf import settings
 from django.utils import timezone
 
-from agentplatform.digests import digest
 from authority import keys
+from core.digests import digest
 
 ALGORITHM = "EdDSA"
 TYPE = "agent-assertion+jwt"

@@ -334,11 +334,11 @@ def build(rng: random.Random):
     from django.contrib.auth.models import Group
     from guardian.shortcuts import assign_perm
 
-    from agentplatform.digests import digest
     from agents.models import Alias
     from agents.services import create_version
     from agents.spec import DEFAULT_LIMITS
     from budgets.services import create_run_account
+    from core.digests import digest
     from llm.models import ModelEndpoint
     from runs.engine.proposals import idempotency_key
     from runs.models import Run, Step, StepKind, StepStatus

@@ -10,12 +10,12 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db.models import OuterRef
 from django.template.response import TemplateResponse
 
-from agentplatform.admin_site import ReadOnlyAdmin, admin_link, money, run_visible, site, status_filter
-from agentplatform.errors import DomainError
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
+from core.errors import DomainError
+from core.money import rate_note
 from runs.models import Run
-from tenants.money import rate_note
+from tenants.admin_site import ReadOnlyAdmin, admin_link, money, run_visible, site, status_filter
 
 DAYS = 30
 # SVG geometry in user units; the chart scales with the page width.

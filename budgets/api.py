@@ -7,7 +7,9 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import (
+from budgets import selectors, services
+from budgets.models import Reservation
+from core.api import (
     MONEY_MAX_MICROS,
     PAGE_PARAMETERS,
     BudgetSerializer,
@@ -15,11 +17,9 @@ from agentplatform.api import (
     paginated,
     require_tenant,
 )
-from agentplatform.errors import Conflict, Forbidden
-from agentplatform.schema import errors
-from budgets import selectors, services
-from budgets.models import Reservation
-from tenants.money import PLATFORM_CURRENCY
+from core.errors import Conflict, Forbidden
+from core.money import PLATFORM_CURRENCY
+from core.schema import errors
 
 
 @extend_schema_serializer(component_name="UsageDay")

@@ -6,9 +6,9 @@ import uuid
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce
 
-from agentplatform.errors import NotFound
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.services import local_day
+from core.errors import NotFound
 from runs.models import Run
 
 

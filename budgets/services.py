@@ -55,9 +55,9 @@ from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from agentplatform.errors import DomainError
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.statements import CLOSE, RESERVE_ANY, RESERVE_OWN, RESERVE_POOLED
+from core.errors import DomainError
 
 Scope = BudgetAccount.Scope
 Status = Reservation.Status

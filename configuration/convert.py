@@ -13,9 +13,9 @@ from django.contrib.auth.validators import UnicodeUsernameValidator
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator, validate_email, validate_slug
 
-from agentplatform.api import MONEY_MAX_MICROS
-from agentplatform.parsers import check_json, text_problem
 from approvals.policy import PolicyError, parse_policy
+from core.api import MONEY_MAX_MICROS
+from core.parsers import check_json, text_problem
 from llm.compat import problems as compat_problems
 from tenants.models import validate_time_zone
 from tools.origins import OriginError, split_host_port
@@ -306,7 +306,7 @@ _email = _django(validate_email, "must be an email address", 254)
 _username = _django(UnicodeUsernameValidator(), "must be a username: letters, digits and @.+-_", 150)
 
 
-# --- how people read a tool's calls and a tenant's money (tools/display.py, tenants/money.py) ---
+# --- how people read a tool's calls and a tenant's money (tools/display.py, core/money.py) ---
 
 CURRENCY_CODE = re.compile(r"^[A-Z]{3}$")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")

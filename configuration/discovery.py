@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentplatform.parsers import check_json, text_problem
 from configuration.convert import JSON_DEPTH_MAX, TEXT_MAX
 from configuration.schema import Item, Plan, Problems
+from core.parsers import check_json, text_problem
 from tenants.crypto import redact
 from tenants.models import Secret
 from tools.catalog import fetch_remote

@@ -14,8 +14,8 @@ from pathlib import Path
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from agentplatform.parsers import text_problem
 from configuration.report import ConfigError
+from core.parsers import text_problem
 
 MAX_FILE_BYTES = 1_048_576  # a large tenant's file is tens of kilobytes
 MAX_NODES = 100_000  # values in the file, counting every use of an alias

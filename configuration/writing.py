@@ -14,7 +14,6 @@ from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
 from guardian.shortcuts import assign_perm, remove_perm
 from guardian.utils import get_group_obj_perms_model, get_user_obj_perms_model
 
-from agentplatform.digests import digest
 from agents.models import AgentDefinition, Alias
 from agents.services import create_version, move_alias
 from agents.spec import validate_spec
@@ -36,6 +35,7 @@ from configuration.schema import (
     Plan,
     Problems,
 )
+from core.digests import digest
 from llm.models import ModelEndpoint
 from notifications.models import Webhook
 from tenants.crypto import SecretKeyError

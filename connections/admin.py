@@ -8,10 +8,10 @@ from django.http import HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.urls import path
 
-from agentplatform.admin_site import ReadOnlyAdmin, site
-from agentplatform.errors import DomainError
 from connections import selectors, services
 from connections.models import Connection, ConnectionStatus
+from core.errors import DomainError
+from tenants.admin_site import ReadOnlyAdmin, site
 from tools.models import ToolServer
 
 

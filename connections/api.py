@@ -8,11 +8,11 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import require_tenant
-from agentplatform.errors import NotFound
-from agentplatform.schema import errors
 from connections import selectors, services
 from connections.models import Connection
+from core.api import require_tenant
+from core.errors import NotFound
+from core.schema import errors
 from runs.authorization_effects import resume_connected
 from tools.models import ToolServer
 

@@ -18,9 +18,9 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError
 from connections import oauth
 from connections.models import CONNECTION_TRANSITIONS, Connection, ConnectionStatus, ProtectedServer
+from core.errors import Conflict, DomainError
 from tenants.crypto import decrypt, encrypt
 from tools.models import ToolServer
 

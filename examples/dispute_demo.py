@@ -88,8 +88,8 @@ def inprocess_worker():
 
 
 def _money(micros) -> str:
-    """Every amount of the story in one format, the admin's (tenants/money.py): `USD 0.002469`."""
-    from tenants.money import platform_money
+    """Every amount of the story in one format, the admin's (core/money.py): `USD 0.002469`."""
+    from core.money import platform_money
 
     return platform_money(micros)
 
@@ -146,7 +146,7 @@ def _wait_status(
 def _print_new_events(console: Console, run_id: str, out, printed: list, t0: dt.datetime) -> None:
     """Each event at its own time (since the run was created), not at the time it was printed; its
     message with amounts in the story's one format."""
-    from agentplatform.admin_site import money_in_text
+    from tenants.admin_site import money_in_text
 
     after = printed[-1] if printed else 0
     for event in console.get(f"/v1/runs/{run_id}/events?after={after}"):

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from django.contrib import admin, messages
 
-from agentplatform.admin_site import TenantScopedAdmin, is_operator, price, site
 from llm import breaker
 from llm.models import EndpointCircuit, ModelEndpoint
+from tenants.admin_site import TenantScopedAdmin, is_operator, price, site
 
 
 @admin.register(ModelEndpoint, site=site)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin
 
-from agentplatform.admin_site import OperatorsWrite, ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
 from notifications.models import Delivery, DeliveryAttempt, Event, Webhook
 from notifications.services import egress_refusal
+from tenants.admin_site import OperatorsWrite, ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
 
 
 class WebhookForm(forms.ModelForm):

@@ -19,21 +19,12 @@ from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
-from agentplatform.admin_site import (
-    DATETIME_FORMAT,
-    ReadOnlyAdmin,
-    arguments_html,
-    duration,
-    money,
-    money_in_text,
-    site,
-    time_left,
-)
-from agentplatform.errors import DomainError, NotFound
 from approvals.services import can_approve, can_decide
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
+from core.errors import DomainError, NotFound
+from core.money import rate_note
 from runs import (
     admission,
     bulk_action_admin,  # noqa: F401 -- registers the pause and resume by filter, and its audit list
@@ -46,7 +37,17 @@ from runs.recovery.resolution import OUTCOMES, resolve_step
 from runs.search import Q_MAX, search
 from runs.selectors import events_of, steps_of
 from runs.services import cancel_run
-from tenants.money import rate_note
+from tenants.admin_site import (
+    DATETIME_FORMAT,
+    ReadOnlyAdmin,
+    arguments_html,
+    duration,
+    money,
+    money_in_text,
+    site,
+    time_left,
+)
+from tools.display import formatted_arguments
 from tools.models import EffectClass
 
 
@@ -466,7 +467,9 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             "summary": step_summary(step),
             "cost": money(step.cost_micros, tenant),
             "duration": duration(step.duration_ms),
-            "full_arguments": arguments_html(step.arguments, tool=step.tool)
+            "full_arguments": arguments_html(
+                step.arguments, readable=formatted_arguments(step.tool, step.arguments)
+            )
             if step.kind == StepKind.TOOL
             else "",
             "result": result_text(step),

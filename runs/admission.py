@@ -52,10 +52,10 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import Max, Q
 
-from agentplatform import sql
 from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import BudgetAccount
+from core import sql
 from runs.models import TERMINAL, Run, RunStatus, StopReason
 
 LEARN_FROM = 20

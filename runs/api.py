@@ -15,12 +15,12 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
-from agentplatform.errors import Forbidden, NotFound
-from agentplatform.parsers import BoundedMultiPartParser, StrictJSONParser
-from agentplatform.schema import JsonObjectField, JsonObjectInput, errors
 from artifacts import selectors as artifact_selectors
 from artifacts import services as artifacts
+from core.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
+from core.errors import Forbidden, NotFound
+from core.parsers import BoundedMultiPartParser, StrictJSONParser
+from core.schema import JsonObjectField, JsonObjectInput, errors
 from runs import admission, search, selectors, services
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution

@@ -8,12 +8,12 @@ import datetime as dt
 from django.db import transaction
 from django.utils import timezone
 
-from agentplatform.digests import digest
-from agentplatform.errors import Conflict
 from agents.spec import spec_for
 from approvals import reminders
 from approvals import services as approvals
 from approvals.models import Approval
+from core.digests import digest
+from core.errors import Conflict
 from runs.models import (
     Run,
     RunStatus,

@@ -8,10 +8,10 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin, messages
 
-from agentplatform.admin_site import TenantScopedAdmin, site
-from agentplatform.errors import DomainError
+from core.errors import DomainError
 from runs import pausing
 from runs.models import BulkAction, RunStatus
+from tenants.admin_site import TenantScopedAdmin, site
 
 FILTER_FIELDS = ("tenant", "agent", "version", "tool", "endpoint", "created_by", "status", "created_before")
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from django import forms
 from django.contrib import admin, messages
 
-from agentplatform.admin_site import TenantScopedAdmin, site
-from agentplatform.errors import DomainError
+from core.errors import DomainError
 from runs import kill_switches, pausing
 from runs.models import KillSwitch
+from tenants.admin_site import TenantScopedAdmin, site
 from tenants.models import Tenant
 
 

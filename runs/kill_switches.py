@@ -28,8 +28,8 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from agentplatform.errors import DomainError
 from agents.models import AgentDefinition
+from core.errors import DomainError
 from llm.models import ModelEndpoint
 from runs import pausing
 from runs.models import ClaimReads, KillSwitch, KillSwitchChange, Run, RunStatus

@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
-from agentplatform.errors import DomainError
+from core.errors import DomainError
 from runs import pausing
 from runs.models import TERMINAL, BulkAction, RunStatus
 

@@ -10,8 +10,8 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.errors import NotFound
-from agentplatform.schema import JsonObjectField, errors
+from core.errors import NotFound
+from core.schema import JsonObjectField, errors
 from runs import kill_switches, pausing, selectors
 from runs.api import RunOutput
 from runs.models import BulkAction, KillSwitch, Run, RunStatus

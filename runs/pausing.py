@@ -35,7 +35,7 @@ from typing import Any
 from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError, Forbidden
+from core.errors import Conflict, DomainError, Forbidden
 from runs.models import OPEN, TERMINAL, BulkAction, Run, RunStatus, Step, StepKind
 from runs.queueing import enqueue
 from runs.transitions import atomic_with_events, lock_run, record_event, transition_run, update_row

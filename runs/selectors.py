@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from agentplatform.errors import NotFound
 from agents.models import AgentDefinition
+from core.errors import NotFound
 from runs.models import Run, RunEvent, Step
 from tenants.models import User
 from tenants.permissions import may_view_all_runs

@@ -9,13 +9,13 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agentplatform.digests import digest
-from agentplatform.errors import Conflict, DomainError, Forbidden
 from agents.selectors import resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
 from artifacts import services as artifacts
 from budgets.services import create_run_account
+from core.digests import digest
+from core.errors import Conflict, DomainError, Forbidden
 from runs import admission, kill_switches
 from runs.models import (
     TERMINAL,

@@ -3,7 +3,7 @@
 Everything else about runs goes through the ORM. These are the statements a step sends on its
 hot path, where building a query with the ORM costs more CPU than the round trip it makes
 (docs/performance.md); each says why it is written by hand. Row instances are built with
-`agentplatform.sql` (the same conversions the ORM applies).
+`core.sql` (the same conversions the ORM applies).
 
 PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in plain steps.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from django.db import DEFAULT_DB_ALIAS, connections, models
 
-from agentplatform import sql
-from agentplatform.errors import IllegalTransition
+from core import sql
+from core.errors import IllegalTransition
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
 RUNS = sql.table(Run)

@@ -33,7 +33,7 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.utils.encoders import JSONEncoder
 from rest_framework.views import APIView
 
-from agentplatform.api import ID_MAX, require_tenant
+from core.api import ID_MAX, require_tenant
 from runs import selectors, stream_feed
 from runs.api import EventOutput
 from runs.models import TERMINAL

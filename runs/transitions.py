@@ -15,11 +15,11 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from agentplatform import sql
-from agentplatform.errors import IllegalTransition
 from agents.models import AgentDefinition, AgentVersion
 from approvals import services as approvals
 from approvals.models import TenantPolicies
+from core import sql
+from core.errors import IllegalTransition
 from llm.models import ModelEndpoint
 from observability import observe
 from runs import statements

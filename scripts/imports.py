@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 PACKAGES = [
+    "core",
     "sandbox",
-    "agentplatform",
     "observability",
     "tenants",
     "agents",
@@ -37,6 +37,7 @@ PACKAGES = [
     "artifacts",
     "notifications",
     "configuration",
+    "agentplatform",
 ]
 # Settings, URLs, the admin site and the Celery app are wiring: they name every app by design.
 WIRING = {
@@ -45,7 +46,7 @@ WIRING = {
     "agentplatform.settings",
     "agentplatform.asgi",
     "agentplatform.wsgi",
-    "agentplatform.admin_site",
+    "tenants.admin_site",
 }
 
 

@@ -10,8 +10,8 @@ from django.core.exceptions import PermissionDenied
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from agentplatform.admin_site import TenantScopedAdmin, is_operator, money, site
 from budgets.admin import usage_page
+from tenants.admin_site import TenantScopedAdmin, is_operator, money, site
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all
 

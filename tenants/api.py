@@ -7,8 +7,8 @@ from rest_framework.permissions import AllowAny, IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agentplatform.errors import DomainError
-from agentplatform.schema import errors
+from core.errors import DomainError
+from core.schema import errors
 from tenants import tokens
 from tenants.auth import ApiTokenAuthentication, TokenAddressThrottle, TokenUsernameThrottle
 from tenants.models import ApiToken

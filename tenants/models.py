@@ -35,7 +35,7 @@ class Tenant(models.Model):
     name = models.CharField(max_length=200)
     time_zone = models.CharField(max_length=64, default="UTC", validators=[validate_time_zone])
     daily_budget_micros = models.BigIntegerField(default=50_000_000)
-    # What its people read amounts in, at a fixed rate from the platform currency (tenants/money.py).
+    # What its people read amounts in, at a fixed rate from the platform currency (core/money.py).
     currency = models.CharField(max_length=3, default="USD")
     exchange_rate = models.DecimalField(max_digits=18, decimal_places=6, default=1)
     user_daily_budget_micros = models.BigIntegerField(null=True, blank=True)

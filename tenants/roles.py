@@ -1,7 +1,7 @@
 """Roles: the named sets of Django model permissions a tenant's people get from the config file.
 
 A role answers "which admin pages may this person open and what may they change there"; rows
-stay limited to the tenant (agentplatform.admin_site.scope), and object permissions still decide
+stay limited to the tenant (tenants.admin_site.scope), and object permissions still decide
 per object: approving a call needs approve_tool on its tool, starting a run run_agent on its agent.
 The table in docs/configuration.md lists the same permissions; tests/configuration/test_apply_roles.py
 checks that every page the admin links to opens for the role that sees the link.

@@ -30,7 +30,7 @@ class Issued:
 class TokenRefused(Exception):
     """The presented token does not authenticate (or cannot be refreshed); the message is safe to show.
 
-    Not a DomainError: this module is imported while DRF loads its settings, before agentplatform.errors.
+    Not a DomainError: this module is imported while DRF loads its settings, before core.errors.
     """
 
 

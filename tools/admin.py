@@ -4,7 +4,8 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
-from agentplatform.admin_site import (
+from approvals.policy import PolicyError, Unconvertible, to_cedar
+from tenants.admin_site import (
     OperatorsWrite,
     TenantGuardedAdmin,
     TenantScopedAdmin,
@@ -12,7 +13,6 @@ from agentplatform.admin_site import (
     money,
     site,
 )
-from approvals.policy import PolicyError, Unconvertible, to_cedar
 from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
 from tools.models import SandboxCaps, Tool, ToolServer

@@ -9,10 +9,10 @@ import json
 
 import jsonschema
 
-from agentplatform import sql
 from agents.spec import spec_for
 from approvals.calls import check_call
 from authority.models import Delegation
+from core import sql
 from runs.models import Run, Step
 from tools.models import Tool, ToolServer
 from tools.offer import fresh_user, offered_on, use_tool_sql

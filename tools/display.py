@@ -14,7 +14,7 @@ import datetime as dt
 import json
 import re
 
-from tenants.money import CURRENCY_CODE, amount
+from core.money import CURRENCY_CODE, amount
 
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
 ISO_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}")

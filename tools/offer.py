@@ -15,8 +15,8 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection
 
-from agentplatform import sql
 from agents.spec import spec_for
+from core import sql
 from llm import context
 from llm.types import ToolSpec
 from runs.models import Run, Step

@@ -17,8 +17,8 @@ import time
 
 import httpx
 
-from agentplatform.cookies import no_cookies
 from connections import services as connections
+from core.cookies import no_cookies
 from runs.models import Step
 from tenants.models import Secret
 from tools import run_python

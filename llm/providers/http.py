@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from agentplatform.cookies import no_cookies
+from core.cookies import no_cookies
 from llm.types import ProviderError
 
 # Generous pool: one provider instance is shared by many concurrent agent runs. An idle connection
@@ -37,7 +37,7 @@ _TAGS = re.compile(r"<(script|style)\b.*?</\1>|<[^>]+>", re.I | re.S)
 
 def make_client() -> httpx.Client:
     """A thread-safe client with transport-level retries disabled, shared by every run calling
-    the endpoint: it keeps no cookie a provider sets (agentplatform/cookies.py)."""
+    the endpoint: it keeps no cookie a provider sets (core/cookies.py)."""
     return httpx.Client(transport=httpx.HTTPTransport(retries=0, limits=_LIMITS), cookies=no_cookies())
 
 

@@ -14,10 +14,10 @@ import uuid
 from django.db import InterfaceError, OperationalError, connection
 from django.utils import timezone
 
-from agentplatform import sql
 from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
+from core import sql
 from runs import kill_switches
 from runs.engine import heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of

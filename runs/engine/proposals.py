@@ -9,8 +9,8 @@ proposed step, which the checks deny or fail with a message the model can act on
 
 from __future__ import annotations
 
-from agentplatform import sql
-from agentplatform.digests import digest
+from core import sql
+from core.digests import digest
 from runs.models import Run, Step, StepKind, StepStatus
 from runs.transitions import insert_steps, record_event
 from tools.models import Tool

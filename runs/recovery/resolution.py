@@ -7,8 +7,8 @@ import json
 from django.db import transaction
 from django.utils import timezone
 
-from agentplatform.errors import Conflict, DomainError, Forbidden, NotFound
 from approvals.services import can_approve
+from core.errors import Conflict, DomainError, Forbidden, NotFound
 from runs.engine import writer
 from runs.engine.dispatch import close_tool_holds
 from runs.models import Step, StepKind, StepStatus

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib.auth.models import Permission
 
-from agentplatform.admin_site import scope, site
+from tenants.admin_site import scope, site
 from tenants.models import Secret
 from tests import factories
 from tests.admin.helpers import park_on_approval

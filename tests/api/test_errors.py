@@ -150,7 +150,7 @@ def test_an_unexpected_error_is_a_logged_json_500_without_a_traceback(asha, monk
 def test_django_level_errors_under_v1_are_json_and_elsewhere_html(rf):
     from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 
-    from agentplatform import errors
+    from core import errors
 
     assert errors.bad_request(rf.post("/v1/runs"), RequestDataTooBig()).status_code == 413
     assert (

@@ -19,9 +19,9 @@ from django.db import connection
 from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from agentplatform.errors import Conflict
 from approvals import services as approvals
 from approvals.models import Approval, ApprovalStatus
+from core.errors import Conflict
 from runs.approval_effects import decide_approval
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus, StopReason
 from runs.recovery.sweeper import sweep

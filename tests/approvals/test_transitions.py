@@ -8,9 +8,9 @@ import datetime as dt
 import pytest
 from django.utils import timezone
 
-from agentplatform.errors import IllegalTransition
 from approvals import services
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
+from core.errors import IllegalTransition
 from runs.models import Step, StepKind, StepStatus
 from runs.services import start_run
 from tests import factories

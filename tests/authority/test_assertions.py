@@ -50,7 +50,7 @@ def test_it_signs_each_call_with_the_user_the_agent_the_run_and_the_exact_argume
     assert 0 < claims["exp"] - claims["iat"] <= settings.ASSERTION_TTL_SECONDS
     assert "approval" not in claims
     # The provider recomputes the digest from the arguments it received.
-    from agentplatform.digests import digest
+    from core.digests import digest
 
     assert claims["args_digest"] == digest(recorder.requests[0]["body"])
     event = RunEvent.objects.get(run=run, kind="identity")

@@ -7,9 +7,9 @@ import datetime as dt
 import pytest
 from django.utils import timezone
 
-from agentplatform.errors import DomainError
 from budgets import services as budgets
 from budgets.models import BudgetAccount
+from core.errors import DomainError
 from runs import admission
 from runs.models import Run, Step
 from runs.recovery import sweeper

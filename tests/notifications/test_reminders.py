@@ -11,9 +11,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from agentplatform.errors import Forbidden
 from approvals.models import Approval, ApprovalStatus, ReminderRule
 from configuration.apply import ConfigError, apply_config
+from core.errors import Forbidden
 from notifications.models import Delivery, Event
 from notifications.services import scan, send_due
 from runs.approval_effects import decide_approval, remind_approvals

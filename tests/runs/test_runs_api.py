@@ -8,7 +8,7 @@ import pytest
 from django.db import connection, transaction
 from rest_framework.test import APIClient
 
-from agentplatform.errors import DomainError
+from core.errors import DomainError
 from runs.models import Run
 from runs.services import start_run
 from tests import factories

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentplatform.errors import IllegalTransition
+from core.errors import IllegalTransition
 from runs.models import (
     RUN_TRANSITIONS,
     STEP_TRANSITIONS,

@@ -11,8 +11,8 @@ from rest_framework.test import APIClient
 
 from budgets import services as budgets
 from configuration.apply import apply_config
+from core.money import amount, money
 from tenants.models import Tenant
-from tenants.money import amount, money
 from tests import factories
 from tests.configuration.test_apply import SLUG, config, rejected
 from tools.display import formatted_arguments, summary

@@ -6,7 +6,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.dateparse import parse_datetime
 
-from agentplatform.errors import DomainError
+from core.errors import DomainError
 from runs import pausing
 from tenants.models import User
 

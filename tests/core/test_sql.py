@@ -1,4 +1,4 @@
-"""agentplatform.sql: the engine's prepared statements, as Django's own cursors behave."""
+"""core.sql: the engine's prepared statements, as Django's own cursors behave."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from agentplatform import sql
+from core import sql
 from runs.models import Step, StepKind, StepStatus
 from runs.services import start_run
 from tests import factories

@@ -6,7 +6,7 @@ from drf_spectacular.utils import OpenApiParameter, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
 
-from agentplatform.errors import Forbidden
+from core.errors import Forbidden
 
 # Bounds shared by the API and the configuration (documented in the OpenAPI schema).
 MONEY_MAX_MICROS = 10**15  # one billion currency units; far below bigint's 9.2e18

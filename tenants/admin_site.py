@@ -6,6 +6,11 @@ answers 404); superusers without a tenant (platform operators) see everything. D
 list every tenant's rows.
 
 Admin code only displays and forwards: writes go through the apps' services.
+
+This module is the admin's ground: every app's `admin` registers on `site` and builds on its base
+classes, and it imports no app above `tenants`. The supervisors' desk on the index page reads
+approvals, runs and budgets, so it sits on the top floor (agentplatform/desk.py, wired in
+agentplatform/urls.py over the index URL).
 """
 
 from __future__ import annotations
@@ -29,17 +34,10 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 from guardian.admin import GroupManage, GuardedModelAdmin, UserManage
 
-from approvals.models import ApprovalStatus
-from approvals.selectors import approvals_for
-from budgets.selectors import reservations_for
-from runs.display import run_title
-from runs.models import RunStatus
-from runs.selectors import runs_for
+from core.money import PLATFORM_CURRENCY
+from core.money import money as tenant_money
 from tenants.models import TenantGroup, User
-from tenants.money import PLATFORM_CURRENCY
-from tenants.money import money as tenant_money
 from tenants.permissions import may_view_all_runs
-from tools.display import formatted_arguments
 
 # The lookup from each model to its tenant's id; None marks platform-wide reference data. A model
 # missing here shows no rows to tenant users: tenant data must not leak because someone forgot
@@ -282,14 +280,14 @@ def _value_text(value, limit: int | None) -> str:
     return text
 
 
-def arguments_html(arguments, *, limit: int | None = None, tool=None) -> SafeString:
+def arguments_html(arguments, *, limit: int | None = None, readable: dict | None = None) -> SafeString:
     """Tool-call arguments as `key: value` lines, money values in bold (formatted in their currency
-    where the tool says which arguments are money, tools/display.py)."""
+    where the tool says which arguments are money: `readable` is tools.display.formatted_arguments)."""
     if not isinstance(arguments, dict):
         return format_html('<div class="arguments"><code>{}</code></div>', _value_text(arguments, limit))
     if not arguments:
         return format_html('<div class="arguments quiet">{}</div>', "(no arguments)")
-    readable = formatted_arguments(tool, arguments) if tool is not None else {}
+    readable = readable or {}
     rows = []
     for key, value in arguments.items():
         text, is_amount = readable.get(key, (None, False))
@@ -304,7 +302,7 @@ def arguments_html(arguments, *, limit: int | None = None, tool=None) -> SafeStr
 
 
 # Budgets, prices and costs are kept in micro-units of the platform currency and shown in the
-# tenant's (tenants/money.py); every admin page shows them through `money` so one amount reads the
+# tenant's (core/money.py); every admin page shows them through `money` so one amount reads the
 # same everywhere.
 CURRENCY = PLATFORM_CURRENCY
 
@@ -405,62 +403,16 @@ class PlatformAdminSite(admin.AdminSite):
     def links(self, request) -> list[tuple[str, str]]:
         """The top bar: only the pages this user can open."""
         user, links = request.user, []
-        if self._registry_admin("approvals.approval").has_view_permission(request):
+        if self.registry_admin("approvals.approval").has_view_permission(request):
             links.append(("Inbox", reverse("admin:approvals_approval_changelist")))
-        if self._registry_admin("runs.run").has_view_permission(request):
+        if self.registry_admin("runs.run").has_view_permission(request):
             links.append(("Runs", reverse("admin:runs_run_changelist")))
-        if user.tenant_id and self._registry_admin("tenants.tenant").has_view_permission(request):
+        if user.tenant_id and self.registry_admin("tenants.tenant").has_view_permission(request):
             links.append(("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id])))
         return links
 
-    def _registry_admin(self, label: str):
+    def registry_admin(self, label: str):
         return next(a for m, a in self._registry.items() if m._meta.label_lower == label)
-
-    def index(self, request, extra_context=None):
-        return super().index(request, {**(extra_context or {}), "desk": self._desk(request)})
-
-    def _desk(self, request) -> dict:
-        """What a supervisor starts the day with: pending approvals, runs that need a person or
-        failed in the last day, reservations held for reconciliation, usage; each line only when
-        the user can open the page it links to."""
-        user = request.user
-        if user.tenant_id is None:
-            return {}
-        links = dict(self.links(request))
-        desk = {}
-        if "Inbox" in links:
-            desk["pending"] = approvals_for(user, status=ApprovalStatus.PENDING).count()
-            desk["inbox_url"] = links["Inbox"]
-        if "Runs" in links:
-            attention = runs_for(user, status=RunStatus.NEEDS_ATTENTION).order_by("-created_at")
-            failed = runs_for(user, status=RunStatus.FAILED).filter(
-                finished_at__gte=timezone.now() - dt.timedelta(days=1)
-            )
-            desk["attention"] = attention.count()
-            desk["failed"] = failed.count()
-            desk["runs_url"] = links["Runs"]
-            desk["attention_runs"] = [self._desk_run(run) for run in attention[:DESK_ROWS]]
-            desk["failed_runs"] = [self._desk_run(run) for run in failed.order_by("-finished_at")[:DESK_ROWS]]
-        reservations = self._registry_admin("budgets.reservation")
-        if reservations.has_view_permission(request):
-            desk["held"] = reservations_for(user, status="held").count()
-            desk["held_url"] = reverse("admin:budgets_reservation_changelist")
-        if "Usage" in links:
-            desk["usage_url"] = links["Usage"]
-        return desk
-
-    @staticmethod
-    def _desk_run(run) -> dict:
-        first_line = (run.error or run.stop_reason or "").strip().splitlines()
-        return {
-            "url": reverse("admin:runs_run_change", args=[run.pk]),
-            "title": run_title(run),
-            "why": first_line[0][:160] if first_line else "",
-            "at": run.finished_at or run.created_at,
-        }
-
-
-DESK_ROWS = 10  # runs listed per line of the desk; the count links to the rest
 
 
 def tenant_zone(user) -> dt.tzinfo:

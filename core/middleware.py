@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agentplatform.errors import API_PREFIX, json_error
-from agentplatform.parsers import text_problem
+from core.errors import API_PREFIX, json_error
+from core.parsers import text_problem
 
 
 class ApiInputGuard:

@@ -17,7 +17,7 @@ from rest_framework import serializers
 
 ERROR_SCHEMA = {
     "type": "object",
-    "description": "Every error under /v1/ has this body (agentplatform/errors.py).",
+    "description": "Every error under /v1/ has this body (core/errors.py).",
     "required": ["error"],
     "properties": {
         "error": {

@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 from rest_framework.views import set_rollback
 
-logger = logging.getLogger("agentplatform.errors")
+logger = logging.getLogger("core.errors")
 
 API_PREFIX = "/v1/"
 

@@ -1,0 +1,67 @@
+"""The supervisors' desk: the admin's index page with what a supervisor starts the day with.
+
+It reads approvals, runs and budgets, which the admin site (tenants/admin_site.py, below them all)
+cannot import; agentplatform/urls.py serves it at the index URL, ahead of the site's own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.urls import reverse
+from django.utils import timezone
+
+from approvals.models import ApprovalStatus
+from approvals.selectors import approvals_for
+from budgets.selectors import reservations_for
+from runs.display import run_title
+from runs.models import RunStatus
+from runs.selectors import runs_for
+from tenants.admin_site import site
+
+DESK_ROWS = 10  # runs listed per line of the desk; the count links to the rest
+
+
+def index(request, extra_context=None):
+    return site.index(request, {**(extra_context or {}), "desk": desk(request)})
+
+
+def desk(request) -> dict:
+    """What a supervisor starts the day with: pending approvals, runs that need a person or
+    failed in the last day, reservations held for reconciliation, usage; each line only when
+    the user can open the page it links to."""
+    user = request.user
+    if user.tenant_id is None:
+        return {}
+    links = dict(site.links(request))
+    desk = {}
+    if "Inbox" in links:
+        desk["pending"] = approvals_for(user, status=ApprovalStatus.PENDING).count()
+        desk["inbox_url"] = links["Inbox"]
+    if "Runs" in links:
+        attention = runs_for(user, status=RunStatus.NEEDS_ATTENTION).order_by("-created_at")
+        failed = runs_for(user, status=RunStatus.FAILED).filter(
+            finished_at__gte=timezone.now() - dt.timedelta(days=1)
+        )
+        desk["attention"] = attention.count()
+        desk["failed"] = failed.count()
+        desk["runs_url"] = links["Runs"]
+        desk["attention_runs"] = [_desk_run(run) for run in attention[:DESK_ROWS]]
+        desk["failed_runs"] = [_desk_run(run) for run in failed.order_by("-finished_at")[:DESK_ROWS]]
+    reservations = site.registry_admin("budgets.reservation")
+    if reservations.has_view_permission(request):
+        desk["held"] = reservations_for(user, status="held").count()
+        desk["held_url"] = reverse("admin:budgets_reservation_changelist")
+    if "Usage" in links:
+        desk["usage_url"] = links["Usage"]
+    return desk
+
+
+def _desk_run(run) -> dict:
+    first_line = (run.error or run.stop_reason or "").strip().splitlines()
+    return {
+        "url": reverse("admin:runs_run_change", args=[run.pk]),
+        "title": run_title(run),
+        "why": first_line[0][:160] if first_line else "",
+        "at": run.finished_at or run.created_at,
+    }
