@@ -4,7 +4,7 @@ Django's handler, with one change for long-lived requests. Django runs a request
 code (signal receivers, synchronous middleware and views) on a thread of the request's own,
 kept until the request ends; for a live run stream, which lasts as long as its run, that is an
 idle thread per connected client. Streams share a few threads instead: their synchronous part
-(authentication, the visibility check) is one short call when they open (runs/stream.py), and
+(authentication, the visibility check) is one short call when they open (runs/front/stream.py), and
 their body runs on the event loop.
 """
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 from approvals.models import ApprovalStatus
 from approvals.selectors import approvals_for
 from budgets.selectors import reservations_for
-from runs.display import run_title
+from runs.front.display import run_title
 from runs.models import RunStatus
 from runs.selectors import runs_for
 from tenants.admin_site import site

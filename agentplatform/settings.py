@@ -451,7 +451,7 @@ WORKER_METRICS_ADDR = env_str("WORKER_METRICS_ADDR", "0.0.0.0")
 # /readyz and the queue-depth gauge: how long to wait for the database and the broker.
 READY_TIMEOUT_SECONDS = env_float("READY_TIMEOUT_SECONDS", 3.0)
 
-# --- Live run stream (runs/stream.py, runs/stream_feed.py; docs/api.md "Run stream") ---
+# --- Live run stream (runs/front/stream.py, runs/front/stream_feed.py; docs/api.md "Run stream") ---
 # A comment line every this many seconds keeps idle streams open through proxies and tells the
 # client the server is alive.
 RUN_STREAM_HEARTBEAT_SECONDS = env_float("RUN_STREAM_HEARTBEAT_SECONDS", 15.0)

@@ -9,9 +9,9 @@ from authority import api as authority_api
 from budgets import api as budgets_api
 from connections import api as connections_api
 from core import errors
-from runs import api as runs_api
-from runs import pause_api
-from runs.stream import RunStreamApi
+from runs.controls import api as pause_api
+from runs.front import api as runs_api
+from runs.front.stream import RunStreamApi
 from tenants import api as tenants_api
 from tenants.admin_site import site as admin_site  # tenant-scoped, not Django's default site
 

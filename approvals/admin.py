@@ -24,12 +24,12 @@ from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for, escalated_to
 from budgets.models import BudgetAccount
 from core.errors import DomainError
-from runs.admin import conversation
 from runs.approval_effects import correct_approval, decide_approval
-from runs.flags import risk_flags
+from runs.front.admin import conversation
+from runs.front.flags import risk_flags
+from runs.front.search import Q_MAX
+from runs.front.search import search as search_runs
 from runs.models import Run, Step, StepKind, StepStatus
-from runs.search import Q_MAX
-from runs.search import search as search_runs
 from tenants.admin_site import (
     ReadOnlyAdmin,
     admin_link,

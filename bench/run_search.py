@@ -1,4 +1,4 @@
-"""Run search at a million runs: the queries of `GET /v1/runs` (runs/search.py) on a generated table.
+"""Run search at a million runs: the queries of `GET /v1/runs` (runs/front/search.py) on a generated table.
 
     DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/run_search.py
 
@@ -148,7 +148,8 @@ def setup():
 
 def page_and_count(supervisor, **filters) -> tuple[float, float]:
     """What the API view runs for one page: (ms for the page, ms for the page and its count)."""
-    from runs import search, selectors
+    from runs import selectors
+    from runs.front import search
 
     q = filters.pop("q", "")
     after = filters.pop("created_after", None)

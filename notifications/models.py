@@ -20,7 +20,7 @@ class Event(models.TextChoices):
     APPROVAL_REMINDER = "approval_reminder"
     APPROVAL_ESCALATED = "approval_escalated"
     RUN_NEEDS_ATTENTION = "run_needs_attention"
-    RUN_PAUSED = "run_paused"  # an operator's or a kill switch's pause taken (runs/pausing.py)
+    RUN_PAUSED = "run_paused"  # an operator's or a kill switch's pause taken (runs/controls/pausing.py)
     RUN_RESUMED = "run_resumed"
     # A run waits for its user to connect a tool server (connections/): the payload has the link.
     RUN_WAITING_AUTHORIZATION = "run_waiting_authorization"

@@ -64,7 +64,7 @@ class DatabaseCollector:
                 runs.add_metric([tenant_slug, status], counts.get((tenant_id, status), 0))
         yield runs
 
-        # Operators' holds (runs/pausing.py): one reason is shared by a bulk action's runs, and
+        # Operators' holds (runs/controls/pausing.py): one reason is shared by a bulk action's runs, and
         # the reason is cut, so the label set stays as small as the number of pauses people make.
         paused = GaugeMetricFamily(
             "agentplatform_runs_paused",

@@ -16,7 +16,9 @@ class RunStatus(models.TextChoices):
     # A tool call needs the user's own OAuth connection to its server, and there is none (connections/).
     WAITING_AUTHORIZATION = "waiting_authorization"
     NEEDS_ATTENTION = "needs_attention"
-    PAUSED = "paused"  # an operator's or a kill switch's hold, taken at a step boundary (runs/pausing.py)
+    PAUSED = (
+        "paused"  # an operator's or a kill switch's hold, taken at a step boundary (runs/controls/pausing.py)
+    )
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -45,7 +47,7 @@ RUN_TRANSITIONS: dict[str, set[str]] = {
     RunStatus.NEEDS_ATTENTION: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
     # -> running: the user connected (runs/authorization_effects.py); ended by the deadline like any run.
     RunStatus.WAITING_AUTHORIZATION: {RunStatus.RUNNING, RunStatus.PAUSED} | _END,
-    # Paused from any live status; resumed to where the run can go on (runs/pausing.py): queued
+    # Paused from any live status; resumed to where the run can go on (runs/controls/pausing.py): queued
     # if it never started, waiting_budget if never admitted, else running (the claim re-decides);
     # -> needs_attention: cancelled with a scheduled retry's outcome unknown (services.cancel_run).
     RunStatus.PAUSED: {
@@ -80,7 +82,7 @@ class ClaimReads:
     .lock_run): each would otherwise be a statement of its own on every step."""
 
     policy_version: int | None  # the tenant's Cedar policies (approvals/cedar.py); None: it has none
-    switches_on: bool  # a tool or endpoint kill switch of the tenant is on (runs/kill_switches.py)
+    switches_on: bool  # a tool or endpoint kill switch of the tenant is on (runs/controls/kill_switches.py)
     groups: tuple[str, ...]  # the creator's tenant groups, by name (Cedar's principal parents)
     may_run_agent: bool  # the creator holds run_agent on the run's agent right now
 
@@ -104,7 +106,7 @@ class Run(models.Model):
     error = models.TextField(blank=True)
     final_output = models.TextField(blank=True)
     cancel_requested = models.BooleanField(default=False)
-    # An operator's pause (runs/pausing.py): requested while a call is in flight, taken by the
+    # An operator's pause (runs/controls/pausing.py): requested while a call is in flight, taken by the
     # record or the next claim at the step boundary; who, why and until when, kept while paused.
     pause_requested = models.BooleanField(default=False)
     paused_by = models.ForeignKey(
@@ -158,7 +160,7 @@ class Run(models.Model):
             # touching its twenty indexes (one a GIN over input and metadata), only when no
             # indexed column changed (a HOT update; migration 0017). The sweeper finds expired
             # leases among the running runs through the status index.
-            # The sweeper's pass over pauses given an end (runs/pausing.resume_due): empty most days.
+            # The sweeper's pass over pauses given an end (runs/controls/pausing.resume_due): empty most days.
             models.Index(
                 fields=["paused_until"],
                 name="run_pause_ends",
@@ -383,5 +385,5 @@ class RunEvent(models.Model):
         return f"{self.kind}: {self.message}"
 
 
-# An operator's controls over runs (runs/pausing.py, runs/kill_switches.py), in a module of their own.
-from runs.control_models import BulkAction, KillSwitch, KillSwitchChange  # noqa: E402, F401
+# An operator's controls over runs (runs/controls/pausing.py, runs/controls/kill_switches.py), in a module of their own.
+from runs.controls.models import BulkAction, KillSwitch, KillSwitchChange  # noqa: E402, F401

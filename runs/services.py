@@ -16,7 +16,8 @@ from artifacts import services as artifacts
 from budgets.services import create_run_account
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
-from runs import admission, kill_switches
+from runs import admission
+from runs.controls import kill_switches
 from runs.models import (
     TERMINAL,
     Run,

@@ -42,9 +42,9 @@ class Tenant(models.Model):
     on_budget_exhausted = models.CharField(
         max_length=8, choices=OnBudgetExhausted.choices, default=OnBudgetExhausted.STOP
     )
-    # A kill switch on a tool: what a run about to call it does (runs/kill_switches.py).
+    # A kill switch on a tool: what a run about to call it does (runs/controls/kill_switches.py).
     on_killed_tool = models.CharField(max_length=12, choices=OnKilledTool.choices, default=OnKilledTool.PAUSE)
-    # Whether time spent paused counts toward a run's max_wall_seconds (runs/pausing.py).
+    # Whether time spent paused counts toward a run's max_wall_seconds (runs/controls/pausing.py).
     paused_time_counts = models.BooleanField(default=False)
     max_active_runs = models.PositiveIntegerField(default=100)
     max_starts_per_minute = models.PositiveIntegerField(default=60)  # per user

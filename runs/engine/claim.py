@@ -31,8 +31,9 @@ from connections.selectors import state_for
 from llm import breaker, fallback
 from llm import gateway as model_gateway
 from observability import observe
-from runs import kill_switches, statements
+from runs import statements
 from runs.approval_effects import request_approval
+from runs.controls import kill_switches
 from runs.engine import conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import Intent, Lease, LostModelCall, ModelPlan, Plan, ToolCall, ToolPlan, tool_of

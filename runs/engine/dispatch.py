@@ -18,7 +18,7 @@ from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from core import sql
-from runs import kill_switches
+from runs.controls import kill_switches
 from runs.engine import heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason

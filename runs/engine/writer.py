@@ -129,7 +129,7 @@ QUOTA_LIMITS = {
 
 def pause(run: Run) -> None:
     """An operator's pause requested during a call, taken at this step boundary: the run waits as
-    a row (no lease, no message) until runs.pausing.resume_run re-enqueues it."""
+    a row (no lease, no message) until runs.controls.pausing.resume_run re-enqueues it."""
     paused_at = timezone.now()
     message = "paused" + (f": {run.pause_reason}" if run.pause_reason else "")
     transition_run(

@@ -27,9 +27,10 @@ from django.utils import timezone
 
 from budgets import services as budgets
 from budgets.models import Reservation
-from runs import admission, pausing
+from runs import admission
 from runs.approval_effects import expire_approvals, remind_approvals
 from runs.authorization_effects import resume_authorized_waits
+from runs.controls import pausing
 from runs.models import TERMINAL, Run, RunEvent, RunStatus, StepStatus, StopReason
 from runs.queueing import enqueue, resend
 from runs.recovery import broker
@@ -160,7 +161,7 @@ def _stop_past_deadline(now: dt.datetime) -> int:
     count = 0
     for run_id in (
         Run.objects.exclude(status__in=TERMINAL)
-        # A pause counts toward the deadline only where the tenant says so (runs/pausing.py).
+        # A pause counts toward the deadline only where the tenant says so (runs/controls/pausing.py).
         .exclude(status=RunStatus.PAUSED, tenant__paused_time_counts=False)
         .filter(deadline_at__lt=now)
         .values_list("pk", flat=True)[:BATCH]

@@ -1,5 +1,5 @@
 """The admin's pause and resume: the run page's buttons next to Cancel, and the list actions with a
-reason typed in the actions bar (runs/pause_admin.py)."""
+reason typed in the actions bar (runs/controls/admin.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pause and resume with a real worker (runs/pausing.py), counted at the bank server: after a bulk
+"""Pause and resume with a real worker (runs/controls/pausing.py), counted at the bank server: after a bulk
 pause answers no new call reaches the bank, every call in flight is recorded, nothing paused wakes
 up by itself (not even through a worker SIGKILL and the sweeper), and the bulk resume finishes every
 run with no call made twice."""

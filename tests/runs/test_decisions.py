@@ -213,7 +213,7 @@ RUN_MOVES = {
     d.Finish: [("running", "succeeded")],
     d.Poison: [("running", "failed")],
     d.Pause: [("running", "paused")],
-    # runs/pausing.py: a pause no worker holds, from every live status; a resume, to where it goes on
+    # runs/controls/pausing.py: a pause no worker holds, from every live status; a resume, to where it goes on
     "pause_run": [
         (old, "paused")
         for old in (

@@ -1,4 +1,4 @@
-"""Kill switches driven in-process against real PostgreSQL (runs/kill_switches.py): a killed agent
+"""Kill switches driven in-process against real PostgreSQL (runs/controls/kill_switches.py): a killed agent
 or tenant starts no run; a killed tool or endpoint is never called (its runs pause at the claim);
 turning the switch off resumes what it paused, oldest first."""
 
@@ -75,7 +75,7 @@ def test_a_killed_tool_is_never_called_and_turning_it_off_resumes_its_runs(tenan
     paused = RunEvent.objects.filter(run__in=runs, kind="paused")
     assert paused.count() == 3 and all("echo leaks" in e.message for e in paused)
     # A person resuming one while the switch is on: paused again at the claim, still not called.
-    from runs import pausing
+    from runs.controls import pausing
 
     pausing.resume_run(run_id=runs[0].pk, actor=ravi, reason="try")
     advance(runs[0].pk)

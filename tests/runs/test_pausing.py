@@ -1,4 +1,4 @@
-"""Pause and resume driven in-process against real PostgreSQL (runs/pausing.py): at a step boundary,
+"""Pause and resume driven in-process against real PostgreSQL (runs/controls/pausing.py): at a step boundary,
 losing nothing; refused transitions answer 409; who may; in bulk with one audit record."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from rest_framework.test import APIClient
 
 from approvals.models import Approval
 from budgets.models import Reservation
-from runs import pausing
 from runs.approval_effects import decide_approval
+from runs.controls import pausing
 from runs.engine import advance
 from runs.engine.claim import claim
 from runs.engine.model_step import do_model

@@ -10,9 +10,9 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from runs.display import run_title
+from runs.front.display import run_title
+from runs.front.search import id_range, search
 from runs.models import Run
-from runs.search import id_range, search
 from runs.services import start_run
 from tests import factories
 

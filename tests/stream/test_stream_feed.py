@@ -1,4 +1,4 @@
-"""runs.stream_feed on the real database: a committed event wakes the streams of its run, and only them."""
+"""runs.front.stream_feed on the real database: a committed event wakes the streams of its run, and only them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from runs import stream_feed
+from runs.front import stream_feed
 from runs.models import Run
 from runs.services import start_run
 from runs.transitions import record_event

@@ -1,5 +1,5 @@
 """`manage.py pause_runs --reason ... [--tenant acme --agent refunder --tool refund ...] --as USER`:
-pause every matching run at its step boundary, audited like the API's (runs/pausing.py)."""
+pause every matching run at its step boundary, audited like the API's (runs/controls/pausing.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils.dateparse import parse_datetime
 
 from core.errors import DomainError
-from runs import pausing
+from runs.controls import pausing
 from tenants.models import User
 
 

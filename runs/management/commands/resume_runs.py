@@ -1,5 +1,5 @@
 """`manage.py resume_runs --reason ... [filters] --as USER`: resume every matching paused run, oldest
-pause first, rate-limited (runs/pausing.RESUME_PER_SECOND)."""
+pause first, rate-limited (runs/controls/pausing.RESUME_PER_SECOND)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The API's pause and resume (runs/pausing.py does the work): one run, or every run a filter
+"""The API's pause and resume (runs/controls/pausing.py does the work): one run, or every run a filter
 matches. Platform operators everywhere, a tenant's supervisors for their tenant."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from rest_framework.views import APIView
 
 from core.errors import NotFound
 from core.schema import JsonObjectField, errors
-from runs import kill_switches, pausing, selectors
-from runs.api import RunOutput
+from runs import selectors
+from runs.controls import kill_switches, pausing
+from runs.front.api import RunOutput
 from runs.models import BulkAction, KillSwitch, Run, RunStatus
 from tenants.models import Tenant
 

@@ -1,4 +1,4 @@
-"""What the live run streams (runs/stream.py) wait on, and how they read, without a connection each.
+"""What the live run streams (runs/front/stream.py) wait on, and how they read, without a connection each.
 
 PostgreSQL: a trigger on the events table (migrations 0008, 0009) sends `NOTIFY run_events,
 '<run_id>:<seq>'` when a batch of events commits for a run someone streams. One LISTEN connection
@@ -315,7 +315,7 @@ def _read_orm(run_id, after: int, limit: int) -> tuple[str | None, list]:
 
 
 def _event(seq, at, kind, step_seq, actor, message, data):
-    """A row in the shape the API's event serializer reads (runs.api.EventOutput)."""
+    """A row in the shape the API's event serializer reads (runs.front.api.EventOutput)."""
     return types.SimpleNamespace(
         seq=seq,
         at=at,

@@ -21,7 +21,8 @@ from core.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, pagina
 from core.errors import Forbidden, NotFound
 from core.parsers import BoundedMultiPartParser, StrictJSONParser
 from core.schema import JsonObjectField, JsonObjectInput, errors
-from runs import admission, search, selectors, services
+from runs import admission, selectors, services
+from runs.front import search
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.recovery import resolution
 from tenants.auth import RunStartThrottle

@@ -4,7 +4,7 @@ Opening the stream is an ordinary API request (same authentication, the same vis
 GET /v1/runs/{id}, the same JSON errors); it does its database work in one short synchronous
 call and gives its connection back before the first event is written. The body is an async
 generator served on the event loop (ASGI: agentplatform/asgi.py, uvicorn in scripts/serve.sh):
-it waits on runs.stream_feed for new events of its run and reads them in short queries, so an idle
+it waits on runs.front.stream_feed for new events of its run and reads them in short queries, so an idle
 stream holds no database connection and no thread. Under WSGI the body would be buffered until
 the run ends: serve the API with ASGI.
 
@@ -34,8 +34,9 @@ from rest_framework.utils.encoders import JSONEncoder
 from rest_framework.views import APIView
 
 from core.api import ID_MAX, require_tenant
-from runs import selectors, stream_feed
-from runs.api import EventOutput
+from runs import selectors
+from runs.front import stream_feed
+from runs.front.api import EventOutput
 from runs.models import TERMINAL
 
 logger = logging.getLogger("agentplatform.runs.stream")
@@ -114,7 +115,7 @@ class RunStreamApi(APIView):
 
 
 def message(event) -> str:
-    # Streams of one run share the rows of one read (runs.stream_feed.Feed.read): the first formats an event,
+    # Streams of one run share the rows of one read (runs.front.stream_feed.Feed.read): the first formats an event,
     # the others reuse the text.
     text = getattr(event, "sse_text", None)
     if text is None:

@@ -19,7 +19,7 @@ The probe is one statement on the partial index `kill_switch_on` (empty while no
 A call already committed as `dispatching` before a switch went on is in flight and finishes; no
 call after that is sent. A call that was sent before (a retry of an unknown outcome, one a
 person asked to retry) always pauses: the model must not hear "unavailable" about a call that
-may have happened. Who may flip: as for pausing (runs/pausing.may_pause).
+may have happened. Who may flip: as for pausing (runs/controls/pausing.may_pause).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from django.utils import timezone
 from agents.models import AgentDefinition
 from core.errors import DomainError
 from llm.models import ModelEndpoint
-from runs import pausing
+from runs.controls import pausing
 from runs.models import ClaimReads, KillSwitch, KillSwitchChange, Run, RunStatus
 from runs.transitions import atomic_with_events, lock_run, record_event, transition_run
 from tenants.models import Tenant, User

@@ -1,5 +1,5 @@
-"""The rows of an operator's controls over runs: a bulk pause or resume (runs/pausing.py), and the
-kill switches with their history (runs/kill_switches.py). Part of the runs app (runs/models.py
+"""The rows of an operator's controls over runs: a bulk pause or resume (runs/controls/pausing.py), and the
+kill switches with their history (runs/controls/kill_switches.py). Part of the runs app (runs/models.py
 imports them)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from django.db import models
 
 
 class BulkAction(models.Model):
-    """One operator's pause or resume of every run that matched a filter (runs/pausing.py): who,
+    """One operator's pause or resume of every run that matched a filter (runs/controls/pausing.py): who,
     why, the filter as given and how many runs it moved; each run also has its own event."""
 
     class Kind(models.TextChoices):
@@ -36,7 +36,7 @@ class BulkAction(models.Model):
 
 
 class KillSwitch(models.Model):
-    """An operator's stop on a tenant, an agent, a tool or a model endpoint (runs/kill_switches.py):
+    """An operator's stop on a tenant, an agent, a tool or a model endpoint (runs/controls/kill_switches.py):
     while on, a killed tenant or agent starts no run, and a killed tool or endpoint is never called
     (the claim pauses the run instead, with the switch as the reason). One row per target; each
     flip is a KillSwitchChange."""

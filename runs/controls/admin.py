@@ -1,0 +1,322 @@
+"""The admin's operator controls (runs/controls/pausing.py and kill_switches.py do the work).
+
+| page or control | what it does |
+|---|---|
+| Pause / Resume on the run page, list actions with a reason | one run, or the selected runs (PauseAdminMixin, mixed into the run admin) |
+| Kill switches | the switches, those on first, and a form that flips one with a reason (turning one off resumes what it paused) |
+| Bulk actions | the audit list of pauses and resumes by filter (who, why, the filter, how many) and a form that pauses or resumes every matching run, as `POST /v1/runs/pause` and `manage.py pause_runs` do |
+
+Shown to those who may pause (platform operators everywhere, the tenant's supervisors for their
+tenant's runs).
+"""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ActionForm
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import redirect
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_POST
+
+from core.errors import DomainError
+from runs.controls import kill_switches, pausing
+from runs.models import TERMINAL, BulkAction, KillSwitch, RunStatus
+from tenants.admin_site import TenantScopedAdmin, site
+from tenants.models import Tenant
+
+
+class ReasonActionForm(ActionForm):
+    reason = forms.CharField(
+        required=False,
+        max_length=2000,
+        label="Reason",
+        help_text="needed to pause or resume; kept in each run's events",
+    )
+
+
+class PauseAdminMixin(admin.ModelAdmin):
+    """Mixed into runs.front.admin.RunAdmin, before its ModelAdmin class."""
+
+    action_form = ReasonActionForm
+
+    def has_pause_permission(self, request, obj=None):
+        tenant_id = obj.tenant_id if obj is not None else request.user.tenant_id
+        return pausing.may_pause(request.user, tenant_id)
+
+    def pause_context(self, request, run) -> dict:
+        may = not run.is_terminal and self.has_pause_permission(request, run)
+        paused = run.status == RunStatus.PAUSED or run.pause_requested
+        return {"can_pause": may and not paused and not run.cancel_requested, "can_resume": may and paused}
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [
+            path("<path:object_id>/pause/", view(require_POST(self.pause_view)), name="runs_run_pause"),
+            path("<path:object_id>/resume/", view(require_POST(self.resume_view)), name="runs_run_resume"),
+            *super().get_urls(),
+        ]
+
+    def pause_view(self, request, object_id):
+        return self._one(request, object_id, resume=False)
+
+    def resume_view(self, request, object_id):
+        return self._one(request, object_id, resume=True)
+
+    def _one(self, request, object_id, *, resume: bool):
+        run = self.get_object(request, unquote(object_id))
+        if run is None or not self.has_pause_permission(request, run):
+            raise PermissionDenied
+        until = request.POST.get("until", "").strip()
+        self._act(request, run, reason=request.POST.get("reason", "").strip(), resume=resume, until=until)
+        return redirect(reverse("admin:runs_run_change", args=[run.pk]))
+
+    def _act(self, request, run, *, reason: str, resume: bool, until: str = "") -> bool:
+        label = str(run.pk)[:8]
+        if not resume and not reason:
+            messages.error(request, f"run {label}: say why it is paused")
+            return False
+        ends = parse_datetime(until) if until else None
+        if until and ends is None:
+            messages.error(request, f"run {label}: until: not a date and time")
+            return False
+        if ends is not None and timezone.is_naive(ends):
+            ends = timezone.make_aware(ends, run.tenant.zone)  # as the form says: the tenant's zone
+        try:
+            if resume:
+                pausing.resume_run(run_id=run.pk, actor=request.user, reason=reason)
+            else:
+                pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason, until=ends)
+        except DomainError as exc:
+            messages.error(request, f"run {label}: {exc.message}")
+            return False
+        messages.success(
+            request,
+            f"run {label}: resumed"
+            if resume
+            else f"run {label}: paused (a call in flight is recorded first; nothing new is sent)",
+        )
+        return True
+
+    @admin.action(description="Pause selected runs (give a reason)", permissions=["pause"])
+    def pause_selected(self, request, queryset):
+        self._selected(request, queryset, resume=False)
+
+    @admin.action(description="Resume selected runs", permissions=["pause"])
+    def resume_selected(self, request, queryset):
+        self._selected(request, queryset, resume=True)
+
+    def _selected(self, request, queryset, *, resume: bool) -> None:
+        reason = request.POST.get("reason", "").strip()
+        if not reason:
+            messages.error(request, "give a reason in the actions bar")
+            return
+        runs = queryset.exclude(status__in=TERMINAL)
+        runs = runs.filter(status=RunStatus.PAUSED) | runs.filter(pause_requested=True) if resume else runs
+        chosen = [run for run in runs.order_by("created_at") if self.has_pause_permission(request, run)]
+        action = BulkAction.objects.create(
+            kind=BulkAction.Kind.RESUME if resume else BulkAction.Kind.PAUSE,
+            tenant_id=request.user.tenant_id,
+            actor=request.user,
+            reason=reason,
+            filters={"selected_in_admin": [str(run.pk) for run in chosen]},
+        )
+        count = 0
+        for run in chosen:
+            try:
+                if resume:
+                    pausing.resume_run(
+                        run_id=run.pk,
+                        actor=request.user,
+                        reason=reason,
+                        countdown=count / pausing.RESUME_PER_SECOND,
+                        bulk=action.pk,
+                    )
+                else:
+                    pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason, bulk=action.pk)
+                count += 1
+            except DomainError as exc:
+                messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
+        BulkAction.objects.filter(pk=action.pk).update(count=count)
+        messages.success(
+            request, f"{'resumed' if resume else 'paused'} {count} run{'s' if count != 1 else ''}"
+        )
+
+
+class FlipForm(forms.ModelForm):
+    target = forms.CharField(
+        max_length=200, help_text="the tenant's slug, or the agent's, tool's or endpoint's name"
+    )
+    tenant_slug = forms.SlugField(
+        required=False, label="Tenant", help_text="platform operators: the target's tenant"
+    )
+
+    class Meta:
+        model = KillSwitch
+        fields = ["scope", "on", "reason"]
+
+
+@admin.register(KillSwitch, site=site)
+class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
+    list_display = ["scope", "target_name", "tenant", "on", "changed_by", "reason", "changed_at"]
+    list_filter = ["on", "scope"]
+    ordering = ["-on", "-changed_at"]
+    form = FlipForm
+
+    def get_fields(self, request, obj=None):
+        if obj is not None:
+            return ["on", "reason"]  # a flip: the target stays
+        return (
+            ["scope", "target", "tenant_slug", "on", "reason"]
+            if request.user.is_superuser
+            else [
+                "scope",
+                "target",
+                "on",
+                "reason",
+            ]
+        )
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        form = super().get_form(request, obj, change=change, **kwargs)
+        if obj is not None:
+            form.base_fields["target"].required = False
+            return form
+
+        class Checked(form):  # type: ignore[misc, valid-type]
+            def clean(self):
+                # A target that does not exist is the form's error, not a failed save.
+                data = super().clean()
+                tenant = self._tenant(data.get("tenant_slug"))
+                if tenant is None:
+                    self.add_error("tenant_slug" if request.user.is_superuser else None, "no such tenant")
+                elif data.get("scope") and data.get("target"):
+                    try:
+                        kill_switches.target_of(data["scope"], data["target"], tenant)
+                    except DomainError as exc:
+                        self.add_error("target", exc.message)
+                return data
+
+            def _tenant(self, slug):
+                if slug:
+                    return Tenant.objects.filter(slug=slug).first()
+                return Tenant.objects.filter(pk=request.user.tenant_id).first()
+
+        return Checked
+
+    def has_change_permission(self, request, obj=None):
+        return self._may(request)
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        if change:
+            tenant, scope, target = obj.tenant, obj.scope, obj.target_name
+        else:
+            slug = data.get("tenant_slug")
+            tenant = (
+                Tenant.objects.filter(slug=slug).first()
+                if slug
+                else Tenant.objects.filter(pk=request.user.tenant_id).first()
+            )
+            scope, target = data["scope"], data["target"]
+        try:
+            flipped = kill_switches.flip(
+                actor=request.user,
+                tenant=tenant,
+                scope=scope,
+                target=target,
+                on=data["on"],
+                reason=data["reason"],
+            )
+        except DomainError as exc:
+            messages.error(request, exc.message)
+            return
+        obj.pk = flipped.switch_id
+        note = f"; {flipped.runs_resumed} paused runs resumed" if not data["on"] else ""
+        messages.info(request, f"{scope} {target}: switch {'on' if data['on'] else 'off'}{note}")
+
+    def log_addition(self, request, obj, message):
+        return None  # the switch's own KillSwitchChange is the record
+
+    def log_change(self, request, obj, message):
+        return None
+
+
+FILTER_FIELDS = ("tenant", "agent", "version", "tool", "endpoint", "created_by", "status", "created_before")
+
+
+class BulkForm(forms.ModelForm):
+    tenant = forms.SlugField(
+        required=False, help_text="a tenant's slug (platform operators; a supervisor's own)"
+    )
+    agent = forms.SlugField(required=False, max_length=100, help_text="the agent's name")
+    version = forms.IntegerField(required=False, min_value=1, help_text="one version of the agent")
+    tool = forms.CharField(
+        required=False, max_length=200, help_text="runs whose next or pending call is to this tool"
+    )
+    endpoint = forms.CharField(
+        required=False, max_length=100, help_text="runs whose version calls this model endpoint"
+    )
+    created_by = forms.CharField(required=False, max_length=150, help_text="a username")
+    status = forms.ChoiceField(required=False, choices=[("", "any")] + list(RunStatus.choices))
+    created_before = forms.DateTimeField(required=False, help_text="runs created before this time")
+    until = forms.DateTimeField(
+        required=False, help_text="pause only: when the pause ends (the platform resumes them then)"
+    )
+
+    class Meta:
+        model = BulkAction
+        fields = ["kind", "reason"]
+
+
+@admin.register(BulkAction, site=site)
+class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
+    list_display = ["at", "kind", "count", "actor", "reason", "tenant", "filters"]
+    list_filter = ["kind"]
+    ordering = ["-at"]
+    form = BulkForm
+
+    def get_fields(self, request, obj=None):
+        if obj is not None:
+            return ["kind", "count", "actor", "reason", "tenant", "filters", "at"]
+        scoped = [f for f in FILTER_FIELDS if request.user.is_superuser or f != "tenant"]
+        return ["kind", "reason", *scoped, "until"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.get_fields(request, obj) if obj is not None else []
+
+    def has_change_permission(self, request, obj=None):
+        return False  # the record of what was done stays as it was
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        filters = {name: data.get(name) for name in FILTER_FIELDS}
+        try:
+            if data["kind"] == BulkAction.Kind.PAUSE:
+                action = pausing.pause_matching(
+                    actor=request.user, reason=data["reason"], filters=filters, until=data.get("until")
+                )
+            else:
+                action = pausing.resume_matching(actor=request.user, reason=data["reason"], filters=filters)
+        except DomainError as exc:
+            messages.error(request, exc.message)
+            return
+        obj.pk = action.pk
+        done = "paused (each at its step boundary)" if action.kind == BulkAction.Kind.PAUSE else "resumed"
+        messages.info(request, f"{action.count} run{'s' if action.count != 1 else ''} {done}")
+
+    def log_addition(self, request, obj, message):
+        return None  # the BulkAction row and each run's event are the record
+
+    def response_add(self, request, obj, post_url_continue=None):
+        return self.response_post_save_add(request, obj)
