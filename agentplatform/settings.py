@@ -433,6 +433,9 @@ LOGGING = {
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
 }
+# What a /metrics scrape adds to the recorded counters: gauges computed now from the store and the
+# broker (agentplatform/gauges.py reads every app, so the scrape names it here instead of importing it).
+METRICS_COLLECTORS = ["agentplatform.gauges.DatabaseCollector", "agentplatform.gauges.BrokerCollector"]
 # /metrics: open unless a bearer token or an address allowlist is set (either suffices when both are).
 METRICS_TOKEN = env_str("METRICS_TOKEN", "")
 METRICS_ALLOW_FROM = env_list("METRICS_ALLOW_FROM", [])

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from agents.models import AgentDefinition, AgentVersion, Alias
 from core.errors import DomainError, NotFound
+from tenants.permissions import holds
 
 
 def get_agent(*, tenant, name: str) -> AgentDefinition:
@@ -38,3 +39,8 @@ def resolve_version(
 
 def versions_of(*, tenant, agent: str):
     return AgentVersion.objects.filter(agent=get_agent(tenant=tenant, name=agent)).order_by("number")
+
+
+def may_run_agent(user, agent_id) -> bool:
+    """Whether `user` holds run_agent on the agent (django-guardian, through its group or directly)."""
+    return holds(user, "run_agent", AgentDefinition, agent_id)

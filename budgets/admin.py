@@ -7,8 +7,11 @@ import datetime as dt
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef
+from django.http import Http404
 from django.template.response import TemplateResponse
+from django.urls import path
 
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
@@ -180,6 +183,25 @@ class ReservationAdmin(ReadOnlyAdmin):
     ordering = ["-created_at"]
     inlines = [LedgerInline]
     actions = ["reconcile_selected", "write_off_selected"]
+
+    def get_urls(self):
+        return [
+            # A tenant's usage of the last days: the budgets' page, linked from the tenant's row and
+            # the top bar (named here so the tenants' admin, below budgets, needs no import of it).
+            path(
+                "usage/<path:tenant_id>/", self.admin_site.admin_view(self.usage_view), name="budgets_usage"
+            ),
+            *super().get_urls(),
+        ]
+
+    def usage_view(self, request, tenant_id):
+        tenants = self.admin_site.registry_admin("tenants.tenant")
+        tenant = tenants.get_object(request, tenant_id)
+        if tenant is None:
+            raise Http404
+        if not tenants.has_view_permission(request, tenant):
+            raise PermissionDenied
+        return usage_page(tenants, request, tenant)
 
     @admin.display(description="reservation")
     def short_id(self, reservation):

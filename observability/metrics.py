@@ -4,7 +4,7 @@ prometheus_client decides at import whether values live in this process or in fi
 PROMETHEUS_MULTIPROC_DIR (one per process, added up by /metrics): gunicorn workers and Celery
 worker processes each record their own, so the variable must be set before they start.
 Gauges of what is stored (runs by status, pending approvals, held reservations) are not kept
-here: /metrics computes them from the database when scraped (observability/collector.py).
+here: /metrics computes them from the database when scraped (agentplatform/gauges.py).
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ import ipaddress
 
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
+from django.utils.module_loading import import_string
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from observability import health
-from observability.collector import BrokerCollector, DatabaseCollector
 
 
 def healthz(request) -> JsonResponse:
@@ -28,12 +28,16 @@ def readyz(request) -> JsonResponse:
 
 
 def metrics(request) -> HttpResponse:
-    """What processes recorded, and the gauges of what is stored (read now)."""
+    """What processes recorded, and the gauges of what is stored (read now). The gauges read every
+    app's rows, so they sit on the top floor (agentplatform/gauges.py) and settings name them, as
+    Django names middleware."""
     refusal = _refusal(request)
     if refusal is not None:
         return refusal
     return HttpResponse(
-        generate_latest(_Scrape(_recorded(), DatabaseCollector(), BrokerCollector())),
+        generate_latest(
+            _Scrape(_recorded(), *(import_string(path)() for path in settings.METRICS_COLLECTORS))
+        ),
         content_type=CONTENT_TYPE_LATEST,
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents.selectors import resolve_version
+from agents.selectors import may_run_agent, resolve_version
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
 from artifacts import services as artifacts
@@ -35,7 +35,6 @@ from runs.transitions import (
     transition_run,
     transition_step,
 )
-from tenants.permissions import may_run_agent
 
 
 def effective_limits(spec_limits: dict, tenant) -> dict:

@@ -1,8 +1,18 @@
-"""The import graph of the product's apps: module circles, app circles, function-level imports.
+"""The import graph of the product's apps: module circles, app circles, the ladder of rooms and the
+arrows that run back up it, function-level imports.
 
-    python scripts/imports.py            print a report (--apps adds each app's arrows)
-    python scripts/imports.py --check    exit 1 on a module circle, an app circle or a function-level
+    python scripts/imports.py            print a report (--apps adds each app's arrows, --up each
+                                         arrow that runs back up with the imports behind it)
+    python scripts/imports.py --check    exit 1 on a module circle, an app circle, an arrow back up
+                                         the ladder that BACK_UP does not list, or a function-level
                                          import with no reason written next to it
+
+The ladder (LADDER, bottom to top) is the apps' order, with one room of its own below the gateways:
+the run's records (`runs.models`, `runs.controls.models`, `runs.statements`, `runs.selectors`: the
+rows every gateway reads and the named statements that write them), apart from the engine and the
+run's writes and surfaces above them. An arrow is any import from one room into another (module
+level or not, models, views and wiring included); it runs back up when its target sits higher.
+Each such arrow is listed in BACK_UP with its reason, so a new one fails the check.
 
 Apps form a ladder with no circle (the wiring modules, which name every app, the surfaces, and
 imports of an app's `models`, aside): `runs` (the
@@ -21,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Bottom to top: the ground floor imports no app; the project package on top names every app.
 PACKAGES = [
     "core",
     "sandbox",
@@ -39,6 +50,44 @@ PACKAGES = [
     "configuration",
     "agentplatform",
 ]
+LADDER = [
+    "core",
+    "sandbox",
+    "tenants",
+    "agents",
+    "runs.records",
+    "observability",
+    "budgets",
+    "artifacts",
+    "llm",
+    "connections",
+    "tools",
+    "approvals",
+    "authority",
+    "runs",
+    "notifications",
+    "configuration",
+    "agentplatform",
+]
+RECORDS = {"runs.models", "runs.controls.models", "runs.statements", "runs.selectors"}
+# The arrows that still run back up, each with why; a new one fails --check (tests/test_architecture.py).
+BACK_UP = {
+    ("agents", "llm"): "a version's spec is checked against the tenant's model endpoints when it is made",
+    ("agents", "tools"): "a version's spec is checked against the tenant's tools when it is made",
+    (
+        "connections",
+        "tools",
+    ): "a connection is to a tool server (its foreign key and the server's OAuth metadata)",
+    ("connections", "runs"): "the OAuth callback view resumes the runs that waited for the connection",
+    (
+        "tools",
+        "approvals",
+    ): "a call's digest and the approval bound to it (approvals.calls) are checked at dispatch",
+    ("tools", "authority"): "a dispatch check reads the server's delegation (authority.models)",
+    ("approvals", "runs"): "the inbox and the decide API apply a decision to the run (runs.approval_effects)",
+}
+
+
 # Settings, URLs, the admin site and the Celery app are wiring: they name every app by design.
 WIRING = {
     "agentplatform.urls",
@@ -143,6 +192,23 @@ def graph():
     return edges, packages, problems
 
 
+def room(mod: str) -> str:
+    return "runs.records" if mod in RECORDS else mod.split(".")[0]
+
+
+def back_up() -> dict[tuple[str, str], list[str]]:
+    """Every arrow from a room to one above it in LADDER, with the imports behind it."""
+    known = modules()
+    floor = {name: i for i, name in enumerate(LADDER)}
+    found: dict[tuple[str, str], list[str]] = {}
+    for mod, path in sorted(known.items()):
+        for target, _line, _top, _reason in imports(mod, path, known):
+            src, dst = room(mod), room(target)
+            if src != dst and floor[dst] > floor[src]:
+                found.setdefault((src, dst), []).append(f"{mod} -> {target}")
+    return found
+
+
 def _surface(mod: str) -> bool:
     """Views (API and admin): entry points that may call the room that writes, wherever it sits."""
     return mod.rpartition(".")[2] in ("api", "admin")
@@ -189,8 +255,20 @@ def main() -> int:
         problems.append(f"import circle of {len(comp)} modules: {', '.join(comp)}")
     for comp in circles(packages):
         problems.append(f"import circle of {len(comp)} apps: {', '.join(comp)}")
+    up = back_up()
+    for (src, dst), behind in sorted(up.items()):
+        if (src, dst) not in BACK_UP:
+            problems.append(f"{src} -> {dst} runs back up the ladder: {', '.join(sorted(set(behind)))}")
     arrows = sum(len(v) for v in edges.values())
-    print(f"{len(edges)} modules, {arrows} arrows, {len(found)} module circles, {len(problems)} problems")
+    print(
+        f"{len(edges)} modules, {arrows} arrows, {len(found)} module circles, "
+        f"{len(up)} arrows back up the ladder, {len(problems)} problems"
+    )
+    if "--up" in sys.argv:
+        for (src, dst), behind in sorted(up.items()):
+            print(f"  {src} -> {dst}: {BACK_UP.get((src, dst), 'NOT LISTED')}")
+            for line in sorted(set(behind)):
+                print(f"      {line}")
     if "--apps" in sys.argv:
         for pkg in PACKAGES:
             print(f"  {pkg} -> {', '.join(sorted(packages[pkg])) or '-'}")

@@ -6,11 +6,9 @@ from django.contrib.auth.admin import GroupAdmin as DjangoGroupAdmin
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 from django.contrib.auth.forms import UserChangeForm, UserCreationForm
 from django.contrib.auth.models import Group
-from django.core.exceptions import PermissionDenied
-from django.urls import path, reverse
+from django.urls import reverse
 from django.utils.html import format_html
 
-from budgets.admin import usage_page
 from tenants.admin_site import TenantScopedAdmin, is_operator, money, site
 from tenants.models import Secret, Tenant, TenantGroup, User
 from tenants.tokens import revoke_all
@@ -27,9 +25,7 @@ class TenantAdmin(TenantScopedAdmin):
 
     @admin.display(description="usage")
     def usage_link(self, tenant):
-        return format_html(
-            '<a href="{}">last 30 days</a>', reverse("admin:tenants_tenant_usage", args=[tenant.pk])
-        )
+        return format_html('<a href="{}">last 30 days</a>', reverse("admin:budgets_usage", args=[tenant.pk]))
 
     def has_add_permission(self, request):
         return is_operator(request.user) and super().has_add_permission(request)
@@ -43,22 +39,6 @@ class TenantAdmin(TenantScopedAdmin):
             # Its share of quotas other tenants wait for too: a tenant does not set its own.
             readonly.append("quota_weight")
         return readonly
-
-    def get_urls(self):
-        return [
-            path(
-                "<path:object_id>/usage/",
-                self.admin_site.admin_view(self.usage_view),
-                name="tenants_tenant_usage",
-            ),
-            *super().get_urls(),
-        ]
-
-    def usage_view(self, request, object_id):
-        tenant = self.get_object(request, object_id)
-        if not self.has_view_permission(request, tenant):
-            raise PermissionDenied
-        return usage_page(self, request, tenant)
 
 
 class TenantUserCreationForm(UserCreationForm):

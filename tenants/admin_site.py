@@ -408,7 +408,7 @@ class PlatformAdminSite(admin.AdminSite):
         if self.registry_admin("runs.run").has_view_permission(request):
             links.append(("Runs", reverse("admin:runs_run_changelist")))
         if user.tenant_id and self.registry_admin("tenants.tenant").has_view_permission(request):
-            links.append(("Usage", reverse("admin:tenants_tenant_usage", args=[user.tenant_id])))
+            links.append(("Usage", reverse("admin:budgets_usage", args=[user.tenant_id])))
         return links
 
     def registry_admin(self, label: str):

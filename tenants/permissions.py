@@ -16,7 +16,6 @@ import functools
 from django.contrib.auth import get_user_model
 from django.db import connection
 
-from agents.models import AgentDefinition
 from tenants.models import Tenant
 
 
@@ -71,10 +70,6 @@ def held_pks(user, perm: str, obj_model) -> list[str]:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT o.id FROM {table} o WHERE {predicate}", {"user": user.pk})
         return [str(pk) for (pk,) in cursor.fetchall()]
-
-
-def may_run_agent(user, agent_id) -> bool:
-    return holds(user, "run_agent", AgentDefinition, agent_id)
 
 
 def may_view_all_runs(user) -> bool:

@@ -209,7 +209,7 @@ def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
 
 def test_run_agent_is_granted_in_the_admin_within_the_tenant(client, acme, globex):
     from agents.models import AgentDefinition
-    from tenants.permissions import may_run_agent
+    from agents.selectors import may_run_agent
 
     ada = factories.make_user(acme.tenant, "ada", staff=True)
     ada.user_permissions.add(

@@ -31,7 +31,7 @@ def test_the_usage_page_charts_the_last_30_days_and_the_costliest_runs(as_ravi, 
     decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True)
     run = drive(approval.run_id)
 
-    response = as_ravi.get(f"/admin/tenants/tenant/{acme.tenant.pk}/usage/")
+    response = as_ravi.get(f"/admin/budgets/reservation/usage/{acme.tenant.pk}/")
 
     assert response.status_code == 200
     chart = response.context["chart"]
@@ -45,7 +45,7 @@ def test_the_usage_page_charts_the_last_30_days_and_the_costliest_runs(as_ravi, 
 
 
 def test_another_tenants_usage_page_is_404(as_ravi, globex):
-    assert as_ravi.get(f"/admin/tenants/tenant/{globex.tenant.pk}/usage/").status_code == 404
+    assert as_ravi.get(f"/admin/budgets/reservation/usage/{globex.tenant.pk}/").status_code == 404
 
 
 def test_it_reconciles_a_hold_with_the_actual_charge(as_ravi, hold):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from agents.models import AgentDefinition
+from agents.selectors import may_run_agent
 from configuration.apply import apply_config
 from tenants.models import Tenant, User
-from tenants.permissions import may_run_agent, may_view_all_runs
+from tenants.permissions import may_view_all_runs
 from tests.configuration.test_apply import SLUG, config, rejected
 
 pytestmark = pytest.mark.django_db

@@ -1,4 +1,4 @@
-"""Gauges computed from the database when /metrics is scraped: a few aggregate queries on indexed
+"""The top floor's gauges, computed from the database when /metrics is scraped: a few aggregate queries on indexed
 columns, so what is stored and what is reported cannot drift apart (nothing to keep in step
 across processes). Terminal runs are counted by the transitions counter, not here: counting them
 would scan a table that only grows.
