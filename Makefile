@@ -1,5 +1,6 @@
 # make demo   – set up and run the dispute story on embedded defaults (SQLite, in-process broker)
 # make test   – set up, lint, and run the whole suite on throwaway PostgreSQL + Redis servers of its own
+# make test-rabbitmq – the recovery tests again with RabbitMQ (quorum queues) as the broker
 # make test-fast – the same without the slow recovery, end-to-end, browser and production-shape tests
 # make lint   – ruff check, ruff format --check (make format rewrites) and mypy (mypy.ini)
 # make serve  – production shape: PostgreSQL, Redis broker, uvicorn, celery worker + beat, flower
@@ -13,8 +14,14 @@ TEST_BROKER_URL ?= redis://127.0.0.1:6379/15
 # on workers, leases and servers rather than on the CPU, so four share two cores well (1 = serial).
 TEST_WORKERS ?= 4
 PYTEST := $(PY) -m tests.services --sets $(TEST_WORKERS) -- $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+# The second pass: the recovery guarantees again with RabbitMQ (quorum queues) as the broker, each
+# test in turn, on a RabbitMQ node of its own (a broker restart, workers killed and stalled
+# mid-step, the dispute story end to end). Redis stays the cache and the quota counters.
+RABBITMQ_TESTS := tests/recovery/test_rabbitmq.py tests/recovery/test_worker_crash.py \
+	tests/recovery/test_stalled_worker.py tests/e2e/test_dispute_story.py
+PYTEST_RABBITMQ := $(PY) -m tests.services --broker rabbitmq -- $(PY) -m pytest -q -p no:cacheprovider $(RABBITMQ_TESTS)
 
-.PHONY: setup demo test test-fast lint format services browser sandbox serve bench bench-peers chaos
+.PHONY: setup demo test test-fast test-rabbitmq rabbitmq lint format services browser sandbox serve bench bench-peers chaos
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,8 +46,15 @@ sandbox: setup
 
 # The session runs on its own PostgreSQL clusters and Redis servers (initdb/pg_ctl and redis-server
 # on free ports, removed afterwards): the recovery tests restart those, never the machine's.
-test: setup browser sandbox lint
+rabbitmq:
+	bash scripts/ensure_rabbitmq.sh
+
+test: setup browser sandbox rabbitmq lint
 	$(PYTEST)
+	$(PYTEST_RABBITMQ)
+
+test-rabbitmq: setup rabbitmq
+	$(PYTEST_RABBITMQ)
 
 test-fast: setup sandbox lint
 	$(PYTEST) -m "not slow"

@@ -18,6 +18,7 @@ import dj_database_url
 from core.env import (
     ConfigError,
     env_bool,
+    env_choice,
     env_float,
     env_int,
     env_list,
@@ -286,6 +287,7 @@ CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "memory://localhost/")
 if CELERY_BROKER_URL == "memory://":
     CELERY_BROKER_URL = "memory://localhost/"
 CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_DEFAULT_QUEUE_TYPE = "classic"  # quorum on RabbitMQ (below)
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
@@ -300,6 +302,18 @@ if CELERY_BROKER_URL.startswith("memory://"):
     # then waits up to a second for its message. 50 ms keeps the story at the engine's pace.
     CELERY_BROKER_TRANSPORT_OPTIONS["polling_interval"] = 0.05
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+if CELERY_BROKER_URL.startswith(("amqp://", "amqps://", "pyamqp://")):
+    # RabbitMQ: quorum queues (replicated, kept through the broker's restarts and fsynced before a
+    # publish is confirmed), publishes confirmed, and topic exchanges, which Celery's native
+    # delayed delivery needs for countdowns on quorum queues (a quorum queue refuses the worker's
+    # old way of holding a countdown message unacknowledged). Celery turns off the global prefetch
+    # a quorum queue does not support; prefetch stays one message per worker thread.
+    _queue_type = env_choice("CELERY_QUEUE_TYPE", "quorum", ("quorum", "classic"))
+    CELERY_TASK_DEFAULT_QUEUE_TYPE = _queue_type
+    CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = _queue_type
+    CELERY_TASK_DEFAULT_EXCHANGE_TYPE = "topic"
+    CELERY_TASK_CREATE_MISSING_QUEUE_EXCHANGE_TYPE = "topic"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE") or (f"runs-test-{os.getpid()}" if TESTING else "runs")
 # The sweeper has its own queue, so a backed-up runs queue never delays recovery (workers consume
 # both: scripts/serve.sh); its task sends no monitoring events, so Flower lists the engine's tasks.

@@ -7,6 +7,7 @@ finish time to a Redis list that bench/engine.py waits on.
 
 from __future__ import annotations
 
+import os
 import time
 
 from celery import shared_task
@@ -20,7 +21,8 @@ def _client():
     if _redis is None:
         import redis
 
-        _redis = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+        # The finish list: a Redis of the benchmark's own when the broker is RabbitMQ (bench/peers.py).
+        _redis = redis.Redis.from_url(os.environ.get("BENCH_REDIS_URL") or settings.CELERY_BROKER_URL)
     return _redis
 
 

@@ -43,7 +43,9 @@ def shared_redis():
         if "redis" not in _shared:
             import redis
 
-            _shared["redis"] = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+            _shared["redis"] = redis.Redis.from_url(
+                os.environ.get("BENCH_REDIS_URL") or settings.CELERY_BROKER_URL
+            )
         return _shared["redis"]
 
 

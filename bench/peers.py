@@ -59,6 +59,7 @@ Columns (per scenario and round):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -79,12 +80,28 @@ from bench import peer_agent, pgcpu, pgstats, sqlcount
 
 BASE_URL = os.environ["DATABASE_URL"]
 BROKER_URL = os.environ["CELERY_BROKER_URL"]
+# Where workers push their readiness pings and the chains their finish times: the broker itself on
+# Redis; a Redis given by the parent when this process is the RabbitMQ child (run_on_rabbitmq).
+SIGNAL_URL = os.environ.get("BENCH_REDIS_URL") or BROKER_URL
 TAG = f"bench_peers_{os.getpid()}"
 DB_URLS = {
     kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")
 }
-ALL_SCENARIOS = ["engine-1", "chain", "floor", "langgraph", "dbos", "engine-2", "engine-1-200ms"]
+ALL_SCENARIOS = [
+    "engine-1",
+    "engine-1-amqp",
+    "chain",
+    "chain-amqp",
+    "floor",
+    "langgraph",
+    "dbos",
+    "engine-2",
+    "engine-1-200ms",
+]
 EXTRA_SCENARIOS = ["floor-2"]  # not in the default list: run them by name
+# The same scenario with RabbitMQ (quorum queues) as the broker: run by a child of this script whose
+# CELERY_BROKER_URL is --amqp-url (the settings are read once per process), its results reported here.
+AMQP_SUFFIX = "-amqp"
 LONG_SCENARIOS = ["engine-long", "langgraph-long"]  # not in the default list: run them by name
 LONG = "long"  # the key of the long runs' fake model server and agent
 PY = sys.executable
@@ -207,7 +224,7 @@ class Worker:
 
         from bench.noop_tasks import noop_step
 
-        r = redis.Redis.from_url(BROKER_URL)
+        r = redis.Redis.from_url(SIGNAL_URL)
         key = f"{self.own_queue}:ping"
         noop_step.apply_async((key, 0, 1), queue=self.own_queue)
         deadline = time.monotonic() + 90
@@ -503,7 +520,7 @@ def run_chain(opts, ctx, name: str, round_no: int) -> Result:
 
     load_start = os.getloadavg()[0]
     tools_before = ctx["tools"].get()
-    r = redis.Redis.from_url(BROKER_URL)
+    r = redis.Redis.from_url(SIGNAL_URL)
     key = f"{TAG}:chain"
     r.delete(key)
     workers = [Worker(1, opts)]
@@ -539,7 +556,7 @@ def run_floor(opts, ctx, name: str, round_no: int, workers_n: int) -> Result:
     with connection.cursor() as cursor:
         peer_floor.create_runs(cursor, opts.runs)
     connections.close_all()
-    r = redis.Redis.from_url(BROKER_URL)
+    r = redis.Redis.from_url(SIGNAL_URL)
     key = f"{TAG}:floor"
     r.delete(key)
     before = pgstats.wait_idle(DB_URLS["engine"])
@@ -658,7 +675,51 @@ def run_child(
     return result
 
 
+def run_on_rabbitmq(opts, name: str, round_no: int) -> Result:
+    """`name` without its -amqp suffix, run by this script in a child process whose broker is
+    RabbitMQ (quorum queues, as agentplatform/settings.py declares them for an amqp:// URL): its own
+    databases, fake servers and workers, the same load; Redis only carries the finish signals."""
+    base = name.removesuffix(AMQP_SUFFIX)
+    out = Path(tempfile.mkstemp(prefix=f"{TAG}-amqp-", suffix=".json")[1])
+    args = [
+        PY,
+        str(Path(__file__)),
+        "--scenarios",
+        base,
+        "--rounds",
+        "1",
+        "--runs",
+        str(opts.runs),
+        "--steps",
+        str(opts.steps),
+        "--concurrency",
+        str(opts.concurrency),
+        "--db-pool",
+        str(opts.db_pool),
+        "--timeout",
+        str(opts.timeout),
+        "--result-json",
+        str(out),
+    ]
+    env = dict(os.environ, CELERY_BROKER_URL=opts.amqp_url, BENCH_REDIS_URL=SIGNAL_URL, CACHE_URL=SIGNAL_URL)
+    try:
+        done = subprocess.run(
+            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=opts.timeout * 3
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: the RabbitMQ child failed: {(done.stdout + done.stderr)[-3000:]}")
+        (fields,) = json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+    fields.update(scenario=name, round=round_no, load=tuple(fields["load"]))
+    for key in ("early", "late"):
+        fields[key] = tuple(fields[key]) if fields.get(key) else None
+    return Result(**fields)
+
+
 def run_scenario(opts, ctx, name: str, round_no: int) -> Result:
+    if name.endswith(AMQP_SUFFIX):
+        return run_on_rabbitmq(opts, name, round_no)
     if name == "engine-1":
         return run_engine(opts, ctx, name, round_no, 1, 0)
     if name == "engine-2":
@@ -815,6 +876,12 @@ def parse_args() -> argparse.Namespace:
         "--db-pool", type=int, default=20, help="PostgreSQL connections per process (all scenarios)"
     )
     parser.add_argument("--latency-ms", type=int, default=200, help="model latency of engine-1-200ms")
+    parser.add_argument(
+        "--amqp-url",
+        default=os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//"),
+        help="the RabbitMQ of the -amqp scenarios",
+    )
+    parser.add_argument("--result-json", help=argparse.SUPPRESS)  # a RabbitMQ child writes its results here
     parser.add_argument("--langgraph-durability", choices=["sync", "async", "exit"], default="sync")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per scenario")
     parser.add_argument(
@@ -889,6 +956,9 @@ def main() -> None:
                     f"load {result.load[0]:.2f}→{result.load[1]:.2f}",
                     flush=True,
                 )
+        if opts.result_json:
+            Path(opts.result_json).write_text(json.dumps([dataclasses.asdict(r) for r in results]))
+            return
         report(results, opts, started)
     finally:
         for proc in servers:
@@ -909,12 +979,23 @@ def drop_keys() -> None:
     """Remove this benchmark's own keys from the broker database (its queues and bindings only)."""
     import redis
 
-    r = redis.Redis.from_url(BROKER_URL)
+    r = redis.Redis.from_url(SIGNAL_URL)
     keys = [TAG, f"{TAG}:chain", f"_kombu.binding.{TAG}", f"_kombu.binding_permanent.{TAG}"]
     for index in range(1, 3):
         queue = f"{TAG}-w{index}"
         keys += [queue, f"{queue}:ping", f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
     r.delete(*keys)
+    if BROKER_URL.startswith("amqp"):
+        from kombu import Connection
+
+        # Quorum queues outlive their consumers: this run's are removed with it.
+        with Connection(BROKER_URL) as connection:
+            channel = connection.default_channel
+            for queue in [TAG, f"{TAG}.sweeper", *(f"{TAG}-w{index}" for index in range(1, 3))]:
+                try:
+                    channel.queue_delete(queue)
+                except Exception:  # not declared in this run: nothing to remove
+                    channel = connection.channel()
 
 
 if __name__ == "__main__":

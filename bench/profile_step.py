@@ -13,6 +13,9 @@ advance() sorted by cumulative time. `--sql` lists the statements by their first
 transactions the guarantees need and nothing else) alternate round by round in this process,
 and their worker and PostgreSQL CPU per step are printed side by side, with the ratio. The
 machine's drift then falls on both alike: the way to see what a change to the engine moves.
+`--walk`: the modules one step visits: a model step and a tool step of a warm run traced call by
+call (sys.setprofile), each module change counted as a stop, with the rooms it climbs back up
+(a call from a room into a room above it on scripts/imports.py's ladder).
 `--stagger`: cost at length, early and late steps of long runs measured in the same minutes.
 With `--statements`, each side's PostgreSQL CPU is also split by statement (bench/pgstatements.py:
 the backend's own CPU time around each statement and COMMIT, to the microsecond), which moves
@@ -94,6 +97,7 @@ def main() -> None:
         help="with --floor: PostgreSQL's CPU per statement of each side (bench/pgstatements.py); "
         "the reads add about 10 us of this process's CPU per statement to both sides",
     )
+    parser.add_argument("--walk", action="store_true", help="the modules a model step and a tool step visit")
     opts = parser.parse_args()
     import subprocess
 
@@ -140,6 +144,9 @@ def main() -> None:
             _side_by_side(
                 opts, user, agents[0], f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{tport}", url
             )
+            return
+        if opts.walk:
+            _walk(advance, user, agents[0])
             return
         ids, _held, _ = engine_bench.create_runs(user, agents[0], opts.runs)
         texts: collections.Counter = collections.Counter()
@@ -229,6 +236,79 @@ def main() -> None:
 
             connections.close_all()
         engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+
+
+def _walk(advance, user, agent) -> None:
+    """Trace whole steps of one warm run: which product modules each visits, in order."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import imports as ladder  # scripts/ is not a package: the ladder is read from its folder
+
+    from runs.models import Step
+
+    floor = {name: i for i, name in enumerate(ladder.LADDER)}
+    skip = ("/.venv/", "/bench/", "/tests/", "/scripts/")
+
+    def module(filename: str) -> str | None:
+        if not filename.startswith(str(ROOT)) or any(part in filename for part in skip):
+            return None
+        rel = Path(filename).relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts
+        return ".".join(parts)
+
+    def innermost(frame) -> str | None:
+        while frame is not None:
+            name = module(frame.f_code.co_filename)
+            if name:
+                return name
+            frame = frame.f_back
+        return None
+
+    (run_id,), _held, _ = engine_bench.create_runs(user, agent, 1)
+    with engine_bench.HeldMessages():
+        for _ in range(2):  # warm: the per-process caches (conversation, secrets, specs) filled
+            advance(run_id)
+        for _ in range(4):
+            stops: list[tuple[str, str, str]] = []  # (kind, from, to)
+            current = [None]
+
+            def profile(frame, event, arg, stops=stops, current=current):
+                if event not in ("call", "return"):
+                    return
+                here = module(frame.f_code.co_filename)
+                if here is None:
+                    return
+                after = here if event == "call" else innermost(frame.f_back)
+                if after != current[0]:
+                    if current[0] is not None and after is not None:
+                        stops.append((event, current[0], after))
+                    current[0] = after
+
+            seq = Step.objects.filter(run_id=run_id).count()
+            sys.setprofile(profile)
+            try:
+                advance(run_id)
+            finally:
+                sys.setprofile(None)
+            step = Step.objects.filter(run_id=run_id).order_by("-seq").first()
+            kind = step.kind if step is not None and step.seq > seq else "no new step"
+            visited = sorted({to for _, _, to in stops} | {frm for _, frm, _ in stops})
+            climbs = [
+                (frm, to)
+                for event, frm, to in stops
+                if event == "call" and floor[ladder.room(to)] > floor[ladder.room(frm)]
+            ]
+            calls = sum(1 for event, _, _ in stops if event == "call")
+            print(
+                f"advance ({kind}): {len(visited)} modules, {len(stops)} stops "
+                f"({calls} calls, {len(stops) - calls} returns), {len(climbs)} climbs back up the ladder"
+            )
+            print("   modules: " + ", ".join(visited))
+            visits = collections.Counter(to for _, _, to in stops[:50])
+            print(
+                "   visits in the first 50 stops: " + ", ".join(f"{m} {n}" for m, n in visits.most_common(8))
+            )
+            for frm, to in sorted(set(climbs)):
+                print(f"   climb: {frm} -> {to}")
 
 
 def _staggered(opts, user, agent) -> None:

@@ -4,6 +4,8 @@ step's call holds while in flight."""
 
 from __future__ import annotations
 
+import math
+
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
@@ -45,6 +47,12 @@ def _publish(run_id, enqueued_at, countdown: float | None) -> None:
     registry lookup and configuration reads on every publish (bench/publish_hop.py).
     """
     args = (str(run_id), enqueued_at.isoformat())
+    if countdown and settings.CELERY_TASK_DEFAULT_QUEUE_TYPE == "quorum":
+        # RabbitMQ's quorum queues delay a message through Celery's native delayed delivery, which
+        # counts whole seconds: it truncates 1.7 s to 1 s and refuses 0 < countdown < 1 (a
+        # ValueError, and the message is never sent). Rounding up keeps every wait at least as long
+        # as the engine decided (a quota slot, a backoff), never shorter.
+        countdown = float(math.ceil(countdown))
     task = current_app.tasks.get(ADVANCE_RUN)
     if task is not None:
         task.apply_async(args, countdown=countdown)

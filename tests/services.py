@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 MARKER = "throwaway-service.json"
-POSTGRES_ENV, REDIS_ENV = "THROWAWAY_POSTGRES", "THROWAWAY_REDIS"
+POSTGRES_ENV, REDIS_ENV, RABBIT_ENV = "THROWAWAY_POSTGRES", "THROWAWAY_REDIS", "THROWAWAY_RABBITMQ"
 SETS_ENV = "THROWAWAY_SETS"
 
 
@@ -346,6 +346,117 @@ class ThrowawayRedis(_Throwaway):
         return str((self.info() or {}).get("run_id", ""))
 
 
+class ThrowawayRabbit(_Throwaway):
+    """A RabbitMQ node of its own (`rabbit-<port>@localhost`) on 127.0.0.1:<free port>, its data in
+    its folder: queues and messages survive its restarts as they would in production (quorum
+    queues are written to disk before a publish is confirmed). It shares the machine's epmd (the
+    Erlang port mapper) and nothing else; the machine's RabbitMQ on 5672 is never touched."""
+
+    kind = "rabbitmq"
+    env_name = RABBIT_ENV
+    BIN = Path("/usr/lib/rabbitmq/bin")
+
+    @classmethod
+    def create(cls) -> ThrowawayRabbit:
+        folder, port = cls._make_folder()
+        meta = json.loads((folder / MARKER).read_text())
+        meta["dist_port"] = free_port()
+        (folder / MARKER).write_text(json.dumps(meta))
+        (folder / "enabled_plugins").write_text("[].\n")
+        (folder / "rabbitmq.conf").write_text(
+            "\n".join(["loopback_users = none", "log.console = false", "log.file.level = warning", ""])
+        )
+        return cls(folder, port)
+
+    @property
+    def node(self) -> str:
+        return f"rabbit-{self.port}@localhost"
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def _env(self) -> dict[str, str]:
+        dist = json.loads((self.folder / MARKER).read_text())["dist_port"]
+        return dict(
+            os.environ,
+            HOME=str(self.folder),  # the Erlang cookie is made there, not in the machine's node's home
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(dist),
+            RABBITMQ_MNESIA_BASE=str(self.folder / "mnesia"),
+            RABBITMQ_LOG_BASE=str(self.folder / "log"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.folder / "enabled_plugins"),
+            RABBITMQ_CONFIG_FILE=str(self.folder / "rabbitmq"),
+            RABBITMQ_PID_FILE=str(self.folder / "rabbit.pid"),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+        )
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"AMQP\x00\x00\x09\x01")
+                return sock.recv(1)[:1] == b"\x01"  # Connection.Start: the broker is taking clients
+        except OSError:
+            return False
+
+    def _pid(self) -> int | None:
+        try:
+            return int((self.folder / "rabbit.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def running(self) -> bool:
+        pid = self._pid()
+        return pid is not None and not _gone(pid) and self._answers()
+
+    def start(self) -> None:
+        self._check()
+        if self.running:
+            return
+        (self.folder / "log").mkdir(exist_ok=True)
+        with (self.folder / "log" / "server.out").open("ab") as out:
+            subprocess.Popen(
+                [str(self.BIN / "rabbitmq-server")],
+                env=self._env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _wait(self._answers, timeout=90, what=f"rabbitmq on port {self.port}")
+
+    def stop(self) -> None:
+        """A clean stop: quorum queues keep their messages for the next start."""
+        self._check()
+        pid = self._pid()
+        if pid is None or _gone(pid):
+            return
+        subprocess.run(
+            [str(self.BIN / "rabbitmqctl"), "-n", self.node, "stop"],
+            env=self._env(),
+            capture_output=True,
+            timeout=60,
+        )
+        _wait(lambda: _gone(pid) and not self._answers(), timeout=60, what=f"rabbitmq {pid} to exit")
+
+    def kill(self) -> None:
+        self._check()
+        pid = self._pid()
+        if pid is None or _gone(pid):
+            return
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _gone(pid), timeout=15, what=f"rabbitmq {pid} to exit")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def _redis_client(port: int):
     """A client that answers at once: no retries with backoff on a refused connection (redis-py's default)."""
     import redis
@@ -390,25 +501,43 @@ def machine_services(postgres_port: int = 5432, redis_port: int = 6379) -> dict[
 # --- python -m tests.services COMMAND ------------------------------------------------------------
 
 
-def _parse(argv: list[str]) -> tuple[int, list[str]]:
-    """`[--sets N] [--] COMMAND ...`: N pairs of servers (one per pytest-xdist worker), default 1."""
-    sets = 1
-    if argv[:1] == ["--sets"]:
-        sets, argv = max(int(argv[1]), 1), argv[2:]
-    return sets, (argv[1:] if argv[:1] == ["--"] else argv)
+def _parse(argv: list[str]) -> tuple[int, str, list[str]]:
+    """`[--sets N] [--broker redis|rabbitmq] [--] COMMAND ...`: N sets of servers (one per
+    pytest-xdist worker), default 1; with `--broker rabbitmq` each set adds a RabbitMQ node of its
+    own as the Celery broker (Redis stays, as the cache and the quota counters)."""
+    sets, broker = 1, "redis"
+    while argv[:1] in (["--sets"], ["--broker"]):
+        if argv[0] == "--sets":
+            sets = max(int(argv[1]), 1)
+        else:
+            broker = argv[1]
+            if broker not in ("redis", "rabbitmq"):
+                raise SystemExit(f"--broker must be redis or rabbitmq, not {broker!r}")
+        argv = argv[2:]
+    return sets, broker, (argv[1:] if argv[:1] == ["--"] else argv)
 
 
-def _environment(postgres: ThrowawayPostgres, broker: ThrowawayRedis) -> dict[str, str]:
-    return {
+def _environment(
+    postgres: ThrowawayPostgres, redis_server: ThrowawayRedis, rabbit: ThrowawayRabbit | None
+) -> dict[str, str]:
+    env = {
         "DATABASE_URL": postgres.url("test"),
-        "CELERY_BROKER_URL": broker.url(15),
+        "CELERY_BROKER_URL": redis_server.url(15),
         POSTGRES_ENV: str(postgres.folder),
-        REDIS_ENV: str(broker.folder),
+        REDIS_ENV: str(redis_server.folder),
     }
+    if rabbit is not None:
+        env.update(
+            CELERY_BROKER_URL=rabbit.url(),
+            CACHE_URL=redis_server.url(14),
+            QUOTA_REDIS_URL=redis_server.url(15),
+            **{RABBIT_ENV: str(rabbit.folder)},
+        )
+    return env
 
 
 def main(argv: list[str]) -> int:
-    sets, command = _parse(argv)
+    sets, broker_kind, command = _parse(argv)
     if not command:
         print(__doc__, file=sys.stderr)
         return 2
@@ -419,13 +548,17 @@ def main(argv: list[str]) -> int:
         environments = []
         for _ in range(sets):
             postgres, broker = ThrowawayPostgres.create(), ThrowawayRedis.create()
-            servers += [postgres, broker]
+            rabbit = ThrowawayRabbit.create() if broker_kind == "rabbitmq" else None
+            servers += [postgres, broker, *([rabbit] if rabbit else [])]
             postgres.start()
             broker.start()
+            if rabbit is not None:
+                rabbit.start()
             postgres.create_database("test")
-            environments.append(_environment(postgres, broker))
+            environments.append(_environment(postgres, broker, rabbit))
             print(
-                f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}",
+                f"throwaway PostgreSQL on port {postgres.port}, Redis on port {broker.port}"
+                + (f", RabbitMQ on port {rabbit.port}" if rabbit else ""),
                 file=sys.stderr,
                 flush=True,
             )
