@@ -54,6 +54,8 @@ def check(text, *, tool: str, override: bool = False) -> str:
     shorthand = _shorthand(text)
     if shorthand is not None:
         return shorthand
+    if not text.strip():
+        raise RuleError('must not be empty: "never", "always" or a Cedar @approval policy')
     if len(text) > MAX_LENGTH:
         raise RuleError(f"must be at most {MAX_LENGTH} characters")
     policy_id = rule_id(tool, override=override)

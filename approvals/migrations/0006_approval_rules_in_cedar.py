@@ -19,6 +19,7 @@ was written then. One line per converted rule is printed, with the Cedar it beca
 Irreversible: the code that read the old language is gone.
 """
 
+import io
 import sys
 
 import cedarpy
@@ -97,7 +98,11 @@ def convert(Tool, AgentVersion, write) -> dict:
 
 
 def forwards(apps, schema_editor) -> None:
-    convert(apps.get_model("tools", "Tool"), apps.get_model("agents", "AgentVersion"), sys.stdout.write)
+    printed = io.StringIO()
+    convert(apps.get_model("tools", "Tool"), apps.get_model("agents", "AgentVersion"), printed.write)
+    if printed.getvalue():
+        # migrate has written "Applying approvals.0006...", and writes " OK" next.
+        sys.stdout.write("\n" + printed.getvalue())
 
 
 class Migration(migrations.Migration):
