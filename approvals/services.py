@@ -30,9 +30,10 @@ def effective_policy(run: Run, tool: Tool) -> str:
 
 
 def decision_for(run: Run, tool: Tool, arguments: dict, *, step: Step | None = None) -> Decision:
-    """Whether the call needs approval: the tenant's @approval policies and the tool's approval
-    rule with the version's override (approvals/cedar.py). With the claim's step, its verdict from check_dispatch
-    is used and a call that needs no approval is counted into the day's totals (approvals/calls.py)."""
+    """Whether the call needs approval: the tenant's @approval policies, and the tool's approval
+    rule with the version's override (approvals/cedar.py). With the claim's step, its verdict from
+    check_dispatch is used and a call that needs no approval is counted into the day's totals
+    (approvals/calls.py)."""
     verdict = getattr(step, "policy_verdict", None)
     if verdict is None:
         request = calls.request_for(run, tool, arguments, user=run.created_by)
