@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from approvals.policy import PolicyError, Unconvertible, to_cedar
+from approvals.tool_rules import RuleError, check
 from llm.models import ModelEndpoint
 from tools.models import Tool
 
@@ -183,16 +183,14 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
                 add(f"limits.{key}", f"{value} is above the tenant cap of {getattr(tenant, LIMIT_CAPS[key])}")
     overrides = spec.get("approval_overrides", {})
     if not isinstance(overrides, dict):
-        add("approval_overrides", "must be an object of tool name to policy")
+        add("approval_overrides", "must be an object of tool name to approval rule")
     else:
-        for name, policy in overrides.items():
+        for name, rule in overrides.items():
             if name not in tools:
                 add(f"approval_overrides.{name}", "tool is not in this agent's tools")
             try:
-                to_cedar(str(policy), tool=str(name), policy_id="override")  # evaluated as Cedar
-            except Unconvertible as exc:
-                add(f"approval_overrides.{name}", exc.advice)
-            except PolicyError as exc:
+                check(rule, tool=str(name), override=True)  # never, always or Cedar (tool_rules)
+            except RuleError as exc:
                 add(f"approval_overrides.{name}", str(exc))
     for section, keys in (("loop", LOOP_KEYS), ("context", CONTEXT_KEYS)):
         value = spec.get(section, {})

@@ -54,8 +54,8 @@ def groups_of(user) -> list[str]:
     return sorted(TenantGroup.objects.filter(group__user=user).values_list("name", flat=True))
 
 
-def legacy_rules(run: Run, tool) -> tuple[str, ...]:
-    """The tool's `approval:` rule and the version's stricter override, to convert to Cedar."""
+def approval_rules(run: Run, tool) -> tuple[str, ...]:
+    """The tool's approval rule and the version's override of it (approvals/tool_rules.py)."""
     override = (run.version.spec.get("approval_overrides") or {}).get(tool.name)
     return (tool.approval_policy or "never", str(override) if override else "")
 
@@ -244,7 +244,7 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     """Why the tenant's policies refuse this call now, or None (see the module's opening)."""
     policies = policies_of(run)
     if policies is None:
-        return None  # no Cedar policies: only a converted `approval:` rule, in decision_for
+        return None  # no tenant policies: only the tool's approval rule, in decision_for
     tool = step.tool
     tenant_row, user_row, history = _locked_history(run, tool, user, uses_spend=policies.uses_spend)
     history, by_argument = _with_argument_totals(run, tool, step.arguments or {}, policies, history)
@@ -258,7 +258,7 @@ def check_call(run: Run, step: Step, *, user, steps=None) -> str | None:
     )
     verdict = cedar.evaluate(
         request,
-        legacy=legacy_rules(run, tool),
+        rules=approval_rules(run, tool),
         with_approval=step.status == StepStatus.PROPOSED,
         policies=policies,  # at the version the claim read: not looked up a second time
     )

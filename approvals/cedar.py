@@ -41,8 +41,8 @@ import cedarpy
 from django.db import connection
 from prometheus_client import Counter
 
+from approvals import tool_rules
 from approvals.models import PolicyMode, PolicySet, TenantPolicies
-from approvals.policy import Unconvertible, to_cedar
 
 CALL_TOOL = "call_tool"
 START_RUN = "start_run"
@@ -222,20 +222,9 @@ def _part(policies: dict) -> _Part:
 
 
 @functools.lru_cache(maxsize=4096)
-def legacy_part(tool_name: str, texts: tuple[str, ...]) -> _Part:
-    """The tool's `approval:` rule and the version's override, converted (approvals/policy.py).
-
-    A rule stored before the conversion refused its form (apply and the admin refuse it now)
-    is evaluated as its nearest stricter policy: it asks for approval at least where it did."""
-    policies = []
-    for i, text in enumerate(texts):
-        if not (text and text.strip()):
-            continue
-        policy_id = f"{tool_name}.approval{'' if i == 0 else '.override'}"
-        try:
-            policies.append(to_cedar(text, tool=tool_name, policy_id=policy_id))
-        except Unconvertible as exc:
-            policies.append(exc.nearest)
+def rules_part(tool_name: str, texts: tuple[str, ...]) -> _Part:
+    """The tool's approval rule and the version's override (approvals/tool_rules.py), parsed once."""
+    policies = [tool_rules.policy(text, tool=tool_name, override=i > 0) for i, text in enumerate(texts)]
     return split_policies("\n".join(p for p in policies if p))[1]
 
 
@@ -569,27 +558,28 @@ def _joined(first: Decision, second: Decision) -> Decision:
 
 
 def evaluate(
-    request: CallRequest, *, legacy: tuple[str, ...] = (), with_approval: bool = True, policies=_LOOKUP
+    request: CallRequest, *, rules: tuple[str, ...] = (), with_approval: bool = True, policies=_LOOKUP
 ) -> Verdict:
     """Decide one call: forbid wins, then @approval; shadow sets are evaluated alongside.
+    `rules`: the tool's approval rule and the version's override (approvals/tool_rules.py).
     `policies`: compiled sets to use instead of the tenant's (the file's policy tests)."""
     if policies is _LOOKUP:
         policies = compiled(request.tenant_id)
-    legacy_policies = legacy_part(request.tool.name, legacy) if any(t.strip() for t in legacy) else None
-    if legacy_policies is not None and legacy_policies.policies is None:
-        # `never` converts to no policy: nothing to ask, so an argument Cedar cannot take (a
-        # number past its 64 bits) must not turn into an approval of a call no rule covers.
-        legacy_policies = None
+    rule_policies = rules_part(request.tool.name, rules) if any(t.strip() for t in rules) else None
+    if rule_policies is not None and rule_policies.policies is None:
+        # `never` is no policy: nothing to ask, so an argument Cedar cannot take (a number past
+        # its 64 bits) must not turn into an approval of a call no rule covers.
+        rule_policies = None
     if policies is None:
         verdict = Verdict()
-        if with_approval and legacy_policies is not None:
+        if with_approval and rule_policies is not None:
             try:
                 cedar_request, entities = _request_and_entities(request, TenantPolicies())
             except PolicyInputError as exc:
                 # Fails closed like an @approval policy that cannot be evaluated: a person decides.
                 verdict.approval = Decision(True, f"the call's arguments cannot be checked: {exc}")
                 return verdict
-            verdict.approval = _approval_of([legacy_policies], cedar_request, entities)
+            verdict.approval = _approval_of([rule_policies], cedar_request, entities)
         return verdict
     try:
         cedar_request, entities = _request_and_entities(request, policies.config)
@@ -599,10 +589,10 @@ def evaluate(
     verdict = Verdict(denial=denial)
     if with_approval and denial is None:
         verdict.approval = approval
-        if legacy_policies is not None:
-            legacy_approval = _approval_of([legacy_policies], cedar_request, entities)
-            if legacy_approval.required:
-                verdict.approval = _joined(approval, legacy_approval)
+        if rule_policies is not None:
+            rule_approval = _approval_of([rule_policies], cedar_request, entities)
+            if rule_approval.required:
+                verdict.approval = _joined(approval, rule_approval)
     for name, enforce, approve in policies.shadow:
         denial = _deny_of(enforce, cedar_request, entities)
         if denial is not None:
@@ -614,10 +604,10 @@ def evaluate(
     return verdict
 
 
-def rule_decision(rule: str, arguments: dict, *, tool: str = "tool") -> Decision:
-    """Whether an old `approval:` rule, converted, requires approval for these arguments
-    (`manage.py policy convert` and the conversion's table of cases)."""
-    part = legacy_part(tool, (rule,))
+def rule_decision(rule: str, arguments: dict, *, tool: str = "tool", override: str = "") -> Decision:
+    """Whether a tool's approval rule (and a version's override) asks for approval of a call with
+    these arguments, by no one in particular: the rules on their own, without the tenant's sets."""
+    part = rules_part(tool, (rule, override))
     try:
         context = {"arguments": cedar_value(arguments)}
     except PolicyInputError as exc:

@@ -381,7 +381,7 @@ def run_tests(tenant, spec: PolicySpec, tools: list) -> list[tuple[str, str]]:
             editor=editor,
             editor_groups=_groups(editor) if editor else [],
         )
-        verdict = cedar.evaluate(request, legacy=(tool.approval_policy or "never",), policies=policies)
+        verdict = cedar.evaluate(request, rules=(tool.approval_policy or "never",), policies=policies)
         got, deciding = outcome(verdict)
         if got != test.expect or (test.policy and test.policy not in deciding):
             said = f"{got}" + (f" by {', '.join(deciding)}" if deciding else "")

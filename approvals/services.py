@@ -13,10 +13,9 @@ import uuid
 import jsonschema
 from django.utils import timezone
 
-from approvals import calls, cedar, reminders
+from approvals import calls, cedar, reminders, tool_rules
 from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
-from approvals.policy import stricter
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
 from runs.models import Run, Step
@@ -26,20 +25,20 @@ from tools.models import Tool
 
 
 def effective_policy(run: Run, tool: Tool) -> str:
-    """The tool's policy, made stricter (never looser) by the agent version."""
-    override = (run.version.spec.get("approval_overrides") or {}).get(tool.name)
-    return stricter(tool.approval_policy, override)
+    """The tool's approval rule and the version's override, which can only add to it."""
+    return tool_rules.effective(*calls.approval_rules(run, tool))
 
 
 def decision_for(run: Run, tool: Tool, arguments: dict, *, step: Step | None = None) -> Decision:
-    """Whether the call needs approval: the tenant's @approval policies and the tool's converted
-    `approval:` rule (approvals/cedar.py). With the claim's step, its verdict from check_dispatch
-    is used and a call that needs no approval is counted into the day's totals (approvals/calls.py)."""
+    """Whether the call needs approval: the tenant's @approval policies, and the tool's approval
+    rule with the version's override (approvals/cedar.py). With the claim's step, its verdict from
+    check_dispatch is used and a call that needs no approval is counted into the day's totals
+    (approvals/calls.py)."""
     verdict = getattr(step, "policy_verdict", None)
     if verdict is None:
         request = calls.request_for(run, tool, arguments, user=run.created_by)
         verdict = cedar.evaluate(
-            request, legacy=calls.legacy_rules(run, tool), policies=calls.policies_of(run)
+            request, rules=calls.approval_rules(run, tool), policies=calls.policies_of(run)
         )
     if not verdict.approval.required and step is not None:
         calls.count_call(step)

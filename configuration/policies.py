@@ -3,9 +3,9 @@ the file), declared attributes, totals, and policy tests (docs/policies.md).
 
     read(data, problems, source)   the section's shape into a PolicySpec, errors with their path
     apply(tenant, spec, problems)  inside apply's transaction, after the rows are written: the
-                                   tools' `approval:` rules converted to Cedar (or refused with
-                                   why), the sets validated against the generated schema, the
-                                   tests run, then installed; any problem rolls everything back
+                                   sets validated against the generated schema, the tests run
+                                   (with the tools' approval rules), then installed; any problem
+                                   rolls everything back
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from approvals.models import PolicyMode
-from approvals.policy import PolicyError, Unconvertible, to_cedar
 from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install
-from tools.models import Tool
 
 KEYS = {"default", "attributes", "users", "tools", "sets", "tests"}
 ATTRIBUTE_TYPES = {"long", "string", "bool", "set"}
@@ -236,19 +234,7 @@ def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     )
 
 
-def convert_approval_rules(tenant, problems) -> None:
-    """Every tool's `approval:` rule has a Cedar equivalent, or apply refuses it saying why."""
-    for tool in Tool.objects.filter(tenant=tenant).only("name", "approval_policy"):
-        try:
-            to_cedar(tool.approval_policy or "never", tool=tool.name, policy_id=f"{tool.name}.approval")
-        except Unconvertible as exc:
-            problems.add(f"tools.{tool.name}.approval", f"cannot be converted to Cedar exactly: {exc.advice}")
-        except PolicyError as exc:
-            problems.add(f"tools.{tool.name}.approval", f"cannot be converted to Cedar: {exc.detail}")
-
-
 def apply(tenant, spec: PolicySpec | None, problems, report) -> None:
-    convert_approval_rules(tenant, problems)
     if spec is None:
         return
     found = check(tenant, spec)

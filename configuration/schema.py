@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from approvals import tool_rules
 from configuration.convert import (
     Convert,
     _aliases,
+    _approval_rule,
     _bool,
     _choice,
     _compat,
@@ -27,7 +29,6 @@ from configuration.convert import (
     _money_arguments,
     _non_negative,
     _nullable,
-    _policy,
     _price,
     _sandbox,
     _seconds,
@@ -285,7 +286,7 @@ TOOL: Spec = {
     "name": Field("remote_name", _text(150, empty=False), required=True),
     "enabled": Field("enabled", _bool),
     "effect": Field("effect_class", _choice(EffectClass.values)),
-    "approval": Field("approval_policy", _policy),
+    "approval": Field("approval_policy", _approval_rule),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _nullable(_int(1, APPROVAL_TTL_MAX))),
     # Override the tenant's, key by key; null turns the tool's reminder or escalation off.
     "remind_after": Field("remind_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
@@ -514,6 +515,18 @@ def _check_webhook(values: dict, path: str, problems: Problems) -> None:
     values.setdefault("enabled", True)
 
 
+def _check_tool(values: dict, path: str, problems: Problems) -> None:
+    """The approval rule is never, always or a Cedar @approval permit for this tool's calls."""
+    if "approval_policy" not in values or "server" not in values or "remote_name" not in values:
+        return
+    try:
+        values["approval_policy"] = tool_rules.check(
+            values["approval_policy"], tool=f"{values['server']}__{values['remote_name']}"
+        )
+    except tool_rules.RuleError as exc:
+        problems.add(f"{path}.approval", str(exc))
+
+
 @dataclass(frozen=True)
 class Section:
     spec: Spec
@@ -527,7 +540,7 @@ SECTIONS: dict[str, Section] = {
     "users": Section(USER, lambda v: v["username"], _check_user),
     "model_endpoints": Section(ENDPOINT, lambda v: v["name"], _check_endpoint),
     "tool_servers": Section(SERVER, lambda v: v["name"], _check_server),
-    "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}"),
+    "tools": Section(TOOL, lambda v: f"{v['server']}__{v['remote_name']}", _check_tool),
     "grants": Section(GRANT, grant_key, _check_grant),
     "agents": Section(AGENT, lambda v: v["name"]),
     "webhooks": Section(WEBHOOK, lambda v: v["name"], _check_webhook),

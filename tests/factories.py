@@ -125,10 +125,23 @@ def make_agent(
     return version
 
 
+def refund_rule(tool: str) -> str:
+    """The story's refund rule: above INR 5,000, or in another currency (or either one missing),
+    a supervisor approves."""
+    return (
+        '@approval("refunds above INR 5,000, or in another currency, wait for a supervisor")\n'
+        f'permit (principal, action == Action::"{tool}", resource)\n'
+        "when {\n"
+        "  !(context.arguments has amount && context.arguments.amount <= 5000) ||\n"
+        '  !(context.arguments has currency && context.arguments.currency == "INR")\n'
+        "};"
+    )
+
+
 BANK_SETTINGS = {
     "lookup_transaction": {"effect_class": "read_only"},
     "search_tickets": {"effect_class": "read_only"},
-    "issue_refund": {"effect_class": "idempotent", "approval_policy": "amount > 5000 or currency != 'INR'"},
+    "issue_refund": {"effect_class": "idempotent", "approval_policy": refund_rule},
     "send_customer_email": {"effect_class": "unsafe"},
     "transfer_funds": {"effect_class": "unsafe", "approval_policy": "always"},
     "refund_status": {"effect_class": "read_only"},
@@ -150,6 +163,8 @@ def make_bank_tools(tenant: Tenant, url: str, *, name: str = "bank", **server_fi
     refresh(server)
     tools = {t.remote_name: t for t in Tool.objects.filter(server=server)}
     for remote, settings in BANK_SETTINGS.items():
+        # A rule names its tool's action: the refund rule is written for this server's tool.
+        settings = {k: v(tools[remote].name) if callable(v) else v for k, v in settings.items()}
         # settle_seconds 0: the example bank applies and shows a call before answering it.
         Tool.objects.filter(pk=tools[remote].pk).update(
             enabled=True, timeout_seconds=10, price_micros=1000, settle_seconds=0, **settings

@@ -4,7 +4,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
-from approvals.policy import PolicyError, Unconvertible, to_cedar
+from approvals.tool_rules import RuleError, check
 from tenants.admin_site import (
     OperatorsWrite,
     TenantGuardedAdmin,
@@ -71,15 +71,20 @@ def hints_html(annotations: dict) -> str:
 
 
 class ToolForm(forms.ModelForm):
+    class Meta:
+        model = Tool
+        fields = ["approval_policy"]  # the admin adds the rest from its fieldsets
+        help_texts = {
+            "approval_policy": 'never, always, or one Cedar permit annotated @approval("why") for this '
+            'tool\'s calls: action == Action::"<tool>" (docs/policies.md)'
+        }
+
     def clean_approval_policy(self):
-        text = self.cleaned_data["approval_policy"]
+        """never, always or one Cedar @approval permit for this tool (approvals/tool_rules.py)."""
         try:
-            to_cedar(text, tool="tool", policy_id="approval")  # what is evaluated (approvals/cedar.py)
-        except Unconvertible as exc:
-            raise forms.ValidationError(exc.advice) from None
-        except PolicyError as exc:
+            return check(self.cleaned_data["approval_policy"], tool=self.instance.name)
+        except RuleError as exc:
             raise forms.ValidationError(str(exc)) from None
-        return text
 
 
 @admin.register(Tool, site=site)

@@ -87,7 +87,7 @@ class Tool(models.Model):
     quarantined = models.BooleanField(default=False)
     quarantine_reason = models.TextField(blank=True)
     effect_class = models.CharField(max_length=16, choices=EffectClass.choices, default=EffectClass.UNSAFE)
-    approval_policy = models.TextField(default="never")
+    approval_policy = models.TextField(default="never")  # never, always or Cedar: approvals/tool_rules.py
     policy_version = models.PositiveIntegerField(default=1)
     approval_ttl_seconds = models.PositiveIntegerField(null=True, blank=True)
     timeout_seconds = models.FloatField(default=30.0)

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from django.db.models import F
 
-from approvals.policy import PolicyError, canonical
+from approvals import tool_rules
 from tools.catalog import schema_hash
 from tools.models import Tool
-
-
-def same_policy(stored: str, wanted: str) -> bool:
-    try:
-        return canonical(stored) == canonical(wanted)
-    except PolicyError:
-        return False
 
 
 def configure_tool(tool: Tool, values: dict) -> list[str]:
     """Apply settings to a tool; returns the names of the fields that changed.
 
-    A new approval policy bumps policy_version, so approvals granted under the old policy no
-    longer match the digest of the call. Quarantine is never cleared here: releasing it is a
+    A new approval rule (approvals/tool_rules.py, checked by the caller) bumps policy_version, so
+    approvals granted under the old rule no longer match the digest of the call; the same rule in
+    another layout changes nothing. Quarantine is never cleared here: releasing it is a
     person's decision (tools.catalog.release_quarantine).
     """
     changes = {
@@ -28,8 +22,8 @@ def configure_tool(tool: Tool, values: dict) -> list[str]:
         for name, value in values.items()
         if name != "approval_policy" and getattr(tool, name) != value
     }
-    if "approval_policy" in values and not same_policy(tool.approval_policy, values["approval_policy"]):
-        changes["approval_policy"] = canonical(values["approval_policy"])
+    if "approval_policy" in values and not tool_rules.same(tool.approval_policy, values["approval_policy"]):
+        changes["approval_policy"] = values["approval_policy"]
         changes["policy_version"] = F("policy_version") + 1
     if {"description", "input_schema"} & set(changes):
         changes["schema_hash"] = schema_hash(

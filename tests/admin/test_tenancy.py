@@ -185,7 +185,7 @@ def test_an_alias_moves_through_the_service_and_only_to_an_existing_version(as_r
     assert alias.version.number == 2
 
 
-def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
+def test_an_approval_rule_in_the_retired_language_is_refused_with_the_cedar_to_write(as_ravi, acme):
     echo = acme.tools["echo"]
     data = {
         "enabled": "on",
@@ -199,9 +199,32 @@ def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
 
     response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
 
+    [error] = response.context["adminform"].form.errors["approval_policy"]
+    assert "retired expression language" in error
+    assert f'permit (principal, action == Action::"{echo.name}", resource)' in error
+    assert "context.arguments.x > 1" in error
+    echo.refresh_from_db()
+    assert (echo.approval_policy, echo.policy_version) == ("always", 1)
+
+
+def test_a_policy_change_in_the_admin_bumps_the_policy_version(as_ravi, acme):
+    echo = acme.tools["echo"]
+    rule = f'@approval("x above 1")\npermit (principal, action == Action::"{echo.name}", resource)\nwhen {{ context.arguments.x > 1 }};'
+    data = {
+        "enabled": "on",
+        "effect_class": "read_only",
+        "approval_policy": rule,
+        "timeout_seconds": 30,
+        "price_micros": 0,
+        "max_attempts": 3,
+        "backoff_seconds": 1,
+    }
+
+    response = as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", data)
+
     assert response.status_code == 302
     echo.refresh_from_db()
-    assert (echo.approval_policy, echo.policy_version) == ("x > 1", 2)
+    assert (echo.approval_policy, echo.policy_version) == (rule, 2)
     as_ravi.post(f"/admin/tools/tool/{echo.pk}/change/", dict(data, timeout_seconds=31))
     echo.refresh_from_db()
     assert (echo.timeout_seconds, echo.policy_version) == (31, 2)

@@ -249,19 +249,25 @@ def test_it_stops_the_run_when_an_approval_expires_and_the_agent_says_stop(tenan
 # --- policy --------------------------------------------------------------------------------------
 
 
+ABOVE_1000 = """@approval("refunds above 1,000 from this agent wait")
+permit (principal, action == Action::"{tool}", resource)
+when {{ context.arguments.amount > 1000 }};"""
+
+
 @pytest.mark.parametrize(
     ("override", "amount", "waits"),
     [
         (None, 3000, False),  # the tool's own rule: amount > 5000
         ("never", 12499, True),  # an override cannot loosen it
-        ("amount > 1000", 3000, True),  # but can tighten it
-        ("amount > 1000", 500, False),
+        (ABOVE_1000, 3000, True),  # but can tighten it
+        (ABOVE_1000, 500, False),
         ("always", 1, True),
     ],
 )
 def test_it_applies_agent_policy_overrides_only_when_stricter(
     override, amount, waits, tenant, asha, ravi, bank, refund
 ):
+    override = override.format(tool=refund.name) if override else override
     overrides = {"approval_overrides": {refund.name: override}} if override else {}
     factories.make_agent(
         tenant, tools=[refund], turns=[refund_call(refund, amount=amount), {"text": "done"}], **overrides

@@ -26,6 +26,10 @@ pytestmark = pytest.mark.django_db
 
 ROOT = Path(__file__).resolve().parents[2]
 SLUG = "acme-test"
+# The ticket tool's approval rule: a high-priority ticket waits (a missing priority too).
+HIGH_PRIORITY = """@approval("high-priority tickets wait for a supervisor")
+permit (principal, action == Action::"crm__create_ticket", resource)
+when { !(context.arguments has priority && context.arguments.priority != "high") };"""
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +89,7 @@ def config() -> dict:
                 "name": "create_ticket",
                 "enabled": True,
                 "effect": "unsafe",
-                "approval": "priority == 'high'",
+                "approval": HIGH_PRIORITY,
                 "price": 0.01,
                 "description": "Open a ticket.",
                 "input_schema": {"type": "object", "properties": {"priority": {"type": "string"}}},
@@ -182,7 +186,7 @@ def test_it_stores_the_file_values():
     )
     ticket = Tool.objects.get(tenant=tenant, name="crm__create_ticket")
     assert (ticket.price_micros, ticket.effect_class, ticket.enabled) == (10_000, "unsafe", True)
-    assert ticket.approval_policy == "priority == 'high'"
+    assert ticket.approval_policy == HIGH_PRIORITY
     asha = User.objects.get(username="asha")
     assert asha.tenant == tenant and asha.check_password("pw-asha")
     assert list(asha.groups.values_list("name", flat=True)) == [f"{SLUG}:support-agents"]
@@ -224,7 +228,7 @@ def test_it_reports_every_bad_field_and_writes_nothing():
         ("tenant.time_zone", "unknown time zone 'Mars/Olympus'; use an IANA name such as Asia/Kolkata"),
         ("users[0].email", "must be an email address"),
         ("tools[0].effect", "must be one of read_only, idempotent, reconcilable, unsafe"),
-        ("tools[1].approval", "unexpected end of policy at position 8"),
+        ("tools[1].approval", "Cedar cannot parse it: unexpected token `>`"),
         ("grants[0].use[1]", "no group named 'nobody'"),
         ("agents[0].versions[1].tools[1]", "no tool named 'crm__nothing' in this tenant"),
         ("agents[1].aliases.prod", "agent 'other' has no version 9"),
@@ -338,7 +342,10 @@ def test_it_bumps_the_policy_version_only_when_the_policy_changes():
     assert Tool.objects.get(name="crm__create_ticket").policy_version == 1
 
     data = config()
-    data["tools"][1]["approval"] = '  priority   == "high" '  # same rule, other layout
+    # The same rule in another layout, with a comment and its own @id: the same rule.
+    data["tools"][1]["approval"] = '@id("crm__create_ticket.approval")\n// ours\n' + " ".join(
+        HIGH_PRIORITY.split()
+    )
     apply_config(data)
     assert Tool.objects.get(name="crm__create_ticket").policy_version == 1
 

@@ -109,16 +109,33 @@ def test_an_old_approval_rule_without_a_cedar_equivalent_is_refused_with_why(tmp
     with pytest.raises(ConfigError) as caught:
         apply_config(data)
     assert any(
-        p == "tools.crm__create_ticket.approval"
+        p == "tools[1].approval"
+        and "retired expression language" in m
         and "no Cedar equivalent" in m
         and "The nearest stricter Cedar policy" in m
         and 'permit (principal, action == Action::"crm__create_ticket", resource)' in m
         for p, m in caught.value.errors
-    )
+    ), caught.value.errors
 
 
-def test_an_old_approval_rule_is_converted_and_decides_with_cedar_in_the_files_tests(tmp_path):
-    # config()'s ticket tool keeps `approval: priority == 'high'`: converted, it asks for approval.
+def test_an_old_approval_rule_is_refused_with_the_cedar_to_write(tmp_path):
+    data = config()
+    data["tools"][1]["approval"] = "priority == 'high'"
+    data["agents"][0]["versions"][1]["approval_overrides"] = {"crm__create_ticket": "priority != 'low'"}
+    with pytest.raises(ConfigError) as caught:
+        apply_config(data)
+    errors = dict(caught.value.errors)
+    tool = errors["tools[1].approval"]
+    assert "retired expression language" in tool and "Write:" in tool
+    assert "@approval(\"policy: priority == 'high'\")" in tool
+    assert 'context.arguments.priority == "high"' in tool
+    override = errors["agents[0].versions[1].approval_overrides.crm__create_ticket"]
+    assert '@id("crm__create_ticket.approval.override")' in override
+    assert not Tenant.objects.filter(slug=SLUG).exists()
+
+
+def test_the_tools_cedar_rule_decides_in_the_files_tests(tmp_path):
+    # config()'s ticket tool has a Cedar rule: a high-priority ticket waits, a low one does not.
     high = {
         "name": "high waits",
         "principal": "asha",
@@ -127,12 +144,33 @@ def test_an_old_approval_rule_is_converted_and_decides_with_cedar_in_the_files_t
         "expect": "approval",
         "policy": "crm__create_ticket.approval",
     }
-    path = write_file(tmp_path, sets(tests=[high]))
+    low = {**high, "name": "low goes", "arguments": {"priority": "low"}, "expect": "allow"}
+    del low["policy"]
+    path = write_file(tmp_path, sets(tests=[high, low]))
     apply_config(load_file(path))
+    wrong = {**low, "expect": "approval"}
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(write_file(tmp_path, sets(tests=[wrong]))))
+    assert any("expected approval, got allow" in m for _, m in caught.value.errors)
+
+
+def test_policy_convert_prints_the_cedar_of_rules_in_the_retired_language(tmp_path):
+    path = write_file(tmp_path, sets())
+    data = yaml.safe_load(path.read_text())
+    data["tools"][1]["approval"] = "priority == 'high'"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     out = StringIO()
     call_command("policy", "convert", str(path), stdout=out)
+    assert "// tools[1].approval (crm__create_ticket): priority == 'high'" in out.getvalue()
     assert "@approval(\"policy: priority == 'high'\")" in out.getvalue()
     assert 'context.arguments.priority == "high"' in out.getvalue()
+    assert "// tools[0].approval" not in out.getvalue()  # no approval: given, nothing to convert
+    data["tools"][1]["approval"] = "tags == ['a']"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    err = StringIO()
+    with pytest.raises(CommandError, match="1 rule"):
+        call_command("policy", "convert", str(path), stdout=StringIO(), stderr=err)
+    assert "The nearest stricter Cedar policy" in err.getvalue()
 
 
 def test_policy_test_command_runs_the_files_tests(tmp_path):

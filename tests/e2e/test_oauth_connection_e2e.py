@@ -43,7 +43,11 @@ def test_a_run_waits_for_the_connection_resumes_on_a_worker_and_a_revoke_denies_
         tool = statements_tool(tenant, servers.mcp_url, users=[asha])
         # The second month's statements need a supervisor's approval: the run waits there, and
         # asha disconnects meanwhile.
-        tool.approval_policy = "month == '2026-02'"
+        tool.approval_policy = (
+            '@approval("February\'s statements wait for a supervisor")\n'
+            f'permit (principal, action == Action::"{tool.name}", resource)\n'
+            'when { !(context.arguments has month && context.arguments.month != "2026-02") };'
+        )
         tool.save()
         factories.grant(tool, approve=[ravi])
         factories.make_agent(

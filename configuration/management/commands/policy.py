@@ -2,8 +2,9 @@
 
 test     the policy tests of FILE's `policies:` section, with its sets validated against the
          schema generated for the tenant as it stands (apply runs the same, then writes)
-convert  the Cedar policy each `approval:` rule of FILE's tools is evaluated as (or why a
-         rule has none)
+convert  the Cedar to write for each rule of FILE still in the retired expression language (a
+         tool's `approval:`, a version's `approval_overrides`), or why a rule has no exact Cedar
+         equivalent (with the nearest stricter policy); apply refuses such a file
 report   what the tenant's shadow-mode policy sets would have decided over its last N calls
 """
 
@@ -13,8 +14,9 @@ from collections import Counter
 
 from django.core.management.base import BaseCommand, CommandError
 
+from approvals import tool_rules
+from approvals.migrations import _retired_rules as retired
 from approvals.models import ShadowDecision
-from approvals.policy import PolicyError, Unconvertible, to_cedar
 from approvals.policy_sets import check
 from configuration import policies
 from configuration.apply import ConfigError, load_file
@@ -28,7 +30,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         sub = parser.add_subparsers(dest="what", required=True)
         sub.add_parser("test", help="run the file's policy tests").add_argument("file")
-        sub.add_parser("convert", help="print the Cedar of the file's approval: rules").add_argument("file")
+        sub.add_parser(
+            "convert", help="print the Cedar for the file's rules in the retired expression language"
+        ).add_argument("file")
         report = sub.add_parser("report", help="shadow-mode decisions over the last N calls")
         report.add_argument("tenant", help="the tenant's slug")
         report.add_argument("--last", type=int, default=1000)
@@ -62,23 +66,28 @@ class Command(BaseCommand):
     def _convert(self, file: str, **_) -> None:
         data = self._load(file)
         refused = 0
-        for i, tool in enumerate(data.get("tools") or []):
-            rule = str(tool.get("approval", "never"))
-            name = f"{tool.get('server')}__{tool.get('name')}"
+        for path, tool, rule, override in _rules(data):
             try:
-                text = to_cedar(rule, tool=name, policy_id=f"{name}.approval")
-            except Unconvertible as exc:
-                refused += 1
-                self.stderr.write(f"tools[{i}] {name}: {rule!r} has no exact Cedar equivalent: {exc.advice}")
+                tool_rules.check(rule, tool=tool, override=override)
+                self.stdout.write(f"// {path} ({tool}): already never, always or Cedar\n")
                 continue
-            except PolicyError as exc:
+            except tool_rules.RuleError as exc:
+                problem = str(exc)
+            policy_id = tool_rules.rule_id(tool, override=override)
+            try:
+                text = retired.to_cedar(str(rule), tool=tool, policy_id=policy_id)
+            except retired.Unconvertible as exc:
                 refused += 1
-                self.stderr.write(f"tools[{i}] {name}: {rule!r} does not parse: {exc}")
+                self.stderr.write(f"{path} ({tool}): {rule!r} has no exact Cedar equivalent: {exc.advice}")
                 continue
-            self.stdout.write(f"// tools[{i}] {name}: approval: {rule}")
-            self.stdout.write((text or "// never: no policy") + "\n")
+            except retired.PolicyError:
+                refused += 1
+                self.stderr.write(f"{path} ({tool}): {problem}")
+                continue
+            self.stdout.write(f"// {path} ({tool}): {rule}")
+            self.stdout.write(text + "\n")
         if refused:
-            raise CommandError(f"{file}: {refused} rule(s) cannot be converted")
+            raise CommandError(f"{file}: {refused} rule(s) have no exact Cedar equivalent or are not rules")
 
     def _report(self, tenant: str, last: int, **_) -> None:
         found = Tenant.objects.filter(slug=tenant).first()
@@ -97,3 +106,17 @@ class Command(BaseCommand):
             for (s, o, policy), n in sorted(by_policy.items()):
                 if (s, o) == (policy_set, outcome) and outcome != "allow":
                     self.stdout.write(f"    {policy}: {n}")
+
+
+def _rules(data: dict):
+    """(path in the file, tool, rule, is an override) for each approval rule of the file."""
+    for i, tool in enumerate(data.get("tools") or []):
+        if isinstance(tool, dict) and "approval" in tool:
+            yield f"tools[{i}].approval", f"{tool.get('server')}__{tool.get('name')}", tool["approval"], False
+    for i, agent in enumerate(data.get("agents") or []):
+        versions = agent.get("versions") if isinstance(agent, dict) else None
+        for j, spec in enumerate(versions if isinstance(versions, list) else []):
+            overrides = spec.get("approval_overrides") if isinstance(spec, dict) else None
+            if isinstance(overrides, dict):
+                for name, rule in overrides.items():
+                    yield f"agents[{i}].versions[{j}].approval_overrides.{name}", str(name), rule, True

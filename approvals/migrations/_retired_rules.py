@@ -1,11 +1,12 @@
-"""The retired approval expressions (``amount > 5000 or currency != "INR"``), kept only to convert
-them into Cedar (approvals/cedar.py decides; docs/policies.md).
+"""The retired approval expressions (``amount > 5000 or currency != "INR"``), read one way: into
+Cedar. Frozen with the migration that converted every stored rule (0006_approval_rules_in_cedar);
+nothing evaluates them and nothing stores them any more (approvals/tool_rules.py holds the Cedar).
 
-A tool's `approval:` in a configuration file, an agent version's `approval_overrides` and the
-admin's approval field still accept the old text; it is parsed here (tokenised and parsed by
-hand; nothing reaches eval) and translated by `to_cedar` into one Cedar permit annotated
-`@approval`, which is what is evaluated. A form with no Cedar equivalent is refused with a
-PolicyError that says what to write instead.
+Two readers: that migration, once, and approvals/tool_rules.py, which answers a rule still
+written this way (in a file, in the admin, in a version's overrides) with the Cedar to write
+instead. The text is tokenised and parsed by hand (nothing reaches eval) and `to_cedar` gives one
+Cedar permit annotated `@approval`; a form with no exact Cedar equivalent raises Unconvertible,
+carrying the nearest stricter Cedar policy.
 
 The old language was fail safe: a comparison whose field is missing or whose operands have
 incompatible types is *unknown*, unknowns combine with Kleene logic, and an unknown result
@@ -33,9 +34,8 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Unconvertible",
-    "canonical",
     "parse_policy",
-    "stricter",
+    "to_cedar",
 ]
 
 
@@ -453,36 +453,6 @@ def _render_literal(value: LiteralValue) -> str:
     escaped = value.replace("\\", "\\\\").replace("'", "\\'")
     escaped = escaped.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
     return f"'{escaped}'"
-
-
-def canonical(policy: str | Policy) -> str:
-    """Normalised text for digests: equal for texts differing only in layout."""
-    if isinstance(policy, str):
-        policy = parse_policy(policy)
-    return policy.text
-
-
-def stricter(base: str, override: str | None) -> str:
-    """Effective policy when an agent version overrides a tool's policy.
-
-    The result requires approval whenever either policy does, so an override
-    can only tighten the base, never loosen it.
-    """
-    base_root = parse_policy(base).root
-    if override is None or not override.strip():
-        return _render(base_root)
-    override_root = parse_policy(override).root
-    if isinstance(base_root, Always) or isinstance(override_root, Always):
-        return "always"
-    if isinstance(override_root, Never):
-        return _render(base_root)
-    if isinstance(base_root, Never):
-        return _render(override_root)
-    text = _render(_combine(Or, [base_root, override_root]))
-    if len(text) > MAX_LENGTH:
-        # Refuse rather than truncate: a shortened policy could be looser.
-        raise PolicyError(f"combined policy longer than {MAX_LENGTH} characters", 0)
-    return text
 
 
 # --------------------------------------------------------------------------
