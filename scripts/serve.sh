@@ -6,7 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export DATABASE_URL=${DATABASE_URL:-postgres://root@127.0.0.1:5432/agentplatform}
-export CELERY_BROKER_URL=${CELERY_BROKER_URL:-redis://127.0.0.1:6379/0}
+# RabbitMQ (quorum queues) is the production broker: it cost least per step in bench/peers.py and
+# keeps its messages through its own restarts (docs/operations.md "The broker"); Redis is the cache
+# and the quota counters, and stays supported as the broker (CELERY_BROKER_URL=redis://...).
+export CELERY_BROKER_URL=${CELERY_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672//}
+case "$CELERY_BROKER_URL" in
+  redis*) ;;
+  *) export CACHE_URL=${CACHE_URL:-redis://127.0.0.1:6379/0} ;;
+esac
 export DB_POOL_MAX=${DB_POOL_MAX:-20}
 export AGENTPLATFORM_VAR_DIR=${AGENTPLATFORM_VAR_DIR:-var}
 # Each process writes its counters here and /metrics adds them up; stale files from an earlier
