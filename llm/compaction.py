@@ -1,0 +1,266 @@
+"""Compaction: a long run's old turns folded into a compact record, written once (DESIGN.md 8).
+
+Masking (llm/context.py) keeps old results short, but every model turn and every masked stub
+stays in the history, so the last request grows with the run and passes any context window at a
+few hundred steps. Compaction bounds it, without a model and without changing what was written:
+
+| operation | what it does |
+|---|---|
+| `plan(messages, results, policy)` | the run's folds: where each one cut, replayed from its call points |
+| `records(found)` | the digest and the records of the folds, the messages that follow the input |
+
+The protocol, stated once:
+- **Call points.** A model call was made before each assistant message and is being planned at
+  the end of the conversation: the request at call point `p` held `messages[:p]`. Steps are final
+  once a model call is planned (runs/engine/conversation.py), so these never change.
+- **Folds.** At each call point, in order, the live history (the turns after the last fold, each
+  result counted at the size it is shown: its head and pointer) is measured. Over
+  `compact_after_tokens`, every live turn but the newest `compact_keep_turns` is folded: its
+  assistant message and its tool messages leave the conversation, and one record takes their
+  place. A fold cuts only before an assistant message, so no tool result is parted from its call.
+- **Written once.** Replaying from the first call point gives the same folds on every call, so a
+  record, once written, is the same bytes on every later request and a prompt cache reads it back.
+  A fold rewrites the history once, from the new record on, in the request that makes it.
+- **Where records go.** After the run's input, one user message each: [input][digest][records],
+  then the live turns. A fold appends a record, so everything up to the previous record stays the
+  same bytes. The providers send them as one user turn: Anthropic as one block each (so a cache
+  breakpoint on the newest record lets the next fold read every earlier one back), the OpenAI
+  wire joined by blank lines (chat templates of self-hosted servers want roles to alternate).
+- **Bounded.** Records over `compact_record_tokens` in total are merged, oldest first, into the
+  digest until they hold half of it: per tool, how many results and the first and last step, and
+  the latest refusals. The digest grows with the number of tools, not of steps, so a 1,000-step
+  run's last request is the size of a 200-step run's. A merge rewrites from the digest on, once
+  every several folds.
+- **Nothing is lost.** Every folded result is stored on its step; the record names its step and
+  `read_result` reads it back, in pages. Loop detection and approvals read the step log, never
+  the prompt, so a fold changes nothing they decide.
+
+Pure and deterministic: the same steps and policy give the same bytes on every call and in every
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llm.tokens import CHARS_PER_TOKEN, MESSAGE_OVERHEAD, estimate_text, message_tokens
+from llm.types import Message
+
+
+# What this module reads of llm.context's Result and ContextPolicy (context imports this module).
+class Result(Protocol):
+    @property
+    def seq(self) -> int: ...
+    @property
+    def tool_name(self) -> str: ...
+    @property
+    def total_chars(self) -> int: ...
+    @property
+    def refusal(self) -> str: ...
+
+
+class ContextPolicy(Protocol):
+    @property
+    def compacts(self) -> bool: ...
+    @property
+    def compact_after_tokens(self) -> int: ...
+    @property
+    def compact_keep_turns(self) -> int: ...
+    @property
+    def compact_record_tokens(self) -> int: ...
+    def limit_for(self, tool_name: str) -> int: ...
+
+
+POINTER_CHARS = 170  # a head's pointer note (llm.context.pointer), as counted for the budget
+ARGUMENT_CHARS = 120  # of a folded call's arguments, in its record line
+HEAD_CHARS = 100  # of a folded result, in its record line
+TEXT_CHARS = 200  # of the model's own words in a folded turn
+REFUSALS_KEPT = 10  # the digest's latest refusals (denied, rejected, approval expired)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One folded tool result, as its record shows it (and the digest counts it)."""
+
+    seq: int
+    tool_name: str
+    text: str
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One fold: the messages [start, end) it took out of the conversation, and what it wrote."""
+
+    start: int
+    end: int
+    at: int  # the call point that made it
+    record: str
+    lines: tuple[Line, ...]
+    turns: int  # assistant messages folded
+    live_before: int  # estimated tokens of the live history at `at`, before the fold
+    live_after: int  # and after it (the turns it kept)
+
+
+@dataclass
+class Plan:
+    """The folds of a conversation and what the digest took from the oldest of them."""
+
+    folds: list[Fold] = field(default_factory=list)
+    digested: int = 0  # the first `digested` folds are merged into the digest
+
+    @property
+    def live_start(self) -> int:
+        return self.folds[-1].end if self.folds else 1
+
+
+def shown_tokens(message: Message, result: Result | None, policy: ContextPolicy) -> int:
+    """A message's estimated tokens as the live history shows it: a tool result at its head and
+    pointer (masking only shortens it further: the budget is an upper bound)."""
+    if result is None:
+        return message_tokens(message)
+    chars = len(message.content)
+    limit = policy.limit_for(result.tool_name)
+    if chars > limit and result.tool_name != "read_result":  # a page already: shown whole
+        chars = limit + POINTER_CHARS
+    return MESSAGE_OVERHEAD + math.ceil((chars + 2) / CHARS_PER_TOKEN)
+
+
+def plan(messages: list[Message], results: Mapping[int, Result], policy: ContextPolicy) -> Plan:
+    """The folds of the conversation, replayed from its first call point to its end."""
+    found = Plan()
+    if not policy.compacts or len(messages) < 3:
+        return found
+    cost = [0] * (len(messages) + 1)  # prefix sums of each message's shown tokens
+    for i, message in enumerate(messages):
+        cost[i + 1] = cost[i] + shown_tokens(message, results.get(i), policy)
+    starts = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    live_turns: list[int] = []  # starts of the live turns, up to the current call point
+    for point in [*starts, len(messages)]:
+        live = found.live_start
+        before = cost[point] - cost[live]
+        if before > policy.compact_after_tokens and len(live_turns) > policy.compact_keep_turns:
+            cut = live_turns[-policy.compact_keep_turns]
+            folded = [i for i in live_turns if i < cut]
+            found.folds.append(
+                _fold(messages, results, live, cut, point, folded, before, cost[point] - cost[cut])
+            )
+            live_turns = live_turns[-policy.compact_keep_turns :]
+            _digest(found, policy)
+        if point < len(messages):
+            live_turns.append(point)
+    return found
+
+
+def _fold(
+    messages: list[Message],
+    results: Mapping[int, Result],
+    start: int,
+    end: int,
+    at: int,
+    turns: list[int],
+    live_before: int,
+    live_after: int,
+) -> Fold:
+    calls = {call.id: call for m in messages[start:end] if m.role == "assistant" for call in m.tool_calls}
+    lines, said = [], []
+    for i in range(start, end):
+        message = messages[i]
+        if message.role == "assistant" and message.content.strip():
+            said.append(f"model: {_flat(message.content, TEXT_CHARS)}")
+        result = results.get(i)
+        if message.role != "tool" or result is None:
+            continue
+        call = calls.get(message.tool_call_id)
+        arguments = (
+            _flat(json.dumps(call.arguments, sort_keys=True, ensure_ascii=False), ARGUMENT_CHARS)
+            if call
+            else ""
+        )
+        total = max(result.total_chars, len(message.content))
+        if result.refusal:
+            outcome = f"{result.refusal}: {_flat(message.content, HEAD_CHARS)}"
+        elif message.is_error:
+            outcome = f"error: {_flat(message.content, HEAD_CHARS)}"
+        else:
+            outcome = f"{total} characters: {_flat(message.content, HEAD_CHARS)}"
+        text = f"step {result.seq} {result.tool_name} {arguments} -> {outcome}"
+        lines.append(Line(seq=result.seq, tool_name=result.tool_name, text=text, refusal=result.refusal))
+    seqs = [line.seq for line in lines]
+    span = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"
+    record = "\n".join(
+        [
+            f"[platform: {span} folded ({len(turns)} model turns, {len(lines)} tool results); each "
+            "result is stored: call read_result with its step to see it again]",
+            *said,
+            *(line.text for line in lines),
+        ]
+    )
+    return Fold(
+        start=start,
+        end=end,
+        at=at,
+        record=record,
+        lines=tuple(lines),
+        turns=len(turns),
+        live_before=live_before,
+        live_after=live_after,
+    )
+
+
+def _digest(found: Plan, policy: ContextPolicy) -> None:
+    """Merge the oldest records into the digest once the records pass their budget, down to
+    half of it, so a merge (a rewrite of the records) happens once every several folds."""
+    kept = found.folds[found.digested :]
+    total = sum(estimate_text(f.record) for f in kept)
+    if total <= policy.compact_record_tokens:
+        return
+    while len(kept) > 1 and total > policy.compact_record_tokens // 2:
+        total -= estimate_text(kept[0].record)
+        kept = kept[1:]
+        found.digested += 1
+
+
+def digest(folds: list[Fold]) -> str:
+    """The merged records: per tool, its results and their first and last step; the latest
+    refusals; how to read any of them back. Bounded by the number of tools."""
+    if not folds:
+        return ""
+    tools: dict[str, list[int]] = {}
+    refusals: list[str] = []
+    turns = 0
+    for fold in folds:
+        turns += fold.turns
+        for line in fold.lines:
+            tools.setdefault(line.tool_name, []).append(line.seq)
+            if line.refusal:
+                refusals.append(line.text)
+    seqs = [s for found in tools.values() for s in found]
+    span = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"
+    parts = [
+        f"[platform: {span} folded earlier ({turns} model turns, {len(seqs)} tool results); each result "
+        "is stored: call read_result with its step to see it again]"
+    ]
+    for name in sorted(tools):
+        found = tools[name]
+        where = f"step {found[0]}" if len(found) == 1 else f"steps {found[0]} to {found[-1]}"
+        parts.append(f"{name}: {len(found)} result{'s' if len(found) > 1 else ''}, {where}")
+    if refusals:
+        parts.append(f"refused (latest {min(len(refusals), REFUSALS_KEPT)} of {len(refusals)}):")
+        parts.extend(refusals[-REFUSALS_KEPT:])
+    return "\n".join(parts)
+
+
+def records(found: Plan) -> list[Message]:
+    """The digest and the records, one user message each, to follow the run's input."""
+    texts = [digest(found.folds[: found.digested])] + [fold.record for fold in found.folds[found.digested :]]
+    return [Message(role="user", content=text) for text in texts if text]
+
+
+def _flat(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit] + "…"
