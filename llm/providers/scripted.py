@@ -9,8 +9,8 @@ when it is JSON); "$artifact.N" by the id of the N-th artifact the run's files a
 exist, then the model answers "done" (or `final_text`), or, with `recall`, answers from an early
 result the way a model would: {"recall": {"tool": "vault", "pattern": "code=(\\w+)", "text": "the
 code is {0}"}} answers `text` with the pattern's groups once some message shows it, and until
-then calls read_result on that tool's step, found in the compact record of folded turns
-(llm/compaction.py).
+then calls read_result on that tool's step, found in its masked result's note or in the compact
+record of folded turns (llm/compaction.py).
 
 Turns folded into a record count as turns made (and their results as results): the record says
 how many it holds, which is how the model knows where it is in its script.
@@ -80,6 +80,9 @@ _FOLDED = re.compile(
 )
 
 
+_STEP_NOTE = re.compile(r"\[platform: (?:older )?result of step (\d+)")
+
+
 def _records(request: ModelRequest) -> str:
     """The compact records of folded turns: the user messages after the run's input."""
     return "\n".join(m.content for m in request.messages[1:] if m.role == "user")
@@ -98,11 +101,27 @@ def _recall(request: ModelRequest, recall: dict) -> dict:
         match = pattern.search(message.content or "")
         if match:
             return {"text": recall["text"].format(*match.groups())}
+    # Its call still in the conversation, its result masked: the stub names the step.
+    calls = {
+        c.id
+        for m in request.messages
+        if m.role == "assistant"
+        for c in m.tool_calls
+        if c.name == recall["tool"]
+    }
+    for message in request.messages:
+        stub = (
+            _STEP_NOTE.search(message.content)
+            if message.role == "tool" and message.tool_call_id in calls
+            else None
+        )
+        if stub:
+            return {"tool_calls": [{"name": "read_result", "arguments": {"step": int(stub.group(1))}}]}
     tool = re.escape(recall["tool"])
-    first = _records(request)
+    folded = _records(request)
     # A record line ("step 4 vault {...} -> ...") or the digest's line ("vault: 1 result, step 4").
-    where = re.search(rf"^step (\d+) {tool} ", first, re.M) or re.search(
-        rf"^{tool}: \d+ results?, steps? (\d+)", first, re.M
+    where = re.search(rf"^step (\d+) {tool} ", folded, re.M) or re.search(
+        rf"^{tool}: \d+ results?, steps? (\d+)", folded, re.M
     )
     if where is None:
         return {"text": f"I cannot find the result of {recall['tool']}"}
