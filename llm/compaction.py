@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llm.tokens import CHARS_PER_TOKEN, MESSAGE_OVERHEAD, estimate_text, message_tokens
-from llm.types import Message
+from llm.types import Message, ToolCall
 
 
 # What this module reads of llm.context's Result and ContextPolicy (context imports this module).
@@ -166,30 +166,20 @@ def _fold(
     live_before: int,
     live_after: int,
 ) -> Fold:
-    calls = {call.id: call for m in messages[start:end] if m.role == "assistant" for call in m.tool_calls}
+    calls: dict[str, ToolCall] = {}
     lines, said = [], []
     for i in range(start, end):
         message = messages[i]
-        if message.role == "assistant" and message.content.strip():
-            said.append(f"model: {_flat(message.content, TEXT_CHARS)}")
+        if message.role == "assistant":
+            calls.update((call.id, call) for call in message.tool_calls)
+            if message.content.strip():
+                said.append(f"model: {_flat(message.content, TEXT_CHARS)}")
         result = results.get(i)
         if message.role != "tool" or result is None:
             continue
-        call = calls.get(message.tool_call_id)
-        arguments = (
-            _flat(json.dumps(call.arguments, sort_keys=True, ensure_ascii=False), ARGUMENT_CHARS)
-            if call
-            else ""
-        )
-        total = max(result.total_chars, len(message.content))
-        if result.refusal:
-            outcome = f"{result.refusal}: {_flat(message.content, HEAD_CHARS)}"
-        elif message.is_error:
-            outcome = f"error: {_flat(message.content, HEAD_CHARS)}"
-        else:
-            outcome = f"{total} characters: {_flat(message.content, HEAD_CHARS)}"
-        text = f"step {result.seq} {result.tool_name} {arguments} -> {outcome}"
-        lines.append(Line(seq=result.seq, tool_name=result.tool_name, text=text, refusal=result.refusal))
+        if not isinstance(message.record_line, Line):
+            message.record_line = _line(message, result, calls.get(message.tool_call_id))
+        lines.append(message.record_line)
     seqs = [line.seq for line in lines]
     span = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"
     record = "\n".join(
@@ -210,6 +200,20 @@ def _fold(
         live_before=live_before,
         live_after=live_after,
     )
+
+
+def _line(message: Message, result: Result, call: ToolCall | None) -> Line:
+    """A folded result's line: its step, tool, arguments, and size and start (or why it failed)."""
+    arguments = json.dumps(call.arguments, sort_keys=True, ensure_ascii=False) if call else ""
+    total = max(result.total_chars, len(message.content))
+    if result.refusal:
+        outcome = f"{result.refusal}: {_flat(message.content, HEAD_CHARS)}"
+    elif message.is_error:
+        outcome = f"error: {_flat(message.content, HEAD_CHARS)}"
+    else:
+        outcome = f"{total} characters: {_flat(message.content, HEAD_CHARS)}"
+    text = f"step {result.seq} {result.tool_name} {_flat(arguments, ARGUMENT_CHARS)} -> {outcome}"
+    return Line(seq=result.seq, tool_name=result.tool_name, text=text, refusal=result.refusal)
 
 
 def _digest(found: Plan, policy: ContextPolicy) -> None:
@@ -262,5 +266,7 @@ def records(found: Plan) -> list[Message]:
 
 
 def _flat(text: str, limit: int) -> str:
-    flat = " ".join(text.split())
+    # Only the start is shown: splitting a whole 6,000-character result on every call cost
+    # milliseconds at a few hundred steps.
+    flat = " ".join(text[: limit * 4].split())
     return flat if len(flat) <= limit else flat[:limit] + "…"
