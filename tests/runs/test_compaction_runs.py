@@ -12,6 +12,7 @@ from runs.models import RunEvent, Step
 from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
+from tests.fakes.model_servers import FakeOpenAI
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -130,3 +131,46 @@ def test_a_fold_planned_again_is_recorded_once(tenant, asha, builtins):
         .order_by("seq")
         .values_list("step_seq", flat=True)
     ) == [7, 11]
+
+
+def test_over_the_openai_wire_a_refused_call_is_named_in_the_record_that_folds_it(tenant, asha, builtins):
+    """The real engine and client against the fake server: the request after the fold carries the
+    input and the record as one user turn, then the live turn; the refusal is in the record; the
+    fake's prefix cache reads the record back on the next call."""
+    echo, noop, clock = builtins["echo"], builtins["noop"], builtins["clock"]
+    factories.grant(noop, use=[asha])  # not clock: its call is denied
+    fake = FakeOpenAI(min_cacheable_tokens=0)
+    fake.start()
+    try:
+        endpoint = factories.make_endpoint(tenant, name="gpt", kind="openai", base_url=fake.base_url)
+        factories.make_agent(
+            tenant, endpoint=endpoint, tools=[echo, noop, clock], context=CONTEXT, limits=LIMITS
+        )
+        fake.queue(
+            {"tool_calls": [{"name": clock.name, "arguments": {}}]},
+            *({"tool_calls": [{"name": noop.name, "arguments": {"i": i}}]} for i in range(12)),
+            {"text": "done"},
+        )
+        run, _ = start_run(user=asha, agent="agent", input={"case": "refused"})
+        run = drive(run.pk)
+        assert run.status == "succeeded", run.error
+    finally:
+        fake.stop()
+
+    assert Step.objects.get(run=run, seq=2).status == "denied"
+    last = fake.requests[-1]["messages"]
+    assert [m["role"] for m in last[:2]] == ["system", "user"]
+    assert last[1]["content"].startswith('{"case": "refused"}\n\n[platform: ')
+    folded = "\n".join(m["content"] for m in fake.requests[-1]["messages"] if m["role"] == "user")
+    assert f"step 2 {clock.name} {{}} -> denied: " in folded or f"{clock.name}: 1 result, step 2" in folded
+    assert last[2]["role"] == "assistant"  # then the live turns, each call before its result
+    assert len(last) < 10
+    # A call after a fold starts with the fold's request: the input and records are read back.
+    folds = [e.step_seq for e in RunEvent.objects.filter(run=run, kind=compacted.KIND)]
+    assert folds
+    usage = {s.seq: s.usage for s in Step.objects.filter(run=run, kind="model")}
+    after = min(seq for seq in usage if seq > folds[0])
+    assert (
+        usage[after]["cached_input_tokens"]
+        >= usage[after]["input_tokens"] + usage[after]["cached_input_tokens"] - 300
+    )
