@@ -320,11 +320,13 @@ def flatness(kind: str) -> list[str]:
     at_200 = min(on.calls, key=lambda c: abs(c.seq - 200))
     last = on.calls[-1]
     later = [c.sent for c in on.calls if c.seq >= at_200.seq]
+    swing = max(later) / min(later) - 1
     print(
         f"\n== {kind} wire: {FLAT_TOOL_TURNS} tool turns ({on.calls[-1].seq} steps), masking + compaction ==\n"
         f"request at step {at_200.seq}: {at_200.sent:,} tokens; last request (step {last.seq}): {last.sent:,} "
         f"tokens ({last.sent / at_200.sent - 1:+.1%}); from step {at_200.seq} on: {min(later):,} to "
-        f"{max(later):,}; sent {on.sent:,} tokens, cached from call 5 {percent(on.cached_share(), 1).strip()}"
+        f"{max(later):,} (the largest {swing:.1%} above the smallest); sent {on.sent:,} tokens, cached from "
+        f"call 5 {percent(on.cached_share(), 1).strip()}"
     )
     return [] if abs(last.sent / at_200.sent - 1) <= FLAT_WITHIN else [f"{kind} 1,000 steps: flat"]
 

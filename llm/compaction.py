@@ -27,7 +27,7 @@ The protocol, stated once:
   breakpoint on the newest record lets the next fold read every earlier one back), the OpenAI
   wire joined by blank lines (chat templates of self-hosted servers want roles to alternate).
 - **Bounded.** Records over `compact_record_tokens` in total are merged, oldest first, into the
-  digest until they hold half of it: per tool, how many results and the first and last step, and
+  digest until they hold three quarters of it: per tool, how many results and the first and last step, and
   the latest refusals. The digest grows with the number of tools, not of steps, so a 1,000-step
   run's last request is the size of a 200-step run's. A merge rewrites from the digest on, once
   every several folds.
@@ -79,7 +79,10 @@ POINTER_CHARS = 170  # a head's pointer note (llm.context.pointer), as counted f
 ARGUMENT_CHARS = 120  # of a folded call's arguments, in its record line
 HEAD_CHARS = 100  # of a folded result, in its record line
 TEXT_CHARS = 200  # of the model's own words in a folded turn
-REFUSALS_KEPT = 10  # the digest's latest refusals (denied, rejected, approval expired)
+REFUSALS_KEPT = 10
+# A merge leaves the records three quarters of their budget: the request's swing between merges
+# stays small (a 1,000-step run's requests within 9% of each other), at a merge every few folds.
+MERGE_TO = 0.75  # the digest's latest refusals (denied, rejected, approval expired)
 
 
 @dataclass(frozen=True)
@@ -218,12 +221,12 @@ def _line(message: Message, result: Result, call: ToolCall | None) -> Line:
 
 def _digest(found: Plan, policy: ContextPolicy) -> None:
     """Merge the oldest records into the digest once the records pass their budget, down to
-    half of it, so a merge (a rewrite of the records) happens once every several folds."""
+    MERGE_TO of it, so a merge (a rewrite of the records) happens once every few folds."""
     kept = found.folds[found.digested :]
     total = sum(estimate_text(f.record) for f in kept)
     if total <= policy.compact_record_tokens:
         return
-    while len(kept) > 1 and total > policy.compact_record_tokens // 2:
+    while len(kept) > 1 and total > policy.compact_record_tokens * MERGE_TO:
         total -= estimate_text(kept[0].record)
         kept = kept[1:]
         found.digested += 1
