@@ -111,14 +111,32 @@ class Fold:
 
 @dataclass
 class Plan:
-    """The folds of a conversation and what the digest took from the oldest of them."""
+    """The folds of a conversation and what the digest took from the oldest of them; and where
+    the replay stopped, so that the run's next call goes on from there (`plan(resume=...)`)."""
 
     folds: list[Fold] = field(default_factory=list)
     digested: int = 0  # the first `digested` folds are merged into the digest
+    point: int = 0  # the last call point replayed: the conversation's length then
+    cost: list[int] = field(default_factory=lambda: [0])  # prefix sums of shown tokens, to `point`
+    live_turns: list[int] = field(default_factory=list)  # starts of the live turns, to `point`
+    policy: object = None  # the policy it was replayed under
+    digest_text: tuple[int, str] = (0, "")  # the digest of the first n folds, made once per merge
 
     @property
     def live_start(self) -> int:
         return self.folds[-1].end if self.folds else 1
+
+    def resumed(self) -> Plan:
+        """A copy to go on from (the lists are copied: the kept plan stays as it was)."""
+        return Plan(
+            folds=list(self.folds),
+            digested=self.digested,
+            point=self.point,
+            cost=list(self.cost),
+            live_turns=list(self.live_turns),
+            policy=self.policy,
+            digest_text=self.digest_text,
+        )
 
 
 def shown_tokens(message: Message, result: Result | None, policy: ContextPolicy) -> int:
@@ -133,29 +151,57 @@ def shown_tokens(message: Message, result: Result | None, policy: ContextPolicy)
     return MESSAGE_OVERHEAD + math.ceil((chars + 2) / CHARS_PER_TOKEN)
 
 
-def plan(messages: list[Message], results: Mapping[int, Result], policy: ContextPolicy) -> Plan:
-    """The folds of the conversation, replayed from its first call point to its end."""
-    found = Plan()
+def plan(
+    messages: list[Message],
+    results: Mapping[int, Result],
+    policy: ContextPolicy,
+    *,
+    resume: Plan | None = None,
+) -> Plan:
+    """The folds of the conversation, replayed from its first call point to its end.
+
+    `resume`: the plan of the same conversation at an earlier call (its messages a prefix of
+    these), to replay only the call points since: the same folds as a whole replay (tested),
+    without a cost that grows with the run. A plan made under another policy, or one that does
+    not end where a model turn starts, is not resumed from.
+    """
     if not policy.compacts or len(messages) < 3:
-        return found
-    cost = [0] * (len(messages) + 1)  # prefix sums of each message's shown tokens
-    for i, message in enumerate(messages):
-        cost[i + 1] = cost[i] + shown_tokens(message, results.get(i), policy)
-    starts = [i for i, m in enumerate(messages) if m.role == "assistant"]
-    live_turns: list[int] = []  # starts of the live turns, up to the current call point
-    for point in [*starts, len(messages)]:
+        return Plan(policy=policy)
+    found = Plan(policy=policy)
+    first = 1  # the first call point to replay
+    if (
+        resume is not None
+        and resume.policy == policy
+        and 0 < resume.point <= len(messages)
+        and len(resume.cost) == resume.point + 1
+        and (resume.point == len(messages) or messages[resume.point].role == "assistant")
+    ):
+        found = resume.resumed()
+        if found.point < len(messages):
+            # The previous call's end is where its reply starts: that call point was replayed
+            # then; its turn joins the live ones now.
+            found.live_turns.append(found.point)
+        first = found.point + 1
+    cost = found.cost
+    for i in range(len(cost) - 1, len(messages)):
+        cost.append(cost[i] + shown_tokens(messages[i], results.get(i), policy))
+    points = [i for i in range(first, len(messages)) if messages[i].role == "assistant"]
+    if first <= len(messages):
+        points.append(len(messages))
+    for point in points:
         live = found.live_start
         before = cost[point] - cost[live]
-        if before > policy.compact_after_tokens and len(live_turns) > policy.compact_keep_turns:
-            cut = live_turns[-policy.compact_keep_turns]
-            folded = [i for i in live_turns if i < cut]
+        if before > policy.compact_after_tokens and len(found.live_turns) > policy.compact_keep_turns:
+            cut = found.live_turns[-policy.compact_keep_turns]
+            folded = [i for i in found.live_turns if i < cut]
             found.folds.append(
                 _fold(messages, results, live, cut, point, folded, before, cost[point] - cost[cut])
             )
-            live_turns = live_turns[-policy.compact_keep_turns :]
+            found.live_turns = found.live_turns[-policy.compact_keep_turns :]
             _digest(found, policy)
         if point < len(messages):
-            live_turns.append(point)
+            found.live_turns.append(point)
+    found.point = len(messages)
     return found
 
 
@@ -264,7 +310,9 @@ def digest(folds: list[Fold]) -> str:
 
 def records(found: Plan) -> list[Message]:
     """The digest and the records, one user message each, to follow the run's input."""
-    texts = [digest(found.folds[: found.digested])] + [fold.record for fold in found.folds[found.digested :]]
+    if found.digest_text[0] != found.digested:
+        found.digest_text = (found.digested, digest(found.folds[: found.digested]))
+    texts = [found.digest_text[1]] + [fold.record for fold in found.folds[found.digested :]]
     return [Message(role="user", content=text) for text in texts if text]
 
 

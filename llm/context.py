@@ -145,6 +145,7 @@ class Shaped:
     folds: list[compaction.Fold]  # every fold so far, oldest first
     digested: int  # how many of them the digest holds
     at: int  # the call point: the length of the conversation shaped
+    plan: compaction.Plan | None = None  # to resume from on the run's next call
 
     @property
     def new_fold(self) -> compaction.Fold | None:
@@ -157,18 +158,25 @@ def shape(messages: list[Message], results: dict[int, Result], policy: ContextPo
     return shaped(messages, results, policy).messages
 
 
-def shaped(messages: list[Message], results: dict[int, Result], policy: ContextPolicy) -> Shaped:
+def shaped(
+    messages: list[Message],
+    results: dict[int, Result],
+    policy: ContextPolicy,
+    *,
+    resume: compaction.Plan | None = None,
+) -> Shaped:
     """The messages the model is shown and how they were made. `results`: message index -> its
-    step, for tool messages.
+    step, for tool messages. `resume`: the previous call's Shaped.plan (compaction.plan).
 
     Pure and deterministic: the same steps give the same bytes on every call, which is what lets
     a provider's cache read the previous request back.
     """
     if not policy.enabled:
         return Shaped(messages=messages, paged=False, folds=[], digested=0, at=len(messages))
-    folds = compaction.plan(messages, results, policy)
+    folds = compaction.plan(messages, results, policy, resume=resume)
     live = folds.live_start
-    positions = [i for i, m in enumerate(messages) if m.role == "tool" and i in results and i >= live]
+    # Only the live turns are shown as messages: the work here does not grow with the run.
+    positions = [i for i in range(live, len(messages)) if messages[i].role == "tool" and i in results]
     hidden = max(len(positions) - policy.keep_recent_results, 0)
     hidden -= hidden % policy.mask_batch  # the boundary moves in whole batches only
     mask = set(positions[:hidden])
@@ -184,7 +192,7 @@ def shaped(messages: list[Message], results: dict[int, Result], policy: ContextP
         if len(message.content) > limit and result.tool_name != READ_RESULT:
             total = max(result.total_chars, len(message.content))
             shaped[i] = _with(message, message.content[:limit] + "\n" + pointer(result.seq, limit, total))
-    paged = any(after is not before for after, before in zip(shaped, messages))
+    paged = any(shaped[i] is not messages[i] for i in positions)
     if folds.folds:
         shaped = [messages[0], *compaction.records(folds), *shaped[live:]]
     return Shaped(
@@ -193,6 +201,7 @@ def shaped(messages: list[Message], results: dict[int, Result], policy: ContextP
         folds=folds.folds,
         digested=folds.digested,
         at=len(messages),
+        plan=folds,
     )
 
 

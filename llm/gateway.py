@@ -120,14 +120,17 @@ def shaped_request(
     *,
     policy: context.ContextPolicy | None = None,
     endpoint: ModelEndpoint | None = None,
+    resume=None,
 ) -> tuple[ModelRequest, context.Shaped]:
-    """request_for's request, and how the context policy shaped it (what it folded, if anything)."""
+    """request_for's request, and how the context policy shaped it (what it folded, if anything).
+
+    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it)."""
     version = run.version
     spec = spec_for(version)
     endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
-    shaped = context.shaped(messages, results, policy)
+    shaped = context.shaped(messages, results, policy, resume=resume)
     # read_result only once the policy has shortened, masked or folded something it could page
     # back, or the model has been shown an artifact (whose text it can page through).
     shown_artifacts = any(r.artifacts for r in results.values()) or (

@@ -270,7 +270,10 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Int
     permitted = offer.permitted_tools(run, user=run.created_by)  # the user row this claim read
     offered = offer.offered_tools(run, user=run.created_by, permitted=permitted)
     messages, results = conversation.conversation(run, window, upto)
-    request, shaped = model_gateway.shaped_request(run, messages, results, offered, endpoint=endpoint)
+    request, shaped = model_gateway.shaped_request(
+        run, messages, results, offered, endpoint=endpoint, resume=conversation.plan_of(run.pk)
+    )
+    conversation.keep_plan(run.pk, shaped.plan)
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)

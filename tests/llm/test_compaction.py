@@ -209,3 +209,39 @@ def test_the_anthropic_wire_sends_each_record_as_a_block_of_the_first_user_turn(
     assert [m["role"] for m in wire] == ["user", "assistant", "user"]
     assert first[-1]["cache_control"] == {"type": "ephemeral"}
     assert all("cache_control" not in block for block in first[:-1])
+
+
+@pytest.mark.parametrize("turns,parallel", [(80, 1), (60, 3)])
+def test_going_on_from_the_previous_call_gives_the_folds_of_a_whole_replay(turns, parallel):
+    """The engine keeps each call's plan and resumes from it (runs/engine/conversation.py): at
+    every call point, and after a call retried at the same point, the bytes are those of a
+    replay from the start, which is what a process reading the run whole makes."""
+    messages = [Message("user", "start")]
+    results: dict[int, Result] = {}
+    seq = 1
+    for i in range(turns):
+        calls = [ToolCall(id=f"c{i}_{k}", name=f"t{k}", arguments={"i": i}) for k in range(parallel)]
+        messages.append(Message("assistant", "", calls))
+        for k, call in enumerate(calls):
+            seq += 1
+            results[len(messages)] = Result(seq=seq, tool_name=call.name, total_chars=700 * (1 + (i + k) % 5))
+            messages.append(Message("tool", "z" * 700 * (1 + (i + k) % 5), tool_call_id=call.id))
+        seq += 1
+    kept = None
+    resumed_folds = 0
+    for point in call_points(messages):
+        for _retry in range(2):  # the same call point planned twice, resumed both times
+            shaped = context.shaped(*upto(point, messages, results), POLICY, resume=kept)
+            whole = context.shaped(*upto(point, messages, results), POLICY)
+            assert shaped.messages == whole.messages, point
+            assert [f.record for f in shaped.folds] == [f.record for f in whole.folds]
+            assert shaped.digested == whole.digested
+            kept = shaped.plan
+        resumed_folds = len(shaped.folds)
+    assert resumed_folds > 10
+    # Under another policy the kept plan is not used: a whole replay under the new one.
+    other = ContextPolicy(compact_after_tokens=3_000)
+    assert (
+        context.shape(messages, results, other)
+        == context.shaped(messages, results, other, resume=kept).messages
+    )
