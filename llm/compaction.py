@@ -6,7 +6,7 @@ few hundred steps. Compaction bounds it, without a model and without changing wh
 
 | operation | what it does |
 |---|---|
-| `plan(messages, results, policy)` | the run's folds: where each one cut, replayed from its call points |
+| `plan(messages, results, policy, resume=)` | the run's folds: where each one cut, replayed from its call points (or from the previous call's plan) |
 | `records(found)` | the digest and the records of the folds, the messages that follow the input |
 
 The protocol, stated once:
@@ -27,10 +27,10 @@ The protocol, stated once:
   breakpoint on the newest record lets the next fold read every earlier one back), the OpenAI
   wire joined by blank lines (chat templates of self-hosted servers want roles to alternate).
 - **Bounded.** Records over `compact_record_tokens` in total are merged, oldest first, into the
-  digest until they hold three quarters of it: per tool, how many results and the first and last step, and
-  the latest refusals. The digest grows with the number of tools, not of steps, so a 1,000-step
-  run's last request is the size of a 200-step run's. A merge rewrites from the digest on, once
-  every several folds.
+  digest until they hold three quarters of it: per tool, how many results and the first and last
+  step, and the latest refusals. The digest grows with the number of tools, not of steps, so a
+  1,000-step run's last request is the size of a 200-step run's. A merge rewrites from the digest
+  on, once every few folds.
 - **Nothing is lost.** Every folded result is stored on its step; the record names its step and
   `read_result` reads it back, in pages. Loop detection and approvals read the step log, never
   the prompt, so a fold changes nothing they decide.
