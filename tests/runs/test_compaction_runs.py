@@ -53,8 +53,9 @@ def test_a_long_run_reads_its_folded_early_result_back_and_answers_from_it(tenan
 
     assert run.status == "succeeded", run.error
     assert run.final_output == "the code is ZX81"
-    # The model counted the turns folded into its records: its script ran once, not again.
-    assert Step.objects.filter(run=run, tool_name=builtins["noop"].name).count() == 30
+    # The model counted the results folded into its records: 30 results (the echo and 29 noops),
+    # then the recall; its script ran once, not again.
+    assert Step.objects.filter(run=run, tool_name=builtins["noop"].name).count() == 29
     read = Step.objects.get(run=run, tool_name="read_result")
     assert (read.status, read.arguments) == ("succeeded", {"step": 2})
     assert "code=ZX81" in read.observation
