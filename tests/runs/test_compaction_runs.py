@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from approvals.models import Approval
 from llm.compaction import Fold
+from runs.approval_effects import decide_approval
 from runs.engine import compacted
-from runs.models import RunEvent, Step
+from runs.models import RunEvent, RunStatus, Step
 from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
 from tests.fakes.model_servers import FakeOpenAI
+from tests.servers import BankServer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -177,3 +180,39 @@ def test_over_the_openai_wire_a_refused_call_is_named_in_the_record_that_folds_i
         usage[after]["cached_input_tokens"]
         >= usage[after]["input_tokens"] + usage[after]["cached_input_tokens"] - 300
     )
+
+
+@pytest.fixture
+def bank():
+    server = BankServer().start()
+    yield server
+    server.stop()
+
+
+def test_an_approval_late_in_a_compacted_run_waits_and_dispatches_once(tenant, asha, ravi, builtins, bank):
+    """Approvals read the step log and their own rows, never the prompt: a refund proposed after
+    a dozen turns were folded away parks the run, and once approved is sent once with its key."""
+    noop = builtins["noop"]
+    refund = factories.make_bank_tools(tenant, bank.mcp_url)["issue_refund"]
+    factories.grant(refund, use=[asha], approve=[ravi])
+    factories.grant(noop, use=[asha])
+    arguments = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR"}
+    turns = [{"tool_calls": [{"name": noop.name, "arguments": {"i": i}}]} for i in range(12)]
+    turns += [{"tool_calls": [{"name": refund.name, "arguments": arguments}]}, {"text": "done"}]
+    endpoint = factories.make_endpoint(tenant, config={"turns": turns})
+    factories.make_agent(tenant, endpoint=endpoint, tools=[noop, refund], context=CONTEXT, limits=LIMITS)
+    run, _ = start_run(user=asha, agent="agent", input={})
+    run = drive(run.pk)
+
+    assert run.status == RunStatus.WAITING_APPROVAL, run.error
+    step = Step.objects.get(run=run, tool_name=refund.name)
+    folds = RunEvent.objects.filter(run=run, kind=compacted.KIND, step_seq__lt=step.seq)
+    assert folds.count() >= 2  # the history was compacted before the call was proposed
+    [approval] = Approval.objects.filter(run=run)
+    assert approval.step_id == step.pk and approval.arguments == arguments
+
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason="verified")
+    run = drive(run.pk)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    [effect] = bank.effects("issue_refund")
+    assert effect["idempotency_key"] == Step.objects.get(pk=step.pk).idempotency_key
