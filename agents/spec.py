@@ -117,7 +117,19 @@ def spec_for(version) -> AgentSpec:
 
 
 LOOP_KEYS = {"max_repeats", "max_empty_results", "alternation_cycles"}
-CONTEXT_KEYS = {"result_limit_chars", "keep_recent_results", "mask_batch", "result_limits", "enabled"}
+CONTEXT_KEYS = {
+    "result_limit_chars",
+    "keep_recent_results",
+    "mask_batch",
+    "result_limits",
+    "enabled",
+    "compaction",
+    "compact_after_tokens",
+    "compact_keep_turns",
+    "compact_record_tokens",
+}
+# llm/compaction.py: "deterministic" folds old turns into records (the default); "off" keeps them.
+COMPACTION = ("deterministic", "off")
 KNOWN_KEYS = {
     "model",
     "instructions",
@@ -203,6 +215,9 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
             elif key == "enabled":
                 if not isinstance(item, bool):
                     add(f"{section}.{key}", "must be true or false")
+            elif key == "compaction":
+                if item not in COMPACTION:
+                    add(f"{section}.{key}", f"must be one of {', '.join(COMPACTION)}")
             elif key == "result_limits":
                 if not isinstance(item, dict):
                     add(f"{section}.{key}", "must be an object of tool name to a number of characters")

@@ -1,25 +1,31 @@
-"""Context and cost of a long run (DESIGN.md section 8): the reference run on both wires.
+"""Context and cost of long runs (DESIGN.md section 8): the reference runs on both wires.
 
     .venv/bin/python bench/context.py
 
 The reference run: 25 tool turns (26 model calls), about 24,000 characters of instructions and
-tool schemas, tool results of about 6,000 characters. It goes through the real provider clients
-(llm/providers) against the fake servers of tests/fakes/model_servers.py on 127.0.0.1, which bill
-prompt caches the way the providers document (OpenAI: automatic prefix caching from 1,024 tokens
-in 128-token steps, cached tokens at 0.1x; Anthropic: reads only at breakpoints with a 20-block
-lookback, writes at 1.25x, reads at 0.1x, minimum cacheable length 1,024 tokens). The history is
-built and shaped by the same code the engine uses (llm.gateway.build_messages' shape, the version's
-context policy in llm.context, read_result offered by llm.context.offered) and every call is
-reserved and priced by llm.gateway.estimate_cost_micros / cost_micros, as the engine does.
+tool schemas, tool results of about 6,000 characters; the long run: 95 tool turns (96 model
+calls, 191 steps); the flatness run: 500 tool turns (1,000 steps and the final answer). They go
+through the real provider clients (llm/providers) against the fake servers of
+tests/fakes/model_servers.py on 127.0.0.1, which bill prompt caches the way the providers document
+(OpenAI: automatic prefix caching from 1,024 tokens in 128-token steps, cached tokens at 0.1x;
+Anthropic: reads only at breakpoints with a 20-block lookback, writes at 1.25x, reads at 0.1x,
+minimum cacheable length 1,024 tokens). The history is built and shaped by the same code the
+engine uses (llm.context.shaped: heads, masking, compaction; read_result offered as
+llm.gateway.shaped_request offers it) and every call is reserved and priced by
+llm.gateway.estimate_cost_micros / cost_micros, as the engine does.
 
-Printed per wire: naive (every call sends the whole history, nothing cached), the run with the
-context policy switched off (caching only), and the run with the default policy: input tokens
-sent, billed input cost, the last request's size, the share of input read from cache from step 5
-on; then reserved and spent per call. Goals: tokens sent <= 40% of naive, billed input <= 15% of
-the naive uncached cost, last request <= 25,000 tokens, cached share >= 90% from step 5 on.
+Printed per wire and run, side by side: naive (every call sends the whole history, nothing
+cached), caching only (the context policy off), the masking policy without compaction (the
+policy before compaction), and the default policy (masking and deterministic compaction): input
+tokens sent, billed input cost, the last request's size, the share of input read from cache from
+call 5 on; then reserved and spent per call. Goals (DESIGN.md 8): 25 steps: sent <= 30% of
+naive, billed input <= 6% of naive uncached, cached share >= 90% from call 5; 191 steps: sent <=
+15% of naive, last request <= 20,000 tokens; 1,000 steps: the last request within 10% of the
+request at step 200 (flat).
 
 Options (environment): BENCH_MAX_OUTPUT_TOKENS (512, the version's output cap), BENCH_VERBOSE
-(1: print reserved/spent for every call; 0: a summary).
+(1: print reserved/spent for every call of the 25-step run; 0: a summary), BENCH_FLAT (1: run the
+1,000-step flatness run, about a minute; 0: skip it).
 """
 
 from __future__ import annotations
@@ -47,10 +53,17 @@ from llm.types import Message, ModelRequest, ToolCall, ToolSpec
 from tests.fakes.model_servers import FakeAnthropic, FakeOpenAI
 
 TOOL_TURNS = 25
+LONG_TOOL_TURNS = 95  # 191 steps
+FLAT_TOOL_TURNS = 500  # 1,000 steps, then the answer
 RESULT_CHARS = 6_000
 MAX_OUTPUT_TOKENS = int(os.environ.get("BENCH_MAX_OUTPUT_TOKENS", 512))
 VERBOSE = os.environ.get("BENCH_VERBOSE", "1") == "1"
-GOALS = {"sent": 0.40, "billed": 0.15, "last": 25_000, "cached": 0.90}
+FLAT = os.environ.get("BENCH_FLAT", "1") == "1"
+GOALS = {
+    TOOL_TURNS: {"sent": 0.30, "billed": 0.06, "cached": 0.90},
+    LONG_TOOL_TURNS: {"sent": 0.15, "last": 20_000},
+}
+FLAT_WITHIN = 0.10
 
 # Prices per million tokens (Claude Sonnet; an OpenAI model whose cached input is 0.1x).
 PRICES = {
@@ -141,6 +154,7 @@ def tool_result(i: int) -> str:
 
 @dataclass
 class Call:
+    seq: int  # the model call's step
     sent: int  # input tokens the provider counted (uncached + cached + written)
     cached: int
     written: int
@@ -166,9 +180,9 @@ class Outcome:
         return sum(c.cached for c in later) / max(sum(c.sent for c in later), 1)
 
 
-def run(kind: str, policy: context.ContextPolicy) -> Outcome:
+def run(kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS) -> Outcome:
     fake_class = FakeAnthropic if kind == "anthropic" else FakeOpenAI
-    fake = fake_class(tool_turns=TOOL_TURNS, min_cacheable_tokens=1024)
+    fake = fake_class(tool_turns=turns, min_cacheable_tokens=1024)
     base_url = fake.start()
     provider = (AnthropicProvider if kind == "anthropic" else OpenAIProvider)(
         base_url, "sk-bench", "bench-model"
@@ -176,7 +190,6 @@ def run(kind: str, policy: context.ContextPolicy) -> Outcome:
     endpoint = ModelEndpoint(
         kind=kind, model="bench-model", **{k: Decimal(v) for k, v in PRICES[kind].items()}
     )
-    offered = context.offered(tools(), policy)
     text = instructions()
     messages = [Message(role="user", content=json.dumps({"case": "DSP-2291", "customer": "C-1001"}))]
     results: dict[int, context.Result] = {}
@@ -185,11 +198,14 @@ def run(kind: str, policy: context.ContextPolicy) -> Outcome:
     try:
         while True:
             seq += 1
+            shaped = context.shaped(messages, results, policy)
             request = ModelRequest(
                 model="bench-model",
                 instructions=text,
-                messages=context.shape(messages, results, policy),
-                tools=offered,
+                messages=shaped.messages,
+                # As llm.gateway.shaped_request offers read_result: once something was shortened
+                # (here: from the first result on), from the first call with compaction.
+                tools=context.offered(tools(), policy, paged=bool(results) or shaped.paged),
                 max_output_tokens=MAX_OUTPUT_TOKENS,
                 cache_key="run-bench",
             )
@@ -203,6 +219,7 @@ def run(kind: str, policy: context.ContextPolicy) -> Outcome:
             )
             outcome.calls.append(
                 Call(
+                    seq=seq,
                     sent=usage.total_input,
                     cached=usage.cached_input_tokens,
                     written=usage.cache_write_tokens,
@@ -236,58 +253,94 @@ def percent(part, whole) -> str:
     return f"{100 * float(part) / float(whole):5.1f}%"
 
 
-def report(kind: str) -> list[str]:
-    off = run(kind, context.ContextPolicy(enabled=False))
-    on = run(kind, context.ContextPolicy())
+# The policy before compaction, as it was: 2,000-character heads, masking in batches of 8.
+MASKING_ONLY = context.ContextPolicy(compaction="off", result_limit_chars=2_000)
+
+
+def report(kind: str, turns: int) -> list[str]:
+    off = run(kind, context.ContextPolicy(enabled=False), turns)
+    masking = run(kind, MASKING_ONLY, turns)
+    on = run(kind, context.ContextPolicy(), turns)
     price = Decimal(PRICES[kind]["price_input"])
     naive_tokens = off.sent  # with the policy off every call sends the whole history
     naive_cost = Decimal(naive_tokens) * price
     print(
-        f"\n== {kind} wire: {len(on.calls)} calls, {TOOL_TURNS} tool turns, results of {RESULT_CHARS} characters, "
+        f"\n== {kind} wire: {turns} tool turns ({len(on.calls) + turns} steps, {len(on.calls)} model calls), "
+        f"results of {RESULT_CHARS} characters, "
         f"prefix {len(instructions()) + len(json.dumps([t.__dict__ for t in tools()]))} characters =="
     )
     print(
-        f"{'':<22}{'tokens sent':>14}{'of naive':>10}{'billed input':>16}{'of naive':>10}"
+        f"{'':<26}{'tokens sent':>14}{'of naive':>10}{'billed input':>16}{'of naive':>10}"
         f"{'last request':>14}{'cached from 5':>15}"
     )
     print(
-        f"{'naive (no cache)':<22}{naive_tokens:>14,}{percent(1, 1):>10}{f'${naive_cost / 10**6:.4f}':>16}"
+        f"{'naive (no cache)':<26}{naive_tokens:>14,}{percent(1, 1):>10}{f'${naive_cost / 10**6:.4f}':>16}"
         f"{percent(1, 1):>10}{off.calls[-1].sent:>14,}{'0.0%':>15}"
     )
-    for label, outcome in (("policy off (cache)", off), ("policy on", on)):
+    for label, outcome in (
+        ("caching only (policy off)", off),
+        ("masking, no compaction", masking),
+        ("masking + compaction", on),
+    ):
         print(
-            f"{label:<22}{outcome.sent:>14,}{percent(outcome.sent, naive_tokens):>10}"
+            f"{label:<26}{outcome.sent:>14,}{percent(outcome.sent, naive_tokens):>10}"
             f"{f'${outcome.billed / 10**6:.4f}':>16}{percent(outcome.billed, naive_cost):>10}"
             f"{outcome.calls[-1].sent:>14,}{percent(outcome.cached_share(), 1):>15}"
         )
     reserved, spent = sum(c.reserved for c in on.calls), sum(c.spent for c in on.calls)
     print(
-        f"reserved / spent, policy on: {reserved:,} / {spent:,} micros over {len(on.calls)} calls "
+        f"reserved / spent, compaction: {reserved:,} / {spent:,} micros over {len(on.calls)} calls "
         f"({reserved / spent:.2f}x; never below: min per call "
         f"{min(c.reserved / c.spent for c in on.calls):.2f}x)"
     )
-    if VERBOSE:
+    if VERBOSE and turns == TOOL_TURNS:
         print(f"  {'call':>4}{'sent':>8}{'cached':>8}{'written':>9}{'reserved':>10}{'spent':>8}{'ratio':>7}")
         for i, c in enumerate(on.calls, start=1):
             print(
                 f"  {i:>4}{c.sent:>8,}{c.cached:>8,}{c.written:>9,}{c.reserved:>10,}{c.spent:>8,}"
                 f"{c.reserved / c.spent:>7.2f}"
             )
+    goals = GOALS[turns]
     checks = {
-        "sent": on.sent / naive_tokens <= GOALS["sent"],
-        "billed": float(on.billed / naive_cost) <= GOALS["billed"],
-        "last": on.calls[-1].sent <= GOALS["last"],
-        "cached": on.cached_share() >= GOALS["cached"],
+        "sent": on.sent / naive_tokens <= goals["sent"],
         "never short": all(c.reserved >= c.spent for c in on.calls),
     }
-    return [f"{kind}: {name}" for name, ok in checks.items() if not ok]
+    if "billed" in goals:
+        checks["billed"] = float(on.billed / naive_cost) <= goals["billed"]
+    if "cached" in goals:
+        checks["cached"] = on.cached_share() >= goals["cached"]
+    if "last" in goals:
+        checks["last"] = on.calls[-1].sent <= goals["last"]
+    return [f"{kind} {turns} turns: {name}" for name, ok in checks.items() if not ok]
+
+
+def flatness(kind: str) -> list[str]:
+    """The 1,000-step run: its last request against the request at step 200, and the largest."""
+    on = run(kind, context.ContextPolicy(), FLAT_TOOL_TURNS)
+    at_200 = min(on.calls, key=lambda c: abs(c.seq - 200))
+    last = on.calls[-1]
+    later = [c.sent for c in on.calls if c.seq >= at_200.seq]
+    swing = max(later) / min(later) - 1
+    print(
+        f"\n== {kind} wire: {FLAT_TOOL_TURNS} tool turns ({on.calls[-1].seq} steps), masking + compaction ==\n"
+        f"request at step {at_200.seq}: {at_200.sent:,} tokens; last request (step {last.seq}): {last.sent:,} "
+        f"tokens ({last.sent / at_200.sent - 1:+.1%}); from step {at_200.seq} on: {min(later):,} to "
+        f"{max(later):,} (the largest {swing:.1%} above the smallest); sent {on.sent:,} tokens, cached from "
+        f"call 5 {percent(on.cached_share(), 1).strip()}"
+    )
+    return [] if abs(last.sent / at_200.sent - 1) <= FLAT_WITHIN else [f"{kind} 1,000 steps: flat"]
 
 
 if __name__ == "__main__":
-    missed = report("openai") + report("anthropic")
+    missed = []
+    for kind in ("openai", "anthropic"):
+        missed += report(kind, TOOL_TURNS) + report(kind, LONG_TOOL_TURNS)
+        if FLAT:
+            missed += flatness(kind)
     print(
-        "\ngoals: tokens sent <= 40% of naive, billed input <= 15% of naive uncached, last request <= 25,000 "
-        "tokens, cached share >= 90% from step 5 on, no reservation short"
+        "\ngoals: 25 steps: tokens sent <= 30% of naive, billed input <= 6% of naive uncached, cached share "
+        ">= 90% from call 5; 191 steps: sent <= 15% of naive, last request <= 20,000 tokens; 1,000 steps: "
+        "last request within 10% of step 200's; no reservation short"
     )
     print("all goals met" if not missed else "missed: " + ", ".join(missed))
     sys.exit(1 if missed else 0)

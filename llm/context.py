@@ -10,6 +10,11 @@ the history is kept short and its prefix byte-stable (so provider prompt caches 
   byte for byte and a cache reads all of it; a move rewrites the history once from the first
   newly masked result, in the same request that adds the new turn: one cache write per batch.
 
+- once the history past the records passes `compact_after_tokens`, its oldest turns are folded
+  into a compact record, written once and stable from then on (llm/compaction.py): the calls
+  and their arguments, one line per result with its step, the refusals; the last request then
+  stays flat however long the run.
+
 The policy is part of the agent version's spec (`context`), so it is as immutable as the version.
 Defaults were chosen by measurement on the reference run of `bench/context.py` (25 tool turns,
 6,000-token prefix, 6,000-character results), where they meet the targets on both wires.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llm import compaction
 from llm.types import Message, ToolSpec
 
 READ_RESULT = "read_result"
@@ -39,11 +45,22 @@ READ_RESULT_SPEC = ToolSpec(
 )
 
 # Measured with bench/context.py (docs/context.md has the table).
-DEFAULT_RESULT_LIMIT_CHARS = 2_000
+DEFAULT_RESULT_LIMIT_CHARS = 1_200
 DEFAULT_KEEP_RECENT_RESULTS = 2
 DEFAULT_MASK_BATCH = 8
+DEFAULT_COMPACT_AFTER_TOKENS = 1_200
+DEFAULT_COMPACT_KEEP_TURNS = 1
+DEFAULT_COMPACT_RECORD_TOKENS = 1_200
 
-INT_KEYS = ("result_limit_chars", "keep_recent_results", "mask_batch")
+INT_KEYS = (
+    "result_limit_chars",
+    "keep_recent_results",
+    "mask_batch",
+    "compact_after_tokens",
+    "compact_keep_turns",
+    "compact_record_tokens",
+)
+COMPACTION = ("deterministic", "off")
 
 
 @dataclass(frozen=True)
@@ -54,15 +71,25 @@ class ContextPolicy:
     keep_recent_results: int = DEFAULT_KEEP_RECENT_RESULTS
     mask_batch: int = DEFAULT_MASK_BATCH
     enabled: bool = True
+    # llm/compaction.py: "deterministic" folds old turns into records; "off" keeps every turn.
+    compaction: str = "deterministic"
+    compact_after_tokens: int = DEFAULT_COMPACT_AFTER_TOKENS  # the live history's budget
+    compact_keep_turns: int = DEFAULT_COMPACT_KEEP_TURNS  # the newest turns a fold leaves live
+    compact_record_tokens: int = DEFAULT_COMPACT_RECORD_TOKENS  # records, before the digest takes the oldest
 
     @classmethod
     def from_spec(cls, section: dict | None) -> ContextPolicy:
         """The version's `context` section (validated by agents.spec) over the defaults."""
         section = section or {}
-        return cls(**{key: section[key] for key in (*INT_KEYS, "result_limits", "enabled") if key in section})
+        keys = (*INT_KEYS, "result_limits", "enabled", "compaction")
+        return cls(**{key: section[key] for key in keys if key in section})
 
     def limit_for(self, tool_name: str) -> int:
         return self.result_limits.get(tool_name, self.result_limit_chars)
+
+    @property
+    def compacts(self) -> bool:
+        return self.enabled and self.compaction == "deterministic"
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,7 @@ class Result:
     tool_name: str
     total_chars: int  # of the full stored result (the observation may already be capped)
     artifacts: bool = False  # it describes an artifact (a file the model can page with read_result)
+    refusal: str = ""  # the call was not made: "denied", "rejected" or "approval expired"
 
 
 def offered(
@@ -82,8 +110,13 @@ def offered(
     masked a result (`paged`) it could page back, or the model has been shown an artifact
     (`artifacts`: even an agent with no tools may read the files it was given). It is added at
     the end, once: shortened and masked results stay so, so the prefix changes a single time in a
-    run (one cache write) and a run with nothing to page through is never offered it."""
+    run (one cache write) and a run with nothing to page through is never offered it.
+
+    A compacting policy offers it from the first call to an agent with tools: every result of a
+    long run is folded sooner or later, and adding it at the second call would rewrite the whole
+    cached prefix (instructions and tools) once more, a tenth of the reference run's bill."""
     tools = sorted(tools, key=lambda t: t.name)
+    paged = paged or policy.compacts
     return tools + [READ_RESULT_SPEC] if policy.enabled and ((tools and paged) or artifacts) else tools
 
 
@@ -103,15 +136,47 @@ def masked(result: Result, message: Message) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Shaped:
+    """What the model is shown, and what the shaping did to get there."""
+
+    messages: list[Message]
+    paged: bool  # a result was shortened, masked or folded: read_result has something to read
+    folds: list[compaction.Fold]  # every fold so far, oldest first
+    digested: int  # how many of them the digest holds
+    at: int  # the call point: the length of the conversation shaped
+    plan: compaction.Plan | None = None  # to resume from on the run's next call
+
+    @property
+    def new_fold(self) -> compaction.Fold | None:
+        """The fold this call makes (at the end of the conversation), if it makes one."""
+        return self.folds[-1] if self.folds and self.folds[-1].at == self.at else None
+
+
 def shape(messages: list[Message], results: dict[int, Result], policy: ContextPolicy) -> list[Message]:
-    """The messages the model is shown. `results`: message index -> its step, for tool messages.
+    """The messages the model is shown. `results`: message index -> its step, for tool messages."""
+    return shaped(messages, results, policy).messages
+
+
+def shaped(
+    messages: list[Message],
+    results: dict[int, Result],
+    policy: ContextPolicy,
+    *,
+    resume: compaction.Plan | None = None,
+) -> Shaped:
+    """The messages the model is shown and how they were made. `results`: message index -> its
+    step, for tool messages. `resume`: the previous call's Shaped.plan (compaction.plan).
 
     Pure and deterministic: the same steps give the same bytes on every call, which is what lets
     a provider's cache read the previous request back.
     """
     if not policy.enabled:
-        return messages
-    positions = [i for i, m in enumerate(messages) if m.role == "tool" and i in results]
+        return Shaped(messages=messages, paged=False, folds=[], digested=0, at=len(messages))
+    folds = compaction.plan(messages, results, policy, resume=resume)
+    live = folds.live_start
+    # Only the live turns are shown as messages: the work here does not grow with the run.
+    positions = [i for i in range(live, len(messages)) if messages[i].role == "tool" and i in results]
     hidden = max(len(positions) - policy.keep_recent_results, 0)
     hidden -= hidden % policy.mask_batch  # the boundary moves in whole batches only
     mask = set(positions[:hidden])
@@ -127,7 +192,17 @@ def shape(messages: list[Message], results: dict[int, Result], policy: ContextPo
         if len(message.content) > limit and result.tool_name != READ_RESULT:
             total = max(result.total_chars, len(message.content))
             shaped[i] = _with(message, message.content[:limit] + "\n" + pointer(result.seq, limit, total))
-    return shaped
+    paged = any(shaped[i] is not messages[i] for i in positions)
+    if folds.folds:
+        shaped = [messages[0], *compaction.records(folds), *shaped[live:]]
+    return Shaped(
+        messages=shaped,
+        paged=paged or bool(folds.folds),
+        folds=folds.folds,
+        digested=folds.digested,
+        at=len(messages),
+        plan=folds,
+    )
 
 
 def _with(message: Message, content: str) -> Message:

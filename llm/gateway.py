@@ -43,6 +43,12 @@ def build_messages(run, steps, results: dict | None = None) -> list[Message]:
 
 
 FILES_HEADING = "[platform: files given with this run]"
+# A call that was never made, as a compact record names it (llm/compaction.py).
+REFUSALS = {
+    StepStatus.DENIED: "denied",
+    StepStatus.REJECTED: "rejected",
+    StepStatus.EXPIRED: "approval expired",
+}
 
 
 def first_message(run) -> Message:
@@ -76,6 +82,7 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 total_chars=len(stored) if isinstance(stored, str) else len(step.observation),
                 artifacts=isinstance(structured, dict)
                 and bool(structured.get("artifact") or structured.get("files")),
+                refusal=REFUSALS.get(step.status, ""),
             )
             messages.append(
                 Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)
@@ -102,27 +109,43 @@ def request_for(
     """The request for a conversation already built (the engine keeps it: runs/engine/conversation.py).
 
     `endpoint`: where it goes, if not the version's primary (a fallback: llm/fallback.py)."""
+    return shaped_request(run, messages, results, tools, policy=policy, endpoint=endpoint)[0]
+
+
+def shaped_request(
+    run,
+    messages: list[Message],
+    results: dict[int, context.Result],
+    tools: list[ToolSpec],
+    *,
+    policy: context.ContextPolicy | None = None,
+    endpoint: ModelEndpoint | None = None,
+    resume=None,
+) -> tuple[ModelRequest, context.Shaped]:
+    """request_for's request, and how the context policy shaped it (what it folded, if anything).
+
+    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it)."""
     version = run.version
     spec = spec_for(version)
     endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
-    shaped = context.shape(messages, results, policy)
-    # read_result only once the policy has shortened or masked something it could page back, or
-    # the model has been shown an artifact (whose text it can page through).
-    paged = any(after is not before for after, before in zip(shaped, messages))
+    shaped = context.shaped(messages, results, policy, resume=resume)
+    # read_result only once the policy has shortened, masked or folded something it could page
+    # back, or the model has been shown an artifact (whose text it can page through).
     shown_artifacts = any(r.artifacts for r in results.values()) or (
         bool(messages) and FILES_HEADING in messages[0].content
     )
-    return ModelRequest(
+    request = ModelRequest(
         model=endpoint.model,
         instructions=spec.instructions,
-        messages=shaped,
-        tools=context.offered(tools, policy, paged=paged, artifacts=shown_artifacts),
+        messages=shaped.messages,
+        tools=context.offered(tools, policy, paged=shaped.paged, artifacts=shown_artifacts),
         max_output_tokens=run.limits["max_output_tokens"],
         timeout_seconds=endpoint.timeout_seconds,
         cache_key=f"run-{run.pk}",
     )
+    return request, shaped
 
 
 def _micros(tokens: int, price_per_million: Decimal) -> Decimal:

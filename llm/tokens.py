@@ -52,11 +52,11 @@ def estimate_input_tokens(request: ModelRequest) -> int:
             + _estimate_json(tool.input_schema)
         )
     for message in request.messages:
-        total += _message_tokens(message)
+        total += message_tokens(message)
     return total
 
 
-def _message_tokens(message: Message) -> int:
+def message_tokens(message: Message) -> int:
     """A message's estimate, kept on the message (Message.estimated_tokens): the tool calls'
     arguments were dumped to JSON anew on every call, 0.5 ms a call at step 200
     (bench/profile_step.py --stagger)."""

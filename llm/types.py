@@ -38,6 +38,9 @@ class Message:
     # llm.tokens' estimate of this message, made once: a run's messages are sent again on every
     # model call, and a message is never changed once made (the context policy makes new ones).
     estimated_tokens: int | None = field(default=None, init=False, repr=False, compare=False)
+    # A tool message's line in a compact record (llm.compaction.Line), made once when it is first
+    # folded: a long run's folds are replayed on every call.
+    record_line: object = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

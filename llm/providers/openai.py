@@ -110,7 +110,15 @@ def build_messages(
     wire: list[dict[str, Any]] = []
     if compat.system_message == "always" or (instructions and compat.system_message == "system"):
         wire.append({"role": "system", "content": instructions})
-    wire.extend(message_to_wire(message, compat) for message in messages)
+    for message in messages:
+        turn = message_to_wire(message, compat)
+        if turn["role"] == "user" and wire and wire[-1]["role"] == "user":
+            # The compact records of folded turns follow the run's input (llm/compaction.py): one
+            # user turn, as chat templates that want roles to alternate need, and the same bytes
+            # up to the previous record on every call (the cached prefix holds).
+            wire[-1]["content"] = f"{wire[-1]['content']}\n\n{turn['content']}"
+        else:
+            wire.append(turn)
     if instructions and compat.system_message == "in_user":
         # Templates without a system role: the instructions lead the first user message, the same
         # bytes on every call of the run (the cached prefix stays stable).

@@ -6,7 +6,14 @@ Turn i answers the request that already holds i assistant messages. A turn is
 the form "$input.field" is replaced by that field of the run's input (the first user message,
 when it is JSON); "$artifact.N" by the id of the N-th artifact the run's files and the tool results so far named
 (what a model copies from a tool's file description into run_python's `artifacts`). After the turns: `auto_tool` is called until `auto_tool_turns` tool results
-exist, then the model answers "done".
+exist, then the model answers "done" (or `final_text`), or, with `recall`, answers from an early
+result the way a model would: {"recall": {"tool": "vault", "pattern": "code=(\\w+)", "text": "the
+code is {0}"}} answers `text` with the pattern's groups once some message shows it, and until
+then calls read_result on that tool's step, found in its masked result's note or in the compact
+record of folded turns (llm/compaction.py).
+
+Turns folded into a record count as turns made (and their results as results): the record says
+how many it holds, which is how the model knows where it is in its script.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ class ScriptedProvider:
         latency = self.config.get("latency_ms", 0)
         if latency:
             time.sleep(latency / 1000)
-        turn_index = sum(1 for m in request.messages if m.role == "assistant")
+        folded_turns, folded_results = _folded(request)
+        turn_index = folded_turns + sum(1 for m in request.messages if m.role == "assistant")
         turns = self.config.get("turns", [])
         if turn_index < len(turns):
             turn = turns[turn_index]
         else:
-            turn = self._auto_turn(request)
+            turn = self._auto_turn(request, folded_results)
         values = _input_values(request)
         values["$artifacts"] = [
             next(g for g in found if g)
@@ -56,12 +64,68 @@ class ScriptedProvider:
             usage=Usage(input_tokens=estimate_input_tokens(request), output_tokens=output),
         )
 
-    def _auto_turn(self, request: ModelRequest) -> dict:
-        results = sum(1 for m in request.messages if m.role == "tool")
+    def _auto_turn(self, request: ModelRequest, folded_results: int) -> dict:
+        results = folded_results + sum(1 for m in request.messages if m.role == "tool")
         tool = self.config.get("auto_tool", "")
         if tool and results < self.config.get("auto_tool_turns", 0):
             return {"tool_calls": [{"name": tool, "arguments": {"i": results}}]}
+        if "recall" in self.config:
+            return _recall(request, self.config["recall"])
         return {"text": self.config.get("final_text", "done")}
+
+
+_FOLDED = re.compile(
+    r"^\[platform: (?:steps \d+-\d+|earlier turns) folded(?: earlier)? \((\d+) model turns, (\d+) tool results\)",
+    re.M,
+)
+
+
+_STEP_NOTE = re.compile(r"\[platform: (?:older )?result of step (\d+)")
+
+
+def _records(request: ModelRequest) -> str:
+    """The compact records of folded turns: the user messages after the run's input."""
+    return "\n".join(m.content for m in request.messages[1:] if m.role == "user")
+
+
+def _folded(request: ModelRequest) -> tuple[int, int]:
+    """Model turns and tool results the compact records hold."""
+    found = _FOLDED.findall(_records(request))
+    return sum(int(turns) for turns, _ in found), sum(int(results) for _, results in found)
+
+
+def _recall(request: ModelRequest, recall: dict) -> dict:
+    """Answer from an early result once it is shown; until then read it back with read_result."""
+    pattern = re.compile(recall["pattern"])
+    for message in reversed(request.messages):
+        match = pattern.search(message.content or "")
+        if match:
+            return {"text": recall["text"].format(*match.groups())}
+    # Its call still in the conversation, its result masked: the stub names the step.
+    calls = {
+        c.id
+        for m in request.messages
+        if m.role == "assistant"
+        for c in m.tool_calls
+        if c.name == recall["tool"]
+    }
+    for message in request.messages:
+        stub = (
+            _STEP_NOTE.search(message.content)
+            if message.role == "tool" and message.tool_call_id in calls
+            else None
+        )
+        if stub:
+            return {"tool_calls": [{"name": "read_result", "arguments": {"step": int(stub.group(1))}}]}
+    tool = re.escape(recall["tool"])
+    folded = _records(request)
+    # A record line ("step 4 vault {...} -> ...") or the digest's line ("vault: 1 result, step 4").
+    where = re.search(rf"^step (\d+) {tool} ", folded, re.M) or re.search(
+        rf"^{tool}: \d+ results?, steps? (\d+)", folded, re.M
+    )
+    if where is None:
+        return {"text": f"I cannot find the result of {recall['tool']}"}
+    return {"tool_calls": [{"name": "read_result", "arguments": {"step": int(where.group(1))}}]}
 
 
 def _input_values(request: ModelRequest) -> dict:

@@ -34,7 +34,7 @@ from observability import observe
 from runs import statements
 from runs.approval_effects import request_approval
 from runs.controls import kill_switches
-from runs.engine import conversation, decisions, loops, model_step, platform_tools, writer
+from runs.engine import compacted, conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import Intent, Lease, LostModelCall, ModelPlan, Plan, ToolCall, ToolPlan, tool_of
 from runs.models import ClaimReads, Run, RunStatus, Step, StepKind, StepStatus
@@ -271,7 +271,10 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Int
     permitted = offer.permitted_tools(run, user=run.created_by)  # the user row this claim read
     offered = offer.offered_tools(run, user=run.created_by, permitted=permitted)
     messages, results = conversation.conversation(run, window, upto)
-    request = model_gateway.request_for(run, messages, results, offered, endpoint=endpoint)
+    request, shaped = model_gateway.shaped_request(
+        run, messages, results, offered, endpoint=endpoint, resume=conversation.plan_of(run.pk)
+    )
+    conversation.keep_plan(run.pk, shaped.plan)
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)
@@ -282,6 +285,8 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Int
         return None
     summary = model_gateway.request_summary(request, input_tokens=input_tokens)
     summary["endpoint"] = endpoint.name
+    if shaped.new_fold is not None:
+        compacted.record(run, seq, shaped.new_fold)
     return Intent(
         _lease(run, endpoint.timeout_seconds),
         model=ModelPlan(

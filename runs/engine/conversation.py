@@ -6,8 +6,9 @@ A process therefore keeps each run's conversation as it last built it, with the 
 and the next model call of that run reads only the steps after it (usually the previous model
 call and its tool calls) instead of the whole log. A run whose last steps another process made
 is read from where this process left it; one it has never seen (or has forgotten: the cache is
-bounded) is read whole, once. The context policy then shapes the whole list (llm/context.py),
-which is cheap pure Python next to reading and decoding every row.
+bounded) is read whole, once. The context policy then shapes the list (llm/context.py), which is cheap
+pure Python next to reading and decoding every row; its compaction plan is kept beside the
+conversation too, so that the next call replays only its own call points (llm/compaction.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import collections
 import threading
 from dataclasses import dataclass, field
 
-from llm import context
+from llm import compaction, context
 from llm import gateway as model_gateway
 from llm.types import Message
 from runs import statements
@@ -30,6 +31,7 @@ class _Conversation:
     upto: int = 0  # the last seq read into it
     messages: list[Message] = field(default_factory=list)
     results: dict[int, context.Result] = field(default_factory=dict)
+    plan: compaction.Plan | None = None  # the compaction plan of the last call shaped from it
 
 
 _kept: collections.OrderedDict = collections.OrderedDict()
@@ -68,6 +70,22 @@ def conversation(
         while len(_kept) > MAX_RUNS:
             _kept.popitem(last=False)
     return list(kept.messages), dict(kept.results)
+
+
+def plan_of(run_id) -> compaction.Plan | None:
+    """The compaction plan of the run's last call shaped in this process, to resume from."""
+    with _lock:
+        kept = _kept.get(run_id)
+        return kept.plan if kept is not None else None
+
+
+def keep_plan(run_id, plan: compaction.Plan | None) -> None:
+    """Keep the plan of the call just shaped, if it ends where the kept conversation ends (it was
+    shaped from the whole of it)."""
+    with _lock:
+        kept = _kept.get(run_id)
+        if kept is not None and plan is not None and plan.point == len(kept.messages):
+            kept.plan = plan
 
 
 def forget(run_id) -> None:

@@ -27,7 +27,8 @@ Replies: {"text": "...", "tool_calls": [{"name": ..., "arguments": {...}}]}. Fau
 {"fault": "timeout", "seconds": 5} (answers after sleeping: received and charged),
 {"fault": "bad_request"}, {"fault": "context_too_long"} (a 400 as OpenAI words it). `fake.outage = {"fault": "503"}` answers every request so until it is set
 back to None. With an empty queue the server plays an agent: it calls the first
-offered tool with {"i": n} until the request holds `tool_turns` tool results, then says "done".
+offered tool with {"i": n} until the request holds `tool_turns` tool results, then says "done"
+(turns the platform folded into a compact record count too: n goes on from the newest call's i).
 
     python -m tests.fakes.model_servers --kind openai --port 8001 --latency-ms 200 --tool-turns 12
 """
@@ -226,7 +227,8 @@ class FakeModelServer:
         return self.auto_reply(body)
 
     def auto_reply(self, body: dict[str, Any]) -> dict[str, Any]:
-        results = self.count_tool_results(body)
+        # The newest call's i counts the results before it, folded into a record or not.
+        results = max([self.count_tool_results(body), *(i + 1 for i in self.call_numbers(body))])
         tools = self.tool_names(body)
         if results < self.tool_turns and tools:
             return {"text": "", "tool_calls": [{"name": tools[0], "arguments": {"i": results}}]}
@@ -261,6 +263,17 @@ class FakeModelServer:
         raise NotImplementedError
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def call_numbers(self, body: dict[str, Any]) -> list[int]:
+        """The `i` of each tool call this agent made that the request still shows."""
+        return [
+            arguments["i"]
+            for arguments in self.call_arguments(body)
+            if isinstance(arguments, dict) and isinstance(arguments.get("i"), int)
+        ]
+
+    def call_arguments(self, body: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
 
 
@@ -370,6 +383,16 @@ class FakeOpenAI(FakeModelServer):
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
         return [tool["function"]["name"] for tool in body.get("tools", [])]
+
+    def call_arguments(self, body: dict[str, Any]) -> list[Any]:
+        found = []
+        for message in body["messages"]:
+            for call in message.get("tool_calls") or []:
+                try:
+                    found.append(json.loads(call["function"]["arguments"]))
+                except (KeyError, TypeError, ValueError):
+                    continue
+        return found
 
     def openai_cached_tokens(self, body: dict[str, Any]) -> int:
         """Automatic prefix caching: the longest prefix shared with an earlier prompt, in steps."""
@@ -588,6 +611,15 @@ class FakeAnthropic(FakeModelServer):
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
         return [tool["name"] for tool in body.get("tools", [])]
+
+    def call_arguments(self, body: dict[str, Any]) -> list[Any]:
+        return [
+            block.get("input")
+            for message in body["messages"]
+            if isinstance(message["content"], list)
+            for block in message["content"]
+            if block["type"] == "tool_use"
+        ]
 
     def render(self, body: dict[str, Any], reply: dict[str, Any], reply_id: int) -> dict[str, Any]:
         content: list[dict[str, Any]] = []

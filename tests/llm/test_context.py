@@ -48,7 +48,8 @@ def test_a_per_tool_limit_overrides_the_default():
 
 
 def test_it_masks_old_results_in_whole_batches_so_the_prefix_changes_once_per_batch():
-    policy = ContextPolicy(result_limit_chars=10_000, keep_recent_results=2, mask_batch=4)
+    # Masking alone: compaction (tests/llm/test_compaction.py) would fold these turns away first.
+    policy = ContextPolicy(result_limit_chars=10_000, keep_recent_results=2, mask_batch=4, compaction="off")
     masked_counts = []
     previous: list[str] | None = None
     rewrites = 0
@@ -66,7 +67,8 @@ def test_it_masks_old_results_in_whole_batches_so_the_prefix_changes_once_per_ba
 
 def test_a_masked_result_keeps_its_start_and_says_how_to_read_it_again():
     messages, results = conversation(6)
-    texts = tool_texts(context.shape(messages, results, ContextPolicy(keep_recent_results=1, mask_batch=5)))
+    policy = ContextPolicy(keep_recent_results=1, mask_batch=5, compaction="off")
+    texts = tool_texts(context.shape(messages, results, policy))
     assert texts[0].startswith("0000xxx") and len(texts[0]) < 300
     assert "older result of step 2 masked (3000 characters); call read_result with step=2" in texts[0]
 
@@ -97,6 +99,10 @@ def test_the_spec_validates_the_context_policy(tenant):
                     "mask_batch": 6,
                     "result_limits": {"kb__search": 4000},
                     "enabled": True,
+                    "compaction": "deterministic",
+                    "compact_after_tokens": 4_000,
+                    "compact_keep_turns": 2,
+                    "compact_record_tokens": 1_500,
                 },
             },
             tenant,
@@ -110,7 +116,9 @@ def test_the_spec_validates_the_context_policy(tenant):
                 "mask_batch": 0,
                 "enabled": "yes",
                 "result_limits": {"a": -1},
-                "compact_after_tokens": 5,
+                "compaction": "summary",
+                "compact_after_tokens": 0,
+                "summariser": "cheap",
             },
         },
         tenant,
@@ -119,8 +127,11 @@ def test_the_spec_validates_the_context_policy(tenant):
         "context.mask_batch",
         "context.enabled",
         "context.result_limits.a",
+        "context.compaction",
         "context.compact_after_tokens",
+        "context.summariser",
     }
+    assert errors["context.compaction"] == ["must be one of deterministic, off"]
     assert validate_spec({**base, "expected_cost_micros": 0}, tenant) == {
         "expected_cost_micros": [
             "must be a positive integer (micros a run is expected to cost; learned from "
@@ -150,9 +161,10 @@ def test_the_model_sees_a_head_and_pages_through_the_stored_result_with_read_res
     finally:
         fake.stop()
 
-    # read_result is offered once a result was shortened, not before (nothing to page through).
+    # read_result is offered from the first call: with compaction (the default) every result of
+    # a long run is folded sooner or later, and adding it later would rewrite the cached prefix.
     offered = [[tool["function"]["name"] for tool in body["tools"]] for body in fake.requests]
-    assert offered == [[echo.name], [echo.name, "read_result"], [echo.name, "read_result"]]
+    assert offered == [[echo.name, "read_result"]] * 3
     stored = Step.objects.get(run=run, seq=2).result["text"]
     assert stored == json.dumps({"blob": blob}, sort_keys=True)  # kept in full
     shown = fake.requests[1]["messages"][-1]["content"]

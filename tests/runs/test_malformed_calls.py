@@ -57,12 +57,14 @@ def test_malformed_read_result_calls_fail_with_a_reason_and_the_run_finishes(ten
 
 
 def test_read_result_is_offered_only_once_there_is_something_to_page_through(tenant, asha, builtins):
+    # Without compaction: a compacting policy offers it from the first call (tests/llm/test_compaction.py).
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
     factories.make_agent(
         tenant,
         tools=[echo],
         turns=[{"tool_calls": [{"name": "read_result", "arguments": {"step": 1}}]}, {"text": "done"}],
+        context={"compaction": "off"},
     )
     run, _ = start_run(user=asha, agent="agent", input={})
     run = drive(run.pk)
