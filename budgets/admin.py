@@ -195,7 +195,7 @@ class ReservationAdmin(ReadOnlyAdmin):
         ]
 
     def usage_view(self, request, tenant_id):
-        tenants = self.admin_site.registry_admin("tenants.tenant")
+        tenants = site.registry_admin("tenants.tenant")  # the platform's site, where this admin is registered
         tenant = tenants.get_object(request, tenant_id)
         if tenant is None:
             raise Http404
