@@ -121,6 +121,7 @@ def request_for(
         tools=context.offered(tools, policy, paged=paged, artifacts=shown_artifacts),
         max_output_tokens=run.limits["max_output_tokens"],
         timeout_seconds=endpoint.timeout_seconds,
+        first_token_timeout_seconds=endpoint.first_token_timeout_seconds,
         cache_key=f"run-{run.pk}",
     )
 
@@ -189,6 +190,8 @@ def _provider(endpoint: ModelEndpoint):
         endpoint.model,
         endpoint.send_cache_key,
         json.dumps(endpoint.compat or {}, sort_keys=True),
+        json.dumps(endpoint.sampling or {}, sort_keys=True),
+        endpoint.stream,
         hashlib.sha256((api_key or "").encode()).hexdigest(),
     )
     with _providers_lock:
@@ -203,11 +206,20 @@ def _provider(endpoint: ModelEndpoint):
                     endpoint.model,
                     send_cache_key=endpoint.send_cache_key,
                     compat=Compat.of(endpoint.compat),
+                    sampling=endpoint.sampling,
+                    stream=endpoint.stream,
                 )
             else:
                 from llm.providers.anthropic import AnthropicProvider  # see _provider's first import
 
-                provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)
+                provider = AnthropicProvider(
+                    endpoint.base_url,
+                    api_key,
+                    endpoint.model,
+                    compat=Compat.of(endpoint.compat),
+                    sampling=endpoint.sampling,
+                    stream=endpoint.stream,
+                )
             _providers[key] = provider
     return provider
 

@@ -19,6 +19,7 @@ of the engine is written once, here, and tested from tables of cases without Pos
                                   connection: wait for the user to connect, or refuse
     after_unauthorized(...)       the server answered 401 to the call: wait, or refuse
     quota_turn(seq, admission)    whether the model call waits for its endpoint's shared quota
+    timeout_backoff(base, draw)   how long an endpoint gets no call after one of its calls timed out
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -593,3 +594,13 @@ def quota_turn(seq: int, wait_seconds: float, limit: str) -> WaitForQuota | None
     if wait_seconds <= 0:
         return None
     return WaitForQuota(seq, min(wait_seconds, LONGEST_QUOTA_COUNTDOWN), limit)
+
+
+def timeout_backoff(base_seconds: float, draw: float) -> float:
+    """How long no call goes to an endpoint after one of its calls timed out: its
+    timeout_backoff_seconds times a factor from 1 to 2 (`draw`: uniform in [0, 1)).
+
+    A server that timed out is busy (a one-slot llama.cpp server still generating the abandoned
+    answer): an immediate retry queues behind that generation and times out in turn. The jitter
+    spreads the runs that all waited on it, so they do not come back in one burst."""
+    return max(0.0, base_seconds) * (1.0 + min(max(draw, 0.0), 1.0))

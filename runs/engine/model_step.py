@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import random
 
 from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
@@ -46,10 +47,17 @@ def quota_wait(run: Run, endpoint: ModelEndpoint, seq: int, *, tokens: int) -> d
     return decisions.quota_turn(seq, admission.wait_seconds, admission.limit)
 
 
-def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> None:
-    """The provider said when to come back: so does every other run calling that account."""
+def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> float | None:
+    """The provider said when to come back, or a call timed out (backoff with jitter): so does
+    every other run calling that account. The seconds to wait, if any."""
     if exc.retryable and exc.retry_after is not None:
         quotas.slow_down(endpoint, exc.retry_after)
+        return exc.retry_after
+    if exc.timed_out and endpoint.timeout_backoff_seconds > 0:
+        backoff = decisions.timeout_backoff(endpoint.timeout_backoff_seconds, random.random())
+        quotas.slow_down(endpoint, backoff)
+        return backoff
+    return None
 
 
 def do_model(plan: ModelCall) -> None:
@@ -59,19 +67,22 @@ def do_model(plan: ModelCall) -> None:
         with observe.model_call(
             run_id=plan.run_id, seq=step.seq, endpoint=model.endpoint, request=model.request
         ) as call:
-            reply = model_gateway.call_model(model.endpoint, model.request)
+            try:
+                reply = model_gateway.call_model(model.endpoint, model.request)
+            finally:
+                quotas.release(model.endpoint, str(plan.run_id))  # its max_in_flight slot
             cost = model_gateway.cost_micros(model.endpoint, reply.usage)
             call.replied(reply, cost)
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
-        _throttled(model.endpoint, exc)
+        wait = _throttled(model.endpoint, exc)
         close_old_connections()
         failure = exc  # `exc` is unbound once the except block ends
         kind = fallback.error_class(failure)
         circuit = _count_for_circuit(model, kind, str(failure))
         began = timezone.now()
         through_database_outage(
-            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, began, retry=retry),
+            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, began, wait, retry=retry),
             seconds=plan.lease_seconds,
         )
         return
@@ -100,7 +111,15 @@ def _count_for_circuit(model: ModelPlan, kind: str, error: str, *, cost: int = 0
 
 
 def _record_model_failure(
-    plan: ModelCall, step: Step, exc, kind: str, circuit: str, began: dt.datetime, *, retry: bool = False
+    plan: ModelCall,
+    step: Step,
+    exc,
+    kind: str,
+    circuit: str,
+    began: dt.datetime,
+    wait: float | None = None,
+    *,
+    retry: bool = False,
 ) -> None:
     """Close the reservation and write the failure, in one transaction (run, then budget).
 
@@ -108,7 +127,8 @@ def _record_model_failure(
     call to a fallback sends it at once (not after this endpoint's Retry-After), and a refusal
     that a fallback takes (a prompt too long for this model) does not end the run. `circuit`: the
     state this failure moved the endpoint's circuit breaker to, if any. `began`: when recording
-    was first tried (dispatch.recorded_before)."""
+    was first tried (dispatch.recorded_before). `wait`: the endpoint's Retry-After or timeout
+    backoff, the run's countdown before its next call."""
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
@@ -122,6 +142,8 @@ def _record_model_failure(
             budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
+        if exc.timed_out and wait:
+            message += f"; no call goes to {plan.model.endpoint.name} for {wait:.1f}s (timeout backoff)"
         if not fenced(run, plan):
             if retry and recorded_before(run, step, began):
                 return
@@ -148,7 +170,7 @@ def _record_model_failure(
                 message="failed: model request refused",
             )
         else:
-            continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
+            continue_run(run, countdown=wait if wait is not None else 1.0)
 
 
 def _circuit_event(run, step: Step, model: ModelPlan, state: str) -> None:
@@ -213,6 +235,11 @@ def _record_model(
             "cache_write_tokens": reply.usage.cache_write_tokens,
             "output_tokens": reply.usage.output_tokens,
         }
+        if reply.usage.counted_by != "server":
+            # The platform stopped reading at the output limit, or the server reported no usage:
+            # these figures are the platform's own count (llm.types.Usage.counted_by).
+            usage["counted_by"] = reply.usage.counted_by
+        cut = reply.stop_reason == "cut_at_output_limit"
         event = transition_step(
             step,
             StepStatus.SUCCEEDED,
@@ -221,7 +248,13 @@ def _record_model(
             cost_micros=cost,
             finished_at=timezone.now(),
             observation=text,
-            message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
+            message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros"
+            + (
+                f"; cut at the output limit ({run.limits['max_output_tokens']} tokens): the platform "
+                "stopped reading and closed the connection"
+                if cut
+                else ""
+            ),
             defer=True,  # written with the run row and the events, in the record's last statement
         )
         if circuit:
