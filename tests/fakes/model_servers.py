@@ -118,6 +118,7 @@ class FakeModelServer:
         self.latency_ms = latency_ms
         self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
         self.requests: list[dict[str, Any]] = []
+        self.arrived_at: list[float] = []  # per request, when it came (time.monotonic)
         self.request_headers: list[dict[str, str]] = []
         self.client_ports: list[int] = []  # per request: one port per TCP connection of the client
         self.set_cookie = ""  # when set, every answer carries it (as a CDN in front of a provider does)
@@ -219,6 +220,7 @@ class FakeModelServer:
             return self.error(400, "invalid_request_error", "request body is not valid JSON")
         with self._lock:
             self.requests.append(body)
+            self.arrived_at.append(time.monotonic())
             self.request_headers.append(dict(request.headers))
             self.client_ports.append(request.client.port if request.client else 0)
         if self.latency_ms:
