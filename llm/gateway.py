@@ -14,6 +14,7 @@ import math
 import threading
 from decimal import Decimal
 
+from agents import output as output_contract
 from agents.spec import spec_for
 from artifacts import services as artifacts
 from llm import context
@@ -64,6 +65,11 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 for c in step.result.get("tool_calls", [])
             ]
             messages.append(Message(role="assistant", content=step.result.get("text", ""), tool_calls=calls))
+            if step.result.get("output_errors"):
+                # A final answer the version's output_schema refused: its errors go back to the model.
+                messages.append(
+                    Message(role="user", content=output_contract.feedback(step.result["output_errors"]))
+                )
         elif step.kind == StepKind.TOOL and step.status in OBSERVED:
             is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
                 (step.result or {}).get("is_error")
@@ -116,7 +122,7 @@ def request_for(
     )
     return ModelRequest(
         model=endpoint.model,
-        instructions=spec.instructions,
+        instructions=spec.instructions + (output_contract.instructions(spec.output) if spec.output else ""),
         messages=shaped,
         tools=context.offered(tools, policy, paged=paged, artifacts=shown_artifacts),
         max_output_tokens=run.limits["max_output_tokens"],

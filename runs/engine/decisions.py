@@ -20,6 +20,9 @@ of the engine is written once, here, and tested from tables of cases without Pos
     after_unauthorized(...)       the server answered 401 to the call: wait, or refuse
     quota_turn(seq, admission)    whether the model call waits for its endpoint's shared quota
     timeout_backoff(base, draw)   how long an endpoint gets no call after one of its calls timed out
+    output_turn(errors, refused, retries)
+                                  a final answer: accept it, ask the model again, or fail the run
+                                  (invalid_output)
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -58,6 +61,7 @@ class StepView:
     next_attempt_at: dt.datetime | None = None
     dispatched_at: dt.datetime | None = None
     has_tool_calls: bool = False  # a model step: its reply asked for tools
+    output_refused: bool = False  # a model step: its final answer failed the version's output_schema
     error: str = ""  # a failed model step: what the provider answered
     endpoint_id: int | None = None  # a model step: the endpoint it went to (llm/fallback.py)
     error_class: str = ""  # a failed model step: rate_limited, server_error, timeout, ...
@@ -365,7 +369,7 @@ def next_move(
     if ready is not None:
         return OpenToolCall(ready.seq, platform=ready.tool_name in platform_tools)
     last_model = next((s for s in reversed(log) if s.kind == "model" and s.status == SUCCEEDED), None)
-    if last_model is not None and not last_model.has_tool_calls:
+    if last_model is not None and not last_model.has_tool_calls and not last_model.output_refused:
         return Finish()
     return CallModel(seq=(log[-1].seq if log else 0) + 1)
 
@@ -604,3 +608,16 @@ def timeout_backoff(base_seconds: float, draw: float) -> float:
     answer): an immediate retry queues behind that generation and times out in turn. The jitter
     spreads the runs that all waited on it, so they do not come back in one burst."""
     return max(0.0, base_seconds) * (1.0 + min(max(draw, 0.0), 1.0))
+
+
+# --- a final answer against the version's output_schema (agents/output.py) -------------------------
+
+
+def output_turn(errors: list[str], refused_before: int, retries: int) -> Literal["accept", "retry", "fail"]:
+    """What follows a final answer with `errors` (empty: it validated), when `refused_before`
+    answers of the run were refused already and the version allows `retries` more tries."""
+    if not errors:
+        return "accept"
+    if refused_before < retries:
+        return "retry"
+    return "fail"

@@ -16,6 +16,8 @@ import random
 from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
+from agents import output as output_contract
+from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import Reservation
 from llm import breaker, fallback, quotas
@@ -26,7 +28,7 @@ from observability import observe
 from runs.engine import decisions, heartbeat, proposals, writer
 from runs.engine.dispatch import add_settle, recorded_before, through_database_outage
 from runs.engine.types import LostModelCall, ModelCall, ModelPlan, fenced
-from runs.models import Run, RunStatus, Step, StepStatus
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from runs.queueing import continue_run
 from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
 from tenants import secrets
@@ -240,10 +242,16 @@ def _record_model(
             # these figures are the platform's own count (llm.types.Usage.counted_by).
             usage["counted_by"] = reply.usage.counted_by
         cut = reply.stop_reason == "cut_at_output_limit"
+        verdict, output_errors, refused = "accept", list[str](), 0
+        if not calls and not run.cancel_requested:
+            verdict, output_errors, refused = _check_output(run, text)
+        result: dict = {"text": text, "tool_calls": calls}
+        if output_errors:
+            result["output_errors"] = output_errors
         event = transition_step(
             step,
             StepStatus.SUCCEEDED,
-            result={"text": text, "tool_calls": calls},
+            result=result,
             usage=usage,
             cost_micros=cost,
             finished_at=timezone.now(),
@@ -275,12 +283,60 @@ def _record_model(
         )
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
-        elif not calls:
+        elif not calls and verdict == "accept":
             end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
+        elif not calls and verdict == "fail":
+            end_run(
+                run,
+                RunStatus.FAILED,
+                reason="invalid_output",
+                error=f"invalid_output: the final answer did not match the version's output_schema after "
+                f"{refused + 1} answer(s): " + "; ".join(output_errors),
+                message="failed: invalid output",
+                final_output=text,
+            )
+        elif not calls:
+            record_event(
+                run.pk,
+                "output_refused",
+                f"step {step.seq} final answer refused (answer {refused + 1}; the model is asked again): "
+                + "; ".join(output_errors),
+                step_seq=step.seq,
+                errors=output_errors,
+            )
+            if run.pause_requested:
+                writer.pause(run)
+            else:
+                continue_run(run)
         elif run.pause_requested:
             writer.pause(run)  # its proposed calls wait, undispatched, for the resume
         else:
             continue_run(run)
+
+
+def _check_output(run: Run, text: str) -> tuple[str, list[str], int]:
+    """A final answer against the version's output contract (agents/output.py): the verdict
+    (decisions.output_turn), the errors, and how many of the run's answers were refused before.
+    Read once per final answer: the run's successful tool results, for the grounded fields."""
+    contract = spec_for(run.version).output
+    if contract is None:
+        return "accept", [], 0
+    results = []
+    if contract.grounded:
+        for stored in Step.objects.filter(
+            run_id=run.pk,
+            kind=StepKind.TOOL,
+            status__in=(StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED),
+        ).values_list("result", flat=True):
+            if (
+                isinstance(stored, dict)
+                and not stored.get("is_error")
+                and isinstance(stored.get("text"), str)
+            ):
+                results.append(stored["text"])
+    _, errors = output_contract.check(text, contract, results)
+    refused = Step.objects.filter(run_id=run.pk, kind=StepKind.MODEL, result__has_key="output_errors").count()
+    return decisions.output_turn(errors, refused, contract.retries), errors, refused
 
 
 def _settle(plan: ModelCall, step: Step, cost: int) -> tuple[bool, object, bool]:
