@@ -11,7 +11,9 @@ class ModelEndpoint(models.Model):
     # Where calls go and which key they carry: apply and operators only (ToolServer's note).
     DESTINATION_FIELDS = ("kind", "base_url", "secret")
     # The provider account's limits (llm/quotas.py), shared with other tenants: operators only.
-    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute")
+    # How a server is spoken to (llm/compat.py): the configuration file's, shown in the admin.
+    SERVER_FIELDS = ("compat", "sampling", "stream", "first_token_timeout_seconds", "timeout_backoff_seconds")
+    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")
 
     class Kind(models.TextChoices):
         OPENAI = "openai"

@@ -69,6 +69,7 @@ from starlette.routing import Route
 
 HOST = "127.0.0.1"
 NONCE = re.compile(r"nonce-[0-9a-f]{6,}")
+TEXT_RESULT = "[result of tool"  # how llm.compat.tool_result_text begins a result sent as text
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _STATUS_TYPES = {429: "rate_limit_error", 529: "overloaded_error", 401: "authentication_error"}
 
@@ -310,6 +311,18 @@ class FakeModelServer:
     def auto_reply(self, body: dict[str, Any]) -> dict[str, Any]:
         results = self.count_tool_results(body)
         tools = self.tool_names(body)
+        quirks = getattr(self, "quirks", set())
+        asked = json.dumps(body.get("messages") or [])
+        if "numbers from 1 to 400" in asked:
+            # A long answer on request (probe_endpoint's output_limit check): cut at the request's
+            # output limit, as servers do, unless the server ignores it.
+            numbers = [str(n) for n in range(1, 401)]
+            limit = body.get("max_tokens") or body.get("max_completion_tokens") or len(numbers)
+            return {
+                "text": " ".join(numbers if "ignores_max_tokens" in quirks else numbers[: max(1, limit // 2)])
+            }
+        if "tools_need_choice" in quirks and body.get("tool_choice") != "auto":
+            tools = []  # vLLM without auto tool choice: tools are not offered to the model
         if results < self.tool_turns and tools:
             return {"text": "", "tool_calls": [{"name": tools[0], "arguments": {"i": results}}]}
         seen = NONCE.findall(json.dumps(self.visible(body)))
@@ -398,6 +411,12 @@ QUIRKS = {
     # llama-cpp-python's chatml-function-calling template: `role: tool` messages are accepted and
     # never reach the model (the prompt's tokens do not grow with the result)
     "drops_tool_messages": "",
+    # llama-cpp-python with tools offered and tool_choice auto: max_tokens is not honoured
+    "ignores_max_tokens": "",
+    # a server that lets the model call tools only with "tool_choice": "auto"
+    "tools_need_choice": "",
+    # a server that reports no usage
+    "no_usage": "",
 }
 
 
@@ -466,7 +485,13 @@ class FakeOpenAI(FakeModelServer):
         validate_openai_messages(body.get("messages"))
 
     def count_tool_results(self, body: dict[str, Any]) -> int:
-        return sum(1 for message in body["messages"] if message["role"] == "tool")
+        # A result sent as a user message (`tool_results: user`) is read as one too.
+        return sum(
+            1
+            for message in body["messages"]
+            if message["role"] == "tool"
+            or (message["role"] == "user" and str(message.get("content", "")).startswith(TEXT_RESULT))
+        )
 
     def visible(self, body: dict[str, Any]) -> Any:
         messages = body.get("messages") or []
@@ -505,7 +530,7 @@ class FakeOpenAI(FakeModelServer):
                 for i in range(0, len(arguments), 4)
             ]
         out.append(("", chunk({}, choice["finish_reason"]), False))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage") and "usage" in payload:
             usage = {**chunk({}), "choices": [], "usage": payload["usage"]}
             out.append(("", usage, False))
         out.append(("", "[DONE]", False))
@@ -549,7 +574,7 @@ class FakeOpenAI(FakeModelServer):
         prompt = approx_tokens({**body, "messages": self.visible(body)})
         cached = min(self.openai_cached_tokens(body), prompt)
         completion = approx_tokens([message["content"], calls])
-        return {
+        payload = {
             "id": f"chatcmpl-fake-{reply_id}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -562,6 +587,9 @@ class FakeOpenAI(FakeModelServer):
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
+        if "no_usage" in self.quirks:
+            del payload["usage"]
+        return payload
 
 
 def words(text: str) -> list[str]:
@@ -696,6 +724,7 @@ ANTHROPIC_QUIRKS = {
     "no_cache_control": "cache_control: Extra inputs are not permitted",
     # tool_result blocks become `role: tool` messages the server's template drops
     "drops_tool_results": "",
+    "ignores_max_tokens": "",
 }
 
 
@@ -799,6 +828,11 @@ class FakeAnthropic(FakeModelServer):
             if isinstance(message["content"], list)
             for block in message["content"]
             if block["type"] == "tool_result"
+            or (
+                block["type"] == "text"
+                and message["role"] == "user"
+                and block["text"].startswith(TEXT_RESULT)
+            )
         )
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
