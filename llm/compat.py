@@ -68,6 +68,8 @@ SETTINGS_BY_KIND: dict[str, dict[str, tuple[str, ...]]] = {
 }
 # The OpenAI wire's settings: what a refusal on that wire is told to change.
 SETTINGS = SETTINGS_BY_KIND["openai"]
+# How a refusal names the `stream` field (not "upstream", which proxies say of any failure).
+_STREAM_WORDS = ("streaming", "'stream'", '"stream"', "stream:", "stream is", "stream must", "stream not")
 # Sampling defaults an endpoint may set, with the range each wire accepts.
 SAMPLING_RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "openai": {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)},
@@ -173,7 +175,7 @@ def refusal_hint(detail: str, body: dict[str, Any], compat: Compat) -> str:
         return "the server refused prompt_cache_key: set send_cache_key: false"
     if "stream_options" in sent and mentions("stream_options", "include_usage"):
         return "the server refused stream_options: set compat.stream_usage: omit"
-    if "stream" in sent and mentions("stream"):
+    if "stream" in sent and mentions(*_STREAM_WORDS):
         return "the server refused a streamed answer: set stream: false"
     messages = body.get("messages") or []
     # Before the system rule: a validator's answer to one bad message lists every role it tried.
@@ -208,7 +210,7 @@ def anthropic_refusal_hint(detail: str, body: dict[str, Any]) -> str:
         return "the server refused cache_control blocks: set compat.prompt_cache: none"
     if blocks and "system" in text:
         return "the server refused system as blocks: set compat.system: string"
-    if "stream" in body and "stream" in text:
+    if "stream" in body and any(word in text for word in _STREAM_WORDS):
         return "the server refused a streamed answer: set stream: false"
     if blocks or "cache_control" in str(body):
         # LiteLLM's proxy passes list content on to the server behind it, which may refuse it in

@@ -274,3 +274,17 @@ def test_the_total_timeout_still_bounds_a_slow_steady_stream(fakes, kind):
     assert caught.value.timed_out
     assert "no complete answer within 1s" in str(caught.value)
     assert time.monotonic() - started < 2.5
+
+
+def test_a_refused_stream_names_stream_false_and_upstream_is_not_mistaken_for_it():
+    from llm.compat import anthropic_refusal_hint, refusal_hint
+
+    body = {"stream": True, "messages": [], "model": "m"}
+    assert refusal_hint("'stream' is not supported", body, Compat()).endswith("set stream: false")
+    assert "set stream: false" not in refusal_hint("upstream rejected the request", body, Compat())
+    assert anthropic_refusal_hint("stream: Input should be a valid boolean", body).endswith(
+        "set stream: false"
+    )
+    assert anthropic_refusal_hint("cache_control: Extra inputs are not permitted", body).endswith(
+        "set compat.prompt_cache: none"
+    )
