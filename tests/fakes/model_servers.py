@@ -325,7 +325,9 @@ class FakeModelServer:
             tools = []  # vLLM without auto tool choice: tools are not offered to the model
         if results < self.tool_turns and tools:
             return {"text": "", "tool_calls": [{"name": tools[0], "arguments": {"i": results}}]}
-        seen = NONCE.findall(json.dumps(self.visible(body)))
+        # A nonce the model read in a result (what a model's own turns say does not count).
+        read = [m for m in self.visible(body) or [] if isinstance(m, dict) and m.get("role") != "assistant"]
+        seen = NONCE.findall(json.dumps(read))
         return {"text": f"done {seen[-1]}" if seen else "done"}
 
     def visible(self, body: dict[str, Any]) -> Any:
