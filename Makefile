@@ -6,6 +6,7 @@
 # make serve  – production shape: PostgreSQL, Redis broker, uvicorn, celery worker + beat, flower
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
+# make selfhosted-check – probe and run agents on a real llama-cpp-python server and LiteLLM's proxy (docs/self-hosted.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TEST_DATABASE_URL ?= postgres://root@127.0.0.1:5432/test
@@ -21,7 +22,7 @@ RABBITMQ_TESTS := tests/recovery/test_rabbitmq.py tests/recovery/test_worker_cra
 	tests/recovery/test_stalled_worker.py tests/e2e/test_dispute_story.py
 PYTEST_RABBITMQ := $(PY) -m tests.services --broker rabbitmq -- $(PY) -m pytest -q -p no:cacheprovider $(RABBITMQ_TESTS)
 
-.PHONY: setup demo test test-fast test-rabbitmq rabbitmq lint format services browser sandbox serve bench bench-peers chaos
+.PHONY: setup demo test test-fast test-rabbitmq rabbitmq lint format services browser sandbox serve bench bench-peers chaos selfhosted-check
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -86,3 +87,12 @@ bench-peers: setup $(VENV)/.bench-installed
 # The chaos run starts (and restarts) its own PostgreSQL cluster and Redis.
 chaos: setup
 	$(PY) bench/chaos.py
+
+# llama-cpp-python's server (Gemma 3 270M from PyPI) and LiteLLM's proxy from .venv-selfhosted (built
+# once by scripts/selfhosted_venv.sh, about 15 minutes on two cores); prints the probes' reports.
+.venv-selfhosted/.installed: requirements-selfhosted.txt
+	bash scripts/selfhosted_venv.sh
+	touch $@
+
+selfhosted-check: setup .venv-selfhosted/.installed
+	$(PY) -m tests.services --sets 1 -- $(PY) -m pytest -q -p no:cacheprovider -n 0 -s tests/e2e/test_self_hosted_server.py

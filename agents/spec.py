@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from agents import output as output_contract
+from agents.output import OutputSpec
 from approvals.tool_rules import RuleError, check
 from llm.models import ModelEndpoint
 from tools.models import Tool
@@ -84,6 +86,7 @@ class AgentSpec:
     max_visible_tools: int | None
     expected_cost_micros: int | None  # runs.admission: what a run is expected to cost, if configured
     fallbacks: tuple[Fallback, ...] = ()  # in order, after the primary (`model`): llm/fallback.py
+    output: OutputSpec | None = None  # the final answer's schema, retries, grounded fields (agents/output.py)
 
 
 _by_version: dict[int, AgentSpec] = {}
@@ -111,6 +114,7 @@ def spec_for(version) -> AgentSpec:
             max_visible_tools=spec.get("max_visible_tools"),
             expected_cost_micros=spec.get("expected_cost_micros"),
             fallbacks=tuple(Fallback.of(raw) for raw in spec.get("fallbacks") or ()),
+            output=OutputSpec.of(spec),
         )
         _by_version[version.pk] = found
     return found
@@ -143,6 +147,9 @@ KNOWN_KEYS = {
     "description",
     "expected_cost_micros",
     "fallbacks",
+    "output_schema",
+    "output_retries",
+    "grounded_fields",
 }
 
 
@@ -239,6 +246,8 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
         add(path, message)
     if "max_visible_tools" in spec and not _positive_int(spec["max_visible_tools"]):
         add("max_visible_tools", f"must be a positive integer up to {SETTING_MAX}")
+    for path, message in output_contract.problems(spec):
+        add(path, message)
     return errors
 
 

@@ -15,7 +15,6 @@ from django.core.validators import URLValidator, validate_email, validate_slug
 
 from core.api import MONEY_MAX_MICROS
 from core.parsers import check_json, text_problem
-from llm.compat import problems as compat_problems
 from tenants.models import validate_time_zone
 from tools.origins import OriginError, split_host_port
 
@@ -209,11 +208,10 @@ def _json(value: Any) -> Any:
 
 
 def _compat(value: Any) -> dict:
-    """An OpenAI-compatible endpoint's compatibility settings (llm/compat.py)."""
-    found = compat_problems(value)
-    if found:
-        at, message = found[0]
-        raise _Invalid(message, at=at)
+    """An endpoint's compatibility settings or sampling defaults (llm/compat.py): a mapping here;
+    each key is checked against the endpoint's kind with the whole entry (schema._check_endpoint)."""
+    if not isinstance(value, dict):
+        raise _Invalid("must be a mapping")
     return dict(value)
 
 

@@ -41,6 +41,8 @@ from configuration.convert import (
     _url,
     _username,
 )
+from llm.compat import problems as compat_problems
+from llm.compat import sampling_problems
 from llm.models import ModelEndpoint
 from notifications.models import Event as WebhookEvent
 from tenants.models import QUOTA_WEIGHT_MAX, Tenant
@@ -57,6 +59,11 @@ APPROVAL_TTL_MAX = 30 * DAY
 # timeout (or "1e400", once stored as Infinity) left every run using the tool stuck.
 CALL_TIMEOUT_MAX = 300
 QUOTA_PER_MINUTE_MAX = 2_000_000_000  # a PositiveIntegerField
+IN_FLIGHT_MAX = 100_000
+BACKOFF_MAX = 600  # llm/quotas.MAX_PAUSE_SECONDS: a longer pause would be cut to it
+# Endpoint keys that only one wire reads: given for another kind they would be silently ignored.
+WIRE_ONLY = {"send_cache_key": ("openai",)}
+STREAMING_KEYS = ("stream", "first_token_timeout_seconds", "max_in_flight", "timeout_backoff_seconds")
 
 
 # --- problems and plan ---------------------------------------------------------------------------
@@ -233,6 +240,13 @@ ENDPOINT: Spec = {
     "timeout_seconds": Field("timeout_seconds", _seconds(CALL_TIMEOUT_MAX)),
     "send_cache_key": Field("send_cache_key", _bool),
     "compat": Field("compat", _compat),
+    "sampling": Field("sampling", _compat),
+    "stream": Field("stream", _bool),
+    "first_token_timeout_seconds": Field(
+        "first_token_timeout_seconds", _nullable(_seconds(CALL_TIMEOUT_MAX))
+    ),
+    "max_in_flight": Field("max_in_flight", _nullable(_int(1, IN_FLIGHT_MAX))),
+    "timeout_backoff_seconds": Field("timeout_backoff_seconds", _non_negative(BACKOFF_MAX)),
     "quota": {
         "requests_per_minute": Field("requests_per_minute", _nullable(_int(1, QUOTA_PER_MINUTE_MAX))),
         "tokens_per_minute": Field("tokens_per_minute", _nullable(_int(1, QUOTA_PER_MINUTE_MAX))),
@@ -438,6 +452,25 @@ def _check_delegation(server: dict, path: str, problems: Problems) -> dict:
 def _check_endpoint(values: dict, path: str, problems: Problems) -> None:
     for key, default in ENDPOINT_DESTINATION.items():
         values.setdefault(key, default)
+    kind = values.get("kind")
+    if kind is None:
+        return  # already an error of its own
+    for key, kinds in WIRE_ONLY.items():
+        if key in values and kind not in kinds:
+            problems.add(f"{path}.{key}", f"only for {' and '.join(kinds)} endpoints, not {kind}")
+    if kind == ModelEndpoint.Kind.SCRIPTED:
+        for key in STREAMING_KEYS:
+            if key in values:
+                problems.add(f"{path}.{key}", "only for openai and anthropic endpoints, not scripted")
+    for key, check in (("compat", compat_problems), ("sampling", sampling_problems)):
+        for at, message in check(values.get(key, {}), kind):
+            problems.add(f"{path}.{key}{at}", message)
+    first, total = values.get("first_token_timeout_seconds"), values.get("timeout_seconds", 60.0)
+    if first is not None and first > total:
+        problems.add(
+            f"{path}.first_token_timeout_seconds",
+            f"must be at most timeout_seconds ({total:g}), the whole call's",
+        )
 
 
 def _check_grant(values: dict, path: str, problems: Problems) -> None:

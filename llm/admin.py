@@ -1,15 +1,18 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.utils.html import format_html_join
+from django.utils.safestring import mark_safe
 
 from llm import breaker
 from llm.models import EndpointCircuit, ModelEndpoint
+from llm.probe import probe_lines
 from tenants.admin_site import TenantScopedAdmin, is_operator, price, site
 
 
 @admin.register(ModelEndpoint, site=site)
 class ModelEndpointAdmin(TenantScopedAdmin):
-    list_display = ["name", "tenant", "kind", "model", "base_url", "input_price", "output_price"]
+    list_display = ["name", "tenant", "kind", "model", "base_url", "input_price", "output_price", "probed"]
     list_filter = ["kind"]
     search_fields = ["name", "model"]
     fieldsets = [
@@ -32,6 +35,10 @@ class ModelEndpointAdmin(TenantScopedAdmin):
         (
             "Provider quota, shared by every endpoint on this key and model",
             {"fields": list(ModelEndpoint.QUOTA_FIELDS)},
+        ),
+        (
+            "Self-hosted server: settings (configuration file) and the last probe (manage.py probe_endpoint)",
+            {"fields": [*ModelEndpoint.SERVER_FIELDS, "last_probe"]},
         ),
         ("Scripted model", {"fields": ["config"], "classes": ["collapse"]}),
     ]
@@ -59,6 +66,19 @@ class ModelEndpointAdmin(TenantScopedAdmin):
             return "closed"
         return f"{circuit.get_state_display().lower()} until {circuit.until:%Y-%m-%d %H:%M:%S} UTC: {circuit.last_error}"
 
+    @admin.display(description="last probe")
+    def last_probe(self, endpoint):
+        return (
+            format_html_join(mark_safe("<br>"), "{}", ((line,) for line in probe_lines(endpoint.probe)))
+            or "never probed: manage.py probe_endpoint " + endpoint.name
+        )
+
+    @admin.display(description="probe")
+    def probed(self, endpoint):
+        if not endpoint.probe:
+            return "-"
+        return "passed" if endpoint.probe.get("ok") else "FAILED"
+
     @admin.display(description="input price", ordering="price_input")
     def input_price(self, endpoint):
         return price(endpoint.price_input)
@@ -68,7 +88,13 @@ class ModelEndpointAdmin(TenantScopedAdmin):
         return price(endpoint.price_output)
 
     def get_readonly_fields(self, request, obj=None):
-        readonly = [*super().get_readonly_fields(request, obj), "circuit_state"]
+        # The server settings are the file's (apply): edited there, where they are checked per kind.
+        readonly = [
+            *super().get_readonly_fields(request, obj),
+            "circuit_state",
+            "last_probe",
+            *ModelEndpoint.SERVER_FIELDS,
+        ]
         if not is_operator(request.user):
             # The endpoint's URL and key are configuration (apply, operators): whoever could edit
             # the URL could have the tenant's provider key sent to a host of theirs.

@@ -14,6 +14,7 @@ import math
 import threading
 from decimal import Decimal
 
+from agents import output as output_contract
 from agents.spec import spec_for
 from artifacts import services as artifacts
 from llm import context
@@ -70,6 +71,11 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 for c in step.result.get("tool_calls", [])
             ]
             messages.append(Message(role="assistant", content=step.result.get("text", ""), tool_calls=calls))
+            if step.result.get("output_errors"):
+                # A final answer the version's output_schema refused: its errors go back to the model.
+                messages.append(
+                    Message(role="user", content=output_contract.feedback(step.result["output_errors"]))
+                )
         elif step.kind == StepKind.TOOL and step.status in OBSERVED:
             is_error = step.status not in (StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED) or bool(
                 (step.result or {}).get("is_error")
@@ -138,11 +144,12 @@ def shaped_request(
     )
     request = ModelRequest(
         model=endpoint.model,
-        instructions=spec.instructions,
+        instructions=spec.instructions + (output_contract.instructions(spec.output) if spec.output else ""),
         messages=shaped.messages,
         tools=context.offered(tools, policy, paged=shaped.paged, artifacts=shown_artifacts),
         max_output_tokens=run.limits["max_output_tokens"],
         timeout_seconds=endpoint.timeout_seconds,
+        first_token_timeout_seconds=endpoint.first_token_timeout_seconds,
         cache_key=f"run-{run.pk}",
     )
     return request, shaped
@@ -212,6 +219,8 @@ def _provider(endpoint: ModelEndpoint):
         endpoint.model,
         endpoint.send_cache_key,
         json.dumps(endpoint.compat or {}, sort_keys=True),
+        json.dumps(endpoint.sampling or {}, sort_keys=True),
+        endpoint.stream,
         hashlib.sha256((api_key or "").encode()).hexdigest(),
     )
     with _providers_lock:
@@ -226,11 +235,20 @@ def _provider(endpoint: ModelEndpoint):
                     endpoint.model,
                     send_cache_key=endpoint.send_cache_key,
                     compat=Compat.of(endpoint.compat),
+                    sampling=endpoint.sampling,
+                    stream=endpoint.stream,
                 )
             else:
                 from llm.providers.anthropic import AnthropicProvider  # see _provider's first import
 
-                provider = AnthropicProvider(endpoint.base_url, api_key, endpoint.model)
+                provider = AnthropicProvider(
+                    endpoint.base_url,
+                    api_key,
+                    endpoint.model,
+                    compat=Compat.of(endpoint.compat),
+                    sampling=endpoint.sampling,
+                    stream=endpoint.stream,
+                )
             _providers[key] = provider
     return provider
 

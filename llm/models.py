@@ -11,7 +11,9 @@ class ModelEndpoint(models.Model):
     # Where calls go and which key they carry: apply and operators only (ToolServer's note).
     DESTINATION_FIELDS = ("kind", "base_url", "secret")
     # The provider account's limits (llm/quotas.py), shared with other tenants: operators only.
-    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute")
+    # How a server is spoken to (llm/compat.py): the configuration file's, shown in the admin.
+    SERVER_FIELDS = ("compat", "sampling", "stream", "first_token_timeout_seconds", "timeout_backoff_seconds")
+    QUOTA_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")
 
     class Kind(models.TextChoices):
         OPENAI = "openai"
@@ -37,6 +39,25 @@ class ModelEndpoint(models.Model):
     # OpenAI-compatible: how this server differs from OpenAI's API (llm/compat.py: output limit's
     # name, content of a tool-call turn, tool_choice, system message); {} is OpenAI's shape.
     compat = models.JSONField(default=dict, blank=True)
+    # Sampling defaults sent with every call ({"temperature": 0.2, "top_p": 0.9}; llm/compat.py):
+    # small self-hosted models wander at the servers' default temperature.
+    sampling = models.JSONField(default=dict, blank=True)
+    # Read answers as they stream and close the connection at the call's output limit
+    # (llm/providers/http.py): the output is bounded by the platform, not only by the server.
+    stream = models.BooleanField(default=True)
+    # A streamed answer whose first token has not come in this many seconds is given up (and so
+    # is any later silence that long); null: timeout_seconds alone.
+    first_token_timeout_seconds = models.FloatField(null=True, blank=True)
+    # At most this many calls to the endpoint at once, across every worker and tenant on the same
+    # account (llm/quotas.py): a one-slot llama.cpp server queues a second call behind the first,
+    # where it times out. null: not capped here. Runs over the cap wait as rows, holding no worker.
+    max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    # After a call to the endpoint timed out, no call goes to it for this long, times a random
+    # factor from 1 to 2 (jitter), so retries do not queue behind the abandoned generation.
+    timeout_backoff_seconds = models.FloatField(default=5.0)
+    # The last `manage.py probe_endpoint` (llm/probe.py): when, whether every check passed, and
+    # each check's outcome with the setting to change; {} never probed.
+    probe = models.JSONField(default=dict, blank=True)
     # The provider's quota for this account and model (llm/quotas.py), shared by every worker and
     # every tenant whose endpoint reaches the same account; null: not limited here.
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
@@ -59,6 +80,10 @@ class ModelEndpoint(models.Model):
             models.CheckConstraint(
                 condition=models.Q(tokens_per_minute__isnull=True) | models.Q(tokens_per_minute__gt=0),
                 name="endpoint_tpm_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(max_in_flight__isnull=True) | models.Q(max_in_flight__gt=0),
+                name="endpoint_max_in_flight_positive",
             ),
         ]
 

@@ -8,8 +8,10 @@ worker counts on the same clock:
 
     admit(endpoint, tenant, weight, tokens, caller)
                                               go now, or wait this long (the call is not counted)
-    slow_down(endpoint, seconds)              the provider answered Retry-After: every caller of
-                                              that account waits it out, not only the one told
+    slow_down(endpoint, seconds)              the provider answered Retry-After, or a call timed
+                                              out (backoff): every caller of that account waits it
+                                              out, not only the one told
+    release(endpoint, caller)                 the caller's call is over: its in-flight slot frees
 
 The script keeps, per account:
     tat, ttat   the next time a request may start, for requests and for tokens (GCRA, the
@@ -38,6 +40,12 @@ The script keeps, per account:
                 h:<t> is the earliest, w:<t> the tenant's weight
     active      the tenants with calls waiting or served within their fair spacing, scored by
                 when that ends: the weights the fair spacing divides by
+    inflight    the calls out now (run id -> when its slot lapses: the endpoint's timeout and a
+                margin, so a worker that died frees its slot by itself), for the endpoint's
+                max_in_flight: while as many are out, a call waits like any other (limit
+                "in_flight"), coming back when the oldest slot lapses or IN_FLIGHT_POLL_SECONDS
+                passed, whichever is sooner; a run holds at most one slot (it makes one call
+                at a time), and asking again replaces it
 
 A call that must wait is not counted and holds nothing: the engine sends the run's next message
 with the countdown (runs/engine/model_step.quota_wait) and the run asks again then. With Redis
@@ -62,10 +70,16 @@ log = logging.getLogger(__name__)
 
 # A provider's Retry-After longer than this is taken as this: a bad header must not park a fleet.
 MAX_PAUSE_SECONDS = 600.0
+# How soon a call held by max_in_flight asks again (a slot frees when a call ends; the waiting
+# runs learn of it when they ask): one claim and one Redis round trip per waiting run per period.
+IN_FLIGHT_POLL_SECONDS = 1.0
+# A slot lapses this long after the call's timeout: its worker is gone, or it is still recording.
+IN_FLIGHT_MARGIN_SECONDS = 5.0
 
 ADMIT = """
-local bucket, active, waiting = KEYS[1], KEYS[2], KEYS[3]
+local bucket, active, waiting, inflight = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local tenant, run = ARGV[1], ARGV[7]
+local cap, lease = tonumber(ARGV[8]), tonumber(ARGV[9])
 local weight = tonumber(ARGV[2])
 local tokens = tonumber(ARGV[3])
 local window = tonumber(ARGV[4])
@@ -104,7 +118,17 @@ if #fields > 0 then
   end
 end
 local spacing = cost * total / weight
-local ready = math.max(now, tat, ttat, pause)
+local full = 0
+if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', now)
+  redis.call('ZREM', inflight, run)
+  if redis.call('ZCARD', inflight) >= cap then
+    full = now + IN_FLIGHT_POLL
+    local oldest = tonumber(redis.call('ZRANGE', inflight, 0, 0, 'WITHSCORES')[2])
+    if oldest and oldest < full then full = oldest end
+  end
+end
+local ready = math.max(now, tat, ttat, pause, full)
 local ttl = math.ceil((math.max(pause - now, 0) + 2 * window + spacing) * 1000)
 local function keep(interest)
   local head = redis.call('ZRANGE', waiting, 0, 0, 'WITHSCORES')[2]
@@ -126,6 +150,10 @@ if ready <= now and not owed then
   redis.call('HSET', bucket, 'tat', tat, 'ttat', ttat, 'v', start, 'f:' .. tenant, start + cost / weight,
     'w:' .. tenant, weight)
   redis.call('ZREM', waiting, run)
+  if cap > 0 then
+    redis.call('ZADD', inflight, now + lease, run)
+    redis.call('PEXPIRE', inflight, math.ceil(lease * 1000))
+  end
   keep(now + spacing)
   return {1, 0, ''}
 end
@@ -143,10 +171,16 @@ redis.call('HSET', bucket, 'w:' .. tenant, weight)
 keep(ticket)
 local limit = 'tokens'
 if pause > now then limit = 'retry_after'
+elseif full > now then limit = 'in_flight'
 elseif owed then limit = 'fair_share'
 elseif tat >= ttat then limit = 'requests' end
 return {0, math.ceil((ticket - now) * 1000000), limit}
-""".replace("LATE_SECONDS", "0.5")
+""".replace("LATE_SECONDS", "0.5").replace("IN_FLIGHT_POLL", repr(IN_FLIGHT_POLL_SECONDS))
+
+RELEASE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
 
 SLOW_DOWN = """
 local clock = redis.call('TIME')
@@ -188,6 +222,7 @@ class _Limiter:
         # EVALSHA: one round trip; the script is sent once per Redis restart (NOSCRIPT, then EVAL).
         self.admit = self.client.register_script(ADMIT)
         self.slow_down = self.client.register_script(SLOW_DOWN)
+        self.release = self.client.register_script(RELEASE)
 
 
 _limiter: _Limiter | None = None
@@ -234,13 +269,19 @@ def account_of(endpoint: ModelEndpoint) -> str:
 
 def _keys(account: str, tenant: str = "") -> list[str]:
     # One hash tag: on a Redis Cluster the keys live in one slot, as a script needs.
-    return [f"quota:{{{account}}}", f"quota:{{{account}}}:active", f"quota:{{{account}}}:waiting:{tenant}"]
+    return [
+        f"quota:{{{account}}}",
+        f"quota:{{{account}}}:active",
+        f"quota:{{{account}}}:waiting:{tenant}",
+        f"quota:{{{account}}}:inflight",
+    ]
 
 
 def admit(endpoint: ModelEndpoint, *, tenant: str, weight: int, tokens: int, caller: str) -> Admission:
     """Ask the account's quota for one call of `tokens` (input estimate plus output cap, as
     providers count them) from `caller` (the run: a run told to wait keeps its place when it
-    comes back). Admitted calls are counted; a call told to wait is not."""
+    comes back). Admitted calls are counted, and hold one of the endpoint's max_in_flight slots
+    until `release`; a call told to wait is not counted and holds nothing."""
     limiter = _get_limiter()
     if limiter is None:
         return GO
@@ -256,6 +297,8 @@ def admit(endpoint: ModelEndpoint, *, tenant: str, weight: int, tokens: int, cal
                 endpoint.requests_per_minute or 0,
                 endpoint.tokens_per_minute or 0,
                 caller,
+                endpoint.max_in_flight or 0,
+                endpoint.timeout_seconds + IN_FLIGHT_MARGIN_SECONDS,
             ],
         )
     except redis.RedisError as exc:
@@ -284,3 +327,15 @@ def slow_down(endpoint: ModelEndpoint, seconds: float) -> None:
     except redis.RedisError as exc:
         metrics.QUOTA_UNAVAILABLE.inc()
         log.warning("quota limiter unreachable, Retry-After %.1fs slows only this run: %s", seconds, exc)
+
+
+def release(endpoint: ModelEndpoint, caller: str) -> None:
+    """The caller's call to the endpoint is over (answered or failed): its in-flight slot frees."""
+    limiter = _get_limiter()
+    if limiter is None or not endpoint.max_in_flight:
+        return
+    try:
+        limiter.release(keys=_keys(account_of(endpoint))[3:], args=[caller])
+    except redis.RedisError as exc:
+        metrics.QUOTA_UNAVAILABLE.inc()
+        log.warning("quota limiter unreachable, an in-flight slot lapses by itself: %s", exc)

@@ -51,6 +51,10 @@ class ModelRequest:
     tools: list[ToolSpec]
     max_output_tokens: int
     timeout_seconds: float = 60.0
+    # A streamed answer whose first token has not come within this many seconds is given up (a
+    # server queueing behind another generation, or stuck); None: only timeout_seconds bounds it.
+    # It also bounds any silence later in the stream.
+    first_token_timeout_seconds: float | None = None
     # Groups the requests of one run for providers that route prompt caches by a key
     # (OpenAI's prompt_cache_key); empty: none is sent.
     cache_key: str = ""
@@ -62,6 +66,10 @@ class Usage:
     cached_input_tokens: int = 0  # input tokens read from the provider's prompt cache
     cache_write_tokens: int = 0  # input tokens written to the prompt cache (Anthropic)
     output_tokens: int = 0
+    # "server": the provider's own usage report. "platform": the platform stopped reading (the
+    # output limit was reached) or the server reported none, so these are its own count: input by
+    # llm.tokens' estimate unless the server had reported it, output as read from the stream.
+    counted_by: str = "server"
 
     @property
     def total_input(self) -> int:

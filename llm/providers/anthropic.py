@@ -9,13 +9,29 @@ to a breakpoint and reads it back at a later breakpoint only at a block boundary
 20 blocks before that breakpoint; pinning the previous request's end as well makes the read exact
 however many blocks one turn adds (parallel tool calls), so each request reads what the previous
 one wrote and writes only its new turn.
+
+Servers that speak this wire without all of it (LiteLLM's proxy in front of an OpenAI-compatible
+server) are adapted by the endpoint's compat settings (llm/compat.py): `prompt_cache: none` sends
+no cache_control at all, `system: string` sends the instructions as a plain string, and
+`tool_results: user` sends calls and results as plain text. A refused request names the setting
+to change (compat.anthropic_refusal_hint). Sampling defaults (temperature, top_p) go with every
+request.
+
+Streamed (the endpoint's default): the events are read as they come, output counted
+(http.OutputMeter), and the connection closed once the call's output limit is reached. The
+server's input count arrives first (message_start) and its output count last (message_delta);
+an answer cut short keeps the server's input count and the platform's output count, marked
+`counted_by: platform`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from llm.providers.http import make_client, post_json
+from llm.compat import Compat, anthropic_refusal_hint, tool_calls_text, tool_result_text
+from llm.providers.http import OutputMeter, make_client, post_json, stream_events
+from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 
 PROVIDER = "anthropic"
@@ -24,9 +40,21 @@ _EPHEMERAL = {"type": "ephemeral"}
 
 
 class AnthropicProvider:
-    def __init__(self, base_url: str, api_key: str | None, model: str):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        model: str,
+        *,
+        compat: Compat | None = None,
+        sampling: dict[str, float] | None = None,
+        stream: bool = False,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.compat = compat or Compat()
+        self.sampling = dict(sampling or {})
+        self.stream = stream
         self._api_key = api_key
         self._client = make_client()
 
@@ -37,28 +65,80 @@ class AnthropicProvider:
         self._client.close()
 
     def complete(self, request: ModelRequest) -> ModelReply:
-        data = post_json(
+        body = self.build_body(request)
+        try:
+            if self.stream:
+                return self._streamed(request, body)
+            data = post_json(
+                self._client,
+                f"{self.base_url}/v1/messages",
+                headers=self._headers(),
+                body=body,
+                timeout_seconds=request.timeout_seconds,
+                provider=PROVIDER,
+                secret=self._api_key,
+            )
+        except ProviderError as exc:
+            if exc.retryable or exc.status in (None, 401, 403, 404):
+                raise
+            # Refused as shaped: the same request would be refused again, so say what to change.
+            raise ProviderError(
+                f"{exc}; {anthropic_refusal_hint(str(exc), body)}",
+                retryable=False,
+                sent=exc.sent,
+                status=exc.status,
+            ) from None
+        return parse_reply(data)
+
+    def _streamed(self, request: ModelRequest, body: dict[str, Any]) -> ModelReply:
+        answer = StreamedAnswer(request.max_output_tokens)
+        events = stream_events(
             self._client,
             f"{self.base_url}/v1/messages",
             headers=self._headers(),
-            body=self.build_body(request),
+            body=body,
             timeout_seconds=request.timeout_seconds,
+            first_token_seconds=request.first_token_timeout_seconds,
             provider=PROVIDER,
             secret=self._api_key,
+            is_token=lambda name, data: (
+                name == "content_block_delta"
+                or (name == "" and isinstance(data, dict) and data.get("type") == "content_block_delta")
+            ),
         )
-        return parse_reply(data)
+        try:
+            for name, data in events:
+                if name == "whole":
+                    return parse_reply(data)
+                answer.add(data)
+                if answer.meter.reached:
+                    return answer.reply(request, cut=True)
+        finally:
+            events.close()
+        return answer.reply(request, cut=False)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
+        cache = self.compat.prompt_cache == "blocks"
+        wire = build_messages(request.messages, as_text=self.compat.tool_results == "user")
         body: dict[str, Any] = {
             # The request may pin a model; otherwise the provider's configured one is used.
             "model": request.model or self.model,
             "max_tokens": request.max_output_tokens,
-            "messages": mark_conversation(build_messages(request.messages)),
+            "messages": mark_conversation(wire) if cache else wire,
         }
         if request.instructions:  # the API rejects empty text blocks
-            body["system"] = [{"type": "text", "text": request.instructions, "cache_control": _EPHEMERAL}]
+            if self.compat.system == "string":
+                body["system"] = request.instructions
+            else:
+                block: dict[str, Any] = {"type": "text", "text": request.instructions}
+                if cache:
+                    block["cache_control"] = _EPHEMERAL
+                body["system"] = [block]
         if request.tools:
-            body["tools"] = build_tools(request.tools)
+            body["tools"] = build_tools(request.tools, cache=cache)
+        body.update(self.sampling)
+        if self.stream:
+            body["stream"] = True
         return body
 
     def _headers(self) -> dict[str, str]:
@@ -68,25 +148,28 @@ class AnthropicProvider:
         return headers
 
 
-def build_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
+def build_tools(tools: list[ToolSpec], *, cache: bool = True) -> list[dict[str, Any]]:
     wire: list[dict[str, Any]] = [
         {"name": tool.name, "description": tool.description, "input_schema": tool.input_schema}
         for tool in tools
     ]
-    wire[-1]["cache_control"] = _EPHEMERAL
+    if cache:
+        wire[-1]["cache_control"] = _EPHEMERAL
     return wire
 
 
-def build_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def build_messages(messages: list[Message], *, as_text: bool = False) -> list[dict[str, Any]]:
     """Map turns to blocks, merging adjacent turns of the same wire role.
 
     Tool results travel as user turns, and the API wants every result for an assistant turn
-    in the single user message that follows it (roles must alternate).
+    in the single user message that follows it (roles must alternate). `as_text`
+    (`tool_results: user`): calls and results as text blocks instead of tool_use and tool_result.
     """
+    names = {call.id: call.name for message in messages for call in message.tool_calls}
     wire: list[dict[str, Any]] = []
     for message in messages:
         role = "assistant" if message.role == "assistant" else "user"
-        blocks = message_blocks(message)
+        blocks = text_blocks(message, names) if as_text else message_blocks(message)
         if wire and wire[-1]["role"] == role:
             wire[-1]["content"].extend(blocks)
         else:
@@ -111,6 +194,14 @@ def results_first(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = [block for block in blocks if block["type"] == "tool_result"]
     others = [block for block in blocks if block["type"] != "tool_result"]
     return results + others
+
+
+def text_blocks(message: Message, names: dict[str, str]) -> list[dict[str, Any]]:
+    if message.role == "tool":
+        return [{"type": "text", "text": tool_result_text(message, names.get(message.tool_call_id, ""))}]
+    if message.role == "assistant" and message.tool_calls:
+        return [{"type": "text", "text": tool_calls_text(message)}]
+    return message_blocks(message)
 
 
 def message_blocks(message: Message) -> list[dict[str, Any]]:
@@ -173,3 +264,86 @@ def parse_usage(raw: Any) -> Usage:
         cache_write_tokens=raw.get("cache_creation_input_tokens") or 0,
         output_tokens=raw.get("output_tokens") or 0,
     )
+
+
+class StreamedAnswer:
+    """A Messages answer put together from its events: text and tool_use blocks by index (a
+    tool's input arrives as pieces of JSON), the stop reason, and the server's usage (input in
+    message_start, output in message_delta)."""
+
+    def __init__(self, limit: int) -> None:
+        self.meter = OutputMeter(limit)
+        self.blocks: dict[int, dict[str, Any]] = {}
+        self.stop = ""
+        self.usage: dict[str, Any] = {}
+        self.ended = False
+
+    def add(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        kind = data.get("type")
+        if kind == "error":
+            error = data.get("error") or {}
+            raise ProviderError(
+                f"{PROVIDER}: the stream ended with an error: {error.get('type', '')}: {error.get('message', '')}",
+                retryable=True,
+                sent=True,
+                status=200,
+            )
+        if kind == "message_start":
+            self.usage.update((data.get("message") or {}).get("usage") or {})
+        elif kind == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            block["pieces"] = []
+            self.blocks[data.get("index", len(self.blocks))] = block
+            if block.get("type") == "tool_use":
+                self.meter.add(block.get("name", ""))
+        elif kind == "content_block_delta":
+            delta = data.get("delta") or {}
+            piece = delta.get("text") or delta.get("partial_json") or ""
+            block = self.blocks.setdefault(data.get("index", 0), {"type": "text", "pieces": []})
+            block["pieces"].append(piece)
+            self.meter.add(piece)
+        elif kind == "message_delta":
+            self.stop = (data.get("delta") or {}).get("stop_reason") or self.stop
+            self.usage.update(data.get("usage") or {})
+        elif kind == "message_stop":
+            self.ended = True
+
+    def reply(self, request: ModelRequest, *, cut: bool) -> ModelReply:
+        text, calls = [], []
+        for _, block in sorted(self.blocks.items()):
+            joined = "".join(block["pieces"])
+            if block.get("type") == "text":
+                text.append(block.get("text", "") + joined)
+            elif block.get("type") == "tool_use" and block.get("name"):
+                arguments = block.get("input") if not joined else _parse_json(joined)
+                calls.append(
+                    ToolCall(id=block.get("id", ""), name=block["name"], arguments=parse_input(arguments))
+                )
+        if "output_tokens" in self.usage and self.ended and not cut:
+            usage = parse_usage(self.usage)
+        else:
+            # The server's input count, if its first event came (it always does), and the
+            # platform's count of the output it read.
+            server = parse_usage(self.usage) if "input_tokens" in self.usage else None
+            usage = Usage(
+                input_tokens=server.input_tokens if server else estimate_input_tokens(request),
+                cached_input_tokens=server.cached_input_tokens if server else 0,
+                cache_write_tokens=server.cache_write_tokens if server else 0,
+                output_tokens=self.meter.tokens,
+                counted_by="platform",
+            )
+        return ModelReply(
+            text="".join(text),
+            tool_calls=calls,
+            usage=usage,
+            stop_reason="cut_at_output_limit" if cut else self.stop,
+        )
+
+
+def _parse_json(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw  # cut short: kept raw for the platform's schema check (parse_input)

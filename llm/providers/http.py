@@ -1,7 +1,14 @@
-"""HTTP plumbing shared by the provider clients: one POST, error classification.
+"""HTTP plumbing shared by the provider clients: one POST, one streamed POST, error classification.
 
 No retries happen here on purpose: the caller owns the retry/budget policy and needs to
 know whether a failed attempt may have been charged (ProviderError.sent).
+
+A streamed answer (`stream_events`, server-sent events) is read under two clocks: the first
+token must come within `first_token_seconds` (and no later silence may last longer), and the
+whole answer within `timeout_seconds`. The caller may stop reading at any event (its output
+limit): closing the generator closes the response, and an HTTP/1.1 connection whose answer was
+not read to the end is closed rather than put back in the pool, which is how a server learns
+that nobody is reading (llama.cpp's server and vLLM stop generating on it).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import email.utils
 import json
 import re
 import time
+from collections.abc import Callable, Generator
 from typing import Any
 
 import httpx
@@ -78,6 +86,99 @@ def post_json(
             f"{provider}: reply is not a JSON object", retryable=False, sent=True, status=response.status_code
         )
     return data
+
+
+def stream_events(
+    client: httpx.Client,
+    url: str,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    timeout_seconds: float,
+    first_token_seconds: float | None,
+    provider: str,
+    secret: str | None,
+    is_token: Callable[[str, Any], bool],
+) -> Generator[tuple[str, Any]]:
+    """POST a JSON body asking for a stream and yield its events as (event name, decoded data);
+    raise ProviderError for a refusal, a lost connection or a clock that ran out.
+
+    `is_token(name, data)`: whether an event carries generated output, so the first-token clock
+    stops (a stream's opening event, Anthropic's message_start, comes before any generation). A
+    server that ignores `stream` and answers one JSON body yields ("whole", body)."""
+    first = min(first_token_seconds or timeout_seconds, timeout_seconds)
+    started = time.monotonic()
+    deadline = started + timeout_seconds
+    # The read timeout is the longest silence allowed: before the first token and after it.
+    timeout = httpx.Timeout(timeout_seconds, connect=min(5.0, timeout_seconds), read=first)
+    answered = False
+    try:
+        with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as response:
+            if response.status_code >= 300:
+                response.read()
+                raise status_error(response, provider=provider, secret=secret)
+            if "text/event-stream" not in response.headers.get("content-type", ""):
+                # A server that ignores `stream` answers with one JSON body: read it as such.
+                response.read()
+                try:
+                    data = response.json()
+                except ValueError:
+                    raise ProviderError(
+                        f"{provider}: HTTP {response.status_code} with a non-JSON body",
+                        retryable=True,
+                        sent=True,
+                        status=response.status_code,
+                    ) from None
+                yield "whole", data
+                return
+            event, data_lines = "", []
+            for line in response.iter_lines():
+                now = time.monotonic()
+                if now > deadline:
+                    raise _clock_error(provider, f"no complete answer within {timeout_seconds:g}s")
+                if not answered and now > started + first:
+                    raise _clock_error(provider, f"no first token within {first:g}s")
+                if line.startswith(":"):
+                    continue  # a comment: servers send them to keep a connection open
+                if line:
+                    field, _, value = line.partition(":")
+                    value = value.removeprefix(" ")
+                    if field == "event":
+                        event = value
+                    elif field == "data":
+                        data_lines.append(value)
+                    continue
+                if not data_lines:
+                    event = ""
+                    continue
+                raw = "\n".join(data_lines)
+                name, event, data_lines = event, "", []
+                if raw.strip() == "[DONE]":
+                    return
+                try:
+                    decoded = json.loads(raw)
+                except ValueError:
+                    raise ProviderError(
+                        f"{provider}: a streamed event is not JSON: {redact(raw[:200], secret)}",
+                        retryable=True,
+                        sent=True,
+                        status=response.status_code,
+                    ) from None
+                answered = answered or is_token(name, decoded)
+                yield name, decoded
+    except httpx.ReadTimeout:
+        waited = time.monotonic() - started
+        if not answered:
+            raise _clock_error(provider, f"no first token within {first:g}s") from None
+        raise _clock_error(
+            provider, f"the server went silent for {first:g}s mid-answer ({waited:.1f}s into the call)"
+        ) from None
+    except httpx.TransportError as exc:
+        raise transport_error(exc, provider=provider, secret=secret) from None
+
+
+def _clock_error(provider: str, what: str) -> ProviderError:
+    return ProviderError(f"{provider}: timed out: {what}", retryable=True, sent=True, timed_out=True)
 
 
 def transport_error(exc: httpx.TransportError, *, provider: str, secret: str | None) -> ProviderError:
@@ -162,3 +263,25 @@ def redact(text: str, secret: str | None) -> str:
     if secret and len(secret) >= 4:
         text = text.replace(secret, "[redacted]")
     return text
+
+
+class OutputMeter:
+    """The platform's own count of a streamed answer's output, to stop reading at the limit.
+
+    Each piece of text or tool arguments a server streams is usually one token (llama.cpp's
+    server, vLLM, TGI and OpenAI send one per event); a server that sends larger pieces is
+    counted at one token per 4 characters, which over-counts rather than lets a runaway answer
+    through. `reached` once the count is at the call's output limit.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.tokens = 0
+
+    def add(self, piece: str) -> None:
+        if piece:
+            self.tokens += max(1, len(piece) // 4)
+
+    @property
+    def reached(self) -> bool:
+        return self.tokens >= self.limit

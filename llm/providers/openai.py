@@ -3,8 +3,16 @@
 The request shape follows the endpoint's compatibility settings (llm/compat.py): the output
 limit's name (`max_completion_tokens` by default: OpenAI rejects `max_tokens` for reasoning models
 and deprecated it elsewhere, and sending both is rejected too), the content of a tool-call turn,
-tool_choice, and where the instructions go. A refused request raises a non-retried ProviderError
-whose message names the setting to change (compat.refusal_hint).
+tool_choice, where the instructions go, and how tool results go back (`tool_results: user` sends
+the calls and results as plain text, for templates that drop `role: tool`). The endpoint's
+sampling defaults (temperature, top_p) go with every request. A refused request raises a
+non-retried ProviderError whose message names the setting to change (compat.refusal_hint).
+
+Streamed (the endpoint's default): the answer is read as server-sent events, its output counted
+as it comes (http.OutputMeter), and the connection closed once the call's output limit is
+reached, whatever the server does with `max_tokens` (llama-cpp-python ignores it when tools are
+offered with `tool_choice: auto`). The usage is the server's own (`stream_options.include_usage`,
+the last event) when the stream ends, else the platform's count, marked `counted_by: platform`.
 
 Prompt caching is automatic on a byte-stable prefix (the gateway keeps it so). The request's
 cache key, the run, goes out as `prompt_cache_key` so requests of one run reach the same cache
@@ -17,8 +25,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llm.compat import Compat, refusal_hint
-from llm.providers.http import make_client, post_json
+from llm.compat import Compat, refusal_hint, tool_calls_text, tool_result_text
+from llm.providers.http import OutputMeter, make_client, post_json, stream_events
+from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 
 PROVIDER = "openai"
@@ -34,9 +43,13 @@ class OpenAIProvider:
         max_tokens_param: str | None = None,
         send_cache_key: bool = True,
         compat: Compat | None = None,
+        sampling: dict[str, float] | None = None,
+        stream: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.send_cache_key = send_cache_key
+        self.sampling = dict(sampling or {})
+        self.stream = stream
         self.model = model
         compat = compat or Compat()
         if max_tokens_param is not None:
@@ -55,6 +68,8 @@ class OpenAIProvider:
     def complete(self, request: ModelRequest) -> ModelReply:
         body = self.build_body(request)
         try:
+            if self.stream:
+                return self._streamed(request, body)
             data = post_json(
                 self._client,
                 f"{self.base_url}/chat/completions",
@@ -76,6 +91,32 @@ class OpenAIProvider:
             ) from None
         return parse_reply(data)
 
+    def _streamed(self, request: ModelRequest, body: dict[str, Any]) -> ModelReply:
+        """Read the answer as it streams; stop at the output limit (the generator's close closes
+        the connection)."""
+        answer = StreamedAnswer(request.max_output_tokens)
+        events = stream_events(
+            self._client,
+            f"{self.base_url}/chat/completions",
+            headers=self._headers(),
+            body=body,
+            timeout_seconds=request.timeout_seconds,
+            first_token_seconds=request.first_token_timeout_seconds,
+            provider=PROVIDER,
+            secret=self._api_key,
+            is_token=lambda _name, data: bool(_delta_pieces(data)),
+        )
+        try:
+            for name, data in events:
+                if name == "whole":
+                    return parse_reply(data)
+                answer.add(data)
+                if answer.meter.reached:
+                    return answer.reply(request, cut=True)
+        finally:
+            events.close()
+        return answer.reply(request, cut=False)
+
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             # The request may pin a model; otherwise the provider's configured one is used.
@@ -89,6 +130,11 @@ class OpenAIProvider:
                 body["tool_choice"] = self.compat.tool_choice
         if request.cache_key and self.send_cache_key:
             body["prompt_cache_key"] = request.cache_key
+        body.update(self.sampling)
+        if self.stream:
+            body["stream"] = True
+            if self.compat.stream_usage == "include":
+                body["stream_options"] = {"include_usage": True}
         return body
 
     def _headers(self) -> dict[str, str]:
@@ -110,12 +156,21 @@ def build_messages(
     wire: list[dict[str, Any]] = []
     if compat.system_message == "always" or (instructions and compat.system_message == "system"):
         wire.append({"role": "system", "content": instructions})
+    as_text = compat.tool_results == "user"
+    names = {call.id: call.name for message in messages for call in message.tool_calls} if as_text else {}
     for message in messages:
-        turn = message_to_wire(message, compat)
-        if turn["role"] == "user" and wire and wire[-1]["role"] == "user":
-            # The compact records of folded turns follow the run's input (llm/compaction.py): one
-            # user turn, as chat templates that want roles to alternate need, and the same bytes
-            # up to the previous record on every call (the cached prefix holds).
+        turn = message_as_text(message, names) if as_text else message_to_wire(message, compat)
+        if (
+            turn["role"] == "user"
+            and wire
+            and wire[-1]["role"] == "user"
+            and isinstance(turn["content"], str)
+            and isinstance(wire[-1]["content"], str)
+        ):
+            # The compact records of folded turns follow the run's input (llm/compaction.py), and
+            # with `tool_results: user` results follow each other: one user turn, as chat templates
+            # that want roles to alternate need, and the same bytes up to the previous record on
+            # every call (the cached prefix holds).
             wire[-1]["content"] = f"{wire[-1]['content']}\n\n{turn['content']}"
         else:
             wire.append(turn)
@@ -148,6 +203,18 @@ def message_to_wire(message: Message, compat: Compat | None = None) -> dict[str,
             turn["content"] = ""
         turn["tool_calls"] = [call_to_wire(call) for call in message.tool_calls]
         return turn
+    if message.role in ("user", "assistant"):
+        return {"role": message.role, "content": message.content}
+    raise ValueError(f"unknown message role {message.role!r}")
+
+
+def message_as_text(message: Message, names: dict[str, str]) -> dict[str, Any]:
+    """A turn for servers that drop tool messages (`tool_results: user`): calls and results as
+    the conversation's own text, so the model reads the result whatever its template keeps."""
+    if message.role == "tool":
+        return {"role": "user", "content": tool_result_text(message, names.get(message.tool_call_id, ""))}
+    if message.role == "assistant" and message.tool_calls:
+        return {"role": "assistant", "content": tool_calls_text(message)}
     if message.role in ("user", "assistant"):
         return {"role": message.role, "content": message.content}
     raise ValueError(f"unknown message role {message.role!r}")
@@ -216,3 +283,87 @@ def parse_usage(raw: Any) -> Usage:
         cached_input_tokens=cached,
         output_tokens=raw.get("completion_tokens") or 0,
     )
+
+
+def _delta_pieces(data: Any) -> list[str]:
+    """The generated text and tool-call arguments one streamed chunk carries."""
+    pieces: list[str] = []
+    for choice in (data.get("choices") or []) if isinstance(data, dict) else []:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            pieces.append(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            function = call.get("function") or {}
+            if function.get("name"):
+                pieces.append(function["name"])
+            if function.get("arguments"):
+                pieces.append(function["arguments"])
+    return pieces
+
+
+class StreamedAnswer:
+    """A Chat Completions answer put together from its chunks: text, tool calls by index (id and
+    name in the first chunk of each, arguments in pieces), finish reason, and usage if the server
+    sends it (the last chunk, with no choices)."""
+
+    def __init__(self, limit: int) -> None:
+        self.meter = OutputMeter(limit)
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish = ""
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        if isinstance(data.get("error"), dict):  # some servers report a failure mid-stream so
+            raise ProviderError(
+                f"{PROVIDER}: the stream ended with an error: {data['error'].get('message', data['error'])}",
+                retryable=True,
+                sent=True,
+                status=200,
+            )
+        if isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+        for piece in _delta_pieces(data):
+            self.meter.add(piece)
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            for raw in delta.get("tool_calls") or []:
+                call = self.calls.setdefault(raw.get("index", len(self.calls)), {"arguments": []})
+                function = raw.get("function") or {}
+                if raw.get("id"):
+                    call["id"] = raw["id"]
+                if function.get("name"):
+                    call["name"] = function["name"]
+                if function.get("arguments"):
+                    call["arguments"].append(function["arguments"])
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+
+    def reply(self, request: ModelRequest, *, cut: bool) -> ModelReply:
+        calls = [
+            ToolCall(
+                id=call.get("id") or f"call_{index}",
+                name=call.get("name", ""),
+                arguments=parse_arguments("".join(call["arguments"])),
+            )
+            for index, call in sorted(self.calls.items())
+            if call.get("name")
+        ]
+        if self.usage is not None and not cut:
+            usage = parse_usage(self.usage)
+        else:
+            usage = Usage(
+                input_tokens=estimate_input_tokens(request),
+                output_tokens=self.meter.tokens,
+                counted_by="platform",
+            )
+        return ModelReply(
+            text="".join(self.text),
+            tool_calls=calls,
+            usage=usage,
+            stop_reason="cut_at_output_limit" if cut else self.finish,
+        )

@@ -137,6 +137,7 @@ def view_of_step(step: Step) -> decisions.StepView:
         next_attempt_at=step.next_attempt_at,
         dispatched_at=step.dispatched_at,
         has_tool_calls=bool(result.get("tool_calls")),
+        output_refused=bool(result.get("output_errors")),
         error=step.error if step.kind == "model" else "",
         endpoint_id=step.model_endpoint_id,
         error_class=step.error_class,

@@ -19,6 +19,10 @@ of the engine is written once, here, and tested from tables of cases without Pos
                                   connection: wait for the user to connect, or refuse
     after_unauthorized(...)       the server answered 401 to the call: wait, or refuse
     quota_turn(seq, admission)    whether the model call waits for its endpoint's shared quota
+    timeout_backoff(base, draw)   how long an endpoint gets no call after one of its calls timed out
+    output_turn(errors, refused, retries)
+                                  a final answer: accept it, ask the model again, or fail the run
+                                  (invalid_output)
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -57,6 +61,7 @@ class StepView:
     next_attempt_at: dt.datetime | None = None
     dispatched_at: dt.datetime | None = None
     has_tool_calls: bool = False  # a model step: its reply asked for tools
+    output_refused: bool = False  # a model step: its final answer failed the version's output_schema
     error: str = ""  # a failed model step: what the provider answered
     endpoint_id: int | None = None  # a model step: the endpoint it went to (llm/fallback.py)
     error_class: str = ""  # a failed model step: rate_limited, server_error, timeout, ...
@@ -364,7 +369,7 @@ def next_move(
     if ready is not None:
         return OpenToolCall(ready.seq, platform=ready.tool_name in platform_tools)
     last_model = next((s for s in reversed(log) if s.kind == "model" and s.status == SUCCEEDED), None)
-    if last_model is not None and not last_model.has_tool_calls:
+    if last_model is not None and not last_model.has_tool_calls and not last_model.output_refused:
         return Finish()
     return CallModel(seq=(log[-1].seq if log else 0) + 1)
 
@@ -593,3 +598,26 @@ def quota_turn(seq: int, wait_seconds: float, limit: str) -> WaitForQuota | None
     if wait_seconds <= 0:
         return None
     return WaitForQuota(seq, min(wait_seconds, LONGEST_QUOTA_COUNTDOWN), limit)
+
+
+def timeout_backoff(base_seconds: float, draw: float) -> float:
+    """How long no call goes to an endpoint after one of its calls timed out: its
+    timeout_backoff_seconds times a factor from 1 to 2 (`draw`: uniform in [0, 1)).
+
+    A server that timed out is busy (a one-slot llama.cpp server still generating the abandoned
+    answer): an immediate retry queues behind that generation and times out in turn. The jitter
+    spreads the runs that all waited on it, so they do not come back in one burst."""
+    return max(0.0, base_seconds) * (1.0 + min(max(draw, 0.0), 1.0))
+
+
+# --- a final answer against the version's output_schema (agents/output.py) -------------------------
+
+
+def output_turn(errors: list[str], refused_before: int, retries: int) -> Literal["accept", "retry", "fail"]:
+    """What follows a final answer with `errors` (empty: it validated), when `refused_before`
+    answers of the run were refused already and the version allows `retries` more tries."""
+    if not errors:
+        return "accept"
+    if refused_before < retries:
+        return "retry"
+    return "fail"

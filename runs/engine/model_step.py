@@ -11,10 +11,13 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import random
 
 from django.db import InterfaceError, OperationalError, close_old_connections
 from django.utils import timezone
 
+from agents import output as output_contract
+from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import Reservation
 from llm import breaker, fallback, quotas
@@ -25,7 +28,7 @@ from observability import observe
 from runs.engine import decisions, heartbeat, proposals, writer
 from runs.engine.dispatch import add_settle, recorded_before, through_database_outage
 from runs.engine.types import LostModelCall, ModelCall, ModelPlan, fenced
-from runs.models import Run, RunStatus, Step, StepStatus
+from runs.models import Run, RunStatus, Step, StepKind, StepStatus
 from runs.queueing import continue_run
 from runs.transitions import at_end, atomic_with_events, end_run, lock_run, record_event, transition_step
 from tenants import secrets
@@ -46,10 +49,17 @@ def quota_wait(run: Run, endpoint: ModelEndpoint, seq: int, *, tokens: int) -> d
     return decisions.quota_turn(seq, admission.wait_seconds, admission.limit)
 
 
-def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> None:
-    """The provider said when to come back: so does every other run calling that account."""
+def _throttled(endpoint: ModelEndpoint, exc: ProviderError) -> float | None:
+    """The provider said when to come back, or a call timed out (backoff with jitter): so does
+    every other run calling that account. The seconds to wait, if any."""
     if exc.retryable and exc.retry_after is not None:
         quotas.slow_down(endpoint, exc.retry_after)
+        return exc.retry_after
+    if exc.timed_out and endpoint.timeout_backoff_seconds > 0:
+        backoff = decisions.timeout_backoff(endpoint.timeout_backoff_seconds, random.random())
+        quotas.slow_down(endpoint, backoff)
+        return backoff
+    return None
 
 
 def do_model(plan: ModelCall) -> None:
@@ -59,19 +69,22 @@ def do_model(plan: ModelCall) -> None:
         with observe.model_call(
             run_id=plan.run_id, seq=step.seq, endpoint=model.endpoint, request=model.request
         ) as call:
-            reply = model_gateway.call_model(model.endpoint, model.request)
+            try:
+                reply = model_gateway.call_model(model.endpoint, model.request)
+            finally:
+                quotas.release(model.endpoint, str(plan.run_id))  # its max_in_flight slot
             cost = model_gateway.cost_micros(model.endpoint, reply.usage)
             call.replied(reply, cost)
     except ProviderError as exc:
         heartbeat.untrack(plan.run_id)
-        _throttled(model.endpoint, exc)
+        wait = _throttled(model.endpoint, exc)
         close_old_connections()
         failure = exc  # `exc` is unbound once the except block ends
         kind = fallback.error_class(failure)
         circuit = _count_for_circuit(model, kind, str(failure))
         began = timezone.now()
         through_database_outage(
-            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, began, retry=retry),
+            lambda retry: _record_model_failure(plan, step, failure, kind, circuit, began, wait, retry=retry),
             seconds=plan.lease_seconds,
         )
         return
@@ -100,7 +113,15 @@ def _count_for_circuit(model: ModelPlan, kind: str, error: str, *, cost: int = 0
 
 
 def _record_model_failure(
-    plan: ModelCall, step: Step, exc, kind: str, circuit: str, began: dt.datetime, *, retry: bool = False
+    plan: ModelCall,
+    step: Step,
+    exc,
+    kind: str,
+    circuit: str,
+    began: dt.datetime,
+    wait: float | None = None,
+    *,
+    retry: bool = False,
 ) -> None:
     """Close the reservation and write the failure, in one transaction (run, then budget).
 
@@ -108,7 +129,8 @@ def _record_model_failure(
     call to a fallback sends it at once (not after this endpoint's Retry-After), and a refusal
     that a fallback takes (a prompt too long for this model) does not end the run. `circuit`: the
     state this failure moved the endpoint's circuit breaker to, if any. `began`: when recording
-    was first tried (dispatch.recorded_before)."""
+    was first tried (dispatch.recorded_before). `wait`: the endpoint's Retry-After or timeout
+    backoff, the run's countdown before its next call."""
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
@@ -122,6 +144,8 @@ def _record_model_failure(
             budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
         message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
+        if exc.timed_out and wait:
+            message += f"; no call goes to {plan.model.endpoint.name} for {wait:.1f}s (timeout backoff)"
         if not fenced(run, plan):
             if retry and recorded_before(run, step, began):
                 return
@@ -148,7 +172,7 @@ def _record_model_failure(
                 message="failed: model request refused",
             )
         else:
-            continue_run(run, countdown=exc.retry_after if exc.retry_after is not None else 1.0)
+            continue_run(run, countdown=wait if wait is not None else 1.0)
 
 
 def _circuit_event(run, step: Step, model: ModelPlan, state: str) -> None:
@@ -213,15 +237,32 @@ def _record_model(
             "cache_write_tokens": reply.usage.cache_write_tokens,
             "output_tokens": reply.usage.output_tokens,
         }
+        if reply.usage.counted_by != "server":
+            # The platform stopped reading at the output limit, or the server reported no usage:
+            # these figures are the platform's own count (llm.types.Usage.counted_by).
+            usage["counted_by"] = reply.usage.counted_by
+        cut = reply.stop_reason == "cut_at_output_limit"
+        verdict, output_errors, refused = "accept", list[str](), 0
+        if not calls and not run.cancel_requested:
+            verdict, output_errors, refused = _check_output(run, text)
+        result: dict = {"text": text, "tool_calls": calls}
+        if output_errors:
+            result["output_errors"] = output_errors
         event = transition_step(
             step,
             StepStatus.SUCCEEDED,
-            result={"text": text, "tool_calls": calls},
+            result=result,
             usage=usage,
             cost_micros=cost,
             finished_at=timezone.now(),
             observation=text,
-            message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros",
+            message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros"
+            + (
+                f"; cut at the output limit ({run.limits['max_output_tokens']} tokens): the platform "
+                "stopped reading and closed the connection"
+                if cut
+                else ""
+            ),
             defer=True,  # written with the run row and the events, in the record's last statement
         )
         if circuit:
@@ -242,12 +283,60 @@ def _record_model(
         )
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
-        elif not calls:
+        elif not calls and verdict == "accept":
             end_run(run, RunStatus.SUCCEEDED, message="succeeded", final_output=text)
+        elif not calls and verdict == "fail":
+            end_run(
+                run,
+                RunStatus.FAILED,
+                reason="invalid_output",
+                error=f"invalid_output: the final answer did not match the version's output_schema after "
+                f"{refused + 1} answer(s): " + "; ".join(output_errors),
+                message="failed: invalid output",
+                final_output=text,
+            )
+        elif not calls:
+            record_event(
+                run.pk,
+                "output_refused",
+                f"step {step.seq} final answer refused (answer {refused + 1}; the model is asked again): "
+                + "; ".join(output_errors),
+                step_seq=step.seq,
+                errors=output_errors,
+            )
+            if run.pause_requested:
+                writer.pause(run)
+            else:
+                continue_run(run)
         elif run.pause_requested:
             writer.pause(run)  # its proposed calls wait, undispatched, for the resume
         else:
             continue_run(run)
+
+
+def _check_output(run: Run, text: str) -> tuple[str, list[str], int]:
+    """A final answer against the version's output contract (agents/output.py): the verdict
+    (decisions.output_turn), the errors, and how many of the run's answers were refused before.
+    Read once per final answer: the run's successful tool results, for the grounded fields."""
+    contract = spec_for(run.version).output
+    if contract is None:
+        return "accept", [], 0
+    results = []
+    if contract.grounded:
+        for stored in Step.objects.filter(
+            run_id=run.pk,
+            kind=StepKind.TOOL,
+            status__in=(StepStatus.SUCCEEDED, StepStatus.RESOLVED_SUCCEEDED),
+        ).values_list("result", flat=True):
+            if (
+                isinstance(stored, dict)
+                and not stored.get("is_error")
+                and isinstance(stored.get("text"), str)
+            ):
+                results.append(stored["text"])
+    _, errors = output_contract.check(text, contract, results)
+    refused = Step.objects.filter(run_id=run.pk, kind=StepKind.MODEL, result__has_key="output_errors").count()
+    return decisions.output_turn(errors, refused, contract.retries), errors, refused
 
 
 def _settle(plan: ModelCall, step: Step, cost: int) -> tuple[bool, object, bool]:

@@ -123,7 +123,8 @@ QUOTA_LIMITS = {
     "requests": "requests per minute",
     "tokens": "tokens per minute",
     "fair_share": "other tenants' turn",
-    "retry_after": "the provider asked to wait",
+    "retry_after": "the provider asked to wait, or a call to it timed out",
+    "in_flight": "the endpoint's max_in_flight calls are out",
 }
 
 

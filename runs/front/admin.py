@@ -25,6 +25,7 @@ from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
 from core.errors import DomainError, NotFound
 from core.money import rate_note
+from llm.probe import failed_probe
 from runs import admission
 from runs.controls.admin import PauseAdminMixin
 from runs.front.display import run_title, status_label
@@ -224,16 +225,24 @@ def sandbox_view(run: Run, step, files: list) -> dict | None:
 def attention(run: Run, rows: list[dict]) -> dict | None:
     """What a person must know first about this run, and do, at the top of its page."""
     now = timezone.now()
-    if run.status == RunStatus.NEEDS_ATTENTION or any(
-        r["step"].status == StepStatus.OUTCOME_UNKNOWN for r in rows
-    ):
-        unknown = [r for r in rows if r["step"].status == StepStatus.OUTCOME_UNKNOWN]
+    # A lost model call is outcome_unknown too, but no person resolves it: the engine calls the
+    # model again and holds the charge. Only tool calls make the page ask for a person, as the
+    # desk counts (runs in needs_attention).
+    unknown = [
+        r for r in rows if r["step"].status == StepStatus.OUTCOME_UNKNOWN and r["step"].kind == StepKind.TOOL
+    ]
+    if run.status == RunStatus.NEEDS_ATTENTION or unknown:
         for row in unknown:
             last = row["events"][-1]["event"].at if row["events"] else row["step"].dispatched_at
             row["since"] = last
         return {"kind": "needs_attention", "steps": unknown, "error": run.error}
     if run.status == RunStatus.FAILED:
         return {"kind": "failed", "error": run.error, "stop_reason": run.stop_reason}
+    models = [r for r in rows if r["step"].kind == StepKind.MODEL]
+    if not run.is_terminal and models and models[-1]["step"].status == StepStatus.OUTCOME_UNKNOWN:
+        step = models[-1]["step"]
+        endpoint = (step.request or {}).get("endpoint") or run.version.model_endpoint.name
+        return {"kind": "model_lost", "step": step, "endpoint": endpoint}
     if run.status == RunStatus.WAITING_APPROVAL:
         waiting = [r for r in rows if r["step"].status == StepStatus.AWAITING_APPROVAL]
         return {"kind": "waiting_approval", "steps": waiting}
@@ -405,6 +414,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             "metadata": arguments_html(run.metadata) if run.metadata else "",
             "flower_url": flower_url(),
             "rate_note": rate_note(run.tenant),
+            "probe_note": failed_probe(run.version.model_endpoint.probe),
         }
         return TemplateResponse(request, "admin/runs/run/detail.html", context)
 

@@ -15,6 +15,8 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents import output as output_contract
+from agents.spec import spec_for
 from artifacts import selectors as artifact_selectors
 from artifacts import services as artifacts
 from core.api import ID_MAX, PAGE_PARAMETERS, BudgetSerializer, paginate, paginated, require_tenant
@@ -56,6 +58,10 @@ class RunOutput(serializers.ModelSerializer):
     input = JsonObjectField(help_text="what the run was started with")
     metadata = JsonObjectField(help_text="the caller's own labels, stored as given")
     limits = JsonObjectField(help_text="the limits in force: the version's, capped by the tenant's")
+    output = serializers.SerializerMethodField(
+        help_text="a succeeded run whose version declares output_schema: its final answer, parsed (it "
+        "validated against the schema); null otherwise, and final_output holds the text"
+    )
     expected_start = serializers.SerializerMethodField(
         help_text="for a run waiting to be admitted (waiting_budget, admitted_at null): when it is expected "
         "to start. `when` is next_admission_pass (within the sweeper's period), as_admitted_runs_finish "
@@ -73,6 +79,7 @@ class RunOutput(serializers.ModelSerializer):
             "stop_reason",
             "error",
             "final_output",
+            "output",
             "input",
             "metadata",
             "limits",
@@ -97,6 +104,12 @@ class RunOutput(serializers.ModelSerializer):
             "resume_at",
             "expected_start",
         ]
+
+    @extend_schema_field(serializers.JSONField(allow_null=True))
+    def get_output(self, run):
+        if run.status != RunStatus.SUCCEEDED or spec_for(run.version).output is None:
+            return None
+        return output_contract.parse(run.final_output)[0]
 
     @extend_schema_field(ExpectedStart(allow_null=True))
     def get_expected_start(self, run) -> dict | None:

@@ -92,8 +92,12 @@ def test_it_prices_cache_reads_and_writes_at_their_own_prices(tenant, asha, buil
 
 
 def test_it_records_and_flags_an_answer_that_cost_more_than_reserved(tenant, asha, fake_openai):
-    """A compatible server that ignores the output limit: the overage is charged, flagged, kept."""
+    """A compatible server that ignores the output limit: the overage is charged, flagged, kept.
+
+    Unstreamed: a streamed answer is cut at the limit by the platform (tests/e2e/test_bounded_calls_e2e.py)."""
     endpoint = openai_endpoint(tenant, fake_openai)
+    endpoint.stream = False
+    endpoint.save()
     factories.make_agent(tenant, endpoint=endpoint, limits={"max_output_tokens": 16})
     fake_openai.queue({"text": "a long answer " * 300})
     run, _ = start_run(user=asha, agent="agent", input={})

@@ -7,7 +7,12 @@ builds llama.cpp from source), so this test is slow and skipped where they are n
 What it shows: with the endpoint's compat settings for this server a one-tool agent's run
 succeeds through a real worker, with usage and cost from the server's own counts and the output
 limit honoured; without them the server's refusal of a request shape is a clear, non-retried error
-naming the setting.
+naming the setting. The server runs as the issue's trial ran it (`--chat_format
+chatml-function-calling`): `manage.py probe_endpoint` names the settings it needs, and with them
+tool results reach the model (the prompt grows with the result), the output limit holds, a run
+with an output_schema ends succeeded with a valid output or failed invalid_output, and no
+reservation is left held. Then LiteLLM's proxy in front of it on the Anthropic wire: a first turn
+succeeds with the Anthropic settings. `make selfhosted-check` runs this file and prints the probes.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import httpx
 import pytest
 
 from llm.compat import Compat
+from llm.probe import probe
+from llm.providers.anthropic import AnthropicProvider
 from llm.providers.openai import OpenAIProvider
 from llm.types import Message, ModelRequest, ProviderError, ToolCall, ToolSpec
 from runs.models import Run, Step
 from runs.services import start_run
+from tenants.models import Secret
 from tests import factories
 from tests.servers import ROOT, wait_for
 
@@ -90,6 +98,8 @@ def llama_server():
             str(model),
             "--model_alias",
             "gemma-3-270m",
+            "--chat_format",
+            "chatml-function-calling",
             "--host",
             "127.0.0.1",
             "--port",
@@ -199,3 +209,170 @@ def test_a_one_tool_agent_runs_on_the_real_server_through_a_worker(
     assert steps and all(0 < s.usage["output_tokens"] <= MAX_OUTPUT for s in steps), [s.usage for s in steps]
     assert all(s.usage["input_tokens"] > 0 and s.cost_micros > 0 for s in steps)
     assert run.budget.spent_micros == sum(s.cost_micros for s in Step.objects.filter(run=run))
+
+
+# docs/self-hosted.md's recipe for this server.
+RECIPE = {
+    "max_tokens_field": "max_tokens",
+    "tool_call_content": "empty_string",
+    "tool_choice": "auto",
+    "tool_results": "user",
+}
+
+
+def probed_endpoint(tenant, base_url: str, **fields):
+    endpoint = factories.make_endpoint(
+        tenant, name="local-gemma", kind="openai", base_url=base_url, timeout_seconds=240, **fields
+    )
+    endpoint.model = "gemma-3-270m"
+    endpoint.send_cache_key = False
+    endpoint.save()
+    return endpoint
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_names_the_settings_the_server_needs_and_with_them_results_reach_the_model(
+    llama_server, tenant
+):
+    base_url, process = llama_server
+    bare = probed_endpoint(tenant, base_url, stream=False)
+    before = probe(bare)
+    skip_if_died(process)
+    print("\n" + before.render())
+    assert not before.ok
+    named = " ".join(check.setting + " " + check.detail for check in before.checks if not check.ok)
+    assert "compat." in named or "stream: true" in named, named
+
+    bare.delete()
+    tuned = probed_endpoint(tenant, base_url, compat=RECIPE, sampling={"temperature": 0.2}, max_in_flight=1)
+    after = probe(tuned)
+    print("\n" + after.render())
+    checks = {check.name: check for check in after.checks}
+    # Tool results reach the model: the prompt grows with the result.
+    assert "the prompt grew" in checks["tool_result"].detail, checks["tool_result"]
+    grew = int(checks["tool_result"].detail.split("the prompt grew ")[1].split(" ")[0])
+    assert grew >= 200, checks["tool_result"]
+    assert checks["output_limit"].ok, checks["output_limit"]
+    assert checks["usage"].ok, checks["usage"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_typed_run_ends_valid_or_invalid_output_and_holds_nothing(
+    llama_server, tenant, asha, builtins, workers
+):
+    base_url, process = llama_server
+    endpoint = probed_endpoint(
+        tenant, base_url, compat=RECIPE, sampling={"temperature": 0.2}, max_in_flight=1
+    )
+    echo = builtins["echo"]
+    factories.grant(echo, use=[asha])
+    factories.make_agent(
+        tenant,
+        tools=[echo],
+        endpoint=endpoint,
+        instructions="Call the echo tool with the transaction id, then answer.",
+        limits={"max_output_tokens": MAX_OUTPUT * 2},
+        output_schema={
+            "type": "object",
+            "properties": {"transaction_id": {"type": "string"}},
+            "required": ["transaction_id"],
+        },
+        output_retries=1,
+    )
+    workers("w1", concurrency=1)
+    run, _ = start_run(user=asha, agent="agent", input={"transaction_id": "TXN-1001"})
+    run = wait_for(lambda: (r := Run.objects.get(pk=run.pk)).is_terminal and r, timeout=500, what="run end")
+    skip_if_died(process)
+    steps = list(Step.objects.filter(run=run, kind="model").order_by("seq"))
+    print(
+        f"\ntyped run: {run.status} {run.stop_reason} {run.error[:300]!r} output={run.final_output[:200]!r}"
+    )
+    for step in steps:
+        print(f"  step {step.seq} {step.status} usage={step.usage} {step.error[:120]!r}")
+    assert run.status == "succeeded" or (run.status == "failed" and run.stop_reason == "invalid_output"), (
+        run.error
+    )
+    # The output limit held on every answer.
+    assert all(s.usage.get("output_tokens", 0) <= MAX_OUTPUT * 2 for s in steps if s.usage)
+    run.budget.refresh_from_db()
+    assert run.budget.reserved_micros == 0
+    assert run.budget.held_micros == 0, [s.error for s in steps]
+
+
+LITELLM = Path(PYTHON).with_name("litellm")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(not LITELLM.exists(), reason=f"{LITELLM} is not installed (scripts/selfhosted_venv.sh)")
+def test_litellm_on_the_anthropic_wire_answers_first_turns_with_the_anthropic_settings(
+    llama_server, tenant, asha, tmp_path
+):
+    base_url, process = llama_server
+    config = tmp_path / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: local-gemma\n    litellm_params:\n"
+        f"      model: openai/gemma-3-270m\n      api_base: {base_url}\n      api_key: none\n"
+    )
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    log = tempfile.NamedTemporaryFile(prefix="litellm-", suffix=".log", delete=False)
+    proxy = subprocess.Popen(
+        [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "LITELLM_LOG": "ERROR"},
+    )
+    proxy_url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        if proxy.poll() is not None:
+            raise RuntimeError(f"litellm exited: {Path(log.name).read_text()[-3000:]}")
+        try:
+            return httpx.get(f"{proxy_url}/health/liveliness", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(ready, timeout=240, interval=1, what="litellm to start")
+        secret = Secret(tenant=tenant, name="litellm-key")
+        secret.set_value("sk-none")
+        secret.save()
+        request = ModelRequest(
+            model="local-gemma",
+            instructions="You help bank support agents. Answer in one short sentence.",
+            messages=[Message("user", "Say hello to the customer.")],
+            tools=TOOLS,
+            max_output_tokens=MAX_OUTPUT,
+            timeout_seconds=240,
+        )
+        before = AnthropicProvider(proxy_url, "sk-none", "local-gemma", stream=True)
+        try:
+            first = before.complete(request)
+            print(f"\nlitellm, default anthropic settings: answered {first.text[:80]!r}")
+        except ProviderError as exc:
+            print(f"\nlitellm, default anthropic settings: {exc}")
+        settings = Compat(prompt_cache="none", system="string", tool_results="user")
+        after = AnthropicProvider(proxy_url, "sk-none", "local-gemma", compat=settings, stream=True)
+        answers = [after.complete(request) for _ in range(3)]
+        skip_if_died(process)
+        print(f"litellm, new anthropic settings: {[a.text[:60] for a in answers]} {answers[0].usage}")
+        assert all(a.text.strip() or a.tool_calls for a in answers)
+        endpoint = factories.make_endpoint(
+            tenant,
+            name="via-litellm",
+            kind="anthropic",
+            base_url=proxy_url,
+            secret=secret,
+        )
+        endpoint.compat = {"prompt_cache": "none", "system": "string", "tool_results": "user"}
+        endpoint.model = "local-gemma"
+        endpoint.timeout_seconds = 240
+        endpoint.save()
+        print(probe(endpoint).render())
+    finally:
+        proxy.terminate()
+        try:
+            proxy.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proxy.kill()

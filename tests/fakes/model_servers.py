@@ -30,6 +30,20 @@ back to None. With an empty queue the server plays an agent: it calls the first
 offered tool with {"i": n} until the request holds `tool_turns` tool results, then says "done"
 (turns the platform folded into a compact record count too: n goes on from the newest call's i).
 
+Streaming (`"stream": true`): the same answer as server-sent events in each provider's shape, one
+word of text or a few characters of tool arguments per event, usage as the provider sends it
+(OpenAI: a last chunk when `stream_options.include_usage`; Anthropic: message_start and
+message_delta). Reply options for streams: {"runaway": 5000, "token_ms": 2} generates that many
+tokens whatever `max_tokens` says (llama-cpp-python with tools offered); {"first_token_delay": 3}
+opens the stream and waits before the first token; {"stall_after": 5, "stall_seconds": 3} goes
+silent mid-answer. `fake.streams` records each stream: tokens sent, whether it ended or the
+client closed the connection first.
+
+With an empty queue, the auto agent's last answer repeats any `nonce-<hex>` it can see in a tool
+result (what `manage.py probe_endpoint` asks of a model), so a server that drops tool messages
+(quirk "drops_tool_messages", like llama-cpp-python's chatml-function-calling template) answers
+without it, and bills their tokens as not seen.
+
     python -m tests.fakes.model_servers --kind openai --port 8001 --latency-ms 200 --tool-turns 12
 """
 
@@ -51,10 +65,12 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 HOST = "127.0.0.1"
+NONCE = re.compile(r"nonce-[0-9a-f]{6,}")
+TEXT_RESULT = "[result of tool"  # how llm.compat.tool_result_text begins a result sent as text
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _STATUS_TYPES = {429: "rate_limit_error", 529: "overloaded_error", 401: "authentication_error"}
 
@@ -104,10 +120,16 @@ class FakeModelServer:
         self.latency_ms = latency_ms
         self.api_key = api_key  # when set, other keys get a 401 (which echoes the bad key, like OpenAI)
         self.requests: list[dict[str, Any]] = []
+        self.arrived_at: list[float] = []  # per request, when it came (time.monotonic)
         self.request_headers: list[dict[str, str]] = []
         self.client_ports: list[int] = []  # per request: one port per TCP connection of the client
         self.set_cookie = ""  # when set, every answer carries it (as a CDN in front of a provider does)
         self.replies: list[dict[str, Any]] = []  # charged replies, even if the client gave up
+        # Per streamed answer: {"tokens": sent, "ended": True once its last event went out,
+        # "closed_early": True when the client closed the connection before that}.
+        self.streams: list[dict[str, Any]] = []
+        self.in_flight = 0  # requests being answered now
+        self.most_in_flight = 0  # the most ever answered at once
         self.base_url = ""
         self._queue: deque[dict[str, Any]] = deque()
         # While set, every request gets this fault (a server that is down: {"fault": "503"}),
@@ -179,13 +201,28 @@ class FakeModelServer:
 
     # --- request handling -------------------------------------------------------------------
 
-    async def _handle(self, request: Request) -> JSONResponse:
+    async def _handle(self, request: Request) -> Response:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        streaming = False
+        try:
+            response = await self._answer(request)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:  # a stream counts itself out when its last event is sent
+                with self._lock:
+                    self.in_flight -= 1
+
+    async def _answer(self, request: Request) -> Response:
         try:
             body = json.loads(await request.body())
         except ValueError:
             return self.error(400, "invalid_request_error", "request body is not valid JSON")
         with self._lock:
             self.requests.append(body)
+            self.arrived_at.append(time.monotonic())
             self.request_headers.append(dict(request.headers))
             self.client_ports.append(request.client.port if request.client else 0)
         if self.latency_ms:
@@ -213,10 +250,56 @@ class FakeModelServer:
             )
         elif fault:
             return self._status_fault(int(fault), reply.get("retry_after"))
+        if body.get("stream") and reply.get("runaway"):
+            reply = {**reply, "text": "tok " * int(reply["runaway"])}
         payload = self.render(body, reply, self._next_id())
         with self._lock:
             self.replies.append(payload)
-        return JSONResponse(payload, headers={"set-cookie": self.set_cookie} if self.set_cookie else None)
+        headers = {"set-cookie": self.set_cookie} if self.set_cookie else None
+        if body.get("stream"):
+            record: dict[str, Any] = {"tokens": 0, "ended": False, "closed_early": False}
+            with self._lock:
+                self.streams.append(record)
+            return StreamingResponse(
+                self._sse(request, body, payload, reply, record),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        if reply.get("first_token_delay"):
+            await asyncio.sleep(float(reply["first_token_delay"]))
+        return JSONResponse(payload, headers=headers)
+
+    async def _sse(
+        self,
+        request: Request,
+        body: dict[str, Any],
+        payload: dict[str, Any],
+        reply: dict[str, Any],
+        record: dict,
+    ):
+        """The answer as server-sent events, paced as the reply asks; records how far it got."""
+        token_seconds = float(reply.get("token_ms", 0)) / 1000
+        try:
+            for name, data, is_token in self.events(body, payload):
+                if is_token:
+                    if record["tokens"] == 0 and reply.get("first_token_delay"):
+                        await asyncio.sleep(float(reply["first_token_delay"]))
+                    if record["tokens"] == reply.get("stall_after"):
+                        await asyncio.sleep(float(reply.get("stall_seconds", 5)))
+                    if token_seconds:
+                        await asyncio.sleep(token_seconds)
+                    # A closed connection is not an error for the sender (uvicorn only logs it): a
+                    # server notices that nobody reads by asking, as llama.cpp's server does.
+                    if await request.is_disconnected():
+                        return
+                    record["tokens"] += 1
+                prefix = f"event: {name}\n" if name else ""
+                yield f"{prefix}data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+            record["ended"] = True
+        finally:
+            record["closed_early"] = not record["ended"]
+            with self._lock:
+                self.in_flight -= 1
 
     def _next_reply(self, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -230,9 +313,32 @@ class FakeModelServer:
         # The newest call's i counts the results before it, folded into a record or not.
         results = max([self.count_tool_results(body), *(i + 1 for i in self.call_numbers(body))])
         tools = self.tool_names(body)
+        quirks = getattr(self, "quirks", set())
+        asked = json.dumps(body.get("messages") or [])
+        if "numbers from 1 to 400" in asked:
+            # A long answer on request (probe_endpoint's output_limit check): cut at the request's
+            # output limit, as servers do, unless the server ignores it.
+            numbers = [str(n) for n in range(1, 401)]
+            limit = body.get("max_tokens") or body.get("max_completion_tokens") or len(numbers)
+            return {
+                "text": " ".join(numbers if "ignores_max_tokens" in quirks else numbers[: max(1, limit // 2)])
+            }
+        if "tools_need_choice" in quirks and body.get("tool_choice") != "auto":
+            tools = []  # vLLM without auto tool choice: tools are not offered to the model
         if results < self.tool_turns and tools:
             return {"text": "", "tool_calls": [{"name": tools[0], "arguments": {"i": results}}]}
-        return {"text": "done"}
+        # A nonce the model read in a result (what a model's own turns say does not count).
+        read = [m for m in self.visible(body) or [] if isinstance(m, dict) and m.get("role") != "assistant"]
+        seen = NONCE.findall(json.dumps(read))
+        return {"text": f"done {seen[-1]}" if seen else "done"}
+
+    def visible(self, body: dict[str, Any]) -> Any:
+        """What the model reads of a request: all of it, unless a quirk drops a part."""
+        return body.get("messages")
+
+    def events(self, body: dict[str, Any], payload: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+        """(event name, data, whether it carries a token) for a streamed answer."""
+        raise NotImplementedError
 
     def _status_fault(self, status: int, retry_after: Any) -> JSONResponse:
         kind = _STATUS_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -290,6 +396,7 @@ _OPENAI_KEYS = {
     "temperature",
     "top_p",
     "stream",
+    "stream_options",
     "stop",
     "seed",
     "user",
@@ -316,6 +423,15 @@ QUIRKS = {
     "system_required": "a system message is required when tools are given",
     # error bodies as plain text, like a proxy's or a template engine's
     "text_errors": "",
+    # llama-cpp-python's chatml-function-calling template: `role: tool` messages are accepted and
+    # never reach the model (the prompt's tokens do not grow with the result)
+    "drops_tool_messages": "",
+    # llama-cpp-python with tools offered and tool_choice auto: max_tokens is not honoured
+    "ignores_max_tokens": "",
+    # a server that lets the model call tools only with "tool_choice": "auto"
+    "tools_need_choice": "",
+    # a server that reports no usage
+    "no_usage": "",
 }
 
 
@@ -373,13 +489,67 @@ class FakeOpenAI(FakeModelServer):
         )
         for key in ("max_tokens", "max_completion_tokens"):
             require(key not in body or is_positive_int(body[key]), f"{key} must be a positive integer")
-        require(not body.get("stream"), "fake: streaming is not supported")
+        require(isinstance(body.get("stream", False), bool), "stream must be a boolean")
+        options = body.get("stream_options")
+        require(
+            options is None or (body.get("stream") is True and isinstance(options, dict)),
+            "stream_options is only allowed when stream is true",
+        )
         if "tools" in body:
             validate_openai_tools(body["tools"])
         validate_openai_messages(body.get("messages"))
 
     def count_tool_results(self, body: dict[str, Any]) -> int:
-        return sum(1 for message in body["messages"] if message["role"] == "tool")
+        # A result sent as a user message (`tool_results: user`) is read as one too.
+        return sum(
+            1
+            for message in body["messages"]
+            if message["role"] == "tool"
+            or (message["role"] == "user" and str(message.get("content", "")).startswith(TEXT_RESULT))
+        )
+
+    def visible(self, body: dict[str, Any]) -> Any:
+        messages = body.get("messages") or []
+        if "drops_tool_messages" in self.quirks:
+            return [m for m in messages if m.get("role") != "tool"]
+        return messages
+
+    def events(self, body: dict[str, Any], payload: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+        choice = payload["choices"][0]
+        message = choice["message"]
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {
+                "id": payload["id"],
+                "object": "chat.completion.chunk",
+                "created": payload["created"],
+                "model": payload["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+
+        out: list[tuple[str, Any, bool]] = [("", chunk({"role": "assistant", "content": ""}), False)]
+        out += [("", chunk({"content": word}), True) for word in words(message.get("content") or "")]
+        for index, call in enumerate(message.get("tool_calls") or []):
+            head = {"index": index, "id": call["id"], "type": "function"}
+            head["function"] = {"name": call["function"]["name"], "arguments": ""}
+            out.append(("", chunk({"tool_calls": [head]}), True))
+            arguments = call["function"]["arguments"]
+            out += [
+                (
+                    "",
+                    chunk(
+                        {"tool_calls": [{"index": index, "function": {"arguments": arguments[i : i + 4]}}]}
+                    ),
+                    True,
+                )
+                for i in range(0, len(arguments), 4)
+            ]
+        out.append(("", chunk({}, choice["finish_reason"]), False))
+        if (body.get("stream_options") or {}).get("include_usage") and "usage" in payload:
+            usage = {**chunk({}), "choices": [], "usage": payload["usage"]}
+            out.append(("", usage, False))
+        out.append(("", "[DONE]", False))
+        return out
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
         return [tool["function"]["name"] for tool in body.get("tools", [])]
@@ -426,10 +596,10 @@ class FakeOpenAI(FakeModelServer):
         message: dict[str, Any] = {"role": "assistant", "content": reply.get("text") or None}
         if calls:
             message["tool_calls"] = calls
-        prompt = approx_tokens(body)
+        prompt = approx_tokens({**body, "messages": self.visible(body)})
         cached = min(self.openai_cached_tokens(body), prompt)
         completion = approx_tokens([message["content"], calls])
-        return {
+        payload = {
             "id": f"chatcmpl-fake-{reply_id}",
             "object": "chat.completion",
             "created": int(time.time()),
@@ -442,6 +612,14 @@ class FakeOpenAI(FakeModelServer):
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
+        if "no_usage" in self.quirks:
+            del payload["usage"]
+        return payload
+
+
+def words(text: str) -> list[str]:
+    """A text in the pieces a server streams it in: one word with its leading space each."""
+    return re.findall(r"\s*\S+\s*?", text) or ([text] if text else [])
 
 
 def common_prefix_chars(pieces: list[str], earlier: list[str]) -> int:
@@ -564,10 +742,74 @@ _ANTHROPIC_KEYS = {
 }
 ANTHROPIC_VERSION = "2023-06-01"
 MAX_CACHE_BREAKPOINTS = 4
+# LiteLLM's proxy in front of an OpenAI-compatible server, as FakeAnthropic(quirks=...) plays it:
+# list content (system blocks, cache_control) passed on to a server that takes only strings.
+ANTHROPIC_QUIRKS = {
+    "string_system": "system: Input should be a valid string",
+    "no_cache_control": "cache_control: Extra inputs are not permitted",
+    # tool_result blocks become `role: tool` messages the server's template drops
+    "drops_tool_results": "",
+    "ignores_max_tokens": "",
+}
 
 
 class FakeAnthropic(FakeModelServer):
     path = "/v1/messages"
+
+    def __init__(self, *, quirks: tuple[str, ...] = (), **kwargs: Any):
+        unknown = set(quirks) - set(ANTHROPIC_QUIRKS)
+        if unknown:
+            raise ValueError(f"unknown quirks {sorted(unknown)}")
+        self.quirks = set(quirks)
+        super().__init__(**kwargs)
+
+    def visible(self, body: dict[str, Any]) -> Any:
+        messages = body.get("messages") or []
+        if "drops_tool_results" not in self.quirks:
+            return messages
+        return [
+            {**m, "content": [b for b in m["content"] if b.get("type") != "tool_result"]}
+            if isinstance(m.get("content"), list)
+            else m
+            for m in messages
+        ]
+
+    def events(self, body: dict[str, Any], payload: dict[str, Any]) -> list[tuple[str, Any, bool]]:
+        usage = payload["usage"]
+        start = {**payload, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}
+        out: list[tuple[str, Any, bool]] = [
+            ("message_start", {"type": "message_start", "message": start}, False)
+        ]
+        for index, block in enumerate(payload["content"]):
+            if block["type"] == "text":
+                opening: dict[str, Any] = {"type": "text", "text": ""}
+                pieces = [{"type": "text_delta", "text": word} for word in words(block["text"])]
+            else:
+                opening = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+                raw = json.dumps(block["input"])
+                pieces = [
+                    {"type": "input_json_delta", "partial_json": raw[i : i + 4]}
+                    for i in range(0, len(raw), 4)
+                ]
+            out.append(
+                (
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": opening},
+                    False,
+                )
+            )
+            out += [
+                ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": piece}, True)
+                for piece in pieces
+            ]
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": index}, False))
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": payload["stop_reason"], "stop_sequence": None},
+        }
+        out.append(("message_delta", {**delta, "usage": {"output_tokens": usage["output_tokens"]}}, False))
+        out.append(("message_stop", {"type": "message_stop"}, False))
+        return out
 
     def check_auth(self, headers: Any) -> str | None:
         given = headers.get("x-api-key")
@@ -590,7 +832,11 @@ class FakeAnthropic(FakeModelServer):
         require(not unknown, f"{', '.join(unknown)}: Extra inputs are not permitted")
         require(isinstance(body.get("model"), str) and body["model"] != "", "model: Field required")
         require(is_positive_int(body.get("max_tokens")), "max_tokens: Field required (positive integer)")
-        require(not body.get("stream"), "fake: streaming is not supported")
+        require(isinstance(body.get("stream", False), bool), "stream: Input should be a valid boolean")
+        if "string_system" in self.quirks:
+            require(isinstance(body.get("system", ""), str), ANTHROPIC_QUIRKS["string_system"])
+        if "no_cache_control" in self.quirks:
+            require("cache_control" not in json.dumps(body), ANTHROPIC_QUIRKS["no_cache_control"])
         breakpoints = validate_anthropic_system(body.get("system", ""))
         if "tools" in body:
             breakpoints += validate_anthropic_tools(body["tools"])
@@ -607,6 +853,11 @@ class FakeAnthropic(FakeModelServer):
             if isinstance(message["content"], list)
             for block in message["content"]
             if block["type"] == "tool_result"
+            or (
+                block["type"] == "text"
+                and message["role"] == "user"
+                and block["text"].startswith(TEXT_RESULT)
+            )
         )
 
     def tool_names(self, body: dict[str, Any]) -> list[str]:
@@ -648,7 +899,8 @@ class FakeAnthropic(FakeModelServer):
         }
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
-        prompt = approx_tokens(without_cache_control(body))  # markers are not billed as tokens
+        seen = {**body, "messages": self.visible(body)}
+        prompt = approx_tokens(without_cache_control(seen))  # markers are not billed as tokens
         blocks = anthropic_blocks(body)
         breakpoints = [i for i, (_, _, marked) in enumerate(blocks) if marked]
         if not breakpoints:

@@ -78,3 +78,28 @@ def test_the_configuration_file_sets_compat_and_refuses_a_bad_value_at_its_path(
     with pytest.raises(ConfigError) as caught:
         apply_config(data)
     assert caught.value.errors[0][0] == "model_endpoints[1].compat.stream"
+
+
+@pytest.mark.parametrize(
+    ("compat", "answer"), [({}, "done"), ({"tool_results": "user"}, "done nonce-5eed1234")]
+)
+def test_a_template_that_drops_tool_messages_hides_the_result_unless_results_go_as_user_turns(
+    tenant, asha, builtins, compat, answer
+):
+    fake = FakeOpenAI(quirks=("drops_tool_messages",), min_cacheable_tokens=0)
+    fake.start()
+    try:
+        endpoint = factories.make_endpoint(tenant, name="local", kind="openai", base_url=fake.base_url)
+        endpoint.compat = compat
+        endpoint.save()
+        echo = builtins["echo"]
+        factories.grant(echo, use=[asha])
+        factories.make_agent(tenant, endpoint=endpoint, tools=[echo])
+        fake.queue({"tool_calls": [{"name": echo.name, "arguments": {"check": "nonce-5eed1234"}}]})
+        run, _ = start_run(user=asha, agent="agent", input={"case": "TXN-1"})
+        run = drive(run.pk)
+    finally:
+        fake.stop()
+    assert run.status == "succeeded", run.error
+    # The model answers from the result only when it can read it.
+    assert run.final_output == answer

@@ -149,7 +149,15 @@ def test_the_model_sees_a_head_and_pages_through_the_stored_result_with_read_res
         factories.grant(echo, use=[asha])
         blob = "".join(f"line {i:04d} of the ledger\n" for i in range(300))  # ~7,500 characters
         endpoint = factories.make_endpoint(tenant, name="gpt", kind="openai", base_url=fake.base_url)
-        factories.make_agent(tenant, endpoint=endpoint, tools=[echo], context={"result_limit_chars": 1_000})
+        # The call carries ~1,900 tokens of arguments: an output limit that lets the model write them
+        # (the platform cuts a streamed answer at the limit).
+        factories.make_agent(
+            tenant,
+            endpoint=endpoint,
+            tools=[echo],
+            context={"result_limit_chars": 1_000},
+            limits={"max_output_tokens": 4_000},
+        )
         fake.queue(
             {"tool_calls": [{"name": echo.name, "arguments": {"blob": blob}}]},
             {"tool_calls": [{"name": "read_result", "arguments": {"step": 2, "offset": 1_000}}]},

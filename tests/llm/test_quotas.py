@@ -185,3 +185,26 @@ def test_with_redis_unreachable_the_call_goes_ahead_unlimited(settings):
     assert answer == quotas.Admission(0.0, "unavailable")
     assert time.monotonic() - begun < 1.0
     quotas.slow_down(endpoint(), 5)  # logged and counted, never raised
+
+
+def test_max_in_flight_holds_a_call_until_a_slot_frees_and_a_lost_slot_lapses(monkeypatch):
+    ep = endpoint(max_in_flight=1, timeout_seconds=0.3)
+    first = quotas.admit(ep, tenant="acme", weight=1, tokens=1, caller="run-a")
+    held = quotas.admit(ep, tenant="acme", weight=1, tokens=1, caller="run-b")
+    assert first.wait_seconds == 0
+    assert held.limit == "in_flight" and 0 < held.wait_seconds <= quotas.IN_FLIGHT_POLL_SECONDS
+    quotas.release(ep, "run-a")
+    assert quotas.admit(ep, tenant="acme", weight=1, tokens=1, caller="run-b").wait_seconds == 0
+    # run-b's worker dies with its call: its slot lapses after the call's timeout and the margin.
+    monkeypatch.setattr(quotas, "IN_FLIGHT_MARGIN_SECONDS", 0.0)
+    ep2 = endpoint(max_in_flight=1, timeout_seconds=0.3)
+    assert quotas.admit(ep2, tenant="acme", weight=1, tokens=1, caller="run-c").wait_seconds == 0
+    assert quotas.admit(ep2, tenant="acme", weight=1, tokens=1, caller="run-d").limit == "in_flight"
+    time.sleep(0.35)
+    assert quotas.admit(ep2, tenant="acme", weight=1, tokens=1, caller="run-d").wait_seconds == 0
+
+
+def test_without_max_in_flight_calls_are_not_held(monkeypatch):
+    ep = endpoint()
+    answers = [quotas.admit(ep, tenant="acme", weight=1, tokens=1, caller=next_caller()) for _ in range(5)]
+    assert all(answer.wait_seconds == 0 for answer in answers)
