@@ -48,6 +48,9 @@ agents:
 """
 
 
+METRICS_TOKEN = secrets.token_urlsafe(32)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +93,9 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         AGENTPLATFORM_VAR_DIR=str(tmp_path),
         BANK_MCP_URL=bank.mcp_url,
         PY=str(ROOT / ".venv/bin/python"),
-        METRICS_TOKEN="metrics-token-1",
+        METRICS_TOKEN=METRICS_TOKEN,
+        ASSERTION_ISSUER="https://agents.prod-bank.example",
+        PUBLIC_BASE_URL="https://agents.prod-bank.example",
         FLOWER_UNAUTHENTICATED_API="true",
         RUN_STREAM_HEARTBEAT_SECONDS="1",
         SANDBOX_RUNNER_PORT=str(sandbox_port),
@@ -182,7 +187,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
         # Counters from the worker process and gauges from the database, through uvicorn.
         assert httpx.get(f"{base}/metrics").status_code == 401
-        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer metrics-token-1"})
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
         assert metrics.status_code == 200
         samples = parse(metrics.text)
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
