@@ -15,7 +15,7 @@ from typing import Any
 
 from approvals.models import PolicyMode
 from approvals.policy import PolicyError, Unconvertible, to_cedar
-from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install
+from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install, notes
 from tools.models import Tool
 
 KEYS = {"default", "attributes", "users", "tools", "sets", "tests"}
@@ -255,4 +255,5 @@ def apply(tenant, spec: PolicySpec | None, problems, report) -> None:
     for where, message in found:
         problems.add(where, message)
     if not found and not problems:
+        report.notes.extend(notes(tenant, spec))
         report.changes.extend(install(tenant, spec))
