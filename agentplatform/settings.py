@@ -265,8 +265,20 @@ def _published_url(name: str) -> str:
 ASSERTION_ISSUER = _published_url("ASSERTION_ISSUER")
 # How long an assertion is good for: a call is sent at once, so a short life bounds a replay.
 ASSERTION_TTL_SECONDS = env_int("ASSERTION_TTL_SECONDS", 120, minimum=10, maximum=600)
-# A new signing key is published this long before it signs, so verifiers caching the key set see it.
-SIGNING_KEY_LEAD_SECONDS = env_int("SIGNING_KEY_LEAD_SECONDS", 600, minimum=0, maximum=7 * 24 * 3600)
+# The longest a provider may cache the key set: its Cache-Control max-age, and the bound
+# docs/authority.md gives providers (the verification snippet's cache_seconds).
+JWKS_CACHE_SECONDS = env_int("JWKS_CACHE_SECONDS", 300, minimum=1, maximum=24 * 3600)
+# A new signing key is published this long before it signs, so verifiers caching the key set hold
+# it before it signs: at least twice the cache bound (a verifier's copy may come from a proxy that
+# cached it for as long), never less (authority/keys.py refuses a shorter rotation too).
+SIGNING_KEY_LEAD_SECONDS = env_int(
+    "SIGNING_KEY_LEAD_SECONDS", max(600, 2 * JWKS_CACHE_SECONDS), maximum=7 * 24 * 3600
+)
+if SIGNING_KEY_LEAD_SECONDS < 2 * JWKS_CACHE_SECONDS:
+    raise ConfigError(
+        f"SIGNING_KEY_LEAD_SECONDS must be at least twice JWKS_CACHE_SECONDS ({2 * JWKS_CACHE_SECONDS}), "
+        f"got {SIGNING_KEY_LEAD_SECONDS}: providers caching the key set would refuse the new key's calls"
+    )
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",

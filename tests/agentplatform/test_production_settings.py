@@ -157,3 +157,10 @@ def test_it_refuses_a_short_metrics_token():
     assert done.returncode != 0
     assert "METRICS_TOKEN must be at least 32 characters" in done.stderr
     assert "metrics-token-1" not in done.stderr
+
+
+def test_it_refuses_a_signing_key_lead_shorter_than_twice_the_key_set_cache_bound():
+    done = manage("check", SIGNING_KEY_LEAD_SECONDS="12")
+
+    assert done.returncode != 0
+    assert "SIGNING_KEY_LEAD_SECONDS must be at least twice JWKS_CACHE_SECONDS (600)" in done.stderr
