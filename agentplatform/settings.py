@@ -500,6 +500,10 @@ ARTIFACT_MAX_RUN_BYTES = env_int("ARTIFACT_MAX_RUN_BYTES", 256 * 1_048_576, mini
 ARTIFACT_MAX_RUN_COUNT = env_int("ARTIFACT_MAX_RUN_COUNT", 200, minimum=1)
 # Where run_python's executions go: the runner process (python -m sandbox.runner), loopback only.
 SANDBOX_RUNNER_URL = env_str("SANDBOX_RUNNER_URL", "http://127.0.0.1:8790")
+# The shared secret the runner answers to (sandbox/runner.py): SANDBOX_RUNNER_TOKEN, else the
+# file the runner made (read at each call: the runner may start after the platform).
+SANDBOX_RUNNER_TOKEN = env_str("SANDBOX_RUNNER_TOKEN", "")
+SANDBOX_RUNNER_TOKEN_FILE = env_str("SANDBOX_RUNNER_TOKEN_FILE", str(VAR_DIR / "sandbox-runner.token"))
 # Where people's browsers reach this platform: the OAuth callback of per-user connections to MCP
 # servers (registered with each authorization server) and the links to connect (docs/authority-oauth.md).
 PUBLIC_BASE_URL = _published_url("PUBLIC_BASE_URL")
