@@ -192,9 +192,25 @@ def _inline_place(text: str, source: str | None, path: str) -> tuple[str, int]:
     return source, 1
 
 
+TEST_KEYS = {
+    "name", "principal", "tool", "expect", "action", "input", "metadata", "requester", "agent",
+    "version", "arguments", "policy", "today", "run", "editor",
+}  # fmt: skip
+
+
 def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     if not isinstance(entry, dict):
         problems.add(path, "a test is a mapping: name, principal, tool, arguments, expect")
+        return None
+    # A key it does not know is a mistake in the file (a comma in an unquoted flow-style name
+    # makes the rest of the name a key of its own), never silently ignored.
+    unknown = [key for key in entry if key not in TEST_KEYS]
+    if unknown:
+        problems.add(
+            path,
+            f"unknown key {unknown[0]!r} (a comma in an unquoted name splits it: quote the name); "
+            f"one of {', '.join(sorted(TEST_KEYS))}",
+        )
         return None
     action = entry.get("action", "call_tool")
     if action not in ACTIONS:

@@ -298,3 +298,18 @@ def test_every_policy_in_the_doc_is_one_the_examples_run():
             " ".join(line for line in policy.split("// ")[-1:] if line) if policy.startswith("//") else policy
         )
         assert body.split("@id", 1)[-1] in example, policy
+
+
+def test_a_policy_test_with_a_key_it_does_not_know_is_refused(tmp_path):
+    # `{name: approves at most INR 25,000, ...}`: the comma splits the name, `000` becomes a key.
+    path = write_file(tmp_path, sets(), cedar=TICKETS)
+    path.write_text(
+        path.read_text()
+        + "  tests:\n    - {name: at most INR 25,000, principal: asha, tool: crm__create_ticket, expect: allow}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(path))
+    assert any(
+        where == "policies.tests[0]" and "unknown key 0" in message and "quote the name" in message
+        for where, message in caught.value.errors
+    ), caught.value.errors
