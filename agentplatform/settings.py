@@ -1,6 +1,7 @@
 """Settings: everything comes from the environment, with defaults that need nothing installed.
 
-AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS and DATABASE_URL required,
+AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS, DATABASE_URL and the URLs the
+platform publishes (ASSERTION_ISSUER, PUBLIC_BASE_URL) required,
 refuses to start with a weak SECRET_KEY, an invalid encryption key or DEBUG on, and turns on
 HTTPS-only behaviour (HSTS, redirect to HTTPS, secure cookies): `manage.py check --deploy` passes.
 """
@@ -26,6 +27,7 @@ from core.env import (
     env_required,
     env_str,
     fernet_keys,
+    public_url,
     strong_secret_key,
 )
 
@@ -127,6 +129,7 @@ MIDDLEWARE = [
     # the process by IP) and before sessions and auth, which they do not need.
     "observability.middleware.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "core.middleware.ContentSecurityPolicy",  # every response below here, pages with a nonce
     "whitenoise.middleware.WhiteNoiseMiddleware",  # admin static files under gunicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -247,14 +250,36 @@ API_TOKEN_TTL_SECONDS = env_int("API_TOKEN_TTL_SECONDS", 8 * 3600, minimum=60, m
 API_TOKEN_MAX_AGE_SECONDS = env_int(
     "API_TOKEN_MAX_AGE_SECONDS", 7 * 24 * 3600, minimum=60, maximum=90 * 24 * 3600
 )
+
+
+def _published_url(name: str) -> str:
+    """A URL other parties are given: required in production, like SECRET_KEY. A default there
+    would be published silently (an issuer that serves no keys, a localhost OAuth callback)."""
+    if PRODUCTION:
+        return public_url(name, env_required(name), production=True)
+    return public_url(name, env_str(name, "http://127.0.0.1:8000"), production=False)
+
+
 # --- delegated authority (authority/, docs/authority.md) ---
 # The `iss` of the platform's signed assertions: its public base URL, where providers find the key
 # set at /.well-known/jwks.json.
-ASSERTION_ISSUER = (env_str("ASSERTION_ISSUER") or "http://127.0.0.1:8000").rstrip("/")
+ASSERTION_ISSUER = _published_url("ASSERTION_ISSUER")
 # How long an assertion is good for: a call is sent at once, so a short life bounds a replay.
 ASSERTION_TTL_SECONDS = env_int("ASSERTION_TTL_SECONDS", 120, minimum=10, maximum=600)
-# A new signing key is published this long before it signs, so verifiers caching the key set see it.
-SIGNING_KEY_LEAD_SECONDS = env_int("SIGNING_KEY_LEAD_SECONDS", 600, minimum=0, maximum=7 * 24 * 3600)
+# The longest a provider may cache the key set: its Cache-Control max-age, and the bound
+# docs/authority.md gives providers (the verification snippet's cache_seconds).
+JWKS_CACHE_SECONDS = env_int("JWKS_CACHE_SECONDS", 300, minimum=1, maximum=24 * 3600)
+# A new signing key is published this long before it signs, so verifiers caching the key set hold
+# it before it signs: at least twice the cache bound (a verifier's copy may come from a proxy that
+# cached it for as long), never less (authority/keys.py refuses a shorter rotation too).
+SIGNING_KEY_LEAD_SECONDS = env_int(
+    "SIGNING_KEY_LEAD_SECONDS", max(600, 2 * JWKS_CACHE_SECONDS), maximum=7 * 24 * 3600
+)
+if SIGNING_KEY_LEAD_SECONDS < 2 * JWKS_CACHE_SECONDS:
+    raise ConfigError(
+        f"SIGNING_KEY_LEAD_SECONDS must be at least twice JWKS_CACHE_SECONDS ({2 * JWKS_CACHE_SECONDS}), "
+        f"got {SIGNING_KEY_LEAD_SECONDS}: providers caching the key set would refuse the new key's calls"
+    )
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "Agent platform API",
@@ -450,8 +475,15 @@ LOGGING = {
 # What a /metrics scrape adds to the recorded counters: gauges computed now from the store and the
 # broker (agentplatform/gauges.py reads every app, so the scrape names it here instead of importing it).
 METRICS_COLLECTORS = ["agentplatform.gauges.DatabaseCollector", "agentplatform.gauges.BrokerCollector"]
-# /metrics: open unless a bearer token or an address allowlist is set (either suffices when both are).
+# /metrics: a bearer token or an address allowlist (either suffices when both are). It shows tenant
+# names, run counts and spend, so production serves it to no one until one of them is set; dev
+# leaves it open with neither.
 METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+if PRODUCTION and METRICS_TOKEN and len(METRICS_TOKEN) < 32:
+    raise ConfigError(
+        f"METRICS_TOKEN must be at least 32 characters in production, got {len(METRICS_TOKEN)} "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+    )
 METRICS_ALLOW_FROM = env_list("METRICS_ALLOW_FROM", [])
 for _network in METRICS_ALLOW_FROM:
     try:
@@ -485,9 +517,13 @@ ARTIFACT_MAX_RUN_BYTES = env_int("ARTIFACT_MAX_RUN_BYTES", 256 * 1_048_576, mini
 ARTIFACT_MAX_RUN_COUNT = env_int("ARTIFACT_MAX_RUN_COUNT", 200, minimum=1)
 # Where run_python's executions go: the runner process (python -m sandbox.runner), loopback only.
 SANDBOX_RUNNER_URL = env_str("SANDBOX_RUNNER_URL", "http://127.0.0.1:8790")
+# The shared secret the runner answers to (sandbox/runner.py): SANDBOX_RUNNER_TOKEN, else the
+# file the runner made (read at each call: the runner may start after the platform).
+SANDBOX_RUNNER_TOKEN = env_str("SANDBOX_RUNNER_TOKEN", "")
+SANDBOX_RUNNER_TOKEN_FILE = env_str("SANDBOX_RUNNER_TOKEN_FILE", str(VAR_DIR / "sandbox-runner.token"))
 # Where people's browsers reach this platform: the OAuth callback of per-user connections to MCP
 # servers (registered with each authorization server) and the links to connect (docs/authority-oauth.md).
-PUBLIC_BASE_URL = (env_str("PUBLIC_BASE_URL") or "http://127.0.0.1:8000").rstrip("/")
+PUBLIC_BASE_URL = _published_url("PUBLIC_BASE_URL")
 # run_python's prices (tools/run_python.py): per CPU second used and per GiB of memory limit held
 # per wall second, in micro-units of the tenant's currency.
 SANDBOX_PRICE_CPU_SECOND_MICROS = env_int("SANDBOX_PRICE_CPU_SECOND_MICROS", 50, minimum=0)

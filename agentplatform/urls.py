@@ -1,5 +1,5 @@
 from django.urls import include, path, re_path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from agentplatform import desk
 from agents import api as agents_api
@@ -50,7 +50,8 @@ v1 = [
     path("connections/callback", connections_api.ConnectionCallbackApi.as_view()),
     path("connections/<int:connection_id>", connections_api.ConnectionDetailApi.as_view()),
     path("schema", SpectacularAPIView.as_view(), name="schema"),
-    path("docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # The page's init script is a URL of its own (?script), not inline: the CSP allows no inline script.
+    path("docs", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
     re_path(r"", errors.unmatched_route),  # last: anything else under /v1/ is a JSON 404
 ]
 

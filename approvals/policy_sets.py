@@ -4,9 +4,15 @@ generates for them, validation, the policy tests of the file, and installing the
     cedar_schema(tenant, spec)   the Cedar schema (JSON form) of the tenant's entities, actions
                                  and context (approvals/cedar.py), from its tools' JSON schemas
                                  and the attributes the file declares
-    check(tenant, spec)          every problem, each with its file and line: a policy that does
-                                 not parse, one the Cedar validator refuses (its message), a
-                                 policy without @id, a policy test whose decision differs
+    check(tenant, spec)          every problem, each with its file and line and the policy's @id:
+                                 a policy that does not parse, one the Cedar validator refuses
+                                 (its message), a policy without @id, one that names a group,
+                                 user, tool, agent, role or attribute the tenant does not have
+                                 (Cedar's validator knows types, not which entities exist: such a
+                                 policy would match nothing, silently), a policy test whose
+                                 decision differs
+    notes(tenant, spec)          policies that are valid but match no one today (a group with
+                                 no members, an inactive user): apply reports them, not refuses
     install(tenant, spec)        write the sets and settings; the compiled cache follows `version`
 
 configuration/policies.py reads the file's `policies:` section into a PolicySpec and calls these
@@ -16,13 +22,17 @@ inside apply's one transaction (nothing is applied on error); `manage.py policy 
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import cedarpy
+from django.db import models
 from django.db.models import F
 
+from agents.models import AgentDefinition
 from approvals import cedar
 from approvals.models import PolicyMode, PolicySet, TenantPolicies
 from tenants.models import TenantGroup, User
@@ -272,11 +282,14 @@ def _where(source_set: SourceSet, line: int) -> str:
     return f"{source_set.source or source_set.path}:{source_set.first_line + line - 1}"
 
 
-def check_set(source_set: SourceSet, schema: dict) -> list[tuple[str, str]]:
-    """Parse and validate one set; each problem at its file and line, with Cedar's message."""
+def check_set(source_set: SourceSet, schema: dict, entities: Entities | None = None) -> list[tuple[str, str]]:
+    """Parse and validate one set; each problem at its file and line, with Cedar's message and the
+    policy's @id. With `entities`, every group, user, tool, agent, role and attribute a policy
+    names must exist in the tenant."""
     problems = []
     parts = statements(source_set.text)
     ids: dict[str, str] = {}
+    parsed: list[tuple[int, str, dict]] = []  # (line, @id, policy) in the order Cedar numbers them
     for line, text in parts:
         try:
             est = json.loads(cedarpy.policies_to_json_str(text))
@@ -291,16 +304,27 @@ def check_set(source_set: SourceSet, schema: dict) -> list[tuple[str, str]]:
             elif policy_id in ids:
                 problems.append((_where(source_set, line), f"@id {policy_id!r} is used twice"))
             elif "approval" in annotations and policy["effect"] != "permit":
-                problems.append((_where(source_set, line), "@approval is for permit policies"))
+                problems.append(
+                    (_where(source_set, line), f"policy {policy_id!r}: @approval is for permit policies")
+                )
             else:
                 ids[policy_id] = text
+                parsed.append((line, policy_id, policy))
     if problems:
         return problems
     result = cedarpy.validate_policies(source_set.text, json.dumps(schema))
     for error in result.errors:
+        # Cedar numbers the policies of a text policy0, policy1, ...: name the @id instead.
         match = _PLACE.fullmatch(error.policy_id or "")
-        line = parts[int(match.group(1))][0] if match and int(match.group(1)) < len(parts) else 1
-        problems.append((_where(source_set, line), f"Cedar's validator: {error.error}"))
+        index = int(match.group(1)) if match else -1
+        line, policy_id = (parsed[index][0], parsed[index][1]) if 0 <= index < len(parsed) else (1, "")
+        message = _PLACE.sub(policy_id, error.error) if policy_id else error.error
+        named = f"policy {policy_id!r}: " if policy_id else ""
+        problems.append((_where(source_set, line), f"{named}Cedar's validator: {message}"))
+    if entities is not None and not problems:
+        for line, policy_id, policy in parsed:
+            for message in entities.unknown(policy):
+                problems.append((_where(source_set, line), f"policy {policy_id!r}: {message}"))
     return problems
 
 
@@ -308,10 +332,11 @@ def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
     """Every problem of the spec against the tenant as it now stands (see the module's opening)."""
     tools = list(Tool.objects.filter(tenant=tenant).select_related("server"))
     schema = cedar_schema(tenant, spec, tools)
+    entities = Entities.of(tenant, spec, tools)
     problems = _check_totals(spec, {t.name: t for t in tools})
     seen: dict[str, str] = {}
     for source_set in spec.sets:
-        problems += check_set(source_set, schema)
+        problems += check_set(source_set, schema, entities)
         for _, text in statements(source_set.text):
             for policy_id in re.findall(r'@id\(\s*"([^"]*)"', text):
                 if policy_id in seen and seen[policy_id] != source_set.name:
@@ -320,6 +345,171 @@ def check(tenant, spec: PolicySpec) -> list[tuple[str, str]]:
     if problems:
         return problems
     return run_tests(tenant, spec, tools)
+
+
+# --- what a policy may name ----------------------------------------------------------------------
+
+# The Cedar type an expression has, where the schema gives it one entity type; `resource` is a
+# Tool for tool actions and an Agent for start_run, so it may name either's attributes.
+_VAR_TYPES = {"principal": ("User",), "resource": ("Tool", "Agent")}
+_CONTEXT_TYPES = {"editor": ("User",), "requester": ("User",), "agent": ("Agent",)}
+_KINDS = {"Group": "group", "User": "user", "Tool": "tool", "Agent": "agent"}
+
+
+@dataclass(frozen=True)
+class Entities:
+    """What a tenant's policies may name: its entities by Cedar type, the attributes of each type,
+    the arguments of its tools, the run fields declared, and the roles its groups give."""
+
+    ids: dict[str, frozenset[str]]
+    attributes: dict[str, frozenset[str]]
+    arguments: frozenset[str]
+    run_fields: dict[str, frozenset[str]]
+    roles: frozenset[str]
+
+    @classmethod
+    def of(cls, tenant, spec: PolicySpec, tools: list) -> Entities:
+        return cls(
+            ids={
+                "Group": frozenset(TenantGroup.objects.filter(tenant=tenant).values_list("name", flat=True)),
+                "User": frozenset(User.objects.filter(tenant=tenant).values_list("username", flat=True)),
+                "Tool": frozenset(t.name for t in tools),
+                "Agent": frozenset(
+                    AgentDefinition.objects.filter(tenant=tenant).values_list("name", flat=True)
+                ),
+            },
+            attributes={
+                "User": frozenset({"username", "tenant", "roles", *spec.user_attribute_types}),
+                "Tool": frozenset({"name", "server", "effect", *spec.tool_attribute_types}),
+                "Agent": frozenset({"name", "version"}),
+            },
+            arguments=frozenset(
+                name for t in tools for name in ((t.input_schema or {}).get("properties") or {})
+            ),
+            run_fields={kind: frozenset(fields) for kind, fields in spec.run_attribute_types.items()},
+            roles=frozenset(role for roles in spec.group_roles.values() for role in roles),
+        )
+
+    def unknown(self, policy: dict) -> list[str]:
+        """What `policy` (Cedar's JSON form) names that the tenant does not have, once each."""
+        found: list[str] = []
+        for key, node in _nodes(policy):
+            message = None
+            if key in ("entity", "__entity") and isinstance(node, dict):
+                message = self._entity(node)
+            elif key == "entities" and isinstance(node, list):
+                for entity in node:
+                    found += [m for m in [self._entity(entity)] if m and m not in found]
+            elif key == "has" and isinstance(node, dict):
+                message = self._attribute(node.get("left"), node.get("attr"))
+            elif key in ("contains", "containsAll", "containsAny") and isinstance(node, dict):
+                message = self._role(node)
+            if message and message not in found:
+                found.append(message)
+        return found
+
+    def _entity(self, uid: dict) -> str | None:
+        kind, name = str(uid.get("type")), str(uid.get("id"))
+        known = self.ids.get(kind)
+        if known is None or name in known:
+            return None  # Action::"..." and types the schema lacks are the validator's
+        return f"no {_KINDS[kind]} {name!r} in this tenant{_close(name, known)} (it would match nothing)"
+
+    def _attribute(self, left, attr) -> str | None:
+        """`x has attr` where x's type has no such attribute is false for every request."""
+        if not isinstance(attr, str):
+            return None
+        if isinstance(left, dict) and left.get("Var") in _VAR_TYPES:
+            types, what = _VAR_TYPES[left["Var"]], left["Var"]
+        else:
+            owner = _context_field(left)
+            if owner in _CONTEXT_TYPES:
+                types, what = _CONTEXT_TYPES[owner], f"context.{owner}"
+            elif owner == "arguments":
+                if attr in self.arguments:
+                    return None
+                return f"no tool of this tenant has an argument {attr!r}{_close(attr, self.arguments)} (`has` is always false)"
+            elif owner in ("input", "metadata"):
+                declared = self.run_fields.get(owner, frozenset())
+                if attr in declared:
+                    return None
+                return f"{attr!r} is not declared under policies.attributes.{owner}{_close(attr, declared)} (`has` is always false)"
+            else:
+                return None
+        known = frozenset().union(*(self.attributes[t] for t in types))
+        if attr in known:
+            return None
+        return f"{what} has no attribute {attr!r}{_close(attr, known)}; declare it under policies.attributes (`has` is always false)"
+
+    def _role(self, node: dict) -> str | None:
+        """`principal.roles.contains("r")` for a role no group gives is false for everyone."""
+        left = node.get("left")
+        if not (isinstance(left, dict) and left.get(".", {}).get("attr") == "roles"):
+            return None
+        right = node.get("right") or {}
+        values = right.get("Set") if isinstance(right, dict) and "Set" in right else [right]
+        for value in values or []:
+            role = value.get("Value") if isinstance(value, dict) else None
+            if isinstance(role, str) and role not in self.roles:
+                return f"no group of this tenant gives the role {role!r}{_close(role, self.roles)}"
+        return None
+
+
+def _nodes(tree) -> Iterator[tuple[str, object]]:
+    """Every (key, value) pair in a JSON tree, depth first."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield key, value
+            yield from _nodes(value)
+    elif isinstance(tree, list):
+        for item in tree:
+            yield from _nodes(item)
+
+
+def _context_field(node) -> str | None:
+    """ "editor" for `context.editor`; None for anything else."""
+    if isinstance(node, dict) and isinstance(node.get("."), dict):
+        access = node["."]
+        if access.get("left") == {"Var": "context"}:
+            return access.get("attr")
+    return None
+
+
+def _close(name: str, known) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def notes(tenant, spec: PolicySpec) -> list[str]:
+    """Valid policies that match no one today: scoped to a group with no active member, or to an
+    inactive user. Reported by apply, not refused: members may be added later."""
+    active = dict(
+        TenantGroup.objects.filter(tenant=tenant)
+        .values_list("name")
+        .annotate(n=models.Count("group__user", filter=models.Q(group__user__is_active=True)))
+    )
+    inactive = set(User.objects.filter(tenant=tenant, is_active=False).values_list("username", flat=True))
+    found = []
+    for source_set in spec.sets:
+        for line, text in statements(source_set.text):
+            try:
+                est = json.loads(cedarpy.policies_to_json_str(text))
+            except ValueError:
+                continue  # check() reports it
+            for policy in est["staticPolicies"].values():
+                policy_id = (policy.get("annotations") or {}).get("id", "")
+                scope = policy.get("principal") or {}
+                uid = scope.get("entity") or {}
+                where = _where(source_set, line)
+                if uid.get("type") == "Group" and active.get(uid.get("id")) == 0:
+                    found.append(
+                        f"{where}: policy {policy_id!r} applies to group {uid['id']!r}, which has no active member"
+                    )
+                elif uid.get("type") == "User" and uid.get("id") in inactive:
+                    found.append(
+                        f"{where}: policy {policy_id!r} applies to user {uid['id']!r}, who is inactive"
+                    )
+    return found
 
 
 def _check_totals(spec: PolicySpec, tools: dict) -> list[tuple[str, str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
@@ -12,9 +13,9 @@ from authority import keys
 def jwks(request: HttpRequest) -> JsonResponse:
     """The JSON Web Key Set (RFC 7517) of every key an assertion in circulation may name.
 
-    Cached by verifiers for five minutes at most: a new key is published SIGNING_KEY_LEAD_SECONDS
-    (ten minutes by default) before it signs, and verifiers fetch again on an unknown `kid`.
+    Cached by verifiers for JWKS_CACHE_SECONDS at most (five minutes by default): a new key is
+    published SIGNING_KEY_LEAD_SECONDS, at least twice that, before it signs (authority/keys.py).
     """
     response = JsonResponse(keys.jwks())
-    response["Cache-Control"] = "public, max-age=300"
+    response["Cache-Control"] = f"public, max-age={settings.JWKS_CACHE_SECONDS}"
     return response

@@ -8,12 +8,18 @@ Claims (docs/authority.md lists what a provider must check):
     tool    the tool's remote name                 step     the step's number in the run
     args_digest  sha256 of the arguments' canonical JSON (core.digests, as approvals)
     approval     {"id", "approver", "digest"} when a person approved this exact call
-    jti     the step's idempotency key: a retry of the same call carries a fresh assertion
-            with the same jti, so a provider de-duplicates by it
-    attempt which attempt of the call this is (1, 2, ...): each attempt's assertion is new
+    jti     unique to this assertion (RFC 7519 section 4.1.7): a new one for every attempt and
+            every status lookup, so a provider's standard replay cache (refuse a jti seen
+            before, until its exp) refuses a replayed assertion and never a legitimate retry
+    idempotency_key  the step's idempotency key: the same on every attempt of the call and on
+            its status lookups; a provider de-duplicates by it (as by the Idempotency-Key header)
+    attempt which attempt of the call this is (1, 2, ...)
     iat, nbf, exp   exp at most ASSERTION_TTL_SECONDS after iat
-    purpose "call", or "status_lookup" on a recovery's question "did the call with this jti
-            happen?" (it authorises that question only)
+    purpose "call", or "status_lookup" on a recovery's question "did the call with this
+            idempotency_key happen?" (it authorises that question only)
+
+Until issue 40 the jti was the idempotency key, the same on every retry: a provider with a replay
+cache had to turn it off or refuse retries. docs/authority.md says how providers move over.
 
 The assertion is built from rows read now (the run, its user, the approval), never from the
 model's text: the model can neither see nor shape it.
@@ -22,6 +28,7 @@ model's text: the model can neither see nor shape it.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from dataclasses import dataclass
 
 import jwt
@@ -64,7 +71,9 @@ class Assertion:
     expires_at: dt.datetime
 
 
-def claims(facts: CallFacts, *, audience: str, now: dt.datetime, status_lookup: bool = False) -> dict:
+def claims(
+    facts: CallFacts, *, audience: str, now: dt.datetime, status_lookup: bool = False, jti: str | None = None
+) -> dict:
     issued = int(now.timestamp())
     body: dict = {
         "iss": settings.ASSERTION_ISSUER,
@@ -80,7 +89,8 @@ def claims(facts: CallFacts, *, audience: str, now: dt.datetime, status_lookup: 
         "tool": facts.tool,
         "step": facts.step,
         "args_digest": digest(facts.arguments),
-        "jti": facts.idempotency_key,
+        "jti": jti or str(uuid.uuid4()),
+        "idempotency_key": facts.idempotency_key,
         "attempt": facts.attempt,
         "iat": issued,
         "nbf": issued,
@@ -105,7 +115,7 @@ def sign(
     token = jwt.encode(body, private, algorithm=ALGORITHM, headers={"kid": kid, "typ": TYPE})
     return Assertion(
         token=token,
-        jti=facts.idempotency_key,
+        jti=body["jti"],
         subject=facts.user,
         audience=audience,
         key_id=kid,

@@ -4,8 +4,8 @@ behind token exchange, the IdP's access token for the user (DESIGN.md 7.1, docs/
 `for_call` is the only entry point; the engine calls it once per attempt just before sending, after
 the gateway's own checks passed (delegation is a second lock, never a replacement of the first),
 and the transport places what it returns. It reads a few short rows and then releases the
-database connection, so the call itself holds none. Each attempt gets a fresh assertion; its `jti` is the
-step's idempotency key, so a retry and a status lookup of the same call carry the same `jti`.
+database connection, so the call itself holds none. Each attempt gets a fresh assertion with a `jti` of
+its own; the step's idempotency key is its `idempotency_key` claim, the same on a retry and a status lookup.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def for_call(
     presented: dict[str, object] = {
         "mode": delegation.mode if delegation else Delegation.Mode.ASSERTION,
         "jti": signed.jti,
+        "idempotency_key": step.idempotency_key,
         "subject": signed.subject,
         "audience": audience,
         "key_id": signed.key_id,

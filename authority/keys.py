@@ -5,6 +5,12 @@ SECRET_ENCRYPTION_KEYS), decrypted once per process and kept in memory by key id
 breaks a call in flight: the new key is in the published set `SIGNING_KEY_LEAD_SECONDS` before it
 signs, and the old key stays in it until the last assertion it signed has expired
 (`ASSERTION_TTL_SECONDS` after it stopped signing), then its private half is erased.
+
+The lead is never shorter than twice JWKS_CACHE_SECONDS, the longest providers are told to cache
+the key set (its max-age): a verifier that fetched the set a moment before the new key was
+published fetches it again, on its own schedule, before that key signs. It must not count on
+fetching again on an unknown `kid`: PyJWT's PyJWKClient does that at most once per 30 s, and a
+rotation with a 12 s lead had calls refused for about 10 s.
 """
 
 from __future__ import annotations
@@ -39,10 +45,27 @@ def _publish_horizon(now: dt.datetime) -> dt.datetime:
     return now - dt.timedelta(seconds=settings.ASSERTION_TTL_SECONDS + 60 + KEY_CHECK_SECONDS)
 
 
+class RotationRefused(ValueError):
+    pass
+
+
+def minimum_lead() -> int:
+    """The shortest lead a rotation may have (see the module's opening)."""
+    return 2 * settings.JWKS_CACHE_SECONDS
+
+
 def create_key(*, now: dt.datetime | None = None, lead_seconds: int | None = None) -> SigningKey:
-    """Add a key that signs from now + lead; the key signing until then retires at that moment."""
+    """Add a key that signs from now + lead; the key signing until then retires at that moment.
+
+    A lead shorter than minimum_lead() raises RotationRefused when a key is signing already (the
+    first key has no verifier to surprise)."""
     now = now or timezone.now()
     lead = settings.SIGNING_KEY_LEAD_SECONDS if lead_seconds is None else lead_seconds
+    if lead < minimum_lead() and SigningKey.objects.filter(retired_at__isnull=True).exists():
+        raise RotationRefused(
+            f"a lead of {lead} s is shorter than {minimum_lead()} s (twice JWKS_CACHE_SECONDS): providers "
+            "caching the key set would refuse the new key's calls until they fetched it again"
+        )
     private = Ed25519PrivateKey.generate()
     pem = private.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()

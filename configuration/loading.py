@@ -9,6 +9,7 @@ path in the file), and only then constructed into Python values.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,24 @@ MAX_NODES = 100_000  # values in the file, counting every use of an alias
 MAX_DEPTH = 64  # nesting of mappings and lists
 MAX_TEXT = 100_000  # characters in one value; fields have tighter limits of their own
 MERGE_KEY = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2's booleans: only true and false (any case).
+
+    PyYAML implements YAML 1.1, where yes, no, on, off, y and n are booleans too: the documented
+    fallback `{model: azure-backup, on: [timeout]}` became the key True and was refused, and a
+    `country: no` would have become False. Here those are text; a field that wants a boolean says
+    so (true or false) when it gets one."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 class FileData(dict):
@@ -49,7 +68,7 @@ def load_file(path: str | Path) -> dict:
 
 def load_text(text: str) -> dict:
     try:
-        loader = yaml.SafeLoader(text)  # the reader refuses unprintable characters at once
+        loader = _Loader(text)  # the reader refuses unprintable characters at once
     except yaml.YAMLError as exc:
         raise ConfigError([_yaml_error(exc)]) from None
     try:

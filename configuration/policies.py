@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from approvals.models import PolicyMode
-from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install
+from approvals.policy_sets import PolicySpec, PolicyTest, SourceSet, check, install, notes
 
 KEYS = {"default", "attributes", "users", "tools", "sets", "tests"}
 ATTRIBUTE_TYPES = {"long", "string", "bool", "set"}
@@ -190,9 +190,25 @@ def _inline_place(text: str, source: str | None, path: str) -> tuple[str, int]:
     return source, 1
 
 
+TEST_KEYS = {
+    "name", "principal", "tool", "expect", "action", "input", "metadata", "requester", "agent",
+    "version", "arguments", "policy", "today", "run", "editor",
+}  # fmt: skip
+
+
 def _test(entry: Any, path: str, problems) -> PolicyTest | None:
     if not isinstance(entry, dict):
         problems.add(path, "a test is a mapping: name, principal, tool, arguments, expect")
+        return None
+    # A key it does not know is a mistake in the file (a comma in an unquoted flow-style name
+    # makes the rest of the name a key of its own), never silently ignored.
+    unknown = [key for key in entry if key not in TEST_KEYS]
+    if unknown:
+        problems.add(
+            path,
+            f"unknown key {unknown[0]!r} (a comma in an unquoted name splits it: quote the name); "
+            f"one of {', '.join(sorted(TEST_KEYS))}",
+        )
         return None
     action = entry.get("action", "call_tool")
     if action not in ACTIONS:
@@ -241,4 +257,5 @@ def apply(tenant, spec: PolicySpec | None, problems, report) -> None:
     for where, message in found:
         problems.add(where, message)
     if not found and not problems:
+        report.notes.extend(notes(tenant, spec))
         report.changes.extend(install(tenant, spec))

@@ -131,3 +131,31 @@ def fernet_keys(name: str, keys: list[str]) -> list[str]:
                 ".decode())')"
             ) from None
     return keys
+
+
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def public_url(name: str, value: str, *, production: bool) -> str:
+    """`value` without its trailing slash if it is a base URL the platform may publish.
+
+    Such a URL goes to other parties (the `iss` providers fetch keys from, the OAuth callback
+    registered with authorization servers, links in webhooks), so a wrong one fails far from here.
+    In production it must be https; a loopback host is taken only over http, for trying production
+    mode on one machine (README), and only when set explicitly (no default reaches this check).
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{name} must be an absolute http(s) URL such as https://agents.example.com, got {value!r}"
+        )
+    if parts.username or parts.password:
+        # Not echoed: this message ends up in logs.
+        raise ConfigError(f"{name} must be a base URL with no credentials, query or fragment")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{name} must be a base URL with no credentials, query or fragment, got {value!r}")
+    if production and parts.scheme != "https" and parts.hostname not in _LOOPBACK_HOSTS:
+        raise ConfigError(f"{name} must use https in production, got {value!r}")
+    return value.strip().rstrip("/")

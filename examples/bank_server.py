@@ -50,7 +50,8 @@ the platform's public keys (PyJWT) and its own rules, whatever the platform allo
 limit may not refund at all. A call without a valid assertion is rejected before any effect
 (MCP: INVALID_REQUEST; HTTP: 401); a refund above the acting person's limit is refused (MCP: an
 `isError` result; HTTP: 403). `GET /calls` then also lists `identities`: each verified call's
-subject and `jti`, the bank's side of the audit trail.
+subject and `jti`, the bank's side of the audit trail. A `jti` seen before is refused (a replay
+cache); each attempt's assertion has its own.
 
 Over MCP, bad arguments and unknown tools are JSON-RPC INVALID_PARAMS errors (the request is
 rejected, nothing is applied); failures inside a tool are `isError` results.
@@ -244,6 +245,11 @@ class AssertionCheck:
     issuer: str
     audience: str
     _keys: jwt.PyJWKClient | None = None
+    # A standard replay cache: a jti seen before (until its exp) is refused. Every attempt and status
+    # lookup carries a jti of its own, so a legitimate retry passes; the idempotency key is a claim
+    # of its own (`idempotency_key`), the same on every attempt.
+    _seen: dict[str, float] = field(default_factory=dict)
+    _seen_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def verify(self, token: str | None, *, tool: str, arguments: Mapping[str, Any], key: str | None) -> dict:
         if not token:
@@ -259,22 +265,29 @@ class AssertionCheck:
                 audience=self.audience,
                 issuer=self.issuer,
                 leeway=30,
-                options={"require": ["iss", "sub", "aud", "exp", "iat", "jti"]},
+                options={"require": ["iss", "sub", "aud", "exp", "iat", "jti", "idempotency_key"]},
             )
         except jwt.PyJWTError as exc:
             raise AssertionRejected(f"assertion rejected: {exc}") from None
+        with self._seen_lock:
+            now = time.time()
+            for jti in [jti for jti, exp in self._seen.items() if exp + 30 < now]:
+                del self._seen[jti]
+            if claims["jti"] in self._seen:
+                raise AssertionRejected("assertion rejected: replayed (its jti was seen before)")
+            self._seen[claims["jti"]] = float(claims["exp"])
         if claims.get("purpose") == "status_lookup":
-            # Recovery asks whether the call with this jti happened: that question only.
-            if tool != "refund_status" or claims.get("jti") != arguments.get("idempotency_key"):
-                raise AssertionRejected("assertion rejected: a status lookup asks about its own jti only")
+            # Recovery asks whether the call with this key happened: that question only.
+            if tool != "refund_status" or claims.get("idempotency_key") != arguments.get("idempotency_key"):
+                raise AssertionRejected("assertion rejected: a status lookup asks about its own call only")
             return claims
         canonical = json.dumps(dict(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if claims.get("args_digest") != hashlib.sha256(canonical.encode()).hexdigest():
             raise AssertionRejected("assertion rejected: it was signed for other arguments")
         if claims.get("tool") != tool or claims.get("purpose") != "call":
             raise AssertionRejected("assertion rejected: it was signed for another tool or purpose")
-        if key is not None and claims.get("jti") != key:
-            raise AssertionRejected("assertion rejected: its jti is not this request's idempotency key")
+        if key is not None and claims.get("idempotency_key") != key:
+            raise AssertionRejected("assertion rejected: it was signed for another idempotency key")
         return claims
 
 
@@ -434,7 +447,15 @@ class BankService:
         arguments = raw_args if isinstance(raw_args, Mapping) else {}
         check = functools.partial(self.authority.verify, token, tool=name, arguments=arguments, key=key)
         claims = await anyio.to_thread.run_sync(check)  # the key set may be fetched: off the loop
-        self.identities.append({"tool": name, "key": key, "subject": claims["sub"], "jti": claims["jti"]})
+        self.identities.append(
+            {
+                "tool": name,
+                "key": key,
+                "subject": claims["sub"],
+                "jti": claims["jti"],
+                "idempotency_key": claims["idempotency_key"],
+            }
+        )
         return claims
 
     async def execute(

@@ -66,14 +66,29 @@ DELIVERY_TRANSITIONS: dict[str, set[str]] = {
 }
 
 
+class DeliveryCounter(models.Model):
+    """The last delivery number given in a tenant (Delivery.number).
+
+    Numbers are per tenant so that a receiver learns nothing of other tenants' volume (one sequence
+    across tenants let it count their notifications between two of its own)."""
+
+    tenant = models.OneToOneField(
+        "tenants.Tenant", on_delete=models.CASCADE, primary_key=True, related_name="+"
+    )
+    last = models.PositiveBigIntegerField(default=0)
+
+
 class Delivery(models.Model):
     """One notification to one webhook, sent until a 2xx answer or until it runs out of attempts.
 
     `attempts` is also the fencing token of a claim: only the worker that claimed attempt N may
-    record its outcome, so a sender whose lease ran out changes nothing.
+    record its outcome, so a sender whose lease ran out changes nothing. `number` is what receivers
+    see (`id`, X-Delivery-Id): increasing within the tenant, unique in it, with gaps where a
+    concurrent scan made the same notification first.
     """
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    number = models.PositiveBigIntegerField()
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
     event = models.CharField(max_length=32, choices=Event.choices)
     # What the notification is about: the approval's id, or "<run id>:<event seq>" for a run that
@@ -96,6 +111,7 @@ class Delivery(models.Model):
         ordering = ["-id"]
         constraints = [
             models.UniqueConstraint(fields=["webhook", "subject", "event"], name="uniq_delivery_subject"),
+            models.UniqueConstraint(fields=["tenant", "number"], name="uniq_delivery_number"),
         ]
         indexes = [
             models.Index(

@@ -38,6 +38,7 @@ from approvals.models import Approval, ApprovalStatus
 from notifications.models import (
     Delivery,
     DeliveryAttempt,
+    DeliveryCounter,
     DeliveryStatus,
     Event,
     ScanCursor,
@@ -292,10 +293,27 @@ def _create(deliveries: list[Delivery]) -> int:
         ).values_list("webhook_id", "subject", "event")
     )
     new = [d for d in deliveries if (d.webhook_id, d.subject, d.event) not in existing]
-    # A concurrent scan may insert the same rows meanwhile: the unique constraint decides, and the
-    # count returned may then be a little high (it is only reported).
+    by_tenant: dict[int, list[Delivery]] = defaultdict(list)
+    for delivery in new:
+        by_tenant[delivery.tenant_id].append(delivery)
+    for tenant_id, group in by_tenant.items():
+        for delivery, number in zip(group, _numbers(tenant_id, len(group)), strict=True):
+            delivery.number = number
+    # A concurrent scan may insert the same rows meanwhile: the unique constraint on (webhook,
+    # subject, event) decides, leaving a gap in the loser's numbers, and the count returned may
+    # then be a little high (it is only reported). Numbers never collide: each was taken once.
     Delivery.objects.bulk_create(new, ignore_conflicts=True)
     return len(new)
+
+
+def _numbers(tenant_id: int, count: int) -> range:
+    """Take the tenant's next `count` delivery numbers (the counter's row is locked until commit,
+    so the value read back after the increment is this call's alone)."""
+    with transaction.atomic():
+        DeliveryCounter.objects.get_or_create(tenant_id=tenant_id)
+        DeliveryCounter.objects.filter(tenant_id=tenant_id).update(last=F("last") + count)
+        last = DeliveryCounter.objects.values_list("last", flat=True).get(tenant_id=tenant_id)
+    return range(last - count + 1, last + 1)
 
 
 # --- phase 2: send -------------------------------------------------------------------------------
@@ -306,6 +324,7 @@ class Claim:
     """One attempt of one delivery, taken under a lease; everything the POST needs."""
 
     delivery_id: int
+    number: int  # what the receiver sees (per tenant)
     attempt: int
     url: str
     secret: str
@@ -372,6 +391,7 @@ def claim_next(now: dt.datetime | None = None) -> Claim | None:
                 continue
         return Claim(
             delivery_id=delivery.pk,
+            number=delivery.number,
             attempt=attempt,
             url=delivery.webhook.url,
             secret=secret,
@@ -382,8 +402,9 @@ def claim_next(now: dt.datetime | None = None) -> Claim | None:
 
 
 def body_of(delivery: Delivery) -> bytes:
-    """The JSON body: the same bytes on every attempt (receivers dedupe on `id`)."""
-    document = {"id": delivery.pk, "event": delivery.event, **delivery.payload}
+    """The JSON body: the same bytes on every attempt (receivers dedupe on `id`, the delivery's
+    number in its tenant)."""
+    document = {"id": delivery.number, "event": delivery.event, **delivery.payload}
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -410,7 +431,7 @@ def post(claim: Claim) -> Outcome:
         "User-Agent": USER_AGENT,
         TIMESTAMP_HEADER: timestamp,
         SIGNATURE_HEADER: signature(claim.secret, timestamp, claim.body),
-        "X-Delivery-Id": str(claim.delivery_id),
+        "X-Delivery-Id": str(claim.number),
         "X-Delivery-Attempt": str(claim.attempt),
         "X-Event": claim.event,
     }

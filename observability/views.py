@@ -74,9 +74,16 @@ class _Scrape:
 
 
 def _refusal(request) -> HttpResponse | None:
-    """With METRICS_TOKEN and/or METRICS_ALLOW_FROM set, a request needs the token or an allowed address."""
+    """With METRICS_TOKEN and/or METRICS_ALLOW_FROM set, a request needs the token or an allowed address;
+    with neither, production refuses every request and dev answers all."""
     token, allowed = settings.METRICS_TOKEN, settings.METRICS_ALLOW_FROM
     if not token and not allowed:
+        if settings.PRODUCTION:
+            return HttpResponse(
+                "metrics are closed in production until METRICS_TOKEN or METRICS_ALLOW_FROM is set\n",
+                status=403,
+                content_type="text/plain",
+            )
         return None
     if token:
         given = request.headers.get("Authorization", "")

@@ -5,12 +5,20 @@
 It imports nothing of Django and re-executes itself with a cleared environment, so it holds no
 database URL, broker URL or secret key even when started from a shell that has them.
 
+The platform authenticates itself with a shared secret: the token in `--token-file` (created,
+mode 0600, with a random token when missing; the platform reads the same file or
+SANDBOX_RUNNER_TOKEN), sent as `Authorization: Bearer <token>`. Without it nothing runs and no
+result is read: anything else that can reach the port (another local user, a process in a
+container sharing the network) gets 401, and a finished execution's result, files included, is
+returned only to the platform.
+
 POST /v1/executions  {"key", "tenant", "code", "inputs": [{"name", "content_b64"}], "limits"}
     -> 200 {"exit_code", "limit", "message", "stdout", "stderr", "files": [...], "usage", ...}
-    -> 400 {"error", "field"} on a bad request; 503 {"error"} when no slot came free in time.
-GET /healthz -> {"status": "ok", "backend", "slots"}
+    -> 400 {"error", "field"} on a bad request; 503 {"error"} when no slot came free in time;
+       401 without the token.
+GET /healthz -> {"status": "ok", "backend", "slots"} (open: it says nothing of executions)
 GET /metrics -> executions by outcome (ok, error, the limit hit), running, seconds of queue
-    wait, wall and CPU in total, slots free
+    wait, wall and CPU in total, slots free (with the token)
 
 Concurrency: `slots` sandboxes at once, each with a uid of its own; a tenant holds at most
 `tenant_share` of them, so one tenant's backlog or fork bomb leaves the others their slots.
@@ -26,9 +34,11 @@ import base64
 import binascii
 import collections
 import hashlib
+import hmac
 import json
 import math
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -211,12 +221,40 @@ def result_body(outcome: Outcome, limits: Limits, queue_seconds: float) -> dict:
     }
 
 
-def make_handler(runner: Runner):
+MIN_TOKEN_LENGTH = 32
+
+
+def load_token(path: str) -> str:
+    """The shared secret in `path`, made (random, mode 0600) if the file does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32) + "\n")
+    with open(path) as handle:
+        token = handle.read().strip()
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise SystemExit(f"--token-file {path}: the token must be at least {MIN_TOKEN_LENGTH} characters")
+    return token
+
+
+def make_handler(runner: Runner, token: str):
+    expected = f"Bearer {token}".encode()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, format, *args):
             pass
+
+        def _authorised(self) -> bool:
+            given = (self.headers.get("Authorization") or "").encode()
+            if hmac.compare_digest(given, expected):
+                return True
+            self._send(401, {"error": "the runner answers the platform only (Authorization: Bearer <token>)"})
+            return False
 
         def _send(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
@@ -230,6 +268,8 @@ def make_handler(runner: Runner):
             if self.path == "/healthz":
                 self._send(200, {"status": "ok", "backend": runner.backend.name, "slots": runner.slots.count})
             elif self.path == "/metrics":
+                if not self._authorised():
+                    return
                 with runner.lock:
                     body = {
                         "executions": dict(runner.executions),
@@ -247,6 +287,9 @@ def make_handler(runner: Runner):
                 self._send(404, {"error": "not found"})
                 return
             length = int(self.headers.get("Content-Length") or 0)
+            if not self._authorised():
+                self.close_connection = True  # the body is not read
+                return
             if length > MAX_BODY:
                 self._send(413, {"error": f"the request is larger than {MAX_BODY} bytes", "field": "body"})
                 return
@@ -281,6 +324,14 @@ def serve(argv: list[str] | None = None) -> None:
     parser.add_argument("--runtime", default=os.path.join(root, "var", "sandbox-runtime"))
     parser.add_argument("--work-root", default="/tmp/agentsandbox")
     parser.add_argument("--uid-base", type=int, default=62000, help="slot n runs as this uid + n")
+    parser.add_argument(
+        "--token-file",
+        default=os.path.join(root, "var", "sandbox-runner.token"),
+        help="the shared secret the platform sends (created, mode 0600, when missing)",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="say whether the backend can run here, and exit (0: it can)"
+    )
     parser.add_argument("--slots", type=int, default=max(2, (os.cpu_count() or 1) * 2))
     parser.add_argument(
         "--tenant-share", type=float, default=0.5, help="fraction of the slots one tenant may hold"
@@ -305,13 +356,17 @@ def serve(argv: list[str] | None = None) -> None:
         backend.check()
     except BackendUnavailable as exc:
         raise SystemExit(f"sandbox backend {args.backend} unavailable: {exc}") from None
+    if args.check:
+        print(f"sandbox backend {args.backend} available", flush=True)
+        return
+    token = load_token(args.token_file)
     backend.prepare()
     # SIGTERM (make serve's stop, a test's terminate) exits through atexit, which lets the
     # backend finish removing what the last executions left on the host
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     share = max(1, math.ceil(args.slots * args.tenant_share))
     runner = Runner(backend, slots=args.slots, tenant_share=share, cap=cap)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(runner))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(runner, token))
     server.daemon_threads = True
     print(
         f"sandbox runner on http://{args.host}:{server.server_port} ({backend.name}, "

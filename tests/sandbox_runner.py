@@ -4,9 +4,12 @@ tool server that answers CSV files, the kind of tool whose answer becomes an art
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,13 +34,23 @@ def uid_base() -> int:
     return 62000 + (os.getpid() % 300) * 10
 
 
+# The shared secret every test runner answers to (sandbox/runner.py): tests send AUTH, and point the
+# platform at it with settings.SANDBOX_RUNNER_TOKEN = TOKEN.
+TOKEN = secrets.token_urlsafe(32)
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 class Runner:
     def __init__(self, *, slots: int = 4, share: float = 0.5, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token_file = Path(tempfile.mkdtemp(prefix="runner-token-")) / "token"
+        self.token_file.write_text(TOKEN)
+        self.token_file.chmod(0o600)
         self.args = [
             sys.executable, "-m", "sandbox.runner", "--port", str(self.port), "--slots", str(slots),
             "--tenant-share", str(share), "--runtime", str(RUNTIME), "--uid-base", str(uid_base() + 4),
+            "--token-file", str(self.token_file),
         ]  # fmt: skip
         self.env = env
         self.proc: subprocess.Popen | None = None
@@ -59,12 +72,13 @@ class Runner:
             time.sleep(0.05)
 
     def metrics(self) -> dict:
-        return httpx.get(self.url + "/metrics", timeout=5).json()
+        return httpx.get(self.url + "/metrics", headers=AUTH, timeout=5).json()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+        shutil.rmtree(self.token_file.parent, ignore_errors=True)
 
 
 class FileToolServer:

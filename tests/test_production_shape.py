@@ -48,6 +48,9 @@ agents:
 """
 
 
+METRICS_TOKEN = secrets.token_urlsafe(32)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,10 +93,16 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         AGENTPLATFORM_VAR_DIR=str(tmp_path),
         BANK_MCP_URL=bank.mcp_url,
         PY=str(ROOT / ".venv/bin/python"),
-        METRICS_TOKEN="metrics-token-1",
+        METRICS_TOKEN=METRICS_TOKEN,
+        ASSERTION_ISSUER="https://agents.prod-bank.example",
+        PUBLIC_BASE_URL="https://agents.prod-bank.example",
         FLOWER_UNAUTHENTICATED_API="true",
         RUN_STREAM_HEARTBEAT_SECONDS="1",
         SANDBOX_RUNNER_PORT=str(sandbox_port),
+        # Started as root, serve.sh runs every process but the sandbox runner as SERVE_USER; this
+        # machine's Python lives under /root, which no other user can run, so root is accepted here
+        # (tests/test_service_user.py shows the drop and the refusal without it).
+        SERVE_AS_ROOT="1",
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
@@ -176,13 +185,28 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             f"http://127.0.0.1:{flower_port}/",
             "manage.py createsuperuser",
             "manage.py apply",
+            "run_python: on (bubblewrap)",
         ):
             assert needle in banner, banner
+        # The sandbox runner answers the platform's token only (serve.sh made it and handed it over).
+        runner = f"http://127.0.0.1:{sandbox_port}"
+        assert (
+            httpx.post(f"{runner}/v1/executions", json={"key": "k", "tenant": "t", "code": ""}).status_code
+            == 401
+        )
+        token_file = tmp_path / "sandbox-runner.token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert (
+            httpx.get(
+                f"{runner}/metrics", headers={"Authorization": f"Bearer {token_file.read_text().strip()}"}
+            ).status_code
+            == 200
+        )
         assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
         # Counters from the worker process and gauges from the database, through uvicorn.
         assert httpx.get(f"{base}/metrics").status_code == 401
-        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer metrics-token-1"})
+        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
         assert metrics.status_code == 200
         samples = parse(metrics.text)
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
@@ -264,6 +288,69 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
         bank.stop()
+        print(Path(tmp_path / "serve.log").read_text()[-3000:])
+
+
+def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(prod_database, tmp_path):
+    # The runner once started anyway, exited ("backend unavailable") and took the whole stack down
+    # about 40 s after "ready". Now it is checked first and left out, and the rest serves.
+    port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
+    from tenants.crypto import generate_key
+
+    env = dict(
+        os.environ,
+        AGENTPLATFORM_ENV="production",
+        SECRET_KEY=secrets.token_urlsafe(50),
+        SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
+        SECRET_ENCRYPTION_KEYS=generate_key(),
+        DATABASE_URL=prod_database,
+        CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
+        CELERY_QUEUE=f"prodshape-bare-{os.getpid()}",
+        BIND=f"127.0.0.1:{port}",
+        FLOWER_PORT=str(flower_port),
+        WORKER_CONCURRENCY="2",
+        AGENTPLATFORM_VAR_DIR=str(tmp_path),
+        PY=str(ROOT / ".venv/bin/python"),
+        METRICS_TOKEN=METRICS_TOKEN,
+        ASSERTION_ISSUER="https://agents.prod-bank.example",
+        PUBLIC_BASE_URL="https://agents.prod-bank.example",
+        SANDBOX_RUNNER_PORT=str(sandbox_port),
+        SANDBOX_RUNTIME=str(tmp_path / "no-runtime-here"),
+        SERVE_AS_ROOT="1",
+    )
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop("TEST_DATABASE_NAME", None)
+    serve = subprocess.Popen(
+        ["bash", "scripts/serve.sh"],
+        cwd=ROOT,
+        env=env,
+        stdout=(tmp_path / "serve.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        log = wait_for(
+            lambda: (
+                "== agent platform started (ready)" in (text := (tmp_path / "serve.log").read_text()) and text
+            ),
+            timeout=180,
+            what="start-up banner",
+        )
+        assert (
+            "sandbox runner not started, serving without run_python: sandbox backend bubblewrap unavailable"
+            in log
+        )
+        assert "run_python: off: sandbox backend bubblewrap unavailable" in log
+        assert serve.poll() is None
+        assert httpx.get(f"http://127.0.0.1:{port}/readyz").json()["status"] == "ready"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{sandbox_port}/healthz", timeout=2)
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
         print(Path(tmp_path / "serve.log").read_text()[-3000:])
 
 

@@ -126,6 +126,18 @@ def cost_of(usage: dict, prices: Prices) -> int:
     )
 
 
+def runner_token() -> str:
+    """The runner's shared secret: SANDBOX_RUNNER_TOKEN, else the file the runner made."""
+    if settings.SANDBOX_RUNNER_TOKEN:
+        return settings.SANDBOX_RUNNER_TOKEN
+    try:
+        with open(settings.SANDBOX_RUNNER_TOKEN_FILE) as handle:
+            return handle.read().strip()
+    except OSError:
+        # Sent empty: the runner then refuses it (401), and the message below says what to set.
+        return ""
+
+
 def call(step: Step) -> ToolResult:
     if step.tool is None:
         raise ToolFailed("run_python: the step has no tool")
@@ -154,8 +166,9 @@ def call(step: Step) -> ToolResult:
         "queue_timeout": max(0.0, timeout - limits["wall_seconds"] - 1.0),
     }
     url = settings.SANDBOX_RUNNER_URL.rstrip("/") + "/v1/executions"
+    headers = {"Authorization": f"Bearer {runner_token()}"}
     try:
-        response = httpx.post(url, json=body, timeout=httpx.Timeout(timeout, connect=2.0))
+        response = httpx.post(url, json=body, headers=headers, timeout=httpx.Timeout(timeout, connect=2.0))
     except (httpx.ConnectError, httpx.ConnectTimeout):
         metrics.SANDBOX_EXECUTIONS.labels("unavailable", "").inc()
         raise ToolFailed(f"the sandbox runner at {settings.SANDBOX_RUNNER_URL} is not running") from None
@@ -163,6 +176,12 @@ def call(step: Step) -> ToolResult:
         # Harmless to repeat (no network inside), and the runner keeps the result under the key.
         metrics.SANDBOX_EXECUTIONS.labels("unknown", "").inc()
         raise ToolOutcomeUnknown(f"sandbox runner: {type(exc).__name__}") from None
+    if response.status_code == 401:
+        metrics.SANDBOX_EXECUTIONS.labels("unavailable", "").inc()
+        raise ToolFailed(
+            "the sandbox runner refused the platform's token (SANDBOX_RUNNER_TOKEN or "
+            "SANDBOX_RUNNER_TOKEN_FILE must hold the runner's); nothing ran"
+        )
     if response.status_code == 503:
         metrics.SANDBOX_EXECUTIONS.labels("busy", "").inc()
         raise ToolFailed(f"the sandbox is busy: {response.json().get('error', '')}; nothing ran")

@@ -273,7 +273,8 @@ def lookup_status(
 ) -> ToolResult | None:
     """Ask a reconcilable provider whether the call with this key happened. None: it did not.
 
-    The lookup carries the user's authority like the call (`purpose: status_lookup`, same `jti`)."""
+    The lookup carries the user's authority like the call (`purpose: status_lookup`, the same
+    `idempotency_key` claim, a `jti` of its own)."""
     tool = step.tool
     if tool is None:
         raise ToolOutcomeUnknown(f"step {step.seq} names no tool to ask")

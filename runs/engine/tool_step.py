@@ -251,7 +251,7 @@ def _record_tool(
 
 def _identity_event(run: Run, step: Step, outcome: ToolOutcome) -> None:
     """Which identity the attempt presented, so the platform's audit trail and the provider's join
-    on `jti` (the step's idempotency key). Never the token: its id, subject and audience."""
+    on `jti` (this attempt's assertion). Never the token: its id, subject and audience."""
     who = outcome.presented
     if not who:
         return

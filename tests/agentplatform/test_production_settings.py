@@ -24,18 +24,28 @@ SHOW = (
 )
 
 
-def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "SECRET_KEY", "SECRET_ENCRYPTION_KEYS")}
-    full = {
+def manage(*args: str, **env: str | None) -> subprocess.CompletedProcess:
+    """manage.py in production mode with a valid environment, changed by `env` (None: unset)."""
+    unset = ("DEBUG", "SECRET_KEY", "SECRET_ENCRYPTION_KEYS", "METRICS_TOKEN", "METRICS_ALLOW_FROM")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
+    full: dict[str, str | None] = {
         **base,
         "AGENTPLATFORM_ENV": "production",
         "DATABASE_URL": DATABASE_URL,
         "SECRET_KEY": secrets.token_urlsafe(50),
         "SECRET_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
+        "ASSERTION_ISSUER": "https://agents.bank.example",
+        "PUBLIC_BASE_URL": "https://agents.bank.example/",
         **env,
     }
+
     return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={k: v for k, v in full.items() if v is not None},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -101,3 +111,56 @@ def test_a_strong_key_and_valid_keys_start():
     done = manage("check")
 
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name", ["ASSERTION_ISSUER", "PUBLIC_BASE_URL"])
+def test_it_refuses_to_start_without_a_url_it_publishes(name):
+    # Dev's default (http://127.0.0.1:8000) would be the issuer providers fetch keys from and the
+    # OAuth callback registered with every authorization server.
+    done = manage("check", **{name: None})
+
+    assert done.returncode != 0
+    assert f"{name} must be set in production" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("http://agents.bank.example", "must use https in production"),
+        ("agents.bank.example", "absolute http(s) URL"),
+        ("https://agents.bank.example/?x=1", "no credentials, query or fragment"),
+        ("https://user:pw@agents.bank.example", "no credentials, query or fragment"),
+    ],
+    ids=["plain-http", "no-scheme", "query", "credentials"],
+)
+@pytest.mark.parametrize("name", ["ASSERTION_ISSUER", "PUBLIC_BASE_URL"])
+def test_it_refuses_a_published_url_that_is_not_a_public_https_base(name, value, complaint):
+    done = manage("check", **{name: value})
+
+    assert done.returncode != 0
+    assert "ConfigError" in done.stderr and complaint in done.stderr
+    assert "pw@" not in done.stderr
+
+
+def test_the_published_urls_are_kept_without_a_trailing_slash():
+    show = "from django.conf import settings as s; print(s.ASSERTION_ISSUER, s.PUBLIC_BASE_URL)"
+    done = manage("shell", "-c", show, ASSERTION_ISSUER="http://localhost:8000/")
+
+    # http is taken for a loopback host only: production mode tried on one machine (README).
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["http://localhost:8000", "https://agents.bank.example"]
+
+
+def test_it_refuses_a_short_metrics_token():
+    done = manage("check", METRICS_TOKEN="metrics-token-1")
+
+    assert done.returncode != 0
+    assert "METRICS_TOKEN must be at least 32 characters" in done.stderr
+    assert "metrics-token-1" not in done.stderr
+
+
+def test_it_refuses_a_signing_key_lead_shorter_than_twice_the_key_set_cache_bound():
+    done = manage("check", SIGNING_KEY_LEAD_SECONDS="12")
+
+    assert done.returncode != 0
+    assert "SIGNING_KEY_LEAD_SECONDS must be at least twice JWKS_CACHE_SECONDS (600)" in done.stderr

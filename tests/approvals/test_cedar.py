@@ -91,6 +91,7 @@ def test_a_grant_the_policy_narrows_is_denied_at_dispatch_with_the_policy_id(ten
 forbid (principal, action == Action::"bank__issue_refund", resource)
 unless { principal in Group::"supervisors" };
 """
+    factories.make_group(tenant, "supervisors")  # a policy may name only groups the tenant has
     policies(tenant, only_supervisors)
     agent_refunding(tenant, refund, 100)
     run, _ = start_run(user=asha, agent="agent", input={})

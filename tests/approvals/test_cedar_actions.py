@@ -139,6 +139,7 @@ def test_the_requester_is_in_the_approval_context(tenant, asha, ravi, bank, refu
 def test_policy_tests_use_both_actions_and_the_validator_knows_them(tenant, asha, ravi, bank, refund):
     interns = factories.make_group(tenant, "interns")
     asha.groups.add(interns)
+    factories.make_agent(tenant, turns=[{"text": "done"}])  # the rules name Agent::"agent"
     tests = [
         PolicyTest(
             name="bulk by an intern",

@@ -46,7 +46,12 @@ def test_it_signs_each_call_with_the_user_the_agent_the_run_and_the_exact_argume
     assert claims["sub"] == "asha" and claims["tenant"] == tenant.slug
     assert claims["act"] == {"sub": "agent:agent", "agent": "agent", "version": 1, "run": str(run.pk)}
     assert (claims["tool"], claims["step"], claims["purpose"]) == ("lookup", step.seq, "call")
-    assert claims["jti"] == step.idempotency_key == recorder.requests[0]["headers"]["Idempotency-Key"]
+    assert (
+        claims["idempotency_key"]
+        == step.idempotency_key
+        == recorder.requests[0]["headers"]["Idempotency-Key"]
+    )
+    assert claims["jti"] != step.idempotency_key  # unique to this assertion
     assert 0 < claims["exp"] - claims["iat"] <= settings.ASSERTION_TTL_SECONDS
     assert "approval" not in claims
     # The provider recomputes the digest from the arguments it received.
@@ -54,12 +59,14 @@ def test_it_signs_each_call_with_the_user_the_agent_the_run_and_the_exact_argume
 
     assert claims["args_digest"] == digest(recorder.requests[0]["body"])
     event = RunEvent.objects.get(run=run, kind="identity")
-    assert event.data["jti"] == step.idempotency_key
+    assert (event.data["jti"], event.data["idempotency_key"]) == (claims["jti"], step.idempotency_key)
     assert (event.data["subject"], event.data["audience"]) == ("asha", recorder.url)
     assert token not in str(event.data) and token not in event.message
 
 
-def test_a_retried_idempotent_call_presents_a_fresh_assertion_with_the_same_jti(tenant, asha, platform_jwks):
+def test_a_retried_idempotent_call_presents_a_new_jti_with_the_same_idempotency_key(
+    tenant, asha, platform_jwks
+):
     flaky = RecordingToolServer(fail_first=1).start()
     try:
         tool = http_tool(tenant, flaky.url, effect_class="idempotent", settle_seconds=0, backoff_seconds=0.05)
@@ -73,11 +80,13 @@ def test_a_retried_idempotent_call_presents_a_fresh_assertion_with_the_same_jti(
     first, second = (r["headers"]["Agent-Assertion"] for r in flaky.requests)
     assert first != second
     a, b = (verify(t, platform_jwks, audience=flaky.url) for t in (first, second))
-    assert a["jti"] == b["jti"] == step.idempotency_key
+    # A provider's replay cache (keyed by jti) lets the retry through; it de-duplicates by the key.
+    assert a["jti"] != b["jti"]
+    assert a["idempotency_key"] == b["idempotency_key"] == step.idempotency_key
     assert (a["attempt"], b["attempt"]) == (1, 2)
-    assert [e.data["jti"] for e in RunEvent.objects.filter(run=run, kind="identity")] == [
-        step.idempotency_key
-    ] * 2
+    assert [
+        (e.data["jti"], e.data["idempotency_key"]) for e in RunEvent.objects.filter(run=run, kind="identity")
+    ] == [(a["jti"], step.idempotency_key), (b["jti"], step.idempotency_key)]
 
 
 def test_an_approved_call_names_the_approval_and_the_approver(tenant, asha, ravi, recorder, platform_jwks):
@@ -133,7 +142,8 @@ def test_a_rotation_keeps_the_old_key_published_until_its_assertions_expire(tena
     tool = http_tool(tenant, recorder.url)
     factories.grant(tool, use=[asha])
     old_kid, _ = keys.signing_key()
-    new = keys.create_key(lead_seconds=0)
+    # Published a lead ago, so it signs from now.
+    new = keys.create_key(now=timezone.now() - dt.timedelta(seconds=settings.SIGNING_KEY_LEAD_SECONDS))
     published = {k["kid"] for k in client.get("/.well-known/jwks.json").json()["keys"]}
     assert published == {old_kid, new.kid}
     assert keys.signing_key()[0] == new.kid
@@ -180,7 +190,7 @@ def test_a_tampered_assertion_or_one_for_other_arguments_does_not_verify(
     assert ASSERTION_META_KEY == "io.agentplatform/assertion"
 
 
-def test_a_status_lookup_of_a_reconcilable_call_carries_an_assertion_with_the_calls_jti(
+def test_a_status_lookup_of_a_reconcilable_call_carries_an_assertion_with_the_calls_key(
     tenant, asha, live_server
 ):
     from tests.servers import BankServer
@@ -225,10 +235,12 @@ def test_a_status_lookup_of_a_reconcilable_call_carries_an_assertion_with_the_ca
         import httpx
 
         seen = httpx.get(f"{bank.url}/calls", timeout=10).json()["identities"]
-        assert [(c["tool"], c["jti"]) for c in seen] == [
+        # The bank keeps a replay cache: the lookup's assertion has a jti of its own.
+        assert [(c["tool"], c["idempotency_key"]) for c in seen] == [
             ("issue_refund", step.idempotency_key),
             ("refund_status", step.idempotency_key),
         ]
+        assert seen[0]["jti"] != seen[1]["jti"]
     finally:
         bank.stop()
 
@@ -237,12 +249,19 @@ def test_the_rotate_command_publishes_a_key_that_signs_after_its_lead():
     from io import StringIO
 
     from django.core.management import call_command
+    from django.core.management.base import CommandError
 
     first, _ = keys.signing_key()
+    # Shorter than twice the key set's cache bound (JWKS_CACHE_SECONDS, 300): providers caching the
+    # set would refuse the new key's calls (a 12 s lead had calls refused for about 10 s).
+    for short in ("12", "0", "599"):
+        with pytest.raises(CommandError, match="shorter than 600 s"):
+            call_command("rotate_signing_key", "--lead-seconds", short, stdout=StringIO())
+    assert SigningKey.objects.count() == 1
     out = StringIO()
-    call_command("rotate_signing_key", "--lead-seconds", "300", stdout=out)
+    call_command("rotate_signing_key", "--lead-seconds", "900", stdout=out)
     new = SigningKey.objects.exclude(kid=first).get()
     assert f"key {new.kid} published" in out.getvalue()
     assert keys.signing_key()[0] == first  # the old key signs until the new one's lead has passed
-    assert keys.signing_key(timezone.now() + dt.timedelta(seconds=301))[0] == new.kid
+    assert keys.signing_key(timezone.now() + dt.timedelta(seconds=901))[0] == new.kid
     assert SigningKey.objects.get(kid=first).retired_at == new.signs_from

@@ -578,3 +578,39 @@ def test_the_report_has_a_one_line_summary():
         str(apply_config(config()))
         == "tenant acme-test: applied (created 24, updated 0, unchanged 0, removed 0)"
     )
+
+
+def test_the_documented_fallback_form_with_a_bare_on_applies(tmp_path):
+    # YAML 1.1 (PyYAML's default) reads a bare `on` as true; the file is read with YAML 1.2's
+    # booleans (true/false only), so docs/configuration.md's flow form applies as written.
+    data = config()
+    data["model_endpoints"].append({**data["model_endpoints"][0], "name": "azure-backup"})
+    data["agents"][0]["versions"] = [spec("platform__echo")]
+    data["agents"][0]["aliases"] = {"prod": 1}
+    text = yaml.safe_dump(data, sort_keys=False).replace(
+        "  - model: scripted\n",
+        "  - model: scripted\n"
+        "    fallbacks:\n"
+        "      - {model: azure-backup, on: [rate_limited, server_error, timeout], rate_limit_retries: 2}\n",
+        1,
+    )
+    path = tmp_path / "tenant.yaml"
+    path.write_text(text)
+
+    apply_config(load_file(path))
+
+    stored = AgentVersion.objects.get(agent__tenant__slug=SLUG, number=1).spec["fallbacks"]
+    assert stored[0]["model"] == "azure-backup"
+    assert stored[0]["on"] == ["rate_limited", "server_error", "timeout"]
+
+
+def test_yes_no_on_and_off_are_text_not_booleans(tmp_path):
+    data = config()
+    data["tools"][0]["enabled"] = "__ENABLED__"
+    path = tmp_path / "tenant.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False).replace("'__ENABLED__'", "yes"))
+
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(path))
+
+    assert any(where == "tools[0].enabled" for where, _ in caught.value.errors), caught.value.errors

@@ -74,7 +74,111 @@ def test_a_policy_the_validator_refuses_is_reported_at_its_file_and_line_and_not
     where, message = next((p, m) for p, m in caught.value.errors if "validator" in m)
     assert where == f"{(tmp_path / 'tickets.cedar').resolve()}:7"
     assert "prio" in message
+    # The policy's @id, never Cedar's internal number for it.
+    assert message.startswith("policy 'typo': ") and "policy0" not in message and "policy1" not in message
     assert not Tenant.objects.filter(slug=SLUG).exists()
+
+
+@pytest.mark.parametrize(
+    ("policy", "complaint"),
+    [
+        (
+            'forbid (principal in Group::"support-agent", action, resource);',
+            "no group 'support-agent' in this tenant (did you mean 'support-agents'?)",
+        ),
+        (
+            'forbid (principal == User::"asah", action, resource);',
+            "no user 'asah' in this tenant (did you mean 'asha'?)",
+        ),
+        (
+            'forbid (principal, action, resource == Tool::"crm__create_tiket");',
+            "no tool 'crm__create_tiket' in this tenant (did you mean 'crm__create_ticket'?)",
+        ),
+        (
+            'forbid (principal, action == Action::"start_run", resource == Agent::"helpr");',
+            "no agent 'helpr' in this tenant (did you mean 'helper'?)",
+        ),
+        (
+            'forbid (principal, action, resource) when { context has agent && context.agent == Agent::"nobody" };',
+            "no agent 'nobody' in this tenant",
+        ),
+        (
+            "forbid (principal, action, resource) when { principal has department };",
+            "principal has no attribute 'department'; declare it under policies.attributes",
+        ),
+        (
+            'forbid (principal, action == Action::"crm__create_ticket", resource)'
+            " when { context.arguments has priorty };",
+            "no tool of this tenant has an argument 'priorty' (did you mean 'priority'?)",
+        ),
+        (
+            'forbid (principal, action, resource) when { principal.roles.contains("refunder") };',
+            "no group of this tenant gives the role 'refunder'",
+        ),
+    ],
+    ids=["group", "user", "tool", "agent", "agent-in-condition", "has-attribute", "has-argument", "role"],
+)
+def test_a_policy_naming_what_the_tenant_does_not_have_is_refused_with_its_id_and_place(
+    tmp_path, policy, complaint
+):
+    # Cedar's validator knows entity types, not which entities exist: each of these would match
+    # nothing, so the rule it was written for would protect nothing, silently.
+    path = write_file(tmp_path, sets(), cedar=TICKETS + f'\n@id("never-matches")\n{policy}\n')
+
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(path))
+
+    [(where, message)] = caught.value.errors
+    assert where == f"{(tmp_path / 'tickets.cedar').resolve()}:7"
+    assert message.startswith(f"policy 'never-matches': {complaint}"), message
+    assert not Tenant.objects.filter(slug=SLUG).exists()
+
+
+def test_an_inline_policy_naming_an_unknown_group_is_placed_at_its_line_in_the_yaml(tmp_path):
+    path = tmp_path / "tenant.yaml"
+    path.write_text(
+        yaml.safe_dump(config(), sort_keys=False)
+        + "policies:\n  sets:\n    - name: inline\n      text: |\n"
+        + '        @id("no-refunds")\n'
+        + '        forbid (principal in Group::"support-agent", action, resource);\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(path))
+    [(where, message)] = caught.value.errors
+    line = path.read_text().splitlines().index('        @id("no-refunds")') + 1
+    assert where == f"{path}:{line}"
+    assert message.startswith("policy 'no-refunds': no group 'support-agent' in this tenant")
+
+
+def test_declared_attributes_roles_and_existing_entities_are_accepted(tmp_path):
+    fine = TICKETS + (
+        '\n@id("known")\nforbid (principal in Group::"supervisors", action, resource == Tool::"platform__echo")'
+        ' when { principal has desk && principal.desk == "x" && principal.roles.contains("supervisor") };\n'
+    )
+    path = write_file(
+        tmp_path,
+        sets(attributes={"user": {"desk": "string"}}),
+        cedar=fine,
+        groups=[{"name": "support-agents"}, {"name": "supervisors", "roles": ["supervisor"]}],
+    )
+    report = apply_config(load_file(path))
+    assert "created policy set tickets (enforce)" in report.changes
+
+
+def test_a_policy_for_a_group_with_no_active_member_is_reported_not_refused(tmp_path):
+    lonely = TICKETS + '\n@id("auditors-only")\npermit (principal in Group::"auditors", action, resource);\n'
+    path = write_file(
+        tmp_path,
+        sets(),
+        cedar=lonely,
+        groups=[{"name": "support-agents"}, {"name": "supervisors"}, {"name": "auditors"}],
+    )
+    report = apply_config(load_file(path))
+    assert [note for note in report.notes if "polic" in note] == [
+        f"{(tmp_path / 'tickets.cedar').resolve()}:7: policy 'auditors-only' applies to group 'auditors', "
+        "which has no active member"
+    ]
+    assert "created policy set tickets (enforce)" in report.changes
 
 
 def test_a_policy_that_does_not_parse_is_placed_too(tmp_path):
@@ -232,3 +336,18 @@ def test_every_policy_in_the_doc_is_one_the_examples_run():
             " ".join(line for line in policy.split("// ")[-1:] if line) if policy.startswith("//") else policy
         )
         assert body.split("@id", 1)[-1] in example, policy
+
+
+def test_a_policy_test_with_a_key_it_does_not_know_is_refused(tmp_path):
+    # `{name: approves at most INR 25,000, ...}`: the comma splits the name, `000` becomes a key.
+    path = write_file(tmp_path, sets(), cedar=TICKETS)
+    path.write_text(
+        path.read_text()
+        + "  tests:\n    - {name: at most INR 25,000, principal: asha, tool: crm__create_ticket, expect: allow}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        apply_config(load_file(path))
+    assert any(
+        where == "policies.tests[0]" and "unknown key 0" in message and "quote the name" in message
+        for where, message in caught.value.errors
+    ), caught.value.errors

@@ -12,7 +12,7 @@ from configuration.loading import load_file
 from examples.bank_server import reconciliation_exports
 from runs.models import Run, Step
 from tenants.models import User
-from tests.sandbox_runner import Runner
+from tests.sandbox_runner import TOKEN, Runner
 from tests.servers import ROOT, wait_for
 from tools.models import Tool
 
@@ -23,7 +23,9 @@ def test_the_analysis_example_reconciles_the_banks_exports(bank, workers, monkey
     runner = Runner(slots=2, share=1.0).start()
     try:
         monkeypatch.setenv("SANDBOX_RUNNER_URL", runner.url)
+        monkeypatch.setenv("SANDBOX_RUNNER_TOKEN", TOKEN)
         settings.SANDBOX_RUNNER_URL = runner.url
+        settings.SANDBOX_RUNNER_TOKEN = TOKEN
         monkeypatch.setenv("BANK_EXPORT_URL", bank.url.rstrip("/") + "/http/export")
         apply_config(load_file(ROOT / "examples" / "analysis.yaml"))
         enabled = Tool.objects.filter(tenant__slug="acme-analysis", enabled=True)

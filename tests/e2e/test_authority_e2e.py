@@ -69,18 +69,18 @@ def test_the_bank_refuses_by_its_own_check_a_refund_the_platforms_grants_allowed
             "Refused by the bank: asha may refund up to INR 5000; this refund is INR 12499"
             in second.observation
         )
+        # The platform's trail and the bank's join on jti (one per attempt).
+        events = [e.data for e in RunEvent.objects.filter(run=run, kind="identity").order_by("id")]
+        assert [e["idempotency_key"] for e in events] == [first.idempotency_key, second.idempotency_key]
+        assert all(e["subject"] == "asha" and e["audience"] == BANK_AUDIENCE for e in events)
         applied = bank.effects("issue_refund")
         assert [(e["arguments"]["amount"], e["subject"], e["jti"]) for e in applied] == [
-            (3200, "asha", first.idempotency_key)
+            (3200, "asha", events[0]["jti"])
         ]
-        # The platform's trail and the bank's join on jti.
-        identities = {e.data["jti"]: e.data for e in RunEvent.objects.filter(run=run, kind="identity")}
-        assert set(identities) == {first.idempotency_key, second.idempotency_key}
-        assert all(i["subject"] == "asha" and i["audience"] == BANK_AUDIENCE for i in identities.values())
         seen = httpx_json(f"{bank.url}/calls")["identities"]
-        assert [(c["subject"], c["jti"]) for c in seen] == [
-            ("asha", first.idempotency_key),
-            ("asha", second.idempotency_key),
+        assert [(c["subject"], c["jti"], c["idempotency_key"]) for c in seen] == [
+            ("asha", events[0]["jti"], first.idempotency_key),
+            ("asha", events[1]["jti"], second.idempotency_key),
         ]
     finally:
         bank.stop()

@@ -12,7 +12,7 @@ from artifacts.models import Artifact
 from runs.models import Run, Step
 from tests import factories
 from tests.recovery.conftest import FAST_LEASES, sweep_until
-from tests.sandbox_runner import FileToolServer, Runner, make_data
+from tests.sandbox_runner import TOKEN, FileToolServer, Runner, make_data
 from tests.servers import wait_for
 from tools.models import Tool, ToolServer
 
@@ -39,7 +39,9 @@ print(json.dumps({{"duplicates": duplicates, "missing": len(missing), "mismatche
 def runner(monkeypatch, settings):
     runner = Runner(slots=2, share=1.0).start()
     monkeypatch.setenv("SANDBOX_RUNNER_URL", runner.url)
+    monkeypatch.setenv("SANDBOX_RUNNER_TOKEN", TOKEN)
     settings.SANDBOX_RUNNER_URL = runner.url
+    settings.SANDBOX_RUNNER_TOKEN = TOKEN
     yield runner
     runner.stop()
 

@@ -108,10 +108,15 @@ def make_webhook(tenant, url: str, events: list[str], *, name: str = "supervisor
 @pytest.fixture
 def acme(transactional_db):
     """Tenant acme: asha runs `refunder`, whose one echo call always needs ravi's approval."""
-    tenant = factories.make_tenant("acme")
+    return approving_tenant("acme")
+
+
+def approving_tenant(slug: str, requester: str = "asha", approver: str = "ravi") -> SimpleNamespace:
+    """A tenant like acme: `asha` is the requester's user and `ravi` the approver's, whatever their names."""
+    tenant = factories.make_tenant(slug)
     tools = factories.make_builtin_tools(tenant, approval_policy="always")
-    asha = factories.make_user(tenant, "asha")
-    ravi = factories.make_user(tenant, "ravi", staff=True)
+    asha = factories.make_user(tenant, requester)
+    ravi = factories.make_user(tenant, approver, staff=True)
     factories.grant(tools["echo"], use=[asha], approve=[ravi])
     echo_call_agent(tenant, tools["echo"], name="refunder", arguments={"amount": 12499})
     return SimpleNamespace(tenant=tenant, tools=tools, asha=asha, ravi=ravi)

@@ -23,6 +23,7 @@ def received(receiver):
     hook = make_webhook(tenant, receiver.url, [Event.APPROVAL_REQUESTED])
     Delivery.objects.create(
         tenant=tenant,
+        number=1,
         webhook=hook,
         event=Event.APPROVAL_REQUESTED,
         subject="a-1",

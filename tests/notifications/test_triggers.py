@@ -12,7 +12,12 @@ from django.utils import timezone
 from notifications.models import Delivery, DeliveryStatus, Event
 from notifications.services import scan, send_due
 from runs.transitions import record_event
-from tests.notifications.conftest import make_webhook, parked_approval, run_needing_attention
+from tests.notifications.conftest import (
+    approving_tenant,
+    make_webhook,
+    parked_approval,
+    run_needing_attention,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -181,3 +186,21 @@ def test_the_periodic_task_scans_and_sends_on_the_sweepers_queue_every_few_secon
 
     assert task() == {"created": 1, "delivered": 1, "retrying": 0, "failed": 0}
     assert len(receiver.requests) == 1
+
+
+def test_delivery_ids_count_per_tenant_so_a_receiver_learns_nothing_of_other_tenants(acme, receiver):
+    globex = approving_tenant("globex", requester="bob", approver="gina")
+    make_webhook(acme.tenant, receiver.url, [Event.APPROVAL_REQUESTED])
+    make_webhook(globex.tenant, receiver.url, [Event.APPROVAL_REQUESTED])
+    scan()
+    # Interleaved: acme, globex, globex, acme. One sequence across tenants gave acme 1 and 4,
+    # telling its receiver that two notifications went elsewhere in between.
+    for tenant in (acme, globex, globex, acme):
+        parked_approval(tenant)
+        notify()
+
+    seen = sorted(
+        (json.loads(r.body)["tenant"], r.headers["X-Delivery-Id"], json.loads(r.body)["id"])
+        for r in receiver.requests
+    )
+    assert seen == [("acme", "1", 1), ("acme", "2", 2), ("globex", "1", 1), ("globex", "2", 2)]

@@ -267,3 +267,16 @@ def test_metrics_need_the_token_or_an_allowed_address_when_configured(db):
         assert Client(REMOTE_ADDR="10.1.7.9").get("/metrics").status_code == 200
     # Probes answer whatever the Host header says (they address pods by IP).
     assert Client().get("/healthz", HTTP_HOST="10.9.8.7:8000").json() == {"status": "ok"}
+
+
+def test_production_serves_metrics_to_no_one_until_a_token_or_an_allowlist_is_set(db):
+    with override_settings(PRODUCTION=True, METRICS_TOKEN="", METRICS_ALLOW_FROM=[]):
+        closed = Client().get("/metrics")
+        assert closed.status_code == 403 and b"METRICS_TOKEN" in closed.content
+        assert Client(REMOTE_ADDR="127.0.0.1").get("/metrics").status_code == 403
+        # The probes stay open: a load balancer needs no token.
+        assert Client().get("/healthz").status_code == 200
+    with override_settings(PRODUCTION=True, METRICS_TOKEN="t" * 40, METRICS_ALLOW_FROM=[]):
+        assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer " + "t" * 40).status_code == 200
+    with override_settings(PRODUCTION=False, METRICS_TOKEN="", METRICS_ALLOW_FROM=[]):
+        assert Client().get("/metrics").status_code == 200

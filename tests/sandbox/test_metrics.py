@@ -14,7 +14,7 @@ from runs.services import start_run
 from tests import factories
 from tests.admin.helpers import make_supervisor
 from tests.conftest import drive
-from tests.sandbox_runner import Runner
+from tests.sandbox_runner import TOKEN, Runner
 from tools.models import Tool
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def runner(monkeypatch, settings):
     runner = Runner(slots=2, share=1.0).start()
     settings.SANDBOX_RUNNER_URL = runner.url
+    settings.SANDBOX_RUNNER_TOKEN = TOKEN
     yield runner
     runner.stop()
 
@@ -98,3 +99,25 @@ def test_executions_are_counted_by_outcome_and_limit_with_start_and_queue_times(
     assert f"/admin/runs/run/{run.pk}/artifacts/{original.pk}/" in first
     assert f"/admin/runs/run/{run.pk}/artifacts/{copy.pk}/" in first
     assert "limit hit: memory" in page and "exit 3" in page
+
+
+def test_a_platform_without_the_runners_token_runs_nothing_and_says_what_to_set(
+    tenant, asha, builtins, runner, settings
+):
+    settings.SANDBOX_RUNNER_TOKEN = "not-the-runners-token-" + "x" * 20
+    tool = builtins["run_python"]
+    Tool.objects.filter(pk=tool.pk).update(effect_class="read_only")
+    factories.grant(tool, use=[asha])
+    factories.make_agent(
+        tenant,
+        tools=[tool],
+        turns=[{"tool_calls": [{"name": tool.name, "arguments": {"code": "print(1)"}}]}, {"text": "done"}],
+    )
+    before = sum(runner.metrics()["executions"].values())
+
+    run, _ = start_run(user=asha, agent="agent", input={})
+    drive(run.pk)
+
+    step = Step.objects.get(run=run, tool_name=tool.name)
+    assert step.status == "failed" and "refused the platform's token" in step.error
+    assert sum(runner.metrics()["executions"].values()) == before

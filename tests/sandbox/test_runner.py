@@ -11,11 +11,12 @@ import tempfile
 import time
 
 import httpx
+import pytest
 
 from sandbox import cgroups
 from sandbox.backends import Bubblewrap, Execution, _mount_tmpfs, _umount, reachable_by_slots
 from sandbox.limits import Limits
-from tests.sandbox_runner import Runner, uid_base
+from tests.sandbox_runner import AUTH, Runner, uid_base
 from tests.servers import wait_for
 
 WORK_ROOT = "/tmp/agentsandbox"  # the runner's default --work-root
@@ -23,16 +24,16 @@ WORK_ROOT = "/tmp/agentsandbox"  # the runner's default --work-root
 
 def execute(url: str, *, key: str, tenant: str = "t1", code: str = "print(1)", **extra) -> httpx.Response:
     body = {"key": key, "tenant": tenant, "code": code} | extra
-    return httpx.post(url + "/v1/executions", json=body, timeout=60)
+    return httpx.post(url + "/v1/executions", json=body, headers=AUTH, timeout=60)
 
 
 def executions(url: str) -> int:
-    return sum(httpx.get(url + "/metrics").json()["executions"].values())
+    return sum(httpx.get(url + "/metrics", headers=AUTH).json()["executions"].values())
 
 
 def running(url: str) -> int:
     """Executions the runner has taken in and not yet answered (a slot's, or waiting for one)."""
-    return httpx.get(url + "/metrics").json()["running"]
+    return httpx.get(url + "/metrics", headers=AUTH).json()["running"]
 
 
 def test_it_holds_no_database_url_or_secret_key(runner_url):
@@ -90,13 +91,45 @@ def test_a_retry_while_the_first_still_runs_joins_it_instead_of_running_twice(ru
     assert executions(url) == before + 1
 
 
+def test_nothing_runs_and_no_result_is_read_without_the_platforms_token(runner_url):
+    url, _ = runner_url
+    done = execute(url, key="k-secret", code="print('balance 9,999')")
+    assert done.status_code == 200 and "9,999" in done.json()["stdout"]
+    before = executions(url)
+    for headers in (
+        {},
+        {"Authorization": "Bearer " + "x" * 43},
+        {"Authorization": AUTH["Authorization"] + "x"},
+    ):
+        # Another process on the host: it can neither run code nor read a kept result by its key.
+        for key, code in (("k-other", "print(1)"), ("k-secret", "")):
+            body = {"key": key, "tenant": "t1", "code": code}
+            refused = httpx.post(url + "/v1/executions", json=body, headers=headers, timeout=10)
+            assert refused.status_code == 401 and "9,999" not in refused.text
+        assert httpx.get(url + "/metrics", headers=headers).status_code == 401
+    assert executions(url) == before
+    assert httpx.get(url + "/healthz").status_code == 200  # probes need no token
+
+
+def test_the_runner_makes_a_private_token_file_when_none_exists(tmp_path):
+    from sandbox.runner import load_token
+
+    path = tmp_path / "token"
+    token = load_token(str(path))
+    assert len(token) >= 32 and path.stat().st_mode & 0o777 == 0o600
+    assert load_token(str(path)) == token  # kept across restarts
+    path.write_text("short")
+    with pytest.raises(SystemExit, match="at least 32 characters"):
+        load_token(str(path))
+
+
 def test_bad_requests_get_a_field_error(runner_url):
     url, _ = runner_url
     r = execute(url, key="k-bad", limits={"memory_bytes": -1})
     assert r.status_code == 400 and r.json()["field"] == "limits"
     r = execute(url, key="k-bad2", inputs=[{"name": "../x", "content_b64": ""}])
     assert r.status_code == 400 and r.json()["field"] == "inputs[0].name"
-    r = httpx.post(url + "/v1/executions", json={"tenant": "t"})
+    r = httpx.post(url + "/v1/executions", json={"tenant": "t"}, headers=AUTH)
     assert r.status_code == 400 and r.json()["field"] == "key"
 
 

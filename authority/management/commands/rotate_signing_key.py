@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from authority import keys
 
@@ -11,7 +11,13 @@ class Command(BaseCommand):
     help = "Add a signing key (published now, signing after SIGNING_KEY_LEAD_SECONDS) and retire the old one then"
 
     def add_arguments(self, parser):
-        parser.add_argument("--lead-seconds", type=int, default=None, help="publish this long before signing")
+        parser.add_argument(
+            "--lead-seconds",
+            type=int,
+            default=None,
+            help="publish this long before signing (default SIGNING_KEY_LEAD_SECONDS; at least twice "
+            "JWKS_CACHE_SECONDS, the key set cache bound providers are given)",
+        )
         parser.add_argument(
             "--erase-expired",
             action="store_true",
@@ -19,10 +25,10 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, lead_seconds=None, erase_expired=False, **options):
-        if lead_seconds is not None and lead_seconds < 0:
-            self.stderr.write("--lead-seconds must be 0 or more")
-            raise SystemExit(2)
-        key = keys.create_key(lead_seconds=lead_seconds)
+        try:
+            key = keys.create_key(lead_seconds=lead_seconds)
+        except keys.RotationRefused as exc:
+            raise CommandError(f"--lead-seconds: {exc}") from None
         self.stdout.write(
             f"key {key.kid} published; signs from {key.signs_from.isoformat(timespec='seconds')}"
         )
