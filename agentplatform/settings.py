@@ -119,6 +119,7 @@ INSTALLED_APPS = [
     "notifications",
     "artifacts",
     "connections",
+    "history",
 ]
 
 MIDDLEWARE = [
@@ -318,6 +319,12 @@ CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
     "notify": {"task": "notifications.tasks.notify", "schedule": env_float("NOTIFY_INTERVAL_SECONDS", 5.0)},
+    # Signed checkpoints over the runs' chain heads (history/checkpoints.py): a database
+    # administrator's rewrite of a run's chain goes unnoticed at most this long (docs/history.md).
+    "history_checkpoint": {
+        "task": "history.tasks.checkpoint",
+        "schedule": env_float("HISTORY_CHECKPOINT_SECONDS", 600.0),
+    },
 }
 
 # --- Webhook notifications (notifications/, docs/notifications.md) ---

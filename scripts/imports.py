@@ -36,6 +36,7 @@ PACKAGES = [
     "runs",
     "artifacts",
     "notifications",
+    "history",
     "configuration",
     "agentplatform",
 ]
