@@ -325,7 +325,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
         "task": "history.tasks.checkpoint",
         "schedule": env_float("HISTORY_CHECKPOINT_SECONDS", 600.0),
     },
+    # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
+    # tenant a pass, each run in its own short transaction.
+    "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
 }
+HISTORY_PURGE_BATCH = env_int("HISTORY_PURGE_BATCH", 100, minimum=1, maximum=10_000)
 
 # --- Webhook notifications (notifications/, docs/notifications.md) ---
 NOTIFY_TIMEOUT_SECONDS = env_float("NOTIFY_TIMEOUT_SECONDS", 10.0)  # whole POST, connect to last byte

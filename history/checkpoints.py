@@ -4,6 +4,7 @@
                         last leaf, sign the Merkle root over all latest leaves with the platform's
                         key (authority/keys.py); one at a time (the previous checkpoint's row lock)
     merkle_root(leaves) RFC 6962's tree hash over leaf(run id, seq, head) in run id order
+    inclusion_path()    a leaf's audit path (an export carries one per run: history/export.py)
     statement_digest()  what the next checkpoint names as `previous`
 
 A run's head is read from its own row (what the engine writes in the statement that inserts
@@ -52,6 +53,40 @@ def merkle_root(hashes: list[bytes]) -> bytes:
     return level[0]
 
 
+def _mth(hashes: list[bytes]) -> bytes:
+    return merkle_root(hashes)
+
+
+def inclusion_path(hashes: list[bytes], index: int) -> list[bytes]:
+    """RFC 6962's audit path of leaf `index` in the tree over `hashes` (section 2.1.1)."""
+    if len(hashes) <= 1:
+        return []
+    k = 1
+    while k * 2 < len(hashes):
+        k *= 2
+    if index < k:
+        return [*inclusion_path(hashes[:k], index), _mth(hashes[k:])]
+    return [*inclusion_path(hashes[k:], index - k), _mth(hashes[:k])]
+
+
+def root_from_path(index: int, size: int, leaf: bytes, path: list[bytes]) -> bytes | None:
+    """The root an audit path gives (RFC 9162 section 2.1.3.2), None when it cannot be one."""
+    if index >= size:
+        return None
+    fn, sn, r = index, size - 1, leaf
+    for p in path:
+        if sn == 0:
+            return None
+        if fn & 1 or fn == sn:
+            r = hashlib.sha256(b"\x01" + p + r).digest()
+            while not fn & 1 and fn != 0:
+                fn, sn = fn >> 1, sn >> 1
+        else:
+            r = hashlib.sha256(b"\x01" + r + p).digest()
+        fn, sn = fn >> 1, sn >> 1
+    return r if sn == 0 else None
+
+
 def statement_digest(checkpoint: Checkpoint | None) -> str:
     return hashlib.sha256(checkpoint.statement.encode("utf-8")).hexdigest() if checkpoint else ""
 
@@ -70,10 +105,13 @@ def latest_leaves(*, upto: int | None = None) -> dict[uuid.UUID, tuple[int, byte
     }
 
 
+def ordered(leaves: dict[uuid.UUID, tuple[int, bytes]]) -> list[uuid.UUID]:
+    """The tree's order: run ids by their 16 bytes."""
+    return sorted(leaves, key=lambda r: r.bytes)
+
+
 def tree_root(leaves: dict[uuid.UUID, tuple[int, bytes]]) -> bytes:
-    return merkle_root(
-        [leaf_hash(run_id, *leaves[run_id]) for run_id in sorted(leaves, key=lambda r: r.bytes)]
-    )
+    return merkle_root([leaf_hash(run_id, *leaves[run_id]) for run_id in ordered(leaves)])
 
 
 def take_checkpoint(*, now: dt.datetime | None = None) -> Checkpoint | None:

@@ -31,6 +31,8 @@ class Checkpoint(models.Model):
 
     class Meta:
         ordering = ["-number"]
+        # Who may take a signed export of a tenant's runs (history/export.py).
+        permissions = [("export_history", "Export signed run history")]
 
     def __str__(self) -> str:
         return f"checkpoint {self.number} ({self.size} runs)"
@@ -100,7 +102,7 @@ class ErasureCertificate(models.Model):
 
     The identifier itself is not kept (keeping it would keep what was erased); its SHA-256 is, so
     that a second request for the same identifier can be shown to be the same subject. Each run
-    erased also carries a `content_erased` event in its chain naming this certificate and the
+    erased also carries a `content_removed` event in its chain naming this certificate and the
     items erased.
     """
 
@@ -123,3 +125,16 @@ class ErasureCertificate(models.Model):
 
     def __str__(self) -> str:
         return f"erasure {self.request_ref} ({len(self.runs)} runs)"
+
+
+class ContentRemoval(models.Model):
+    """A run whose content was removed (history/content.py), by erasure or by retention."""
+
+    class Why(models.TextChoices):
+        ERASURE = "erasure"
+        RETENTION = "retention"
+
+    run = models.OneToOneField("runs.Run", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    why = models.CharField(max_length=12, choices=Why.choices)
+    certificate = models.ForeignKey(ErasureCertificate, null=True, blank=True, on_delete=models.PROTECT)
+    removed_at = models.DateTimeField(auto_now=True)

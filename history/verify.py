@@ -34,7 +34,7 @@ from runs.models import Run, RunEvent, Step
 
 # Where a misplaced event's hash is looked for: this many places either side of where it stands.
 WINDOW = 3
-ERASED_KIND = "content_erased"
+REMOVED_KIND = "content_removed"  # history/content.py: erased or purged
 
 
 @dataclass(frozen=True)
@@ -247,13 +247,13 @@ def _diagnose(i: int, events, bodies, stored) -> tuple[str, int | None]:
 
 
 def _erased(events) -> tuple[set[int], set[int], bool]:
-    """What the run's erasure events (history/erasure.py) say was erased: event seqs, step seqs,
+    """What the run's removal events (history/content.py) say was removed: event seqs, step seqs,
     the run's own content."""
     events_out: set[int] = set()
     steps_out: set[int] = set()
     run_out = False
     for _seq, _at, kind, _step, _actor, _message, data, _digest, _ in events:
-        if kind == ERASED_KIND and isinstance(data, dict):
+        if kind == REMOVED_KIND and isinstance(data, dict):
             events_out.update(data.get("events", []))
             steps_out.update(data.get("steps", []))
             run_out = run_out or bool(data.get("run"))
