@@ -269,7 +269,12 @@ SPECTACULAR_SETTINGS = {
     "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
     # A run's status is also a filter of bulk pause/resume requests: one enum, under its own name.
-    "ENUM_NAME_OVERRIDES": {"RunStatusEnum": "runs.models.RunStatus"},
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "runs.models.RunStatus",
+        # Two fields are named scope: a legal hold's and a kill switch's (the latter's name kept).
+        "HoldScopeEnum": "history.models.HoldScope",
+        "ScopeEnum": "runs.models.KillSwitch.Scope",
+    },
     # /v1/docs loads Swagger UI from our own static files (drf-spectacular-sidecar, pinned in
     # requirements.txt): it works on a network with no internet. No validator badge (it calls out).
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -14,7 +14,7 @@ from django.urls import path, reverse
 
 from core.errors import DomainError
 from history import erasure, holds
-from history.models import Checkpoint, ErasureCertificate, LegalHold
+from history.models import Checkpoint, ErasureCertificate, HoldScope, LegalHold
 from tenants.admin_site import ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
 from tenants.models import Tenant
 
@@ -27,6 +27,18 @@ class HoldForm(forms.ModelForm):
     class Meta:
         model = LegalHold
         fields = ["tenant", "scope", "run", "subject", "reason"]
+
+    def clean(self):
+        data = super().clean() or {}
+        if self.instance.pk is None:  # placing: what the service would refuse, said on the form
+            if data.get("scope") == HoldScope.RUN and not data.get("run"):
+                self.add_error("run", "a run hold needs the run")
+            if data.get("scope") == HoldScope.SUBJECT and not (data.get("subject") or "").strip():
+                self.add_error("subject", "a subject hold needs the subject's identifier")
+            run = data.get("run")
+            if run is not None and data.get("tenant") is not None and run.tenant_id != data["tenant"].pk:
+                self.add_error("run", "the run is another tenant's")
+        return data
 
 
 @admin.register(LegalHold, site=site)

@@ -30,10 +30,10 @@ def acting_tenant(user, slug: str | None, perm: str) -> int:
             raise DomainError("a platform operator names the tenant", code="tenant_required")
         tenant_id = Tenant.objects.filter(slug=slug).values_list("pk", flat=True).first()
         if tenant_id is None:
-            raise NotFound("tenant")
+            raise DomainError(f"no tenant {slug}", code="unknown_tenant")
         return tenant_id
     if user.tenant_id is None or (slug and slug != user.tenant.slug):
-        raise NotFound("tenant")
+        raise Forbidden("you act for your own tenant only", code="not_permitted")
     if not (user.is_superuser or (user.is_staff and user.has_perm(perm))):
         raise Forbidden(f"this needs the {perm} permission", code="not_permitted")
     return user.tenant_id
@@ -236,7 +236,8 @@ class ExportApi(APIView):
             OpenApiParameter("to", OpenApiTypes.DATETIME, description="runs created before"),
         ],
         responses={
-            (200, "application/zip"): OpenApiTypes.BINARY,
+            # A zip's bytes; octet-stream, which generated clients read as a file.
+            (200, "application/octet-stream"): OpenApiTypes.BINARY,
             **errors({404: "No such run", 422: "Neither a run nor a range, or a range of too many runs"}),
         },
     )
@@ -264,6 +265,6 @@ class ExportApi(APIView):
                 )
             scope = {"from": start.isoformat(), "to": end.isoformat()}
         bundle = export.build_bundle(tenant_id=tenant_id, run_ids=run_ids, scope=scope)
-        response = HttpResponse(bundle, content_type="application/zip")
+        response = HttpResponse(bundle, content_type="application/octet-stream")
         response["Content-Disposition"] = 'attachment; filename="history-export.zip"'
         return response

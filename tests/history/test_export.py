@@ -57,7 +57,8 @@ def _export(user, **params) -> bytes:
     client.force_authenticate(user)
     response = client.get("/v1/history/export", params)
     assert response.status_code == 200, response.content
-    assert response["Content-Type"] == "application/zip"
+    assert response["Content-Type"] == "application/octet-stream"
+    assert response["Content-Disposition"] == 'attachment; filename="history-export.zip"'
     return response.content
 
 

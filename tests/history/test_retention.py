@@ -5,19 +5,24 @@ what a legal hold covers; the API, the admin and the chain agree afterwards."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from configuration.apply import apply_config
 from configuration.report import ConfigError
 from history.checkpoints import take_checkpoint
-from history.holds import lift_hold, place_hold
+from history.content import remove_content
+from history.holds import lift_hold, place_hold, tenant_hold_lock
 from history.models import ContentRemoval
 from history.retention import purge_due
 from history.verify import verify
 from runs.models import Run, RunEvent, Step
+from runs.transitions import atomic_with_events
 from tenants.models import Tenant
 from tests import factories
 from tests.history.conftest import finished_run
@@ -104,3 +109,41 @@ def test_a_tenant_hold_suspends_the_purge(tenant, asha, ravi, echo_agent):
 
     lift_hold(hold_id=hold.pk, actor=ravi, reason="closed")
     assert purge_due().purged == [run.pk]
+
+
+def test_a_purge_holding_its_locks_does_not_block_a_live_runs_steps(tenant, asha, echo_agent):
+    """The purge locks an ended run, its rows and the tenant's hold lock; no step of a live run
+    waits for any of them: a run driven meanwhile finishes while the purge's transaction is open."""
+    Tenant.objects.filter(pk=tenant.pk).update(content_retention_seconds=3600)
+    ended = finished_run(asha, word=SECRET)
+    _age(ended, 1)
+    locked, release, failures = threading.Event(), threading.Event(), []
+
+    def purge_and_hold() -> None:
+        try:
+            with atomic_with_events():
+                tenant_hold_lock(tenant.pk)
+                run = Run.objects.select_for_update().get(pk=ended.pk)
+                remove_content(run, why="retention", events=None, note="content purged")
+                locked.set()
+                assert release.wait(60), "the live run never finished"
+        except Exception as exc:
+            failures.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=purge_and_hold)
+    thread.start()
+    try:
+        assert locked.wait(30)
+        started = time.monotonic()
+        live = finished_run(asha, word="live")
+        took = time.monotonic() - started
+        assert thread.is_alive()  # the purge's transaction was open the whole time
+    finally:
+        release.set()
+        thread.join()
+    assert not failures, failures
+    assert Run.objects.get(pk=live.pk).status == "succeeded" and took < 30
+    assert Run.objects.get(pk=ended.pk).input == {}
+    assert verify().ok

@@ -33,5 +33,10 @@ class Command(BaseCommand):
             f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
             f"{len(report.findings)} finding(s)"
         )
+        if pinned is None and report.checkpoint:
+            self.stdout.write(
+                "NOTE: signatures were checked against the keys this database holds; someone with "
+                "database access can add a key of their own: pass --jwks with a copy you kept to prove the signer"
+            )
         if not report.ok:
             raise SystemExit(1)
