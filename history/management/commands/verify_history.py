@@ -28,15 +28,15 @@ class Command(BaseCommand):
         report = verify.verify(runs, jwks=pinned)
         for finding in report.findings:
             self.stdout.write(f"FAIL {finding}")
-        checkpoint = f"checkpoint {report.checkpoint}" if report.checkpoint else "no checkpoint yet"
-        self.stdout.write(
-            f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
-            f"{len(report.findings)} finding(s)"
-        )
         if pinned is None and report.checkpoint:
             self.stdout.write(
                 "NOTE: signatures were checked against the keys this database holds; someone with "
                 "database access can add a key of their own: pass --jwks with a copy you kept to prove the signer"
             )
+        checkpoint = f"checkpoint {report.checkpoint}" if report.checkpoint else "no checkpoint yet"
+        self.stdout.write(
+            f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
+            f"{len(report.findings)} finding(s)"
+        )
         if not report.ok:
             raise SystemExit(1)
