@@ -9,6 +9,7 @@ from authority import api as authority_api
 from budgets import api as budgets_api
 from connections import api as connections_api
 from core import errors
+from history import api as history_api
 from runs.controls import api as pause_api
 from runs.front import api as runs_api
 from runs.front.stream import RunStreamApi
@@ -35,6 +36,11 @@ v1 = [
     path("runs/<str:run_id>/resume", pause_api.RunResumeApi.as_view()),
     path("runs/<str:run_id>/artifacts", artifacts_api.ArtifactListApi.as_view()),
     path("artifacts/<str:artifact_id>", artifacts_api.ArtifactDetailApi.as_view()),
+    path("history/holds", history_api.HoldListApi.as_view()),
+    path("history/holds/<str:hold_id>/lift", history_api.HoldLiftApi.as_view()),
+    path("history/erasures", history_api.ErasureListApi.as_view()),
+    path("history/erasures/<str:certificate_id>", history_api.ErasureDetailApi.as_view()),
+    path("history/export", history_api.ExportApi.as_view()),
     path("artifacts/<str:artifact_id>/content", artifacts_api.ArtifactContentApi.as_view()),
     path("runs/<str:run_id>/steps/<int:seq>/resolve", runs_api.StepResolveApi.as_view()),
     path("approvals", approvals_api.ApprovalListApi.as_view()),

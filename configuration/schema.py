@@ -55,6 +55,21 @@ AGENT_PERMS = {"run": "run_agent"}  # grants[] with agent:
 TENANT_PERMS = {"view_runs": "view_runs"}  # tenant.view_runs
 DAY = 24 * 3600
 APPROVAL_TTL_MAX = 30 * DAY
+RETENTION_MAX = 2**31 - 1  # whole seconds, as the file's numbers are: about 68 years
+
+
+def _retention_by_agent(value: Any) -> dict[str, int]:
+    """{agent name: content period} (`dispute-agent: 30d`): the agent's runs keep content this long."""
+    periods = _mapping(value)
+    out = {}
+    for name, period in periods.items():
+        try:
+            out[_slug(100)(name)] = _duration(RETENTION_MAX)(period)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, at=f".{name}{exc.at}") from None
+    return out
+
+
 # A call must end inside one worker task (CELERY_TASK_SOFT_TIME_LIMIT, 330 s by default); a longer
 # timeout (or "1e400", once stored as Infinity) left every run using the tool stuck.
 CALL_TIMEOUT_MAX = 300
@@ -180,6 +195,11 @@ TENANT: Spec = {
     },
     "view_runs": Field("view_runs", _text_list),
     "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
+    # How long runs' content is kept after they end (history/retention.py); null: for ever.
+    "retention": {
+        "content": Field("content_retention_seconds", _nullable(_duration(RETENTION_MAX))),
+        "agents": Field("content_retention_by_agent", _retention_by_agent),
+    },
     "quotas": {
         "max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
         "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000)),

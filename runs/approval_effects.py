@@ -78,6 +78,7 @@ def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Appr
             proposed=approval.original_arguments,
             corrected=arguments,
             reason=reason,
+            content={"arguments": digest(arguments)},  # binds the corrected arguments into the chain
         )
         _approval_decided(run, approval, user=user, approve=True, reason=reason)
     return approval

@@ -144,6 +144,11 @@ class Run(models.Model):
     expected_cost_micros = models.BigIntegerField(default=0)
     last_enqueued_at = models.DateTimeField(null=True, blank=True)
     event_seq = models.PositiveIntegerField(default=0)  # the seq of the run's latest event
+    # The hash chain over the run's events (core/chain.py): the chain hash of its latest event
+    # (zero bytes before the first), and the head before the latest write, which the statement
+    # that writes events returns to chain them from (runs/statements.py).
+    chain_head = models.BinaryField(default=bytes(32))
+    chain_prev = models.BinaryField(default=bytes(32))
 
     class Meta:
         constraints = [
@@ -373,6 +378,10 @@ class RunEvent(models.Model):
     )
     message = models.TextField(blank=True)
     data = models.JSONField(default=dict, blank=True)
+    # The chain (core/chain.py): SHA-256 of message and data, kept when they are erased; and the
+    # event's chain hash over the previous one's, its seq, its skeleton fields and that digest.
+    content_digest = models.CharField(max_length=64, blank=True)
+    chain_hash = models.BinaryField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]

@@ -14,6 +14,7 @@ from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
 from artifacts import services as artifacts
 from budgets.services import create_run_account
+from core import chain
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
 from runs import admission
@@ -184,6 +185,8 @@ def start_run(
                 limits=limits,
                 expected_cost_micros=expected,
                 **given_files,
+                # Binds the input into the run's chain (core/chain.py).
+                content=chain.content_of({"input": run.input, "metadata": run.metadata}, chain.RUN_CONTENT),
             )
             if admitted:
                 enqueue(run.pk)

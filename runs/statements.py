@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from django.db import DEFAULT_DB_ALIAS, connections, models
 
-from core import sql
+from core import chain, sql
 from core.errors import IllegalTransition
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
@@ -35,7 +35,8 @@ def _field(model, name: str) -> models.Field:
 _EVENT_DATA = RunEvent._meta.get_field("data")
 assert isinstance(_EVENT_DATA, models.JSONField)
 _EVENT_COLUMNS = (
-    "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data jsonb"
+    "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data jsonb, "
+    "content_digest text"
 )
 
 
@@ -78,6 +79,13 @@ def _insert_events_sql(
     statement; it returns how many rows they wrote, so a guard that failed is seen before COMMIT.
     """
     assignments = [f"event_seq = event_seq + {count}"]
+    if count:
+        # The chain (core/chain.py): linked from the head on the row this UPDATE locks, so writers
+        # of one run chain in turn as they number; the old head comes back as chain_prev.
+        assignments += [
+            "chain_prev = chain_head",
+            f"chain_head = (run_event_chain(chain_head, event_seq + 1, %s::bytea[]))[{count}]",
+        ]
     assignments += [f"{sql.quote(column)} = %s" for column in sets]
     assignments += [f"{sql.quote(column)} = {sql.quote(column)} + %s" for column in adds]
     update = f"UPDATE {RUNS} SET {', '.join(assignments)} WHERE id = %s"
@@ -89,32 +97,44 @@ def _insert_events_sql(
         return f"WITH {', '.join(ctes)} {update} RETURNING {moved}"
     # The events travel as one JSON parameter, not six each: psycopg caches the parsing of a
     # statement's text only up to 50 parameters, and parsing this one again cost 0.5 ms a step.
+    counter = f"counter AS ({update} RETURNING event_seq, chain_prev)"
+    chain = f"chain AS (SELECT run_event_chain(chain_prev, event_seq - {count} + 1, %s::bytea[]) AS h FROM counter)"
     return f"""
-WITH {", ".join([*ctes, f"counter AS ({update} RETURNING event_seq)"])}
-INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data)
-SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data
-  FROM counter, jsonb_to_recordset(%s::jsonb) AS v({_EVENT_COLUMNS})
+WITH {", ".join([*ctes, counter, chain])}
+INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data, content_digest, chain_hash)
+SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data,
+       v.content_digest, chain.h[v.i]
+  FROM counter, chain, jsonb_to_recordset(%s::jsonb) AS v({_EVENT_COLUMNS})
 RETURNING id, seq{", " + moved if guarded else ""}
 """
 
 
-def _events_json(events: list[RunEvent]) -> str:
-    """The events as INSERT_EVENTS reads them: one JSON array of objects, `i` numbering them from 1."""
-    rows = []
+def _events_json(events: list[RunEvent]) -> tuple[str, list[bytes]]:
+    """The events as INSERT_EVENTS reads them: one JSON array of objects, `i` numbering them from
+    1; and their chain bodies (core/chain.py), which the statement links. Sets each event's
+    content digest."""
+    rows, bodies = [], []
     for i, event in enumerate(events, 1):
         at = event.at
+        event.content_digest = chain.content_digest(event.message, event.data)
+        bodies.append(
+            chain.event_body(
+                event.run_id, at, event.kind, event.step_seq, event.actor_id, event.content_digest
+            )
+        )
         rows.append(
             {
                 "i": i,
-                "at": at.isoformat() if at is not None else None,
+                "at": at.isoformat(),
                 "kind": event.kind,
                 "step_seq": event.step_seq,
                 "actor_id": event.actor_id,
                 "message": event.message,
                 "data": event.data,
+                "content_digest": event.content_digest,
             }
         )
-    return json.dumps(rows, cls=_EVENT_DATA.encoder)
+    return json.dumps(rows, cls=_EVENT_DATA.encoder), bodies
 
 
 def write_run(
@@ -143,10 +163,7 @@ def write_run(
         for name, n in adds.items():
             sql.take(Run, run_id, name, n)
         if events:
-            count = len(events)
-            first = sql.take(Run, run_id, "event_seq", count) - count + 1
-            for i, event in enumerate(events):
-                event.seq = first + i
+            _chain_in_steps(run_id, events)
             sql.insert(events)
         return
     params: list = []
@@ -163,11 +180,14 @@ def write_run(
         len(events), tuple(f.column for f in set_fields), tuple(f.column for f in add_fields), tuple(guarded)
     )
     run = sql.adapt(run_id)
+    if events:
+        rows_json, bodies = _events_json(events)
+        params.append(bodies)
     params += [field.get_db_prep_save(value, db) for field, value in zip(set_fields, sets.values())]
     params += list(adds.values())
     params.append(run)
     if events:
-        params += [run, _events_json(events)]
+        params += [bodies, run, rows_json]
     with sql.prepared_cursor() as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall() if events or steps else []
@@ -186,6 +206,23 @@ def write_run(
         event.pk = ids[event.seq]
         event._state.adding = False
         event._state.db = db.alias
+
+
+def _chain_in_steps(run_id, events: list[RunEvent]) -> None:
+    """Number and chain one run's events in plain statements (SQLite, the demo): the counter's
+    UPDATE locks the run first, as the one statement does on PostgreSQL."""
+    count = len(events)
+    first = sql.take(Run, run_id, "event_seq", count) - count + 1
+    head = bytes(Run.objects.filter(pk=run_id).values_list("chain_head", flat=True).get())
+    prev = head
+    for i, event in enumerate(events):
+        event.seq = first + i
+        event.content_digest = chain.content_digest(event.message, event.data)
+        body = chain.event_body(
+            run_id, event.at, event.kind, event.step_seq, event.actor_id, event.content_digest
+        )
+        event.chain_hash = head = chain.link(head, event.seq, body)
+    sql.update(Run, run_id, chain_prev=prev, chain_head=head)
 
 
 def _moved(write: StepWrite | None) -> IllegalTransition:

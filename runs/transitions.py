@@ -18,7 +18,7 @@ from django.utils import timezone
 from agents.models import AgentDefinition, AgentVersion
 from approvals import services as approvals
 from approvals.models import TenantPolicies
-from core import sql
+from core import chain, sql
 from core.errors import IllegalTransition
 from llm.models import ModelEndpoint
 from observability import observe
@@ -174,7 +174,7 @@ def transition_run(
         "status",
         message or f"{old} → {to}",
         actor=actor,
-        **{"from": old, "to": to, **(event_data or {})},
+        **{"from": old, "to": to, **(event_data or {}), **_content(fields, chain.RUN_CONTENT)},
     )
     observe.run_moved(run, old, to, reason=fields.get("stop_reason", ""), message=message)
 
@@ -210,10 +210,16 @@ def transition_step(
         message or f"step {step.seq} {label}: {old} → {to}",
         step_seq=step.seq,
         actor=actor,
-        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name},
+        # The digests of the content it writes bind that content into the run's chain (core/chain.py).
+        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name, **_content(fields)},
     )
     observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
     return event
+
+
+def _content(fields: dict, names: tuple[str, ...] = chain.STEP_CONTENT) -> dict:
+    digests = chain.content_of(fields, names)
+    return {"content": digests} if digests else {}
 
 
 def insert_steps(steps: list[Step], *, defer: bool = False) -> None:

@@ -47,6 +47,7 @@ PACKAGES = [
     "runs",
     "artifacts",
     "notifications",
+    "history",
     "configuration",
     "agentplatform",
 ]
@@ -66,6 +67,7 @@ LADDER = [
     "authority",
     "runs",
     "notifications",
+    "history",
     "configuration",
     "agentplatform",
 ]

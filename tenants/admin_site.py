@@ -71,6 +71,9 @@ TENANT_PATHS = {
     "authority.exchangedtoken": "tenant",
     "connections.connection": "tenant",
     "connections.protectedserver": "tenant",
+    "history.legalhold": "tenant",
+    "history.erasurecertificate": "tenant",
+    # history.checkpoint is platform-wide: operators only (not listed).
 }
 
 

@@ -66,6 +66,11 @@ class Tenant(models.Model):
     # Hosts the tenant's tool servers and model endpoints may reach (`host`, `host:port`,
     # `*.domain`), checked by `manage.py apply`; null: not restricted.
     egress_hosts = models.JSONField(null=True, blank=True)
+    # Retention of runs' content (history/retention.py, docs/history.md): how long after a run
+    # ends its content is kept (null: for ever), and per agent name a period of its own. The
+    # skeleton is kept for ever (its expiry is not built).
+    content_retention_seconds = models.PositiveBigIntegerField(null=True, blank=True)
+    content_retention_by_agent = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
-from core import sql
+from core import chain, sql
 from runs.controls import kill_switches
 from runs.engine import heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
@@ -83,6 +83,7 @@ def _mark_model(run: Run, lease: Lease, model: ModelPlan) -> ModelCall | None:
         step_seq=step.seq,
         to=StepStatus.DISPATCHING,
         step_kind=StepKind.MODEL,
+        content=chain.content_of({"request": step.request}),  # binds the request into the chain
     )
     write_run_at_end(run, adds={"step_count": 1, "model_call_count": 1}, **_lease_fields(lease, now))
     return ModelCall(lease, run, step, reservation_id, model)

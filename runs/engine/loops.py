@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 
 from agents.spec import LoopLimits, spec_for
+from core import chain
 from runs.models import Run, RunStatus, Step, StepStatus, StopReason
 from runs.transitions import end_run, record_event, write_run_at_end, write_step
 
@@ -193,5 +194,6 @@ def check(run: Run, step: Step) -> bool:
             f"no progress: {pattern}; the model was told to change approach",
             step_seq=step.seq,
             pattern=pattern,
+            content=chain.content_of({"observation": step.observation}),  # the observation as now
         )
     return False

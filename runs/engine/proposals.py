@@ -115,6 +115,7 @@ def propose(
             to=StepStatus.PROPOSED,
             step_kind=StepKind.TOOL,
             tool=name,
+            content={"arguments": steps[-1].args_digest},  # binds the arguments into the chain
         )
     insert_steps(steps, defer=defer)
     return steps

@@ -1,0 +1,42 @@
+"""Verify the run history: checkpoints' signatures and chain, every run's event chain, content
+against its digests (history/verify.py). Exit 1 when anything is found, naming run and event."""
+
+from __future__ import annotations
+
+import json
+
+from django.core.management.base import BaseCommand
+
+from history import verify
+
+
+class Command(BaseCommand):
+    help = "Verify the run history (hash chains, content digests, signed checkpoints); exit 1 on a finding"
+
+    def add_arguments(self, parser):
+        parser.add_argument("--run", action="append", dest="runs", help="verify this run only (repeatable)")
+        parser.add_argument(
+            "--jwks",
+            help="a JWKS file kept from /.well-known/jwks.json: checkpoints must be signed by its keys",
+        )
+
+    def handle(self, *args, runs=None, jwks=None, **options):
+        pinned = None
+        if jwks:
+            with open(jwks, encoding="utf-8") as handle:
+                pinned = json.load(handle)
+        report = verify.verify(runs, jwks=pinned)
+        for finding in report.findings:
+            self.stdout.write(f"FAIL {finding}")
+        if pinned is None and report.checkpoint:
+            self.stdout.write(
+                "NOTE: signatures were checked against the keys this database holds; someone with "
+                "database access can add a key of their own: pass --jwks with a copy you kept to prove the signer"
+            )
+        checkpoint = f"checkpoint {report.checkpoint}" if report.checkpoint else "no checkpoint yet"
+        self.stdout.write(
+            f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
+            f"{len(report.findings)} finding(s)"
+        )
+        if not report.ok:
+            raise SystemExit(1)

@@ -1,0 +1,325 @@
+"""Verify the run history (manage.py verify_history; docs/history.md, "Verifying").
+
+    verify_checkpoints(jwks)   every checkpoint's signature, their own chain (each names the
+                               previous one's digest), and the latest one's Merkle root recomputed
+                               from the leaves
+    verify_run(run_id, ...)    one run's events: content against digests, each link, gaps, the
+                               head on the run row, every checkpoint leaf of the run; its steps'
+                               and its own content against the digests its events bound
+    verify(run_ids, jwks)      both, over every run (or those given)
+
+Each finding names the run and the event (or step). What the verifier can tell apart, and what
+it cannot (docs/history.md, "What an administrator can and cannot do"): an edit of content is
+named by the content check; an edit of an event's skeleton by its link; a deleted event by the
+gap, or by the run's counter and head when it was the last; two events swapped, or events
+renumbered around an insertion or a deletion, by where their hash says they were written; a
+rewrite of the whole chain after an edit by the signed checkpoint that took the old head.
+Reads only; holds no lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from dataclasses import dataclass, field
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from authority.models import SigningKey
+from core import chain
+from history import checkpoints
+from history.models import Checkpoint, CheckpointLeaf
+from runs.models import Run, RunEvent, Step
+
+# Where a misplaced event's hash is looked for: this many places either side of where it stands.
+WINDOW = 3
+REMOVED_KIND = "content_removed"  # history/content.py: erased or purged
+
+
+@dataclass(frozen=True)
+class Finding:
+    run_id: str | None
+    seq: int | None  # the event's seq (None: the run, or a checkpoint)
+    problem: str
+
+    def __str__(self) -> str:
+        where = f"run {self.run_id}" if self.run_id else "checkpoints"
+        if self.seq is not None:
+            where += f" event {self.seq}"
+        return f"{where}: {self.problem}"
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    runs: int = 0
+    events: int = 0
+    checkpoint: int | None = None  # the latest checkpoint verified
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+
+def _b64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def public_key(jwk: dict) -> Ed25519PublicKey:
+    if jwk.get("kty") != "OKP" or jwk.get("crv") != "Ed25519":
+        raise ValueError(f"key {jwk.get('kid')}: not an Ed25519 key")
+    return Ed25519PublicKey.from_public_bytes(_b64(jwk["x"]))
+
+
+def signature_ok(statement: str, signature: str, jwk: dict) -> bool:
+    try:
+        public_key(jwk).verify(_b64(signature), statement.encode("utf-8"))
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def verify_checkpoints(jwks: dict | None = None) -> tuple[list[Finding], Checkpoint | None]:
+    """Signatures against the pinned keys (`jwks`: a JWKS the auditor kept) or the platform's own
+    table of keys; the checkpoints' chain; the latest root against the leaves."""
+
+    findings: list[Finding] = []
+    pinned = {k["kid"]: k for k in (jwks or {}).get("keys", [])}
+    known = dict(SigningKey.objects.values_list("kid", "public_jwk"))
+    previous: Checkpoint | None = None
+    latest = None
+    for cp in Checkpoint.objects.order_by("number"):
+        where = f"checkpoint {cp.number}"
+        trusted = pinned.get(cp.kid) if jwks is not None else known.get(cp.kid, cp.public_jwk)
+        if trusted is None:
+            findings.append(Finding(None, None, f"{where}: key {cp.kid} is not among the pinned keys"))
+        elif trusted.get("x") != cp.public_jwk.get("x"):
+            findings.append(
+                Finding(None, None, f"{where}: its key {cp.kid} is not the key published under that id")
+            )
+        elif not signature_ok(cp.statement, cp.signature, trusted):
+            findings.append(Finding(None, None, f"{where}: the signature does not verify"))
+        if (previous is None and cp.number != 1) or (
+            previous is not None and cp.number != previous.number + 1
+        ):
+            findings.append(Finding(None, None, f"{where}: checkpoints before it are missing"))
+        if (
+            cp.previous != checkpoints.statement_digest(previous)
+            or f'"previous":"{cp.previous}"' not in cp.statement
+        ):
+            findings.append(Finding(None, None, f"{where}: does not name the checkpoint before it"))
+        if f'"root":"{cp.root}"' not in cp.statement:
+            findings.append(Finding(None, None, f"{where}: its root is not the one signed"))
+        previous = latest = cp
+    if latest is not None:
+        root = checkpoints.tree_root(checkpoints.latest_leaves(upto=latest.number)).hex()
+        if root != latest.root:
+            findings.append(
+                Finding(None, None, f"checkpoint {latest.number}: its leaves no longer give the signed root")
+            )
+    return findings, latest
+
+
+def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) -> tuple[list[Finding], int]:
+    """One run's findings and the number of its events. `leaves`: (checkpoint number, seq, head)."""
+    rid = str(run_id)
+    run = (
+        Run.objects.filter(pk=run_id)
+        .values("event_seq", "chain_head", "input", "metadata", "final_output")
+        .first()
+    )
+    leaves = leaves if leaves is not None else _leaves_of(run_id)
+    if run is None:
+        if leaves:
+            return [Finding(rid, None, f"the run is gone, but checkpoint {leaves[-1][0]} holds its head")], 0
+        return [Finding(rid, None, "no such run")], 0
+    events = list(
+        RunEvent.objects.filter(run_id=run_id)
+        .order_by("seq")
+        .values_list(
+            "seq", "at", "kind", "step_seq", "actor_id", "message", "data", "content_digest", "chain_hash"
+        )
+    )
+    findings: list[Finding] = []
+    erased_events, erased_steps, erased_run = _erased(events)
+    bodies = [
+        chain.event_body(rid, at, kind, step, actor, digest)
+        for _, at, kind, step, actor, _, _, digest, _ in events
+    ]
+    stored = [bytes(h) if h is not None else None for *_, h in events]
+    by_seq = {e[0]: i for i, e in enumerate(events)}
+    last_seq, prev = 0, chain.GENESIS
+    # Where each event's hash says it was written (its seq when in place): an event after two
+    # swapped ones links from the one written before it, wherever that one stands now.
+    written_as: dict[int, bytes] = {0: chain.GENESIS}
+    for i, (seq, _at, _kind, _step, _actor, message, data, digest, _) in enumerate(events):
+        if seq not in erased_events and chain.content_digest(message, data) != digest:
+            findings.append(
+                Finding(
+                    rid, seq, "content edited: its message or data no longer match the digest in the chain"
+                )
+            )
+        gap = seq > last_seq + 1
+        if gap:
+            missing = f"{last_seq + 1}" if seq == last_seq + 2 else f"{last_seq + 1}..{seq - 1}"
+            findings.append(
+                Finding(
+                    rid,
+                    last_seq + 1,
+                    f"deleted: the run's events jump from {last_seq} to {seq} (missing {missing})",
+                )
+            )
+        own = stored[i]
+        if own is None:
+            findings.append(Finding(rid, seq, "inserted: it carries no chain hash"))
+        elif chain.link(written_as.get(seq - 1, prev), seq, bodies[i]) == own:
+            written_as[seq] = own
+        elif not gap:
+            problem, written = _diagnose(i, events, bodies, stored)
+            findings.append(Finding(rid, seq, problem))
+            if written is not None:
+                written_as[written] = own
+        last_seq, prev = seq, own if own is not None else prev
+    if run["event_seq"] > last_seq:
+        findings.append(
+            Finding(
+                rid, last_seq + 1, f"deleted: the run counted {run['event_seq']} events, {last_seq} remain"
+            )
+        )
+    elif run["event_seq"] < last_seq:
+        findings.append(
+            Finding(
+                rid,
+                run["event_seq"] + 1,
+                f"inserted: the run counted {run['event_seq']} events, {last_seq} are there",
+            )
+        )
+    elif events and bytes(run["chain_head"]) != prev:
+        findings.append(
+            Finding(
+                rid, last_seq, "the run's head is not its last event's hash: events were deleted or rewritten"
+            )
+        )
+    for number, seq, head in leaves:
+        at = by_seq.get(seq)
+        if at is None or stored[at] != head:
+            findings.append(
+                Finding(
+                    rid,
+                    seq,
+                    f"differs from signed checkpoint {number}: the history up to this event was rewritten",
+                )
+            )
+    findings += _content_bindings(rid, dict(run), events, erased_steps, erased_run)
+    return findings, len(events)
+
+
+def _diagnose(i: int, events, bodies, stored) -> tuple[str, int | None]:
+    """Why event i does not link from the one before it, and where its own hash says it was
+    written (None: nowhere the verifier looked)."""
+    seq = events[i][0]
+    candidates = [(0, chain.GENESIS)] + [
+        (events[j][0], stored[j]) for j in range(len(events)) if stored[j] is not None
+    ]
+    for written in range(max(1, seq - WINDOW), seq + WINDOW + 1):
+        for before, head in candidates:
+            if abs(before - (written - 1)) <= WINDOW and chain.link(head, written, bodies[i]) == stored[i]:
+                if written != seq:
+                    return (
+                        f"out of place: its hash says it was written as event {written} "
+                        "(events reordered, or renumbered around a deleted or inserted one)",
+                        written,
+                    )
+                return (
+                    f"does not follow the event before it: it was written after event {before}'s hash "
+                    "(an event between was deleted or inserted)",
+                    written,
+                )
+    nxt = i + 1
+    if (
+        nxt < len(events)
+        and stored[nxt] is not None
+        and chain.link(stored[i], events[nxt][0], bodies[nxt]) == stored[nxt]
+    ):
+        return "edited: its skeleton fields or content digest no longer give its chain hash", events[i][0]
+    return "inserted or rewritten: it chains from no event of the run", None
+
+
+def _erased(events) -> tuple[set[int], set[int], bool]:
+    """What the run's removal events (history/content.py) say was removed: event seqs, step seqs,
+    the run's own content."""
+    events_out: set[int] = set()
+    steps_out: set[int] = set()
+    run_out = False
+    for _seq, _at, kind, _step, _actor, _message, data, _digest, _ in events:
+        if kind == REMOVED_KIND and isinstance(data, dict):
+            events_out.update(data.get("events", []))
+            steps_out.update(data.get("steps", []))
+            run_out = run_out or bool(data.get("run"))
+    return events_out, steps_out, run_out
+
+
+def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erased_run: bool) -> list[Finding]:
+    """The run's and its steps' content against the latest digest an event bound for each column."""
+    bound: dict[tuple[int | None, str], tuple[int, str]] = {}
+    for seq, _at, _kind, step_seq, _actor, _message, data, _digest, _ in events:
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, dict):
+            for name, value in content.items():
+                bound[(step_seq, name)] = (seq, value)
+    findings = []
+    if not erased_run:
+        for name in chain.RUN_CONTENT:
+            if (None, name) in bound and chain.digest(run[name]) != bound[(None, name)][1]:
+                seq = bound[(None, name)][0]
+                findings.append(
+                    Finding(
+                        rid,
+                        seq,
+                        f"the run's {name} was edited: it no longer matches the digest event {seq} bound",
+                    )
+                )
+    steps = Step.objects.filter(run_id=rid).values("seq", *chain.STEP_CONTENT)
+    for step in steps:
+        if step["seq"] in erased_steps:
+            continue
+        for name in chain.STEP_CONTENT:
+            binding = bound.get((step["seq"], name))
+            if binding is not None and chain.digest(step[name]) != binding[1]:
+                findings.append(
+                    Finding(
+                        rid,
+                        binding[0],
+                        f"step {step['seq']}'s {name} was edited: it no longer matches the digest this event bound",
+                    )
+                )
+    return findings
+
+
+def _leaves_of(run_id) -> list[tuple[int, int, bytes]]:
+    return [
+        (number, seq, bytes(head))
+        for number, seq, head in CheckpointLeaf.objects.filter(run_id=run_id)
+        .order_by("checkpoint__number")
+        .values_list("checkpoint__number", "event_seq", "head")
+    ]
+
+
+def verify(run_ids: list | None = None, *, jwks: dict | None = None) -> Report:
+    report = Report()
+    found, latest = verify_checkpoints(jwks)
+    report.findings += found
+    report.checkpoint = latest.number if latest else None
+    if run_ids is None:
+        # Every run, and every run a checkpoint holds that is no longer there.
+        ids = set(Run.objects.values_list("pk", flat=True)) | set(
+            CheckpointLeaf.objects.values_list("run_id", flat=True).distinct()
+        )
+        run_ids = sorted(ids, key=str)
+    for run_id in run_ids:
+        found_in_run, events = verify_run(uuid.UUID(str(run_id)))
+        report.findings += found_in_run
+        report.runs += 1
+        report.events += events
+    return report
