@@ -21,6 +21,7 @@ from core.env import (
     env_float,
     env_int,
     env_list,
+    env_pairs,
     env_rate,
     env_required,
     env_str,
@@ -119,6 +120,7 @@ INSTALLED_APPS = [
     "notifications",
     "artifacts",
     "connections",
+    "regions",
 ]
 
 MIDDLEWARE = [
@@ -318,7 +320,17 @@ CELERY_WORKER_CONSUMER = "agentplatform.celery:Consumer"
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
     "notify": {"task": "notifications.tasks.notify", "schedule": env_float("NOTIFY_INTERVAL_SECONDS", 5.0)},
+    "regions": {"task": "regions.tasks.tend_slices", "schedule": env_float("REGION_TEND_SECONDS", 1.0)},
 }
+
+# --- Regions (regions/, docs/regions.md) ---
+# This deployment's region; "" (the default): no regions, every tenant is at home here.
+REGION_NAME = env_str("REGION", "")
+# The other regions: REGION_PEERS="mumbai=https://mumbai.example,frankfurt=https://..." and the key
+# each pair of regions shares to sign its requests: REGION_KEYS="mumbai=...,frankfurt=...".
+REGION_PEERS = env_pairs("REGION_PEERS")
+REGION_KEYS = env_pairs("REGION_KEYS")
+REGION_TIMEOUT_SECONDS = env_float("REGION_TIMEOUT_SECONDS", 2.0)  # a call to a home, connect to last byte
 
 # --- Webhook notifications (notifications/, docs/notifications.md) ---
 NOTIFY_TIMEOUT_SECONDS = env_float("NOTIFY_TIMEOUT_SECONDS", 10.0)  # whole POST, connect to last byte

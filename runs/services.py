@@ -16,7 +16,9 @@ from artifacts import services as artifacts
 from budgets.services import create_run_account
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
+from regions.models import TenantRegions, here
 from runs import admission, kill_switches
+from runs.engine.decisions import start_here
 from runs.models import (
     TERMINAL,
     Run,
@@ -89,6 +91,7 @@ def start_run(
     tenant = user.tenant
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
+    _refuse_other_region(tenant)
     metadata = metadata or {}
     files = files or []
     hashed: dict = {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
@@ -201,6 +204,18 @@ def start_run(
             "a request with this Idempotency-Key is in progress", code="idempotency_key_in_flight"
         ) from None
     return run, True
+
+
+def _refuse_other_region(tenant) -> None:
+    """A run lives entirely in the region where it starts: only in the tenant's allowed regions."""
+    config = TenantRegions.of(tenant)
+    if config is None:
+        return
+    refused = start_here(here=here(), home=config.home, allowed=tuple(config.allowed))
+    if refused is not None:
+        raise DomainError(
+            refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
+        )
 
 
 def cancel_run(*, run_id, actor, reason: str = "") -> Run:

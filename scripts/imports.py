@@ -34,6 +34,7 @@ PACKAGES = [
     "approvals",
     "authority",
     "runs",
+    "regions",
     "artifacts",
     "notifications",
     "configuration",
