@@ -2,6 +2,7 @@
 
     POST /v1/regions/slices/grant    a region asks for a slice of a tenant's day (signed)
     POST /v1/regions/slices/return   a region gives free room of a day back (signed)
+    POST /v1/regions/probe           a region asks how much of a day the home has free (signed; no write)
     GET  /v1/regions/status          the signed-in user's tenant in this region (supervisors)
 
 The escrow endpoints are plain Django views: their authentication is the request's signature
@@ -67,6 +68,8 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
                 f"{here()!r} is not the home of {tenant.slug} for region {region!r}", code="not_home"
             )
         day = dt.date.fromisoformat(body["day"])
+        if operation is None:
+            return _answer(request, 200, services.probe(tenant=tenant, day=day), key)
         amount = int(body["amount_micros"])
         answer = operation(
             tenant=tenant, region=region, day=day, request_id=uuid.UUID(body["request_id"]), amount=amount
@@ -108,6 +111,12 @@ def return_view(request: HttpRequest) -> HttpResponse:
             tenant=tenant, region=region, day=day, request_id=request_id, amount_micros=amount
         ),
     )
+
+
+@csrf_exempt
+@require_POST
+def probe_view(request: HttpRequest) -> HttpResponse:
+    return _escrow(request, None)
 
 
 class RegionStatusApi(APIView):

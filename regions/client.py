@@ -21,6 +21,7 @@ from regions.signing import ANSWER_SIGNATURE, SIGNATURE, BadSignature, sign_requ
 
 GRANT_PATH = "/v1/regions/slices/grant"
 RETURN_PATH = "/v1/regions/slices/return"
+PROBE_PATH = "/v1/regions/probe"
 
 
 class HomeUnreachable(Exception):

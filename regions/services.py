@@ -4,6 +4,7 @@
 |--------|---------------------------------|--------------------------------------------------------------|
 | home   | grant(request)                  | home day limit down by at most its free room; RegionDay.granted up |
 | home   | take_back(request)              | home day limit up; RegionDay.returned up                     |
+| home   | probe(day)                      | nothing: the home's free room for the day (the link's heartbeat) |
 | region | tend(tenant): ask               | SliceRequest(grant) pending; on the answer: region limit up  |
 | region | tend(tenant): give back         | region limit down by free room only; SliceRequest(return) pending |
 | region | tend(tenant): resume            | runs parked for the slice, in the order they parked          |
@@ -107,6 +108,12 @@ def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, a
     return {"moved_micros": moved, "home_free_micros": max(_free(tenant, day), 0)}
 
 
+def probe(*, tenant: Tenant, day: dt.date) -> dict:
+    """How much of the day the home has free: the keeper's heartbeat over the link (no write but
+    the day's opening)."""
+    return {"moved_micros": 0, "home_free_micros": max(_free(tenant, day), 0)}
+
+
 def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: int, held: int) -> None:
     """What the region says its slice of the day carries: shown to operators; holds count as spent
     at home anyway (they stay in the slice, which is outstanding until returned)."""
@@ -145,7 +152,7 @@ def tend(config: TenantRegions) -> None:
     """One pass of the slice keeper for one tenant: send what is pending, give back what is not
     needed, ask for what will be, and resume runs parked for a slice once there is news."""
     tenant = config.tenant
-    if not _send_pending(config):
+    if not _send_pending(config) or not _probe(config):
         return  # the home is unreachable: parked runs stay parked, nothing else to ask
     size = config.slice_size(tenant.daily_budget_micros)
     today = budgets.local_day(tenant)
@@ -205,6 +212,22 @@ def _send_pending(config: TenantRegions) -> bool:
     ).order_by("created_at"):
         if not _send(config, request):
             return False
+    return True
+
+
+def _probe(config: TenantRegions) -> bool:
+    """Ask the home how much of today it has free: the link's state and the engine's "is the day
+    spent everywhere" are then never older than one pass. False: the home is unreachable."""
+    tenant = config.tenant
+    day = budgets.local_day(tenant)
+    try:
+        answer = client.call_home(
+            config.home, client.PROBE_PATH, {"tenant": tenant.slug, "day": day.isoformat()}
+        )
+    except client.HomeUnreachable as exc:
+        _link_down(tenant, str(exc))
+        return False
+    _link_up(tenant, home_free=int(answer["home_free_micros"]), day=day, refill_ms=None)
     return True
 
 
