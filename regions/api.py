@@ -69,7 +69,7 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
             )
         day = dt.date.fromisoformat(body["day"])
         if operation is None:
-            return _answer(request, 200, services.probe(tenant=tenant, day=day), key)
+            return _answer(request, 200, services.probe(tenant=tenant, region=region, day=day), key)
         amount = int(body["amount_micros"])
         answer = operation(
             tenant=tenant, region=region, day=day, request_id=uuid.UUID(body["request_id"]), amount=amount

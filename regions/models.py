@@ -18,6 +18,7 @@ import uuid
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 
@@ -39,6 +40,11 @@ class TenantRegions(models.Model):
     )
     # How much a region asks for at once, and keeps at hand; 0: a tenth of the daily budget.
     slice_micros = models.BigIntegerField(default=0)
+    # The most of the day one region other than the home may hold at once (outstanding slices),
+    # in percent of the daily budget: no region can take the whole day from the others.
+    away_share_percent = models.PositiveSmallIntegerField(
+        default=50, validators=[MinValueValidator(1), MaxValueValidator(100)]
+    )
     # The oldest copy of authority a non-home region may act on (DESIGN.md section 9).
     revocation_reach_seconds = models.FloatField(default=5.0)
 

@@ -2,9 +2,9 @@
 
 | side   | operation                       | what moves                                                   |
 |--------|---------------------------------|--------------------------------------------------------------|
-| home   | grant(request)                  | home day limit down by at most its free room; RegionDay.granted up |
+| home   | grant(request)                  | home day limit down by at most what it may lend (_lendable); RegionDay.granted up |
 | home   | take_back(request)              | home day limit up; RegionDay.returned up                     |
-| home   | probe(day)                      | nothing: the home's free room for the day (the link's heartbeat) |
+| home   | probe(day)                      | nothing: what it would lend now (the link's heartbeat) |
 | region | tend(tenant): ask               | SliceRequest(grant) pending; on the answer: region limit up  |
 | region | tend(tenant): give back         | region limit down by free room only; SliceRequest(return) pending |
 | region | tend(tenant): resume            | runs parked for the slice, in the order they parked          |
@@ -46,6 +46,7 @@ from budgets.models import BudgetAccount
 from core.errors import Conflict
 from regions import client
 from regions.models import HomeLink, RegionDay, SliceMove, SliceRequest, TenantRegions, here
+from runs import admission
 from runs.engine.decisions import slice_ask, slice_give_back
 from runs.models import Run, RunEvent, RunStatus
 from runs.queueing import enqueue
@@ -62,7 +63,7 @@ CLOSING_DAYS = 3
 
 
 def grant(*, tenant: Tenant, region: str, day: dt.date, request_id: uuid.UUID, asked_micros: int) -> dict:
-    """Lend `region` up to `asked_micros` of the tenant's `day` (as much as the home has free)."""
+    """Lend `region` up to `asked_micros` of the tenant's `day` (as much as the home may lend)."""
     return _move(tenant, region, day, request_id, SliceMove.Kind.GRANT, asked_micros)
 
 
@@ -81,7 +82,7 @@ def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, a
             # A repeat of an applied request waits here for the day's lock and then finds nothing
             # new to do: its unique insert below fails and the whole move rolls back.
             if kind == SliceMove.Kind.GRANT:
-                moved = -budgets.move_day_limit(tenant, day, -amount)
+                moved = -budgets.move_day_limit(tenant, day, -min(amount, _lendable(tenant, region, day)))
             else:
                 outstanding = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
                 if outstanding is None or outstanding.outstanding_micros < amount:
@@ -105,13 +106,35 @@ def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, a
             )
     except IntegrityError:
         moved = SliceMove.objects.get(region=region, request_id=request_id).moved_micros
-    return {"moved_micros": moved, "home_free_micros": max(_free(tenant, day), 0)}
+    return {"moved_micros": moved, "home_free_micros": _lendable_now(tenant, region, day)}
 
 
-def probe(*, tenant: Tenant, day: dt.date) -> dict:
-    """How much of the day the home has free: the keeper's heartbeat over the link (no write but
-    the day's opening)."""
-    return {"moved_micros": 0, "home_free_micros": max(_free(tenant, day), 0)}
+def probe(*, tenant: Tenant, region: str, day: dt.date) -> dict:
+    """How much of the day the home would lend `region` now: the keeper's heartbeat over the link
+    (no write but the day's opening). 0: the day is spent, committed or lent everywhere."""
+    return {"moved_micros": 0, "home_free_micros": _lendable_now(tenant, region, day)}
+
+
+def _lendable(tenant, region: str, day: dt.date) -> int:
+    """What the home may lend `region` of `day`, decided under admission's lock (the tenant row,
+    then the day's accounts: the order start_run and the sweeper's admission take them in).
+
+    Never what the home's admitted runs are still expected to spend (runs/admission.py: a run let
+    start at home must not find its day lent away), and never more than the region's share of
+    the day (TenantRegions.away_share_percent) outstanding at once.
+    """
+    Tenant.objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
+    free = _free(tenant, day)
+    room = admission.room_micros(tenant)[0] if day == budgets.local_day(tenant) else free
+    config = TenantRegions.of(tenant)
+    share = (config.away_share_percent if config else 100) * tenant.daily_budget_micros // 100
+    lent = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
+    return max(min(free, room, share - (lent.outstanding_micros if lent else 0)), 0)
+
+
+def _lendable_now(tenant, region: str, day: dt.date) -> int:
+    with transaction.atomic():
+        return _lendable(tenant, region, day)
 
 
 def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: int, held: int) -> None:
@@ -152,16 +175,13 @@ def tend(config: TenantRegions) -> None:
     """One pass of the slice keeper for one tenant: send what is pending, give back what is not
     needed, ask for what will be, and resume runs parked for a slice once there is news."""
     tenant = config.tenant
-    if not _send_pending(config) or not _probe(config):
+    if not _send_pending(config):
         return  # the home is unreachable: parked runs stay parked, nothing else to ask
+    home_free = _probe(config)
+    if home_free is None:
+        return
     size = config.slice_size(tenant.daily_budget_micros)
     today = budgets.local_day(tenant)
-    for day in _open_days(tenant, today):
-        free = budgets.tenant_day_account(tenant, day).remaining_micros
-        give = slice_give_back(free_micros=free, size_micros=size, day_over=day < today)
-        if give and not _send(config, _give_back(tenant, day, give)):
-            return
-    free = budgets.tenant_day_account(tenant, today).remaining_micros
     parked = parked_runs(tenant).exists()
     waiting = (
         parked
@@ -169,8 +189,14 @@ def tend(config: TenantRegions) -> None:
             tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True
         ).exists()
     )
+    for day in _open_days(tenant, today):
+        free = budgets.tenant_day_account(tenant, day).remaining_micros
+        give = slice_give_back(free_micros=free, size_micros=size, day_over=day < today, runs_waiting=waiting)
+        if give and not _send(config, _give_back(tenant, day, give)):
+            return
+    free = budgets.tenant_day_account(tenant, today).remaining_micros
     ask = slice_ask(free_micros=free, size_micros=size, runs_waiting=waiting, pending=False)
-    if ask:
+    if ask and home_free > 0:  # with nothing free at home, asking would only write refusals
         request = SliceRequest.objects.create(
             tenant=tenant, day=today, kind=SliceMove.Kind.GRANT, asked_micros=ask
         )
@@ -215,9 +241,9 @@ def _send_pending(config: TenantRegions) -> bool:
     return True
 
 
-def _probe(config: TenantRegions) -> bool:
+def _probe(config: TenantRegions) -> int | None:
     """Ask the home how much of today it has free: the link's state and the engine's "is the day
-    spent everywhere" are then never older than one pass. False: the home is unreachable."""
+    spent everywhere" are then never older than one pass. None: the home is unreachable."""
     tenant = config.tenant
     day = budgets.local_day(tenant)
     try:
@@ -226,9 +252,10 @@ def _probe(config: TenantRegions) -> bool:
         )
     except client.HomeUnreachable as exc:
         _link_down(tenant, str(exc))
-        return False
-    _link_up(tenant, home_free=int(answer["home_free_micros"]), day=day, refill_ms=None)
-    return True
+        return None
+    home_free = int(answer["home_free_micros"])
+    _link_up(tenant, home_free=home_free, day=day, refill_ms=None)
+    return home_free
 
 
 def _send(config: TenantRegions, request: SliceRequest | None) -> bool:

@@ -656,15 +656,18 @@ def slice_ask(*, free_micros: int, size_micros: int, runs_waiting: bool, pending
     return 0
 
 
-def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool) -> int:
+def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool, runs_waiting: bool = False) -> int:
     """How much free room a non-home region returns to its home (0: nothing).
 
     A day that is over closes: all its free room goes back (reservations made before midnight
     settle on it later and what they leave is returned in turn). Today, only room beyond two
-    slices goes back, so the region keeps enough at hand not to ask again at once.
+    slices goes back, so the region keeps enough at hand not to ask again at once, and nothing
+    while runs wait here (admission keeps free room for the runs it admitted: it is not spare).
     """
     if free_micros <= 0:
         return 0
     if day_over:
         return free_micros
+    if runs_waiting:
+        return 0
     return free_micros - 2 * size_micros if free_micros > 3 * size_micros else 0

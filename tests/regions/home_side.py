@@ -45,7 +45,9 @@ def main(command: str, args: dict) -> dict:
         return {"per_call": per_call}
     tenant = Tenant.objects.get(slug=args["slug"])
     if command == "race":
-        running = race.Race(tenant, User.objects.get(username=f"asha-{tenant.slug}"), runs=args["runs"]).start()
+        running = race.Race(
+            tenant, User.objects.get(username=f"asha-{tenant.slug}"), runs=args["runs"]
+        ).start()
         quiet = running.wait_quiet(timeout=args["timeout"])
         running.stop()
         return {"quiet": quiet, **race.books(tenant)}

@@ -14,6 +14,9 @@ from django.utils import timezone
 
 from budgets.models import Reservation
 from llm import gateway
+from regions import services as regions
+from regions.models import HomeLink
+from runs import admission
 from runs.engine import advance
 from runs.models import TERMINAL, Run, RunStatus, Step
 from runs.recovery import sweeper
@@ -119,11 +122,24 @@ class Race:
         self._guard(once)
 
     def quiet(self) -> bool:
-        """Every run ended or waits, and nothing is reserved."""
+        """Every run ended or waits with no way on: nothing is reserved, no run is parked for a
+        slice, and the oldest run waiting to be admitted fits neither this region's room nor
+        (away from home) what the home said it had free at the keeper's last pass."""
         moving = Run.objects.filter(pk__in=self.ids).exclude(status__in=(*TERMINAL, RunStatus.WAITING_BUDGET))
-        return (
-            not moving.exists() and not Reservation.objects.filter(tenant=self.tenant, status="open").exists()
-        )
+        if moving.exists() or Reservation.objects.filter(tenant=self.tenant, status="open").exists():
+            return False
+        if self.keeper is not None and regions.parked_runs(self.tenant).exists():
+            return False
+        head = admission.waiting_runs(self.tenant).order_by("created_at", "id").first()
+        if head is None:
+            return True
+        room, _ = admission.room_micros(self.tenant)
+        if room >= head.expected_cost_micros:
+            return False
+        if self.keeper is None:
+            return True
+        link = HomeLink.objects.filter(tenant=self.tenant).first()
+        return link is not None and link.home_free_micros == 0
 
     def wait_quiet(self, *, timeout: float, steady: float = 3.0) -> bool:
         deadline, since = time.monotonic() + timeout, None

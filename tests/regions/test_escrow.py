@@ -205,7 +205,9 @@ def test_midnight_during_a_partition_spends_no_new_day_money_from_an_old_slice(h
     tenant, asha, config = _tenant(home, "midnight", calls=40, slice_calls=30)
     today = budgets.local_day(tenant)
     regions.tend(config)  # a slice of today
-    assert budgets.tenant_day_account(tenant, today).limit_micros == config.slice_micros, HomeLink.objects.values()
+    assert budgets.tenant_day_account(tenant, today).limit_micros == config.slice_micros, (
+        HomeLink.objects.values()
+    )
     runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(5)]
     assert {Run.objects.get(pk=r).status for r in runs} == {"queued"}  # admitted on today's slice
     link.cut()
