@@ -310,6 +310,8 @@ SWEEP_QUEUE = env_str("CELERY_SWEEP_QUEUE") or f"{CELERY_TASK_DEFAULT_QUEUE}.swe
 CELERY_TASK_ROUTES = {
     "runs.tasks.sweep": {"queue": SWEEP_QUEUE},
     "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
+    "regions.tasks.tend_slices": {"queue": SWEEP_QUEUE},
+    "regions.tasks.heartbeat": {"queue": SWEEP_QUEUE},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Where Flower answers, for the admin run page's link to a run's tasks (scripts/serve.sh sets it).
@@ -321,6 +323,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "sweep": {"task": "runs.tasks.sweep", "schedule": env_float("SWEEP_INTERVAL_SECONDS", 5.0)},
     "notify": {"task": "notifications.tasks.notify", "schedule": env_float("NOTIFY_INTERVAL_SECONDS", 5.0)},
     "regions": {"task": "regions.tasks.tend_slices", "schedule": env_float("REGION_TEND_SECONDS", 1.0)},
+    "heartbeat": {"task": "regions.tasks.heartbeat", "schedule": env_float("REGION_HEARTBEAT_SECONDS", 0.5)},
 }
 
 # --- Regions (regions/, docs/regions.md) ---

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 
 def here() -> str:
@@ -70,6 +71,21 @@ def is_home(tenant) -> bool:
     """Whether this deployment's ledger is authoritative for the tenant's day."""
     config = TenantRegions.of(tenant)
     return config is None or not here() or config.home == here()
+
+
+class Heartbeat(models.Model):
+    """A region's heartbeat, written at home every REGION_HEARTBEAT_SECONDS and replicated to the
+    other regions with the authority tables (regions/replication.py): a region's copy of its
+    home's authority is as old as the newest home heartbeat it holds."""
+
+    region = models.CharField(max_length=40, unique=True)
+    beat_at = models.DateTimeField()
+
+
+def authority_age(config: TenantRegions) -> float | None:
+    """Seconds since the home's newest heartbeat this region holds (None: none yet)."""
+    beat_at = Heartbeat.objects.filter(region=config.home).values_list("beat_at", flat=True).first()
+    return None if beat_at is None else max((timezone.now() - beat_at).total_seconds(), 0.0)
 
 
 class SliceMove(models.Model):

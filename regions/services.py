@@ -45,9 +45,10 @@ from budgets import services as budgets
 from budgets.models import BudgetAccount
 from core.errors import Conflict
 from regions import client
-from regions.models import HomeLink, RegionDay, SliceMove, SliceRequest, TenantRegions, here
-from runs import admission
-from runs.engine.decisions import slice_ask, slice_give_back
+from regions.models import Heartbeat, HomeLink, RegionDay, SliceMove, SliceRequest, TenantRegions, here
+from runs import admission, pausing
+from runs.authority_copy import stale_authority
+from runs.engine.decisions import AUTHORITY_STALE, slice_ask, slice_give_back
 from runs.models import Run, RunEvent, RunStatus
 from runs.queueing import enqueue
 from runs.transitions import lock_run, transition_run
@@ -171,10 +172,40 @@ def tend_all() -> None:
         tend(config)
 
 
+def beat() -> None:
+    """This region's heartbeat (replicated with the authority tables: regions/replication.py)."""
+    if here():
+        Heartbeat.objects.update_or_create(region=here(), defaults={"beat_at": timezone.now()})
+
+
+def resume_when_fresh(tenant) -> int:
+    """Resume the runs paused because this region's copy of the home's authority was too old,
+    once it is fresh again, earliest paused first. Their tool call is then checked on the fresh
+    copy (a grant revoked meanwhile denies it)."""
+    if stale_authority(tenant) is not None:
+        return 0
+    count = 0
+    for run_id in (
+        Run.objects.filter(tenant=tenant, status=RunStatus.PAUSED, pause_reason=AUTHORITY_STALE)
+        .order_by("paused_at", "pk")
+        .values_list("pk", flat=True)[:500]
+    ):
+        try:
+            pausing.resume_run(
+                run_id=run_id, actor=None, reason="the copy of the home's authority is fresh again"
+            )
+        except Conflict:  # resumed by a person meanwhile
+            continue
+        count += 1
+    return count
+
+
 def tend(config: TenantRegions) -> None:
-    """One pass of the slice keeper for one tenant: send what is pending, give back what is not
-    needed, ask for what will be, and resume runs parked for a slice once there is news."""
+    """One pass of the keeper for one tenant: resume runs paused on a stale copy of authority once
+    it is fresh; send what is pending, give back what is not needed, ask for what will be, and
+    resume runs parked for a slice once there is news."""
     tenant = config.tenant
+    resume_when_fresh(tenant)
     if not _send_pending(config):
         return  # the home is unreachable: parked runs stay parked, nothing else to ask
     home_free = _probe(config)

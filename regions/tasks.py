@@ -1,4 +1,4 @@
-"""Thin Celery entry point: the slice keeper's pass (beat, every REGION_TEND_SECONDS)."""
+"""Thin Celery entry points: the keeper's pass (every REGION_TEND_SECONDS) and the heartbeat."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ def tend_slices() -> None:
     Quiet in a deployment with no regions, and for tenants at home here.
     """
     services.tend_all()
+
+
+@shared_task(name="regions.tasks.heartbeat", ignore_result=True)
+def heartbeat() -> None:
+    """This region's heartbeat row: the watermark the other regions read their copy's age by."""
+    services.beat()

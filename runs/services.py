@@ -18,6 +18,7 @@ from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
 from regions.models import TenantRegions, here
 from runs import admission, kill_switches
+from runs.authority_copy import stale_authority
 from runs.engine.decisions import start_here
 from runs.models import (
     TERMINAL,
@@ -207,7 +208,9 @@ def start_run(
 
 
 def _refuse_other_region(tenant) -> None:
-    """A run lives entirely in the region where it starts: only in the tenant's allowed regions."""
+    """A run lives entirely in the region where it starts: only in the tenant's allowed regions,
+    and away from home only on a copy of the home's authority fresh enough to act on (read
+    first: the grants checked after it are then at least that fresh)."""
     config = TenantRegions.of(tenant)
     if config is None:
         return
@@ -216,6 +219,9 @@ def _refuse_other_region(tenant) -> None:
         raise DomainError(
             refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
         )
+    stale = stale_authority(tenant)
+    if stale is not None:
+        raise DomainError(stale, code="authority_stale", status=503, retry_after=5)
 
 
 def cancel_run(*, run_id, actor, reason: str = "") -> Run:

@@ -25,6 +25,10 @@ of the engine is written once, here, and tested from tables of cases without Pos
     slice_ask(...), slice_give_back(...)
                                   regions: how much of the day a non-home region asks its home
                                   for, and how much it gives back
+    authority_turn(...)           regions: whether this region's copy of the home's authority
+                                  is fresh enough to act on (the tenant's revocation reach)
+                                  regions: how much of the day a non-home region asks its home
+                                  for, and how much it gives back
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -671,3 +675,26 @@ def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool, runs_
     if runs_waiting:
         return 0
     return free_micros - 2 * size_micros if free_micros > 3 * size_micros else 0
+
+
+AUTHORITY_STALE: Final = "authority copy stale"
+
+
+def authority_turn(*, home_here: bool, age_seconds: float | None, reach_seconds: float) -> str | None:
+    """None when this region may act on its copy of the home's authority (people, groups, grants,
+    policies, kill switches); else why not (a run start is refused, a tool call waits).
+
+    At home the copy is the original. Elsewhere the copy is as old as the newest heartbeat of the
+    home it holds (every commit at home before that heartbeat is applied here): older than the
+    tenant's revocation reach, or no heartbeat at all, and nothing is done on its word.
+    """
+    if home_here:
+        return None
+    if age_seconds is None:
+        return f"{AUTHORITY_STALE}: no heartbeat from the home region has arrived"
+    if age_seconds > reach_seconds:
+        return (
+            f"{AUTHORITY_STALE}: {age_seconds:.1f} s old, more than the tenant's revocation reach "
+            f"of {reach_seconds:g} s"
+        )
+    return None

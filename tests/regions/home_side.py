@@ -5,6 +5,9 @@
     setup {"slug", "daily", "slice", "zone", "regions"}  the tenant as the home knows it (the same slug)
     race  {"slug", "runs", "timeout"}              race runs at home until quiet; prints outcomes
     books {"slug", "day"}                          the home's ledger and its check; prints JSON
+    publish {}                                     the publication of the authority tables
+    beat {"every"}                                 the home's heartbeat, until killed
+    people {"tenant_id", "user_id", "slug", "username"}  a tenant and a user with these ids
 
 Prints one JSON line on stdout.
 """
@@ -43,6 +46,24 @@ def main(command: str, args: dict) -> dict:
             tenant=tenant, home=args["regions"][0], allowed=args["regions"], slice_micros=args["slice"]
         )
         return {"per_call": per_call}
+    if command == "publish":
+        from regions import replication
+
+        replication.publish()
+        return {"tables": replication.authority_tables()}
+    if command == "beat":  # plays the home's beat: the heartbeat every `every` seconds, until killed
+        import time
+
+        from regions import services
+
+        while True:
+            services.beat()
+            time.sleep(args["every"])
+    if command == "people":  # the tenant and its user as the home knows them, with the region's ids
+        tenant, made = Tenant.objects.get_or_create(pk=args["tenant_id"], slug=args["slug"], name=args["slug"])
+        if made:
+            User.objects.create_user(pk=args["user_id"], username=args["username"], password="pw", tenant=tenant)
+        return {}
     tenant = Tenant.objects.get(slug=args["slug"])
     if command == "race":
         running = race.Race(
