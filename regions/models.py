@@ -78,7 +78,9 @@ class Heartbeat(models.Model):
     other regions with the authority tables (regions/replication.py): a region's copy of its
     home's authority is as old as the newest home heartbeat it holds."""
 
-    region = models.CharField(max_length=40, unique=True)
+    # Keyed by the region's name, not a local sequence: a region holds its own row and, by
+    # replication, its home's, and two sequences would hand out the same id.
+    region = models.CharField(max_length=40, primary_key=True)
     beat_at = models.DateTimeField()
 
 

@@ -60,9 +60,13 @@ def main(command: str, args: dict) -> dict:
             services.beat()
             time.sleep(args["every"])
     if command == "people":  # the tenant and its user as the home knows them, with the region's ids
-        tenant, made = Tenant.objects.get_or_create(pk=args["tenant_id"], slug=args["slug"], name=args["slug"])
+        tenant, made = Tenant.objects.get_or_create(
+            pk=args["tenant_id"], slug=args["slug"], name=args["slug"]
+        )
         if made:
-            User.objects.create_user(pk=args["user_id"], username=args["username"], password="pw", tenant=tenant)
+            User.objects.create_user(
+                pk=args["user_id"], username=args["username"], password="pw", tenant=tenant
+            )
         return {}
     tenant = Tenant.objects.get(slug=args["slug"])
     if command == "race":

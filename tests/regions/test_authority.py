@@ -100,7 +100,12 @@ def _grant_row(tool: Tool) -> tuple:
     return (permission.pk, ContentType.objects.get_for_model(Tool).pk, str(tool.pk), USER_ID)
 
 
-GRANT = "INSERT INTO guardian_userobjectpermission (permission_id, content_type_id, object_pk, user_id) VALUES (%s, %s, %s, %s)"
+# With an id of its own: this region's guardian rows (run_agent, given here by the test) come from
+# the same sequence values as the home's, and replication would collide with them.
+GRANT = (
+    "INSERT INTO guardian_userobjectpermission (id, permission_id, content_type_id, object_pk, user_id) "
+    "VALUES (7000000 + (SELECT count(*) FROM guardian_userobjectpermission), %s, %s, %s, %s)"
+)
 REVOKE = "DELETE FROM guardian_userobjectpermission WHERE permission_id = %s AND content_type_id = %s AND object_pk = %s AND user_id = %s"
 
 
@@ -178,7 +183,7 @@ def test_a_revoked_grant_reaches_the_region_within_the_bound_link_up_and_cut(hom
         _poll(lambda: _granted_here(row))
         revoked = _home_sql(home, REVOKE, row)
         reaches.append(_poll(lambda: not _granted_here(row)) - revoked)
-    p50, p99 = statistics.median(reaches), statistics.quantiles(reaches, n=100)[98]
+    p50, p99 = statistics.median(reaches), statistics.quantiles(reaches, n=100, method="inclusive")[98]
     print(
         f"revocation reach, link up, 40 revokes: p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {max(reaches) * 1000:.0f} ms"
     )
