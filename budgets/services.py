@@ -58,7 +58,7 @@ from django.utils import timezone
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.statements import CLOSE, RESERVE_ANY, RESERVE_OWN, RESERVE_POOLED
 from core.errors import DomainError
-from regions.models import RegionDay, is_home
+from regions.models import RegionDay, here, is_home
 
 Scope = BudgetAccount.Scope
 Status = Reservation.Status
@@ -157,6 +157,8 @@ def _day_totals(tenant, day: dt.date) -> dict:
 
 def _lent_out(tenant, day: dt.date) -> int:
     """What the home has granted other regions of the day and not had back (0 with no regions)."""
+    if not here():
+        return 0
     totals = RegionDay.objects.filter(tenant=tenant, day=day).aggregate(
         granted=Coalesce(Sum("granted_micros"), 0), returned=Coalesce(Sum("returned_micros"), 0)
     )

@@ -182,7 +182,7 @@ def resume_when_fresh(tenant) -> int:
     """Resume the runs paused because this region's copy of the home's authority was too old,
     once it is fresh again, earliest paused first. Their tool call is then checked on the fresh
     copy (a grant revoked meanwhile denies it)."""
-    if stale_authority(tenant) is not None:
+    if stale_authority(tenant.pk) is not None:
         return 0
     count = 0
     for run_id in (

@@ -1,6 +1,6 @@
 """Acting on a copy of the home's authority, away from home (DESIGN.md section 9, docs/regions.md).
 
-    stale_authority(tenant)      None, or why this region may not act on its copy now
+    stale_authority(tenant_id)   None, or why this region may not act on its copy now
     pause_for_stale_authority()  with the run locked, before a tool call (and an approval's use):
                                  park it as `paused`, reason named; regions' keeper resumes it
 
@@ -20,10 +20,10 @@ from runs.models import Run, RunStatus
 from runs.transitions import transition_run
 
 
-def stale_authority(tenant) -> str | None:
-    if not here():
+def stale_authority(tenant_id) -> str | None:
+    if not here():  # a deployment without regions: nothing read
         return None
-    config = TenantRegions.of(tenant)
+    config = TenantRegions.objects.filter(tenant_id=tenant_id).first()
     if config is None:
         return None
     return authority_turn(

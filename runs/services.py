@@ -211,6 +211,8 @@ def _refuse_other_region(tenant) -> None:
     """A run lives entirely in the region where it starts: only in the tenant's allowed regions,
     and away from home only on a copy of the home's authority fresh enough to act on (read
     first: the grants checked after it are then at least that fresh)."""
+    if not here():  # a deployment without regions
+        return
     config = TenantRegions.of(tenant)
     if config is None:
         return
@@ -219,7 +221,7 @@ def _refuse_other_region(tenant) -> None:
         raise DomainError(
             refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
         )
-    stale = stale_authority(tenant)
+    stale = stale_authority(tenant.pk)
     if stale is not None:
         raise DomainError(stale, code="authority_stale", status=503, retry_after=5)
 

@@ -214,7 +214,7 @@ def _apply(
                 return None
             # Away from home, a tool call (and the use of its approval) needs a copy of the
             # home's grants, policies and kill switches no older than the tenant's reach.
-            stale = stale_authority(run.tenant)
+            stale = stale_authority(run.tenant_id)
             if stale is not None:
                 pause_for_stale_authority(run, stale)
                 return None

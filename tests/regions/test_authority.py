@@ -30,7 +30,7 @@ from runs.engine import advance
 from runs.engine.decisions import AUTHORITY_STALE
 from runs.models import TERMINAL, Run, Step
 from runs.services import start_run
-from tenants.models import Tenant, User
+from tenants.models import User
 from tests import factories
 from tests.regions.conftest import AWAY, HOME
 from tests.regions.link import Link
@@ -274,4 +274,4 @@ def test_a_run_start_away_from_home_is_refused_on_a_stale_copy(home, authority):
 def regions_stale(tenant) -> bool:
     from runs.authority_copy import stale_authority
 
-    return stale_authority(Tenant.objects.get(pk=tenant.pk)) is not None
+    return stale_authority(tenant.pk) is not None
