@@ -275,3 +275,49 @@ def regions_stale(tenant) -> bool:
     from runs.authority_copy import stale_authority
 
     return stale_authority(tenant.pk) is not None
+
+
+KILL = (
+    'INSERT INTO runs_killswitch (id, scope, tenant_id, target_id, target_name, "on", reason, changed_at) '
+    "VALUES (7000001, 'tool', %s, %s, %s, true, 'stop the echo tool everywhere', now())"
+)
+
+
+def test_a_kill_switch_flipped_at_home_stops_calls_in_the_region_within_the_bound(home, authority):
+    pg_link, tenant, asha = authority
+    echo = _setup_runs(tenant, asha, home)
+    row = _grant_row(echo)
+    _home_sql(home, GRANT, row)
+    _poll(lambda: _granted_here(row))
+    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(RUNS)]
+    for run_id in runs:
+        advance(run_id)  # the model proposes the call
+    stop = threading.Event()
+    workers = _drive(runs, stop, pace=0.1)
+    time.sleep(0.3)
+    try:
+        killed = _home_sql(home, KILL, [TENANT_ID, echo.pk, echo.name])
+        seen = _poll(lambda: _switch_here(echo), timeout=30)
+        wait_for(
+            lambda: not Run.objects.filter(pk__in=runs).exclude(status__in=(*TERMINAL, "paused")).exists(),
+            timeout=120,
+        )
+    finally:
+        stop.set()
+        for t in workers:
+            t.join(30)
+        _home_sql(home, "DELETE FROM runs_killswitch WHERE id = 7000001")
+    late = _calls_after(echo, killed)
+    by_switch = Run.objects.filter(pk__in=runs, status="paused", paused_by_switch__isnull=False).count()
+    print(
+        f"kill switch, link up: reached the region {(seen - killed) * 1000:.0f} ms after its commit; "
+        f"{len(late)} calls after it (latest {max(late, default=0) * 1000:.0f} ms), {by_switch} runs paused by it"
+    )
+    assert not [d for d in late if d > REACH]
+    assert by_switch > 0
+
+
+def _switch_here(tool: Tool) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute('SELECT 1 FROM runs_killswitch WHERE target_id = %s AND "on"', [tool.pk])
+        return cursor.fetchone() is not None
