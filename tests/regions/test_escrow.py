@@ -19,7 +19,7 @@ from budgets import services as budgets
 from budgets.models import Reservation
 from regions import services as regions
 from regions.client import GRANT_PATH
-from regions.models import HomeLink, SliceRequest, TenantRegions
+from regions.models import Heartbeat, HomeLink, SliceRequest, TenantRegions
 from regions.selectors import parked_by_reason, region_books
 from regions.signing import sign_request
 from runs.engine import advance
@@ -44,9 +44,15 @@ def _tenant(home, slug: str, *, calls: int, slice_calls: int) -> tuple:
     per_call = race.make_racing_agent(tenant, asha, factories)
     tenant.daily_budget_micros = calls * per_call
     tenant.save()
+    # Authority's reach is test_authority.py's business: here a copy a day old may be acted on.
     config = TenantRegions.objects.create(
-        tenant=tenant, home=HOME, allowed=[HOME, AWAY], slice_micros=slice_calls * per_call
+        tenant=tenant,
+        home=HOME,
+        allowed=[HOME, AWAY],
+        slice_micros=slice_calls * per_call,
+        revocation_reach_seconds=86_400,
     )
+    Heartbeat.objects.update_or_create(region=HOME, defaults={"beat_at": timezone.now()})
     answer = home.run(
         "setup",
         {

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 from django.db import transaction
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
 from regions import services as regions
-from regions.models import HomeLink, SliceRequest, TenantRegions
+from regions.models import Heartbeat, HomeLink, SliceRequest, TenantRegions
 from runs.engine import advance
 from runs.engine.decisions import REGION_UNREACHABLE
 from runs.services import start_run
@@ -29,6 +30,7 @@ def away(tenant, asha, settings):
     settings.REGION_TIMEOUT_SECONDS = 0.5
     factories.make_agent(tenant, turns=[{"text": "ok"}])
     config = TenantRegions.objects.create(tenant=tenant, home="mumbai", allowed=["mumbai", "frankfurt"])
+    Heartbeat.objects.create(region="mumbai", beat_at=timezone.now())  # a fresh copy of authority
     with transaction.atomic():  # a slice of one micro: the run is let start alone, its call does not fit
         budgets.move_day_limit(tenant, budgets.local_day(tenant), 1)
     run, _ = start_run(user=asha, agent="agent", input={})

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets import services as budgets
-from regions.models import TenantRegions
+from regions.models import Heartbeat, TenantRegions
 from runs.models import Run
 from tests import factories
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.django_db
 def bank(tenant, asha, settings):
     factories.make_agent(tenant, turns=[{"text": "ok"}])
     TenantRegions.objects.create(tenant=tenant, home="mumbai", allowed=["mumbai", "frankfurt"])
+    Heartbeat.objects.create(region="mumbai", beat_at=timezone.now())  # a fresh copy of authority
     return tenant
 
 
@@ -64,3 +66,17 @@ def test_the_home_opens_its_day_less_what_it_lent(bank, settings):
     assert budgets.tenant_day_account(bank, day).limit_micros == bank.daily_budget_micros - 500
     assert budgets.set_day_limit(bank, day, 10_000) is True
     assert budgets.tenant_day_account(bank, day).limit_micros == 10_000 - 500
+
+
+def test_it_refuses_a_run_away_from_home_on_a_copy_of_authority_older_than_the_reach(bank, asha, settings):
+    import datetime as dt
+
+    from regions.models import Heartbeat
+
+    settings.REGION_NAME = "frankfurt"
+    Heartbeat.objects.filter(region="mumbai").update(beat_at=timezone.now() - dt.timedelta(seconds=6))
+    response = _start(asha)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "authority_stale"
+    assert "more than the tenant's revocation reach of 5 s" in response.json()["error"]["message"]
+    settings.REGION_NAME = "mumbai"  # at home the copy is the original
+    assert _start(asha).status_code == 201
