@@ -78,6 +78,11 @@ def take_back(
 def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, amount: int) -> dict:
     if amount < 0:
         raise Conflict("a slice amount cannot be negative", code="negative_slice")
+    done = SliceMove.objects.filter(region=region, request_id=request_id).values_list(
+        "moved_micros", flat=True
+    )
+    if done:  # a repeat (its answer was lost): the first answer, before any check that the move changed
+        return {"moved_micros": done[0], "home_free_micros": _lendable_now(tenant, region, day)}
     try:
         with transaction.atomic():
             # A repeat of an applied request waits here for the day's lock and then finds nothing
