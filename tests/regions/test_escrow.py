@@ -208,13 +208,14 @@ def test_a_sixty_second_partition_parks_the_region_within_its_slice_and_resumes_
 
 
 def test_midnight_during_a_partition_spends_no_new_day_money_from_an_old_slice(home, link, monkeypatch):
-    tenant, asha, config = _tenant(home, "midnight", calls=40, slice_calls=30)
+    # Four runs on a slice of 20 calls: the most one region may hold (away_share_percent, 50).
+    tenant, asha, config = _tenant(home, "midnight", calls=40, slice_calls=20)
     today = budgets.local_day(tenant)
     regions.tend(config)  # a slice of today
     assert budgets.tenant_day_account(tenant, today).limit_micros == config.slice_micros, (
         HomeLink.objects.values()
     )
-    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(5)]
+    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(4)]
     assert {Run.objects.get(pk=r).status for r in runs} == {"queued"}  # admitted on today's slice
     link.cut()
     regions.tend(config)  # finds the home unreachable
@@ -225,7 +226,7 @@ def test_midnight_during_a_partition_spends_no_new_day_money_from_an_old_slice(h
     assert tomorrow == today + dt.timedelta(days=1)
     for run_id in runs:
         advance(run_id)
-    assert parked_by_reason(tenant)[REGION_UNREACHABLE] == 5
+    assert parked_by_reason(tenant)[REGION_UNREACHABLE] == 4
     assert not Reservation.objects.filter(tenant=tenant).exists()  # neither day's money moved
     assert budgets.tenant_day_account(tenant, today).spent_micros == 0
     link.heal()
