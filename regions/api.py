@@ -21,6 +21,8 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
+from drf_spectacular.utils import extend_schema, extend_schema_serializer
+from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -119,7 +121,33 @@ def probe_view(request: HttpRequest) -> HttpResponse:
     return _escrow(request, None)
 
 
+@extend_schema_serializer(component_name="RegionStatus")
+class RegionStatusOutput(serializers.Serializer):
+    region = serializers.CharField(help_text="this deployment's region")
+    home = serializers.CharField(help_text="the tenant's home region")
+    allowed = serializers.ListField(child=serializers.CharField())
+    is_home = serializers.BooleanField()
+    revocation_reach_seconds = serializers.FloatField(allow_null=True)
+    day = serializers.CharField(help_text="the tenant's local day (ISO date)")
+    day_account = serializers.DictField(
+        child=serializers.IntegerField(), help_text="limit, reserved, spent, held of the day here"
+    )
+    slices = serializers.ListField(
+        child=serializers.DictField(), required=False, help_text="at home: each region's slices per day"
+    )
+    link = serializers.DictField(allow_null=True, required=False, help_text="elsewhere: the link to the home")
+    pending_requests = serializers.DictField(child=serializers.IntegerField(), required=False)
+    parked_runs = serializers.DictField(
+        child=serializers.IntegerField(), required=False, help_text="elsewhere: runs parked, by reason"
+    )
+
+
 class RegionStatusApi(APIView):
+    @extend_schema(
+        operation_id="get_region_status",
+        summary="Read this region's view of the tenant",
+        responses=RegionStatusOutput,
+    )
     def get(self, request):
         """This region's view of the tenant: day account, slices (home) or link, pending requests
         and parked runs (elsewhere). Supervisors only (the tenant's view_runs)."""
@@ -127,4 +155,4 @@ class RegionStatusApi(APIView):
         tenant = request.user.tenant
         if not may_view_all_runs(request.user):
             raise Forbidden("reading the regions' status needs view_runs on the tenant", code="not_permitted")
-        return Response(selectors.tenant_status(tenant))
+        return Response(RegionStatusOutput(selectors.tenant_status(tenant)).data)
