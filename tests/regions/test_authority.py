@@ -65,10 +65,13 @@ def authority(home, settings):
         "people", {"tenant_id": TENANT_ID, "user_id": USER_ID, "slug": "grants", "username": asha.username}
     )
     home.run("publish", {})
-    _home_sql(home, "DELETE FROM regions_heartbeat WHERE region = %s", [HOME])  # the next beat is an INSERT
+    _same_content_types(home)
     replication.subscribe(
         f"host=127.0.0.1 port={pg_link.port} dbname=home user={home.pg.user}", copy_data=False
     )
+    # After the subscription's slot exists: the next beat is an INSERT, which replication carries
+    # (an UPDATE of a row the region never received would be skipped there).
+    _home_sql(home, "DELETE FROM regions_heartbeat WHERE region = %s", [HOME])
     try:
         wait_for(
             lambda: Heartbeat.objects.filter(region=HOME).exists(), timeout=60, what="the home's heartbeat"
@@ -93,6 +96,24 @@ def authority(home, settings):
                     raise
                 time.sleep(0.5)
         _home_sql(home, "DELETE FROM guardian_userobjectpermission WHERE user_id = %s", [USER_ID])
+
+
+def _same_content_types(home) -> None:
+    """Grants name their permission and model by id, so both regions must number them alike
+    (docs/regions.md). Migrations do, but this test database renumbers them whenever a test
+    flushes it: the home is given this region's numbering before each test."""
+    types = list(ContentType.objects.values_list("id", "app_label", "model"))
+    permissions = list(Permission.objects.values_list("id", "name", "content_type_id", "codename"))
+    with psycopg.connect(home.pg.url("home").replace("postgres://", "postgresql://", 1)) as conn:
+        conn.execute("TRUNCATE django_content_type, auth_permission CASCADE")
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO django_content_type (id, app_label, model) VALUES (%s, %s, %s)", types
+            )
+            cursor.executemany(
+                "INSERT INTO auth_permission (id, name, content_type_id, codename) VALUES (%s, %s, %s, %s)",
+                permissions,
+            )
 
 
 def _grant_row(tool: Tool) -> tuple:

@@ -211,9 +211,14 @@ def test_midnight_during_a_partition_spends_no_new_day_money_from_an_old_slice(h
     # Four runs on a slice of 20 calls: the most one region may hold (away_share_percent, 50).
     tenant, asha, config = _tenant(home, "midnight", calls=40, slice_calls=20)
     today = budgets.local_day(tenant)
-    regions.tend(config)  # a slice of today
-    assert budgets.tenant_day_account(tenant, today).limit_micros == config.slice_micros, (
-        HomeLink.objects.values()
+    wait_for(  # a slice of today (the keeper's passes: the home's first answer may be slow)
+        lambda: (
+            (regions.tend(config), budgets.tenant_day_account(tenant, today).limit_micros)[1]
+            == config.slice_micros
+        ),
+        timeout=60,
+        interval=1,
+        what="today's slice",
     )
     runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(4)]
     assert {Run.objects.get(pk=r).status for r in runs} == {"queued"}  # admitted on today's slice
@@ -230,7 +235,12 @@ def test_midnight_during_a_partition_spends_no_new_day_money_from_an_old_slice(h
     assert not Reservation.objects.filter(tenant=tenant).exists()  # neither day's money moved
     assert budgets.tenant_day_account(tenant, today).spent_micros == 0
     link.heal()
-    regions.tend(config)  # gives yesterday's slice back, asks for today's, resumes the runs
+    wait_for(  # the keeper gives yesterday's slice back, asks for today's, resumes the runs
+        lambda: (regions.tend(config), not regions.parked_runs(tenant).exists())[1],
+        timeout=60,
+        interval=1,
+        what="the runs resumed",
+    )
     for run_id in runs:
         for _ in range(20):
             advance(run_id)
