@@ -17,7 +17,7 @@ from approvals.models import Approval, ApprovalStatus
 from budgets.models import Reservation
 from llm.models import EndpointCircuit
 from observability import health
-from regions.models import HomeLink, RegionDay, SliceRequest
+from regions.models import Heartbeat, HomeLink, RegionDay, SliceRequest, here
 from runs.models import TERMINAL, Run, RunEvent, RunStatus
 from tenants.models import Tenant
 
@@ -231,7 +231,16 @@ def _regions(slugs: dict) -> list:
         latest[(tenant_id, region)] = granted - returned
     for (tenant_id, region), micros in latest.items():
         lent.add_metric([slugs.get(tenant_id, ""), region], micros)
-    return [link_up, refill, pending, parked, lent]
+    age = GaugeMetricFamily(
+        "agentplatform_region_authority_age_seconds",
+        "How old this region's copy of a home's authority is: now less the newest heartbeat of that "
+        "home it holds (the replication lag the revocation reach is judged by).",
+        labels=["home"],
+    )
+    now = timezone.now()
+    for region, beat_at in Heartbeat.objects.exclude(region=here()).values_list("region", "beat_at"):
+        age.add_metric([region], _age(beat_at, now))
+    return [link_up, refill, pending, parked, lent, age]
 
 
 class BrokerCollector:

@@ -129,6 +129,9 @@ class RegionStatusOutput(serializers.Serializer):
     is_home = serializers.BooleanField()
     revocation_reach_seconds = serializers.FloatField(allow_null=True)
     day = serializers.CharField(help_text="the tenant's local day (ISO date)")
+    authority_age_seconds = serializers.FloatField(
+        allow_null=True, help_text="elsewhere: how old this region's copy of the home's authority is"
+    )
     day_account = serializers.DictField(
         child=serializers.IntegerField(), help_text="limit, reserved, spent, held of the day here"
     )

@@ -8,7 +8,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce
 
 from budgets import services as budgets
-from regions.models import HomeLink, RegionDay, SliceRequest, TenantRegions, here, is_home
+from regions.models import HomeLink, RegionDay, SliceRequest, TenantRegions, authority_age, here, is_home
 from runs.engine.decisions import REGION_UNREACHABLE, WAITING_FOR_SLICE
 from runs.models import Run, RunEvent, RunStatus
 
@@ -80,6 +80,7 @@ def tenant_status(tenant) -> dict:
         "is_home": is_home(tenant),
         "revocation_reach_seconds": config.revocation_reach_seconds if config else None,
         "day": today.isoformat(),
+        "authority_age_seconds": authority_age(config) if config and config.home != here() else None,
     }
     account = budgets.tenant_day_account(tenant, today)
     status["day_account"] = {

@@ -55,6 +55,7 @@ def test_supervisors_read_the_region_status_and_others_may_not(away, tenant, ash
     assert body["link"]["state"] == "down" and "ConnectError" in body["link"]["last_error"]
     assert body["parked_runs"][REGION_UNREACHABLE] == 1
     assert body["day_account"]["limit_micros"] == 1
+    assert 0 <= body["authority_age_seconds"] < 60
     client.force_authenticate(asha)
     assert client.get("/v1/regions/status").status_code == 403
 
