@@ -17,6 +17,7 @@ from approvals.models import Approval, ApprovalStatus
 from budgets.models import Reservation
 from llm.models import EndpointCircuit
 from observability import health
+from regions.models import Heartbeat, HomeLink, RegionDay, SliceRequest, here
 from runs.models import TERMINAL, Run, RunEvent, RunStatus
 from tenants.models import Tenant
 
@@ -172,6 +173,74 @@ class DatabaseCollector:
         ):
             circuits.add_metric([slugs.get(tenant_id, ""), name, state], 1)
         yield circuits
+        yield from _regions(slugs)
+
+
+def _regions(slugs: dict) -> list:
+    """Regions (regions/, docs/regions.md): away from home, the link, the last refill's round trip,
+    requests in flight and runs parked by reason; at home, what each region holds of the day."""
+    link_up = GaugeMetricFamily(
+        "agentplatform_region_link_up", "1 if the tenant's home answered the last pass.", labels=["tenant"]
+    )
+    refill = GaugeMetricFamily(
+        "agentplatform_region_refill_seconds", "Round trip of the last slice granted.", labels=["tenant"]
+    )
+    pending = GaugeMetricFamily(
+        "agentplatform_region_requests_pending", "Grants and returns not yet answered.", labels=["tenant"]
+    )
+    for tenant_id, state, refill_ms in HomeLink.objects.values_list("tenant_id", "state", "refill_ms"):
+        link_up.add_metric([slugs.get(tenant_id, "")], 1 if state == HomeLink.State.UP else 0)
+        refill.add_metric([slugs.get(tenant_id, "")], (refill_ms or 0) / 1000)
+    for tenant_id, n in (
+        SliceRequest.objects.filter(status=SliceRequest.Status.PENDING)
+        .values("tenant_id")
+        .annotate(n=Count("id"))
+        .values_list("tenant_id", "n")
+        .order_by()
+    ):
+        pending.add_metric([slugs.get(tenant_id, "")], n)
+    parked = GaugeMetricFamily(
+        "agentplatform_region_runs_parked",
+        "Runs parked in waiting_budget for the tenant's slice, by reason (runs/engine/decisions.py).",
+        labels=["tenant", "reason"],
+    )
+    reasons: dict[tuple[int, str], int] = {}
+    for run_id, tenant_id in Run.objects.filter(
+        status=RunStatus.WAITING_BUDGET, admitted_at__isnull=False, resume_at__isnull=True
+    ).values_list("pk", "tenant_id")[:10_000]:
+        data = (
+            RunEvent.objects.filter(run_id=run_id, kind="status")
+            .order_by("-seq")
+            .values_list("data", flat=True)
+            .first()
+        )
+        reason = (data or {}).get("region_reason")
+        if reason:
+            reasons[(tenant_id, reason)] = reasons.get((tenant_id, reason), 0) + 1
+    for (tenant_id, reason), n in reasons.items():
+        parked.add_metric([slugs.get(tenant_id, ""), reason], n)
+    lent = GaugeMetricFamily(
+        "agentplatform_region_slices_outstanding_micros",
+        "Home side: slices lent to a region and not given back (counted as spent here), latest day.",
+        labels=["tenant", "region"],
+    )
+    latest: dict[tuple[int, str], int] = {}
+    for tenant_id, region, granted, returned in RegionDay.objects.order_by("day").values_list(
+        "tenant_id", "region", "granted_micros", "returned_micros"
+    ):
+        latest[(tenant_id, region)] = granted - returned
+    for (tenant_id, region), micros in latest.items():
+        lent.add_metric([slugs.get(tenant_id, ""), region], micros)
+    age = GaugeMetricFamily(
+        "agentplatform_region_authority_age_seconds",
+        "How old this region's copy of a home's authority is: now less the newest heartbeat of that "
+        "home it holds (the replication lag the revocation reach is judged by).",
+        labels=["home"],
+    )
+    now = timezone.now()
+    for region, beat_at in Heartbeat.objects.exclude(region=here()).values_list("region", "beat_at"):
+        age.add_metric([region], _age(beat_at, now))
+    return [link_up, refill, pending, parked, lent, age]
 
 
 class BrokerCollector:

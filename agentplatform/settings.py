@@ -23,6 +23,7 @@ from core.env import (
     env_float,
     env_int,
     env_list,
+    env_pairs,
     env_rate,
     env_required,
     env_str,
@@ -123,6 +124,7 @@ INSTALLED_APPS = [
     "artifacts",
     "connections",
     "history",
+    "regions",
 ]
 
 MIDDLEWARE = [
@@ -353,6 +355,8 @@ SWEEP_QUEUE = env_str("CELERY_SWEEP_QUEUE") or f"{CELERY_TASK_DEFAULT_QUEUE}.swe
 CELERY_TASK_ROUTES = {
     "runs.tasks.sweep": {"queue": SWEEP_QUEUE},
     "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
+    "regions.tasks.tend_slices": {"queue": SWEEP_QUEUE},
+    "regions.tasks.heartbeat": {"queue": SWEEP_QUEUE},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Where Flower answers, for the admin run page's link to a run's tasks (scripts/serve.sh sets it).
@@ -372,8 +376,19 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
     # tenant a pass, each run in its own short transaction.
     "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
+    "regions": {"task": "regions.tasks.tend_slices", "schedule": env_float("REGION_TEND_SECONDS", 1.0)},
+    "heartbeat": {"task": "regions.tasks.heartbeat", "schedule": env_float("REGION_HEARTBEAT_SECONDS", 0.5)},
 }
 HISTORY_PURGE_BATCH = env_int("HISTORY_PURGE_BATCH", 100, minimum=1, maximum=10_000)
+
+# --- Regions (regions/, docs/regions.md) ---
+# This deployment's region; "" (the default): no regions, every tenant is at home here.
+REGION_NAME = env_str("REGION", "")
+# The other regions: REGION_PEERS="mumbai=https://mumbai.example,frankfurt=https://..." and the key
+# each pair of regions shares to sign its requests: REGION_KEYS="mumbai=...,frankfurt=...".
+REGION_PEERS = env_pairs("REGION_PEERS")
+REGION_KEYS = env_pairs("REGION_KEYS")
+REGION_TIMEOUT_SECONDS = env_float("REGION_TIMEOUT_SECONDS", 2.0)  # a call to a home, connect to last byte
 
 # --- Webhook notifications (notifications/, docs/notifications.md) ---
 NOTIFY_TIMEOUT_SECONDS = env_float("NOTIFY_TIMEOUT_SECONDS", 10.0)  # whole POST, connect to last byte

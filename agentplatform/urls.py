@@ -10,6 +10,7 @@ from budgets import api as budgets_api
 from connections import api as connections_api
 from core import errors
 from history import api as history_api
+from regions import api as regions_api
 from runs.controls import api as pause_api
 from runs.front import api as runs_api
 from runs.front.stream import RunStreamApi
@@ -52,6 +53,10 @@ v1 = [
     path("reservations", budgets_api.ReservationListApi.as_view()),
     path("reservations/<str:reservation_id>/reconcile", budgets_api.ReservationReconcileApi.as_view()),
     path("reservations/<str:reservation_id>/write-off", budgets_api.ReservationWriteOffApi.as_view()),
+    path("regions/slices/grant", regions_api.grant_view),
+    path("regions/slices/return", regions_api.return_view),
+    path("regions/probe", regions_api.probe_view),
+    path("regions/status", regions_api.RegionStatusApi.as_view()),
     path("connections", connections_api.ConnectionListApi.as_view()),
     path("connections/callback", connections_api.ConnectionCallbackApi.as_view()),
     path("connections/<int:connection_id>", connections_api.ConnectionDetailApi.as_view()),

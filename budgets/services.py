@@ -58,6 +58,7 @@ from django.utils import timezone
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.statements import CLOSE, RESERVE_ANY, RESERVE_OWN, RESERVE_POOLED
 from core.errors import DomainError
+from regions.models import RegionDay, here, is_home
 
 Scope = BudgetAccount.Scope
 Status = Reservation.Status
@@ -107,7 +108,10 @@ def _open_day(tenant, day: dt.date) -> None:
             "shard", flat=True
         )
     )
-    limit = tenant.daily_budget_micros
+    # A region that is not the tenant's home opens the day empty: it spends only the slices the
+    # home grants it (regions/services.py raises the limit by each). The home opens it with the
+    # daily budget less what it has already lent out for the day.
+    limit = tenant.daily_budget_micros - _lent_out(tenant, day) if is_home(tenant) else 0
     BudgetAccount.objects.bulk_create(
         [
             BudgetAccount(
@@ -151,20 +155,64 @@ def _day_totals(tenant, day: dt.date) -> dict:
     )
 
 
+def _lent_out(tenant, day: dt.date) -> int:
+    """What the home has granted other regions of the day and not had back (0 with no regions)."""
+    if not here():
+        return 0
+    totals = RegionDay.objects.filter(tenant=tenant, day=day).aggregate(
+        granted=Coalesce(Sum("granted_micros"), 0), returned=Coalesce(Sum("returned_micros"), 0)
+    )
+    return totals["granted"] - totals["returned"]
+
+
+def move_day_limit(tenant, day: dt.date, by_micros: int) -> int:
+    """Raise the day's limit by `by_micros`, or lower it by at most its free room; the amount moved.
+
+    This is how slices move (regions/services.py): a home lends by lowering its own limit and is
+    given back by raising it; a region is granted by raising its limit and returns by lowering
+    it. Lowering never takes what is reserved, spent or held: only free room leaves. The
+    sub-accounts are locked in shard order (the ledger's lock order) and the free room spread
+    evenly again, as set_day_limit does. Call it inside the transaction that records the move.
+    """
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        raise RuntimeError("move_day_limit must run in the transaction that records the move")
+    _open_day(tenant, day)
+    shards = list(
+        BudgetAccount.objects.select_for_update()
+        .filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
+        .order_by("shard")
+    )
+    used = [a.reserved_micros + a.spent_micros + a.held_micros for a in shards]
+    free = sum(a.limit_micros for a in shards) - sum(used)
+    moved = by_micros if by_micros >= 0 else -min(-by_micros, max(free, 0))
+    if moved == 0:
+        return 0
+    share, rest = divmod(max(free + moved, 0), len(shards))
+    for i, account in enumerate(shards):
+        room = share + (rest if i == 0 else 0) if free + moved >= 0 else (free + moved if i == 0 else 0)
+        BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=used[i] + room)
+    return moved
+
+
 def set_day_limit(tenant, day: dt.date, limit_micros: int) -> bool:
     """Move the tenant's limit for `day` (an open day keeps the limit it opened with otherwise).
 
     With the sub-accounts locked in shard order, the free room under the new limit is spread
     evenly again. A limit below what is already used leaves no sub-account any room: the
     shortfall sits on sub-account 0. (Lowering just one sub-account would not do: another one
-    would still have room of its own and the day would go over its limit.)
+    would still have room of its own and the day would go over its limit.) Regions: a region
+    that is not the tenant's home keeps the limit its slices make; the home's is the new
+    budget less what it has lent out for the day.
     """
+    if not is_home(tenant):
+        return False
     with transaction.atomic():
         shards = list(
             BudgetAccount.objects.select_for_update()
             .filter(tenant=tenant, scope=Scope.TENANT_DAY, day=day)
             .order_by("shard")
         )
+        limit_micros -= _lent_out(tenant, day)  # read under the day's lock, which every lending takes first
         if not shards or sum(a.limit_micros for a in shards) == limit_micros:
             return False
         used = [a.reserved_micros + a.spent_micros + a.held_micros for a in shards]

@@ -89,6 +89,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_pairs(name: str) -> dict[str, str]:
+    """`a=1,b=2` as {"a": "1", "b": "2"}; an item without `=` or with an empty side fails loudly."""
+    pairs = {}
+    for item in env_list(name, []):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ConfigError(f"{name}: {item!r} is not name=value")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
 # A Django SECRET_KEY signs sessions, password-reset links and CSRF tokens: it must be long and
 # random. Django's own deploy check asks for 50 characters, 5 distinct ones and no
 # "django-insecure-" prefix; the entropy floor also refuses long keys of repeated patterns.

@@ -17,8 +17,11 @@ from budgets.services import create_run_account
 from core import chain
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
+from regions.models import TenantRegions, here
 from runs import admission
+from runs.authority_copy import stale_authority
 from runs.controls import kill_switches
+from runs.engine.decisions import start_here
 from runs.models import (
     TERMINAL,
     Run,
@@ -90,6 +93,7 @@ def start_run(
     tenant = user.tenant
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
+    _refuse_other_region(tenant)
     metadata = metadata or {}
     files = files or []
     hashed: dict = {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
@@ -204,6 +208,25 @@ def start_run(
             "a request with this Idempotency-Key is in progress", code="idempotency_key_in_flight"
         ) from None
     return run, True
+
+
+def _refuse_other_region(tenant) -> None:
+    """A run lives entirely in the region where it starts: only in the tenant's allowed regions,
+    and away from home only on a copy of the home's authority fresh enough to act on (read
+    first: the grants checked after it are then at least that fresh)."""
+    if not here():  # a deployment without regions
+        return
+    config = TenantRegions.of(tenant)
+    if config is None:
+        return
+    refused = start_here(here=here(), home=config.home, allowed=tuple(config.allowed))
+    if refused is not None:
+        raise DomainError(
+            refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
+        )
+    stale = stale_authority(tenant.pk)
+    if stale is not None:
+        raise DomainError(stale, code="authority_stale", status=503, retry_after=5)
 
 
 def cancel_run(*, run_id, actor, reason: str = "") -> Run:

@@ -45,6 +45,7 @@ PACKAGES = [
     "approvals",
     "authority",
     "runs",
+    "regions",
     "artifacts",
     "notifications",
     "history",
@@ -57,6 +58,7 @@ LADDER = [
     "tenants",
     "agents",
     "runs.records",
+    "regions.records",
     "observability",
     "budgets",
     "artifacts",
@@ -66,6 +68,7 @@ LADDER = [
     "approvals",
     "authority",
     "runs",
+    "regions",
     "notifications",
     "history",
     "configuration",
@@ -199,7 +202,13 @@ def graph():
 
 
 def room(mod: str) -> str:
-    return "runs.records" if mod in RECORDS else mod.split(".")[0]
+    if mod in RECORDS:
+        return "runs.records"
+    if (
+        mod == "regions.models"
+    ):  # where a tenant runs and what this region knows of its home: read by the engine
+        return "regions.records"
+    return mod.split(".")[0]
 
 
 def back_up() -> dict[tuple[str, str], list[str]]:

@@ -33,6 +33,7 @@ from llm import gateway as model_gateway
 from observability import observe
 from runs import statements
 from runs.approval_effects import request_approval
+from runs.authority_copy import pause_for_stale_authority, stale_authority
 from runs.controls import kill_switches
 from runs.engine import compacted, conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
@@ -212,6 +213,12 @@ def _apply(
             step = next(s for s in window if s.seq == decision.seq)
             if decision.platform:
                 platform_tools.answer(run, step)
+                return None
+            # Away from home, a tool call (and the use of its approval) needs a copy of the
+            # home's grants, policies and kill switches no older than the tenant's reach.
+            stale = stale_authority(run.tenant_id)
+            if stale is not None:
+                pause_for_stale_authority(run, stale)
                 return None
             switch = kill_switches.killed(tool_id=step.tool_id, reads=run.claim_reads)
             if switch is None:

@@ -23,6 +23,14 @@ of the engine is written once, here, and tested from tables of cases without Pos
     output_turn(errors, refused, retries)
                                   a final answer: accept it, ask the model again, or fail the run
                                   (invalid_output)
+    start_here(...)               regions: whether a run may start in this region
+    budget_refusal(...)           regions: the tenant's day refused a reservation: the tenant's
+                                  rule (stop or pause), or park for a slice from the home
+    slice_ask(...), slice_give_back(...)
+                                  regions: how much of the day a non-home region asks its home
+                                  for, and how much it gives back
+    authority_turn(...)           regions: whether this region's copy of the home's authority
+                                  is fresh enough to act on (the tenant's revocation reach)
 
 A decision is one of a small set of frozen types (`Decision`); each names what the writer does
 and, where the step's status changes, the status it moves to. The writer's transitions are
@@ -621,3 +629,98 @@ def output_turn(errors: list[str], refused_before: int, retries: int) -> Literal
     if refused_before < retries:
         return "retry"
     return "fail"
+
+
+# --- regions: where a run may start, and the day spent from a slice (DESIGN.md section 9) --------
+
+# The reasons a run parks in waiting_budget in a region that is not its tenant's home.
+REGION_UNREACHABLE: Final = "budget region unreachable"
+WAITING_FOR_SLICE: Final = "waiting for a budget slice from the home region"
+
+
+def start_here(*, here: str, home: str, allowed: tuple[str, ...]) -> str | None:
+    """None when a run may start in region `here`; else the refusal, naming where it may."""
+    if not here or here in allowed:
+        return None
+    return (
+        f"this tenant's runs may not start in region {here!r}: they start in "
+        f"{', '.join(repr(r) for r in allowed)} (home {home!r})"
+    )
+
+
+def budget_refusal(
+    *, scope: str, home_here: bool, link_up: bool, home_free_micros: int | None
+) -> Literal["tenant_rule"] | tuple[Literal["park"], str]:
+    """What a run does when the budget refused its reservation.
+
+    A run's own budget, a user's day, or the tenant's day at its home: the tenant's rule (stop,
+    or pause to the next local day), as in one region. The tenant's day in another region is its
+    slice: with the home unreachable the run parks ("budget region unreachable") and resumes when
+    a slice arrives; with the home reachable it parks for the slice being asked for, unless the
+    home's last answer said it had nothing left (then the day is spent everywhere: the tenant's
+    rule). Never spend what was not granted.
+    """
+    if scope != "tenant_day" or home_here:
+        return "tenant_rule"
+    if not link_up:
+        return ("park", REGION_UNREACHABLE)
+    if home_free_micros == 0:
+        return "tenant_rule"
+    return ("park", WAITING_FOR_SLICE)
+
+
+def slice_ask(*, free_micros: int, size_micros: int, runs_waiting: bool, pending: bool) -> int:
+    """How much a non-home region asks its home for now (0: nothing).
+
+    One request at a time (a pending one is sent again, same id, before any new one). Below half
+    a slice of free room it tops up to a whole slice, before it runs out: refills happen off the
+    step path. Runs parked for a slice ask for a whole slice more, whatever is free: their next
+    call did not fit what is.
+    """
+    if pending:
+        return 0
+    if runs_waiting:
+        return size_micros
+    if free_micros * 2 < size_micros:
+        return size_micros - free_micros
+    return 0
+
+
+def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool, runs_waiting: bool = False) -> int:
+    """How much free room a non-home region returns to its home (0: nothing).
+
+    A day that is over closes: all its free room goes back (reservations made before midnight
+    settle on it later and what they leave is returned in turn). Today, only room beyond two
+    slices goes back, so the region keeps enough at hand not to ask again at once, and nothing
+    while runs wait here (admission keeps free room for the runs it admitted: it is not spare).
+    """
+    if free_micros <= 0:
+        return 0
+    if day_over:
+        return free_micros
+    if runs_waiting:
+        return 0
+    return free_micros - 2 * size_micros if free_micros > 3 * size_micros else 0
+
+
+AUTHORITY_STALE: Final = "authority copy stale"
+
+
+def authority_turn(*, home_here: bool, age_seconds: float | None, reach_seconds: float) -> str | None:
+    """None when this region may act on its copy of the home's authority (people, groups, grants,
+    policies, kill switches); else why not (a run start is refused, a tool call waits).
+
+    At home the copy is the original. Elsewhere the copy is as old as the newest heartbeat of the
+    home it holds (every commit at home before that heartbeat is applied here): older than the
+    tenant's revocation reach, or no heartbeat at all, and nothing is done on its word.
+    """
+    if home_here:
+        return None
+    if age_seconds is None:
+        return f"{AUTHORITY_STALE}: no heartbeat from the home region has arrived"
+    if age_seconds > reach_seconds:
+        return (
+            f"{AUTHORITY_STALE}: {age_seconds:.1f} s old, more than the tenant's revocation reach "
+            f"of {reach_seconds:g} s"
+        )
+    return None

@@ -18,8 +18,9 @@ from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from core import chain, sql
+from regions.models import HomeLink, is_home
 from runs.controls import kill_switches
-from runs.engine import heartbeat, writer
+from runs.engine import decisions, heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.transitions import (
@@ -145,6 +146,14 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str =
             if what
             else "stopped: run budget exhausted",
         )
+    elif (park := _region_park_reason(run, exc.scope)) is not None:
+        transition_run(
+            run,
+            RunStatus.WAITING_BUDGET,
+            message=f"parked: {park}",
+            event_data={"region_reason": park},
+            resume_at=None,
+        )
     elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
         resume = budgets.next_local_midnight(run.tenant)
         transition_run(
@@ -163,6 +172,25 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str =
             error=error,
             message=f"stopped: {exc.scope} budget exhausted",
         )
+
+
+def _region_park_reason(run: Run, scope: str) -> str | None:
+    """Regions: the reason to park a run whose tenant day (a slice, away from home) refused it.
+
+    Read only on a refusal, never on the step path: a reservation that fits costs the same in
+    every region (the slice is the day's limit there).
+    """
+    if scope != BudgetAccount.Scope.TENANT_DAY or is_home(run.tenant):
+        return None
+    link = HomeLink.objects.filter(tenant_id=run.tenant_id).first()
+    today = budgets.local_day(run.tenant)
+    move = decisions.budget_refusal(
+        scope=scope,
+        home_here=False,
+        link_up=link is None or link.state == HomeLink.State.UP,
+        home_free_micros=link.home_free_micros if link is not None and link.home_day == today else None,
+    )
+    return None if move == "tenant_rule" else move[1]
 
 
 def mark_after_lookup(plan: ToolCall) -> ToolCall | None:

@@ -1,0 +1,390 @@
+"""The escrow of a tenant's day budget between its home region and the others (DESIGN.md section 9).
+
+| side   | operation                       | what moves                                                   |
+|--------|---------------------------------|--------------------------------------------------------------|
+| home   | grant(request)                  | home day limit down by at most what it may lend (_lendable); RegionDay.granted up |
+| home   | take_back(request)              | home day limit up; RegionDay.returned up                     |
+| home   | probe(day)                      | nothing: what it would lend now (the link's heartbeat) |
+| region | tend(tenant): ask               | SliceRequest(grant) pending; on the answer: region limit up  |
+| region | tend(tenant): give back         | region limit down by free room only; SliceRequest(return) pending |
+| region | tend(tenant): resume            | runs parked for the slice, in the order they parked          |
+
+The invariant: for every tenant and day, the home's day limit plus every region's outstanding
+slices (granted - returned, as the home counts them) equals the daily budget, and each region's
+day limit is at most what the home counts outstanding for it (equal once no request is pending).
+Every account spends only under its own limit (budgets/), so the sum of all spending, reserved
+and held money never exceeds the daily budget.
+
+Idempotency and durability: every request carries an id chosen and committed by the region
+before it is sent; the home records each applied request under a unique (region, request id)
+in the transaction that moves its limit, and answers a repeat with the first answer. The region
+applies an answer with a conditional update of its request (pending -> applied) in the
+transaction that moves its own limit, so an answer is applied once. A grant moves the home
+first (money leaves the home before it arrives in the region); a return moves the region first
+(money leaves the region before it arrives home): while a request is in flight, or the link is
+down, the money is in neither place, never in both. A region cut off keeps its slices; the
+home counts them as spent until they come back.
+
+Locks: a move locks the day's sub-accounts (budgets.move_day_limit, in shard order) before any
+regions row, on both sides; no lock is held across a call between regions (client.call_home
+refuses to run inside a transaction).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+import uuid
+
+from django.db import IntegrityError, transaction
+from django.db.models import F, OuterRef, Subquery
+from django.utils import timezone
+
+from budgets import services as budgets
+from budgets.models import BudgetAccount
+from core.errors import Conflict
+from regions import client
+from regions.models import Heartbeat, HomeLink, RegionDay, SliceMove, SliceRequest, TenantRegions, here
+from runs import admission
+from runs.authority_copy import stale_authority
+from runs.controls import pausing
+from runs.engine.decisions import AUTHORITY_STALE, slice_ask, slice_give_back
+from runs.models import Run, RunEvent, RunStatus
+from runs.queueing import enqueue
+from runs.transitions import lock_run, transition_run
+from tenants.models import Tenant
+
+logger = logging.getLogger("regions")
+
+# Closed days a region still looks at for room to give back or requests to send again.
+CLOSING_DAYS = 3
+
+
+# --- the home's side -----------------------------------------------------------------------------
+
+
+def grant(*, tenant: Tenant, region: str, day: dt.date, request_id: uuid.UUID, asked_micros: int) -> dict:
+    """Lend `region` up to `asked_micros` of the tenant's `day` (as much as the home may lend)."""
+    return _move(tenant, region, day, request_id, SliceMove.Kind.GRANT, asked_micros)
+
+
+def take_back(
+    *, tenant: Tenant, region: str, day: dt.date, request_id: uuid.UUID, amount_micros: int
+) -> dict:
+    """`region` gives back `amount_micros` of the tenant's `day` (already taken off its own limit)."""
+    return _move(tenant, region, day, request_id, SliceMove.Kind.RETURN, amount_micros)
+
+
+def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, amount: int) -> dict:
+    if amount < 0:
+        raise Conflict("a slice amount cannot be negative", code="negative_slice")
+    done = SliceMove.objects.filter(region=region, request_id=request_id).values_list(
+        "moved_micros", flat=True
+    )
+    if done:  # a repeat (its answer was lost): the first answer, before any check that the move changed
+        return {"moved_micros": done[0], "home_free_micros": _lendable_now(tenant, region, day)}
+    try:
+        with transaction.atomic():
+            # A repeat of an applied request waits here for the day's lock and then finds nothing
+            # new to do: its unique insert below fails and the whole move rolls back.
+            if kind == SliceMove.Kind.GRANT:
+                moved = -budgets.move_day_limit(tenant, day, -min(amount, _lendable(tenant, region, day)))
+            else:
+                outstanding = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
+                if outstanding is None or outstanding.outstanding_micros < amount:
+                    raise Conflict(
+                        f"{region} returns more of {day} than it was lent", code="slice_over_returned"
+                    )
+                moved = budgets.move_day_limit(tenant, day, amount)
+            SliceMove.objects.create(
+                tenant=tenant,
+                region=region,
+                day=day,
+                kind=kind,
+                request_id=request_id,
+                asked_micros=amount,
+                moved_micros=moved,
+            )
+            RegionDay.objects.get_or_create(tenant=tenant, region=region, day=day)
+            column = "granted_micros" if kind == SliceMove.Kind.GRANT else "returned_micros"
+            RegionDay.objects.filter(tenant=tenant, region=region, day=day).update(
+                **{column: F(column) + moved}
+            )
+    except IntegrityError:
+        moved = SliceMove.objects.get(region=region, request_id=request_id).moved_micros
+    return {"moved_micros": moved, "home_free_micros": _lendable_now(tenant, region, day)}
+
+
+def probe(*, tenant: Tenant, region: str, day: dt.date) -> dict:
+    """How much of the day the home would lend `region` now: the keeper's heartbeat over the link
+    (no write but the day's opening). 0: the day is spent, committed or lent everywhere."""
+    return {"moved_micros": 0, "home_free_micros": _lendable_now(tenant, region, day)}
+
+
+def _lendable(tenant, region: str, day: dt.date) -> int:
+    """What the home may lend `region` of `day`, decided under admission's lock (the tenant row,
+    then the day's accounts: the order start_run and the sweeper's admission take them in).
+
+    Never what the home's admitted runs are still expected to spend (runs/admission.py: a run let
+    start at home must not find its day lent away), and never more than the region's share of
+    the day (TenantRegions.away_share_percent) outstanding at once.
+    """
+    Tenant.objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
+    free = _free(tenant, day)
+    room = admission.room_micros(tenant)[0] if day == budgets.local_day(tenant) else free
+    config = TenantRegions.of(tenant)
+    share = (config.away_share_percent if config else 100) * tenant.daily_budget_micros // 100
+    lent = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
+    return max(min(free, room, share - (lent.outstanding_micros if lent else 0)), 0)
+
+
+def _lendable_now(tenant, region: str, day: dt.date) -> int:
+    with transaction.atomic():
+        return _lendable(tenant, region, day)
+
+
+def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: int, held: int) -> None:
+    """What the region says its slice of the day carries: shown to operators; holds count as spent
+    at home anyway (they stay in the slice, which is outstanding until returned)."""
+    RegionDay.objects.filter(tenant=tenant, region=region, day=day).update(
+        reported_spent_micros=spent,
+        reported_reserved_micros=reserved,
+        reported_held_micros=held,
+        reported_at=timezone.now(),
+    )
+
+
+def _free(tenant, day: dt.date) -> int:
+    return budgets.tenant_day_account(tenant, day).remaining_micros
+
+
+# --- a region's side ------------------------------------------------------------------------------
+
+
+def away_tenants() -> list[TenantRegions]:
+    """The tenants whose runs may execute in this region but whose home is another."""
+    if not here():
+        return []
+    return [
+        config
+        for config in TenantRegions.objects.select_related("tenant").exclude(home=here())
+        if here() in config.allowed
+    ]
+
+
+def tend_all() -> None:
+    for config in away_tenants():
+        tend(config)
+
+
+def beat() -> None:
+    """This region's heartbeat (replicated with the authority tables: regions/replication.py)."""
+    if here():
+        Heartbeat.objects.update_or_create(region=here(), defaults={"beat_at": timezone.now()})
+
+
+def resume_when_fresh(tenant) -> int:
+    """Resume the runs paused because this region's copy of the home's authority was too old,
+    once it is fresh again, earliest paused first. Their tool call is then checked on the fresh
+    copy (a grant revoked meanwhile denies it)."""
+    if stale_authority(tenant.pk) is not None:
+        return 0
+    count = 0
+    for run_id in (
+        Run.objects.filter(tenant=tenant, status=RunStatus.PAUSED, pause_reason=AUTHORITY_STALE)
+        .order_by("paused_at", "pk")
+        .values_list("pk", flat=True)[:500]
+    ):
+        try:
+            pausing.resume_run(
+                run_id=run_id, actor=None, reason="the copy of the home's authority is fresh again"
+            )
+        except Conflict:  # resumed by a person meanwhile
+            continue
+        count += 1
+    return count
+
+
+def tend(config: TenantRegions) -> None:
+    """One pass of the keeper for one tenant: resume runs paused on a stale copy of authority once
+    it is fresh; send what is pending, give back what is not needed, ask for what will be, and
+    resume runs parked for a slice once there is news."""
+    tenant = config.tenant
+    resume_when_fresh(tenant)
+    if not _send_pending(config):
+        return  # the home is unreachable: parked runs stay parked, nothing else to ask
+    home_free = _probe(config)
+    if home_free is None:
+        return
+    size = config.slice_size(tenant.daily_budget_micros)
+    today = budgets.local_day(tenant)
+    parked = parked_runs(tenant).exists()
+    waiting = (
+        parked
+        or Run.objects.filter(
+            tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True
+        ).exists()
+    )
+    for day in _open_days(tenant, today):
+        free = budgets.tenant_day_account(tenant, day).remaining_micros
+        give = slice_give_back(free_micros=free, size_micros=size, day_over=day < today, runs_waiting=waiting)
+        if give and not _send(config, _give_back(tenant, day, give)):
+            return
+    free = budgets.tenant_day_account(tenant, today).remaining_micros
+    ask = slice_ask(free_micros=free, size_micros=size, runs_waiting=waiting, pending=False)
+    if ask and home_free > 0:  # with nothing free at home, asking would only write refusals
+        request = SliceRequest.objects.create(
+            tenant=tenant, day=today, kind=SliceMove.Kind.GRANT, asked_micros=ask
+        )
+        if not _send(config, request):
+            return
+    if parked:
+        resume_parked(tenant)
+
+
+def _open_days(tenant, today: dt.date) -> list[dt.date]:
+    """Earlier days whose slices may still hold free room to give back (today's is judged too)."""
+    days = (
+        BudgetAccount.objects.filter(
+            tenant=tenant,
+            scope=BudgetAccount.Scope.TENANT_DAY,
+            day__gte=today - dt.timedelta(days=CLOSING_DAYS),
+            day__lte=today,
+        )
+        .values_list("day", flat=True)
+        .distinct()
+    )
+    return sorted({day for day in days if day is not None})
+
+
+def _give_back(tenant, day: dt.date, amount: int) -> SliceRequest | None:
+    with transaction.atomic():
+        given = -budgets.move_day_limit(tenant, day, -amount)
+        if not given:
+            return None
+        return SliceRequest.objects.create(
+            tenant=tenant, day=day, kind=SliceMove.Kind.RETURN, asked_micros=given
+        )
+
+
+def _send_pending(config: TenantRegions) -> bool:
+    """Send every pending request again, oldest first, same ids. False: the home is unreachable."""
+    for request in SliceRequest.objects.filter(
+        tenant=config.tenant, status=SliceRequest.Status.PENDING
+    ).order_by("created_at"):
+        if not _send(config, request):
+            return False
+    return True
+
+
+def _probe(config: TenantRegions) -> int | None:
+    """Ask the home how much of today it has free: the link's state and the engine's "is the day
+    spent everywhere" are then never older than one pass. None: the home is unreachable."""
+    tenant = config.tenant
+    day = budgets.local_day(tenant)
+    try:
+        answer = client.call_home(
+            config.home, client.PROBE_PATH, {"tenant": tenant.slug, "day": day.isoformat()}
+        )
+    except client.HomeUnreachable as exc:
+        _link_down(tenant, str(exc))
+        return None
+    home_free = int(answer["home_free_micros"])
+    _link_up(tenant, home_free=home_free, day=day, refill_ms=None)
+    return home_free
+
+
+def _send(config: TenantRegions, request: SliceRequest | None) -> bool:
+    """Send one request and apply its answer once. False: the home is unreachable (kept pending)."""
+    if request is None:
+        return True
+    tenant = config.tenant
+    day_account = budgets.tenant_day_account(tenant, request.day)
+    payload = {
+        "tenant": tenant.slug,
+        "day": request.day.isoformat(),
+        "request_id": str(request.pk),
+        "amount_micros": request.asked_micros,
+        "spent_micros": day_account.spent_micros,
+        "reserved_micros": day_account.reserved_micros,
+        "held_micros": day_account.held_micros,
+    }
+    path = client.GRANT_PATH if request.kind == SliceMove.Kind.GRANT else client.RETURN_PATH
+    started = time.monotonic()
+    SliceRequest.objects.filter(pk=request.pk).update(attempts=F("attempts") + 1)
+    try:
+        answer = client.call_home(config.home, path, payload)
+    except client.HomeUnreachable as exc:
+        _link_down(tenant, str(exc))
+        return False
+    moved = int(answer["moved_micros"])
+    with transaction.atomic():
+        applied = SliceRequest.objects.filter(pk=request.pk, status=SliceRequest.Status.PENDING).update(
+            status=SliceRequest.Status.APPLIED, moved_micros=moved, answered_at=timezone.now()
+        )
+        if applied and request.kind == SliceMove.Kind.GRANT and moved:
+            budgets.move_day_limit(tenant, request.day, moved)
+    _link_up(
+        tenant,
+        home_free=int(answer["home_free_micros"]),
+        day=request.day,
+        refill_ms=(time.monotonic() - started) * 1000 if request.kind == SliceMove.Kind.GRANT else None,
+    )
+    return True
+
+
+def _link_down(tenant, error: str) -> None:
+    now = timezone.now()
+    link, _ = HomeLink.objects.get_or_create(tenant=tenant, defaults={"since": now})
+    if link.state == HomeLink.State.UP:
+        if HomeLink.objects.filter(pk=link.pk, state=HomeLink.State.UP).update(
+            state=HomeLink.State.DOWN, since=now, last_error=error[:500]
+        ):
+            logger.warning("budget region of %s unreachable: %s", tenant.slug, error)
+    else:
+        HomeLink.objects.filter(pk=link.pk).update(last_error=error[:500])
+
+
+def _link_up(tenant, *, home_free: int, day: dt.date, refill_ms: float | None) -> None:
+    now = timezone.now()
+    link, _ = HomeLink.objects.get_or_create(tenant=tenant, defaults={"since": now})
+    fields: dict = {"last_ok_at": now, "home_free_micros": home_free, "home_day": day}
+    if refill_ms is not None:
+        fields["refill_ms"] = refill_ms
+    if link.state == HomeLink.State.DOWN:
+        HomeLink.objects.filter(pk=link.pk, state=HomeLink.State.DOWN).update(
+            state=HomeLink.State.UP, since=now, last_error="", **fields
+        )
+    else:
+        HomeLink.objects.filter(pk=link.pk).update(**fields)
+
+
+def parked_runs(tenant):
+    """Runs parked for the tenant's slice in this region (engine: runs/engine/dispatch.py), in
+    the order they parked: waiting_budget after admission, with no wake-up time of their own."""
+    parked_at = RunEvent.objects.filter(run=OuterRef("pk"), kind="status").order_by("-seq").values("at")[:1]
+    return (
+        Run.objects.filter(
+            tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=False, resume_at__isnull=True
+        )
+        .annotate(parked_at=Subquery(parked_at))
+        .order_by("parked_at", "pk")
+    )
+
+
+def resume_parked(tenant) -> int:
+    """Resume the runs parked for a slice, in the order they parked (each enqueued after commit
+    in that order). One that still does not fit parks again, behind the others."""
+    count = 0
+    for run_id in list(parked_runs(tenant).values_list("pk", flat=True)[:500]):
+        with transaction.atomic():
+            run = lock_run(run_id)
+            if run.status != RunStatus.WAITING_BUDGET or run.resume_at is not None or run.admitted_at is None:
+                continue
+            transition_run(
+                run, RunStatus.RUNNING, message="resumed: a budget slice arrived from the home region"
+            )
+            enqueue(run.pk)
+            count += 1
+    return count

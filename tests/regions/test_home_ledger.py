@@ -1,0 +1,86 @@
+"""The home's slice ledger (regions/services.py), in this process playing the home: every grant
+and return applied once by its request id, repeated or raced; never more lent than the home may."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from budgets import services as budgets
+from core.errors import Conflict
+from regions import services as regions
+from regions.models import RegionDay, SliceMove, TenantRegions
+from regions.selectors import home_books
+from tests.budgets.conftest import in_threads
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def home(tenant, settings):
+    settings.REGION_NAME = "mumbai"
+    tenant.daily_budget_micros = 1_000_000
+    tenant.save()
+    TenantRegions.objects.create(
+        tenant=tenant, home="mumbai", allowed=["mumbai", "frankfurt"], away_share_percent=60
+    )
+    return tenant
+
+
+def _limit(tenant) -> int:
+    return budgets.tenant_day_account(tenant, budgets.local_day(tenant)).limit_micros
+
+
+def test_a_repeated_grant_or_return_is_answered_as_the_first_and_moves_nothing_more(home):
+    day = budgets.local_day(home)
+    asked = uuid.uuid4()
+    first = regions.grant(tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=300_000)
+    again = regions.grant(tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=300_000)
+    assert first["moved_micros"] == again["moved_micros"] == 300_000
+    assert _limit(home) == 700_000
+    back = uuid.uuid4()
+    assert (
+        regions.take_back(tenant=home, region="frankfurt", day=day, request_id=back, amount_micros=300_000)[
+            "moved_micros"
+        ]
+        == 300_000
+    )
+    # Nothing is outstanding now, yet the repeat of the return is answered, not refused.
+    assert (
+        regions.take_back(tenant=home, region="frankfurt", day=day, request_id=back, amount_micros=300_000)[
+            "moved_micros"
+        ]
+        == 300_000
+    )
+    assert _limit(home) == 1_000_000 and home_books(home, day) == {}
+    with pytest.raises(Conflict):  # a new return of what was never lent
+        regions.take_back(tenant=home, region="frankfurt", day=day, request_id=uuid.uuid4(), amount_micros=1)
+
+
+def test_the_same_grant_raced_eight_times_moves_once(home):
+    day = budgets.local_day(home)
+    asked = uuid.uuid4()
+    answers = in_threads(
+        8,
+        lambda i: regions.grant(
+            tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=200_000
+        ),
+    )
+    assert {a["moved_micros"] for a in answers} == {200_000}
+    assert SliceMove.objects.count() == 1 and _limit(home) == 800_000
+    assert RegionDay.objects.get().granted_micros == 200_000 and home_books(home, day) == {}
+
+
+def test_it_lends_no_more_than_the_regions_share_nor_what_it_has_free(home):
+    day = budgets.local_day(home)
+    grants = [
+        regions.grant(tenant=home, region="frankfurt", day=day, request_id=uuid.uuid4(), asked_micros=400_000)
+        for _ in range(3)
+    ]
+    assert [g["moved_micros"] for g in grants] == [400_000, 200_000, 0]  # 60% of the day at most
+    assert grants[-1]["home_free_micros"] == 0  # nothing more for frankfurt
+    budgets.reserve(tenant=home, amount_micros=350_000, purpose="tool")  # the home spends
+    other = regions.grant(tenant=home, region="paris", day=day, request_id=uuid.uuid4(), asked_micros=400_000)
+    assert other["moved_micros"] == 50_000  # what is left of the day
+    assert _limit(home) + 600_000 + 50_000 == 1_000_000 and home_books(home, day) == {}

@@ -1,0 +1,68 @@
+"""What operators and supervisors see of a region: the status API and /metrics, on a region whose
+home is unreachable (no home server at all: the peer's address refuses connections)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from budgets import services as budgets
+from regions import services as regions
+from regions.models import Heartbeat, HomeLink, SliceRequest, TenantRegions
+from runs.engine import advance
+from runs.engine.decisions import REGION_UNREACHABLE
+from runs.services import start_run
+from tests import factories
+from tests.observability.conftest import scrape, value
+from tests.services import free_port
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def away(tenant, asha, settings):
+    """Frankfurt, with Mumbai (the home) unreachable, and one run parked for want of a slice."""
+    settings.REGION_NAME = "frankfurt"
+    settings.REGION_PEERS = {"mumbai": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    settings.REGION_KEYS = {"mumbai": "k"}
+    settings.REGION_TIMEOUT_SECONDS = 0.5
+    factories.make_agent(tenant, turns=[{"text": "ok"}])
+    config = TenantRegions.objects.create(tenant=tenant, home="mumbai", allowed=["mumbai", "frankfurt"])
+    Heartbeat.objects.create(region="mumbai", beat_at=timezone.now())  # a fresh copy of authority
+    with transaction.atomic():  # a slice of one micro: the run is let start alone, its call does not fit
+        budgets.move_day_limit(tenant, budgets.local_day(tenant), 1)
+    run, _ = start_run(user=asha, agent="agent", input={})
+    regions.tend(config)  # the home does not answer
+    advance(run.pk)
+    return run
+
+
+def test_a_refused_call_away_from_home_parks_the_run_with_the_reason(away):
+    away.refresh_from_db()
+    assert away.status == "waiting_budget" and away.resume_at is None
+    assert away.events.filter(kind="status").last().data["region_reason"] == REGION_UNREACHABLE
+    assert HomeLink.objects.get().state == "down"
+    assert not SliceRequest.objects.exists()  # the probe failed first: nothing was asked
+
+
+def test_supervisors_read_the_region_status_and_others_may_not(away, tenant, asha, ravi):
+    client = APIClient()
+    client.force_authenticate(ravi)
+    body = client.get("/v1/regions/status").json()
+    assert (body["region"], body["home"], body["is_home"]) == ("frankfurt", "mumbai", False)
+    assert body["link"]["state"] == "down" and "ConnectError" in body["link"]["last_error"]
+    assert body["parked_runs"][REGION_UNREACHABLE] == 1
+    assert body["day_account"]["limit_micros"] == 1
+    assert 0 <= body["authority_age_seconds"] < 60
+    client.force_authenticate(asha)
+    assert client.get("/v1/regions/status").status_code == 403
+
+
+def test_metrics_show_the_link_and_the_parked_runs(away, tenant):
+    samples = scrape()
+    assert value(samples, "agentplatform_region_link_up", tenant=tenant.slug) == 0
+    assert (
+        value(samples, "agentplatform_region_runs_parked", tenant=tenant.slug, reason=REGION_UNREACHABLE) == 1
+    )
