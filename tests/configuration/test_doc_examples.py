@@ -89,7 +89,9 @@ def test_the_webhook_example_applies_as_written(monkeypatch):
 @pytest.mark.django_db
 def test_the_self_hosted_endpoint_example_applies_as_written():
     data = config()
-    data["model_endpoints"] += fragment("local-gemma")["model_endpoints"]
+    data["model_endpoints"] += fragment("name: local-gemma")["model_endpoints"]
+    # The LiteLLM endpoint names its master key as a secret; a tenant's file defines it beside.
+    data["secrets"].append({"name": "litellm-key", "value": "sk-litellm-master-1234"})
 
     apply_config(data)
 
