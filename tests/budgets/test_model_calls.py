@@ -121,7 +121,9 @@ def test_it_records_and_flags_an_answer_that_cost_more_than_reserved(tenant, ash
 
 
 def test_a_timeout_after_sending_is_held_and_the_call_is_made_again(tenant, asha, fake_openai):
-    endpoint = openai_endpoint(tenant, fake_openai, timeout_seconds=0.5)
+    # No backoff after the timeout (tests/llm covers it): this test is about the held charge, and
+    # drive() runs the engine in-process with no broker to deliver the backoff's countdown.
+    endpoint = openai_endpoint(tenant, fake_openai, timeout_seconds=0.5, timeout_backoff_seconds=0)
     factories.make_agent(tenant, endpoint=endpoint)
     fake_openai.queue({"fault": "timeout", "seconds": 3})  # received, answered too late: charged
     run, _ = start_run(user=asha, agent="agent", input={})
