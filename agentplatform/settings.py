@@ -376,9 +376,20 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
     # tenant a pass, each run in its own short transaction.
     "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
-    "regions": {"task": "regions.tasks.tend_slices", "schedule": env_float("REGION_TEND_SECONDS", 1.0)},
-    "heartbeat": {"task": "regions.tasks.heartbeat", "schedule": env_float("REGION_HEARTBEAT_SECONDS", 0.5)},
 }
+# The regions' keeper and heartbeat (regions/tasks.py), on the sweeper's queue and only in a
+# deployment that names its region: one without regions sends no task every half second.
+if env_str("REGION", ""):
+    CELERY_BEAT_SCHEDULE["regions"] = {
+        "task": "regions.tasks.tend_slices",
+        "schedule": env_float("REGION_TEND_SECONDS", 1.0),
+    }
+    CELERY_BEAT_SCHEDULE["heartbeat"] = {
+        "task": "regions.tasks.heartbeat",
+        "schedule": env_float("REGION_HEARTBEAT_SECONDS", 0.5),
+    }
+CELERY_TASK_ROUTES["regions.tasks.tend_slices"] = {"queue": SWEEP_QUEUE}
+CELERY_TASK_ROUTES["regions.tasks.heartbeat"] = {"queue": SWEEP_QUEUE}
 HISTORY_PURGE_BATCH = env_int("HISTORY_PURGE_BATCH", 100, minimum=1, maximum=10_000)
 
 # --- Regions (regions/, docs/regions.md) ---

@@ -7,7 +7,9 @@ from celery import shared_task
 from regions import services
 
 
-@shared_task(name="regions.tasks.tend_slices", ignore_result=True)
+@shared_task(
+    name="regions.tasks.tend_slices", ignore_result=True, send_events=False
+)  # as the sweeper: not in Flower
 def tend_slices() -> None:
     """Ask the homes for slices, give back what is not needed, resume runs parked for a slice.
 
@@ -16,7 +18,7 @@ def tend_slices() -> None:
     services.tend_all()
 
 
-@shared_task(name="regions.tasks.heartbeat", ignore_result=True)
+@shared_task(name="regions.tasks.heartbeat", ignore_result=True, send_events=False)
 def heartbeat() -> None:
     """This region's heartbeat row: the watermark the other regions read their copy's age by."""
     services.beat()
