@@ -314,11 +314,7 @@ class ThrowawayRedis(_Throwaway):
         _wait(lambda: self._ours() is not None, timeout=15, what=f"redis on port {self.port}")
 
     def _gone(self, pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
+        return _gone(pid)
 
     def stop(self) -> None:
         """SHUTDOWN NOSAVE: every queued message is lost, as when an unpersisted broker restarts."""
