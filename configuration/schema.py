@@ -59,7 +59,8 @@ RETENTION_MAX = 2**31 - 1  # whole seconds, as the file's numbers are: about 68 
 
 
 def _retention_by_agent(value: Any) -> dict[str, int]:
-    """{agent name: content period} (`dispute-agent: 30d`): the agent's runs keep content this long."""
+    """{agent name: period} (`dispute-agent: 30d`): the agent's runs keep content (or, under
+    `skeleton_agents`, their skeleton) this long."""
     periods = _mapping(value)
     out = {}
     for name, period in periods.items():
@@ -195,10 +196,13 @@ TENANT: Spec = {
     },
     "view_runs": Field("view_runs", _text_list),
     "egress_hosts": Field("egress_hosts", _nullable(_hosts)),
-    # How long runs' content is kept after they end (history/retention.py); null: for ever.
+    # How long runs' content, and the whole run (its skeleton), are kept after they end
+    # (history/retention.py); null: for ever.
     "retention": {
         "content": Field("content_retention_seconds", _nullable(_duration(RETENTION_MAX))),
         "agents": Field("content_retention_by_agent", _retention_by_agent),
+        "skeleton": Field("skeleton_retention_seconds", _nullable(_duration(RETENTION_MAX))),
+        "skeleton_agents": Field("skeleton_retention_by_agent", _retention_by_agent),
     },
     "quotas": {
         "max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),

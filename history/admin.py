@@ -14,7 +14,7 @@ from django.urls import path, reverse
 
 from core.errors import DomainError
 from history import erasure, holds
-from history.models import Checkpoint, ErasureCertificate, HoldScope, LegalHold
+from history.models import Checkpoint, ErasureCertificate, HoldScope, LegalHold, RunTombstone
 from tenants.admin_site import ReadOnlyAdmin, TenantScopedAdmin, is_operator, site
 from tenants.models import Tenant
 
@@ -182,3 +182,27 @@ class CheckpointAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request):
         return Checkpoint.objects.all() if is_operator(request.user) else Checkpoint.objects.none()
+
+
+@admin.register(RunTombstone, site=site)
+class RunTombstoneAdmin(ReadOnlyAdmin):
+    """What remains of a run the skeleton's retention deleted (history/retention.py)."""
+
+    list_display = ["run_id", "agent", "status", "finished_at", "purged_at", "checkpoint"]
+    FIELDS = (
+        "run_id",
+        "tenant",
+        "agent",
+        "created_by",
+        "status",
+        "created_at",
+        "finished_at",
+        "cost_micros",
+        "steps",
+        "event_seq",
+        "checkpoint",
+        "period_seconds",
+        "purged_at",
+    )
+    fields = FIELDS
+    readonly_fields = FIELDS

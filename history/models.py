@@ -71,7 +71,16 @@ class LegalHold(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+")
     scope = models.CharField(max_length=8, choices=HoldScope.choices)
-    run = models.ForeignKey("runs.Run", null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    # No database reference: the skeleton's retention deletes a run years after a hold on it was
+    # lifted, and the hold's row (its audit) outlives it, naming the run's tombstone.
+    run = models.ForeignKey(
+        "runs.Run",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="+",
+    )
     subject = models.CharField(max_length=500, blank=True)  # the exact identifier held
     reason = models.TextField()  # e.g. the matter or case number
     placed_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
@@ -138,3 +147,37 @@ class ContentRemoval(models.Model):
     why = models.CharField(max_length=12, choices=Why.choices)
     certificate = models.ForeignKey(ErasureCertificate, null=True, blank=True, on_delete=models.PROTECT)
     removed_at = models.DateTimeField(auto_now=True)
+
+
+class RunTombstone(models.Model):
+    """A run whose skeleton retention deleted it (history/retention.py, `purge_skeletons`).
+
+    What remains of the run: who, what, when, its last event and chain head, and the signed
+    checkpoint that first took that head. The verifier accepts the run's absence only when this
+    row's head is the run's latest checkpointed leaf and that checkpoint's signed time is at least
+    `period_seconds` before the purge: a run deleted behind the platform's back, or one younger
+    than its period, is still named (docs/history.md, "Skeleton retention").
+    """
+
+    run_id = models.UUIDField(primary_key=True)  # no reference: the run is gone
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="+")
+    agent = models.CharField(max_length=100)
+    created_by = models.CharField(max_length=150)  # the username
+    status = models.CharField(max_length=24)
+    created_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True)
+    cost_micros = models.BigIntegerField(default=0)
+    steps = models.PositiveIntegerField(default=0)
+    event_seq = models.PositiveIntegerField()
+    chain_head = models.BinaryField()
+    # The checkpoint that first took the run's final head (null: the run had no event to chain).
+    checkpoint = models.ForeignKey(Checkpoint, null=True, on_delete=models.PROTECT, related_name="+")
+    period_seconds = models.PositiveBigIntegerField()  # the skeleton period it was purged under
+    purged_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "finished_at"], name="tombstone_tenant_time")]
+        ordering = ["-purged_at"]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} (purged {self.purged_at:%Y-%m-%d})"

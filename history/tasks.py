@@ -6,7 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from history.checkpoints import take_checkpoint
-from history.retention import purge_due
+from history.retention import purge_due, purge_skeletons
 
 
 @shared_task(name="history.tasks.checkpoint", ignore_result=True)
@@ -18,5 +18,8 @@ def checkpoint() -> int | None:
 
 @shared_task(name="history.tasks.purge", ignore_result=True)
 def purge() -> int:
-    """Remove the content of runs whose retention period ended (a batch per tenant); how many."""
-    return len(purge_due(batch=settings.HISTORY_PURGE_BATCH).purged)
+    """Remove the content of runs whose content period ended, then delete the runs whose skeleton
+    period ended (a batch per tenant each); how many runs were touched."""
+    content = purge_due(batch=settings.HISTORY_PURGE_BATCH)
+    skeletons = purge_skeletons(batch=settings.HISTORY_PURGE_BATCH)
+    return len(content.purged) + len(skeletons.purged)

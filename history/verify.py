@@ -20,6 +20,8 @@ Reads only; holds no lock.
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -29,12 +31,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from authority.models import SigningKey
 from core import chain
 from history import checkpoints
-from history.models import Checkpoint, CheckpointLeaf
+from history.models import Checkpoint, CheckpointLeaf, RunTombstone
 from runs.models import Run, RunEvent, Step
 
 # Where a misplaced event's hash is looked for: this many places either side of where it stands.
 WINDOW = 3
 REMOVED_KIND = "content_removed"  # history/content.py: erased or purged
+# How far a tombstone's times may stray past the checkpoints' signed times: a checkpoint takes its
+# time before it reads the heads, and a run's times are taken before its transaction commits.
+SLACK = dt.timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Report:
     runs: int = 0
     events: int = 0
     checkpoint: int | None = None  # the latest checkpoint verified
+    purged: dict[int, int] = field(default_factory=dict)  # skeleton period (s) -> runs purged under it
 
     @property
     def ok(self) -> bool:
@@ -317,9 +323,83 @@ def verify(run_ids: list | None = None, *, jwks: dict | None = None) -> Report:
             CheckpointLeaf.objects.values_list("run_id", flat=True).distinct()
         )
         run_ids = sorted(ids, key=str)
+    signed_at = _signed_times()
     for run_id in run_ids:
-        found_in_run, events = verify_run(uuid.UUID(str(run_id)))
+        run_id = uuid.UUID(str(run_id))
+        stone = RunTombstone.objects.select_related("checkpoint").filter(run_id=run_id).first()
+        if stone is not None and not Run.objects.filter(pk=run_id).exists():
+            report.findings += verify_tombstone(stone, _leaves_of(run_id), signed_at)
+            report.purged[stone.period_seconds] = report.purged.get(stone.period_seconds, 0) + 1
+            continue
+        found_in_run, events = verify_run(run_id)
         report.findings += found_in_run
         report.runs += 1
         report.events += events
     return report
+
+
+def _signed_times() -> dict[int, dt.datetime]:
+    """Each checkpoint's time as its signed statement gives it (the `at` column is not signed)."""
+    return {
+        number: dt.datetime.fromisoformat(json.loads(statement)["at"])
+        for number, statement in Checkpoint.objects.values_list("number", "statement")
+    }
+
+
+def verify_tombstone(
+    stone: RunTombstone, leaves: list[tuple[int, int, bytes]], signed_at: dict[int, dt.datetime]
+) -> list[Finding]:
+    """A run deleted by skeleton retention: its tombstone must carry the head the checkpoints
+    last signed for it, and its times must fit theirs. The run's first leaf bounds its creation
+    (the checkpoint before did not hold it), its last its end (that checkpoint held its final
+    head): a young run deleted under a tombstone claiming it was old is named."""
+    rid = str(stone.run_id)
+    if not leaves:
+        return [
+            Finding(rid, None, "deleted: a tombstone says retention purged it, but no checkpoint holds it")
+        ]
+    number, seq, head = leaves[-1]
+    if (seq, head) != (stone.event_seq, bytes(stone.chain_head)) or (
+        stone.checkpoint is None or stone.checkpoint.number != number
+    ):
+        return [
+            Finding(
+                rid,
+                seq,
+                f"deleted: its tombstone's head is not the one checkpoint {number} signed for it",
+            )
+        ]
+    findings = []
+    before = signed_at.get(leaves[0][0] - 1)
+    if before is not None and stone.created_at < before - SLACK:
+        findings.append(
+            Finding(
+                rid,
+                None,
+                f"deleted: its tombstone says it was created {stone.created_at:%Y-%m-%d %H:%M}, "
+                f"but checkpoint {leaves[0][0] - 1} ({before:%Y-%m-%d %H:%M}) did not hold it",
+            )
+        )
+    last = signed_at.get(number)
+    finished = stone.finished_at
+    if finished is None or (last is not None and finished > last + SLACK) or finished < stone.created_at:
+        findings.append(
+            Finding(
+                rid,
+                None,
+                f"deleted: its tombstone's end does not fit checkpoint {number}, which took its last head",
+            )
+        )
+    elif (
+        finished + dt.timedelta(seconds=stone.period_seconds)
+        > min(stone.purged_at, dt.datetime.now(dt.UTC)) + SLACK
+    ):
+        findings.append(
+            Finding(
+                rid,
+                None,
+                f"deleted before its period: it ended {finished:%Y-%m-%d}, the tombstone claims a "
+                f"{stone.period_seconds // 86400}-day period, purged {stone.purged_at:%Y-%m-%d}",
+            )
+        )
+    return findings

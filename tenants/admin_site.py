@@ -73,6 +73,7 @@ TENANT_PATHS = {
     "connections.protectedserver": "tenant",
     "history.legalhold": "tenant",
     "history.erasurecertificate": "tenant",
+    "history.runtombstone": "tenant",
     # history.checkpoint is platform-wide: operators only (not listed).
 }
 

@@ -67,10 +67,12 @@ class Tenant(models.Model):
     # `*.domain`), checked by `manage.py apply`; null: not restricted.
     egress_hosts = models.JSONField(null=True, blank=True)
     # Retention of runs' content (history/retention.py, docs/history.md): how long after a run
-    # ends its content is kept (null: for ever), and per agent name a period of its own. The
-    # skeleton is kept for ever (its expiry is not built).
+    # ends its content is kept (null: for ever), and per agent name a period of its own; the same
+    # for the whole run (its skeleton: the run, its steps and events are deleted, a tombstone kept).
     content_retention_seconds = models.PositiveBigIntegerField(null=True, blank=True)
     content_retention_by_agent = models.JSONField(default=dict, blank=True)
+    skeleton_retention_seconds = models.PositiveBigIntegerField(null=True, blank=True)
+    skeleton_retention_by_agent = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -33,6 +33,12 @@ class Command(BaseCommand):
                 "NOTE: signatures were checked against the keys this database holds; someone with "
                 "database access can add a key of their own: pass --jwks with a copy you kept to prove the signer"
             )
+        for period, count in sorted(report.purged.items()):
+            # Shown, not judged: the period is the tenant's setting at the time, which a database
+            # administrator could have shortened; the auditor compares it with the policy.
+            self.stdout.write(
+                f"PURGED: {count} run(s) by skeleton retention after {period // 86400} days ({period} s)"
+            )
         checkpoint = f"checkpoint {report.checkpoint}" if report.checkpoint else "no checkpoint yet"
         self.stdout.write(
             f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
