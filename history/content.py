@@ -15,6 +15,8 @@ retention does not visit the run again.
 
 from __future__ import annotations
 
+from django.db import connection
+
 from approvals.models import Approval
 from artifacts.models import Artifact
 from history.models import ContentRemoval
@@ -66,12 +68,7 @@ def remove_content(
     artifacts = [str(a) for a in Artifact.objects.filter(run=run).values_list("pk", flat=True)]
     Artifact.objects.filter(run=run).update(content=b"", name=ERASED)
     if events is None:
-        blanked = []
-        for event in RunEvent.objects.filter(run=run).only("pk", "seq", "data").order_by("seq"):
-            data = event.data if isinstance(event.data, dict) else {}
-            kept = {key: value for key, value in data.items() if key in SKELETON_DATA}
-            RunEvent.objects.filter(pk=event.pk).update(message="", data=kept)
-            blanked.append(event.seq)
+        blanked = _blank_events(run)
     else:
         blanked = sorted(events)
         marker = {"erased": str(certificate.pk)} if certificate is not None else {}
@@ -90,3 +87,31 @@ def remove_content(
         artifacts=artifacts,
     )
     ContentRemoval.objects.update_or_create(run_id=run.pk, defaults={"why": why, "certificate": certificate})
+
+
+def _blank_events(run: Run) -> list[int]:
+    """Every event's message and data but its skeleton keys removed; the seqs blanked. One
+    statement on PostgreSQL (a run of a thousand steps has thousands of events: one UPDATE each
+    made retention's purge of a million steps take hours), an UPDATE an event elsewhere."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """
+                UPDATE runs_runevent SET message = '', data = CASE
+                    WHEN jsonb_typeof(data) = 'object' THEN (
+                        SELECT coalesce(jsonb_object_agg(key, value), '{}'::jsonb)
+                        FROM jsonb_each(data) WHERE key = ANY(%s)
+                    )
+                    ELSE '{}'::jsonb END
+                WHERE run_id = %s RETURNING seq
+                """,
+                [sorted(SKELETON_DATA), run.pk],
+            )
+            return sorted(seq for (seq,) in cursor.fetchall())
+    blanked = []
+    for event in RunEvent.objects.filter(run=run).only("pk", "seq", "data").order_by("seq"):
+        data = event.data if isinstance(event.data, dict) else {}
+        kept = {key: value for key, value in data.items() if key in SKELETON_DATA}
+        RunEvent.objects.filter(pk=event.pk).update(message="", data=kept)
+        blanked.append(event.seq)
+    return blanked
