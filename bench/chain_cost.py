@@ -33,7 +33,7 @@ def step_hashing(events: int, result: dict, observation: str) -> None:
     run, at = uuid.uuid4(), dt.datetime.now(dt.UTC)
     content = chain.content_of({"result": result, "observation": observation})
     for seq in range(events):
-        data = {"tool": "lookup", "from": "dispatching", "to": "succeeded", "step_kind": "tool"}
+        data: dict = {"tool": "lookup", "from": "dispatching", "to": "succeeded", "step_kind": "tool"}
         if seq == events - 1:
             data["content"] = content
         digest = chain.content_digest("tool lookup succeeded", data)

@@ -216,10 +216,11 @@ class LockWatch(threading.Thread):
         with psycopg.connect(os.environ["DATABASE_URL"].replace("postgres://", "postgresql://", 1)) as conn:
             conn.autocommit = True
             while not self.stop_event.is_set():
-                (count,) = conn.execute(
+                row = conn.execute(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                     "AND wait_event_type = 'Lock'"
                 ).fetchone()
+                count = row[0] if row else 0
                 self.samples += 1
                 self.waiting += bool(count)
                 self.most = max(self.most, count)
@@ -345,7 +346,8 @@ def main() -> None:
         deadline = (lambda: time.monotonic() + args.purge_seconds) if args.purge_seconds else (lambda: None)
 
         def content_purge() -> list[float]:
-            durations, until = [], deadline()
+            durations: list[float] = []
+            until = deadline()
             while until is None or time.monotonic() < until:
                 due = retention.due_runs(tenant, timezone.now(), 500)
                 if not due:
@@ -368,7 +370,8 @@ def main() -> None:
             tenant.refresh_from_db()
 
             def skeleton_purge() -> list[float]:
-                durations, until = [], deadline()
+                durations: list[float] = []
+            until = deadline()
                 now = timezone.now()
                 while until is None or time.monotonic() < until:
                     due = retention.skeleton_due(tenant, now, 500)
