@@ -371,7 +371,7 @@ def main() -> None:
 
             def skeleton_purge() -> list[float]:
                 durations: list[float] = []
-            until = deadline()
+                until = deadline()
                 now = timezone.now()
                 while until is None or time.monotonic() < until:
                     due = retention.skeleton_due(tenant, now, 500)
