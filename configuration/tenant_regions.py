@@ -17,7 +17,8 @@ database or this deployment's settings, so they run in the write phase:
 |--------------------------------------------------------------|----------------------------|
 | the home among the allowed regions                           | tenant.regions.allowed     |
 | a region this deployment knows (REGION, REGION_PEERS)        | tenant.regions.home/allowed[i] |
-| applied at the tenant's home (authority is written there and replicated) | tenant.regions.home |
+| away from home: no tenant field, user, group, grant or policy (replicated from the home) | their own paths |
+| the home given here is this deployment (apply at the home)  | tenant.regions.home        |
 | the home moved, or a region dropped, while a region holds slices | tenant.regions.home/allowed |
 | the reach at least MIN_REACH_SECONDS                         | tenant.regions.revocation_reach |
 | a slice no larger than the daily budget                      | tenant.regions.slice       |
@@ -33,7 +34,7 @@ from django.db.models import F
 from budgets.services import local_day
 from configuration.report import ApplyReport
 from configuration.rows import assign
-from configuration.schema import Item, Problems
+from configuration.schema import TENANT, Field, Plan, Problems
 from core.money import money
 from regions.models import RegionDay, TenantRegions, here
 from regions.services import CLOSING_DAYS
@@ -52,14 +53,40 @@ FIELDS = {
 }
 
 
-def apply(tenant: Tenant, item: Item, problems: Problems, report: ApplyReport) -> None:
+AT_HOME = (
+    "written at the tenant's home region {home!r} only (people, groups, grants, policies, the "
+    "tenant and its regions are replicated from there); a file applied here may hold the "
+    "tenant's slug and this region's own rows: secrets, model endpoints, tool servers, tools, "
+    "agents, webhooks"
+)
+# What a region other than the home replicates from it: a file applied there may not write them.
+AUTHORITY_SECTIONS = ("groups", "users", "grants")
+
+
+def home_of(tenant: Tenant) -> str | None:
+    stored = TenantRegions.of(tenant)
+    return stored.home if stored is not None else None
+
+
+def away_here(tenant: Tenant) -> bool:
+    """Whether this deployment is a region other than the tenant's home (its authority is a copy)."""
+    home = home_of(tenant)
+    return bool(here()) and home is not None and home != here()
+
+
+def apply(tenant: Tenant, plan: Plan, problems: Problems, report: ApplyReport) -> None:
+    assert plan.tenant is not None
+    item = plan.tenant
     stored = TenantRegions.of(tenant)
     if stored is not None and here() and stored.home != here():
-        problems.add(
-            f"{PATH}.home",
-            f"apply this tenant's file at its home region {stored.home!r}, not here ({here()!r}): "
-            "people, grants and policies are written at the home and replicated",
-        )
+        # Away from home only the region's own rows: the rest would diverge from the home's
+        # copy (and collide with the rows replication brings).
+        message = AT_HOME.format(home=stored.home)
+        for key in sorted(set(item.values) - {"slug"}):
+            problems.add(f"tenant.{_file_key(key)}", message)
+        for section in AUTHORITY_SECTIONS:
+            for entry in plan.sections.get(section, []):
+                problems.add(entry.path, message)
         return
     given = {key: value for key, value in item.values.items() if key in FIELDS}
     if not given:
@@ -146,3 +173,19 @@ def _slices(tenant: Tenant, lent: dict[str, int]) -> str:
 
 def _known(known: set[str]) -> str:
     return f"this deployment knows {', '.join(sorted(known))} (REGION, REGION_PEERS)"
+
+
+def _file_key(target: str) -> str:
+    """The file's path of a tenant field (`quotas.max_active_runs` for max_active_runs)."""
+
+    def find(spec, prefix: str) -> str | None:
+        for key, rule in spec.items():
+            if isinstance(rule, Field) and rule.target == target:
+                return prefix + key
+            if isinstance(rule, dict):
+                found = find(rule, f"{prefix}{key}.")
+                if found:
+                    return found
+        return None
+
+    return find(TENANT, "") or target

@@ -74,7 +74,7 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
     assert plan.tenant is not None
     report = ApplyReport(tenant=plan.tenant.key)
     ctx = _Context(_apply_tenant(plan.tenant, report), plan, problems, report, remote)
-    tenant_regions.apply(ctx.tenant, plan.tenant, problems, report)
+    tenant_regions.apply(ctx.tenant, plan, problems, report)
     steps: list[tuple[str, Callable[[Item, _Context], None]]] = [
         ("secrets", _apply_secret),
         ("groups", _apply_group),

@@ -122,15 +122,27 @@ def test_the_home_does_not_move_nor_a_region_go_while_it_holds_slices():
     apply_config(with_regions(home="mumbai", allowed=["mumbai", "frankfurt"]))
 
 
-def test_a_tenant_whose_home_is_elsewhere_is_not_applied_here(settings):
+def test_away_from_home_a_file_may_write_only_the_regions_own_rows(settings):
     apply_config(with_regions(home="mumbai", allowed=["mumbai", "frankfurt"]))
     settings.REGION_NAME = "frankfurt"  # the same database read as Frankfurt's replicated copy
     settings.REGION_PEERS = {"mumbai": "http://mumbai.invalid"}
     data = config()
     data["tenant"]["name"] = "Renamed in the wrong region"
-    found = errors(data)
-    assert [m for p, m in found if p == "tenant.regions.home" and "at its home region 'mumbai'" in m], found
+    found = dict(errors(data))
+    # The tenant's fields, its people and their grants are the home's: refused at their paths.
+    for path in ("tenant.name", "tenant.quotas.max_active_runs", "users[0]", "groups[0]", "grants[0]"):
+        assert "written at the tenant's home region 'mumbai' only" in found.get(path, ""), (path, found)
     assert Tenant.objects.get(slug=SLUG).name == "Acme Test"
+    # The region's own rows (endpoints, servers, tools, agents) by a file holding only them.
+    local = config()
+    local["tenant"] = {"slug": SLUG}
+    for section in ("users", "groups", "grants"):
+        del local[section]
+    local["agents"][0]["versions"].append(
+        dict(local["agents"][0]["versions"][0], instructions="Frankfurt's.")
+    )
+    report = apply_config(local)
+    assert any(change.startswith("created versions helper") for change in report.changes), report.changes
 
 
 def test_without_regions_configured_here_any_well_formed_names_are_stored(settings):
