@@ -102,6 +102,7 @@ def authority(home, settings):
         _home_sql(home, "DELETE FROM guardian_userobjectpermission WHERE user_id = %s", [USER_ID])
         _home_sql(home, "DELETE FROM approvals_policyset WHERE tenant_id = %s", [TENANT_ID])
         _home_sql(home, "DELETE FROM approvals_tenantpolicies WHERE tenant_id = %s", [TENANT_ID])
+        _home_sql(home, "DELETE FROM regions_tenantregions WHERE tenant_id = %s", [TENANT_ID])
 
 
 def _all_tables_ready() -> bool:
@@ -502,6 +503,16 @@ def test_on_a_stale_copy_the_region_asks_the_home_for_the_call_and_waits_when_it
     judged on the fresh copy once it returns."""
     pg_link, tenant, asha = authority
     echo = _setup_runs(tenant, asha, home)
+    # The home answers only for a tenant whose home it is: the tenant's regions written there and
+    # replicated here, as in production (not given here directly, as the other tests do).
+    TenantRegions.objects.filter(tenant=tenant).delete()
+    _home_sql(
+        home,
+        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
+        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
+        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
+    )
+    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
     row = _grant_row(echo)
     _home_sql(home, GRANT, row)
     _poll(lambda: _granted_here(row))
