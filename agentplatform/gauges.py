@@ -10,14 +10,16 @@ import logging
 
 from django.conf import settings
 from django.db.models import Count, Max, Min, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
 from approvals.models import Approval, ApprovalStatus
-from budgets.models import Reservation
+from budgets.models import BudgetAccount, Reservation
+from budgets.services import local_day
 from llm.models import EndpointCircuit
 from observability import health
-from regions.models import Heartbeat, HomeLink, RegionDay, SliceRequest, here
+from regions.models import Heartbeat, HomeLink, RegionDay, SliceRequest, TenantRegions, here
 from runs.models import TERMINAL, Run, RunEvent, RunStatus
 from tenants.models import Tenant
 
@@ -240,7 +242,33 @@ def _regions(slugs: dict) -> list:
     now = timezone.now()
     for region, beat_at in Heartbeat.objects.exclude(region=here()).values_list("region", "beat_at"):
         age.add_metric([region], _age(beat_at, now))
-    return [link_up, refill, pending, parked, lent, age]
+    return [link_up, refill, pending, parked, lent, age, _slice_balance(slugs)]
+
+
+def _slice_balance(slugs: dict) -> GaugeMetricFamily:
+    """Away from home: the tenant's slices of its local today and where their money is. `free` is
+    what runs here may still reserve before the keeper's next slice: at 0 with the link down, runs
+    park "budget region unreachable". Read from the day's sub-accounts without opening a day."""
+    balance = GaugeMetricFamily(
+        "agentplatform_region_slice_balance_micros",
+        "Away from home: the tenant's slices of today (granted less given back = limit) and their "
+        "free, reserved, spent and held parts, in micros.",
+        labels=["tenant", "part"],
+    )
+    if not here():
+        return balance
+    for config in TenantRegions.objects.select_related("tenant").exclude(home=here()):
+        tenant = config.tenant
+        day = BudgetAccount.objects.filter(
+            tenant=tenant, scope=BudgetAccount.Scope.TENANT_DAY, day=local_day(tenant)
+        ).aggregate(**{part: Coalesce(Sum(f"{part}_micros"), 0) for part in SLICE_PARTS})
+        day["free"] = day["limit"] - day["reserved"] - day["spent"] - day["held"]
+        for part in (*SLICE_PARTS, "free"):
+            balance.add_metric([slugs.get(tenant.pk, tenant.slug), part], day[part])
+    return balance
+
+
+SLICE_PARTS = ("limit", "reserved", "spent", "held")
 
 
 class BrokerCollector:

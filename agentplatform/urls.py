@@ -56,6 +56,7 @@ v1 = [
     path("regions/slices/grant", regions_api.grant_view),
     path("regions/slices/return", regions_api.return_view),
     path("regions/probe", regions_api.probe_view),
+    path("regions/authority", regions_api.authority_view),
     path("regions/status", regions_api.RegionStatusApi.as_view()),
     path("connections", connections_api.ConnectionListApi.as_view()),
     path("connections/callback", connections_api.ConnectionCallbackApi.as_view()),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from django.db import DataError, transaction
 
-from configuration import policies
+from configuration import policies, tenant_regions
 from configuration.discovery import discover
 from configuration.egress import check_egress
 from configuration.loading import load_file, load_text
@@ -57,7 +57,9 @@ def apply_config(data: dict, *, dry_run: bool = False, source: str | None = None
         with transaction.atomic():
             report = write(plan, remote, problems)
             tenant = Tenant.objects.filter(slug=plan.tenant.key).first()
-            if tenant is not None:
+            if tenant is not None and spec is not None and tenant_regions.away_here(tenant):
+                problems.add("policies", tenant_regions.AT_HOME.format(home=tenant_regions.home_of(tenant)))
+            elif tenant is not None:
                 policies.apply(tenant, spec, problems, report)
             if problems:
                 raise ConfigError(problems.in_file_order())

@@ -239,6 +239,31 @@ def _text_list(value: Any) -> list[str]:
     return value
 
 
+# A region's name (settings.REGION, REGION_PEERS): lower-case letters, digits and dashes.
+_REGION_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+
+
+def _region_name(value: Any) -> str:
+    if not isinstance(value, str) or not _REGION_NAME.fullmatch(value):
+        raise _Invalid("must be a region's name: lower-case letters, digits and dashes, at most 40")
+    return value
+
+
+def _region_names(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise _Invalid("must be a list of region names, the home among them")
+    if len(value) > LIST_MAX:
+        raise _Invalid(f"must have at most {LIST_MAX} items")
+    for i, item in enumerate(value):
+        try:
+            _region_name(item)
+        except _Invalid as exc:
+            raise _Invalid(exc.message, at=f"[{i}]") from None
+        if item in value[:i]:
+            raise _Invalid(f"{item!r} is listed twice", at=f"[{i}]")
+    return value
+
+
 def _time_zone(value: Any) -> str:
     text = _text(64, empty=False)(value)
     try:

@@ -30,6 +30,8 @@ from configuration.convert import (
     _non_negative,
     _nullable,
     _price,
+    _region_name,
+    _region_names,
     _sandbox,
     _seconds,
     _slug,
@@ -54,6 +56,15 @@ PERMS = {"use": "use_tool", "approve": "approve_tool"}  # grants[] with tool:
 AGENT_PERMS = {"run": "run_agent"}  # grants[] with agent:
 TENANT_PERMS = {"view_runs": "view_runs"}  # tenant.view_runs
 DAY = 24 * 3600
+REACH_MAX = 3600  # an hour-old copy of who may do what is already more than a bank would accept
+# The tenant's regions, as parsed: stored in regions.TenantRegions, not on the tenant row.
+REGION_KEYS = (
+    "region_home",
+    "region_allowed",
+    "revocation_reach_seconds",
+    "slice_micros",
+    "away_share_percent",
+)
 APPROVAL_TTL_MAX = 30 * DAY
 RETENTION_MAX = 2**31 - 1  # whole seconds, as the file's numbers are: about 68 years
 
@@ -208,6 +219,15 @@ TENANT: Spec = {
         "max_active_runs": Field("max_active_runs", _int(1, 1_000_000)),
         "max_starts_per_minute": Field("max_starts_per_minute", _int(1, 1_000_000)),
         "model_quota_weight": Field("quota_weight", _int(1, QUOTA_WEIGHT_MAX)),
+    },
+    # Where the tenant's runs may execute and which region's ledger is authoritative
+    # (configuration/tenant_regions.py, docs/regions.md); left out: as stored.
+    "regions": {
+        "home": Field("region_home", _region_name, required=True),
+        "allowed": Field("region_allowed", _region_names),
+        "revocation_reach": Field("revocation_reach_seconds", _seconds(REACH_MAX)),
+        "slice": Field("slice_micros", _money),
+        "away_share_percent": Field("away_share_percent", _int(1, 100)),
     },
     "caps": {
         "max_steps": Field("max_steps_cap", _int(1, 100_000)),

@@ -19,13 +19,14 @@ from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from budgets.models import BudgetAccount
 from budgets.services import local_day, set_day_limit
-from configuration import delegation, reminders
+from configuration import delegation, reminders, tenant_regions
 from configuration.report import ApplyReport
 from configuration.rows import assign
 from configuration.schema import (
     AGENT_PERMS,
     HTTP_ONLY,
     PERMS,
+    REGION_KEYS,
     REMINDER_KEYS,
     TENANT_PERMS,
     TOOL,
@@ -73,6 +74,7 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
     assert plan.tenant is not None
     report = ApplyReport(tenant=plan.tenant.key)
     ctx = _Context(_apply_tenant(plan.tenant, report), plan, problems, report, remote)
+    tenant_regions.apply(ctx.tenant, plan, problems, report)
     steps: list[tuple[str, Callable[[Item, _Context], None]]] = [
         ("secrets", _apply_secret),
         ("groups", _apply_group),
@@ -97,7 +99,9 @@ def write(plan: Plan, remote: dict[str, list[RemoteTool]], problems: Problems) -
 
 
 def _apply_tenant(item: Item, report: ApplyReport) -> Tenant:
-    values = {k: v for k, v in item.values.items() if k not in ("slug", "view_runs", *REMINDER_KEYS)}
+    values = {
+        k: v for k, v in item.values.items() if k not in ("slug", "view_runs", *REMINDER_KEYS, *REGION_KEYS)
+    }
     tenant = Tenant.objects.filter(slug=item.key).first()
     if tenant is None:
         values.setdefault("name", item.key)

@@ -3,6 +3,8 @@
     POST /v1/regions/slices/grant    a region asks for a slice of a tenant's day (signed)
     POST /v1/regions/slices/return   a region gives free room of a day back (signed)
     POST /v1/regions/probe           a region asks how much of a day the home has free (signed; no write)
+    POST /v1/regions/authority       a region whose copy of the authority is older than the reach asks
+                                     the home about calls (user, tool): held? switched off? (signed; no write)
     GET  /v1/regions/status          the signed-in user's tenant in this region (supervisors)
 
 The escrow endpoints are plain Django views: their authentication is the request's signature
@@ -69,6 +71,11 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
             raise Forbidden(
                 f"{here()!r} is not the home of {tenant.slug} for region {region!r}", code="not_home"
             )
+        if operation == "authority":
+            calls = body["calls"]
+            if not isinstance(calls, list):
+                raise TypeError("calls must be a list")
+            return _answer(request, 200, services.decide(tenant=tenant, calls=calls), key)
         day = dt.date.fromisoformat(body["day"])
         if operation is None:
             return _answer(request, 200, services.probe(tenant=tenant, region=region, day=day), key)
@@ -119,6 +126,12 @@ def return_view(request: HttpRequest) -> HttpResponse:
 @require_POST
 def probe_view(request: HttpRequest) -> HttpResponse:
     return _escrow(request, None)
+
+
+@csrf_exempt
+@require_POST
+def authority_view(request: HttpRequest) -> HttpResponse:
+    return _escrow(request, "authority")
 
 
 @extend_schema_serializer(component_name="RegionStatus")

@@ -22,6 +22,7 @@ from regions.signing import ANSWER_SIGNATURE, SIGNATURE, BadSignature, sign_requ
 GRANT_PATH = "/v1/regions/slices/grant"
 RETURN_PATH = "/v1/regions/slices/return"
 PROBE_PATH = "/v1/regions/probe"
+AUTHORITY_PATH = "/v1/regions/authority"
 
 
 class HomeUnreachable(Exception):

@@ -192,3 +192,28 @@ class HomeLink(models.Model):
     home_free_micros = models.BigIntegerField(null=True, blank=True)
     home_day = models.DateField(null=True, blank=True)
     refill_ms = models.FloatField(null=True, blank=True)  # the last grant's round trip
+
+
+class HomeAnswer(models.Model):
+    """Region side: what the home answered for one tool call asked while this region's copy of
+    its authority was older than the tenant's reach (regions.services.ask_home). The claim acts on
+    it (runs/authority_copy.home_answer) until `asked_at` + the reach: the home decided after
+    this region asked, so the answer is at least as fresh as a copy that age."""
+
+    class Verdict(models.TextChoices):
+        ACT = "act"  # granted at home, no switch on, the policies here are the home's version
+        DENY = "deny"  # not held at home: the call is denied with `reason`
+        WAIT = "wait"  # a switch on at home, or a change not yet here: wait for the copy
+
+    run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="+")
+    step_seq = models.PositiveIntegerField()
+    asked_at = models.DateTimeField()
+    verdict = models.CharField(max_length=4, choices=Verdict.choices)
+    reason = models.TextField(blank=True)
+    # The tenant's policy version the home answered with (None: it has none); the claim acts only
+    # while this region's copy holds the same version (its policies are then the home's).
+    policy_version = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        # One answer per call, the latest: a call that waits is asked again on each keeper pass.
+        constraints = [models.UniqueConstraint(fields=["run", "step_seq"], name="uniq_home_answer_call")]

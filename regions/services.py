@@ -8,6 +8,8 @@
 | region | tend(tenant): ask               | SliceRequest(grant) pending; on the answer: region limit up  |
 | region | tend(tenant): give back         | region limit down by free room only; SliceRequest(return) pending |
 | region | tend(tenant): resume            | runs parked for the slice, in the order they parked          |
+| home   | decide(calls)                   | nothing: for each (user, tool), held at home? tool switch on? policy version |
+| region | ask_home(tenant)                | HomeAnswer per call paused on a stale copy; resumes the ones answered act/deny |
 
 The invariant: for every tenant and day, the home's day limit plus every region's outstanding
 slices (granted - returned, as the home counts them) equals the daily budget, and each region's
@@ -37,23 +39,36 @@ import logging
 import time
 import uuid
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, OuterRef, Subquery
 from django.utils import timezone
 
+from approvals.models import TenantPolicies
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from core.errors import Conflict
 from regions import client
-from regions.models import Heartbeat, HomeLink, RegionDay, SliceMove, SliceRequest, TenantRegions, here
+from regions.models import (
+    Heartbeat,
+    HomeAnswer,
+    HomeLink,
+    RegionDay,
+    SliceMove,
+    SliceRequest,
+    TenantRegions,
+    authority_age,
+    here,
+)
 from runs import admission
 from runs.authority_copy import stale_authority
 from runs.controls import pausing
+from runs.controls.models import KillSwitch
 from runs.engine.decisions import AUTHORITY_STALE, slice_ask, slice_give_back
-from runs.models import Run, RunEvent, RunStatus
+from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from runs.queueing import enqueue
 from runs.transitions import lock_run, transition_run
-from tenants.models import Tenant
+from tenants.models import Tenant, User
+from tenants.permissions import held_sql
 
 logger = logging.getLogger("regions")
 
@@ -155,6 +170,30 @@ def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: i
     )
 
 
+def decide(*, tenant: Tenant, calls: list[dict]) -> dict:
+    """For a region whose copy of the authority is older than the reach: the home's own answer,
+    now, for each call (user id, tool id): whether the user holds use_tool on the tool here,
+    whether the tool's kill switch is on here, and the tenant's policy version. Nothing of the
+    run leaves its region: ids only (the region evaluates the policies, once its copy holds the
+    same version)."""
+    answers = []
+    policy_version = TenantPolicies.objects.filter(tenant=tenant).values_list("version", flat=True).first()
+    held = held_sql("tools", "tool", "use_tool", column="%(pk)s")
+    for call in calls[:500]:
+        user_id, tool_id = int(call["user_id"]), int(call["tool_id"])
+        active = User.objects.filter(pk=user_id, tenant=tenant, is_active=True).exists()
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT 1 WHERE {held}", {"user": user_id, "pk": str(tool_id)})
+            granted = active and cursor.fetchone() is not None
+        switch = (
+            KillSwitch.objects.filter(tenant=tenant, on=True, scope=KillSwitch.Scope.TOOL, target_id=tool_id)
+            .values_list("reason", flat=True)
+            .first()
+        )
+        answers.append({"user_id": user_id, "tool_id": tool_id, "granted": granted, "switch": switch})
+    return {"calls": answers, "policy_version": policy_version}
+
+
 def _free(tenant, day: dt.date) -> int:
     return budgets.tenant_day_account(tenant, day).remaining_micros
 
@@ -189,21 +228,117 @@ def resume_when_fresh(tenant) -> int:
     once it is fresh again, earliest paused first. Their tool call is then checked on the fresh
     copy (a grant revoked meanwhile denies it)."""
     if stale_authority(tenant.pk) is not None:
-        return 0
-    count = 0
-    for run_id in (
+        return ask_home(tenant)
+    return _resume(
         Run.objects.filter(tenant=tenant, status=RunStatus.PAUSED, pause_reason=AUTHORITY_STALE)
         .order_by("paused_at", "pk")
-        .values_list("pk", flat=True)[:500]
-    ):
+        .values_list("pk", flat=True)[:500],
+        "the copy of the home's authority is fresh again",
+    )
+
+
+def _resume(run_ids, reason: str) -> int:
+    count = 0
+    for run_id in run_ids:
         try:
-            pausing.resume_run(
-                run_id=run_id, actor=None, reason="the copy of the home's authority is fresh again"
-            )
+            pausing.resume_run(run_id=run_id, actor=None, reason=reason)
         except Conflict:  # resumed by a person meanwhile
             continue
         count += 1
     return count
+
+
+def ask_home(tenant) -> int:
+    """While this region's copy of the home's authority is older than the reach, ask the home
+    directly about each tool call waiting on it (one signed call for all of them), record the
+    answer (HomeAnswer) and resume the runs answered `act` or `deny`: their claim acts on the
+    answer within the reach of asking. A home that does not answer leaves them waiting, as before.
+    """
+    config = TenantRegions.of(tenant)
+    if config is None or config.home == here():
+        return 0
+    waiting: dict = {}  # run id -> its open tool step
+    for run in (
+        Run.objects.filter(tenant=tenant, status=RunStatus.PAUSED, pause_reason=AUTHORITY_STALE)
+        .order_by("paused_at", "pk")
+        .only("pk", "created_by_id")[:200]
+    ):
+        step = (
+            Step.objects.filter(
+                run_id=run.pk,
+                kind="tool",
+                status__in=(StepStatus.PROPOSED, StepStatus.APPROVED, StepStatus.RETRIED),
+            )
+            .order_by("-seq")
+            .only("pk", "seq", "tool_id")
+            .first()
+        )
+        if step is not None and step.tool_id is not None:
+            waiting[run.pk] = (run.created_by_id, step)
+    if not waiting:
+        return 0
+    asked_at = timezone.now()
+    calls = sorted({(user_id, step.tool_id) for user_id, step in waiting.values()})
+    try:
+        answer = client.call_home(
+            config.home,
+            client.AUTHORITY_PATH,
+            {"tenant": tenant.slug, "calls": [{"user_id": u, "tool_id": t} for u, t in calls]},
+        )
+    except client.HomeUnreachable as exc:
+        logger.info("home of %s unreachable for a decision; calls wait for the copy: %s", tenant.slug, exc)
+        return 0
+    facts = {(int(c["user_id"]), int(c["tool_id"])): c for c in answer["calls"]}
+    home_version = answer.get("policy_version")
+    here_version = TenantPolicies.objects.filter(tenant=tenant).values_list("version", flat=True).first()
+    age = authority_age(config)
+    resumed = []
+    for run_id, (user_id, step) in waiting.items():
+        verdict, reason = _verdict(
+            facts.get((user_id, step.tool_id)), home_version, here_version, user_id, step.tool_id, age
+        )
+        HomeAnswer.objects.update_or_create(
+            run_id=run_id,
+            step_seq=step.seq,
+            defaults={
+                "asked_at": asked_at,
+                "verdict": verdict,
+                "reason": reason,
+                "policy_version": home_version,
+            },
+        )
+        if verdict != HomeAnswer.Verdict.WAIT:
+            resumed.append(run_id)
+    return _resume(
+        resumed, "the home region answered for the call (this region's copy is older than the reach)"
+    )
+
+
+def _verdict(fact, home_version, here_version, user_id: int, tool_id: int, age) -> tuple[str, str]:
+    copy = (
+        f"asked the home region: this region's copy is {age:.1f} s old"
+        if age is not None
+        else ("asked the home region: no copy here yet")
+    )
+    if fact is None:  # the home left this call out of its answer: ask again next pass
+        return HomeAnswer.Verdict.WAIT, "the home region did not answer for this call"
+    if not fact["granted"]:
+        return HomeAnswer.Verdict.DENY, f"use_tool is not held at the home region ({copy})"
+    if fact.get("switch"):
+        return HomeAnswer.Verdict.WAIT, f"the tool's kill switch is on at the home region: {fact['switch']}"
+    if home_version != here_version:
+        return (
+            HomeAnswer.Verdict.WAIT,
+            "the tenant's policies changed at the home region; waiting for the copy",
+        )
+    with connection.cursor() as cursor:  # granted at home but not yet here: the copy will bring it
+        cursor.execute(
+            f"SELECT 1 WHERE {held_sql('tools', 'tool', 'use_tool', column='%(pk)s')}",
+            {"user": user_id, "pk": str(tool_id)},
+        )
+        if cursor.fetchone() is None:
+            return HomeAnswer.Verdict.WAIT, "granted at the home region; waiting for the copy"
+    return HomeAnswer.Verdict.ACT, copy
 
 
 def tend(config: TenantRegions) -> None:

@@ -22,6 +22,7 @@ from core import chain, sql
 from core.errors import IllegalTransition
 from llm.models import ModelEndpoint
 from observability import observe
+from regions.models import Heartbeat, TenantRegions, here
 from runs import statements
 from runs.models import (
     READY,
@@ -263,12 +264,14 @@ def _lock_run_row_sql() -> str:
 
 
 @functools.cache
-def _lock_run_sql(for_step: bool) -> str:
+def _lock_run_sql(for_step: bool, regions: bool = False) -> str:
     """LOCK_RUN (built once: the column lists come from the models' metadata).
 
     For a step, the same statement also reads what the claim would otherwise ask in statements
     of their own (ClaimReads): the tenant's policy version, whether a tool or endpoint switch of
-    the tenant is on, the creator's groups and run_agent grant, and the agent.
+    the tenant is on, the creator's groups and run_agent grant, and the agent; in a deployment
+    with regions, also the tenant's home, its revocation reach and the age of the home's newest
+    heartbeat here (runs/authority_copy.py), in the snapshot the switches and policies are read in.
     """
     joins = (
         f"JOIN {sql.table(Tenant)} t ON t.id = r.tenant_id "
@@ -296,6 +299,14 @@ def _lock_run_sql(for_step: bool) -> str:
                 "%(user)s", "r.created_by_id"
             )
         )
+        if regions:
+            homes = f"{sql.table(TenantRegions)} rr WHERE rr.tenant_id = r.tenant_id"
+            select += (
+                f", (SELECT rr.home FROM {homes}), (SELECT rr.revocation_reach_seconds FROM {homes})"
+                # clock_timestamp(), not now(): the age at this statement, not at the transaction's start
+                f", (SELECT EXTRACT(EPOCH FROM clock_timestamp() - h.beat_at) FROM {sql.table(Heartbeat)} h "
+                f"JOIN {sql.table(TenantRegions)} rr ON rr.home = h.region WHERE rr.tenant_id = r.tenant_id)"
+            )
     return f"SELECT {select} FROM {sql.table(Run)} r {joins}WHERE r.id = %(run)s {sql.for_update('r')}"
 
 
@@ -328,17 +339,26 @@ def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
         run.tenant.secrets_generation = generation
         return run
     models = [Run, Tenant, AgentVersion] + ([User, ModelEndpoint, AgentDefinition] if for_step else [])
-    found = sql.fetch_with_rest(_lock_run_sql(for_step), {"run": run_id}, *models)
+    regions = for_step and bool(here())
+    found = sql.fetch_with_rest(_lock_run_sql(for_step, regions), {"run": run_id}, *models)
     if not found:
         raise Run.DoesNotExist(f"no run {run_id}")
     (run, tenant, version, *more), rest = found[0]
     run.tenant, run.version = tenant, version
     if more:
         run.created_by, version.model_endpoint, run.agent = more
-        policy_version, switches_on, groups, may_run_agent = rest
+        policy_version, switches_on, groups, may_run_agent, *authority = rest
         if isinstance(groups, str):  # SQLite's JSON array
             groups = json.loads(groups)
-        run.claim_reads = ClaimReads(policy_version, switches_on, tuple(groups), bool(may_run_agent))
+        run.claim_reads = ClaimReads(
+            policy_version,
+            switches_on,
+            tuple(groups),
+            bool(may_run_agent),
+            (authority[0], authority[1], None if authority[2] is None else max(float(authority[2]), 0.0))
+            if regions
+            else None,
+        )
     return run
 
 

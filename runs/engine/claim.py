@@ -27,13 +27,15 @@ from django.conf import settings
 from django.utils import timezone
 
 from approvals import services as approvals
+from approvals.models import TenantPolicies
 from connections.selectors import state_for
 from llm import breaker, fallback
 from llm import gateway as model_gateway
 from observability import observe
+from regions.models import HomeAnswer
 from runs import statements
 from runs.approval_effects import request_approval
-from runs.authority_copy import pause_for_stale_authority, stale_authority
+from runs.authority_copy import home_answer, pause_for_stale_authority, stale_authority
 from runs.controls import kill_switches
 from runs.engine import compacted, conversation, decisions, loops, model_step, platform_tools, writer
 from runs.engine.dispatch import let_go, reserve_and_mark
@@ -215,11 +217,22 @@ def _apply(
                 platform_tools.answer(run, step)
                 return None
             # Away from home, a tool call (and the use of its approval) needs a copy of the
-            # home's grants, policies and kill switches no older than the tenant's reach.
-            stale = stale_authority(run.tenant_id)
+            # home's grants, policies and kill switches no older than the tenant's reach, or the
+            # home's own answer for this call asked within the reach (the keeper asks it for the
+            # runs paused here); the policies are then evaluated here, on the home's version.
+            stale = stale_authority(run.tenant_id, reads=run.claim_reads)
             if stale is not None:
-                pause_for_stale_authority(run, stale)
-                return None
+                answer = home_answer(run, step.seq)
+                if answer is not None and answer.verdict == HomeAnswer.Verdict.DENY:
+                    writer.deny(run, step, answer.reason)
+                    return None
+                if (
+                    answer is None
+                    or answer.verdict != HomeAnswer.Verdict.ACT
+                    or answer.policy_version != _policy_version(run)
+                ):
+                    pause_for_stale_authority(run, stale if answer is None else f"{stale}; {answer.reason}")
+                    return None
             switch = kill_switches.killed(tool_id=step.tool_id, reads=run.claim_reads)
             if switch is None:
                 return _open_tool_call(run, step, window)
@@ -337,6 +350,13 @@ def model_history(window: list[Step]) -> tuple[fallback.Attempt, ...]:
         for s in window
         if s.kind == StepKind.MODEL and s.status in MODEL_FINISHED
     )
+
+
+def _policy_version(run: Run) -> int | None:
+    """The tenant's policy version this claim read with the run's lock (or now)."""
+    if run.claim_reads is not None:
+        return run.claim_reads.policy_version
+    return TenantPolicies.objects.filter(tenant_id=run.tenant_id).values_list("version", flat=True).first()
 
 
 def _open_tool_call(run: Run, step: Step, window: list[Step]) -> Intent | None:

@@ -48,7 +48,7 @@ class Home:
              "--port", str(self.port), "--no-access-log"],
             cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # a loaded machine imports Django slowly
         while not self._healthy():
             if self.api.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"home API did not start: {(pg.folder / 'api.log').read_text()[-3000:]}")

@@ -8,6 +8,9 @@
     publish {}                                     the publication of the authority tables
     beat {"every"}                                 the home's heartbeat, until killed
     people {"tenant_id", "user_id", "slug", "username"}  a tenant and a user with these ids
+    policy {"tenant_id", "text"}                   the tenant's one policy set (null: none), as apply
+                                                   writes it (the version moved in the same commit);
+                                                   prints when it committed (time.time())
 
 Prints one JSON line on stdout.
 """
@@ -68,6 +71,25 @@ def main(command: str, args: dict) -> dict:
                 pk=args["user_id"], username=args["username"], password="pw", tenant=tenant
             )
         return {}
+    if command == "policy":
+        import time
+
+        from django.db import transaction
+        from django.db.models import F
+
+        from approvals.models import PolicySet, TenantPolicies
+
+        with transaction.atomic():
+            TenantPolicies.objects.get_or_create(tenant_id=args["tenant_id"])
+            if args["text"] is None:
+                PolicySet.objects.filter(tenant_id=args["tenant_id"]).delete()
+            else:
+                PolicySet.objects.update_or_create(
+                    tenant_id=args["tenant_id"], name="regions-test", defaults={"text": args["text"]}
+                )
+            TenantPolicies.objects.filter(tenant_id=args["tenant_id"]).update(version=F("version") + 1)
+            version = TenantPolicies.objects.get(tenant_id=args["tenant_id"]).version
+        return {"committed_at": time.time(), "version": version}
     tenant = Tenant.objects.get(slug=args["slug"])
     if command == "race":
         running = race.Race(

@@ -25,7 +25,7 @@ from django.db import connection, transaction
 from budgets import services as budgets
 from regions import replication
 from regions import services as regions
-from regions.models import Heartbeat, TenantRegions
+from regions.models import Heartbeat, HomeAnswer, TenantRegions
 from runs.engine import advance
 from runs.engine.decisions import AUTHORITY_STALE
 from runs.models import TERMINAL, Run, Step
@@ -76,6 +76,10 @@ def authority(home, settings):
         wait_for(
             lambda: Heartbeat.objects.filter(region=HOME).exists(), timeout=60, what="the home's heartbeat"
         )
+        # Every table of the subscription past its initial synchronisation: a change to a table
+        # still being synchronised waits for it (tens of seconds on a loaded machine), which
+        # would be measured as reach.
+        wait_for(_all_tables_ready, timeout=120, what="the subscription's tables ready")
         yield pg_link, tenant, asha
     finally:
         beat.kill()
@@ -96,6 +100,15 @@ def authority(home, settings):
                     raise
                 time.sleep(0.5)
         _home_sql(home, "DELETE FROM guardian_userobjectpermission WHERE user_id = %s", [USER_ID])
+        _home_sql(home, "DELETE FROM approvals_policyset WHERE tenant_id = %s", [TENANT_ID])
+        _home_sql(home, "DELETE FROM approvals_tenantpolicies WHERE tenant_id = %s", [TENANT_ID])
+        _home_sql(home, "DELETE FROM regions_tenantregions WHERE tenant_id = %s", [TENANT_ID])
+
+
+def _all_tables_ready() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_subscription_rel WHERE srsubstate <> 'r'")
+        return cursor.fetchone()[0] == 0
 
 
 def _same_content_types(home) -> None:
@@ -342,3 +355,220 @@ def _switch_here(tool: Tool) -> bool:
     with connection.cursor() as cursor:
         cursor.execute('SELECT 1 FROM runs_killswitch WHERE target_id = %s AND "on"', [tool.pk])
         return cursor.fetchone() is not None
+
+
+def _policy_version_here() -> int | None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT version FROM approvals_tenantpolicies WHERE tenant_id = %s", [TENANT_ID])
+        row = cursor.fetchone()
+    return row[0] if row else None
+
+
+def _home_policy(home, text: str | None) -> dict:
+    """The tenant's one policy set changed at home as `apply` changes it: the set and the tenant's
+    policy version in one commit. When it committed (time.time()) and the new version."""
+    with psycopg.connect(home.pg.url("home").replace("postgres://", "postgresql://", 1)) as conn:
+        if text is None:
+            conn.execute("DELETE FROM approvals_policyset WHERE tenant_id = %s", [TENANT_ID])
+        else:
+            conn.execute(
+                "INSERT INTO approvals_policyset (tenant_id, name, mode, text, source, first_line, private) "
+                "VALUES (%s, 'regions-test', 'enforce', %s, '', 1, false) "
+                "ON CONFLICT (tenant_id, name) DO UPDATE SET text = EXCLUDED.text",
+                [TENANT_ID, text],
+            )
+        [version] = conn.execute(
+            "UPDATE approvals_tenantpolicies SET version = version + 1 WHERE tenant_id = %s RETURNING version",
+            [TENANT_ID],
+        ).fetchone()
+        conn.commit()
+        return {"committed_at": time.time(), "version": version}
+
+
+def _forbid(tool: Tool) -> str:
+    return f'@id("no-echo-anywhere")\nforbid (principal, action == Action::"{tool.name}", resource);'
+
+
+def _denied_by_policy(runs: list) -> int:
+    return sum(
+        1
+        for step in Step.objects.filter(run_id__in=runs, kind="tool", status="denied")
+        if "no-echo-anywhere" in f"{step.error} {step.result} {step.observation}"
+    )
+
+
+def test_a_policy_changed_at_home_reaches_the_region_within_the_bound_and_a_stale_copy_waits(home, authority):
+    """A Cedar policy set written at home (as `apply` writes it: the set and the tenant's policy
+    version in one commit) forbids the tool: with the link up it reaches the region within the
+    reach and calls are denied by it; with the link cut, the region calls on its copy only while
+    that copy is younger than the reach, then waits, and the waiting calls are denied by the
+    policy once the copy is fresh again."""
+    pg_link, tenant, asha = authority
+    echo = _setup_runs(tenant, asha, home)
+    row = _grant_row(echo)
+    _home_sql(home, GRANT, row)
+    home.run("policy", {"tenant_id": TENANT_ID, "text": None})  # the tenant's policies, none forbidding
+    _poll(lambda: _granted_here(row) and _policy_version_here() is not None)
+
+    # Link up: 20 runs about to call the tool, the forbid written at home while they go.
+    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(RUNS)]
+    for run_id in runs:
+        advance(run_id)  # the model proposes the call
+    stop = threading.Event()
+    workers = _drive(runs, stop, pace=0.05)
+    time.sleep(0.3)
+    changed = _home_policy(home, _forbid(echo))
+    seen = _poll(lambda: _policy_version_here() == changed["version"])
+    wait_for(lambda: not Run.objects.filter(pk__in=runs).exclude(status__in=TERMINAL).exists(), timeout=120)
+    stop.set()
+    for t in workers:
+        t.join(30)
+    late = _calls_after(echo, changed["committed_at"])
+    print(
+        f"policy change, link up: reached the region {(seen - changed['committed_at']) * 1000:.0f} ms after "
+        f"its commit; {len(late)} calls after it (latest {max(late, default=0) * 1000:.0f} ms), "
+        f"{_denied_by_policy(runs)} calls denied by it"
+    )
+    assert seen - changed["committed_at"] <= REACH
+    assert not [d for d in late if d > REACH]
+    assert _denied_by_policy(runs) > 0  # the new policy was acted on here
+
+    # Link cut, then the policy changed back to permit and again to forbid at home: the region
+    # acts on its copy (still forbidding) until it is REACH old, then calls wait.
+    permitted = _home_policy(home, None)
+    _poll(lambda: _policy_version_here() == permitted["version"])
+    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(RUNS)]
+    for run_id in runs:
+        advance(run_id)
+    pg_link.cut()
+    changed = _home_policy(home, _forbid(echo))
+    stop = threading.Event()
+    workers = _drive(runs, stop, pace=0.25)
+    wait_for(
+        lambda: not Run.objects.filter(pk__in=runs).exclude(status__in=(*TERMINAL, "paused")).exists(),
+        timeout=120,
+    )
+    time.sleep(REACH)
+    late = _calls_after(echo, changed["committed_at"])
+    paused = list(
+        Run.objects.filter(pk__in=runs, status="paused", pause_reason=AUTHORITY_STALE).values_list(
+            "pk", flat=True
+        )
+    )
+    print(
+        f"policy change, link cut: {len(late)} calls after it on the old copy (latest "
+        f"{max(late, default=0) * 1000:.0f} ms), {len(paused)} runs waiting on the stale copy"
+    )
+    assert not [d for d in late if d > REACH]
+    assert paused and _policy_version_here() == permitted["version"]  # the copy still permits
+    pg_link.heal()
+    _poll(lambda: _policy_version_here() == changed["version"], timeout=60)
+    wait_for(
+        lambda: (
+            regions.resume_when_fresh(tenant) >= 0
+            and not Run.objects.filter(pk__in=paused, status="paused").exists()
+        ),
+        timeout=30,
+    )
+    wait_for(lambda: not Run.objects.filter(pk__in=runs).exclude(status__in=TERMINAL).exists(), timeout=120)
+    stop.set()
+    for t in workers:
+        t.join(30)
+    assert not [d for d in _calls_after(echo, changed["committed_at"]) if d > REACH]
+    assert _denied_by_policy(paused) == len(paused)  # every waiting call was judged on the new policy
+
+
+def _keep(tenant, stop: threading.Event) -> threading.Thread:
+    """The keeper's authority pass (what beat runs every REGION_TEND_SECONDS)."""
+
+    def keep():
+        try:
+            while not stop.is_set():
+                regions.resume_when_fresh(tenant)
+                time.sleep(0.2)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=keep, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_on_a_stale_copy_the_region_asks_the_home_for_the_call_and_waits_when_it_cannot(
+    home, link, authority
+):
+    """Replication cut (the copy ages past the reach) but the signed link up: the region asks
+    the home about each waiting call and acts on its answer (granted: called; revoked at home
+    while the copy here still says granted: denied). Both links cut: the calls wait, and are
+    judged on the fresh copy once it returns."""
+    pg_link, tenant, asha = authority
+    echo = _setup_runs(tenant, asha, home)
+    # The home answers only for a tenant whose home it is: the tenant's regions written there and
+    # replicated here, as in production (not given here directly, as the other tests do).
+    TenantRegions.objects.filter(tenant=tenant).delete()
+    _home_sql(
+        home,
+        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
+        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
+        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
+    )
+    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
+    row = _grant_row(echo)
+    _home_sql(home, GRANT, row)
+    _poll(lambda: _granted_here(row))
+    runs = [start_run(user=asha, agent="agent", input={"i": i})[0].pk for i in range(15)]
+    for run_id in runs:
+        advance(run_id)  # the model proposes the call
+    granted, revoked, cut_off = runs[:5], runs[5:10], runs[10:]
+    pg_link.cut()
+    wait_for(lambda: regions_stale(tenant), timeout=30, what="the copy to age past the reach")
+    stop = threading.Event()
+    keeper = _keep(tenant, stop)
+    workers = _drive(granted, stop, pace=0.05)
+    try:
+        wait_for(
+            lambda: not Run.objects.filter(pk__in=granted).exclude(status__in=TERMINAL).exists(), timeout=120
+        )
+        assert regions_stale(tenant)  # the calls were made on the home's answers, not on a fresh copy
+        assert set(Step.objects.filter(run_id__in=granted, kind="tool").values_list("status", flat=True)) == {
+            "succeeded"
+        }
+        assert HomeAnswer.objects.filter(run_id__in=granted, verdict="act").count() == len(granted)
+
+        revoked_at = _home_sql(home, REVOKE, row)  # at home only: the copy here still says granted
+        workers += _drive(revoked, stop, pace=0.05)
+        wait_for(
+            lambda: not Run.objects.filter(pk__in=revoked).exclude(status__in=TERMINAL).exists(), timeout=120
+        )
+        assert _granted_here(row) and regions_stale(tenant)
+        denied = Step.objects.filter(run_id__in=revoked, kind="tool", status="denied")
+        assert denied.count() == len(revoked)
+        assert all("not held at the home region" in f"{s.error} {s.observation}" for s in denied)
+        assert not _calls_after(echo, revoked_at)
+
+        link.cut()  # and the signed link: nobody to ask; the calls wait
+        workers += _drive(cut_off, stop, pace=0.05)
+        wait_for(
+            lambda: (
+                Run.objects.filter(pk__in=cut_off, status="paused", pause_reason=AUTHORITY_STALE).count()
+                == len(cut_off)
+            ),
+            timeout=60,
+        )
+        time.sleep(2 * REACH)  # passes of the keeper find the home unreachable: still waiting
+        assert Run.objects.filter(pk__in=cut_off, status="paused").count() == len(cut_off)
+        assert not HomeAnswer.objects.filter(run_id__in=cut_off).exists()
+        assert not _calls_after(echo, revoked_at)
+        link.heal()
+        pg_link.heal()
+        wait_for(
+            lambda: not Run.objects.filter(pk__in=cut_off).exclude(status__in=TERMINAL).exists(), timeout=120
+        )
+    finally:
+        stop.set()
+        for t in [keeper, *workers]:
+            t.join(30)
+    assert set(Step.objects.filter(run_id__in=cut_off, kind="tool").values_list("status", flat=True)) == {
+        "denied"
+    }
+    assert not _calls_after(echo, revoked_at)

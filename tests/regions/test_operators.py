@@ -66,3 +66,29 @@ def test_metrics_show_the_link_and_the_parked_runs(away, tenant):
     assert (
         value(samples, "agentplatform_region_runs_parked", tenant=tenant.slug, reason=REGION_UNREACHABLE) == 1
     )
+
+
+def test_metrics_show_the_slice_balance_away_from_home(away, tenant):
+    samples = scrape()
+    parts = {
+        part: value(samples, "agentplatform_region_slice_balance_micros", tenant=tenant.slug, part=part)
+        for part in ("limit", "free", "reserved", "spent", "held")
+    }
+    assert parts == {"limit": 1, "free": 1, "reserved": 0, "spent": 0, "held": 0}
+    with transaction.atomic():  # a slice of 5,000 arrives, and 1,200 of it is reserved
+        budgets.move_day_limit(tenant, budgets.local_day(tenant), 5_000)
+    held = budgets.reserve(tenant=tenant, amount_micros=1_200, purpose="model")
+    budgets.hold(held.pk)
+    budgets.reserve(tenant=tenant, amount_micros=300, purpose="model")
+    samples = scrape()
+    parts = {
+        part: value(samples, "agentplatform_region_slice_balance_micros", tenant=tenant.slug, part=part)
+        for part in ("limit", "free", "reserved", "spent", "held")
+    }
+    assert parts == {"limit": 5_001, "free": 3_501, "reserved": 300, "spent": 0, "held": 1_200}
+
+
+def test_the_home_reports_no_slice_balance_of_its_own(away, tenant):
+    TenantRegions.objects.filter(tenant=tenant).update(home="frankfurt")
+    names = {name for name, _ in scrape()}  # not even an empty family: no sample at all
+    assert "agentplatform_region_slice_balance_micros" not in names
