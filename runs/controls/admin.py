@@ -24,12 +24,14 @@ from django.shortcuts import redirect
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
+from django.utils.formats import date_format
+from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
 from core.errors import DomainError
 from runs.controls import cancelling, kill_switches, pausing
-from runs.models import TERMINAL, BulkAction, KillSwitch, KillSwitchChange, RunStatus
-from tenants.admin_site import TenantScopedAdmin, site
+from runs.models import TERMINAL, BulkAction, KillSwitch, RunStatus
+from tenants.admin_site import DATETIME_FORMAT, TenantScopedAdmin, site
 from tenants.models import Tenant, User
 
 
@@ -178,27 +180,6 @@ class FlipForm(forms.ModelForm):
         fields = ["scope", "on", "reason"]
 
 
-class FlipInline(admin.TabularInline):
-    """Every flip of the switch, newest first: who, why, when, and what turning it off resumed."""
-
-    model = KillSwitchChange
-    fields = ["at", "on", "actor", "reason", "runs_resumed"]
-    readonly_fields = fields  # type: ignore[assignment]  # every field shown is read-only
-    ordering = ["-at", "-pk"]
-    extra = 0
-    can_delete = False
-    verbose_name_plural = "history (every flip)"
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_view_permission(self, request, obj=None):
-        return True  # shown on a switch's page, which only those who may flip open
-
-
 class FlippersOnly:
     """Whoever may flip any of the tenant's switches (kill_switches.may_flip) sees the page and
     adds; a switch is changed only by whoever may flip its scope."""
@@ -225,7 +206,6 @@ class KillSwitchAdmin(FlippersOnly, TenantScopedAdmin):
     list_filter = ["on", "scope"]
     ordering = ["-on", "-changed_at"]
     form = FlipForm
-    inlines = [FlipInline]
 
     def get_queryset(self, request):
         return super().get_queryset(request).annotate(flip_count=Count("changes"))
@@ -234,9 +214,35 @@ class KillSwitchAdmin(FlippersOnly, TenantScopedAdmin):
     def flips(self, obj) -> int:
         return obj.flip_count
 
+    def get_readonly_fields(self, request, obj=None):
+        return ["history"] if obj is not None else []
+
+    @admin.display(description="history (every flip, newest first)")
+    def history(self, obj) -> str:
+        """Every flip of the switch: when, on or off, who, why, and what turning it off resumed."""
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    date_format(timezone.localtime(change.at), DATETIME_FORMAT),
+                    "on" if change.on else "off",
+                    change.actor.username if change.actor else "",
+                    change.reason,
+                    change.runs_resumed if not change.on else "",
+                )
+                for change in obj.changes.select_related("actor").order_by("-at", "-pk")
+            ),
+        )
+        return format_html(
+            '<table class="switch-history"><thead><tr><th>when</th><th>switch</th><th>who</th><th>why</th>'
+            "<th>runs resumed</th></tr></thead><tbody>{}</tbody></table>",
+            rows,
+        )
+
     def get_fields(self, request, obj=None):
         if obj is not None:
-            return ["on", "reason"]  # a flip: the target stays
+            return ["on", "reason", "history"]  # a flip: the target stays
         if request.user.is_superuser:
             return ["scope", "target", "tenant_slug", "on", "reason"]
         return ["scope", "target", "on", "reason"]
@@ -306,9 +312,6 @@ class KillSwitchAdmin(FlippersOnly, TenantScopedAdmin):
         obj.pk = flipped.switch_id
         note = f"; {flipped.runs_resumed} paused runs resumed" if not data["on"] else ""
         messages.info(request, f"{scope} {target}: switch {'on' if data['on'] else 'off'}{note}")
-
-    def save_related(self, request, form, formsets, change):
-        return None  # the history is written by the flip, never by the form
 
     def log_addition(self, request, obj, message):
         return None  # kill_switches.flip wrote the LogEntry (runs/controls/audit.py)

@@ -113,7 +113,7 @@ def test_a_switchs_page_shows_every_flip_and_the_list_is_named_right(as_ravi, ac
     switch = KillSwitch.objects.get()
     html = as_ravi.get(f"{SWITCHES}{switch.pk}/change/").content.decode()
     assert html.index("leaks again") < html.index("patched") < html.rindex("leaks")
-    assert "history (every flip)" in html.lower()
+    assert "History (every flip, newest first)" in html
     listing = as_ravi.get(SWITCHES).content.decode()
     assert "Kill switches" in listing and "Kill switchs" not in listing
 
