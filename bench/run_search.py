@@ -18,7 +18,8 @@ Each query is what the API runs for one page: the page of 50 newest (LIMIT 50) a
 supervisor who reads every run of the tenant. Each runs BENCH_REPEATS (200) times with a fresh
 random value; the figures are p50, p95 and p99 in milliseconds.
 
-Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200); BENCH_EXPLAIN=1 prints each
+Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200), BENCH_REUSE (a database left by
+an earlier run); BENCH_EXPLAIN=1 prints each
 query's plan (EXPLAIN ANALYZE of the page) first.
 """
 
@@ -38,7 +39,10 @@ sys.path.insert(0, str(ROOT))
 RUNS = int(os.environ.get("BENCH_RUNS", 1_000_000))
 REPEATS = int(os.environ.get("BENCH_REPEATS", 200))
 USERS, AGENTS, CHUNK = 50, 5, 100_000
-TAG = f"bench_search_{os.getpid()}"
+# BENCH_REUSE=<database>: time the queries on a database an earlier run filled and left (one stopped
+# before its end: SIGTERM skips the drop); nothing is written, nothing dropped.
+REUSE = os.environ.get("BENCH_REUSE", "")
+TAG = REUSE or f"bench_search_{os.getpid()}"
 
 BASE_URL = os.environ.get("DATABASE_URL", "")
 if not BASE_URL.startswith("postgres"):
@@ -299,17 +303,23 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
 
 
 def main() -> None:
-    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-    admin(f'CREATE DATABASE "{TAG}"')
+    if not REUSE:
+        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+        admin(f'CREATE DATABASE "{TAG}"')
     try:
         import django
         from django.core.management import call_command
         from django.utils import timezone
 
         django.setup()
-        call_command("migrate", verbosity=0)
-        tenants, users, agents, supervisor = setup()
-        seconds = fill(tenants, users, agents)
+        if REUSE:
+            from tenants.models import User
+
+            supervisor, seconds = User.objects.get(username="supervisor"), 0.0
+        else:
+            call_command("migrate", verbosity=0)
+            tenants, users, agents, supervisor = setup()
+            seconds = fill(tenants, users, agents)
         from django.db import connection
 
         with connection.cursor() as cursor:
@@ -387,7 +397,8 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+        if not REUSE:
+            admin(f'DROP DATABASE IF EXISTS "{TAG}"')
 
 
 if __name__ == "__main__":

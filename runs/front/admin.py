@@ -9,8 +9,8 @@ from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db import connection
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.template.defaultfilters import filesizeformat
@@ -312,6 +312,16 @@ class ResolveForm(forms.Form):
     override = forms.BooleanField(required=False, label="Retry anyway: I accept the effect may happen twice")
 
 
+class RankedChangeList(ChangeList):
+    """A search that runs.front.search ranked keeps its order (best word matches first), unless a
+    column is sorted."""
+
+    def get_ordering(self, request, queryset):
+        if "search_rank" in queryset.query.annotations and ORDER_VAR not in self.params:
+            return ["-search_rank", "-created_at", "-pk"]
+        return super().get_ordering(request, queryset)
+
+
 @admin.register(Run, site=site)
 class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
@@ -338,11 +348,8 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
     def get_search_results(self, request, queryset, search_term):
         return search(queryset, search_term[:Q_MAX], ranked=True), False
 
-    def get_ordering(self, request):
-        # A search lists the best word matches first (runs.front.search), unless a column is sorted.
-        if request.GET.get("q", "").strip() and connection.vendor == "postgresql":
-            return ["-search_rank", "-created_at"]
-        return super().get_ordering(request)
+    def get_changelist(self, request, **kwargs):
+        return RankedChangeList
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
