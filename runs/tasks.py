@@ -34,6 +34,10 @@ class StepNotSettled(Exception):
         )
         super().__init__(f"{what}: {outcome or 'not settled'}{run}; {result}")
 
+    def __reduce__(self):
+        # Celery pickles a task's exception for its result and events: rebuilt from the report.
+        return (type(self), (self.result,))
+
 
 # What a step's report says when it did not plainly happen (observability/observe.py's StepReport).
 UNSETTLED_OUTCOMES = {"outcome_unknown", "engine error", "lost"}
