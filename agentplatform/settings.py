@@ -302,6 +302,8 @@ SPECTACULAR_SETTINGS = {
         # Two fields are named scope: a legal hold's and a kill switch's (the latter's name kept).
         "HoldScopeEnum": "history.models.HoldScope",
         "ScopeEnum": "runs.models.KillSwitch.Scope",
+        # A bulk action's kind and its preview's: one set of choices in two components.
+        "BulkActionKindEnum": "runs.models.BulkAction.Kind",
     },
     # /v1/docs loads Swagger UI from our own static files (drf-spectacular-sidecar, pinned in
     # requirements.txt): it works on a network with no internet. No validator badge (it calls out).

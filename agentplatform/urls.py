@@ -28,6 +28,7 @@ v1 = [
     path("runs/pause", pause_api.BulkPauseApi.as_view()),
     path("kill-switches", pause_api.KillSwitchApi.as_view()),
     path("runs/resume", pause_api.BulkResumeApi.as_view()),
+    path("runs/cancel", pause_api.BulkCancelApi.as_view()),
     path("runs/<str:run_id>", runs_api.RunDetailApi.as_view()),
     path("runs/<str:run_id>/steps", runs_api.RunStepsApi.as_view()),
     path("runs/<str:run_id>/events", runs_api.RunEventsApi.as_view()),

@@ -8,8 +8,9 @@ at the end; no other database is touched.
 
 The table: BENCH_RUNS (1,000,000) runs, 90% in the searched tenant and 10% in another, spread over
 a year, 50 creators and 5 agents, statuses in realistic proportions (85% succeeded, 5% failed, ...),
-each with an input like {"transaction_id": "TXN-<n>", "customer_email": ..., "amount": ...} and
-metadata {"ticket": "DSP-<n>"}. Rows are written with INSERT … SELECT from generate_series, then
+each with an input like {"transaction_id": "TXN-<n>", "customer_email": ..., "amount": ...,
+"customer_name": "Meera Sharma", "request": "Customer reports duplicate charge at shop12 for order
+<n>"} and metadata {"ticket": "DSP-<n>"}. Rows are written with INSERT … SELECT from generate_series, then
 ANALYZEd.
 
 Each query is what the API runs for one page: the page of 50 newest (LIMIT 50) and its count
@@ -17,7 +18,9 @@ Each query is what the API runs for one page: the page of 50 newest (LIMIT 50) a
 supervisor who reads every run of the tenant. Each runs BENCH_REPEATS (200) times with a fresh
 random value; the figures are p50, p95 and p99 in milliseconds.
 
-Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200).
+Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200), BENCH_REUSE (a database left by
+an earlier run); BENCH_EXPLAIN=1 prints each
+query's plan (EXPLAIN ANALYZE of the page) first.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ sys.path.insert(0, str(ROOT))
 RUNS = int(os.environ.get("BENCH_RUNS", 1_000_000))
 REPEATS = int(os.environ.get("BENCH_REPEATS", 200))
 USERS, AGENTS, CHUNK = 50, 5, 100_000
-TAG = f"bench_search_{os.getpid()}"
+# BENCH_REUSE=<database>: time the queries on a database an earlier run filled and left (one stopped
+# before its end: SIGTERM skips the drop); nothing is written, nothing dropped.
+REUSE = os.environ.get("BENCH_REUSE", "")
+TAG = REUSE or f"bench_search_{os.getpid()}"
 
 BASE_URL = os.environ.get("DATABASE_URL", "")
 if not BASE_URL.startswith("postgres"):
@@ -72,6 +78,128 @@ STATUS_SQL = (
 )
 
 
+# The words of a run's request and its customer's name: 40 first names and 50 surnames (a surname
+# in ~18,000 of the tenant's runs, a full name in ~450), 20 problems (~45,000 runs each: each has
+# a word of its own, the first), 1,000 shops (~900 runs each), and "customer" in every run.
+FIRST_NAMES = [
+    "Meera",
+    "Ravi",
+    "Asha",
+    "Arjun",
+    "Priya",
+    "Rahul",
+    "Anita",
+    "Vikram",
+    "Sunita",
+    "Karan",
+    "Neha",
+    "Amit",
+    "Pooja",
+    "Sanjay",
+    "Kavita",
+    "Rohan",
+    "Divya",
+    "Manoj",
+    "Lakshmi",
+    "Suresh",
+    "Deepa",
+    "Anil",
+    "Geeta",
+    "Vijay",
+    "Rekha",
+    "Ajay",
+    "Shalini",
+    "Nikhil",
+    "Swati",
+    "Rajesh",
+    "Nisha",
+    "Harish",
+    "Uma",
+    "Gopal",
+    "Radha",
+    "Mohan",
+    "Seema",
+    "Prakash",
+    "Jaya",
+    "Dinesh",
+]
+SURNAMES = [
+    "Sharma",
+    "Verma",
+    "Gupta",
+    "Mehta",
+    "Iyer",
+    "Nair",
+    "Reddy",
+    "Rao",
+    "Patel",
+    "Shah",
+    "Joshi",
+    "Kulkarni",
+    "Desai",
+    "Menon",
+    "Pillai",
+    "Bose",
+    "Sen",
+    "Das",
+    "Ghosh",
+    "Banerjee",
+    "Chatterjee",
+    "Mukherjee",
+    "Singh",
+    "Kaur",
+    "Gill",
+    "Sandhu",
+    "Malhotra",
+    "Kapoor",
+    "Khanna",
+    "Chopra",
+    "Agarwal",
+    "Jain",
+    "Bansal",
+    "Mittal",
+    "Goel",
+    "Saxena",
+    "Srivastava",
+    "Tiwari",
+    "Pandey",
+    "Mishra",
+    "Dubey",
+    "Yadav",
+    "Chauhan",
+    "Rathore",
+    "Thakur",
+    "Naidu",
+    "Hegde",
+    "Shetty",
+    "Kamath",
+    "Bhat",
+]
+PROBLEMS = [
+    "duplicate charge",
+    "unrecognised transaction",
+    "refund never arrived",
+    "chargeback request",
+    "overdraft fee dispute",
+    "stolen card",
+    "failed transfer",
+    "wrong amount debited",
+    "subscription cancellation",
+    "loan statement error",
+    "blocked account",
+    "missing cashback",
+    "fraudulent login",
+    "delayed settlement",
+    "currency conversion complaint",
+    "standing instruction failure",
+    "cheque bounce",
+    "interest miscalculation",
+    "kyc verification stuck",
+    "emi deferment",
+]
+SHOPS = 1000
+
+
 def fill(tenants, users, agents) -> float:
     from django.db import connection
 
@@ -85,13 +213,24 @@ def fill(tenants, users, agents) -> float:
         "agent_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_agent)s ELSE (%(agents)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
         "version_id": "CASE WHEN mod(i, 10) = 0 THEN %(other_version)s ELSE (%(versions)s::bigint[])[1 + mod(i / 7, %(n_agents)s)] END",
         "input": "jsonb_build_object('transaction_id', 'TXN-' || i, 'customer_email', 'c' || mod(i, 50000) || '@example.com',"
-        " 'amount', mod(i * 37, 100000))",
+        " 'amount', mod(i * 37, 100000),"
+        " 'customer_name', (%(first_names)s::text[])[1 + mod(i, %(n_first)s)] || ' '"
+        " || (%(surnames)s::text[])[1 + mod(i / 7, %(n_surnames)s)],"
+        " 'request', 'Customer reports ' || (%(problems)s::text[])[1 + mod(i / 3, %(n_problems)s)]"
+        " || ' at shop' || mod(i * 13, %(n_shops)s) || ' for order ' || i)",
         "metadata": "jsonb_build_object('ticket', 'DSP-' || i)",
         "status": STATUS_SQL,
         # Newest is i = 1; one run every 30 s or so over a year.
         "created_at": "now() - make_interval(secs => i * 31.5)",
     }
     params = {
+        "first_names": FIRST_NAMES,
+        "n_first": len(FIRST_NAMES),
+        "surnames": SURNAMES,
+        "n_surnames": len(SURNAMES),
+        "problems": PROBLEMS,
+        "n_problems": len(PROBLEMS),
+        "n_shops": SHOPS,
         "users": [u.pk for u in users[:-1]],
         "n_users": len(users) - 1,
         "other_user": users[-1].pk,
@@ -154,7 +293,9 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
     q = filters.pop("q", "")
     after = filters.pop("created_after", None)
     started = time.perf_counter()
-    runs = search.search(search.created_between(selectors.runs_for(supervisor, **filters), after=after), q)
+    runs = search.search(
+        search.created_between(selectors.runs_for(supervisor, **filters), after=after), q, ranked=True
+    )
     list(runs[:50])
     page = time.perf_counter()
     runs.count()
@@ -162,29 +303,38 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
 
 
 def main() -> None:
-    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-    admin(f'CREATE DATABASE "{TAG}"')
+    if not REUSE:
+        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+        admin(f'CREATE DATABASE "{TAG}"')
     try:
         import django
         from django.core.management import call_command
         from django.utils import timezone
 
         django.setup()
-        call_command("migrate", verbosity=0)
-        tenants, users, agents, supervisor = setup()
-        seconds = fill(tenants, users, agents)
+        if REUSE:
+            from tenants.models import User
+
+            supervisor, seconds = User.objects.get(username="supervisor"), 0.0
+        else:
+            call_command("migrate", verbosity=0)
+            tenants, users, agents, supervisor = setup()
+            seconds = fill(tenants, users, agents)
         from django.db import connection
 
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_size_pretty(pg_relation_size('run_search_values'))")
             gin_size = cursor.fetchone()[0]
+            cursor.execute("SELECT pg_size_pretty(pg_relation_size('run_search_words'))")
+            words_size = cursor.fetchone()[0]
             cursor.execute("SELECT pg_size_pretty(pg_relation_size('runs_run'))")
             table_size = cursor.fetchone()[0]
             cursor.execute("SELECT id FROM runs_run TABLESAMPLE SYSTEM (1) LIMIT 2000")
             sample_ids = [str(row[0]) for row in cursor.fetchall()]
         print(
             f"run search benchmark on {os.cpu_count()} CPUs, database {TAG}: {RUNS:,} runs written in "
-            f"{seconds:.0f} s (table {table_size}, values index {gin_size}); {REPEATS} repeats per query, "
+            f"{seconds:.0f} s (table {table_size}, values index {gin_size}, words index {words_size}); "
+            f"{REPEATS} repeats per query, "
             f"load average before: {os.getloadavg()[0]:.1f}\n"
         )
         rng = random.Random(7)
@@ -194,6 +344,16 @@ def main() -> None:
             "q=TXN-<n> (input value, 1 hit)": lambda: {"q": f"TXN-{rng.randrange(1, RUNS) | 1}"},
             "q=DSP-<n> (metadata value)": lambda: {"q": f"DSP-{rng.randrange(1, RUNS) | 1}"},
             "q=<customer email> (~18 hits)": lambda: {"q": f"c{rng.randrange(1, 50000)}@example.com"},
+            "q=<surname> (~18,000 hits)": lambda: {"q": rng.choice(SURNAMES)},
+            "q=<first name> <surname> (~450)": lambda: {
+                "q": f"{rng.choice(FIRST_NAMES)} {rng.choice(SURNAMES)}"
+            },
+            "q=shop<n> (request word, ~900)": lambda: {"q": f"shop{rng.randrange(SHOPS)}"},
+            "q=<problem> (2 words, ~45,000)": lambda: {"q": rng.choice(PROBLEMS)},
+            "q=<surname> <problem word>": lambda: {
+                "q": f"{rng.choice(SURNAMES)} {rng.choice(PROBLEMS).split()[0]}"
+            },
+            "q=customer (every run)": lambda: {"q": "customer"},
             "q=<8-hex id prefix>": lambda: {"q": rng.choice(sample_ids)[:8]},
             "q=<full id>": lambda: {"q": rng.choice(sample_ids)},
             "created_by=<user>": lambda: {"created_by": f"user{rng.randrange(USERS)}"},
@@ -209,6 +369,19 @@ def main() -> None:
                 "status": "succeeded",
             },
         }
+        if os.environ.get("BENCH_EXPLAIN"):
+            from runs import selectors
+            from runs.front import search
+
+            for label, make in cases.items():
+                filters = make()
+                q, after = filters.pop("q", ""), filters.pop("created_after", None)
+                runs = search.search(
+                    search.created_between(selectors.runs_for(supervisor, **filters), after=after),
+                    q,
+                    ranked=True,
+                )
+                print(label, runs[:50].explain(analyze=True), sep="\n", end="\n\n")
         print(f"{'':<36} {'page of 50':^26} {'page + count':^26}")
         print(f"{'query':<36}" + f" {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}" * 2)
         for label, make in cases.items():
@@ -224,7 +397,8 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+        if not REUSE:
+            admin(f'DROP DATABASE IF EXISTS "{TAG}"')
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from core.errors import Conflict, DomainError, Forbidden
 from regions.models import TenantRegions, here
 from runs import admission
 from runs.authority_copy import stale_authority
-from runs.controls import kill_switches
+from runs.controls import audit, kill_switches
 from runs.engine.decisions import start_here
 from runs.models import (
     TERMINAL,
@@ -229,11 +229,11 @@ def _refuse_other_region(tenant) -> None:
         raise DomainError(stale, code="authority_stale", status=503, retry_after=5)
 
 
-def cancel_run(*, run_id, actor, reason: str = "") -> Run:
+def cancel_run(*, run_id, actor, reason: str = "", bulk: int | None = None) -> Run:
     """Cancel now if no worker holds the run; otherwise the holder cancels when it records.
 
     Either way no model or tool call starts after this commits: dispatch re-checks the flag
-    under the same row lock.
+    under the same row lock. `bulk`: the BulkAction this cancel is part of (its event says so).
     """
     with transaction.atomic():
         run = lock_run(run_id)
@@ -243,7 +243,9 @@ def cancel_run(*, run_id, actor, reason: str = "") -> Run:
             raise Conflict(f"run is already {run.status}", code="run_finished")
         Run.objects.filter(pk=run.pk).update(cancel_requested=True)
         run.cancel_requested = True
-        record_event(run.pk, "cancel_requested", reason or "cancel requested", actor=actor)
+        extra = {"bulk_action": bulk} if bulk is not None else {}
+        record_event(run.pk, "cancel_requested", reason or "cancel requested", actor=actor, **extra)
+        audit.logged(actor, run, "Cancelled" + (f": {reason}" if reason else ""))
         leased = (
             run.lease_token is not None
             and run.lease_expires_at is not None

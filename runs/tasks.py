@@ -15,6 +15,40 @@ from runs.recovery.sweeper import sweep as run_sweep
 log = logging.getLogger(__name__)
 
 
+class StepNotSettled(Exception):
+    """What the engine task raises after a step it could not settle: a tool call whose outcome is
+    unknown (no answer within its timeout, or a worker lost mid-call), a run that now needs a
+    person, or the engine's own error. The step is recorded either way; raising only makes the
+    task's state FAILURE in Flower and the task events, with this message and the step's report,
+    instead of a SUCCESS that hides it. Expected (the task's `throws`): the worker logs it at
+    INFO without a traceback, and it is never retried (the run's state decides what comes next)."""
+
+    def __init__(self, result: dict):
+        self.result = result
+        what = f"step {result['step']}" if "step" in result else "the run"
+        if result.get("tool"):
+            what += f" (tool {result['tool']})"
+        outcome = str(result.get("outcome", "")).replace("_", " ")
+        run = (
+            f"; run {str(result.get('run_status', '')).replace('_', ' ')}" if result.get("run_status") else ""
+        )
+        super().__init__(f"{what}: {outcome or 'not settled'}{run}; {result}")
+
+    def __reduce__(self):
+        # Celery pickles a task's exception for its result and events: rebuilt from the report.
+        return (type(self), (self.result,))
+
+
+# What a step's report says when it did not plainly happen (observability/observe.py's StepReport).
+UNSETTLED_OUTCOMES = {"outcome_unknown", "engine error", "lost"}
+
+
+def unsettled(result) -> bool:
+    return isinstance(result, dict) and (
+        result.get("outcome") in UNSETTLED_OUTCOMES or result.get("run_status") == "needs_attention"
+    )
+
+
 @shared_task(
     name="runs.tasks.advance_run",
     acks_late=True,
@@ -24,12 +58,15 @@ log = logging.getLogger(__name__)
     retry_backoff=1,
     retry_backoff_max=30,
     max_retries=None,
+    throws=(StepNotSettled,),
 )
 def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
     """Perform at most one step of the run (database errors: retried; the claim makes it safe).
 
     The result says what happened (step, kind, tool, outcome, run status) and where the run's
     admin page is: Flower and the worker's log show it even though no result backend stores it.
+    A step not settled (outcome unknown, a lost call, a run needing a person) ends the task as a
+    FAILURE with StepNotSettled carrying the same report, never a plain SUCCESS.
     """
     close_old_connections()
     try:
@@ -41,6 +78,8 @@ def advance_run(run_id: str, enqueued_at: str | None = None) -> dict:
         raise
     if isinstance(result, dict):
         result = {**result, "admin": f"/admin/runs/run/{run_id}/change/"}
+    if unsettled(result):
+        raise StepNotSettled(result)
     return result
 
 

@@ -399,6 +399,7 @@ class PlatformAdminSite(admin.AdminSite):
         user = getattr(request, "user", None)
         if user is not None and user.is_active and user.is_staff:
             context["platform_nav"] = self.links(request)
+            context["platform_counts"] = self.control_counts(request)
             context["time_zone"] = timezone.get_current_timezone_name()
             tenant = getattr(user, "tenant", None)
             context["currency"] = tenant.currency if tenant is not None else CURRENCY
@@ -414,6 +415,22 @@ class PlatformAdminSite(admin.AdminSite):
         if user.tenant_id and self.registry_admin("tenants.tenant").has_view_permission(request):
             links.append(("Usage", reverse("admin:budgets_usage", args=[user.tenant_id])))
         return links
+
+    def control_counts(self, request) -> list[tuple[str, int, str]]:
+        """The top bar's operator counts, for whoever may pause runs or flip switches: paused runs
+        and kill switches on, each linking to its list (the desk breaks them down)."""
+        counts = []
+        if self.registry_admin("runs.bulkaction").has_view_permission(request):
+            runs = self.registry_admin("runs.run")
+            paused = runs.get_queryset(request).filter(status="paused").order_by()
+            url = reverse("admin:runs_run_changelist") + "?status__exact=paused"
+            counts.append(("paused runs", paused.count(), url))
+        switches = self.registry_admin("runs.killswitch")
+        if switches.has_view_permission(request):
+            on = switches.get_queryset(request).filter(on=True).order_by()
+            url = reverse("admin:runs_killswitch_changelist") + "?on__exact=1"
+            counts.append(("kill switches on", on.count(), url))
+        return counts
 
     def registry_admin(self, label: str):
         return next(a for m, a in self._registry.items() if m._meta.label_lower == label)

@@ -12,22 +12,27 @@ tenant's runs).
 
 from __future__ import annotations
 
+import json
+
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.db.models import Count
 from django.shortcuts import redirect
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
+from django.utils.formats import date_format
+from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
 from core.errors import DomainError
-from runs.controls import kill_switches, pausing
+from runs.controls import cancelling, kill_switches, pausing
 from runs.models import TERMINAL, BulkAction, KillSwitch, RunStatus
-from tenants.admin_site import TenantScopedAdmin, site
-from tenants.models import Tenant
+from tenants.admin_site import DATETIME_FORMAT, TenantScopedAdmin, site
+from tenants.models import Tenant, User
 
 
 class ReasonActionForm(ActionForm):
@@ -35,7 +40,7 @@ class ReasonActionForm(ActionForm):
         required=False,
         max_length=2000,
         label="Reason",
-        help_text="needed to pause or resume; kept in each run's events",
+        help_text="needed to pause, resume or cancel; kept in each run's events",
     )
 
 
@@ -147,11 +152,26 @@ class PauseAdminMixin(admin.ModelAdmin):
         )
 
 
+def _target_choices(request, scopes: list[str]) -> list:
+    """The targets of the scopes the user may flip, grouped by scope: a picker, not free text.
+    A tenant's staff see their tenant's; platform operators every tenant's (the tenant is picked
+    beside it)."""
+    tenant_id = None if request.user.is_superuser else request.user.tenant_id
+    groups = []
+    for scope in scopes:
+        names = kill_switches.target_names(scope, tenant_id)
+        if names:
+            groups.append((KillSwitch.Scope(scope).label, [(name, name) for name in names]))
+    return [("", "---------"), *groups]
+
+
+def _tenant_choices() -> list:
+    return [("", "the target's tenant"), *Tenant.objects.order_by("slug").values_list("slug", "name")]
+
+
 class FlipForm(forms.ModelForm):
-    target = forms.CharField(
-        max_length=200, help_text="the tenant's slug, or the agent's, tool's or endpoint's name"
-    )
-    tenant_slug = forms.SlugField(
+    target = forms.ChoiceField(help_text="the tenant, or the agent, tool or model endpoint to stop")
+    tenant_slug = forms.ChoiceField(
         required=False, label="Tenant", help_text="platform operators: the target's tenant"
     )
 
@@ -160,34 +180,88 @@ class FlipForm(forms.ModelForm):
         fields = ["scope", "on", "reason"]
 
 
+class FlippersOnly:
+    """Whoever may flip any of the tenant's switches (kill_switches.may_flip) sees the page and
+    adds; a switch is changed only by whoever may flip its scope."""
+
+    def _may(self, request) -> bool:
+        user = request.user
+        if not user.is_authenticated or not user.is_active:
+            return False
+        return kill_switches.may_flip(user, user.tenant_id)
+
+    def has_module_permission(self, request):
+        return self._may(request)
+
+    def has_view_permission(self, request, obj=None):
+        return self._may(request)
+
+    def has_add_permission(self, request):
+        return self._may(request)
+
+
 @admin.register(KillSwitch, site=site)
-class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
-    list_display = ["scope", "target_name", "tenant", "on", "changed_by", "reason", "changed_at"]
+class KillSwitchAdmin(FlippersOnly, TenantScopedAdmin):
+    list_display = ["scope", "target_name", "tenant", "on", "changed_by", "reason", "changed_at", "flips"]
     list_filter = ["on", "scope"]
     ordering = ["-on", "-changed_at"]
     form = FlipForm
 
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(flip_count=Count("changes"))
+
+    @admin.display(description="flips", ordering="flip_count")
+    def flips(self, obj) -> int:
+        return obj.flip_count
+
+    def get_readonly_fields(self, request, obj=None):
+        return ["history"] if obj is not None else []
+
+    @admin.display(description="history (every flip, newest first)")
+    def history(self, obj) -> str:
+        """Every flip of the switch: when, on or off, who, why, and what turning it off resumed."""
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    date_format(timezone.localtime(change.at), DATETIME_FORMAT),
+                    "on" if change.on else "off",
+                    change.actor.username if change.actor else "",
+                    change.reason,
+                    change.runs_resumed if not change.on else "",
+                )
+                for change in obj.changes.select_related("actor").order_by("-at", "-pk")
+            ),
+        )
+        return format_html(
+            '<table class="switch-history"><thead><tr><th>when</th><th>switch</th><th>who</th><th>why</th>'
+            "<th>runs resumed</th></tr></thead><tbody>{}</tbody></table>",
+            rows,
+        )
+
     def get_fields(self, request, obj=None):
         if obj is not None:
-            return ["on", "reason"]  # a flip: the target stays
-        return (
-            ["scope", "target", "tenant_slug", "on", "reason"]
-            if request.user.is_superuser
-            else [
-                "scope",
-                "target",
-                "on",
-                "reason",
-            ]
-        )
+            return ["on", "reason", "history"]  # a flip: the target stays
+        if request.user.is_superuser:
+            return ["scope", "target", "tenant_slug", "on", "reason"]
+        return ["scope", "target", "on", "reason"]
 
     def get_form(self, request, obj=None, change=False, **kwargs):
         form = super().get_form(request, obj, change=change, **kwargs)
         if obj is not None:
             form.base_fields["target"].required = False
             return form
+        scopes = kill_switches.scopes_for(request.user, request.user.tenant_id)
 
         class Checked(form):  # type: ignore[misc, valid-type]
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.fields["scope"].choices = [c for c in KillSwitch.Scope.choices if c[0] in scopes]
+                self.fields["target"].choices = _target_choices(request, scopes)
+                if "tenant_slug" in self.fields:
+                    self.fields["tenant_slug"].choices = _tenant_choices()
+
             def clean(self):
                 # A target that does not exist is the form's error, not a failed save.
                 data = super().clean()
@@ -209,7 +283,9 @@ class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
         return Checked
 
     def has_change_permission(self, request, obj=None):
-        return self._may(request)
+        if obj is None:
+            return self._may(request)
+        return kill_switches.may_flip(request.user, obj.tenant_id, obj.scope)
 
     def has_delete_permission(self, request, obj=None):
         return False
@@ -219,12 +295,7 @@ class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
         if change:
             tenant, scope, target = obj.tenant, obj.scope, obj.target_name
         else:
-            slug = data.get("tenant_slug")
-            tenant = (
-                Tenant.objects.filter(slug=slug).first()
-                if slug
-                else Tenant.objects.filter(pk=request.user.tenant_id).first()
-            )
+            tenant = form._tenant(data.get("tenant_slug"))
             scope, target = data["scope"], data["target"]
         try:
             flipped = kill_switches.flip(
@@ -243,41 +314,71 @@ class KillSwitchAdmin(pausing.PausersOnly, TenantScopedAdmin):
         messages.info(request, f"{scope} {target}: switch {'on' if data['on'] else 'off'}{note}")
 
     def log_addition(self, request, obj, message):
-        return None  # the switch's own KillSwitchChange is the record
+        return None  # kill_switches.flip wrote the LogEntry (runs/controls/audit.py)
 
     def log_change(self, request, obj, message):
         return None
 
 
 FILTER_FIELDS = ("tenant", "agent", "version", "tool", "endpoint", "created_by", "status", "created_before")
+PICKED = {"tenant", "agent", "tool", "endpoint", "created_by"}
 
 
 class BulkForm(forms.ModelForm):
-    tenant = forms.SlugField(
-        required=False, help_text="a tenant's slug (platform operators; a supervisor's own)"
+    tenant = forms.ChoiceField(
+        required=False, help_text="platform operators: one tenant's runs (or every tenant's)"
     )
-    agent = forms.SlugField(required=False, max_length=100, help_text="the agent's name")
+    agent = forms.ChoiceField(required=False, help_text="one agent's runs")
     version = forms.IntegerField(required=False, min_value=1, help_text="one version of the agent")
-    tool = forms.CharField(
-        required=False, max_length=200, help_text="runs whose next or pending call is to this tool"
-    )
-    endpoint = forms.CharField(
-        required=False, max_length=100, help_text="runs whose version calls this model endpoint"
-    )
-    created_by = forms.CharField(required=False, max_length=150, help_text="a username")
+    tool = forms.ChoiceField(required=False, help_text="runs whose next or pending call is to this tool")
+    endpoint = forms.ChoiceField(required=False, help_text="runs whose version calls this model endpoint")
+    created_by = forms.ChoiceField(required=False, help_text="runs this person started")
     status = forms.ChoiceField(required=False, choices=[("", "any")] + list(RunStatus.choices))
     created_before = forms.DateTimeField(required=False, help_text="runs created before this time")
     until = forms.DateTimeField(
         required=False, help_text="pause only: when the pause ends (the platform resumes them then)"
     )
+    previewed = forms.CharField(required=False, widget=forms.HiddenInput)
 
     class Meta:
         model = BulkAction
         fields = ["kind", "reason"]
 
 
+def _filter_choices(request) -> dict[str, list]:
+    """The pickers' options: what the user's tenant has (every tenant's, for platform operators)."""
+    tenant_id = None if request.user.is_superuser else request.user.tenant_id
+    names = {
+        "agent": kill_switches.target_names(KillSwitch.Scope.AGENT, tenant_id),
+        "tool": kill_switches.target_names(KillSwitch.Scope.TOOL, tenant_id),
+        "endpoint": kill_switches.target_names(KillSwitch.Scope.ENDPOINT, tenant_id),
+        "tenant": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
+    }
+    users = User.objects.order_by("username")
+    if tenant_id is not None:
+        users = users.filter(tenant_id=tenant_id)
+    names["created_by"] = list(users.values_list("username", flat=True))
+    return {field: [("", "any"), *((n, n) for n in found)] for field, found in names.items()}
+
+
+def preview_key(kind: str, filters: dict, until) -> str:
+    """What a preview was of: the confirmation counts only for the same action and filters."""
+    shown = {k: str(v) for k, v in filters.items() if v not in (None, "")}
+    return json.dumps([kind, shown, str(until or "")], sort_keys=True)
+
+
+DONE: dict[str, str] = {
+    BulkAction.Kind.PAUSE: "paused (each at its step boundary)",
+    BulkAction.Kind.RESUME: "resumed",
+    BulkAction.Kind.CANCEL: "cancelled (a call in flight is recorded first)",
+}
+
+
 @admin.register(BulkAction, site=site)
 class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
+    """A bulk action is two steps: Save shows how many runs match now and the first few (nothing
+    changes), Save again with the same action and filters applies it."""
+
     list_display = ["at", "kind", "count", "actor", "reason", "tenant", "filters"]
     list_filter = ["kind"]
     ordering = ["-at"]
@@ -287,10 +388,51 @@ class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
         if obj is not None:
             return ["kind", "count", "actor", "reason", "tenant", "filters", "at"]
         scoped = [f for f in FILTER_FIELDS if request.user.is_superuser or f != "tenant"]
-        return ["kind", "reason", *scoped, "until"]
+        return ["kind", "reason", *scoped, "until", "previewed"]
 
     def get_readonly_fields(self, request, obj=None):
         return self.get_fields(request, obj) if obj is not None else []
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        form = super().get_form(request, obj, change=change, **kwargs)
+        if obj is not None:
+            return form
+
+        class Previewed(form):  # type: ignore[misc, valid-type]
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                for name, choices in _filter_choices(request).items():
+                    if name in self.fields:
+                        self.fields[name].choices = choices
+
+            def clean(self):
+                data = super().clean()
+                if self.errors or not data.get("kind"):
+                    return data
+                filters = {name: data.get(name) for name in FILTER_FIELDS}
+                key = preview_key(data["kind"], filters, data.get("until"))
+                if data.get("previewed") == key:
+                    return data
+                try:
+                    _, count, sample = pausing.preview(actor=request.user, kind=data["kind"], filters=filters)
+                except DomainError as exc:
+                    for field, errs in (exc.fields or {}).items():
+                        self.add_error(field if field in self.fields else None, errs)
+                    if not exc.fields:
+                        self.add_error(None, exc.message)
+                    return data
+                shown = self.data.copy()  # type: ignore[has-type]  # a bound form's QueryDict
+                shown["previewed"] = key
+                self.data = shown  # the next Save, unchanged, goes ahead
+                first = ", ".join(f"{str(run.pk)[:8]} ({run.agent.name})" for run in sample)
+                raise forms.ValidationError(
+                    f"Preview: this would {data['kind']} {count} run{'s' if count != 1 else ''} now"
+                    + (f" (first: {first})" if first else "")
+                    + ". Nothing has changed yet: press Save again to go ahead.",
+                    code="preview",
+                )
+
+        return Previewed
 
     def has_change_permission(self, request, obj=None):
         return False  # the record of what was done stays as it was
@@ -306,17 +448,22 @@ class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
                 action = pausing.pause_matching(
                     actor=request.user, reason=data["reason"], filters=filters, until=data.get("until")
                 )
+            elif data["kind"] == BulkAction.Kind.CANCEL:
+                action = cancelling.cancel_matching(
+                    actor=request.user, reason=data["reason"], filters=filters
+                )
             else:
                 action = pausing.resume_matching(actor=request.user, reason=data["reason"], filters=filters)
         except DomainError as exc:
             messages.error(request, exc.message)
             return
         obj.pk = action.pk
-        done = "paused (each at its step boundary)" if action.kind == BulkAction.Kind.PAUSE else "resumed"
+        done = DONE[action.kind]
         messages.info(request, f"{action.count} run{'s' if action.count != 1 else ''} {done}")
 
     def log_addition(self, request, obj, message):
-        return None  # the BulkAction row and each run's event are the record
+        # Each run's LogEntry (runs/controls/audit.py), its event and the BulkAction are the record.
+        return None
 
     def response_add(self, request, obj, post_url_continue=None):
         return self.response_post_save_add(request, obj)

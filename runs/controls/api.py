@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import uuid
 
-from drf_spectacular.utils import extend_schema, extend_schema_serializer
+from django.db.models import Prefetch
+from drf_spectacular.utils import PolymorphicProxySerializer, extend_schema, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -13,9 +14,9 @@ from rest_framework.views import APIView
 from core.errors import NotFound
 from core.schema import JsonObjectField, errors
 from runs import selectors
-from runs.controls import kill_switches, pausing
+from runs.controls import cancelling, kill_switches, pausing
 from runs.front.api import RunOutput
-from runs.models import BulkAction, KillSwitch, Run, RunStatus
+from runs.models import BulkAction, KillSwitch, KillSwitchChange, Run, RunStatus
 from tenants.models import Tenant
 
 
@@ -124,12 +125,31 @@ class BulkOutput(serializers.ModelSerializer):
         fields = ["id", "kind", "actor", "reason", "filters", "count", "at"]
 
 
+@extend_schema_serializer(component_name="BulkPreview")
+class BulkPreviewOutput(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=BulkAction.Kind.choices)
+    filters = JsonObjectField(help_text="the filters as they would apply (a supervisor's hold their tenant)")
+    count = serializers.IntegerField(help_text="how many runs match now (one action moves 10,000 at most)")
+    runs = serializers.ListField(
+        child=serializers.UUIDField(), help_text="the first few, in the order they would move"
+    )
+
+
 def _bulk_input(name: str, *, pause: bool) -> type[serializers.Serializer]:
     """Each operation's request body is a component of its own."""
     fields: dict = {
         "reason": serializers.CharField(
-            max_length=2000, help_text="why; kept with the action and each run's event"
-        )
+            required=False,
+            allow_blank=True,
+            default="",
+            max_length=2000,
+            help_text="why; kept with the action and each run's event (required unless preview)",
+        ),
+        "preview": serializers.BooleanField(
+            required=False,
+            default=False,
+            help_text="true: change nothing, answer how many runs would move and the first few",
+        ),
     }
     if pause:
         fields["until"] = serializers.DateTimeField(
@@ -138,6 +158,13 @@ def _bulk_input(name: str, *, pause: bool) -> type[serializers.Serializer]:
             default=None,
             help_text="when the pause ends: the platform resumes them then (null: a person resumes them)",
         )
+
+    def validate(self, data):
+        if not data.get("preview") and not data.get("reason", "").strip():
+            raise serializers.ValidationError({"reason": ["a reason is required"]})
+        return data
+
+    fields["validate"] = validate
     return extend_schema_serializer(component_name=name)(type(name, (BulkFilters,), fields))
 
 
@@ -151,11 +178,28 @@ class _Bulk(APIView):
         data.is_valid(raise_exception=True)
         values = dict(data.validated_data)
         reason, until = values.pop("reason"), values.pop("until", None)
+        if values.pop("preview"):
+            filters, count, sample = pausing.preview(actor=request.user, kind=self.kind, filters=values)
+            stored = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in filters.items()}
+            body = {"kind": self.kind, "filters": stored, "count": count, "runs": [run.pk for run in sample]}
+            return Response(BulkPreviewOutput(body).data)
         if self.kind == BulkAction.Kind.PAUSE:
             action = pausing.pause_matching(actor=request.user, reason=reason, filters=values, until=until)
+        elif self.kind == BulkAction.Kind.CANCEL:
+            action = cancelling.cancel_matching(actor=request.user, reason=reason, filters=values)
         else:
             action = pausing.resume_matching(actor=request.user, reason=reason, filters=values)
         return Response(BulkOutput(action).data)
+
+
+ANSWERS = {
+    200: PolymorphicProxySerializer(
+        component_name="BulkActionOrPreview",
+        serializers=[BulkOutput, BulkPreviewOutput],
+        resource_type_field_name=None,
+    ),
+    **errors({403: "Not an operator or the tenant's supervisor"}),
+}
 
 
 class BulkPauseApi(_Bulk):
@@ -166,10 +210,11 @@ class BulkPauseApi(_Bulk):
         operation_id="pause_runs",
         summary="Pause every matching run",
         request=InputSerializer,
-        responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+        responses=ANSWERS,
     )
     def post(self, request):
-        """Pause every live run the filters match, each at its step boundary; answers how many."""
+        """Pause every live run the filters match, each at its step boundary; answers how many
+        (with preview: how many it would, changing nothing)."""
         return self.act(request)
 
 
@@ -181,21 +226,66 @@ class BulkResumeApi(_Bulk):
         operation_id="resume_runs",
         summary="Resume every matching paused run",
         request=InputSerializer,
-        responses={200: BulkOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+        responses=ANSWERS,
     )
     def post(self, request):
-        """Resume every paused run the filters match, oldest pause first, 20 a second at most."""
+        """Resume every paused run the filters match, oldest pause first, 20 a second at most
+        (with preview: how many it would, changing nothing)."""
         return self.act(request)
+
+
+class BulkCancelApi(_Bulk):
+    kind = BulkAction.Kind.CANCEL
+    InputSerializer = _bulk_input("CancelRuns", pause=False)
+
+    @extend_schema(
+        operation_id="cancel_runs",
+        summary="Cancel every matching run",
+        request=InputSerializer,
+        responses=ANSWERS,
+    )
+    def post(self, request):
+        """Cancel every live run the filters match, with a reason (with preview: how many it
+        would, changing nothing). No model or tool call of a matched run starts after it answers."""
+        return self.act(request)
+
+
+@extend_schema_serializer(component_name="KillSwitchChange")
+class KillSwitchChangeOutput(serializers.ModelSerializer):
+    actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
+
+    class Meta:
+        model = KillSwitchChange
+        fields = ["on", "actor", "reason", "at", "runs_resumed"]
 
 
 @extend_schema_serializer(component_name="KillSwitch")
 class KillSwitchOutput(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.slug")
     changed_by = serializers.CharField(source="changed_by.username", allow_null=True, default=None)
+    history = KillSwitchChangeOutput(
+        source="changes", many=True, help_text="every flip of the switch, newest first"
+    )
 
     class Meta:
         model = KillSwitch
-        fields = ["id", "scope", "tenant", "target_name", "on", "changed_by", "reason", "changed_at"]
+        fields = [
+            "id",
+            "scope",
+            "tenant",
+            "target_name",
+            "on",
+            "changed_by",
+            "reason",
+            "changed_at",
+            "history",
+        ]
+
+
+def _switches():
+    return KillSwitch.objects.select_related("tenant", "changed_by").prefetch_related(
+        Prefetch("changes", KillSwitchChange.objects.select_related("actor").order_by("-at", "-pk"))
+    )
 
 
 class KillSwitchApi(APIView):
@@ -213,9 +303,10 @@ class KillSwitchApi(APIView):
         operation_id="list_kill_switches", summary="List kill switches", responses=KillSwitchOutput(many=True)
     )
     def get(self, request):
-        """The switches the caller may flip, those on first."""
-        pausing.require_may_pause(request.user, request.user.tenant_id)
-        switches = KillSwitch.objects.select_related("tenant", "changed_by").order_by("-on", "-changed_at")
+        """The tenant's switches (every tenant's, for platform operators), those on first, each with
+        every flip it has had."""
+        kill_switches.require_may_flip(request.user, request.user.tenant_id)
+        switches = _switches().order_by("-on", "-changed_at")
         if not request.user.is_superuser:
             switches = switches.filter(tenant_id=request.user.tenant_id)
         return Response(KillSwitchOutput(switches, many=True).data)
@@ -224,7 +315,15 @@ class KillSwitchApi(APIView):
         operation_id="flip_kill_switch",
         summary="Turn a kill switch on or off",
         request=InputSerializer,
-        responses={200: KillSwitchOutput, **errors({403: "Not an operator or the tenant's supervisor"})},
+        responses={
+            200: KillSwitchOutput,
+            **errors(
+                {
+                    403: "Not a platform operator or the tenant's supervisor (a tenant's operator: "
+                    "only its tools' and endpoints' switches)"
+                }
+            ),
+        },
     )
     def post(self, request):
         """On: a killed tenant or agent starts no run, a killed tool or endpoint is never called (its
@@ -240,5 +339,5 @@ class KillSwitchApi(APIView):
         if tenant is None:
             raise NotFound("tenant")
         change = kill_switches.flip(actor=request.user, tenant=tenant, **values)
-        switch = KillSwitch.objects.select_related("tenant", "changed_by").get(pk=change.switch_id)
+        switch = _switches().get(pk=change.switch_id)
         return Response({**KillSwitchOutput(switch).data, "runs_resumed": change.runs_resumed})

@@ -19,19 +19,25 @@ The probe is one statement on the partial index `kill_switch_on` (empty while no
 A call already committed as `dispatching` before a switch went on is in flight and finishes; no
 call after that is sent. A call that was sent before (a retry of an unknown outcome, one a
 person asked to retry) always pauses: the model must not hear "unavailable" about a call that
-may have happened. Who may flip: as for pausing (runs/controls/pausing.may_pause).
+may have happened.
+
+Who may flip (may_flip): platform operators everywhere; a tenant's supervisors (who may pause its
+runs) every switch of their tenant; a tenant's operators (the `operator` role: tools.change_tool,
+llm.change_modelendpoint) the switches of their tenant's tools and model endpoints, which they
+configure, but not a whole tenant or agent. Every flip is kept (KillSwitchChange) and written to
+the admin's Recent actions (runs/controls/audit.py).
 """
 
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Model, Q
 from django.utils import timezone
 
 from agents.models import AgentDefinition
-from core.errors import DomainError
+from core.errors import DomainError, Forbidden
 from llm.models import ModelEndpoint
-from runs.controls import pausing
+from runs.controls import audit, pausing
 from runs.models import ClaimReads, KillSwitch, KillSwitchChange, Run, RunStatus
 from runs.transitions import atomic_with_events, lock_run, record_event, transition_run
 from tenants.models import Tenant, User
@@ -53,13 +59,60 @@ def target_of(scope: str, name: str, tenant: Tenant):
     return found
 
 
+# The model permission (of the tenant's `operator` role) that lets a tenant's staff flip a scope's
+# switches without being a supervisor: they configure these targets already.
+CONFIGURES = {Scope.TOOL: "tools.change_tool", Scope.ENDPOINT: "llm.change_modelendpoint"}
+
+
+def scopes_for(user, tenant_id) -> list[str]:
+    """The scopes whose switches `user` may flip in the tenant (empty: none)."""
+    if user is None or not user.is_active:
+        return []
+    if pausing.may_pause(user, tenant_id):
+        return list(Scope.values)
+    if not user.is_staff or tenant_id is None or user.tenant_id != tenant_id:
+        return []
+    return [scope for scope, perm in CONFIGURES.items() if user.has_perm(perm)]
+
+
+def may_flip(user, tenant_id, scope: str | None = None) -> bool:
+    """Whether `user` may flip the tenant's switches of `scope` (any scope, if None)."""
+    scopes = scopes_for(user, tenant_id)
+    return bool(scopes) if scope is None else scope in scopes
+
+
+def require_may_flip(user, tenant_id, scope: str | None = None) -> None:
+    if not may_flip(user, tenant_id, scope):
+        raise Forbidden(
+            "only platform operators and the tenant's supervisors may flip this switch "
+            "(and the tenant's operators its tools' and model endpoints' switches)",
+            code="not_permitted",
+        )
+
+
+def target_names(scope: str, tenant_id: int | None) -> list[str]:
+    """The names a switch of `scope` can name (the admin's pickers), in the tenant or, for None,
+    in every tenant; a tenant by its slug."""
+    model: type[Model]
+    model, field = {
+        Scope.TENANT: (Tenant, "slug"),
+        Scope.AGENT: (AgentDefinition, "name"),
+        Scope.TOOL: (Tool, "name"),
+        Scope.ENDPOINT: (ModelEndpoint, "name"),
+    }[Scope(scope)]
+    rows = model._default_manager.all()
+    if tenant_id is not None:
+        rows = rows.filter(pk=tenant_id) if model is Tenant else rows.filter(tenant_id=tenant_id)
+    return list(rows.order_by(field).values_list(field, flat=True).distinct())
+
+
 def flip(*, actor, tenant: Tenant, scope: str, target: str, on: bool, reason: str) -> KillSwitchChange:
     if not reason.strip():
         raise DomainError("say why", fields={"reason": ["a reason is required"]})
-    pausing.require_may_pause(actor, tenant.pk)
+    require_may_flip(actor, tenant.pk, scope)
     obj = target_of(scope, target, tenant)
     with transaction.atomic():
-        switch, _ = KillSwitch.objects.select_for_update().get_or_create(
+        switch, created = KillSwitch.objects.select_for_update().get_or_create(
             scope=scope,
             target_id=obj.pk,
             defaults={
@@ -76,6 +129,7 @@ def flip(*, actor, tenant: Tenant, scope: str, target: str, on: bool, reason: st
         )
         switch.on, switch.changed_by, switch.reason = on, actor, reason
         change = KillSwitchChange.objects.create(switch=switch, on=on, actor=actor, reason=reason)
+        audit.logged(actor, switch, f"Turned {'on' if on else 'off'}: {reason}", added=created)
     if not on:
         change.runs_resumed = _resume_paused_by(switch, actor=actor, reason=reason)
         KillSwitchChange.objects.filter(pk=change.pk).update(runs_resumed=change.runs_resumed)

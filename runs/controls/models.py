@@ -9,12 +9,14 @@ from django.db import models
 
 
 class BulkAction(models.Model):
-    """One operator's pause or resume of every run that matched a filter (runs/controls/pausing.py): who,
-    why, the filter as given and how many runs it moved; each run also has its own event."""
+    """One operator's pause, resume or cancel of every run that matched a filter
+    (runs/controls/pausing.py, cancelling.py): who, why, the filter as given and how many runs it
+    moved; each run also has its own event."""
 
     class Kind(models.TextChoices):
         PAUSE = "pause"
         RESUME = "resume"
+        CANCEL = "cancel"
 
     kind = models.CharField(max_length=8, choices=Kind.choices)
     tenant = models.ForeignKey(
@@ -65,6 +67,7 @@ class KillSwitch(models.Model):
             models.Index(fields=["scope", "target_id"], name="kill_switch_on", condition=models.Q(on=True))
         ]
         ordering = ["-changed_at"]
+        verbose_name_plural = "kill switches"
 
     def __str__(self) -> str:
         return f"{self.scope} {self.target_name}: {'on' if self.on else 'off'}"
@@ -84,3 +87,7 @@ class KillSwitchChange(models.Model):
 
     class Meta:
         ordering = ["-at"]
+        verbose_name = "flip"
+
+    def __str__(self) -> str:
+        return f"{'on' if self.on else 'off'}: {self.reason}"

@@ -30,12 +30,14 @@ tenant's view_runs) for their tenant's runs; nobody else.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from django.db.models import Exists, OuterRef, QuerySet
 from django.utils import timezone
 
 from core.errors import Conflict, DomainError, Forbidden
+from runs.controls import audit
 from runs.models import OPEN, TERMINAL, BulkAction, Run, RunStatus, Step, StepKind
 from runs.queueing import enqueue
 from runs.transitions import atomic_with_events, lock_run, record_event, transition_run, update_row
@@ -116,11 +118,13 @@ def _pause(run: Run, *, actor, reason: str, until, bulk: int | None) -> bool:
             actor=actor,
             **data,
         )
+        audit.logged(actor, run, f"Pause requested (taken once the call in flight is recorded): {reason}")
         return True
     # No worker holds it: a message still queued finds it paused and is dropped by the claim.
     message = f"paused by {actor.username}: {reason}"
     transition_run(run, RunStatus.PAUSED, actor=actor, message=message, paused_at=timezone.now(), **who)
     record_event(run.pk, "paused", message, actor=actor, at_step_boundary=False, **data)
+    audit.logged(actor, run, f"Paused: {reason}")
     return True
 
 
@@ -165,6 +169,7 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
             withdrawn=True,
             **data,
         )
+        audit.logged(actor, run, "Pause withdrawn before it was taken" + (f": {reason}" if reason else ""))
         return True
     now = timezone.now()
     paused_for = now - run.paused_at if run.paused_at else dt.timedelta(0)
@@ -183,6 +188,7 @@ def _resume(run: Run, *, actor, reason: str, countdown: float | None, bulk: int 
     record_event(
         run.pk, "resumed", message, actor=actor, paused_seconds=round(paused_for.total_seconds(), 3), **data
     )
+    audit.logged(actor, run, "Resumed" + (f": {reason}" if reason else ""))
     if to != RunStatus.WAITING_BUDGET:
         enqueue(run.pk, countdown=countdown)
     return True
@@ -217,15 +223,19 @@ def resume_due(now: dt.datetime) -> int:
 FILTERS = ("tenant", "agent", "version", "tool", "endpoint", "created_by", "status", "created_before")
 
 
-def matching(filters: dict, *, resuming: bool) -> QuerySet:
-    """The runs a bulk action moves: live and not paused (pause), or paused or pause-requested
-    (resume), narrowed by the filters (names as the API takes them), in order of arrival.
+def matching(filters: dict, *, kind: str) -> QuerySet:
+    """The runs a bulk action of `kind` moves: live and not paused (pause), paused or
+    pause-requested (resume), live and not already being cancelled (cancel); narrowed by the
+    filters (names as the API takes them), in order of arrival (resume: oldest pause first).
 
     `tool`: runs whose next or pending call is to it (an open tool step of that name).
     """
+    resuming = kind == BulkAction.Kind.RESUME
     runs = Run.objects.exclude(status__in=TERMINAL)
     if resuming:
         runs = runs.filter(status=RunStatus.PAUSED) | runs.filter(pause_requested=True)
+    elif kind == BulkAction.Kind.CANCEL:
+        runs = runs.filter(cancel_requested=False)
     else:
         runs = runs.exclude(status=RunStatus.PAUSED).filter(pause_requested=False, cancel_requested=False)
     if filters.get("tenant"):
@@ -253,7 +263,18 @@ def matching(filters: dict, *, resuming: bool) -> QuerySet:
     return runs.order_by("paused_at" if resuming else "created_at", "created_at")
 
 
-def _scope(filters: dict, actor) -> tuple[dict, Tenant | None]:
+PREVIEW_SAMPLE = 10
+
+
+def preview(*, actor, kind: str, filters: dict) -> tuple[dict, int, list]:
+    """What a bulk action of `kind` would move now, before anyone commits to it: the filters as
+    the actor may use them, how many runs match (at most BULK_MAX are moved) and the first few."""
+    filters, _ = scope_filters(filters, actor)
+    runs = matching(filters, kind=kind)
+    return filters, runs.count(), list(runs.select_related("agent", "created_by")[:PREVIEW_SAMPLE])
+
+
+def scope_filters(filters: dict, actor) -> tuple[dict, Tenant | None]:
     """The filters as the actor may use them: a supervisor's are held to their own tenant."""
     filters = {k: v for k, v in filters.items() if k in FILTERS and v not in (None, "")}
     if filters.get("version") and not filters.get("agent"):
@@ -284,28 +305,37 @@ def resume_matching(*, actor, reason: str, filters: dict) -> BulkAction:
 
 
 def _bulk(kind: str, *, actor, reason: str, filters: dict, until=None) -> BulkAction:
+    _check_until(until)
+    if kind == BulkAction.Kind.RESUME:
+
+        def move(run: Run, action: int, count: int) -> bool:
+            return _resume(run, actor=actor, reason=reason, countdown=count / RESUME_PER_SECOND, bulk=action)
+
+    else:
+
+        def move(run: Run, action: int, count: int) -> bool:
+            return _pause(run, actor=actor, reason=reason, until=until, bulk=action)
+
+    return run_bulk(kind, actor=actor, reason=reason, filters=filters, move=move)
+
+
+def run_bulk(
+    kind: str, *, actor, reason: str, filters: dict, move: Callable[[Run, int, int], bool]
+) -> BulkAction:
+    """Audit one BulkAction and apply `move(run, action id, moved so far)` to each matching run,
+    with the run locked; answers the action with the count of runs moved (also runs.controls.cancelling)."""
     if not reason.strip():
         raise DomainError("say why", fields={"reason": ["a reason is required"]})
-    _check_until(until)
-    filters, tenant = _scope(filters, actor)
+    filters, tenant = scope_filters(filters, actor)
     stored = {k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in filters.items()}
     action = BulkAction.objects.create(kind=kind, tenant=tenant, actor=actor, reason=reason, filters=stored)
-    resuming = kind == BulkAction.Kind.RESUME
     count = 0
     # One short transaction per run, each with its row locked: a worker recording a call waits
     # for one run at a time, never for the whole action.
-    for run_id in matching(filters, resuming=resuming).values_list("pk", flat=True)[:BULK_MAX]:
+    for run_id in matching(filters, kind=kind).values_list("pk", flat=True)[:BULK_MAX]:
         try:
-            if resuming:
-                with atomic_with_events():
-                    run = lock_run(run_id)
-                    moved = _resume(
-                        run, actor=actor, reason=reason, countdown=count / RESUME_PER_SECOND, bulk=action.pk
-                    )
-            else:
-                with atomic_with_events():
-                    run = lock_run(run_id)
-                    moved = _pause(run, actor=actor, reason=reason, until=until, bulk=action.pk)
+            with atomic_with_events():
+                moved = move(lock_run(run_id), action.pk, count)
         except (Conflict, Run.DoesNotExist):
             continue  # it ended (or was cancelled) between the query and its lock
         count += moved

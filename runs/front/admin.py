@@ -3,11 +3,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections import Counter
+from urllib.parse import quote
 
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
@@ -147,8 +149,13 @@ def step_summary(step: Step) -> str:
     return f"· {step.error[:140]}" if step.error and step.status != StepStatus.SUCCEEDED else ""
 
 
-def flower_url() -> str:
-    return settings.FLOWER_URL
+def flower_url(run: Run) -> str:
+    """Flower's task list searched for this run's engine tasks: Flower puts its `name` parameter
+    into the search box as `name:<value>`, and `args:<run id>` after it narrows the list to the
+    tasks whose arguments carry the run's id (its search joins terms with AND)."""
+    if not settings.FLOWER_URL:
+        return ""
+    return f"{settings.FLOWER_URL}/tasks?name={quote(f'runs.tasks.advance_run args:{run.pk}', safe=':')}"
 
 
 def sandbox_view(run: Run, step, files: list) -> dict | None:
@@ -305,6 +312,16 @@ class ResolveForm(forms.Form):
     override = forms.BooleanField(required=False, label="Retry anyway: I accept the effect may happen twice")
 
 
+class RankedChangeList(ChangeList):
+    """A search that runs.front.search ranked keeps its order (best word matches first), unless a
+    column is sorted."""
+
+    def get_ordering(self, request, queryset):
+        if "search_rank" in queryset.query.annotations and ORDER_VAR not in self.params:
+            return ["-search_rank", "-created_at", "-pk"]
+        return super().get_ordering(request, queryset)
+
+
 @admin.register(Run, site=site)
 class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
     """Runs are started through the API; here they are watched, cancelled and unblocked."""
@@ -329,7 +346,10 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
 
     def get_search_results(self, request, queryset, search_term):
-        return search(queryset, search_term[:Q_MAX]), False
+        return search(queryset, search_term[:Q_MAX], ranked=True), False
+
+    def get_changelist(self, request, **kwargs):
+        return RankedChangeList
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
@@ -412,7 +432,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             "input": arguments_html(run.input) if isinstance(run.input, dict) else run.input,
             "artifacts": files,
             "metadata": arguments_html(run.metadata) if run.metadata else "",
-            "flower_url": flower_url(),
+            "flower_url": flower_url(run),
             "rate_note": rate_note(run.tenant),
             "probe_note": failed_probe(run.version.model_endpoint.probe),
         }
@@ -506,10 +526,14 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             return
         messages.success(request, f"run {str(run.pk)[:8]}: cancel requested; no new call starts from now on")
 
-    @admin.action(description="Cancel selected runs", permissions=["cancel"])
+    @admin.action(description="Cancel selected runs (give a reason)", permissions=["cancel"])
     def cancel_selected(self, request, queryset):
+        reason = request.POST.get("reason", "").strip()
+        if not reason:
+            messages.error(request, "give a reason in the actions bar")
+            return
         for run in queryset.exclude(status__in=TERMINAL):
-            self._cancel(request, run, reason="cancelled in bulk in the admin")
+            self._cancel(request, run, reason=reason)
 
     def resolve_view(self, request, object_id, seq):
         """Say what happened to a call whose outcome is unknown (needs approve_tool on its tool)."""

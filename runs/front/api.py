@@ -353,7 +353,7 @@ class RunListApi(APIView):
             data.pop("created_before", None),
         )
         runs = search.created_between(selectors.runs_for(request.user, **data), after=after, before=before)
-        return paginate(self, request, search.search(runs, q), RunOutput)
+        return paginate(self, request, search.search(runs, q, ranked=True), RunOutput)
 
     @extend_schema(
         operation_id="start_run",

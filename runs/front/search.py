@@ -1,14 +1,29 @@
 """Finding a run: the search behind `GET /v1/runs?q=` and the admin's search box.
 
-`q` matches a run by its id or an id prefix (at least 4 hex digits: `a739`, `a7390f2e-53`), or by a
-value anywhere in its input or metadata, exactly (`TXN-1002`, `12499`). Every filter has an index
-(runs/migrations/0009_run_search_indexes.py), so a search stays fast at a million runs
-(bench/run_search.py measures it):
+`q` matches a run by its id or an id prefix (at least 4 hex digits: `a739`, `a7390f2e-53`), by a
+value anywhere in its input or metadata, exactly (`TXN-1002`, `12499`), or by words: every word
+of `q` among the words of the run's strings in input and metadata (the request's text, the
+customer's name and email, a ticket's subject: `meera sharma`, `duplicate charge`), in web-search
+syntax (`"exact phrase"`, `or`, `-word`), stemmed as English (`refunds` finds `refund`). Every
+filter has an index (runs/migrations/0010_run_search_indexes.py, 0021_run_search_words.py), so a
+search stays fast at a million runs (bench/run_search.py measures it):
 - an id prefix is a range of the primary key (`a739…0000` to `a739…ffff`), read from its B-tree;
 - values: a GIN index on the array of every string and number in input and metadata
   (`SearchValues`), queried with `@>`; the query repeats the index's expression to the letter,
   which is what lets PostgreSQL use it;
+- words: `search_words`, the tsvector of every string in input and metadata, kept by a trigger,
+  with a GIN index, queried with `@@ websearch_to_tsquery('english', q)`;
 - the tenant's newest first: (tenant, created_at); creator, agent and status have their own.
+
+Ranked (`ranked=True`: the API's list and the admin's, unless sorted by a column): when `q`
+matches at most RANK_MAX runs (a name, a ticket's words), the best word matches first (ts_rank
+over the stored tsvector), then newest first. More matches than that are listed newest first:
+sorting them all by rank means reading every match, row by row (at a million runs, seconds for a
+word in 5% of the runs; a word in most runs, such as `customer`, tells them apart no better than
+their age). One cheap question decides: is there a match past the first RANK_MAX?
+
+SQLite (the demo): no jsonpath, no tsvector; every word of `q` must appear in the text of input
+or metadata (case-insensitive), newest first, over its few runs.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ from typing import Any
 
 from django.db import connection
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F, Func, JSONField, Q
+from django.db.models import BooleanField, F, FloatField, Func, JSONField, Q, Value
 from django.db.models.sql.compiler import SQLCompiler
 
 # Every string and number in the run's input and metadata, at any depth. The same text is in the
@@ -60,6 +75,44 @@ class SearchValues(Func):
         )
 
 
+# The run's words: `runs_run.search_words`, the English tsvector of every string in input and
+# metadata, kept by a trigger (runs/migrations/0021_run_search_words.py; not a model field).
+RANK_MAX = 500
+
+
+class _Words(Func):
+    """An expression over the run's `search_words` column and the search text; the column is named
+    with the table alias the ORM gives `input` (a subquery's own)."""
+
+    sql = ""
+
+    def __init__(self, q: str):
+        super().__init__(F("input"), Value(q))
+
+    def as_sql(self, compiler, connection, function=None, template=None, arg_joiner=None, **extra_context):
+        (input_sql, input_params), (q_sql, q_params) = (
+            compiler.compile(expression) for expression in self.get_source_expressions()
+        )
+        table = input_sql.rsplit(".", 1)[0]
+        words = f'{table}."search_words"'
+        query = f"websearch_to_tsquery('english'::regconfig, {q_sql})"
+        return self.sql.format(words=words, query=query), (*input_params, *q_params)
+
+
+class WordsMatch(_Words):
+    """True when every word of q is among the run's words (`@@`, served by run_search_words)."""
+
+    sql = "{words} @@ {query}"
+    output_field = BooleanField()
+
+
+class WordsRank(_Words):
+    """How well the run's words match q (ts_rank over the stored tsvector)."""
+
+    sql = "ts_rank({words}, {query})"
+    output_field = FloatField()
+
+
 ID_PREFIX = re.compile(r"^[0-9a-f]{4,32}$")
 Q_MAX = 200
 
@@ -83,23 +136,47 @@ def _as_number(q: str):
     return int(number) if number == number.to_integral_value() else float(number)
 
 
-def search(runs, q: str):
-    """The runs of `runs` that `q` names: by id or id prefix, or by a value in input or metadata."""
+def search(runs, q: str, *, ranked: bool = False):
+    """The runs of `runs` that `q` names: by id or id prefix, by a value in input or metadata, or
+    by words of their strings; `ranked`: the best word matches first (module docstring)."""
     q = q.strip()
     if not q:
         return runs
-    if connection.vendor == "postgresql":
-        runs = runs.alias(search_values=SearchValues())
-        match = Q(search_values__contains=[q])
-        number = _as_number(q)
-        if number is not None:
-            match |= Q(search_values__contains=[number])
-    else:  # SQLite (the demo): no jsonpath; the text of input and metadata, and few runs to scan
-        match = Q(input__icontains=q) | Q(metadata__icontains=q)
+    if connection.vendor != "postgresql":
+        return runs.filter(_sqlite_match(q))
+    found = runs.alias(search_values=SearchValues())
+    # Words first: PostgreSQL evaluates an OR's terms in order, and the stored tsvector is cheap
+    # where rebuilding the values array is not (a common word is checked on many rows).
+    match = Q(WordsMatch(q)) | Q(search_values__contains=[q])
+    number = _as_number(q)
+    if number is not None:
+        match |= Q(search_values__contains=[number])
     ids = id_range(q)
     if ids is not None:
         match |= Q(pk__gte=ids[0], pk__lte=ids[1])
-    return runs.filter(match)
+    found = found.filter(match)
+    if not ranked or found.values("pk")[RANK_MAX : RANK_MAX + 1].exists():
+        # Many matches: newest first, which the (tenant, created_at) index serves without reading
+        # every match; ranking them would sort them all, row by row (seconds for a word in most runs).
+        return found
+    return found.alias(search_rank=WordsRank(q)).order_by("-search_rank", "-created_at")
+
+
+def _sqlite_match(q: str) -> Q:
+    """The demo's search: the whole of q, or every word of it, in the text of input or metadata."""
+
+    def anywhere(text: str) -> Q:
+        return Q(input__icontains=text) | Q(metadata__icontains=text)
+
+    words = [word.strip('"') for word in q.split() if word.strip('"')]
+    every_word = Q()
+    for word in words:
+        every_word &= anywhere(word)
+    match = anywhere(q) | every_word
+    ids = id_range(q)
+    if ids is not None:
+        match |= Q(pk__gte=ids[0], pk__lte=ids[1])
+    return match
 
 
 def created_between(runs, *, after: dt.datetime | None = None, before: dt.datetime | None = None):

@@ -79,9 +79,12 @@ def test_the_bulk_form_pauses_and_resumes_every_matching_run_and_lists_the_recor
     assert (
         'name="agent"' in form and 'name="until"' in form and 'name="tenant"' not in form
     )  # a supervisor's own
-    answer = as_ravi.post(
-        f"{page}add/", {"kind": "pause", "reason": "refunds on hold", "agent": "refunder"}, follow=True
-    )
+    asked = {"kind": "pause", "reason": "refunds on hold", "agent": "refunder"}
+    answer = as_ravi.post(f"{page}add/", asked)  # first a preview: nothing moves yet
+    assert "Preview: this would pause 3 runs now" in answer.content.decode()
+    assert not Run.objects.filter(status="paused").exists() and not BulkAction.objects.exists()
+    previewed = answer.context["adminform"].form["previewed"].value()
+    answer = as_ravi.post(f"{page}add/", {**asked, "previewed": previewed}, follow=True)
     assert answer.status_code == 200 and "3 runs paused" in answer.content.decode()
     assert Run.objects.filter(pk__in=runs, status="paused").count() == 3
     action = BulkAction.objects.get()
@@ -92,7 +95,9 @@ def test_the_bulk_form_pauses_and_resumes_every_matching_run_and_lists_the_recor
         {"agent": "refunder", "tenant": acme.tenant.slug},
     )
     assert "refunds on hold" in as_ravi.get(page).content.decode()
-    as_ravi.post(f"{page}add/", {"kind": "resume", "reason": "back", "agent": "refunder"})
+    back = {"kind": "resume", "reason": "back", "agent": "refunder"}
+    previewed = as_ravi.post(f"{page}add/", back).context["adminform"].form["previewed"].value()
+    as_ravi.post(f"{page}add/", {**back, "previewed": previewed})
     assert Run.objects.filter(pk__in=runs, status="paused").count() == 0
     assert BulkAction.objects.filter(kind="resume", count=3).exists()
     assert as_ravi.post(f"{page}{action.pk}/change/", {"reason": "rewritten"}).status_code == 403

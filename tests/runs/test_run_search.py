@@ -127,3 +127,76 @@ def test_a_search_inside_a_subquery_names_its_own_table(runs, tenant):
         runs["b"].pk,
         runs["c"].pk,
     }
+
+
+@pytest.fixture
+def requests(tenant, asha, ravi, builtins):
+    factories.make_agent(tenant, name="disputes", tools=[builtins["echo"]], turns=[{"text": "hi"}])
+    made = {}
+    for name, body, metadata in [
+        (
+            "meera",
+            {"request": "Customer disputes a duplicate charge at Croma", "customer_name": "Meera Sharma"},
+            {"ticket_subject": "Duplicate charge"},
+        ),
+        (
+            "ravi",
+            {"request": "Refund the duplicate charges on the card", "customer_name": "Ravi Duplicate Kumar"},
+            {},
+        ),
+        (
+            "arjun",
+            {"request": "Close the account", "customer_name": "Arjun Mehta"},
+            {"ticket_subject": "Closure"},
+        ),
+    ]:
+        made[name], _ = start_run(user=asha, agent="disputes", input=body, metadata=metadata)
+    return made
+
+
+def test_it_finds_runs_by_words_of_the_request_and_the_customer(ravi, requests):
+    assert ids(api(ravi).get("/v1/runs", {"q": "meera"})) == {str(requests["meera"].pk)}  # a name, any case
+    assert ids(api(ravi).get("/v1/runs", {"q": "sharma meera"})) == {str(requests["meera"].pk)}  # any order
+    assert ids(api(ravi).get("/v1/runs", {"q": "closure"})) == {str(requests["arjun"].pk)}  # metadata
+    # Every word must be there; English stems: "charge" finds "charges".
+    assert ids(api(ravi).get("/v1/runs", {"q": "duplicate charge"})) == {
+        str(requests["meera"].pk),
+        str(requests["ravi"].pk),
+    }
+    assert ids(api(ravi).get("/v1/runs", {"q": "duplicate charge -refund"})) == {str(requests["meera"].pk)}
+    assert ids(api(ravi).get("/v1/runs", {"q": "meera account"})) == set()
+
+
+def test_word_matches_come_best_first(ravi, requests):
+    # Meera's run says "duplicate charge" twice (request and ticket subject), Ravi's once, and
+    # Ravi's is newer: ranked, Meera's comes first.
+    rows = api(ravi).get("/v1/runs", {"q": "duplicate charge"}).json()["results"]
+    assert [row["id"] for row in rows] == [str(requests["meera"].pk), str(requests["ravi"].pk)]
+    # Without words the newest come first, as always.
+    rows = api(ravi).get("/v1/runs").json()["results"]
+    assert rows[0]["id"] == str(requests["arjun"].pk)
+
+
+def test_the_admin_search_box_finds_words_best_first(requests, tenant):
+    from django.test import Client
+
+    from tests.admin.helpers import make_supervisor
+
+    client = Client()
+    client.force_login(make_supervisor(tenant, "sara"))
+    shown = [
+        run.pk for run in client.get("/admin/runs/run/", {"q": "duplicate charge"}).context["cl"].result_list
+    ]
+    assert shown == [requests["meera"].pk, requests["ravi"].pk]
+
+
+def test_postgres_uses_the_words_index_for_a_word_search(requests):
+    # As for values: with sequential scans off, a plan without the index means the query's
+    # expression no longer matches the index's (migration 0021).
+    queryset = search(Run.objects.all(), "meera sharma").order_by()
+    sql, params = queryset.query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "run_search_words" in plan, plan
