@@ -307,6 +307,17 @@ def check_set(source_set: SourceSet, schema: dict, entities: Entities | None = N
                 problems.append(
                     (_where(source_set, line), f"policy {policy_id!r}: @approval is for permit policies")
                 )
+            elif "approvers" in annotations and (
+                "approval" not in annotations
+                or str(annotations["approvers"]) != str(cedar.approvers_of(annotations))
+            ):
+                problems.append(
+                    (
+                        _where(source_set, line),
+                        f"policy {policy_id!r}: @approvers goes with @approval and is a whole number "
+                        f'from 1 to {cedar.MAX_APPROVERS} ("2": two distinct people approve)',
+                    )
+                )
             else:
                 ids[policy_id] = text
                 parsed.append((line, policy_id, policy))
