@@ -148,7 +148,7 @@ def test_every_fact_sits_above_the_buttons_on_the_first_screen(live_server, bank
         page.click("#decision-form input.deny")
         seen["deny_error"] = page.locator("#decision-form .errorlist").inner_text()
 
-    in_browser(look)
+    in_browser(look, timeout=600)
     button = seen["button"]
     assert button["y"] + button["height"] <= HEIGHT, f"the Approve button is below the fold: {button}"
     for selector, box in seen["boxes"].items():
@@ -199,7 +199,7 @@ def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_ten
         box = page.locator("#decision-approvals").bounding_box()
         seen["counted_above"] = box["y"] + box["height"] <= page.locator("input.approve").bounding_box()["y"]
 
-    in_browser(first)
+    in_browser(first, timeout=600)
     assert "your approval counted, 1 of 2 approvals" in seen["ravi_message"]
     assert seen["counted"].startswith("1 of 2 approvals: ravi at ") and seen["counted_above"]
     # The first approval alone never dispatches: the worker has nothing to do with the run.
@@ -227,7 +227,7 @@ def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_ten
         seen["stale_message"] = stale.locator("ul.messagelist li").first.inner_text()
         seen["stale_class"] = stale.locator("ul.messagelist li").first.get_attribute("class")
 
-    in_browser(second)
+    in_browser(second, timeout=600)
     assert "approved:" in seen["meera_message"]
     assert "already approved by meera at " in seen["stale_message"], seen["stale_message"]
     assert "success" not in (seen["stale_class"] or "")
