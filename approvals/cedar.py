@@ -261,6 +261,8 @@ def policy_text(part: _Part, policy_id: str) -> str:
 
 
 def _asking(part: _Part, fired: list[str]) -> Decision:
+    order = list(part.sources)
+    fired = sorted(fired, key=lambda pid: order.index(pid) if pid in order else len(order))  # file order
     return Decision(
         True,
         "; ".join(part.reasons[pid] for pid in fired),

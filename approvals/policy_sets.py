@@ -275,6 +275,28 @@ def statements(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def sources_of(tenant_id: int, ids: list[str]) -> dict[str, str]:
+    """Policy id -> its text as written in the tenant's enforced sets (comments and layout kept),
+    for the approval page; read when an approval is requested, never on the dispatch path."""
+    found: dict[str, str] = {}
+    wanted = set(ids)
+    for text in PolicySet.objects.filter(tenant_id=tenant_id, mode=PolicyMode.ENFORCE).values_list(
+        "text", flat=True
+    ):
+        for _, statement in statements(text):
+            if not wanted - set(found):
+                return found
+            try:
+                est = json.loads(cedarpy.policies_to_json_str(statement))
+            except ValueError:
+                continue
+            for policy in est["staticPolicies"].values():
+                policy_id = (policy.get("annotations") or {}).get("id")
+                if policy_id in wanted:
+                    found[policy_id] = statement.strip()
+    return found
+
+
 _PLACE = re.compile(r"policy(\d+)")
 
 

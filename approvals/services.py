@@ -13,7 +13,7 @@ import uuid
 import jsonschema
 from django.utils import dateformat, timezone
 
-from approvals import calls, cedar, reminders, tool_rules
+from approvals import calls, cedar, policy_sets, reminders, tool_rules
 from approvals.cedar import Decision
 from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus, ApprovalVote
 from core.digests import digest
@@ -114,13 +114,20 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
         policy_version=tool.policy_version,
         reason=decision.reason,
         policy_ids=list(decision.policies),
-        policy_texts=list(decision.texts),
+        policy_texts=_texts_of(run.tenant_id, decision),
         policy_set_version=verdict.policy_version if verdict is not None else None,
         required_approvals=decision.approvers,
         requested_by_id=run.created_by_id,
         expires_at=expires_at,
         **reminders.times_for(reminders.schedule_for(tool), now=now, expires_at=expires_at),
     )
+
+
+def _texts_of(tenant_id: int, decision: Decision) -> list[str]:
+    """Each deciding policy's text as the tenant wrote it; Cedar's rendering for a tool's rule."""
+    written = policy_sets.sources_of(tenant_id, list(decision.policies))
+    rendered = dict(zip(decision.policies, decision.texts, strict=False))
+    return [written.get(pid) or rendered.get(pid, "") for pid in decision.policies]
 
 
 def run_of(approval_id, *, tenant_id):

@@ -10,6 +10,7 @@ import pytest
 from django.contrib import messages
 from django.contrib.admin.models import LogEntry
 from django.urls import reverse
+from django.utils.html import escape
 
 from approvals.models import Approval, ApprovalStatus
 from tenants.models import Tenant
@@ -72,7 +73,8 @@ def test_a_denial_needs_a_reason_and_lands_in_recent_actions(as_ravi, in_inr):
         messages_of(denied)
     )
     assert log_of(approval) == [("ravi", "Denied: a duplicate")]
-    assert "Denied: a duplicate" in as_ravi.get("/admin/").content.decode()  # Recent actions
+    recent = as_ravi.get("/admin/").content.decode()  # the index's Recent actions
+    assert escape(f"{approval.tool.name} for run {approval.run_id} (denied)") in recent
 
 
 def test_a_tenant_can_require_a_reason_to_approve(as_ravi, in_inr):

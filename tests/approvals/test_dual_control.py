@@ -6,9 +6,12 @@ of the tenant's policies; a corrected approval keeps the model's arguments besid
 
 from __future__ import annotations
 
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from django.db import connection
 
 from approvals.models import ApprovalStatus, ApprovalVote, ReminderRule, TenantPolicies
 from runs.models import RunEvent, RunStatus, Step, StepStatus
@@ -218,3 +221,23 @@ def park_or_finish(tenant, asha, tool, arguments):
     factories.make_agent(tenant, name=name, endpoint=endpoint, tools=[tool])
     run, _ = start_run(user=asha, agent=name, input={})
     return drive(run.pk), None
+
+
+def test_two_approvers_at_the_same_moment_approve_once_and_dispatch_once(tenant, asha, ravi, bank, refund):
+    run, approval = park(tenant, asha, refund, LARGE)
+    barrier = threading.Barrier(2)
+
+    def decide(person):
+        try:
+            barrier.wait()
+            return approve(person, approval, reason="checked")
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(decide, [ravi, user("meera")]))
+
+    assert sorted(a.json()["status"] for a in answers) == ["approved", "pending"]
+    assert ApprovalVote.objects.filter(approval=approval).count() == 2
+    assert drive(run.pk).status == RunStatus.SUCCEEDED
+    assert refunds(bank) == 1
