@@ -19,7 +19,7 @@ from tests.admin.helpers import make_supervisor
 from tests.admin.test_inbox_browser import in_browser
 from tests.approvals.test_cedar_actions import install_rules
 from tests.conftest import drive
-from tests.servers import BankServer, wait_for
+from tests.servers import BankServer, Worker, wait_for
 from tools.models import Tool
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -176,13 +176,23 @@ def test_every_fact_sits_above_the_buttons_on_the_first_screen(live_server, bank
     assert approval.status == ApprovalStatus.PENDING
 
 
-def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_tenant, shared_bank, workers):
+@pytest.fixture
+def worker(transactional_db):
+    """A real Celery worker, given longer than the shared fixture's 60 s to get ready: it starts
+    while Chromium and the live server load the machine."""
+    process = Worker("w1")
+    try:
+        yield process.start(timeout=300)
+    finally:
+        process.stop()
+
+
+def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_tenant, shared_bank, worker):
     tenant, tools, asha = bank_tenant
     refund_agent(tenant, tools, amount=120000, name="big-refunder")
     approval = park(asha, "big-refunder")
     assert approval.required_approvals == 2
     url = f"/admin/approvals/approval/{approval.pk}/change/"
-    workers("w1")
     seen: dict = {}
 
     def refunds() -> int:
