@@ -168,7 +168,10 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
         raise Forbidden("you may not decide your own request", code="self_approval")
     if not can_decide(user, approval):
         raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
-    voted = approve and ApprovalVote.objects.filter(approval=approval, user=user).exists()
+    # A vote counts for the call it approved: one given before a correction is no vote for it.
+    voted = (
+        approve and ApprovalVote.objects.filter(approval=approval, user=user, digest=approval.digest).exists()
+    )
     repeated = (approval.decided_by_id == user.pk or voted) and (
         approval.status == target
         or (approve and approval.status in (ApprovalStatus.CONSUMED, ApprovalStatus.PENDING))
@@ -187,6 +190,7 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
         _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
         return Verdict.DECIDED
     refuse_approver(approval, approver=user, arguments=approval.arguments)
+    ApprovalVote.objects.filter(approval=approval, user=user).delete()  # of a call since corrected
     ApprovalVote.objects.create(approval=approval, user=user, digest=approval.digest, reason=reason)
     if approvals_given(approval) < approval.required_approvals:
         return Verdict.COUNTED

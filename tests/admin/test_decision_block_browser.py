@@ -1,5 +1,5 @@
 """The decision block in a real browser at 1366x768 (issue 39): every fact a supervisor needs sits
-above the Approve button and inside the first screen, measured; then a refund above INR 1,00,000
+above the Approve button and inside the first screen, measured; then a refund above INR 10,000
 is approved by two supervisors end to end with a real worker, the first approval alone sending
 nothing, a stale tab answered with what happened, and each decision in the admin's Recent actions.
 """
@@ -36,10 +36,10 @@ permit (principal, action == Action::"bank__issue_refund", resource)
 when { context.arguments.amount > 5000 };
 
 @id("large-refund-needs-two")
-@approval("refunds above INR 1,00,000 need two supervisors")
+@approval("refunds above INR 10,000 need two supervisors")
 @approvers("2")
 permit (principal, action == Action::"bank__issue_refund", resource)
-when { context.arguments.amount > 100000 };
+when { context.arguments.amount > 10000 };
 """
 
 REQUEST = "Priya Shah says she was charged twice for her BookMyShow tickets and wants her money back."
@@ -68,7 +68,7 @@ def bank_tenant(transactional_db, shared_bank):
     return tenant, tools, asha
 
 
-def refund_agent(tenant, tools, *, amount: int, name: str):
+def refund_agent(tenant, tools, *, amount: int, name: str, transaction: str = "TXN-1003"):
     """Looks the transaction up, then proposes a refund of `amount` on it."""
     lookup, refund = tools["lookup_transaction"], tools["issue_refund"]
     endpoint = factories.make_endpoint(
@@ -76,13 +76,13 @@ def refund_agent(tenant, tools, *, amount: int, name: str):
         name=f"{name}-model",
         config={
             "turns": [
-                {"tool_calls": [{"name": lookup.name, "arguments": {"transaction_id": "TXN-1003"}}]},
+                {"tool_calls": [{"name": lookup.name, "arguments": {"transaction_id": transaction}}]},
                 {
                     "text": "The charge is a duplicate; refunding it.",
                     "tool_calls": [
                         {
                             "name": refund.name,
-                            "arguments": {"transaction_id": "TXN-1003", "amount": amount, "currency": "INR"},
+                            "arguments": {"transaction_id": transaction, "amount": amount, "currency": "INR"},
                         }
                     ],
                 },
@@ -125,7 +125,7 @@ FACTS = [
 
 def test_every_fact_sits_above_the_buttons_on_the_first_screen(live_server, bank_tenant):
     tenant, tools, asha = bank_tenant
-    refund_agent(tenant, tools, amount=12499, name="refunder")
+    refund_agent(tenant, tools, amount=9999, name="refunder")
     approval = park(asha, "refunder")
     url = f"/admin/approvals/approval/{approval.pk}/change/"
     seen: dict = {}
@@ -159,7 +159,7 @@ def test_every_fact_sits_above_the_buttons_on_the_first_screen(live_server, bank
     assert seen["flag"]["y"] + seen["flag"]["height"] <= button["y"]
 
     texts = seen["texts"]
-    assert "INR 12,499.00" in texts["#decision-amount"]
+    assert "INR 9,999.00" in texts["#decision-amount"]
     assert "Priya Shah" in texts["#decision-parties"] and "TXN-1003" in texts["#decision-parties"]
     assert "ACC-2231" in texts["#decision-parties"]
     assert texts["#decision-asked"].startswith("asha at ")
@@ -168,7 +168,7 @@ def test_every_fact_sits_above_the_buttons_on_the_first_screen(live_server, bank
     assert "context.arguments.amount > 5000" in texts["#decision-why"]  # the policy's text
     assert "INR 899.00" in texts["#decision-facts"] and "pending" in texts["#decision-facts"]
     assert (
-        "the amount INR 12,499.00 is more than the INR 899.00 that TXN-1003 shows" in texts["#decision-facts"]
+        "the amount INR 9,999.00 is more than the INR 899.00 that TXN-1003 shows" in texts["#decision-facts"]
     )
     assert "Policy\nnever" not in seen["page"] and "\tnever" not in seen["page"]
     assert "a reason is required to deny" in seen["deny_error"]
@@ -189,7 +189,8 @@ def worker(transactional_db):
 
 def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_tenant, shared_bank, worker):
     tenant, tools, asha = bank_tenant
-    refund_agent(tenant, tools, amount=120000, name="big-refunder")
+    # The example bank refunds at most the transaction's amount (TXN-1001: INR 12,499).
+    refund_agent(tenant, tools, amount=12000, name="big-refunder", transaction="TXN-1001")
     approval = park(asha, "big-refunder")
     assert approval.required_approvals == 2
     url = f"/admin/approvals/approval/{approval.pk}/change/"

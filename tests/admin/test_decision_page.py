@@ -92,7 +92,7 @@ def test_a_tenant_can_require_a_reason_to_approve(as_ravi, in_inr):
 
 def test_a_decision_from_a_stale_tab_says_what_happened_instead_of_success(as_ravi, in_inr):
     approval = park_on_approval(in_inr.asha, "refunder")
-    as_ravi.post(page_url(approval), {"_approve": "Approve", "reason": "fine"})
+    as_ravi.post(page_url(approval), {"_approve": "Approve", "reason": "fine"}, follow=True)
 
     again = as_ravi.post(page_url(approval), {"_approve": "Approve", "reason": "fine"}, follow=True)
     [(level, text)] = messages_of(again)

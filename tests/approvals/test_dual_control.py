@@ -40,10 +40,10 @@ permit (principal, action == Action::"bank__issue_refund", resource)
 when { context.arguments.amount > 5000 };
 
 @id("large-refund-needs-two")
-@approval("refunds above INR 1,00,000 need two supervisors")
+@approval("refunds above INR 10,000 need two supervisors")
 @approvers("2")
 permit (principal, action == Action::"bank__issue_refund", resource)
-when { context.arguments.amount > 100000 };
+when { context.arguments.amount > 10000 };
 
 @id("supervisors-approve-up-to-150000")
 @reason("supervisors approve refunds up to INR 1,50,000")
@@ -51,7 +51,9 @@ forbid (principal in Group::"supervisors", action == Action::"approve_call:bank_
 when { context.arguments.amount > 150000 };
 """
 
-LARGE = {**REFUND, "amount": 120000}
+# The example bank refunds at most the transaction's amount (TXN-1001: INR 12,499).
+LARGE = {**REFUND, "amount": 12000}
+SMALL = {**REFUND, "amount": 9000}
 
 
 @pytest.fixture
@@ -134,7 +136,7 @@ def test_one_denial_denies_a_call_that_needs_two(tenant, asha, ravi, bank, refun
 def test_an_approver_above_their_limit_escalates_the_approval_at_once(tenant, asha, ravi, bank, refund):
     heads = factories.make_group(tenant, "heads-of-operations")
     user("kiran").groups.add(heads)
-    ReminderRule.objects.create(tenant=tenant, escalate_after_seconds=3600, escalate_to=heads)
+    ReminderRule.objects.create(tenant=tenant, escalate_after_seconds=3600, escalate_to=heads.tenant_link)
     run, approval = park(tenant, asha, refund, {**REFUND, "amount": 160000})
     assert approval.escalated_at is None
 
@@ -155,7 +157,9 @@ def test_every_decision_names_its_policies_and_the_policy_version(tenant, asha, 
     version = TenantPolicies.objects.get(tenant=tenant).version
     # Allowed without approval: the dispatch event names the permit that allowed it.
     small_run, _ = park_or_finish(tenant, asha, refund, {**REFUND, "amount": 900})
-    dispatched = RunEvent.objects.get(run=small_run, kind="step", data__to="dispatching")
+    dispatched = RunEvent.objects.get(
+        run=small_run, kind="step", data__to="dispatching", data__step_kind="tool"
+    )
     assert dispatched.data["policies"] == ["refunds-allowed"]
     assert dispatched.data["policy_version"] == version
 
@@ -165,7 +169,7 @@ def test_every_decision_names_its_policies_and_the_policy_version(tenant, asha, 
     assert denied.data["policies"] == ["refund-ceiling"] and denied.data["policy_version"] == version
 
     # Approval asked: the approval and its event name the @approval policy, its text and version.
-    run, approval = park(tenant, asha, refund, REFUND)
+    run, approval = park(tenant, asha, refund, SMALL)
     assert approval.policy_ids == ["refund-needs-supervisor"] and approval.policy_set_version == version
     assert approval.policy_texts[0].startswith('@id("refund-needs-supervisor")')
     assert "context.arguments.amount > 5000" in approval.policy_texts[0]
@@ -179,7 +183,7 @@ def test_every_decision_names_its_policies_and_the_policy_version(tenant, asha, 
 def test_a_corrected_approval_keeps_the_proposed_and_the_corrected_arguments(
     tenant, asha, ravi, bank, refund
 ):
-    run, approval = park(tenant, asha, refund, REFUND)
+    run, approval = park(tenant, asha, refund, SMALL)
     corrected = {**REFUND, "amount": 899}
     answer = client_for(ravi).post(
         f"/v1/approvals/{approval.pk}/correct",
@@ -188,7 +192,7 @@ def test_a_corrected_approval_keeps_the_proposed_and_the_corrected_arguments(
     )
     assert answer.status_code == 200, answer.json()
     shown = client_for(ravi).get(f"/v1/approvals/{approval.pk}").json()
-    assert shown["original_arguments"] == REFUND and shown["arguments"] == corrected
+    assert shown["original_arguments"] == SMALL and shown["arguments"] == corrected
     assert shown["corrected_by"] == "ravi" and shown["correction_reason"] == "the payment was INR 899"
     drive(run.pk)
     assert [e["arguments"]["amount"] for e in bank.effects("issue_refund")] == [899]
@@ -197,7 +201,7 @@ def test_a_corrected_approval_keeps_the_proposed_and_the_corrected_arguments(
 def test_a_correction_of_a_call_that_needs_two_waits_for_a_second_approver(tenant, asha, ravi, bank, refund):
     run, approval = park(tenant, asha, refund, LARGE)
     approve(user("meera"), approval, reason="fine")  # approved the call as proposed
-    corrected = {**LARGE, "amount": 110000}
+    corrected = {**LARGE, "amount": 11000}
     answer = client_for(ravi).post(
         f"/v1/approvals/{approval.pk}/correct", {"arguments": corrected, "reason": "fee"}, format="json"
     )
@@ -207,7 +211,7 @@ def test_a_correction_of_a_call_that_needs_two_waits_for_a_second_approver(tenan
     assert drive(run.pk).status == RunStatus.WAITING_APPROVAL and refunds(bank) == 0
     assert approve(user("meera"), approval, reason="fine too").json()["status"] == "approved"
     drive(run.pk)
-    assert [e["arguments"]["amount"] for e in bank.effects("issue_refund")] == [110000]
+    assert [e["arguments"]["amount"] for e in bank.effects("issue_refund")] == [11000]
 
 
 def park_or_finish(tenant, asha, tool, arguments):
