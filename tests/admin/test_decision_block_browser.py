@@ -220,15 +220,16 @@ def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_ten
     assert refunds() == 0
 
     def second(page):
-        page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
+        browser = page.context.browser
         # ravi keeps a tab open on the approval, from before meera decides.
-        log_in(page, live_server.url, "ravi", url)
-        stale = page.context.new_page()
+        ravi = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT})
+        ravi_page = ravi.new_page()
+        log_in(ravi_page, live_server.url, "ravi", url)
+        stale = ravi.new_page()
         stale.goto(f"{live_server.url}{url}")
         # meera, in a browser session of her own, gives the second approval.
-        other = page.context.browser.new_context()
+        other = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT})
         meera = other.new_page()
-        meera.set_viewport_size({"width": WIDTH, "height": HEIGHT})
         log_in(meera, live_server.url, "meera", url)
         meera.fill("#decision-form textarea", "second pair of eyes")
         meera.click("#decision-form input.approve")
@@ -237,6 +238,7 @@ def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_ten
         stale.click("#decision-form input.approve")
         seen["stale_message"] = stale.locator("ul.messagelist li").first.inner_text()
         seen["stale_class"] = stale.locator("ul.messagelist li").first.get_attribute("class")
+        ravi.close()
 
     in_browser(second, timeout=600)
     assert "approved:" in seen["meera_message"]
