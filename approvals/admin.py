@@ -445,7 +445,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
             return False
         if getattr(decided, "repeated", False):
             messages.warning(request, f"{what}: {approvals_services.first_decision(decided)}")
-            return False
+            return True  # nothing to correct on the page: back to the inbox, with what happened
         verb = "approved" if approve else "denied"
         said = f": {reason}" if reason else ""
         if getattr(decided, "verdict", None) == approvals_services.Verdict.COUNTED:
@@ -473,8 +473,11 @@ class ApprovalAdmin(ReadOnlyAdmin):
             approve = "_approve" in request.POST
             if not approve and "_deny" not in request.POST:
                 messages.error(request, "choose Approve or Deny")
-            elif form.is_valid() and form.require_for(approval, approve=approve):
-                self._decide(request, approval, approve=approve, reason=form.cleaned_data["reason"])
+            elif (
+                form.is_valid()
+                and form.require_for(approval, approve=approve)
+                and self._decide(request, approval, approve=approve, reason=form.cleaned_data["reason"])
+            ):
                 return redirect(self._inbox_url(request))
         votes = approvals_services.votes(approval)
         context = {

@@ -241,7 +241,7 @@ def test_two_supervisors_approve_a_large_refund_end_to_end(live_server, bank_ten
         ravi.close()
 
     in_browser(second, timeout=600)
-    assert "approved:" in seen["meera_message"]
+    assert "approved: bank__issue_refund" in seen["meera_message"].lower()
     assert "already approved by meera at " in seen["stale_message"], seen["stale_message"]
     assert "success" not in (seen["stale_class"] or "")
 
