@@ -211,6 +211,8 @@ ANONYMOUS_USER_NAME = None  # guardian: no anonymous user row
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = False
+# One date format on every admin page, Django's own columns included (core/formats).
+FORMAT_MODULE_PATH = ["core.formats"]
 USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"

@@ -16,12 +16,14 @@ from django.http import JsonResponse
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
+from django.utils import dateformat, timezone
 from django.utils.html import format_html
 
-from approvals import reminders
+from approvals import briefing, reminders
+from approvals import services as approvals_services
 from approvals.models import Approval, ApprovalStatus
 from approvals.selectors import approvable_tools, approvals_for, escalated_to
+from approvals.services import MOMENT
 from budgets.models import BudgetAccount
 from core.errors import DomainError
 from runs.approval_effects import correct_approval, decide_approval
@@ -41,7 +43,7 @@ from tenants.admin_site import (
     status_filter,
     time_left,
 )
-from tools.display import formatted_arguments, summary
+from tools.display import currency_of, formatted_arguments, money_arguments, shown, summary
 from tools.models import EffectClass
 
 
@@ -107,6 +109,18 @@ def call_amount(tool, arguments) -> str:
     return next((text for text, is_amount in readable.values() if is_amount), "")
 
 
+def call_money(approval: Approval) -> briefing.Money:
+    """(argument, value, currency code) of each money argument of the call."""
+    arguments = approval.arguments if isinstance(approval.arguments, dict) else {}
+    found = []
+    for name, source in money_arguments(approval.tool).items():
+        code = currency_of(source, arguments)
+        value = briefing.number(arguments.get(name))
+        if code is not None and value is not None:
+            found.append((name, value, code))
+    return found
+
+
 def call_customer(arguments, run_input) -> str:
     """Whom the call is about: the first customer-like value of its arguments, else of the run's input."""
     for source in (arguments, run_input):
@@ -148,7 +162,7 @@ def follow_ups(approval: Approval) -> list[tuple[str, str]]:
     zone = approval.tenant.zone
 
     def at(moment) -> str:
-        return moment.astimezone(zone).strftime("%H:%M on %d %b %Y")
+        return dateformat.format(moment.astimezone(zone), MOMENT)
 
     rows = []
     if approval.reminded_at:
@@ -167,9 +181,22 @@ def follow_ups(approval: Approval) -> list[tuple[str, str]]:
 class ReasonForm(forms.Form):
     reason = forms.CharField(
         required=False,
-        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
-        help_text="Recorded with the decision and, for a denial, told to the model.",
+        widget=forms.Textarea(attrs={"rows": 2, "cols": 60}),
+        help_text="Required to deny; recorded with the decision and, for a denial, told to the model.",
     )
+
+    def __init__(self, *args, reason_to_approve: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if reason_to_approve:
+            self.fields["reason"].help_text = "Required to approve or deny; recorded with the decision."
+
+    def require_for(self, approval: Approval, *, approve: bool) -> bool:
+        """Whether the reason the decision needs is there (a field error if not)."""
+        needed = approvals_services.reason_required(approval, approve=approve)
+        if needed and not (self.cleaned_data.get("reason") or "").strip():
+            self.add_error("reason", f"a reason is required to {'approve' if approve else 'deny'}")
+            return False
+        return True
 
 
 class CorrectionForm(forms.Form):
@@ -214,7 +241,15 @@ class ApprovalAdmin(ReadOnlyAdmin):
         ("requested_by", admin.RelatedOnlyFieldListFilter),
         AgeFilter,
     ]
-    list_select_related = ["tool", "tool__server", "requested_by", "run", "run__agent", "escalate_to"]
+    list_select_related = [
+        "tool",
+        "tool__server",
+        "tool__tenant",
+        "requested_by",
+        "run",
+        "run__agent",
+        "escalate_to",
+    ]
     # The box searches the runs' ids and input/metadata values, tool names and requesters.
     search_fields = ["tool__name"]
     search_help_text = "A tool name, a requester, a run id or its first characters, or a value of the run's input (TXN-1002)."
@@ -272,7 +307,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
         form = CorrectionForm(request.POST or None, initial={"arguments": approval.arguments})
         if request.method == "POST" and form.is_valid():
             try:
-                correct_approval(
+                corrected = correct_approval(
                     approval_id=approval.pk,
                     user=request.user,
                     arguments=form.cleaned_data["arguments"],
@@ -281,7 +316,22 @@ class ApprovalAdmin(ReadOnlyAdmin):
             except DomainError as exc:
                 form.add_error(None, exc.message)
             else:
-                messages.success(request, f"corrected and approved: {approval.tool.name}")
+                changed = ", ".join(
+                    f"{name} {(corrected.original_arguments or {}).get(name)!r} → {value!r}"
+                    for name, value in corrected.arguments.items()
+                    if (corrected.original_arguments or {}).get(name) != value
+                )
+                self.log_change(
+                    request, corrected, f"Corrected ({changed}) and approved: {corrected.correction_reason}"
+                )
+                if corrected.status == ApprovalStatus.PENDING:
+                    messages.success(
+                        request,
+                        f"corrected and approved by you: {approval.tool.name}; "
+                        f"{approvals_services.approvals_given(corrected)} of {corrected.required_approvals} approvals",
+                    )
+                else:
+                    messages.success(request, f"corrected and approved: {approval.tool.name}")
                 return redirect(self._inbox_url(request))
         context = {
             **self.admin_site.each_context(request),
@@ -382,12 +432,32 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     # --- deciding ---
 
-    def _decide(self, request, approval, *, approve: bool, reason: str) -> bool:
+    def _decide(self, request, approval, *, approve: bool, reason: str, announce: bool = True) -> bool:
+        """Decide, then say what happened: a repeat from a stale tab says what was done before
+        (a warning, never a green success), and what did change goes to Recent actions."""
+        what = f"{approval.tool.name} for run {str(approval.run_id)[:8]}"
         try:
-            decide_approval(approval_id=approval.pk, user=request.user, approve=approve, reason=reason)
+            decided = decide_approval(
+                approval_id=approval.pk, user=request.user, approve=approve, reason=reason
+            )
         except DomainError as exc:
-            messages.error(request, f"{approval.tool.name} for run {str(approval.run_id)[:8]}: {exc.message}")
+            messages.error(request, f"{what}: {exc.message}")
             return False
+        if getattr(decided, "repeated", False):
+            messages.warning(request, f"{what}: {approvals_services.first_decision(decided)}")
+            return True  # nothing to correct on the page: back to the inbox, with what happened
+        verb = "approved" if approve else "denied"
+        said = f": {reason}" if reason else ""
+        if getattr(decided, "verdict", None) == approvals_services.Verdict.COUNTED:
+            given = approvals_services.approvals_given(decided)
+            counted = f"{given} of {decided.required_approvals} approvals"
+            self.log_change(request, decided, f"Approved ({counted}){said}")
+            messages.success(
+                request, f"{what}: your approval counted, {counted}; waiting for another approver"
+            )
+            return True
+        self.log_change(request, decided, f"{verb.capitalize()}{said}")
+        messages.success(request, f"{verb}: {what}")
         return True
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
@@ -395,7 +465,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
         approval = self.get_object(request, unquote(object_id))
         if not self.has_view_permission(request, approval):
             raise PermissionDenied
-        form = ReasonForm(request.POST or None)
+        form = ReasonForm(request.POST or None, reason_to_approve=approval.tenant.approval_reason_required)
         if request.method == "POST":
             if not self.has_decide_permission(request, approval):
                 raise PermissionDenied
@@ -403,15 +473,13 @@ class ApprovalAdmin(ReadOnlyAdmin):
             approve = "_approve" in request.POST
             if not approve and "_deny" not in request.POST:
                 messages.error(request, "choose Approve or Deny")
-            elif form.is_valid() and self._decide(
-                request, approval, approve=approve, reason=form.cleaned_data["reason"]
+            elif (
+                form.is_valid()
+                and form.require_for(approval, approve=approve)
+                and self._decide(request, approval, approve=approve, reason=form.cleaned_data["reason"])
             ):
-                messages.success(
-                    request,
-                    f"{'approved' if approve else 'denied'}: {approval.tool.name} "
-                    f"for run {str(approval.run_id)[:8]}",
-                )
                 return redirect(self._inbox_url(request))
+        votes = approvals_services.votes(approval)
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
@@ -433,6 +501,19 @@ class ApprovalAdmin(ReadOnlyAdmin):
             "cost_so_far": cost_so_far(approval.run),
             "can_open_run": approval.run_visible,
             "follow_ups": follow_ups(approval),
+            "amount": call_amount(approval.tool, approval.arguments),
+            "original_arguments": approval.original_arguments
+            and arguments_html(
+                approval.original_arguments,
+                readable=formatted_arguments(approval.tool, approval.original_arguments),
+            ),
+            "parties": briefing.parties(approval),
+            "request_text": briefing.request_text(approval.run),
+            "sources": briefing.sources(approval, money=call_money(approval), show=shown),
+            "why": briefing.why(approval),
+            "votes": votes,
+            "asked_at": dateformat.format(approval.created_at.astimezone(approval.tenant.zone), MOMENT),
+            "tenant_zone": approval.tenant.zone,
         }
         return TemplateResponse(request, "admin/approvals/approval/detail.html", context)
 
@@ -453,11 +534,13 @@ class ApprovalAdmin(ReadOnlyAdmin):
         """First call: a confirmation page asking for the reason. Second call: decide each one."""
         form = ReasonForm(request.POST if "confirm" in request.POST else None)
         approvals = list(queryset)
-        if form.is_bound and form.is_valid():
+        if form.is_bound and form.is_valid() and all(form.require_for(a, approve=approve) for a in approvals):
             decided = [
                 a
                 for a in approvals
-                if self._decide(request, a, approve=approve, reason=form.cleaned_data["reason"])
+                if self._decide(
+                    request, a, approve=approve, reason=form.cleaned_data["reason"], announce=False
+                )
             ]
             if decided:
                 messages.success(request, f"{'approved' if approve else 'denied'} {len(decided)} call(s)")

@@ -32,6 +32,27 @@ class ApprovalOutput(serializers.ModelSerializer):
     detail = serializers.SerializerMethodField(
         help_text='on a repeated decision, what happened the first time: "already approved by ravi at ..."'
     )
+    policies = serializers.ListField(
+        source="policy_ids",
+        child=serializers.CharField(),
+        help_text="the @id of each Cedar policy that asked for this approval",
+    )
+    policy_set_version = serializers.IntegerField(
+        allow_null=True, help_text="the version of the tenant's policies that decided (null: none)"
+    )
+    original_arguments = JsonObjectField(
+        allow_null=True, help_text="after a correction: the arguments the model proposed (else null)"
+    )
+    corrected_by = serializers.CharField(source="corrected_by.username", allow_null=True, default=None)
+    approvals = serializers.SerializerMethodField(
+        help_text="who approved the call it now covers, first first (dual control: required_approvals)"
+    )
+
+    def get_approvals(self, approval) -> list[dict]:
+        return [
+            {"user": vote.user.username, "at": vote.created_at.isoformat(), "reason": vote.reason}
+            for vote in approvals.votes(approval)
+        ]
 
     def get_repeated(self, approval) -> bool:
         return getattr(approval, "repeated", False)
@@ -50,10 +71,17 @@ class ApprovalOutput(serializers.ModelSerializer):
             "arguments",
             "reason",
             "policy",
+            "policies",
+            "policy_set_version",
+            "required_approvals",
+            "approvals",
             "digest",
             "requested_by",
             "decided_by",
             "decision_reason",
+            "original_arguments",
+            "corrected_by",
+            "correction_reason",
             "void_reason",
             "created_at",
             "expires_at",

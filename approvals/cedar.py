@@ -76,6 +76,10 @@ class Decision:
     required: bool
     reason: str
     policies: tuple[str, ...] = ()
+    # How many distinct people must approve (the largest @approvers of the policies that fired),
+    # and the text of each policy in `policies`, as it was when it decided (shown to the approver).
+    approvers: int = 1
+    texts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,17 @@ class Verdict:
     denial: Denial | None = None
     approval: Decision = field(default_factory=lambda: Decision(False, "no approval policy applies"))
     shadow: list[Shadow] = field(default_factory=list)
+    permits: tuple[str, ...] = ()  # the permits that allowed the call (not @approval ones)
+    policy_version: int | None = None  # of the tenant's policies that decided (None: none)
+
+    def deciding(self) -> tuple[str, ...]:
+        """The ids of the policies that decided the call: the forbids that denied it, else the
+        @approval policies that asked for a person, else the permits that allowed it."""
+        if self.denial is not None:
+            return (self.denial.policy_id, *self.denial.also)
+        if self.approval.required:
+            return self.approval.policies
+        return self.permits
 
 
 # --- compiled policies, cached per tenant and version ---------------------------------------------
@@ -114,6 +129,7 @@ class _Part:
     effects: dict  # policy id -> "permit" | "forbid"
     reasons: dict  # policy id -> human reason
     sources: dict = field(default_factory=dict)  # policy id -> its JSON form (to combine parts)
+    approvers: dict = field(default_factory=dict)  # policy id -> @approvers (distinct people), if > 1
 
 
 @dataclass(frozen=True)
@@ -215,10 +231,45 @@ def _part(policies: dict) -> _Part:
     )
     effects = {pid: p["effect"] for pid, p in policies.items()}
     reasons = {}
+    approvers = {}
     for pid, p in policies.items():
         annotations = p.get("annotations") or {}
         reasons[pid] = annotations.get("approval") or annotations.get("reason") or f"policy {pid}"
-    return _Part(handle, effects, reasons, policies)
+        count = approvers_of(annotations)
+        if count > 1:
+            approvers[pid] = count
+    return _Part(handle, effects, reasons, policies, approvers)
+
+
+MAX_APPROVERS = 5
+
+
+def approvers_of(annotations: dict) -> int:
+    """The distinct approvers an @approval policy asks for: `@approvers("2")`; 1 without it.
+    configuration/policies.py refuses any other value at apply; here a bad one counts as 1."""
+    text = str(annotations.get("approvers") or "1").strip()
+    return int(text) if text.isdigit() and 1 <= int(text) <= MAX_APPROVERS else 1
+
+
+def policy_text(part: _Part, policy_id: str) -> str:
+    """One policy's text, formatted by Cedar from its parsed form (its comments are not kept)."""
+    source = part.sources.get(policy_id)
+    if source is None:
+        return ""
+    one = {"staticPolicies": {policy_id: source}, "templates": {}, "templateLinks": []}
+    return cedarpy.format_policies(cedarpy.policies_from_json_str(json.dumps(one))).strip()
+
+
+def _asking(part: _Part, fired: list[str]) -> Decision:
+    order = list(part.sources)
+    fired = sorted(fired, key=lambda pid: order.index(pid) if pid in order else len(order))  # file order
+    return Decision(
+        True,
+        "; ".join(part.reasons[pid] for pid in fired),
+        tuple(fired),
+        approvers=max((part.approvers.get(pid, 1) for pid in fired), default=1),
+        texts=tuple(policy_text(part, pid) for pid in fired),
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -507,54 +558,65 @@ def _deny_of(part: _Part, request: dict, entities) -> Denial | None:
 
 
 def _approval_of(parts: list[_Part], request: dict, entities) -> Decision:
-    fired: list[tuple[str, str]] = []
+    decision = Decision(False, "no approval policy applies")
     for part in parts:
         if part.policies is None:
             continue
         result = cedarpy.is_authorized(request, part.policies, entities)
         # An @approval policy that raised asks for approval: odd arguments never skip one.
-        for pid in [*result.diagnostics.reasons, *_errored(result)]:
-            if pid in part.reasons and pid not in dict(fired):
-                fired.append((pid, part.reasons[pid]))
-    if not fired:
-        return Decision(False, "no approval policy applies")
-    return Decision(True, "; ".join(reason for _, reason in fired), tuple(pid for pid, _ in fired))
+        fired = list(
+            dict.fromkeys(
+                pid
+                for pid in [*result.diagnostics.reasons, *_errored(result)]
+                if pid in part.reasons and pid not in decision.policies
+            )
+        )
+        if fired:
+            decision = _joined(decision, _asking(part, fired))
+    return decision
 
 
-def _decide(policies: Compiled, request: dict, entities) -> tuple[Denial | None, Decision]:
+def _decide(policies: Compiled, request: dict, entities) -> tuple[Denial | None, Decision, tuple[str, ...]]:
     """The enforced sets' denial and @approval decision from one evaluation of their union: when
     Cedar allows, its reasons are every permit that held, @approval ones included; an @approval
     permit never permits by itself, so "only @approval permits held" is a default deny."""
     part = policies.combined
     none = Decision(False, "no approval policy applies")
     if part.policies is None:
-        return Denial("default-deny", "no policy permits this call"), none
+        return Denial("default-deny", "no policy permits this call"), none, ()
     result = cedarpy.is_authorized(request, part.policies, entities)
     errored = _errored(result)
     # Forbids that raised deny too: a forbid that cannot tell is not a permit.
     broken = [pid for pid in errored if part.effects.get(pid) == "forbid"]
     if broken:
         reason = f"{part.reasons[broken[0]]} (the policy could not be evaluated on this call)"
-        return Denial(broken[0], reason), none
+        return Denial(broken[0], reason), none, ()
     reasons = list(result.diagnostics.reasons)
     if not result.allowed:
         forbids = [pid for pid in reasons if part.effects.get(pid) == "forbid"]
         if forbids:
-            return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:])), none
-        return Denial("default-deny", "no policy permits this call"), none
-    if not any(pid not in policies.approval_ids for pid in reasons):
-        return Denial("default-deny", "no policy permits this call"), none
+            return Denial(forbids[0], part.reasons[forbids[0]], tuple(forbids[1:])), none, ()
+        return Denial("default-deny", "no policy permits this call"), none, ()
+    permits = tuple(pid for pid in reasons if pid not in policies.approval_ids)
+    if not permits:
+        return Denial("default-deny", "no policy permits this call"), none, ()
     # An @approval policy that raised asks for approval: odd arguments never skip one.
     fired = list(dict.fromkeys(pid for pid in [*reasons, *errored] if pid in policies.approval_ids))
     if not fired:
-        return None, none
-    return None, Decision(True, "; ".join(part.reasons[pid] for pid in fired), tuple(fired))
+        return None, none, permits
+    return None, _asking(part, fired), permits
 
 
 def _joined(first: Decision, second: Decision) -> Decision:
     if not first.required:
         return second
-    return Decision(True, f"{first.reason}; {second.reason}", (*first.policies, *second.policies))
+    return Decision(
+        True,
+        f"{first.reason}; {second.reason}",
+        (*first.policies, *second.policies),
+        approvers=max(first.approvers, second.approvers),
+        texts=(*first.texts, *second.texts),
+    )
 
 
 def evaluate(
@@ -584,9 +646,10 @@ def evaluate(
     try:
         cedar_request, entities = _request_and_entities(request, policies.config)
     except PolicyInputError as exc:
-        return Verdict(denial=Denial("arguments", f"the call's arguments cannot be checked: {exc}"))
-    denial, approval = _decide(policies, cedar_request, entities)
-    verdict = Verdict(denial=denial)
+        unreadable = Denial("arguments", f"the call's arguments cannot be checked: {exc}")
+        return Verdict(denial=unreadable, policy_version=policies.version)
+    denial, approval, permits = _decide(policies, cedar_request, entities)
+    verdict = Verdict(denial=denial, permits=permits, policy_version=policies.version)
     if with_approval and denial is None:
         verdict.approval = approval
         if rule_policies is not None:

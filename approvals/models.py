@@ -36,9 +36,17 @@ class Approval(models.Model):
     tool = models.ForeignKey("tools.Tool", on_delete=models.PROTECT, related_name="approvals")
     arguments = models.JSONField()
     digest = models.CharField(max_length=64)
-    policy = models.TextField()
-    policy_version = models.PositiveIntegerField()
+    policy = models.TextField()  # the tool's own approval rule (its `approval:` key), as text
+    policy_version = models.PositiveIntegerField()  # the tool's, bound into the digest
     reason = models.TextField()  # why the policy fired
+    # The Cedar policies that asked for approval (their @id, and their text as it was then), and
+    # the version of the tenant's policies that decided (null: the tenant has none, only the
+    # tool's rule decided): what the approval page and GET /v1/approvals/{id} show.
+    policy_ids = models.JSONField(default=list, blank=True)
+    policy_texts = models.JSONField(default=list, blank=True)
+    policy_set_version = models.PositiveIntegerField(null=True, blank=True)
+    # Dual control: distinct approvers needed (@approvers on the policy), none the requester.
+    required_approvals = models.PositiveSmallIntegerField(default=1)
     status = models.CharField(
         max_length=12, choices=ApprovalStatus.choices, default=ApprovalStatus.PENDING, db_index=True
     )
@@ -93,6 +101,24 @@ class Approval(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tool.name} for run {self.run_id} ({self.status})"
+
+
+class ApprovalVote(models.Model):
+    """One person's approval of a pending call (dual control): the approval moves to approved
+    when it has as many distinct votes as it requires. A correction clears the votes for the
+    call it replaced: each person approved a call, not a step."""
+
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="votes")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
+    digest = models.CharField(max_length=64)  # of the call this person approved
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["approval", "user"], name="uniq_approval_vote_per_person")
+        ]
 
 
 class PolicyMode(models.TextChoices):

@@ -275,6 +275,28 @@ def statements(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def sources_of(tenant_id: int, ids: list[str]) -> dict[str, str]:
+    """Policy id -> its text as written in the tenant's enforced sets (comments and layout kept),
+    for the approval page; read when an approval is requested, never on the dispatch path."""
+    found: dict[str, str] = {}
+    wanted = set(ids)
+    for text in PolicySet.objects.filter(tenant_id=tenant_id, mode=PolicyMode.ENFORCE).values_list(
+        "text", flat=True
+    ):
+        for _, statement in statements(text):
+            if not wanted - set(found):
+                return found
+            try:
+                est = json.loads(cedarpy.policies_to_json_str(statement))
+            except ValueError:
+                continue
+            for policy in est["staticPolicies"].values():
+                policy_id = (policy.get("annotations") or {}).get("id")
+                if policy_id in wanted:
+                    found[policy_id] = statement.strip()
+    return found
+
+
 _PLACE = re.compile(r"policy(\d+)")
 
 
@@ -306,6 +328,17 @@ def check_set(source_set: SourceSet, schema: dict, entities: Entities | None = N
             elif "approval" in annotations and policy["effect"] != "permit":
                 problems.append(
                     (_where(source_set, line), f"policy {policy_id!r}: @approval is for permit policies")
+                )
+            elif "approvers" in annotations and (
+                "approval" not in annotations
+                or str(annotations["approvers"]) != str(cedar.approvers_of(annotations))
+            ):
+                problems.append(
+                    (
+                        _where(source_set, line),
+                        f"policy {policy_id!r}: @approvers goes with @approval and is a whole number "
+                        f'from 1 to {cedar.MAX_APPROVERS} ("2": two distinct people approve)',
+                    )
                 )
             else:
                 ids[policy_id] = text

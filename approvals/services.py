@@ -11,11 +11,11 @@ import enum
 import uuid
 
 import jsonschema
-from django.utils import timezone
+from django.utils import dateformat, timezone
 
-from approvals import calls, cedar, reminders, tool_rules
+from approvals import calls, cedar, policy_sets, reminders, tool_rules
 from approvals.cedar import Decision
-from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus
+from approvals.models import APPROVAL_TRANSITIONS, Approval, ApprovalStatus, ApprovalVote
 from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden, IllegalTransition, NotFound
 from runs.models import Run, Step
@@ -89,8 +89,11 @@ def _transition(approval: Approval, to: str, *, where: dict | None = None, **fie
 
 
 def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
-    """The pending approval for this exact call (the caller records the event and parks the step)."""
+    """The pending approval for this exact call (the caller records the event and parks the step):
+    the policies that asked for it, at the version of the tenant's policies the claim decided with,
+    and how many distinct people must approve."""
     tool = _tool_of(step)
+    verdict = getattr(step, "policy_verdict", None)
     ttl = tool.approval_ttl_seconds or run.tenant.approval_ttl_seconds
     now = timezone.now()
     expires_at = now + dt.timedelta(seconds=ttl)
@@ -110,10 +113,21 @@ def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
         policy=effective_policy(run, tool),
         policy_version=tool.policy_version,
         reason=decision.reason,
+        policy_ids=list(decision.policies),
+        policy_texts=_texts_of(run.tenant_id, decision),
+        policy_set_version=verdict.policy_version if verdict is not None else None,
+        required_approvals=decision.approvers,
         requested_by_id=run.created_by_id,
         expires_at=expires_at,
         **reminders.times_for(reminders.schedule_for(tool), now=now, expires_at=expires_at),
     )
+
+
+def _texts_of(tenant_id: int, decision: Decision) -> list[str]:
+    """Each deciding policy's text as the tenant wrote it; Cedar's rendering for a tool's rule."""
+    written = policy_sets.sources_of(tenant_id, list(decision.policies))
+    rendered = dict(zip(decision.policies, decision.texts, strict=False))
+    return [written.get(pid) or rendered.get(pid, "") for pid in decision.policies]
 
 
 def run_of(approval_id, *, tenant_id):
@@ -137,19 +151,30 @@ def locked(approval_id) -> Approval:
 
 class Verdict(enum.Enum):
     DECIDED = "decided"  # moved to approved or denied now
+    COUNTED = "counted"  # one more distinct approval counted; more are needed (dual control)
     REPEATED = "repeated"  # the same person repeated the same decision: nothing to do
     EXPIRED = "expired"  # its time ran out undecided: moved to expired now
 
 
 def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verdict:
-    """Approve or deny a locked approval once, or refuse the decider (Forbidden, Conflict)."""
+    """Approve or deny a locked approval once, or refuse the decider (Forbidden, Conflict).
+
+    Dual control: an approval that requires N approvers moves to approved with the Nth distinct
+    person's approval; each one before it is a vote (COUNTED), and one denial denies. The run's
+    lock, taken before the approval's, puts two approvers deciding at once one after the other.
+    """
     target = ApprovalStatus.APPROVED if approve else ApprovalStatus.DENIED
     if approval.requested_by_id == user.pk:
         raise Forbidden("you may not decide your own request", code="self_approval")
     if not can_decide(user, approval):
         raise Forbidden(f"you do not hold approve_tool on {approval.tool.name}", code="not_an_approver")
-    repeated = approval.decided_by_id == user.pk and (
-        approval.status == target or (approve and approval.status == ApprovalStatus.CONSUMED)
+    # A vote counts for the call it approved: one given before a correction is no vote for it.
+    voted = (
+        approve and ApprovalVote.objects.filter(approval=approval, user=user, digest=approval.digest).exists()
+    )
+    repeated = (approval.decided_by_id == user.pk or voted) and (
+        approval.status == target
+        or (approve and approval.status in (ApprovalStatus.CONSUMED, ApprovalStatus.PENDING))
     )
     if repeated:
         return Verdict.REPEATED
@@ -159,10 +184,40 @@ def decide(approval: Approval, *, user, approve: bool, reason: str = "") -> Verd
     if approval.expires_at <= timezone.now():
         _transition(approval, ApprovalStatus.EXPIRED)
         return Verdict.EXPIRED
-    if approve:
-        refuse_approver(approval, approver=user, arguments=approval.arguments)
+    # After the checks above: a decision from a stale tab hears what happened, not "reason missing".
+    refuse_without_reason(approval, approve=approve, reason=reason)
+    if not approve:
+        _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
+        return Verdict.DECIDED
+    refuse_approver(approval, approver=user, arguments=approval.arguments)
+    ApprovalVote.objects.filter(approval=approval, user=user).delete()  # of a call since corrected
+    ApprovalVote.objects.create(approval=approval, user=user, digest=approval.digest, reason=reason)
+    if approvals_given(approval) < approval.required_approvals:
+        return Verdict.COUNTED
     _transition(approval, target, decided_by=user, decision_reason=reason, decided_at=timezone.now())
     return Verdict.DECIDED
+
+
+def reason_required(approval: Approval, *, approve: bool) -> bool:
+    """A denial always needs a reason (the model and the requester are told it); an approval
+    when the tenant's configuration says so (`approval_reason_required`)."""
+    return not approve or approval.tenant.approval_reason_required
+
+
+def refuse_without_reason(approval: Approval, *, approve: bool, reason: str) -> None:
+    if reason_required(approval, approve=approve) and not reason.strip():
+        what = "an approval" if approve else "a denial"
+        raise DomainError(f"{what} needs a reason", fields={"reason": ["required"]})
+
+
+def approvals_given(approval: Approval) -> int:
+    """Distinct people who approved the call the approval now covers."""
+    return ApprovalVote.objects.filter(approval=approval, digest=approval.digest).count()
+
+
+def votes(approval: Approval) -> list[ApprovalVote]:
+    """The approvals given to the call the approval now covers, first first, with their people."""
+    return list(ApprovalVote.objects.filter(approval=approval, digest=approval.digest).select_related("user"))
 
 
 def refuse_approver(approval: Approval, *, approver, arguments: dict) -> None:
@@ -190,12 +245,22 @@ def _tool_of(step: Step) -> Tool:
     return step.tool
 
 
+MOMENT = "j M Y, H:i"  # the admin's one format for a moment (core/formats): 3 Dec 2026, 14:26
+
+
 def first_decision(approval: Approval) -> str:
     """What a repeated decision is answered with: "already approved by ravi at 13:44; nothing changed"
     (the time in the tenant's zone)."""
+    if approval.status == ApprovalStatus.PENDING:
+        given = votes(approval)
+        names = ", ".join(vote.user.username for vote in given) or "nobody"
+        return (
+            f"{len(given)} of {approval.required_approvals} approvals given ({names}); "
+            "waiting for another approver; nothing changed"
+        )
     verb = "denied" if approval.status == ApprovalStatus.DENIED else "approved"
     decided = approval.decided_at
-    at = decided.astimezone(approval.tenant.zone).strftime("%H:%M on %Y-%m-%d") if decided else "?"
+    at = dateformat.format(decided.astimezone(approval.tenant.zone), MOMENT) if decided else "?"
     who = approval.decided_by.username if approval.decided_by else "?"
     used = "; the call was dispatched" if approval.status == ApprovalStatus.CONSUMED else ""
     return f"already {verb} by {who} at {at}{used}; nothing changed"
@@ -249,23 +314,39 @@ def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str)
     if denial:
         raise Forbidden(f"the corrected call is refused: {denial}", code="correction_refused")
     refuse_approver(approval, approver=user, arguments=arguments)
-    _transition(
-        approval,
-        ApprovalStatus.APPROVED,
-        original_arguments=approval.arguments,
-        arguments=arguments,
-        digest=call_digest(
+    now = timezone.now()
+    corrected = {
+        # The model's proposal stays, however many corrections follow it.
+        "original_arguments": approval.original_arguments or approval.arguments,
+        "arguments": arguments,
+        "digest": call_digest(
             tool=tool,
             arguments=arguments,
             run_id=run.pk,
             user_id=approval.requested_by_id,
             policy_version=tool.policy_version,
         ),
-        corrected_by=user,
-        correction_reason=reason,
+        "corrected_by": user,
+        "correction_reason": reason,
+    }
+    # The corrector approves the corrected call; earlier approvals were of another call, and
+    # no longer count towards it (votes are per digest).
+    ApprovalVote.objects.filter(approval=approval, user=user).delete()
+    ApprovalVote.objects.create(approval=approval, user=user, digest=corrected["digest"], reason=reason)
+    given = ApprovalVote.objects.filter(approval=approval, digest=corrected["digest"]).count()
+    if given < approval.required_approvals:
+        if not Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.PENDING).update(**corrected):
+            raise Conflict("approval was decided meanwhile", code="approval_decided")
+        for name, value in corrected.items():
+            setattr(approval, name, value)
+        return changes
+    _transition(
+        approval,
+        ApprovalStatus.APPROVED,
+        **corrected,
         decided_by=user,
         decision_reason=reason,
-        decided_at=timezone.now(),
+        decided_at=now,
     )
     return changes
 

@@ -197,6 +197,7 @@ TENANT: Spec = {
     "user_daily_budget": Field("user_daily_budget_micros", _nullable(_money)),
     "on_budget_exhausted": Field("on_budget_exhausted", _choice(Tenant.OnBudgetExhausted.values)),
     "approval_ttl_seconds": Field("approval_ttl_seconds", _int(1, APPROVAL_TTL_MAX)),
+    "approval_reason_required": Field("approval_reason_required", _bool),
     # Reminders and escalation of pending approvals (configuration/reminders.py); null: none.
     "remind_after": Field("remind_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),
     "escalate_after": Field("escalate_after_seconds", _nullable(_duration(APPROVAL_TTL_MAX))),

@@ -179,6 +179,7 @@ class Param:
     description: str
     default: Any = None
     required: bool = True
+    format: str = ""  # "money": an amount, shown to approvers in the call's (or tenant's) currency
 
 
 def _check_type(value: Any, kind: str) -> str | None:
@@ -214,6 +215,8 @@ def input_schema(params: tuple[Param, ...]) -> dict[str, Any]:
     props: dict[str, Any] = {}
     for p in params:
         props[p.name] = {"type": p.type, "description": p.description}
+        if p.format:
+            props[p.name]["format"] = p.format
         if not p.required:
             props[p.name]["default"] = p.default
     return {
@@ -617,7 +620,7 @@ TOOLS: dict[str, ToolSpec] = {
             "Refund (part of) a transaction. Honours the idempotency key sent in _meta.",
             (
                 Param("transaction_id", "string", "Transaction to refund"),
-                Param("amount", "number", "Amount to refund"),
+                Param("amount", "number", "Amount to refund", format="money"),
                 Param("currency", "string", "ISO currency", "INR", required=False),
                 Param("reason", "string", "Reason shown to the customer", "", required=False),
             ),
@@ -642,7 +645,10 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "transfer_funds",
             "Move money to another account.",
-            (Param("to_account", "string", "Destination account"), Param("amount", "number", "Amount")),
+            (
+                Param("to_account", "string", "Destination account"),
+                Param("amount", "number", "Amount", format="money"),
+            ),
             transfer_funds,
             types.ToolAnnotations(
                 read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True
@@ -672,7 +678,10 @@ HTTP_TOOLS: dict[str, ToolSpec] = {
     "make_payment": ToolSpec(
         "make_payment",
         "Pay an account. Applies every request it receives; reconcile by key.",
-        (Param("to_account", "string", "Destination account"), Param("amount", "number", "Amount")),
+        (
+            Param("to_account", "string", "Destination account"),
+            Param("amount", "number", "Amount", format="money"),
+        ),
         make_payment,
         types.ToolAnnotations(
             read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True

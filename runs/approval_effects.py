@@ -11,9 +11,9 @@ from django.utils import timezone
 from agents.spec import spec_for
 from approvals import reminders
 from approvals import services as approvals
-from approvals.models import Approval
+from approvals.models import Approval, ApprovalStatus
 from core.digests import digest
-from core.errors import Conflict
+from core.errors import Conflict, Forbidden
 from runs.models import (
     Run,
     RunStatus,
@@ -28,13 +28,17 @@ from runs.transitions import end_run, lock_run, record_event, transition_run, tr
 def request_approval(run: Run, step: Step, decision) -> None:
     """Park a proposed call for a person's decision: the approval, its event, the step and the run wait."""
     approval = approvals.request_approval(run=run, step=step, decision=decision)
+    needs = f" ({approval.required_approvals} approvers)" if approval.required_approvals > 1 else ""
     record_event(
         run.pk,
         "approval_requested",
-        f"approval requested for {step.tool_name}: {decision.reason}",
+        f"approval requested for {step.tool_name}{needs}: {decision.reason}",
         step_seq=step.seq,
         approval=str(approval.pk),
         expires_at=approval.expires_at.isoformat(),
+        policies=approval.policy_ids,
+        policy_version=approval.policy_set_version,
+        required_approvals=approval.required_approvals,
     )
 
 
@@ -42,19 +46,77 @@ def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Ap
     """Approve or deny once; the step moves and a waiting run resumes. Repeating the same decision
     by the same person returns the approval again. Past its expiry the approval expires instead
     (that is committed) and the decision is refused."""
-    with transaction.atomic():
-        run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
-        approval = approvals.locked(approval_id)
-        verdict = approvals.decide(approval, user=user, approve=approve, reason=reason)
-        # The API answers a repeat with what happened the first time (approvals/api.py).
-        setattr(approval, "repeated", verdict == approvals.Verdict.REPEATED)  # noqa: B010
-        if verdict == approvals.Verdict.DECIDED:
-            _approval_decided(run, approval, user=user, approve=approve, reason=reason)
-        elif verdict == approvals.Verdict.EXPIRED:
-            _approval_expired(run, approval)
+    try:
+        with transaction.atomic():
+            run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
+            approval = approvals.locked(approval_id)
+            verdict = approvals.decide(approval, user=user, approve=approve, reason=reason)
+            # The API answers a repeat with what happened the first time (approvals/api.py).
+            setattr(approval, "repeated", verdict == approvals.Verdict.REPEATED)  # noqa: B010
+            setattr(approval, "verdict", verdict)  # noqa: B010
+            if verdict == approvals.Verdict.DECIDED:
+                _approval_decided(run, approval, user=user, approve=approve, reason=reason)
+            elif verdict == approvals.Verdict.COUNTED:
+                _approval_counted(run, approval, user=user, reason=reason)
+            elif verdict == approvals.Verdict.EXPIRED:
+                _approval_expired(run, approval)
+    except Forbidden as exc:
+        if exc.code == "approval_refused":
+            # Above this approver's limit (an approve_call policy): the approval goes up to the
+            # group it escalates to now, rather than wait for its escalation time.
+            escalated = escalate_now(approval_id, refused=user)
+            if escalated:
+                raise Forbidden(f"{exc.message}; escalated to {escalated}", code=exc.code) from None
+        raise
     if verdict == approvals.Verdict.EXPIRED:
         raise Conflict("approval expired before it was decided", code="approval_expired")
     return approval
+
+
+def escalate_now(approval_id, *, refused) -> str | None:
+    """Escalate a pending approval at once, because an approver was refused by their limit; the
+    group's name, or None when it has no escalation group or was escalated already."""
+    now = timezone.now()
+    with transaction.atomic():
+        run_id = Approval.objects.filter(pk=approval_id).values_list("run_id", flat=True).first()
+        if run_id is None:
+            return None
+        lock_run(run_id)
+        if not reminders.mark_escalated(approval_id, now=now):
+            return None
+        approval = Approval.objects.select_related("tool", "step", "escalate_to").get(pk=approval_id)
+        assert approval.escalate_to is not None  # mark_escalated requires it
+        group = approval.escalate_to.name
+        names = [user.username for user in reminders.members(approval)]
+        record_event(
+            run_id,
+            "approval_escalated",
+            f"approval for {approval.tool.name} escalated to {group} ({', '.join(names) or 'no members'}): "
+            f"above the limit of {refused.username}",
+            step_seq=approval.step.seq,
+            approval=str(approval.pk),
+            group=group,
+            members=names,
+            pending_seconds=int((now - approval.created_at).total_seconds()),
+            above_limit_of=refused.username,
+        )
+    return group
+
+
+def _approval_counted(run: Run, approval: Approval, *, user, reason: str) -> None:
+    """One of several approvals the call needs: recorded; the step and the run keep waiting."""
+    given = approvals.approvals_given(approval)
+    record_event(
+        run.pk,
+        "approval_given",
+        f"{approval.tool.name} approved by {user.username}: {given} of {approval.required_approvals} "
+        "approvals" + (f" ({reason})" if reason else ""),
+        step_seq=approval.step.seq,
+        actor=user,
+        approval=str(approval.pk),
+        given=given,
+        required=approval.required_approvals,
+    )
 
 
 def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Approval:
@@ -80,7 +142,10 @@ def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Appr
             reason=reason,
             content={"arguments": digest(arguments)},  # binds the corrected arguments into the chain
         )
-        _approval_decided(run, approval, user=user, approve=True, reason=reason)
+        if approval.status == ApprovalStatus.APPROVED:
+            _approval_decided(run, approval, user=user, approve=True, reason=reason)
+        else:  # dual control: the corrected call waits for its other approvers
+            _approval_counted(run, approval, user=user, reason=reason)
     return approval
 
 

@@ -24,3 +24,15 @@ def record_shadow(run: Run, step: Step) -> None:
             outcome=shadow.outcome,
             policies=list(shadow.policies),
         )
+
+
+def decision_data(step: Step, *, denied: bool = False) -> dict:
+    """What a step's event records of the Cedar decision behind it (approvals/cedar.py): the ids
+    of the deciding policies and the version of the tenant's policies. `denied`: only a denial by
+    a policy (a denial for another reason, a deactivated user say, names no policy)."""
+    verdict = getattr(step, "policy_verdict", None)
+    if verdict is None or verdict.policy_version is None:
+        return {}
+    if denied and verdict.denial is None:
+        return {}
+    return {"policies": list(verdict.deciding()), "policy_version": verdict.policy_version}

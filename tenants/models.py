@@ -49,6 +49,8 @@ class Tenant(models.Model):
     max_active_runs = models.PositiveIntegerField(default=100)
     max_starts_per_minute = models.PositiveIntegerField(default=60)  # per user
     approval_ttl_seconds = models.PositiveIntegerField(default=24 * 3600)
+    # A reason is always needed to deny a call; with this, to approve one too (approvals/services.py).
+    approval_reason_required = models.BooleanField(default=False)
     # Caps on what an agent version may ask for; runs are never unbounded.
     max_steps_cap = models.PositiveIntegerField(default=100)
     max_tool_calls_cap = models.PositiveIntegerField(default=50)

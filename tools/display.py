@@ -1,8 +1,10 @@
 """How a person reads a proposed tool call: which arguments are money, and one sentence of what it does.
 
-Money arguments come from two places, the tool's input schema (a property with `x-currency`) and
-the tool's configuration (`money:`, for tools whose schema a provider owns). Either names a fixed
-code (`INR`) or the argument that holds the code (`currency`). The summary is the tool's
+Money arguments come from two places, the tool's input schema and the tool's configuration
+(`money:`, for tools whose schema a provider owns). In the schema, a property with
+`"format": "money"` is an amount in the currency of the call's `currency` argument when the schema
+has one, else in the tenant's `currency`; `x-currency` names the code (`INR`) or the argument that
+holds it (`currency`) explicitly. `money:` does the same as `x-currency`. The summary is the tool's
 `summary:` template, where `{argument}`, `{input.key}` (the run's input) and `{result.<tool>.<key>}`
 (the latest result of an earlier call in the run) are filled in, money formatted in its currency;
 without a template, the tool's name and its arguments.
@@ -28,10 +30,19 @@ def money_arguments(tool) -> dict[str, str]:
     properties = (tool.input_schema or {}).get("properties") or {}
     if isinstance(properties, dict):
         for name, schema in properties.items():
-            if isinstance(schema, dict) and isinstance(schema.get("x-currency"), str):
+            if not isinstance(schema, dict):
+                continue
+            if isinstance(schema.get("x-currency"), str):
                 found[name] = schema["x-currency"]
+            elif schema.get("format") == "money":
+                found[name] = "currency" if "currency" in properties else _tenant_currency(tool)
     found.update(tool.money_arguments or {})
     return found
+
+
+def _tenant_currency(tool) -> str:
+    tenant = getattr(tool, "tenant", None)
+    return getattr(tenant, "currency", None) or "USD"
 
 
 def currency_of(source: str, arguments: dict) -> str | None:

@@ -23,6 +23,7 @@ from runs.controls import kill_switches
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.policy_events import decision_data
 from runs.transitions import (
     atomic_with_events,
     end_run,
@@ -233,7 +234,7 @@ def let_go(plan: Plan) -> None:
 
 
 def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
-    transition_step(
+    event = transition_step(
         step,
         StepStatus.DISPATCHING,
         attempts=step.attempts + 1,
@@ -244,6 +245,7 @@ def _transition_to_dispatching(step: Step, now: dt.datetime) -> None:
         f"key {step.idempotency_key})",
         defer=True,  # the claim's last write of the step: sent with the lease and the events
     )
+    event.data.update(decision_data(step))  # the policies that allowed it (inserted at the end)
 
 
 # --- settle and record -----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from observability import observe
 from runs.engine import conversation, decisions, loops
 from runs.engine.types import tool_of
 from runs.models import Run, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.policy_events import decision_data
 from runs.queueing import continue_run
 from runs.transitions import (
     end_run,
@@ -348,7 +349,7 @@ def _not_sent(
     """A call answered `denied` without anything sent; an approval it had is withdrawn (never consumed)."""
     if void_reason is not None and step.status == StepStatus.APPROVED:
         void_approval(step, reason=void_reason)
-    transition_step(
+    event = transition_step(
         step,
         StepStatus.DENIED,
         message=message,
@@ -357,6 +358,7 @@ def _not_sent(
         finished_at=timezone.now(),
         **fields,
     )
+    event.data.update(decision_data(step, denied=True))  # the forbids that denied it, if any
     tool_finished(run, step)
 
 

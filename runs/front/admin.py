@@ -560,5 +560,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             except DomainError as exc:
                 messages.error(request, f"step {seq} not resolved: {exc.message}")
             else:
+                # Recent actions: who said what happened to a call nobody could know the outcome of.
+                self.log_change(request, run, f"Resolved step {seq} as {data['outcome']}: {data['reason']}")
                 messages.success(request, f"step {seq} resolved as {data['outcome']}")
         return redirect(reverse("admin:runs_run_change", args=[run.pk]))

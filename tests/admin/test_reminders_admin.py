@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 from django.urls import reverse
-from django.utils import timezone
+from django.utils import dateformat, timezone
 
 from approvals.models import ApprovalStatus
 from configuration.apply import apply_config
@@ -32,7 +32,7 @@ def detail_url(approval) -> str:
 def test_the_page_shows_when_it_is_due_then_when_it_was_reminded_and_escalated(as_ravi, acme):
     configure()
     approval = park_on_approval(acme.asha, "refunder")
-    due = approval.remind_at.strftime("%H:%M on %d %b %Y")
+    due = dateformat.format(approval.remind_at, "j M Y, H:i")
 
     html = as_ravi.get(detail_url(approval)).content.decode()
     assert f"due at {due}" in html and "Escalation</th><td>to risk due at" in html
@@ -43,8 +43,8 @@ def test_the_page_shows_when_it_is_due_then_when_it_was_reminded_and_escalated(a
     remind_approvals(now=escalated_at)
 
     html = as_ravi.get(detail_url(approval)).content.decode()
-    assert f"Reminded</th><td>at {reminded_at.strftime('%H:%M on %d %b %Y')}" in html
-    assert f"Escalated</th><td>to risk (meera) at {escalated_at.strftime('%H:%M on %d %b %Y')}" in html
+    assert f"Reminded</th><td>at {dateformat.format(reminded_at, 'j M Y, H:i')}" in html
+    assert f"Escalated</th><td>to risk (meera) at {dateformat.format(escalated_at, 'j M Y, H:i')}" in html
 
 
 def test_a_member_of_the_escalation_group_decides_it_in_the_admin(client, acme):

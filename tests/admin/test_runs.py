@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.models import LogEntry
+from django.utils.html import escape
 
 from approvals.models import ApprovalStatus
 from runs.approval_effects import decide_approval
@@ -150,6 +152,14 @@ def test_it_resolves_an_unknown_outcome_as_succeeded_and_the_run_finishes(as_rav
     assert unknown_step.status == StepStatus.RESOLVED_SUCCEEDED
     assert unknown_step.observation == "echoed, provider ref E-7"
     assert drive(unknown_step.run_id).status == RunStatus.SUCCEEDED
+    # The admin's Recent actions: who said what happened to a call of unknown outcome.
+    entry = LogEntry.objects.get(object_id=str(unknown_step.run_id))
+    assert entry.user.username == "ravi"
+    assert entry.get_change_message() == "Resolved step 2 as succeeded: checked the provider log"
+    recent = as_ravi.get("/admin/").content.decode()  # the index's Recent actions
+    assert escape(entry.object_repr) in recent and entry.object_repr == str(
+        Run.objects.get(pk=unknown_step.run_id)
+    )
 
 
 def test_it_retries_an_unsafe_call_only_with_the_override(as_ravi, unknown_step):

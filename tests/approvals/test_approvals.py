@@ -328,7 +328,7 @@ def test_concurrent_approve_and_deny_have_one_winner_and_at_most_one_dispatch(
 
     approve, deny = _race(
         lambda: decide_approval(approval_id=approval.pk, user=ravi, approve=True),
-        lambda: decide_approval(approval_id=approval.pk, user=meera, approve=False),
+        lambda: decide_approval(approval_id=approval.pk, user=meera, approve=False, reason="duplicate"),
     )
 
     outcomes = [r for r in (approve, deny) if isinstance(r, Approval)]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from django.db import connection
-from django.utils import timezone
+from django.utils import dateformat, timezone
 from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalStatus
@@ -212,7 +212,7 @@ def test_concurrent_decisions_by_two_supervisors_have_one_winner(second, tenant,
     def decide(user, verb):
         try:
             barrier.wait()
-            return approve(user, approval, verb)
+            return approve(user, approval, verb, reason="checked")
         finally:
             connection.close()
 
@@ -240,7 +240,7 @@ def test_a_repeated_decision_answers_what_happened_the_first_time(tenant, asha, 
 
     again = approve(ravi, approval)
 
-    at = decided.strftime("%H:%M on %Y-%m-%d")
+    at = dateformat.format(decided, "j M Y, H:i")
     assert again.status_code == 200 and again.json()["repeated"] is True
     assert again.json()["detail"] == f"already approved by ravi at {at}; nothing changed"
     other = approve(meera, approval)  # someone else: 409, saying who decided and when
