@@ -28,7 +28,7 @@ The protocol, stated once:
   wire joined by blank lines (chat templates of self-hosted servers want roles to alternate).
 - **Bounded.** Records over `compact_record_tokens` in total are merged, oldest first, into the
   digest until they hold three quarters of it: per tool, how many results and the first and last
-  step, and the latest refusals. The digest grows with the number of tools, not of steps, so a
+  step, and the latest approved calls and refusals. The digest grows with the number of tools, not of steps, so a
   1,000-step run's last request is the size of a 200-step run's. A merge rewrites from the digest
   on, once every few folds.
 - **Nothing is lost.** Every folded result is stored on its step; the record names its step and
@@ -61,6 +61,8 @@ class Result(Protocol):
     def total_chars(self) -> int: ...
     @property
     def refusal(self) -> str: ...
+    @property
+    def decision(self) -> str: ...
 
 
 class ContextPolicy(Protocol):
@@ -79,10 +81,10 @@ POINTER_CHARS = 170  # a head's pointer note (llm.context.pointer), as counted f
 ARGUMENT_CHARS = 120  # of a folded call's arguments, in its record line
 HEAD_CHARS = 100  # of a folded result, in its record line
 TEXT_CHARS = 200  # of the model's own words in a folded turn
-REFUSALS_KEPT = 10
+REFUSALS_KEPT = 10  # the digest's latest refusals (denied, rejected, approval expired), and approvals
 # A merge leaves the records three quarters of their budget: the request's swing between merges
 # stays small (a 1,000-step run's requests within 9% of each other), at a merge every few folds.
-MERGE_TO = 0.75  # the digest's latest refusals (denied, rejected, approval expired)
+MERGE_TO = 0.75
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Line:
     tool_name: str
     text: str
     refusal: str = ""
+    decision: str = ""  # a person's decision on its approval ("approved by ravi")
 
 
 @dataclass(frozen=True)
@@ -256,13 +259,23 @@ def _line(message: Message, result: Result, call: ToolCall | None) -> Line:
     arguments = json.dumps(call.arguments, sort_keys=True, ensure_ascii=False) if call else ""
     total = max(result.total_chars, len(message.content))
     if result.refusal:
-        outcome = f"{result.refusal}: {_flat(message.content, HEAD_CHARS)}"
+        # "rejected by ravi": the refusal with who decided it, where a person did.
+        refusal = result.decision if result.decision.startswith(result.refusal) else result.refusal
+        outcome = f"{refusal}: {_flat(message.content, HEAD_CHARS)}"
     elif message.is_error:
         outcome = f"error: {_flat(message.content, HEAD_CHARS)}"
     else:
         outcome = f"{total} characters: {_flat(message.content, HEAD_CHARS)}"
+    if result.decision and not result.refusal:
+        outcome = f"{result.decision}; {outcome}"  # the call was made once a person approved it
     text = f"step {result.seq} {result.tool_name} {_flat(arguments, ARGUMENT_CHARS)} -> {outcome}"
-    return Line(seq=result.seq, tool_name=result.tool_name, text=text, refusal=result.refusal)
+    return Line(
+        seq=result.seq,
+        tool_name=result.tool_name,
+        text=text,
+        refusal=result.refusal,
+        decision=result.decision,
+    )
 
 
 def _digest(found: Plan, policy: ContextPolicy) -> None:
@@ -285,6 +298,7 @@ def digest(folds: list[Fold]) -> str:
         return ""
     tools: dict[str, list[int]] = {}
     refusals: list[str] = []
+    decided: list[str] = []
     turns = 0
     for fold in folds:
         turns += fold.turns
@@ -292,6 +306,8 @@ def digest(folds: list[Fold]) -> str:
             tools.setdefault(line.tool_name, []).append(line.seq)
             if line.refusal:
                 refusals.append(line.text)
+            elif line.decision:
+                decided.append(line.text)
     seqs = [s for found in tools.values() for s in found]
     span = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"
     parts = [
@@ -302,6 +318,9 @@ def digest(folds: list[Fold]) -> str:
         found = tools[name]
         where = f"step {found[0]}" if len(found) == 1 else f"steps {found[0]} to {found[-1]}"
         parts.append(f"{name}: {len(found)} result{'s' if len(found) > 1 else ''}, {where}")
+    if decided:
+        parts.append(f"approved by a person (latest {min(len(decided), REFUSALS_KEPT)} of {len(decided)}):")
+        parts.extend(decided[-REFUSALS_KEPT:])
     if refusals:
         parts.append(f"refused (latest {min(len(refusals), REFUSALS_KEPT)} of {len(refusals)}):")
         parts.extend(refusals[-REFUSALS_KEPT:])

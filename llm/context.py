@@ -101,6 +101,9 @@ class Result:
     total_chars: int  # of the full stored result (the observation may already be capped)
     artifacts: bool = False  # it describes an artifact (a file the model can page with read_result)
     refusal: str = ""  # the call was not made: "denied", "rejected" or "approval expired"
+    # A person's decision on the call's approval, as its record names it: "approved by ravi",
+    # "rejected by ravi" ("" for a call that needed none).
+    decision: str = ""
 
 
 def offered(

@@ -61,9 +61,13 @@ def first_message(run) -> Message:
     return Message(role="user", content=text)
 
 
-def append_messages(messages: list[Message], steps, results: dict) -> None:
+def append_messages(
+    messages: list[Message], steps, results: dict, decisions: dict[int, str] | None = None
+) -> None:
     """Add the steps' turns (finished steps, in seq order) to a conversation, and their tool
-    messages to `results` (message index -> context.Result)."""
+    messages to `results` (message index -> context.Result). `decisions`: step seq -> a person's
+    decision on its approval ("approved by ravi"), which a compact record names."""
+    decisions = decisions or {}
     for step in steps:
         if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
             calls = [
@@ -89,6 +93,7 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 artifacts=isinstance(structured, dict)
                 and bool(structured.get("artifact") or structured.get("files")),
                 refusal=REFUSALS.get(step.status, ""),
+                decision=decisions.get(step.seq, ""),
             )
             messages.append(
                 Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)

@@ -17,11 +17,12 @@ import collections
 import threading
 from dataclasses import dataclass, field
 
+from approvals.models import Approval, ApprovalStatus
 from llm import compaction, context
 from llm import gateway as model_gateway
 from llm.types import Message
 from runs import statements
-from runs.models import Run, Step
+from runs.models import OBSERVED, Run, Step, StepKind
 
 MAX_RUNS = 2_048  # conversations kept per process (a few tens of kB each at 25 steps)
 
@@ -62,7 +63,7 @@ def conversation(
         steps = statements.steps_after(run, 0)
     else:
         steps = [s for s in window if s.seq > kept.upto]
-    model_gateway.append_messages(kept.messages, steps, kept.results)
+    model_gateway.append_messages(kept.messages, steps, kept.results, decisions(run, steps))
     if steps:
         kept.upto = steps[-1].seq
     with _lock:
@@ -70,6 +71,26 @@ def conversation(
         while len(_kept) > MAX_RUNS:
             _kept.popitem(last=False)
     return list(kept.messages), dict(kept.results)
+
+
+DECIDED: dict[str, str] = {
+    ApprovalStatus.APPROVED: "approved",
+    ApprovalStatus.CONSUMED: "approved",
+    ApprovalStatus.DENIED: "rejected",
+}
+
+
+def decisions(run: Run, steps: list[Step]) -> dict[int, str]:
+    """Per step seq, a person's decision on the approval of a tool call among `steps`, as its
+    compact record names it ("approved by ravi"). Read once, with the step's turn: a finished
+    step's approval never changes again."""
+    ids = {s.pk: s.seq for s in steps if s.kind == StepKind.TOOL and s.status in OBSERVED}
+    if not ids:
+        return {}
+    rows = Approval.objects.filter(
+        run_id=run.pk, step_id__in=list(ids), status__in=list(DECIDED), decided_by__isnull=False
+    ).values_list("step_id", "status", "decided_by__username")
+    return {ids[step_id]: f"{DECIDED[status]} by {who}" for step_id, status, who in rows}
 
 
 def plan_of(run_id) -> compaction.Plan | None:
