@@ -131,9 +131,13 @@ CONTEXT_KEYS = {
     "compact_after_tokens",
     "compact_keep_turns",
     "compact_record_tokens",
+    "clear_trigger_tokens",
+    "clear_keep_tool_uses",
+    "clear_at_least_tokens",
 }
-# llm/compaction.py: "deterministic" folds old turns into records (the default); "off" keeps them.
-COMPACTION = ("deterministic", "off")
+# llm/compaction.py: "deterministic" folds old turns into records (the default); "off" keeps them;
+# "provider": the endpoint's own clearing of old tool results where it declares it (llm/compat.py).
+COMPACTION = ("deterministic", "off", "provider")
 KNOWN_KEYS = {
     "model",
     "instructions",

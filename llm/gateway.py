@@ -141,7 +141,8 @@ def shaped_request(
     endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
-    shaped = context.shaped(messages, results, policy, resume=resume)
+    clears = provider_clears(endpoint)
+    shaped = context.shaped(messages, results, policy.at(clears=clears), resume=resume)
     # read_result only once the policy has shortened, masked or folded something it could page
     # back, or the model has been shown an artifact (whose text it can page through).
     shown_artifacts = any(r.artifacts for r in results.values()) or (
@@ -156,8 +157,14 @@ def shaped_request(
         timeout_seconds=endpoint.timeout_seconds,
         first_token_timeout_seconds=endpoint.first_token_timeout_seconds,
         cache_key=f"run-{run.pk}",
+        clear_tool_uses=policy.clearing() if clears and policy.compaction == "provider" else None,
     )
     return request, shaped
+
+
+def provider_clears(endpoint: ModelEndpoint) -> bool:
+    """The endpoint clears old tool results itself when asked (Anthropic's context editing)."""
+    return endpoint.kind == "anthropic" and Compat.of(endpoint.compat).context_editing == "clear_tool_uses"
 
 
 def _micros(tokens: int, price_per_million: Decimal) -> Decimal:

@@ -241,6 +241,10 @@ def _record_model(
             # The platform stopped reading at the output limit, or the server reported no usage:
             # these figures are the platform's own count (llm.types.Usage.counted_by).
             usage["counted_by"] = reply.usage.counted_by
+        if reply.cleared_tool_uses:
+            # The provider's context editing took these out of the request (neither read nor billed).
+            usage["cleared_input_tokens"] = reply.cleared_input_tokens
+            usage["cleared_tool_uses"] = reply.cleared_tool_uses
         cut = reply.stop_reason == "cut_at_output_limit"
         verdict, output_errors, refused = "accept", list[str](), 0
         if not calls and not run.cancel_requested:
@@ -257,6 +261,12 @@ def _record_model(
             finished_at=timezone.now(),
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros"
+            + (
+                f"; the provider cleared {reply.cleared_tool_uses} old tool result(s), "
+                f"{reply.cleared_input_tokens:,} input tokens, from the request"
+                if reply.cleared_tool_uses
+                else ""
+            )
             + (
                 f"; cut at the output limit ({run.limits['max_output_tokens']} tokens): the platform "
                 "stopped reading and closed the connection"
