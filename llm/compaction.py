@@ -327,12 +327,59 @@ def digest(folds: list[Fold]) -> str:
     return "\n".join(parts)
 
 
-def records(found: Plan) -> list[Message]:
-    """The digest and the records, one user message each, to follow the run's input."""
+def records(found: Plan, summaries: Mapping[int, str] | None = None) -> list[Message]:
+    """The digest and the records, one user message each, to follow the run's input.
+
+    `summaries`: per fold's call point, a model's summary of it (runs/engine/summaries.py): the
+    fold's record shows it in place of the model's own words. Stored once on its step, so the
+    record is the same bytes on every call after it; the digest stays deterministic."""
     if found.digest_text[0] != found.digested:
         found.digest_text = (found.digested, digest(found.folds[: found.digested]))
-    texts = [found.digest_text[1]] + [fold.record for fold in found.folds[found.digested :]]
+    summaries = summaries or {}
+    texts = [found.digest_text[1]] + [
+        summarised(fold, summaries[fold.at]) if fold.at in summaries else fold.record
+        for fold in found.folds[found.digested :]
+    ]
     return [Message(role="user", content=text) for text in texts if text]
+
+
+SUMMARY_INPUT_CHARS = 24_000  # of the folded turns, sent to the summariser
+SUMMARY_PART_CHARS = 2_000  # of each folded message
+
+
+def summarised(fold: Fold, summary: str) -> str:
+    """A fold's record with a model's summary in place of the model's own words: its header, the
+    summary, and one line per result (each still names its step for read_result)."""
+    header, *rest = fold.record.split("\n")
+    return "\n".join(
+        [header, f"summary: {summary.strip()}", *(line for line in rest if not line.startswith("model: "))]
+    )
+
+
+def folded_text(messages: list[Message], fold: Fold) -> str:
+    """The folded turns as the summariser reads them: each message's start, with its step where
+    it is a tool result, bounded in total."""
+    parts, total = [], 0
+    lines = {line.seq: line for line in fold.lines}
+    seqs = iter(sorted(lines))
+    for message in messages[fold.start : fold.end]:
+        if message.role == "assistant":
+            calls = "; ".join(
+                f"{c.name} {json.dumps(c.arguments, sort_keys=True, ensure_ascii=False)[:ARGUMENT_CHARS]}"
+                for c in message.tool_calls
+            )
+            text = f"model: {message.content[:SUMMARY_PART_CHARS]}" + (f" [calls: {calls}]" if calls else "")
+        elif message.role == "tool":
+            seq = next(seqs, None)
+            text = f"result of step {seq}: {message.content[:SUMMARY_PART_CHARS]}"
+        else:
+            text = f"{message.role}: {message.content[:SUMMARY_PART_CHARS]}"
+        if total + len(text) > SUMMARY_INPUT_CHARS:
+            parts.append("[the rest of the folded turns is left out]")
+            break
+        parts.append(text)
+        total += len(text)
+    return "\n\n".join(parts)
 
 
 def _flat(text: str, limit: int) -> str:

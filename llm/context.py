@@ -91,12 +91,15 @@ class ContextPolicy:
     clear_trigger_tokens: int = DEFAULT_CLEAR_TRIGGER_TOKENS
     clear_keep_tool_uses: int = DEFAULT_CLEAR_KEEP_TOOL_USES
     clear_at_least_tokens: int = DEFAULT_CLEAR_AT_LEAST_TOKENS
+    # The name of a model endpoint of the tenant that summarises each fold (runs/engine/summaries.py);
+    # empty: the deterministic record alone (the default).
+    summariser: str = ""
 
     @classmethod
     def from_spec(cls, section: dict | None) -> ContextPolicy:
         """The version's `context` section (validated by agents.spec) over the defaults."""
         section = section or {}
-        keys = (*INT_KEYS, "result_limits", "enabled", "compaction")
+        keys = (*INT_KEYS, "result_limits", "enabled", "compaction", "summariser")
         return cls(**{key: section[key] for key in keys if key in section})
 
     def limit_for(self, tool_name: str) -> int:
@@ -199,9 +202,11 @@ def shaped(
     policy: ContextPolicy,
     *,
     resume: compaction.Plan | None = None,
+    summaries: dict[int, str] | None = None,
 ) -> Shaped:
     """The messages the model is shown and how they were made. `results`: message index -> its
     step, for tool messages. `resume`: the previous call's Shaped.plan (compaction.plan).
+    `summaries`: per fold's call point, a model's summary of it (compaction.records).
 
     Pure and deterministic: the same steps give the same bytes on every call, which is what lets
     a provider's cache read the previous request back.
@@ -229,7 +234,7 @@ def shaped(
             shaped[i] = _with(message, message.content[:limit] + "\n" + pointer(result.seq, limit, total))
     paged = any(shaped[i] is not messages[i] for i in positions)
     if folds.folds:
-        shaped = [messages[0], *compaction.records(folds), *shaped[live:]]
+        shaped = [messages[0], *compaction.records(folds, summaries), *shaped[live:]]
     return Shaped(
         messages=shaped,
         paged=paged or bool(folds.folds),

@@ -132,17 +132,19 @@ def shaped_request(
     policy: context.ContextPolicy | None = None,
     endpoint: ModelEndpoint | None = None,
     resume=None,
+    summaries: dict[int, str] | None = None,
 ) -> tuple[ModelRequest, context.Shaped]:
     """request_for's request, and how the context policy shaped it (what it folded, if anything).
 
-    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it)."""
+    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it).
+    `summaries`: per fold's call point, its summary by the version's summariser, if any."""
     version = run.version
     spec = spec_for(version)
     endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
     clears = provider_clears(endpoint)
-    shaped = context.shaped(messages, results, policy.at(clears=clears), resume=resume)
+    shaped = context.shaped(messages, results, policy.at(clears=clears), resume=resume, summaries=summaries)
     # read_result only once the policy has shortened, masked or folded something it could page
     # back, or the model has been shown an artifact (whose text it can page through).
     shown_artifacts = any(r.artifacts for r in results.values()) or (
