@@ -131,9 +131,14 @@ CONTEXT_KEYS = {
     "compact_after_tokens",
     "compact_keep_turns",
     "compact_record_tokens",
+    "clear_trigger_tokens",
+    "clear_keep_tool_uses",
+    "clear_at_least_tokens",
+    "summariser",
 }
-# llm/compaction.py: "deterministic" folds old turns into records (the default); "off" keeps them.
-COMPACTION = ("deterministic", "off")
+# llm/compaction.py: "deterministic" folds old turns into records (the default); "off" keeps them;
+# "provider": the endpoint's own clearing of old tool results where it declares it (llm/compat.py).
+COMPACTION = ("deterministic", "off", "provider")
 KNOWN_KEYS = {
     "model",
     "instructions",
@@ -225,6 +230,11 @@ def validate_spec(spec, tenant) -> dict[str, list[str]]:
             elif key == "compaction":
                 if item not in COMPACTION:
                     add(f"{section}.{key}", f"must be one of {', '.join(COMPACTION)}")
+            elif key == "summariser":
+                if not isinstance(item, str) or not item:
+                    add(f"{section}.{key}", "must be the name of a model endpoint")
+                elif not ModelEndpoint.objects.filter(tenant=tenant, name=item).exists():
+                    add(f"{section}.{key}", f"no model endpoint named {item!r} in this tenant")
             elif key == "result_limits":
                 if not isinstance(item, dict):
                     add(f"{section}.{key}", "must be an object of tool name to a number of characters")

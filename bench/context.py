@@ -16,7 +16,10 @@ llm.gateway.estimate_cost_micros / cost_micros, as the engine does.
 
 Printed per wire and run, side by side: naive (every call sends the whole history, nothing
 cached), caching only (the context policy off), the masking policy without compaction (the
-policy before compaction), and the default policy (masking and deterministic compaction): input
+policy before compaction), the default policy (masking and deterministic compaction) and, on
+the Anthropic wire, the provider's own clearing of old tool results (`compaction: provider` at an
+endpoint with `context_editing: clear_tool_uses`; "sent" then counts what the client sent, the
+model's read in brackets; OpenAI's stored state is the Responses API's, not this wire's): input
 tokens sent, billed input cost, the last request's size, the share of input read from cache from
 call 5 on; then reserved and spent per call. Goals (DESIGN.md 8): 25 steps: sent <= 30% of
 naive, billed input <= 6% of naive uncached, cached share >= 90% from call 5; 191 steps: sent <=
@@ -46,6 +49,7 @@ import django
 django.setup()
 
 from llm import context, gateway
+from llm.compat import Compat
 from llm.models import ModelEndpoint
 from llm.providers.anthropic import AnthropicProvider
 from llm.providers.openai import OpenAIProvider
@@ -155,12 +159,13 @@ def tool_result(i: int) -> str:
 @dataclass
 class Call:
     seq: int  # the model call's step
-    sent: int  # input tokens the provider counted (uncached + cached + written)
+    sent: int  # input tokens the client sent (the provider's count, plus what its context editing cleared)
     cached: int
     written: int
     billed_micros: Decimal  # input part of the bill
     reserved: int
     spent: int
+    read: int = 0  # input tokens the model read (billed): `sent` less what the provider cleared
 
 
 @dataclass
@@ -180,12 +185,17 @@ class Outcome:
         return sum(c.cached for c in later) / max(sum(c.sent for c in later), 1)
 
 
-def run(kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS) -> Outcome:
+def run(
+    kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS, *, clears: bool = False
+) -> Outcome:
+    """`clears`: the endpoint clears old tool results itself (Anthropic's context editing), as
+    llm.gateway.shaped_request applies a `compaction: provider` policy there."""
     fake_class = FakeAnthropic if kind == "anthropic" else FakeOpenAI
     fake = fake_class(tool_turns=turns, min_cacheable_tokens=1024)
     base_url = fake.start()
+    compat = Compat(context_editing="clear_tool_uses") if clears else None
     provider = (AnthropicProvider if kind == "anthropic" else OpenAIProvider)(
-        base_url, "sk-bench", "bench-model"
+        base_url, "sk-bench", "bench-model", compat=compat
     )
     endpoint = ModelEndpoint(
         kind=kind, model="bench-model", **{k: Decimal(v) for k, v in PRICES[kind].items()}
@@ -198,7 +208,7 @@ def run(kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS) -> Ou
     try:
         while True:
             seq += 1
-            shaped = context.shaped(messages, results, policy)
+            shaped = context.shaped(messages, results, policy.at(clears=clears))
             request = ModelRequest(
                 model="bench-model",
                 instructions=text,
@@ -208,6 +218,7 @@ def run(kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS) -> Ou
                 tools=context.offered(tools(), policy, paged=bool(results) or shaped.paged),
                 max_output_tokens=MAX_OUTPUT_TOKENS,
                 cache_key="run-bench",
+                clear_tool_uses=policy.clearing() if clears and policy.compaction == "provider" else None,
             )
             reserved = gateway.estimate_cost_micros(endpoint, request)
             reply = provider.complete(request)
@@ -220,7 +231,8 @@ def run(kind: str, policy: context.ContextPolicy, turns: int = TOOL_TURNS) -> Ou
             outcome.calls.append(
                 Call(
                     seq=seq,
-                    sent=usage.total_input,
+                    sent=usage.total_input + reply.cleared_input_tokens,
+                    read=usage.total_input,
                     cached=usage.cached_input_tokens,
                     written=usage.cache_write_tokens,
                     billed_micros=billed,
@@ -277,15 +289,29 @@ def report(kind: str, turns: int) -> list[str]:
         f"{'naive (no cache)':<26}{naive_tokens:>14,}{percent(1, 1):>10}{f'${naive_cost / 10**6:.4f}':>16}"
         f"{percent(1, 1):>10}{off.calls[-1].sent:>14,}{'0.0%':>15}"
     )
-    for label, outcome in (
+    rows = [
         ("caching only (policy off)", off),
         ("masking, no compaction", masking),
         ("masking + compaction", on),
-    ):
+    ]
+    if kind == "anthropic":
+        # Side by side: the provider's own context management on the same run (`compaction:
+        # provider` at an endpoint with `context_editing: clear_tool_uses`).
+        rows.append(
+            ("provider clearing", run(kind, context.ContextPolicy(compaction="provider"), turns, clears=True))
+        )
+    for label, outcome in rows:
+        last = outcome.calls[-1]
+        read = f" (read {last.read:,})" if last.read != last.sent else ""
         print(
             f"{label:<26}{outcome.sent:>14,}{percent(outcome.sent, naive_tokens):>10}"
             f"{f'${outcome.billed / 10**6:.4f}':>16}{percent(outcome.billed, naive_cost):>10}"
-            f"{outcome.calls[-1].sent:>14,}{percent(outcome.cached_share(), 1):>15}"
+            f"{last.sent:>14,}{percent(outcome.cached_share(), 1):>15}{read}"
+        )
+    if kind == "openai":
+        print(
+            f"{'provider stored state':<26}  not measured: OpenAI's stored conversation state is the Responses "
+            "API's; this wire is Chat Completions"
         )
     reserved, spent = sum(c.reserved for c in on.calls), sum(c.spent for c in on.calls)
     print(

@@ -28,7 +28,7 @@ The protocol, stated once:
   wire joined by blank lines (chat templates of self-hosted servers want roles to alternate).
 - **Bounded.** Records over `compact_record_tokens` in total are merged, oldest first, into the
   digest until they hold three quarters of it: per tool, how many results and the first and last
-  step, and the latest refusals. The digest grows with the number of tools, not of steps, so a
+  step, and the latest approved calls and refusals. The digest grows with the number of tools, not of steps, so a
   1,000-step run's last request is the size of a 200-step run's. A merge rewrites from the digest
   on, once every few folds.
 - **Nothing is lost.** Every folded result is stored on its step; the record names its step and
@@ -61,6 +61,8 @@ class Result(Protocol):
     def total_chars(self) -> int: ...
     @property
     def refusal(self) -> str: ...
+    @property
+    def decision(self) -> str: ...
 
 
 class ContextPolicy(Protocol):
@@ -79,10 +81,10 @@ POINTER_CHARS = 170  # a head's pointer note (llm.context.pointer), as counted f
 ARGUMENT_CHARS = 120  # of a folded call's arguments, in its record line
 HEAD_CHARS = 100  # of a folded result, in its record line
 TEXT_CHARS = 200  # of the model's own words in a folded turn
-REFUSALS_KEPT = 10
+REFUSALS_KEPT = 10  # the digest's latest refusals (denied, rejected, approval expired), and approvals
 # A merge leaves the records three quarters of their budget: the request's swing between merges
 # stays small (a 1,000-step run's requests within 9% of each other), at a merge every few folds.
-MERGE_TO = 0.75  # the digest's latest refusals (denied, rejected, approval expired)
+MERGE_TO = 0.75
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Line:
     tool_name: str
     text: str
     refusal: str = ""
+    decision: str = ""  # a person's decision on its approval ("approved by ravi")
 
 
 @dataclass(frozen=True)
@@ -256,13 +259,23 @@ def _line(message: Message, result: Result, call: ToolCall | None) -> Line:
     arguments = json.dumps(call.arguments, sort_keys=True, ensure_ascii=False) if call else ""
     total = max(result.total_chars, len(message.content))
     if result.refusal:
-        outcome = f"{result.refusal}: {_flat(message.content, HEAD_CHARS)}"
+        # "rejected by ravi": the refusal with who decided it, where a person did.
+        refusal = result.decision if result.decision.startswith(result.refusal) else result.refusal
+        outcome = f"{refusal}: {_flat(message.content, HEAD_CHARS)}"
     elif message.is_error:
         outcome = f"error: {_flat(message.content, HEAD_CHARS)}"
     else:
         outcome = f"{total} characters: {_flat(message.content, HEAD_CHARS)}"
+    if result.decision and not result.refusal:
+        outcome = f"{result.decision}; {outcome}"  # the call was made once a person approved it
     text = f"step {result.seq} {result.tool_name} {_flat(arguments, ARGUMENT_CHARS)} -> {outcome}"
-    return Line(seq=result.seq, tool_name=result.tool_name, text=text, refusal=result.refusal)
+    return Line(
+        seq=result.seq,
+        tool_name=result.tool_name,
+        text=text,
+        refusal=result.refusal,
+        decision=result.decision,
+    )
 
 
 def _digest(found: Plan, policy: ContextPolicy) -> None:
@@ -285,6 +298,7 @@ def digest(folds: list[Fold]) -> str:
         return ""
     tools: dict[str, list[int]] = {}
     refusals: list[str] = []
+    decided: list[str] = []
     turns = 0
     for fold in folds:
         turns += fold.turns
@@ -292,6 +306,8 @@ def digest(folds: list[Fold]) -> str:
             tools.setdefault(line.tool_name, []).append(line.seq)
             if line.refusal:
                 refusals.append(line.text)
+            elif line.decision:
+                decided.append(line.text)
     seqs = [s for found in tools.values() for s in found]
     span = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"
     parts = [
@@ -302,18 +318,68 @@ def digest(folds: list[Fold]) -> str:
         found = tools[name]
         where = f"step {found[0]}" if len(found) == 1 else f"steps {found[0]} to {found[-1]}"
         parts.append(f"{name}: {len(found)} result{'s' if len(found) > 1 else ''}, {where}")
+    if decided:
+        parts.append(f"approved by a person (latest {min(len(decided), REFUSALS_KEPT)} of {len(decided)}):")
+        parts.extend(decided[-REFUSALS_KEPT:])
     if refusals:
         parts.append(f"refused (latest {min(len(refusals), REFUSALS_KEPT)} of {len(refusals)}):")
         parts.extend(refusals[-REFUSALS_KEPT:])
     return "\n".join(parts)
 
 
-def records(found: Plan) -> list[Message]:
-    """The digest and the records, one user message each, to follow the run's input."""
+def records(found: Plan, summaries: Mapping[int, str] | None = None) -> list[Message]:
+    """The digest and the records, one user message each, to follow the run's input.
+
+    `summaries`: per fold's call point, a model's summary of it (runs/engine/summaries.py): the
+    fold's record shows it in place of the model's own words. Stored once on its step, so the
+    record is the same bytes on every call after it; the digest stays deterministic."""
     if found.digest_text[0] != found.digested:
         found.digest_text = (found.digested, digest(found.folds[: found.digested]))
-    texts = [found.digest_text[1]] + [fold.record for fold in found.folds[found.digested :]]
+    summaries = summaries or {}
+    texts = [found.digest_text[1]] + [
+        summarised(fold, summaries[fold.at]) if fold.at in summaries else fold.record
+        for fold in found.folds[found.digested :]
+    ]
     return [Message(role="user", content=text) for text in texts if text]
+
+
+SUMMARY_INPUT_CHARS = 24_000  # of the folded turns, sent to the summariser
+SUMMARY_PART_CHARS = 2_000  # of each folded message
+
+
+def summarised(fold: Fold, summary: str) -> str:
+    """A fold's record with a model's summary in place of the model's own words: its header, the
+    summary, and one line per result (each still names its step for read_result)."""
+    header, *rest = fold.record.split("\n")
+    return "\n".join(
+        [header, f"summary: {summary.strip()}", *(line for line in rest if not line.startswith("model: "))]
+    )
+
+
+def folded_text(messages: list[Message], fold: Fold) -> str:
+    """The folded turns as the summariser reads them: each message's start, with its step where
+    it is a tool result, bounded in total."""
+    parts, total = [], 0
+    lines = {line.seq: line for line in fold.lines}
+    seqs = iter(sorted(lines))
+    for message in messages[fold.start : fold.end]:
+        if message.role == "assistant":
+            calls = "; ".join(
+                f"{c.name} {json.dumps(c.arguments, sort_keys=True, ensure_ascii=False)[:ARGUMENT_CHARS]}"
+                for c in message.tool_calls
+            )
+            text = f"model: {message.content[:SUMMARY_PART_CHARS]}" + (f" [calls: {calls}]" if calls else "")
+        elif message.role == "tool":
+            seq = next(seqs, None)
+            text = f"result of step {seq}: {message.content[:SUMMARY_PART_CHARS]}"
+        else:
+            text = f"{message.role}: {message.content[:SUMMARY_PART_CHARS]}"
+        if total + len(text) > SUMMARY_INPUT_CHARS:
+            parts.append("[the rest of the folded turns is left out]")
+            break
+        parts.append(text)
+        total += len(text)
+    return "\n\n".join(parts)
 
 
 def _flat(text: str, limit: int) -> str:

@@ -16,6 +16,8 @@ accept:
     anthropic
     prompt_cache       blocks | none                         cache_control breakpoints, or none at all
     system             blocks | string                       `system` as text blocks or a plain string
+    context_editing    none | clear_tool_uses                the server clears old tool results on
+                                                             request (Anthropic's context editing beta)
     both
     tool_results       tool | user                           how the tools' results go back
 
@@ -63,6 +65,7 @@ SETTINGS_BY_KIND: dict[str, dict[str, tuple[str, ...]]] = {
     "anthropic": {
         "prompt_cache": ("blocks", "none"),
         "system": ("blocks", "string"),
+        "context_editing": ("none", "clear_tool_uses"),
         **BOTH,
     },
 }
@@ -86,6 +89,7 @@ class Compat:
     stream_usage: str = "include"
     prompt_cache: str = "blocks"
     system: str = "blocks"
+    context_editing: str = "none"
     tool_results: str = "tool"
 
     @classmethod

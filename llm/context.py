@@ -22,7 +22,7 @@ Defaults were chosen by measurement on the reference run of `bench/context.py` (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llm import compaction
 from llm.types import Message, ToolSpec
@@ -51,6 +51,11 @@ DEFAULT_MASK_BATCH = 8
 DEFAULT_COMPACT_AFTER_TOKENS = 1_200
 DEFAULT_COMPACT_KEEP_TURNS = 1
 DEFAULT_COMPACT_RECORD_TOKENS = 1_200
+# `compaction: provider` on an endpoint that clears old tool results itself (Anthropic's context
+# editing, llm/compat.py `context_editing: clear_tool_uses`); measured with bench/context.py.
+DEFAULT_CLEAR_TRIGGER_TOKENS = 12_000
+DEFAULT_CLEAR_KEEP_TOOL_USES = 3
+DEFAULT_CLEAR_AT_LEAST_TOKENS = 4_000
 
 INT_KEYS = (
     "result_limit_chars",
@@ -59,8 +64,13 @@ INT_KEYS = (
     "compact_after_tokens",
     "compact_keep_turns",
     "compact_record_tokens",
+    "clear_trigger_tokens",
+    "clear_keep_tool_uses",
+    "clear_at_least_tokens",
 )
-COMPACTION = ("deterministic", "off")
+# "provider": the endpoint's own context management where it declares support (llm/compat.py),
+# deterministic compaction elsewhere.
+COMPACTION = ("deterministic", "off", "provider")
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,20 @@ class ContextPolicy:
     compact_after_tokens: int = DEFAULT_COMPACT_AFTER_TOKENS  # the live history's budget
     compact_keep_turns: int = DEFAULT_COMPACT_KEEP_TURNS  # the newest turns a fold leaves live
     compact_record_tokens: int = DEFAULT_COMPACT_RECORD_TOKENS  # records, before the digest takes the oldest
+    # `compaction: provider`, on an endpoint that clears old tool results itself: past this many
+    # input tokens it clears every result but the newest few, if that clears at least so many.
+    clear_trigger_tokens: int = DEFAULT_CLEAR_TRIGGER_TOKENS
+    clear_keep_tool_uses: int = DEFAULT_CLEAR_KEEP_TOOL_USES
+    clear_at_least_tokens: int = DEFAULT_CLEAR_AT_LEAST_TOKENS
+    # The name of a model endpoint of the tenant that summarises each fold (runs/engine/summaries.py);
+    # empty: the deterministic record alone (the default).
+    summariser: str = ""
 
     @classmethod
     def from_spec(cls, section: dict | None) -> ContextPolicy:
         """The version's `context` section (validated by agents.spec) over the defaults."""
         section = section or {}
-        keys = (*INT_KEYS, "result_limits", "enabled", "compaction")
+        keys = (*INT_KEYS, "result_limits", "enabled", "compaction", "summariser")
         return cls(**{key: section[key] for key in keys if key in section})
 
     def limit_for(self, tool_name: str) -> int:
@@ -90,6 +108,22 @@ class ContextPolicy:
     @property
     def compacts(self) -> bool:
         return self.enabled and self.compaction == "deterministic"
+
+    def at(self, *, clears: bool) -> ContextPolicy:
+        """The policy as applied at an endpoint: `compaction: provider` is the provider's own
+        clearing (the platform keeps every turn, masking as set) where the endpoint `clears`,
+        and deterministic compaction where it does not (a fallback endpoint without it, say)."""
+        if self.compaction != "provider":
+            return self
+        return replace(self, compaction="off" if clears else "deterministic")
+
+    def clearing(self) -> dict[str, int]:
+        """What the provider is asked to clear (llm.types.ModelRequest.clear_tool_uses)."""
+        return {
+            "trigger": self.clear_trigger_tokens,
+            "keep": self.clear_keep_tool_uses,
+            "clear_at_least": self.clear_at_least_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -101,6 +135,9 @@ class Result:
     total_chars: int  # of the full stored result (the observation may already be capped)
     artifacts: bool = False  # it describes an artifact (a file the model can page with read_result)
     refusal: str = ""  # the call was not made: "denied", "rejected" or "approval expired"
+    # A person's decision on the call's approval, as its record names it: "approved by ravi",
+    # "rejected by ravi" ("" for a call that needed none).
+    decision: str = ""
 
 
 def offered(
@@ -116,7 +153,8 @@ def offered(
     long run is folded sooner or later, and adding it at the second call would rewrite the whole
     cached prefix (instructions and tools) once more, a tenth of the reference run's bill."""
     tools = sorted(tools, key=lambda t: t.name)
-    paged = paged or policy.compacts
+    # A result the provider clears is read back the same way: offered from the first call too.
+    paged = paged or policy.compacts or policy.compaction == "provider"
     return tools + [READ_RESULT_SPEC] if policy.enabled and ((tools and paged) or artifacts) else tools
 
 
@@ -164,9 +202,11 @@ def shaped(
     policy: ContextPolicy,
     *,
     resume: compaction.Plan | None = None,
+    summaries: dict[int, str] | None = None,
 ) -> Shaped:
     """The messages the model is shown and how they were made. `results`: message index -> its
     step, for tool messages. `resume`: the previous call's Shaped.plan (compaction.plan).
+    `summaries`: per fold's call point, a model's summary of it (compaction.records).
 
     Pure and deterministic: the same steps give the same bytes on every call, which is what lets
     a provider's cache read the previous request back.
@@ -194,7 +234,7 @@ def shaped(
             shaped[i] = _with(message, message.content[:limit] + "\n" + pointer(result.seq, limit, total))
     paged = any(shaped[i] is not messages[i] for i in positions)
     if folds.folds:
-        shaped = [messages[0], *compaction.records(folds), *shaped[live:]]
+        shaped = [messages[0], *compaction.records(folds, summaries), *shaped[live:]]
     return Shaped(
         messages=shaped,
         paged=paged or bool(folds.folds),

@@ -61,9 +61,13 @@ def first_message(run) -> Message:
     return Message(role="user", content=text)
 
 
-def append_messages(messages: list[Message], steps, results: dict) -> None:
+def append_messages(
+    messages: list[Message], steps, results: dict, decisions: dict[int, str] | None = None
+) -> None:
     """Add the steps' turns (finished steps, in seq order) to a conversation, and their tool
-    messages to `results` (message index -> context.Result)."""
+    messages to `results` (message index -> context.Result). `decisions`: step seq -> a person's
+    decision on its approval ("approved by ravi"), which a compact record names."""
+    decisions = decisions or {}
     for step in steps:
         if step.kind == StepKind.MODEL and step.status == StepStatus.SUCCEEDED:
             calls = [
@@ -89,6 +93,7 @@ def append_messages(messages: list[Message], steps, results: dict) -> None:
                 artifacts=isinstance(structured, dict)
                 and bool(structured.get("artifact") or structured.get("files")),
                 refusal=REFUSALS.get(step.status, ""),
+                decision=decisions.get(step.seq, ""),
             )
             messages.append(
                 Message(role="tool", content=step.observation, tool_call_id=step.call_id, is_error=is_error)
@@ -127,16 +132,19 @@ def shaped_request(
     policy: context.ContextPolicy | None = None,
     endpoint: ModelEndpoint | None = None,
     resume=None,
+    summaries: dict[int, str] | None = None,
 ) -> tuple[ModelRequest, context.Shaped]:
     """request_for's request, and how the context policy shaped it (what it folded, if anything).
 
-    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it)."""
+    `resume`: the Shaped.plan of the run's previous call (runs/engine/conversation.py keeps it).
+    `summaries`: per fold's call point, its summary by the version's summariser, if any."""
     version = run.version
     spec = spec_for(version)
     endpoint = endpoint or version.model_endpoint
     if policy is None:
         policy = context.ContextPolicy.from_spec(dict(spec.context))
-    shaped = context.shaped(messages, results, policy, resume=resume)
+    clears = provider_clears(endpoint)
+    shaped = context.shaped(messages, results, policy.at(clears=clears), resume=resume, summaries=summaries)
     # read_result only once the policy has shortened, masked or folded something it could page
     # back, or the model has been shown an artifact (whose text it can page through).
     shown_artifacts = any(r.artifacts for r in results.values()) or (
@@ -151,8 +159,14 @@ def shaped_request(
         timeout_seconds=endpoint.timeout_seconds,
         first_token_timeout_seconds=endpoint.first_token_timeout_seconds,
         cache_key=f"run-{run.pk}",
+        clear_tool_uses=policy.clearing() if clears and policy.compaction == "provider" else None,
     )
     return request, shaped
+
+
+def provider_clears(endpoint: ModelEndpoint) -> bool:
+    """The endpoint clears old tool results itself when asked (Anthropic's context editing)."""
+    return endpoint.kind == "anthropic" and Compat.of(endpoint.compat).context_editing == "clear_tool_uses"
 
 
 def _micros(tokens: int, price_per_million: Decimal) -> Decimal:

@@ -58,6 +58,10 @@ class ModelRequest:
     # Groups the requests of one run for providers that route prompt caches by a key
     # (OpenAI's prompt_cache_key); empty: none is sent.
     cache_key: str = ""
+    # The provider's own context management, where the version's policy asks for it and the
+    # endpoint supports it (llm/context.py, `compaction: provider`): Anthropic's clearing of old
+    # tool results, {"trigger": tokens, "keep": tool uses, "clear_at_least": tokens}.
+    clear_tool_uses: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class ModelReply:
     tool_calls: list[ToolCall]
     usage: Usage
     stop_reason: str = ""
+    # What the provider's context management cleared from this request (tokens and tool uses):
+    # the client sent them, the model did not read them and they were not billed.
+    cleared_input_tokens: int = 0
+    cleared_tool_uses: int = 0
 
 
 class ProviderError(Exception):

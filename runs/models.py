@@ -188,6 +188,9 @@ class Run(models.Model):
 class StepKind(models.TextChoices):
     MODEL = "model"
     TOOL = "tool"
+    # A model's summary of a compaction's fold (runs/engine/summaries.py): a call of its own,
+    # never a turn of the conversation.
+    SUMMARY = "summary"
 
 
 class StepStatus(models.TextChoices):

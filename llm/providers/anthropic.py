@@ -36,6 +36,9 @@ from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall
 
 PROVIDER = "anthropic"
 API_VERSION = "2023-06-01"
+# Context editing (clearing old tool results on the server) is a beta behind this header.
+CONTEXT_MANAGEMENT_BETA = "context-management-2025-06-27"
+CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 _EPHEMERAL = {"type": "ephemeral"}
 
 
@@ -72,7 +75,7 @@ class AnthropicProvider:
             data = post_json(
                 self._client,
                 f"{self.base_url}/v1/messages",
-                headers=self._headers(),
+                headers=self._headers(body),
                 body=body,
                 timeout_seconds=request.timeout_seconds,
                 provider=PROVIDER,
@@ -95,7 +98,7 @@ class AnthropicProvider:
         events = stream_events(
             self._client,
             f"{self.base_url}/v1/messages",
-            headers=self._headers(),
+            headers=self._headers(body),
             body=body,
             timeout_seconds=request.timeout_seconds,
             first_token_seconds=request.first_token_timeout_seconds,
@@ -139,13 +142,30 @@ class AnthropicProvider:
         body.update(self.sampling)
         if self.stream:
             body["stream"] = True
+        if request.clear_tool_uses and self.compat.context_editing == "clear_tool_uses":
+            body["context_management"] = {"edits": [clear_edit(request.clear_tool_uses)]}
         return body
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, body: dict[str, Any] | None = None) -> dict[str, str]:
         headers = {"anthropic-version": API_VERSION}
+        if body is not None and "context_management" in body:
+            headers["anthropic-beta"] = CONTEXT_MANAGEMENT_BETA
         if self._api_key:
             headers["x-api-key"] = self._api_key
         return headers
+
+
+def clear_edit(settings: dict[str, int]) -> dict[str, Any]:
+    """The clear_tool_uses edit: past `trigger` input tokens the server replaces every tool
+    result but the newest `keep` with a placeholder, if that clears at least `clear_at_least`."""
+    edit: dict[str, Any] = {
+        "type": CLEAR_TOOL_USES,
+        "trigger": {"type": "input_tokens", "value": settings["trigger"]},
+        "keep": {"type": "tool_uses", "value": settings["keep"]},
+    }
+    if settings.get("clear_at_least"):
+        edit["clear_at_least"] = {"type": "input_tokens", "value": settings["clear_at_least"]}
+    return edit
 
 
 def build_tools(tools: list[ToolSpec], *, cache: bool = True) -> list[dict[str, Any]]:
@@ -242,12 +262,28 @@ def parse_reply(data: dict[str, Any]) -> ModelReply:
             sent=True,
             status=200,
         ) from None
+    cleared_tokens, cleared_uses = parse_applied_edits(data.get("context_management"))
     return ModelReply(
         text=text,
         tool_calls=calls,
         usage=parse_usage(data.get("usage")),
         stop_reason=data.get("stop_reason") or "",
+        cleared_input_tokens=cleared_tokens,
+        cleared_tool_uses=cleared_uses,
     )
+
+
+def parse_applied_edits(raw: Any) -> tuple[int, int]:
+    """(input tokens, tool uses) the server's context editing cleared from the request."""
+    edits = raw.get("applied_edits") if isinstance(raw, dict) else None
+    if not isinstance(edits, list):
+        return 0, 0
+    tokens = uses = 0
+    for edit in edits:
+        if isinstance(edit, dict) and edit.get("type") == CLEAR_TOOL_USES:
+            tokens += int(edit.get("cleared_input_tokens") or 0)
+            uses += int(edit.get("cleared_tool_uses") or 0)
+    return tokens, uses
 
 
 def parse_input(raw: Any) -> dict:
@@ -276,6 +312,7 @@ class StreamedAnswer:
         self.blocks: dict[int, dict[str, Any]] = {}
         self.stop = ""
         self.usage: dict[str, Any] = {}
+        self.context_management: Any = None
         self.ended = False
 
     def add(self, data: Any) -> None:
@@ -307,6 +344,8 @@ class StreamedAnswer:
         elif kind == "message_delta":
             self.stop = (data.get("delta") or {}).get("stop_reason") or self.stop
             self.usage.update(data.get("usage") or {})
+            # The context editing applied to the request, reported with the message's end.
+            self.context_management = data.get("context_management") or self.context_management
         elif kind == "message_stop":
             self.ended = True
 
@@ -334,11 +373,14 @@ class StreamedAnswer:
                 output_tokens=self.meter.tokens,
                 counted_by="platform",
             )
+        cleared_tokens, cleared_uses = parse_applied_edits(self.context_management)
         return ModelReply(
             text="".join(text),
             tool_calls=calls,
             usage=usage,
             stop_reason="cut_at_output_limit" if cut else self.stop,
+            cleared_input_tokens=cleared_tokens,
+            cleared_tool_uses=cleared_uses,
         )
 
 

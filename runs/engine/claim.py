@@ -37,7 +37,16 @@ from runs import statements
 from runs.approval_effects import request_approval
 from runs.authority_copy import home_answer, pause_for_stale_authority, stale_authority
 from runs.controls import kill_switches
-from runs.engine import compacted, conversation, decisions, loops, model_step, platform_tools, writer
+from runs.engine import (
+    compacted,
+    conversation,
+    decisions,
+    loops,
+    model_step,
+    platform_tools,
+    summaries,
+    writer,
+)
 from runs.engine.dispatch import let_go, reserve_and_mark
 from runs.engine.types import Intent, Lease, LostModelCall, ModelPlan, Plan, ToolCall, ToolPlan, tool_of
 from runs.models import ClaimReads, Run, RunStatus, Step, StepKind, StepStatus
@@ -291,11 +300,27 @@ def _plan_model(run: Run, window: list[Step], seq: int, upto: int | None) -> Int
         writer.model_moved(run, seq, route)
     permitted = offer.permitted_tools(run, user=run.created_by)  # the user row this claim read
     offered = offer.offered_tools(run, user=run.created_by, permitted=permitted)
-    messages, results = conversation.conversation(run, window, upto)
+    messages, results, summarised = conversation.conversation(run, window, upto)
     request, shaped = model_gateway.shaped_request(
-        run, messages, results, offered, endpoint=endpoint, resume=conversation.plan_of(run.pk)
+        run,
+        messages,
+        results,
+        offered,
+        endpoint=endpoint,
+        resume=conversation.plan_of(run.pk),
+        summaries=summarised,
     )
     conversation.keep_plan(run.pk, shaped.plan)
+    fold = shaped.new_fold
+    if fold is not None and fold.at not in summarised:
+        # The version's summariser, if any, summarises the fold first, on a step of its own; this
+        # call is planned again on the next claim, at the same call point, with the summary.
+        summary_call = summaries.plan(run, window, messages, fold, seq)
+        if summary_call is not None:
+            tokens = model_gateway.estimate_input_tokens(summary_call.request) + summaries.SUMMARY_TOKENS
+            if model_step.quota_wait(run, summary_call.endpoint, seq, tokens=tokens) is None:
+                return Intent(_lease(run, summary_call.endpoint.timeout_seconds), model=summary_call)
+            # The summariser waits for its quota: the fold keeps its deterministic record.
     if endpoint.secret_id:
         endpoint.secret  # noqa: B018 -- read now: the call itself then needs no database connection
     input_tokens = model_gateway.estimate_input_tokens(request)

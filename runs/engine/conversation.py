@@ -17,11 +17,12 @@ import collections
 import threading
 from dataclasses import dataclass, field
 
+from approvals.models import Approval, ApprovalStatus
 from llm import compaction, context
 from llm import gateway as model_gateway
 from llm.types import Message
 from runs import statements
-from runs.models import Run, Step
+from runs.models import OBSERVED, Run, Step, StepKind, StepStatus
 
 MAX_RUNS = 2_048  # conversations kept per process (a few tens of kB each at 25 steps)
 
@@ -32,6 +33,7 @@ class _Conversation:
     messages: list[Message] = field(default_factory=list)
     results: dict[int, context.Result] = field(default_factory=dict)
     plan: compaction.Plan | None = None  # the compaction plan of the last call shaped from it
+    summaries: dict[int, str] = field(default_factory=dict)  # per fold's call point (summary steps)
 
 
 _kept: collections.OrderedDict = collections.OrderedDict()
@@ -47,8 +49,10 @@ def kept_upto(run_id) -> int | None:
 
 def conversation(
     run: Run, window: list[Step], upto: int | None
-) -> tuple[list[Message], dict[int, context.Result]]:
-    """The run's messages so far and, per tool message, its step (what the policy shapes).
+) -> tuple[list[Message], dict[int, context.Result], dict[int, str]]:
+    """The run's messages so far and, per tool message, its step (what the policy shapes); and
+    the summaries of its folds, per fold's call point (runs/engine/summaries.py), which are no
+    turn of the conversation.
 
     `window`: the claim's step window, read with `after=upto` (kept_upto's answer then), so it
     holds every step this process has not added yet; without a conversation kept here the
@@ -62,14 +66,37 @@ def conversation(
         steps = statements.steps_after(run, 0)
     else:
         steps = [s for s in window if s.seq > kept.upto]
-    model_gateway.append_messages(kept.messages, steps, kept.results)
+    model_gateway.append_messages(kept.messages, steps, kept.results, decisions(run, steps))
+    for step in steps:
+        if step.kind == StepKind.SUMMARY and step.status == StepStatus.SUCCEEDED and step.result:
+            kept.summaries[step.result["at"]] = step.result["text"]
     if steps:
         kept.upto = steps[-1].seq
     with _lock:
         _kept[run.pk] = kept
         while len(_kept) > MAX_RUNS:
             _kept.popitem(last=False)
-    return list(kept.messages), dict(kept.results)
+    return list(kept.messages), dict(kept.results), dict(kept.summaries)
+
+
+DECIDED: dict[str, str] = {
+    ApprovalStatus.APPROVED: "approved",
+    ApprovalStatus.CONSUMED: "approved",
+    ApprovalStatus.DENIED: "rejected",
+}
+
+
+def decisions(run: Run, steps: list[Step]) -> dict[int, str]:
+    """Per step seq, a person's decision on the approval of a tool call among `steps`, as its
+    compact record names it ("approved by ravi"). Read once, with the step's turn: a finished
+    step's approval never changes again."""
+    ids = {s.pk: s.seq for s in steps if s.kind == StepKind.TOOL and s.status in OBSERVED}
+    if not ids:
+        return {}
+    rows = Approval.objects.filter(
+        run_id=run.pk, step_id__in=list(ids), status__in=list(DECIDED), decided_by__isnull=False
+    ).values_list("step_id", "status", "decided_by__username")
+    return {ids[step_id]: f"{DECIDED[status]} by {who}" for step_id, status, who in rows}
 
 
 def plan_of(run_id) -> compaction.Plan | None:

@@ -59,7 +59,7 @@ class StepView:
     """One row of the step log, as much of it as a decision reads (runs/statements.step_heads)."""
 
     seq: int
-    kind: str  # "model" | "tool"
+    kind: str  # "model" | "tool" | "summary" (a fold's summary: never the agent's answer)
     status: str
     tool_name: str = ""
     tool_id: int | None = None
@@ -539,6 +539,8 @@ def model_turn(
         return Stop("max_steps", "stopped: max steps reached")
     failures, last_error = 0, ""
     for step in reversed(log):
+        if step.kind == "summary":
+            continue  # a fold's summary (runs/engine/summaries.py) is no turn of the agent's
         if step.kind != "model":
             break
         if step.status in (FAILED, OUTCOME_UNKNOWN) and (

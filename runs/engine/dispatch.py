@@ -24,6 +24,7 @@ from runs.engine import decisions, heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
 from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.policy_events import decision_data
+from runs.queueing import continue_run
 from runs.transitions import (
     atomic_with_events,
     end_run,
@@ -61,10 +62,11 @@ def _lease_fields(lease: Lease, now: dt.datetime) -> dict:
 
 def _mark_model(run: Run, lease: Lease, model: ModelPlan) -> ModelCall | None:
     now = timezone.now()
+    summary = model.fold is not None  # a fold's summary (runs/engine/summaries.py)
     step = Step(
         run_id=run.pk,
         seq=model.seq,
-        kind=StepKind.MODEL,
+        kind=StepKind.SUMMARY if summary else StepKind.MODEL,
         status=StepStatus.DISPATCHING,
         attempts=1,
         started_at=now,
@@ -74,21 +76,52 @@ def _mark_model(run: Run, lease: Lease, model: ModelPlan) -> ModelCall | None:
         model_endpoint_id=model.endpoint.pk,
     )
     sql.insert([step])
-    reservation_id = _reserve(run, step, amount=model.estimate, purpose="model", what=_fallback_of(model))
+    if summary:
+        reservation_id = _reserve_summary(run, step, model)
+    else:
+        reservation_id = _reserve(run, step, amount=model.estimate, purpose="model", what=_fallback_of(model))
     if reservation_id is None:
-        Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
+        if not summary:
+            Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
         return None
     record_event(
         run.pk,
         "step",
-        f"step {step.seq} model call dispatched",
+        f"step {step.seq} {'summary of a fold' if summary else 'model call'} dispatched",
         step_seq=step.seq,
         to=StepStatus.DISPATCHING,
-        step_kind=StepKind.MODEL,
+        step_kind=step.kind,
         content=chain.content_of({"request": step.request}),  # binds the request into the chain
     )
-    write_run_at_end(run, adds={"step_count": 1, "model_call_count": 1}, **_lease_fields(lease, now))
+    # A summary is no step of the agent's: it counts toward neither limit.
+    adds = {} if summary else {"step_count": 1, "model_call_count": 1}
+    write_run_at_end(run, adds=adds, **_lease_fields(lease, now))
     return ModelCall(lease, run, step, reservation_id, model)
+
+
+def _reserve_summary(run: Run, step: Step, model: ModelPlan) -> uuid.UUID | None:
+    """A summary's reservation; a refusal leaves the fold its deterministic record and the run
+    goes on (its next model call meets the budget as any call does)."""
+    try:
+        return budgets.reserve(
+            tenant=run.tenant,
+            run=run,
+            user=run.created_by,
+            step=step,
+            amount_micros=model.estimate,
+            purpose="model",
+        ).pk
+    except budgets.BudgetExceeded as exc:
+        transition_step(
+            step,
+            StepStatus.FAILED,
+            message=f"step {step.seq} summary not made: {exc.message}; the fold keeps its record",
+            error=f"budget refused the summary: {exc.message}",
+            error_class="budget",
+            finished_at=timezone.now(),
+        )
+        continue_run(run)
+        return None
 
 
 def _mark_tool(run: Run, lease: Lease, call: ToolPlan, *, take_lease: bool) -> ToolCall | None:

@@ -23,6 +23,7 @@ from budgets.models import Reservation
 from llm import breaker, fallback, quotas
 from llm import gateway as model_gateway
 from llm.models import ModelEndpoint
+from llm.tokens import estimate_text
 from llm.types import ProviderError, ToolCall
 from observability import observe
 from runs.engine import decisions, heartbeat, proposals, writer
@@ -93,8 +94,9 @@ def do_model(plan: ModelCall) -> None:
     close_old_connections()
     circuit = _count_for_circuit(model, "", "", cost=cost)
     began = timezone.now()
+    record = _record_summary if model.fold is not None else _record_model
     through_database_outage(
-        lambda retry: _record_model(plan, step, reply, cost, circuit, began, retry=retry),
+        lambda retry: record(plan, step, reply, cost, circuit, began, retry=retry),
         seconds=plan.lease_seconds,
     )
 
@@ -143,7 +145,10 @@ def _record_model_failure(
         else:
             budgets.release(plan.reservation_id, note=f"provider refused: {exc}")
         status = StepStatus.OUTCOME_UNKNOWN if lost else StepStatus.FAILED
-        message = f"step {step.seq} model call {'lost' if lost else 'failed'}: {exc}"
+        what = "model call" if plan.model.fold is None else "summary"
+        message = f"step {step.seq} {what} {'lost' if lost else 'failed'}: {exc}"
+        if plan.model.fold is not None:
+            message += "; the fold keeps its deterministic record"
         if exc.timed_out and wait:
             message += f"; no call goes to {plan.model.endpoint.name} for {wait:.1f}s (timeout backoff)"
         if not fenced(run, plan):
@@ -162,6 +167,8 @@ def _record_model_failure(
         )
         if run.cancel_requested:
             end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif model.fold is not None:
+            continue_run(run)  # a summary that failed is not tried again: the run goes on without it
         elif moves:
             continue_run(run)
         elif not exc.retryable:
@@ -241,6 +248,10 @@ def _record_model(
             # The platform stopped reading at the output limit, or the server reported no usage:
             # these figures are the platform's own count (llm.types.Usage.counted_by).
             usage["counted_by"] = reply.usage.counted_by
+        if reply.cleared_tool_uses:
+            # The provider's context editing took these out of the request (neither read nor billed).
+            usage["cleared_input_tokens"] = reply.cleared_input_tokens
+            usage["cleared_tool_uses"] = reply.cleared_tool_uses
         cut = reply.stop_reason == "cut_at_output_limit"
         verdict, output_errors, refused = "accept", list[str](), 0
         if not calls and not run.cancel_requested:
@@ -257,6 +268,12 @@ def _record_model(
             finished_at=timezone.now(),
             observation=text,
             message=f"step {step.seq} model call: {len(calls)} tool call(s), cost {cost} micros"
+            + (
+                f"; the provider cleared {reply.cleared_tool_uses} old tool result(s), "
+                f"{reply.cleared_input_tokens:,} input tokens, from the request"
+                if reply.cleared_tool_uses
+                else ""
+            )
             + (
                 f"; cut at the output limit ({run.limits['max_output_tokens']} tokens): the platform "
                 "stopped reading and closed the connection"
@@ -310,6 +327,88 @@ def _record_model(
                 continue_run(run)
         elif run.pause_requested:
             writer.pause(run)  # its proposed calls wait, undispatched, for the resume
+        else:
+            continue_run(run)
+
+
+def _record_summary(
+    plan: ModelCall, step: Step, reply, cost: int, circuit: str, began: dt.datetime, *, retry: bool = False
+) -> None:
+    """A fold's summary (runs/engine/summaries.py): settle its reservation, store the summary on
+    its step (the conversation shows it in the fold's record from the next call on), go on."""
+    if retry:
+        step = Step.objects.get(pk=step.pk)
+    with atomic_with_events():
+        run = lock_run(plan.run_id, like=plan.run)
+        settle = functools.partial(_settle, plan, step, cost)
+        if not fenced(run, plan):
+            reconciled = settle()[2]
+            if retry and recorded_before(run, step, began):
+                return
+            record_event(
+                run.pk,
+                "late_attempt",
+                f"step {step.seq} summary arrived after the lease was lost",
+                step_seq=step.seq,
+                cost_micros=cost,
+                hold_reconciled=reconciled,
+            )
+            return
+        # What the model wrote is made storable and known secrets are redacted, as for any reply.
+        reply = dataclasses.replace(reply, text=proposals.storable(reply.text or ""), tool_calls=[])
+        text, _ = secrets.redact_reply(run.tenant_id, reply, generation=run.tenant.secrets_generation)
+        text = " ".join(text.split())
+        fold = plan.model.fold or {}
+        usage = {
+            "input_tokens": reply.usage.input_tokens,
+            "cached_input_tokens": reply.usage.cached_input_tokens,
+            "cache_write_tokens": reply.usage.cache_write_tokens,
+            "output_tokens": reply.usage.output_tokens,
+        }
+        folded = (
+            f"steps {fold['first_step']}-{fold['last_step']}" if fold.get("first_step") else "earlier turns"
+        )
+        summary_tokens = estimate_text(text)
+        if text:
+            event = transition_step(
+                step,
+                StepStatus.SUCCEEDED,
+                result={"text": text, "at": fold["at"]},
+                usage=usage,
+                cost_micros=cost,
+                finished_at=timezone.now(),
+                observation=text,
+                message=f"step {step.seq} summary of {folded} ({fold.get('turns')} model turns, "
+                f"{fold.get('results')} tool results) by {plan.model.endpoint.name}: a record of "
+                f"{fold.get('record_tokens', 0):,} tokens gets a summary of {summary_tokens:,} tokens "
+                f"(estimated), cost {cost} micros",
+                defer=True,
+            )
+        else:
+            event = transition_step(
+                step,
+                StepStatus.FAILED,
+                usage=usage,
+                cost_micros=cost,
+                finished_at=timezone.now(),
+                error="the summariser answered with no text",
+                error_class="empty",
+                message=f"step {step.seq} summary of {folded} was empty; the fold keeps its "
+                f"deterministic record (cost {cost} micros)",
+                defer=True,
+            )
+        if circuit:
+            _circuit_event(run, step, plan.model, circuit)
+        at_end(
+            lambda: add_settle(
+                event, run, step, reserved=plan.model.estimate, settled=cost, balances=settle()[1]
+            )
+        )
+        writer.recorded(run)
+        if run.cancel_requested:
+            end_run(run, RunStatus.CANCELLED, message="cancelled")
+        elif run.pause_requested:
+            writer.pause(run)
         else:
             continue_run(run)
 

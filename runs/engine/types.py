@@ -39,6 +39,9 @@ class ModelPlan:
     chain: Chain | None = None
     history: tuple[Attempt, ...] = ()
     probe: bool = False
+    # A summary of a compaction's fold (runs/engine/summaries.py), not an agent's turn: what it
+    # folded (its call point `at`, steps, turns, results, record_tokens). None: a model call.
+    fold: dict | None = None
 
 
 @dataclass(frozen=True)

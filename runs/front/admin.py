@@ -95,7 +95,7 @@ def run_marker(run: Run) -> str:
 
 
 def usage_of(step: Step) -> dict | None:
-    if step.kind != StepKind.MODEL or not step.usage:
+    if step.kind not in (StepKind.MODEL, StepKind.SUMMARY) or not step.usage:
         return None
     usage = step.usage
     return {
@@ -146,6 +146,9 @@ def step_summary(step: Step) -> str:
         if calls:
             text = f"{text[:80]}{'…' if len(text) > 80 else ''} → calls {', '.join(calls)}".strip(" →")
         return text[:140] or (step.error[:140] if step.error else "")
+    if step.kind == StepKind.SUMMARY and step.status == StepStatus.SUCCEEDED:
+        text = " ".join(((step.result or {}).get("text") or "").split())
+        return f"summary of a fold: {text[:120]}{'…' if len(text) > 120 else ''}"
     return f"· {step.error[:140]}" if step.error and step.status != StepStatus.SUCCEEDED else ""
 
 

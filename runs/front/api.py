@@ -160,7 +160,7 @@ class StepOutput(serializers.ModelSerializer):
 
     def get_endpoint(self, step) -> str:
         # The name as it was when the call was made (kept in the step's request), without a query.
-        return (step.request or {}).get("endpoint", "") if step.kind == "model" else ""
+        return (step.request or {}).get("endpoint", "") if step.kind in ("model", "summary") else ""
 
 
 @extend_schema_serializer(component_name="Event")

@@ -249,3 +249,28 @@ def test_the_run_page_lists_the_runs_files_and_downloads_them_for_who_may_read_t
     assert download.status_code == 200 and download.content == b"id\n1\n"
     other, _ = start_run(user=acme.asha, agent="refunder", input={"case": "other"})
     assert as_ravi.get(run_url(other.pk, f"artifacts/{stored.pk}/")).status_code == 404
+
+
+def test_the_timeline_shows_a_folds_summary_with_its_usage(as_ravi, acme):
+    """A summary step (runs/engine/summaries.py) is a row of the timeline: what it wrote, its tokens."""
+    approval = park_on_approval(acme.asha, "refunder")
+    decide_approval(approval_id=approval.pk, user=acme.ravi, approve=True, reason="verified")
+    run = drive(approval.run_id)
+    Step.objects.create(
+        run=run,
+        seq=4,
+        kind="summary",
+        status=StepStatus.SUCCEEDED,
+        result={"text": "The refund  TXN-1001\nwas approved by ravi.", "at": 3},
+        usage={"input_tokens": 900, "cached_input_tokens": 0, "cache_write_tokens": 0, "output_tokens": 40},
+        cost_micros=120,
+    )
+
+    steps = as_ravi.get(run_url(run.pk)).context["steps"]
+
+    row = steps[-1]
+    assert (row["step"].kind, row["summary"]) == (
+        "summary",
+        "summary of a fold: The refund TXN-1001 was approved by ravi.",
+    )
+    assert (row["usage"]["input"], row["usage"]["output"]) == (900, 40)

@@ -739,8 +739,15 @@ _ANTHROPIC_KEYS = {
     "stop_sequences",
     "stream",
     "metadata",
+    "context_management",  # only with the context-management beta header
 }
 ANTHROPIC_VERSION = "2023-06-01"
+# Context editing (Anthropic's beta): the header that enables it, the edit the fake applies, and
+# the documented defaults of that edit.
+CONTEXT_MANAGEMENT_BETA = "context-management-2025-06-27"
+CLEAR_TOOL_USES = "clear_tool_uses_20250919"
+CLEAR_DEFAULTS = {"trigger": 100_000, "keep": 3, "clear_at_least": 0}
+CLEARED_PLACEHOLDER = "[tool result cleared]"
 MAX_CACHE_BREAKPOINTS = 4
 # LiteLLM's proxy in front of an OpenAI-compatible server, as FakeAnthropic(quirks=...) plays it:
 # list content (system blocks, cache_control) passed on to a server that takes only strings.
@@ -762,9 +769,10 @@ class FakeAnthropic(FakeModelServer):
             raise ValueError(f"unknown quirks {sorted(unknown)}")
         self.quirks = set(quirks)
         super().__init__(**kwargs)
+        self.edited: list[dict[str, Any]] = []  # each request as the model saw it (context editing applied)
 
     def visible(self, body: dict[str, Any]) -> Any:
-        messages = body.get("messages") or []
+        messages = cleared(body)[0].get("messages") or []
         if "drops_tool_results" not in self.quirks:
             return messages
         return [
@@ -807,7 +815,10 @@ class FakeAnthropic(FakeModelServer):
             "type": "message_delta",
             "delta": {"stop_reason": payload["stop_reason"], "stop_sequence": None},
         }
-        out.append(("message_delta", {**delta, "usage": {"output_tokens": usage["output_tokens"]}}, False))
+        ending = {**delta, "usage": {"output_tokens": usage["output_tokens"]}}
+        if "context_management" in payload:
+            ending["context_management"] = payload["context_management"]
+        out.append(("message_delta", ending, False))
         out.append(("message_stop", {"type": "message_stop"}, False))
         return out
 
@@ -833,6 +844,13 @@ class FakeAnthropic(FakeModelServer):
         require(isinstance(body.get("model"), str) and body["model"] != "", "model: Field required")
         require(is_positive_int(body.get("max_tokens")), "max_tokens: Field required (positive integer)")
         require(isinstance(body.get("stream", False), bool), "stream: Input should be a valid boolean")
+        if "context_management" in body:
+            betas = {b.strip() for b in str(headers.get("anthropic-beta", "")).split(",")}
+            require(
+                CONTEXT_MANAGEMENT_BETA in betas,
+                f"context_management: requires the anthropic-beta header {CONTEXT_MANAGEMENT_BETA}",
+            )
+            validate_context_management(body["context_management"])
         if "string_system" in self.quirks:
             require(isinstance(body.get("system", ""), str), ANTHROPIC_QUIRKS["string_system"])
         if "no_cache_control" in self.quirks:
@@ -885,9 +903,10 @@ class FakeAnthropic(FakeModelServer):
             }
             for index, call in enumerate(reply.get("tool_calls", []))
         )
-        usage = self._usage(body)
+        edited, applied = cleared(body)
+        usage = self._usage(edited)
         usage["output_tokens"] = approx_tokens(content)
-        return {
+        payload = {
             "id": f"msg_fake_{reply_id}",
             "type": "message",
             "role": "assistant",
@@ -897,6 +916,11 @@ class FakeAnthropic(FakeModelServer):
             "stop_sequence": None,
             "usage": usage,
         }
+        if "context_management" in body:
+            payload["context_management"] = {"applied_edits": applied}
+        with self._lock:
+            self.edited.append(edited)
+        return payload
 
     def _usage(self, body: dict[str, Any]) -> dict[str, int]:
         seen = {**body, "messages": self.visible(body)}
@@ -925,6 +949,80 @@ class FakeAnthropic(FakeModelServer):
             "cache_creation_input_tokens": write,
             "cache_read_input_tokens": read,
         }
+
+
+def validate_context_management(value: Any) -> None:
+    require(isinstance(value, dict), "context_management: Input should be an object")
+    require(set(value) <= {"edits"}, "context_management: Extra inputs are not permitted")
+    edits = value.get("edits")
+    require(isinstance(edits, list), "context_management.edits: Input should be a valid list")
+    for index, edit in enumerate(edits):
+        at = f"context_management.edits.{index}"
+        require(
+            isinstance(edit, dict) and edit.get("type") == CLEAR_TOOL_USES, f"{at}.type: unknown edit type"
+        )
+        known = {"type", "trigger", "keep", "clear_at_least", "exclude_tools", "clear_tool_inputs"}
+        require(set(edit) <= known, f"{at}: Extra inputs are not permitted")
+        for key, unit in (
+            ("trigger", "input_tokens"),
+            ("keep", "tool_uses"),
+            ("clear_at_least", "input_tokens"),
+        ):
+            if key in edit:
+                threshold = edit[key]
+                require(
+                    isinstance(threshold, dict)
+                    and threshold.get("type") == unit
+                    and isinstance(threshold.get("value"), int)
+                    and threshold["value"] >= 0,
+                    f"{at}.{key}: must be {{'type': '{unit}', 'value': <non-negative integer>}}",
+                )
+
+
+def cleared(body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The prompt the model sees once the request's clear_tool_uses edit is applied, and the
+    edits applied, as the API documents them: the edit is applied on the server to the whole
+    history the client sent, per request (the client keeps its history unchanged); once the
+    prompt passes `trigger` input tokens, every tool result but the newest `keep` is replaced by
+    a placeholder, oldest first, unless that clears fewer than `clear_at_least` tokens. A prompt
+    cache sees the edited prompt, so a clear invalidates it from the first cleared result."""
+    edits = (body.get("context_management") or {}).get("edits") or []
+    if not edits:
+        return body, []
+    edit = edits[0]
+    value = {key: (edit.get(key) or {}).get("value", default) for key, default in CLEAR_DEFAULTS.items()}
+    excluded = set(edit.get("exclude_tools") or [])
+    applied = {"type": CLEAR_TOOL_USES, "cleared_tool_uses": 0, "cleared_input_tokens": 0}
+    prompt = approx_tokens(without_cache_control(body))
+    if prompt <= value["trigger"]:
+        return body, [applied]
+    names = {
+        block["id"]: block["name"]
+        for message in body["messages"]
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_use"
+    }
+    places = [
+        (m, b)
+        for m, message in enumerate(body["messages"])
+        if isinstance(message["content"], list)
+        for b, block in enumerate(message["content"])
+        if block.get("type") == "tool_result" and names.get(block.get("tool_use_id")) not in excluded
+    ]
+    clear = places[: max(len(places) - value["keep"], 0)]
+    if not clear:
+        return body, [applied]
+    messages = [dict(message) for message in body["messages"]]
+    for m, b in clear:
+        content = list(messages[m]["content"])
+        content[b] = {**content[b], "content": CLEARED_PLACEHOLDER}
+        messages[m]["content"] = content
+    edited = {**body, "messages": messages}
+    saved = prompt - approx_tokens(without_cache_control(edited))
+    if saved < value["clear_at_least"]:
+        return body, [applied]
+    return edited, [{**applied, "cleared_tool_uses": len(clear), "cleared_input_tokens": saved}]
 
 
 def anthropic_input(arguments: Any) -> dict[str, Any]:

@@ -17,7 +17,12 @@ POLICY = ContextPolicy(compact_after_tokens=1_000, compact_record_tokens=600)
 
 
 def conversation(
-    turns: int, *, chars: int = 3_000, tools=("lookup",), refused: dict[int, str] | None = None
+    turns: int,
+    *,
+    chars: int = 3_000,
+    tools=("lookup",),
+    refused: dict[int, str] | None = None,
+    decided: dict[int, str] | None = None,
 ) -> tuple[list[Message], dict[int, Result]]:
     """A run's conversation: `turns` model turns, each calling one tool (in turn from `tools`),
     the result of turn i at step 2i + 2."""
@@ -27,7 +32,13 @@ def conversation(
         name = tools[i % len(tools)]
         messages.append(Message("assistant", "", [ToolCall(id=f"c{i}", name=name, arguments={"i": i})]))
         refusal = (refused or {}).get(i, "")
-        shown[len(messages)] = Result(seq=2 * i + 2, tool_name=name, total_chars=chars, refusal=refusal)
+        shown[len(messages)] = Result(
+            seq=2 * i + 2,
+            tool_name=name,
+            total_chars=chars,
+            refusal=refusal,
+            decision=(decided or {}).get(i, ""),
+        )
         body = f"policy forbids {name}" if refusal else f"{i:04d}" + "x" * (chars - 4)
         messages.append(Message("tool", body, tool_call_id=f"c{i}", is_error=bool(refusal)))
     return messages, shown
@@ -138,6 +149,35 @@ def test_refusals_are_named_in_the_record_and_kept_by_the_digest():
     assert 'step 4 lookup {"i": 1} -> denied: policy forbids lookup' in digest
     assert "refused (latest 3 of 3):" in digest
     assert 'step 82 lookup {"i": 40} -> approval expired: policy forbids lookup' in digest
+
+
+def test_a_persons_decisions_are_named_in_the_record_and_kept_by_the_digest():
+    """The issue's record holds the approvals and denials: a call made once a person approved it
+    says who did, in its record and, once merged, in the digest; a person's refusal too."""
+    messages, results = conversation(
+        120,
+        refused={5: "rejected"},
+        decided={3: "approved by ravi", 5: "rejected by ravi", 60: "approved by meera"},
+    )
+    # At the fold that takes turn 3, its record says who approved the call.
+    point = next(
+        p for p in call_points(messages) if context.shaped(*upto(p, messages, results), POLICY).folds
+    )
+    for p in call_points(messages):
+        found = context.shaped(*upto(p, messages, results), POLICY)
+        if any(line.seq == 8 for fold in found.folds[found.digested :] for line in fold.lines):
+            record = next(r for r in records(found.messages) if "step 8 " in r)
+            assert 'step 8 lookup {"i": 3} -> approved by ravi; 3000 characters: 0003xxx' in record
+            break
+    else:
+        raise AssertionError(f"turn 3 was never in a record (first fold at {point})")
+    shaped = context.shaped(messages, results, POLICY)
+    [digest] = [r for r in records(shaped.messages) if "folded earlier" in r]
+    assert "approved by a person (latest 2 of 2):" in digest
+    assert 'step 8 lookup {"i": 3} -> approved by ravi; 3000 characters' in digest
+    assert 'step 122 lookup {"i": 60} -> approved by meera; ' in digest
+    assert 'step 12 lookup {"i": 5} -> rejected by ravi: policy forbids lookup' in digest
+    assert "refused (latest 1 of 1):" in digest
 
 
 def test_it_never_parts_a_result_from_its_call():

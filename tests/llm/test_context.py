@@ -131,7 +131,7 @@ def test_the_spec_validates_the_context_policy(tenant):
         "context.compact_after_tokens",
         "context.summariser",
     }
-    assert errors["context.compaction"] == ["must be one of deterministic, off"]
+    assert errors["context.compaction"] == ["must be one of deterministic, off, provider"]
     assert validate_spec({**base, "expected_cost_micros": 0}, tenant) == {
         "expected_cost_micros": [
             "must be a positive integer (micros a run is expected to cost; learned from "

@@ -216,3 +216,75 @@ def test_an_approval_late_in_a_compacted_run_waits_and_dispatches_once(tenant, a
     assert run.status == RunStatus.SUCCEEDED, run.error
     [effect] = bank.effects("issue_refund")
     assert effect["idempotency_key"] == Step.objects.get(pk=step.pk).idempotency_key
+
+
+def test_the_records_name_who_approved_and_who_rejected_a_folded_call(tenant, asha, ravi, builtins, bank):
+    """The compact record holds the approvals and denials (issue 42): once the turns of an
+    approved refund and a rejected one are folded, the request still says who decided each."""
+    noop = builtins["noop"]
+    refund = factories.make_bank_tools(tenant, bank.mcp_url)["issue_refund"]
+    factories.grant(refund, use=[asha], approve=[ravi])
+    factories.grant(noop, use=[asha])
+    fake = FakeOpenAI(min_cacheable_tokens=0)
+    fake.start()
+    try:
+        endpoint = factories.make_endpoint(tenant, name="gpt", kind="openai", base_url=fake.base_url)
+        factories.make_agent(tenant, endpoint=endpoint, tools=[noop, refund], context=CONTEXT, limits=LIMITS)
+
+        def noops(start: int) -> list[dict]:
+            return [
+                {"tool_calls": [{"name": noop.name, "arguments": {"i": i}}]} for i in range(start, start + 6)
+            ]
+
+        def refund_of(amount: int) -> dict:
+            arguments = {"transaction_id": "TXN-1001", "amount": amount, "currency": "INR"}
+            return {"tool_calls": [{"name": refund.name, "arguments": arguments}]}
+
+        fake.queue(*noops(0), refund_of(12499), *noops(10), refund_of(99999), *noops(20), {"text": "done"})
+        run, _ = start_run(user=asha, agent="agent", input={"case": "decided"})
+        run = drive(run.pk)
+        assert run.status == RunStatus.WAITING_APPROVAL, run.error
+        decide_approval(approval_id=Approval.objects.get(run=run).pk, user=ravi, approve=True, reason="ok")
+        run = drive(run.pk)
+        assert run.status == RunStatus.WAITING_APPROVAL, run.error
+        second = Approval.objects.get(run=run, status="pending")
+        decide_approval(approval_id=second.pk, user=ravi, approve=False, reason="too much")
+        run = drive(run.pk)
+        assert run.status == RunStatus.SUCCEEDED, run.error
+    finally:
+        fake.stop()
+
+    granted, refused = Step.objects.filter(run=run, tool_name=refund.name).order_by("seq")
+    assert (granted.status, refused.status) == ("succeeded", "rejected")
+    assert len(bank.effects("issue_refund")) == 1
+    folded = "\n".join(m["content"] for m in fake.requests[-1]["messages"] if m["role"] == "user")
+    # Both refunds' turns were folded: neither call is live in the last request.
+    assert not any(
+        call["function"]["name"] == refund.name
+        for m in fake.requests[-1]["messages"]
+        for call in m.get("tool_calls") or []
+    )
+    assert f"step {granted.seq} {refund.name} " in folded
+    assert f'step {granted.seq} {refund.name} {{"amount": 12499, ' in folded
+    assert "-> approved by ravi; " in folded
+    assert f'step {refused.seq} {refund.name} {{"amount": 99999, ' in folded
+    assert "-> rejected by ravi: " in folded
+
+
+def test_a_call_repeated_after_its_turn_was_folded_still_counts_toward_the_loop_limit(tenant, asha, builtins):
+    """Loop detection reads the run's own counts, not the prompt: the third identical call stops
+    the run even though the first one's turn was folded away long before."""
+    echo, noop = builtins["echo"], builtins["noop"]
+    turns = [{"tool_calls": [{"name": echo.name, "arguments": VAULT}]}]
+    turns += [{"tool_calls": [{"name": noop.name, "arguments": {"i": i}}]} for i in range(12)]
+    turns += [{"tool_calls": [{"name": echo.name, "arguments": VAULT}]}] * 3 + [{"text": "done"}]
+    _scripted_agent(tenant, asha, builtins, config={"turns": turns})
+    run, _ = start_run(user=asha, agent="agent", input={"case": "loop"})
+    run = drive(run.pk)
+
+    folds = RunEvent.objects.filter(run=run, kind=compacted.KIND).order_by("seq")
+    assert folds.exists() and folds.first().data["first_step"] == 2  # the first call's turn was folded
+    assert (run.status, run.stop_reason) == ("stopped", "loop_detected")
+    assert f"the same call {echo.name} was made 3 times" in run.error
+    assert Step.objects.filter(run=run, tool_name=echo.name).count() == 3
+    assert run.events.filter(kind="loop_warning").count() == 1
