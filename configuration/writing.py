@@ -233,14 +233,14 @@ def _set_memberships(user: User, groups: list[Group], tenant: Tenant) -> bool:
     return current != wanted
 
 
-def _secret_ref(values: dict, path: str, ctx: _Context) -> bool:
+def _secret_ref(values: dict, path: str, ctx: _Context, key: str = "secret", at: str = "secret") -> bool:
     """Replace the secret's name by the row; False when it names no secret of the tenant."""
-    if values.get("secret") is None:
+    if values.get(key) is None:
         return True
-    name = values["secret"]
-    values["secret"] = Secret.objects.filter(tenant=ctx.tenant, name=name).first()
-    if values["secret"] is None:
-        ctx.missing("secrets", name, f"{path}.secret", f"no secret named {name!r}")
+    name = values[key]
+    values[key] = Secret.objects.filter(tenant=ctx.tenant, name=name).first()
+    if values[key] is None:
+        ctx.missing("secrets", name, f"{path}.{at}", f"no secret named {name!r}")
         return False
     return True
 
@@ -269,7 +269,9 @@ def _apply_endpoint(item: Item, ctx: _Context) -> None:
 
 def _apply_server(item: Item, ctx: _Context) -> None:
     values = {k: v for k, v in item.values.items() if k not in ("name", "discover", "delegation")}
-    if not _secret_ref(values, item.path, ctx):
+    if not _secret_ref(values, item.path, ctx) or not _secret_ref(
+        values, item.path, ctx, "oauth_client_secret", "oauth.client_secret"
+    ):
         ctx.skip("tool_servers", item)
         return
     server = _upsert(ToolServer, "tool_servers", item, values, ctx)

@@ -17,7 +17,7 @@ from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
 from tools.models import SandboxCaps, Tool, ToolServer
 from tools.services import configure_tool
-from tools.types import ToolFailed
+from tools.types import ToolFailed, ToolNotSent
 
 
 @admin.register(ToolServer, site=site)
@@ -47,7 +47,7 @@ class ToolServerAdmin(TenantScopedAdmin):
         for server in queryset:
             try:
                 report = refresh(server)
-            except (ToolFailed, SecretKeyError) as exc:
+            except (ToolFailed, ToolNotSent, SecretKeyError) as exc:
                 messages.error(request, f"{server}: {exc}")
                 continue
             messages.success(

@@ -17,7 +17,7 @@ from tenants.crypto import redact, redact_obj
 from tenants.secrets import known_secrets
 from tools.builtin import BUILTINS
 from tools.models import EffectClass, Tool, ToolServer
-from tools.transports import mcp_config
+from tools.transports import mcp_config, with_server_token
 from tools.types import RemoteTool
 
 
@@ -48,7 +48,7 @@ def fetch_remote(server: ToolServer) -> list[RemoteTool]:
     if server.kind == ToolServer.Kind.MCP:
         from tools import mcp_client  # the MCP SDK takes seconds to import: only MCP servers need it
 
-        return mcp_client.list_tools(mcp_config(server))
+        return with_server_token(server, mcp_config(server), mcp_client.list_tools)
     return []  # http tools are declared in the tenant configuration
 
 

@@ -38,6 +38,12 @@ class ToolServer(models.Model):
         "auth_header",
         "auth_scheme",
         "status_tool",
+        "oauth_token_url",
+        "oauth_client_id",
+        "oauth_client_secret",
+        "oauth_scopes",
+        "oauth_audience",
+        "oauth_client_auth",
     )
 
     class Kind(models.TextChoices):
@@ -61,6 +67,18 @@ class ToolServer(models.Model):
     auth_header = models.CharField(max_length=100, default="Authorization", blank=True)
     auth_scheme = models.CharField(max_length=20, default="Bearer", blank=True)
     status_tool = models.CharField(max_length=200, blank=True)  # MCP: reconciliation lookup
+    # The platform's own OAuth token for the server (client credentials; tools/client_credentials.py):
+    # empty token URL, none. The token itself is never stored.
+    oauth_token_url = models.CharField(max_length=500, blank=True)
+    oauth_client_id = models.CharField(max_length=200, blank=True)
+    oauth_client_secret = models.ForeignKey(
+        "tenants.Secret", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    oauth_scopes = models.JSONField(default=list, blank=True)
+    oauth_audience = models.CharField(max_length=500, blank=True)
+    oauth_client_auth = models.CharField(
+        max_length=8, blank=True, choices=[("basic", "HTTP Basic"), ("post", "in the form")]
+    )
     last_synced_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
