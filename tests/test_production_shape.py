@@ -122,7 +122,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        http = httpx.Client(headers=PROXIED)
+        http = httpx.Client(headers=PROXIED, timeout=60)  # a loaded machine hashes a password slowly
         # /healthz, not the schema: generating it can take longer than one probe waits on a loaded machine.
         wait_for(lambda: _ok(f"{base}/healthz"), timeout=420, what="uvicorn")
         wait_for(
@@ -223,7 +223,9 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
         # Counters from the worker process and gauges from the database, through uvicorn.
         assert httpx.get(f"{base}/metrics").status_code == 401
-        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        metrics = httpx.get(
+            f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=60
+        )
         assert metrics.status_code == 200
         samples = parse(metrics.text)
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
@@ -351,7 +353,7 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
             lambda: (
                 "== agent platform started (ready)" in (text := (tmp_path / "serve.log").read_text()) and text
             ),
-            timeout=180,
+            timeout=600,
             what="start-up banner",
         )
         assert (

@@ -83,7 +83,7 @@ def test_every_example_in_the_api_doc_runs_as_written_and_prints_what_it_shows(
         assert shutil.which(tool), f"{tool} is needed to run docs/api.md (apt-get install {tool})"
     monkeypatch.setenv("BANK_MCP_URL", bank.mcp_url)
     apply_config(load_file(ROOT / "examples" / "dispute.yaml"))
-    workers("w1")
+    workers("w1", ready_within=600)  # minutes on a loaded machine
 
     found = examples(DOC.read_text())
     separator = "@@example-ended@@"
@@ -98,7 +98,7 @@ def test_every_example_in_the_api_doc_runs_as_written_and_prints_what_it_shows(
         "SUPERVISOR_PASSWORD": "demo-password-ravi",
     }
     done = subprocess.run(
-        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )
     outputs = done.stdout.split(separator + "\n")
     assert done.returncode == 0 and len(outputs) == len(found) + 1, done.stdout[-3000:] + done.stderr[-3000:]
