@@ -216,8 +216,8 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             mine = [p for p in processes if marker in p["args"]]
             assert mine, (name, processes)
             assert {(p["uid"], p["caps"]) for p in mine} == {(SERVICE_UID, "0000000000000000")}, (name, mine)
-        runner = [p for p in processes if "sandbox.runner" in p["args"]]
-        assert runner and {p["uid"] for p in runner} == {0}
+        runners = [p for p in processes if "sandbox.runner" in p["args"]]
+        assert runners and {p["uid"] for p in runners} == {0}
         assert "runs the services with" in (tmp_path / "serve.log").read_text()
         assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
