@@ -300,6 +300,8 @@ SERVER: Spec = {
     "discover": Field("discover", _bool),
     "delegation": Field("delegation", _mapping),  # read by _check_server with DELEGATION
     "oauth": Field("oauth", _mapping),  # read by _check_server with OAUTH
+    # Each user's own OAuth token (connections/): its tools are declared here, not discovered.
+    "user_oauth": Field("user_oauth", _bool),
 }
 # The platform's own OAuth token for an MCP server (client credentials grant,
 # tools/client_credentials.py); the client secret is a secret's name.
@@ -427,6 +429,7 @@ SERVER_DESTINATION: dict[str, Any] = {
     "auth_header": "Authorization",
     "auth_scheme": "Bearer",
     "status_tool": "",
+    "user_oauth": False,
 }
 ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
 TOOL_DESTINATION = {"http_url": "", "status_url": ""}
@@ -457,6 +460,35 @@ def _check_server(values: dict, path: str, problems: Problems) -> None:
     values.update(OAUTH_NONE)
     if "oauth" in values:
         values.update(_check_oauth(values, f"{path}.oauth", problems))
+    if values["user_oauth"]:
+        _check_user_oauth(values, path, problems)
+
+
+def _check_user_oauth(server: dict, path: str, problems: Problems) -> None:
+    """The user's token goes in the Authorization header of an HTTP request: nothing else may take it."""
+    where = f"{path}.user_oauth"
+    if server.get("kind") != ToolServer.Kind.MCP or server.get("transport") == ToolServer.Transport.STDIO:
+        problems.add(
+            where, "only for mcp servers over streamable_http: the user's token goes in an HTTP header"
+        )
+    if server.get("oauth_token_url"):
+        problems.add(
+            where,
+            "the server takes either each user's token or the platform's own (the oauth block), not both",
+        )
+    if server.get("secret") and (server.get("auth_header") or "").lower() == "authorization":
+        problems.add(
+            where,
+            "the user's token goes in the Authorization header, which this server's secret already uses "
+            "(give the secret another auth_header)",
+        )
+    delegation = server.get("delegation") or {}
+    if delegation.get("mode") == "token_exchange" or delegation.get("mcp_authorization"):
+        problems.add(
+            where,
+            "the user's OAuth token takes the Authorization header, which delegation.auth: token_exchange "
+            "or mcp_authorization also wants; send the assertion in _meta or another header",
+        )
 
 
 def _check_oauth(server: dict, path: str, problems: Problems) -> dict:

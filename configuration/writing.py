@@ -295,6 +295,13 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
         ctx.report.notes.append(
             f"tool {name} changed on the server and is quarantined until an admin releases it"
         )
+    for remote_name in sync.differs:
+        name = tool_name(server, remote_name)
+        ctx.report.record("tools", name, "updated", ["quarantined"])
+        ctx.report.notes.append(
+            f"tool {name} is declared in this file, but {server.name} lists it with another description "
+            "or input schema: it is quarantined, the declaration kept (the reason shows the server's)"
+        )
     for remote_name in sync.missing:
         ctx.report.notes.append(f"tool {tool_name(server, remote_name)} is no longer listed by {server.name}")
     listed = {item.key for item in ctx.plan.sections["tools"]}
@@ -325,6 +332,11 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
     if tool is None and server.kind == ToolServer.Kind.HTTP:
         _create_http_tool(server, remote_name, values, ctx)
         return
+    if server.user_oauth and not _declaration_fits(tool, values, item.path, ctx):
+        ctx.skip("tools", item)
+        return
+    if tool is None and server.user_oauth:
+        tool = _create_declared_tool(server, remote_name, values, ctx)
     if tool is None:
         hint = "" if server_name in ctx.remote else " (is discover: true set on the server?)"
         ctx.problems.add(
@@ -361,9 +373,12 @@ def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context)
                 )
                 ok = False
         return ok
-    wrong = [key for key in HTTP_ONLY if key in values]
+    declared = ("description", "input_schema") if server.user_oauth else ()
+    wrong = [key for key in HTTP_ONLY if key in values and key not in declared]
     for key in wrong:
         source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
+        if server.kind == ToolServer.Kind.MCP and key in ("description", "input_schema"):
+            source += " (or declared in this file when the server has user_oauth: true)"
         ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
     return not wrong
 
@@ -402,6 +417,49 @@ def _origin_or_none(url: str) -> str:
 
 def _file_key(target: str) -> str:
     return next(key for key, rule in TOOL.items() if isinstance(rule, Field) and rule.target == target)
+
+
+def _declaration_fits(tool: Tool | None, values: dict, path: str, ctx: _Context) -> bool:
+    """A tool of a server that needs each user's token is declared here: a new one needs its input
+    schema; one the server itself listed (discovery that could read the list) keeps the server's
+    description and schema, and a declaration that says otherwise is refused, not copied over."""
+    if tool is None:
+        if "input_schema" not in values:
+            ctx.problems.add(
+                f"{path}.input_schema",
+                "required: this server's tools are declared in this file (user_oauth: true; "
+                "its list needs a user's token)",
+            )
+            return False
+        return True
+    if tool.declared:
+        return True
+    ok = True
+    for key in ("description", "input_schema"):
+        if key in values and values[key] != getattr(tool, key):
+            ctx.problems.add(
+                f"{path}.{key}",
+                f"differs from what server {tool.server.name!r} lists for {tool.remote_name!r}; "
+                "leave it out to keep the server's, or make it the same",
+            )
+            ok = False
+    return ok
+
+
+def _create_declared_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> Tool:
+    description = values.get("description", "")
+    tool = Tool.objects.create(
+        tenant=ctx.tenant,
+        server=server,
+        name=tool_name(server, remote_name),
+        remote_name=remote_name,
+        description=description,
+        input_schema=values["input_schema"],
+        schema_hash=schema_hash(description, values["input_schema"]),
+        declared=True,
+    )
+    ctx.report.record("tools", tool.name, "created")
+    return tool
 
 
 def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> None:

@@ -44,6 +44,7 @@ class ToolServer(models.Model):
         "oauth_scopes",
         "oauth_audience",
         "oauth_client_auth",
+        "user_oauth",
     )
 
     class Kind(models.TextChoices):
@@ -79,6 +80,9 @@ class ToolServer(models.Model):
     oauth_client_auth = models.CharField(
         max_length=8, blank=True, choices=[("basic", "HTTP Basic"), ("post", "in the form")]
     )
+    # Each call carries the run's user's own OAuth token (connections/, docs/authority-oauth.md): the
+    # tool list is not readable without one, so the file declares its tools (Tool.declared).
+    user_oauth = models.BooleanField(default=False)
     last_synced_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -101,6 +105,9 @@ class Tool(models.Model):
     input_schema = models.JSONField(default=dict, blank=True)
     schema_hash = models.CharField(max_length=64, blank=True)
     annotations = models.JSONField(default=dict, blank=True)  # provider hints, display only
+    # Description and input schema from the configuration file, not the server's list (a server
+    # whose list needs a user's token); a later listing that differs is reported, never copied in.
+    declared = models.BooleanField(default=False)
     enabled = models.BooleanField(default=False)
     quarantined = models.BooleanField(default=False)
     quarantine_reason = models.TextField(blank=True)
