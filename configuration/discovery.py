@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from configuration.convert import JSON_DEPTH_MAX, TEXT_MAX
@@ -9,9 +10,10 @@ from configuration.schema import Item, Plan, Problems
 from core.parsers import check_json, text_problem
 from tenants.crypto import redact
 from tenants.models import Secret
+from tools import client_credentials
 from tools.catalog import fetch_remote
 from tools.models import ToolServer
-from tools.types import McpServerConfig, RemoteTool
+from tools.types import McpServerConfig, RemoteTool, ToolFailed, ToolNotSent
 
 # --- phase 2: discover (network, outside any transaction) ----------------------------------------
 
@@ -51,16 +53,50 @@ def _discover_mcp(item: Item, plan: Plan, slug: str, problems: Problems) -> list
         return None
     config = server_config(item.values, existing, secret)
     where = "command" if config.transport == ToolServer.Transport.STDIO else "url"
+    hidden = [secret] if secret else []
+    try:
+        oauth = _oauth_settings(item, plan, slug)
+    except LookupError as missing:
+        if not plan.is_dropped("secrets", str(missing.args[0])):
+            problems.add(f"{item.path}.oauth.client_secret", f"no secret named {missing.args[0]!r}")
+        return None
+    if oauth is not None:
+        hidden.append(oauth.client_secret)
+        try:
+            token = client_credentials.fetch(oauth)
+        except (ToolFailed, ToolNotSent) as exc:
+            problems.add(f"{item.path}.oauth", f"cannot get a token: {redact(str(exc), hidden)}")
+            return None
+        hidden.append(token)
+        config = dataclasses.replace(config, headers={**config.headers, "Authorization": f"Bearer {token}"})
     try:
         listed = mcp_client.list_tools(config)
     except Exception as exc:  # any failure to list means the file cannot be applied as written
-        message = redact(str(exc), [secret] if secret else [])
+        message = redact(str(exc), hidden)
         problems.add(f"{item.path}.{where}", f"cannot list the server's tools: {message}")
         return None
     refused = [(tool.name, problem) for tool in listed for problem in [_remote_problem(tool)] if problem]
     for name, problem in refused:
         problems.add(f"{item.path}.{where}", f"the server's tool {name[:200]!r}: {problem}")
     return None if refused else listed
+
+
+def _oauth_settings(item: Item, plan: Plan, slug: str) -> client_credentials.OAuthSettings | None:
+    """The server's OAuth settings as this file gives them (None: no oauth block). Raises
+    LookupError(name) when its client secret names no secret."""
+    values = item.values
+    if not values.get("oauth_token_url"):
+        return None
+    client_secret = _secret_plaintext(values["oauth_client_secret"], plan, slug)
+    assert client_secret is not None  # a name was given: a secret or LookupError
+    return client_credentials.OAuthSettings(
+        token_url=values["oauth_token_url"],
+        client_id=values["oauth_client_id"],
+        client_secret=client_secret,
+        scopes=tuple(values.get("oauth_scopes") or ()),
+        audience=values.get("oauth_audience", ""),
+        client_auth=values.get("oauth_client_auth") or "basic",
+    )
 
 
 def _remote_problem(tool: RemoteTool) -> str | None:

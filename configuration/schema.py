@@ -7,6 +7,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
 
 from approvals import tool_rules
 from configuration.convert import (
@@ -321,6 +324,27 @@ SERVER: Spec = {
     "status_tool": Field("status_tool", _text(200)),
     "discover": Field("discover", _bool),
     "delegation": Field("delegation", _mapping),  # read by _check_server with DELEGATION
+    "oauth": Field("oauth", _mapping),  # read by _check_server with OAUTH
+    # Each user's own OAuth token (connections/): its tools are declared here, not discovered.
+    "user_oauth": Field("user_oauth", _bool),
+}
+# The platform's own OAuth token for an MCP server (client credentials grant,
+# tools/client_credentials.py); the client secret is a secret's name.
+OAUTH: Spec = {
+    "token_url": Field("oauth_token_url", _url, required=True),
+    "client_id": Field("oauth_client_id", _text(200, empty=False), required=True),
+    "client_secret": Field("oauth_client_secret", _text(100, empty=False), required=True),
+    "scopes": Field("oauth_scopes", _text_list),
+    "audience": Field("oauth_audience", _text(500, empty=False)),
+    "client_auth": Field("oauth_client_auth", _choice(["basic", "post"])),
+}
+OAUTH_NONE: dict[str, Any] = {
+    "oauth_token_url": "",
+    "oauth_client_id": "",
+    "oauth_client_secret": None,
+    "oauth_scopes": [],
+    "oauth_audience": "",
+    "oauth_client_auth": "",
 }
 # How a server's calls carry the user's authority (authority.models.Delegation, docs/authority.md).
 DELEGATION: Spec = {
@@ -430,6 +454,7 @@ SERVER_DESTINATION: dict[str, Any] = {
     "auth_header": "Authorization",
     "auth_scheme": "Bearer",
     "status_tool": "",
+    "user_oauth": False,
 }
 ENDPOINT_DESTINATION = {"base_url": "", "secret": None}
 TOOL_DESTINATION = {"http_url": "", "status_url": ""}
@@ -456,6 +481,72 @@ def _check_server(values: dict, path: str, problems: Problems) -> None:
         values["delegation"] = _check_delegation(values, f"{path}.delegation", problems)
     else:
         values["delegation"] = None  # the file owns it: an omitted block means the defaults
+    # Like the destination: an omitted block means no OAuth, whatever was stored.
+    values.update(OAUTH_NONE)
+    if "oauth" in values:
+        values.update(_check_oauth(values, f"{path}.oauth", problems))
+    if values["user_oauth"]:
+        _check_user_oauth(values, path, problems)
+
+
+def _check_user_oauth(server: dict, path: str, problems: Problems) -> None:
+    """The user's token goes in the Authorization header of an HTTP request: nothing else may take it."""
+    where = f"{path}.user_oauth"
+    if server.get("kind") != ToolServer.Kind.MCP or server.get("transport") == ToolServer.Transport.STDIO:
+        problems.add(
+            where, "only for mcp servers over streamable_http: the user's token goes in an HTTP header"
+        )
+    if server.get("oauth_token_url"):
+        problems.add(
+            where,
+            "the server takes either each user's token or the platform's own (the oauth block), not both",
+        )
+    if server.get("secret") and (server.get("auth_header") or "").lower() == "authorization":
+        problems.add(
+            where,
+            "the user's token goes in the Authorization header, which this server's secret already uses "
+            "(give the secret another auth_header)",
+        )
+    delegation = server.get("delegation") or {}
+    if delegation.get("mode") == "token_exchange" or delegation.get("mcp_authorization"):
+        problems.add(
+            where,
+            "the user's OAuth token takes the Authorization header, which delegation.auth: token_exchange "
+            "or mcp_authorization also wants; send the assertion in _meta or another header",
+        )
+
+
+def _check_oauth(server: dict, path: str, problems: Problems) -> dict:
+    values = _read(server.pop("oauth"), path, OAUTH, problems)
+    if server.get("kind") != ToolServer.Kind.MCP or server.get("transport") == ToolServer.Transport.STDIO:
+        problems.add(path, "only for mcp servers over streamable_http: the token goes in an HTTP header")
+    url = values.get("oauth_token_url", "")
+    if (
+        url
+        and settings.PRODUCTION
+        and urlsplit(url).scheme != "https"
+        and urlsplit(url).hostname
+        not in (
+            "localhost",
+            "127.0.0.1",
+            "::1",
+        )
+    ):
+        problems.add(f"{path}.token_url", "must use https in production: the client secret is sent to it")
+    if server.get("secret") and (server.get("auth_header") or "").lower() == "authorization":
+        problems.add(
+            path,
+            "the OAuth token goes in the Authorization header, which this server's secret already uses "
+            "(give the secret another auth_header)",
+        )
+    delegation = server.get("delegation") or {}
+    if delegation.get("mode") == "token_exchange" or delegation.get("mcp_authorization"):
+        problems.add(
+            path,
+            "the user's authority already takes the Authorization header (delegation.auth: "
+            "token_exchange or mcp_authorization); send it in _meta or another header",
+        )
+    return values
 
 
 def _check_delegation(server: dict, path: str, problems: Problems) -> dict:

@@ -237,14 +237,14 @@ def _set_memberships(user: User, groups: list[Group], tenant: Tenant) -> bool:
     return current != wanted
 
 
-def _secret_ref(values: dict, path: str, ctx: _Context) -> bool:
+def _secret_ref(values: dict, path: str, ctx: _Context, key: str = "secret", at: str = "secret") -> bool:
     """Replace the secret's name by the row; False when it names no secret of the tenant."""
-    if values.get("secret") is None:
+    if values.get(key) is None:
         return True
-    name = values["secret"]
-    values["secret"] = Secret.objects.filter(tenant=ctx.tenant, name=name).first()
-    if values["secret"] is None:
-        ctx.missing("secrets", name, f"{path}.secret", f"no secret named {name!r}")
+    name = values[key]
+    values[key] = Secret.objects.filter(tenant=ctx.tenant, name=name).first()
+    if values[key] is None:
+        ctx.missing("secrets", name, f"{path}.{at}", f"no secret named {name!r}")
         return False
     return True
 
@@ -273,7 +273,9 @@ def _apply_endpoint(item: Item, ctx: _Context) -> None:
 
 def _apply_server(item: Item, ctx: _Context) -> None:
     values = {k: v for k, v in item.values.items() if k not in ("name", "discover", "delegation")}
-    if not _secret_ref(values, item.path, ctx):
+    if not _secret_ref(values, item.path, ctx) or not _secret_ref(
+        values, item.path, ctx, "oauth_client_secret", "oauth.client_secret"
+    ):
         ctx.skip("tool_servers", item)
         return
     server = _upsert(ToolServer, "tool_servers", item, values, ctx)
@@ -296,6 +298,13 @@ def _record_sync(server: ToolServer, sync: SyncReport, ctx: _Context) -> None:
         ctx.report.record("tools", name, "updated", ["quarantined"])
         ctx.report.notes.append(
             f"tool {name} changed on the server and is quarantined until an admin releases it"
+        )
+    for remote_name in sync.differs:
+        name = tool_name(server, remote_name)
+        ctx.report.record("tools", name, "updated", ["quarantined"])
+        ctx.report.notes.append(
+            f"tool {name} is declared in this file, but {server.name} lists it with another description "
+            "or input schema: it is quarantined, the declaration kept (the reason shows the server's)"
         )
     for remote_name in sync.missing:
         ctx.report.notes.append(f"tool {tool_name(server, remote_name)} is no longer listed by {server.name}")
@@ -327,6 +336,11 @@ def _apply_tool(item: Item, ctx: _Context) -> None:
     if tool is None and server.kind == ToolServer.Kind.HTTP:
         _create_http_tool(server, remote_name, values, ctx)
         return
+    if server.user_oauth and not _declaration_fits(tool, values, item.path, ctx):
+        ctx.skip("tools", item)
+        return
+    if tool is None and server.user_oauth:
+        tool = _create_declared_tool(server, remote_name, values, ctx)
     if tool is None:
         hint = "" if server_name in ctx.remote else " (is discover: true set on the server?)"
         ctx.problems.add(
@@ -363,9 +377,12 @@ def _tool_fields_fit(server: ToolServer, values: dict, path: str, ctx: _Context)
                 )
                 ok = False
         return ok
-    wrong = [key for key in HTTP_ONLY if key in values]
+    declared = ("description", "input_schema") if server.user_oauth else ()
+    wrong = [key for key in HTTP_ONLY if key in values and key not in declared]
     for key in wrong:
         source = "builtin" if server.kind == ToolServer.Kind.BUILTIN else "discovered from the mcp server"
+        if server.kind == ToolServer.Kind.MCP and key in ("description", "input_schema"):
+            source += " (or declared in this file when the server has user_oauth: true)"
         ctx.problems.add(f"{path}.{_file_key(key)}", f"only for http tools; {server.kind} tools are {source}")
     return not wrong
 
@@ -404,6 +421,49 @@ def _origin_or_none(url: str) -> str:
 
 def _file_key(target: str) -> str:
     return next(key for key, rule in TOOL.items() if isinstance(rule, Field) and rule.target == target)
+
+
+def _declaration_fits(tool: Tool | None, values: dict, path: str, ctx: _Context) -> bool:
+    """A tool of a server that needs each user's token is declared here: a new one needs its input
+    schema; one the server itself listed (discovery that could read the list) keeps the server's
+    description and schema, and a declaration that says otherwise is refused, not copied over."""
+    if tool is None:
+        if "input_schema" not in values:
+            ctx.problems.add(
+                f"{path}.input_schema",
+                "required: this server's tools are declared in this file (user_oauth: true; "
+                "its list needs a user's token)",
+            )
+            return False
+        return True
+    if tool.declared:
+        return True
+    ok = True
+    for key in ("description", "input_schema"):
+        if key in values and values[key] != getattr(tool, key):
+            ctx.problems.add(
+                f"{path}.{key}",
+                f"differs from what server {tool.server.name!r} lists for {tool.remote_name!r}; "
+                "leave it out to keep the server's, or make it the same",
+            )
+            ok = False
+    return ok
+
+
+def _create_declared_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> Tool:
+    description = values.get("description", "")
+    tool = Tool.objects.create(
+        tenant=ctx.tenant,
+        server=server,
+        name=tool_name(server, remote_name),
+        remote_name=remote_name,
+        description=description,
+        input_schema=values["input_schema"],
+        schema_hash=schema_hash(description, values["input_schema"]),
+        declared=True,
+    )
+    ctx.report.record("tools", tool.name, "created")
+    return tool
 
 
 def _create_http_tool(server: ToolServer, remote_name: str, values: dict, ctx: _Context) -> None:

@@ -18,7 +18,10 @@ case "$CELERY_BROKER_URL" in
   *) export CACHE_URL=${CACHE_URL:-redis://127.0.0.1:6379/0} ;;
 esac
 export DB_POOL_MAX=${DB_POOL_MAX:-20}
-export AGENTPLATFORM_VAR_DIR=${AGENTPLATFORM_VAR_DIR:-var}
+# Absolute: the services may run from another directory (SERVICE_DIR, scripts/service_user.sh).
+AGENTPLATFORM_VAR_DIR=${AGENTPLATFORM_VAR_DIR:-var}
+mkdir -p "$AGENTPLATFORM_VAR_DIR"
+export AGENTPLATFORM_VAR_DIR=$(realpath "$AGENTPLATFORM_VAR_DIR")
 # Each process writes its counters here and /metrics adds them up; stale files from an earlier
 # start would be added too, so the directory is emptied first.
 export PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-$AGENTPLATFORM_VAR_DIR/prometheus}
@@ -61,7 +64,7 @@ if [ ! -s "$SANDBOX_RUNNER_TOKEN_FILE" ]; then
   (umask 077 && $PY -c "import secrets; print(secrets.token_urlsafe(32))" > "$SANDBOX_RUNNER_TOKEN_FILE")
 fi
 export SANDBOX_RUNNER_TOKEN=${SANDBOX_RUNNER_TOKEN:-$(cat "$SANDBOX_RUNNER_TOKEN_FILE")}
-as_service() { "${service_prefix[@]}" "$@"; }
+as_service() { (cd "$SERVICE_DIR" && exec "${service_prefix[@]}" "$@"); }
 
 pids=()
 # Each process's lines start with its name (web, worker, beat, flower): one terminal, four processes.
@@ -74,7 +77,7 @@ trap cleanup EXIT INT TERM
 # (a dead one is replaced). No proxy headers here: Django reads X-Forwarded-Proto
 # (SECURE_PROXY_SSL_HEADER) and X-Forwarded-For (TRUSTED_PROXY_COUNT) itself. Open streams get 10 s
 # to end at shutdown; clients resume with Last-Event-ID.
-as_service $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND##*:}" \
+as_service "$SERVICE_PY" -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --port "${BIND##*:}" \
   --workers "$WEB_WORKERS" --no-proxy-headers --timeout-graceful-shutdown 10 > >(named "web   ") 2>&1 & pids+=($!)
 # Threads: steps spend their time waiting on models and tools, and the engine returns its
 # pooled database connection before every call, so one process keeps many runs in flight
@@ -84,7 +87,7 @@ as_service $PY -m uvicorn agentplatform.asgi:application --host "${BIND%:*}" --p
 # (agentplatform/celery.py). Heartbeats stay (Flower sees the worker by them) and task events
 # are on from the start, not only once Flower's periodic broadcast reaches a new worker.
 # DB_POOL_CHECK=0: no connection check per checkout (agentplatform/settings.py says why that is safe here).
-as_service env DB_POOL_CHECK="${WORKER_DB_POOL_CHECK:-0}" $PY -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
+as_service env DB_POOL_CHECK="${WORKER_DB_POOL_CHECK:-0}" "$SERVICE_PY" -m celery -A agentplatform worker -P threads -c "$WORKER_CONCURRENCY" -Q "$QUEUE,$SWEEP_QUEUE" \
   --without-gossip --without-mingle --task-events --loglevel INFO > >(named "worker") 2>&1 & pids+=($!)
 # The sandbox runner (run_python; docs/sandbox.md): a process of its own that re-executes itself
 # with a cleared environment, so it holds no database URL, broker URL or secret. It needs root
@@ -106,9 +109,9 @@ fi
 case "$run_python" in off*) echo "sandbox runner not started, serving without run_python: ${run_python#off: }" >&2;; esac
 # Beat and Flower record no platform metrics: kept out of the shared directory. Beat at WARNING:
 # at INFO it says "Sending due task" for the sweeper and notify every few seconds, and nothing else.
-as_service env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform beat --loglevel WARNING \
+as_service env -u PROMETHEUS_MULTIPROC_DIR "$SERVICE_PY" -m celery -A agentplatform beat --loglevel WARNING \
   --schedule "$AGENTPLATFORM_VAR_DIR/beat/celerybeat-schedule" > >(named "beat  ") 2>&1 & pids+=($!)
-as_service env -u PROMETHEUS_MULTIPROC_DIR $PY -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 \
+as_service env -u PROMETHEUS_MULTIPROC_DIR "$SERVICE_PY" -m celery -A agentplatform flower --port="$FLOWER_PORT" --address=127.0.0.1 \
   > >(named "flower") 2>&1 & pids+=($!)
 
 # The last lines of the start-up output: where everything is, once the API answers.

@@ -6,36 +6,77 @@
 # owns nothing. Only the sandbox runner stays root (docs/sandbox.md says why). Create the user
 # once, with no login and no home:
 #     useradd --system --no-create-home --shell /usr/sbin/nologin agentplatform
-# The checkout and its virtualenv (and the Python it links to) must be readable by that user.
-# If they are not, production mode refuses to start, unless SERVE_AS_ROOT=1 says that running as
-# root is accepted (a machine whose only Python lives under /root); development mode warns and
-# goes on as root. Started as another user, serve.sh runs everything as that user.
+# When SERVE_USER cannot run $PY where it is (an interpreter under /root, mode 0700: pyenv's
+# default) or cannot read the checkout, serve builds it a tree of hard links to the interpreter,
+# the virtualenv and (if needed) the code under SERVICE_PYTHON_DIR (scripts/service_python.py),
+# which must be a directory SERVE_USER can reach; nothing under /root is opened to it. If even
+# that cannot run, production refuses to start, unless SERVE_AS_ROOT=1 says that running as root
+# is accepted; development warns and goes on as root. Started as another user, serve.sh runs
+# everything as that user.
+#
+# Sets, for serve.sh: service_prefix (the command that runs a service as SERVE_USER; empty: as the
+# current user), SERVICE_PY (the python the services run) and SERVICE_DIR (their working directory).
 
 SERVE_USER=${SERVE_USER:-agentplatform}
 service_prefix=()
 
-# Why SERVE_USER cannot run the platform's Python here ("" when it can).
+# The command that runs the rest of the line as SERVE_USER, with no capabilities.
+as_serve_user() {
+  setpriv --reuid="$(id -u "$SERVE_USER")" --regid="$(id -g "$SERVE_USER")" --clear-groups \
+    --inh-caps=-all --bounding-set=-all --no-new-privs -- "$@"
+}
+
+# Why SERVE_USER cannot run python $1 with the code in directory $2 ("" when it can). $3: extra
+# environment (NAME=value) for that python.
 service_user_problem() {
+  local python=${1:-$PY} dir=${2:-$PWD}
   if ! id -u "$SERVE_USER" >/dev/null 2>&1; then
     echo "no user $SERVE_USER (useradd --system --no-create-home --shell /usr/sbin/nologin $SERVE_USER, or set SERVE_USER)"
     return
   fi
-  if ! setpriv --reuid="$(id -u "$SERVE_USER")" --regid="$(id -g "$SERVE_USER")" --clear-groups \
-      -- "$PY" -c "import agentplatform" >/dev/null 2>&1; then
-    echo "$SERVE_USER cannot run $PY with this checkout (the checkout, the virtualenv and the Python it links to must be readable by $SERVE_USER)"
+  if ! (cd / && as_serve_user env ${3:+"$3"} sh -c 'cd "$1" && exec "$2" -c "import agentplatform"' - "$dir" "$python") \
+      >/dev/null 2>&1; then
+    echo "$SERVE_USER cannot run $python with the code in $dir (both must be readable by $SERVE_USER)"
   fi
 }
 
-# Set service_prefix: the command that runs a service as SERVE_USER (empty: as the current user).
-# $1: production or development. Exits 2 when production cannot drop root and SERVE_AS_ROOT is unset.
+# Whether SERVE_USER can read the checkout's code where it is.
+serve_user_reads_checkout() {
+  (cd / && as_serve_user sh -c 'test -r "$1/agentplatform/settings.py"' - "$PWD") 2>/dev/null
+}
+
+# Set service_prefix, SERVICE_PY and SERVICE_DIR. $1: production or development. Exits 2 when
+# production cannot drop root and SERVE_AS_ROOT is unset.
 choose_service_user() {
   service_prefix=()
+  SERVICE_PY=$PY
+  SERVICE_DIR=$PWD
   [ "$(id -u)" = 0 ] || return 0
-  local problem
-  problem=$(service_user_problem)
+  local problem built app=() extra=""
+  problem=$(service_user_problem "$PY" "$PWD")
+  if [ -n "$problem" ] && id -u "$SERVE_USER" >/dev/null 2>&1; then
+    # The usual cause: an interpreter the user cannot reach. Give it one it can.
+    local dest=${SERVICE_PYTHON_DIR:-$AGENTPLATFORM_VAR_DIR/service-python}
+    serve_user_reads_checkout || app=(--app "$PWD")
+    if built=$($PY scripts/service_python.py "$dest" "${app[@]}" 2>&1); then
+      extra="LD_LIBRARY_PATH=$(realpath "$dest")/base/lib"
+      local dir=$PWD
+      [ ${#app[@]} -eq 0 ] || dir=$(realpath "$dest")/app
+      problem=$(service_user_problem "$built" "$dir" "$extra")
+      if [ -z "$problem" ]; then
+        SERVICE_PY=$built
+        SERVICE_DIR=$dir
+        echo "$SERVE_USER runs the services with $SERVICE_PY (hard links to $PY's files: scripts/service_python.py)" >&2
+      else
+        problem="$problem; SERVICE_PYTHON_DIR ($dest) and its parents must be reachable by $SERVE_USER"
+      fi
+    else
+      problem="$problem; building a Python it can run failed: ${built##*$'\n'}"
+    fi
+  fi
   if [ -z "$problem" ]; then
     service_prefix=(setpriv --reuid="$(id -u "$SERVE_USER")" --regid="$(id -g "$SERVE_USER")" --clear-groups
-                    --inh-caps=-all --bounding-set=-all --no-new-privs --)
+                    --inh-caps=-all --bounding-set=-all --no-new-privs -- env ${extra:+"$extra"})
     return 0
   fi
   if [ "${SERVE_AS_ROOT:-0}" = 1 ]; then

@@ -139,10 +139,10 @@ def workers(transactional_db):
 
     started: list[Worker] = []
 
-    def start(name: str = "w1", **kwargs) -> Worker:
+    def start(name: str = "w1", *, ready_within: float = 60, **kwargs) -> Worker:
         worker = Worker(name, **kwargs)
         started.append(worker)  # before it starts: a start that fails must still be stopped
-        return worker.start()
+        return worker.start(ready_within)
 
     yield start
     for worker in started:

@@ -12,6 +12,13 @@ resource (RFC 8707). Both run here, on two ports (two origins), as a bank's woul
 Test controls on the authorization server: GET /control/calls (every tool call the MCP server ran,
 with the token's subject), POST /control/revoke?user=U (the server forgets U's tokens: a refresh is
 refused), GET /control/tokens (counts of live tokens by kind).
+
+The platform as a client of its own (client credentials grant, RFC 6749 section 4.4): POST
+/oauth/client-token takes `grant_type=client_credentials` from the machine client
+`platform-agents` (secret MACHINE_SECRET; HTTP Basic or in the form), `scope` within
+statements:read and `resource` (or `audience`: the MCP server's URL), and issues an access token
+whose subject is the client; GET /control/client-tokens counts the token requests (by outcome)
+and lists the tokens issued.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from starlette.routing import Route
 READY = "OAUTH_SERVERS_READY"
 USERS = {"asha": "asha-password", "ravi": "ravi-password"}
 SCOPE = "statements:read"
+MACHINE_CLIENT, MACHINE_SECRET = "platform-agents", "machine-secret-9f3b1c"
 
 
 class Bank:
@@ -63,6 +71,8 @@ class Bank:
         self.access: dict[str, AccessToken] = {}
         self.refresh: dict[str, RefreshToken] = {}
         self.calls: list[dict] = []
+        self.client_token_requests: dict[str, int] = {}
+        self.client_tokens: list[str] = []  # every token issued to the machine client, for canaries
 
     # --- OAuthAuthorizationServerProvider ---------------------------------------------------
 
@@ -183,6 +193,52 @@ class Bank:
                     del store[token]
         return JSONResponse({"revoked": user})
 
+    async def client_token(self, request: Request) -> Response:
+        form = await request.form()
+        client_id, secret = str(form.get("client_id", "")), str(form.get("client_secret", ""))
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("basic "):
+            import base64
+            from urllib.parse import unquote
+
+            client_id, _, secret = base64.b64decode(header[6:]).decode().partition(":")
+            client_id, secret = unquote(client_id), unquote(secret)
+
+        def answer(outcome: str, body: dict, status: int = 200) -> Response:
+            self.client_token_requests[outcome] = self.client_token_requests.get(outcome, 0) + 1
+            return JSONResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
+
+        if form.get("grant_type") != "client_credentials":
+            return answer("refused", {"error": "unsupported_grant_type"}, 400)
+        if client_id != MACHINE_CLIENT or not secrets.compare_digest(secret, MACHINE_SECRET):
+            return answer("refused", {"error": "invalid_client", "error_description": "bad credentials"}, 401)
+        scopes = str(form.get("scope", SCOPE)).split()
+        if not set(scopes) <= {SCOPE}:
+            return answer("refused", {"error": "invalid_scope"}, 400)
+        resource = str(form.get("resource") or form.get("audience") or "") or None
+        access = secrets.token_urlsafe(24)
+        self.client_tokens.append(access)
+        self.access[access] = AccessToken(
+            token=access,
+            client_id=client_id,
+            scopes=scopes,
+            expires_at=int(time.time()) + self.token_seconds,
+            resource=resource,
+            subject=client_id,
+        )
+        return answer(
+            "issued",
+            {
+                "access_token": access,
+                "token_type": "Bearer",
+                "expires_in": self.token_seconds,
+                "scope": SCOPE,
+            },
+        )
+
+    async def control_client_tokens(self, request: Request) -> Response:
+        return JSONResponse({**self.client_token_requests, "tokens": self.client_tokens})
+
     async def control_tokens(self, request: Request) -> Response:
         return JSONResponse({"access": len(self.access), "refresh": len(self.refresh)})
 
@@ -237,6 +293,8 @@ def build(token_seconds: int) -> tuple[list[tuple[Starlette, socket.socket]], st
         Route("/control/calls", bank.control_calls),
         Route("/control/revoke", bank.control_revoke, methods=["POST"]),
         Route("/control/tokens", bank.control_tokens),
+        Route("/oauth/client-token", bank.client_token, methods=["POST"]),
+        Route("/control/client-tokens", bank.control_client_tokens),
     ]
     authorization_server = Starlette(routes=routes)
     resource_server = mcp_server(bank).streamable_http_app(
@@ -311,6 +369,12 @@ class OAuthServers:
         import httpx
 
         return httpx.get(f"{self.issuer}/control/calls", timeout=10).json()["calls"]
+
+    def client_token_requests(self) -> dict:
+        """{"issued": n, "refused": n, "tokens": [every token issued]}"""
+        import httpx
+
+        return httpx.get(f"{self.issuer}/control/client-tokens", timeout=10).json()
 
     def forget_tokens_of(self, user: str) -> None:
         import httpx

@@ -4,11 +4,14 @@ configured only by environment variables."""
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -49,6 +52,8 @@ agents:
 
 
 METRICS_TOKEN = secrets.token_urlsafe(32)
+# Each test migrates a fresh database before the stack answers: minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 def _free_port() -> int:
@@ -70,7 +75,8 @@ def prod_database():
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_database, tmp_path):
+def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_database, var_dir):
+    tmp_path = var_dir
     bank = BankServer().start()
     port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
     from tenants.crypto import generate_key
@@ -99,10 +105,10 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         FLOWER_UNAUTHENTICATED_API="true",
         RUN_STREAM_HEARTBEAT_SECONDS="1",
         SANDBOX_RUNNER_PORT=str(sandbox_port),
-        # Started as root, serve.sh runs every process but the sandbox runner as SERVE_USER; this
-        # machine's Python lives under /root, which no other user can run, so root is accepted here
-        # (tests/test_service_user.py shows the drop and the refusal without it).
-        SERVE_AS_ROOT="1",
+        # Started as root, serve.sh runs every process but the sandbox runner as SERVE_USER, with
+        # no SERVE_AS_ROOT: where the user cannot run this Python (under /root here) serve gives
+        # it one it can (scripts/service_python.py).
+        SERVE_USER=SERVICE_USER,
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
@@ -116,8 +122,9 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        http = httpx.Client(headers=PROXIED)
-        wait_for(lambda: _ok(f"{base}/v1/schema"), timeout=120, what="uvicorn")
+        http = httpx.Client(headers=PROXIED, timeout=60)  # a loaded machine hashes a password slowly
+        # /healthz, not the schema: generating it can take longer than one probe waits on a loaded machine.
+        wait_for(lambda: _ok(f"{base}/healthz"), timeout=420, what="uvicorn")
         wait_for(
             lambda: _ok(f"http://127.0.0.1:{sandbox_port}/healthz"), timeout=60, what="the sandbox runner"
         )
@@ -202,11 +209,23 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
             ).status_code
             == 200
         )
+        # Nothing but the sandbox runner runs as root: the worker that ran the step above, uvicorn,
+        # beat and Flower are the service user's processes, with no capabilities.
+        processes = _session_processes(serve.pid)
+        for name, marker in SERVICES.items():
+            mine = [p for p in processes if marker in p["args"]]
+            assert mine, (name, processes)
+            assert {(p["uid"], p["caps"]) for p in mine} == {(SERVICE_UID, "0000000000000000")}, (name, mine)
+        runners = [p for p in processes if "sandbox.runner" in p["args"]]
+        assert runners and {p["uid"] for p in runners} == {0}
+        assert "runs the services with" in (tmp_path / "serve.log").read_text()
         assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{base}/readyz").json()["status"] == "ready"
         # Counters from the worker process and gauges from the database, through uvicorn.
         assert httpx.get(f"{base}/metrics").status_code == 401
-        metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
+        metrics = httpx.get(
+            f"{base}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}, timeout=60
+        )
         assert metrics.status_code == 200
         samples = parse(metrics.text)
         assert value(samples, "agentplatform_steps_total", kind="model", tool="", outcome="succeeded") == 2
@@ -291,7 +310,8 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         print(Path(tmp_path / "serve.log").read_text()[-3000:])
 
 
-def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(prod_database, tmp_path):
+def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(prod_database, var_dir):
+    tmp_path = var_dir
     # The runner once started anyway, exited ("backend unavailable") and took the whole stack down
     # about 40 s after "ready". Now it is checked first and left out, and the rest serves.
     port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
@@ -316,7 +336,7 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
         PUBLIC_BASE_URL="https://agents.prod-bank.example",
         SANDBOX_RUNNER_PORT=str(sandbox_port),
         SANDBOX_RUNTIME=str(tmp_path / "no-runtime-here"),
-        SERVE_AS_ROOT="1",
+        SERVE_USER=SERVICE_USER,
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.pop("TEST_DATABASE_NAME", None)
@@ -333,7 +353,7 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
             lambda: (
                 "== agent platform started (ready)" in (text := (tmp_path / "serve.log").read_text()) and text
             ),
-            timeout=180,
+            timeout=600,
             what="start-up banner",
         )
         assert (
@@ -355,6 +375,43 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
 
 
 PROXIED = {"X-Forwarded-Proto": "https"}
+# Started as root, serve drops to `nobody` (it exists everywhere, so no user is created here).
+SERVICE_USER = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+SERVICE_UID = pwd.getpwnam(SERVICE_USER).pw_uid
+SERVICES = {
+    "web": "uvicorn agentplatform.asgi:application",
+    "worker": "celery -A agentplatform worker",
+    "beat": "celery -A agentplatform beat",
+    "flower": "celery -A agentplatform flower",
+}
+
+
+@pytest.fixture
+def var_dir():
+    """A var directory the service user can reach (pytest's tmp_path is under a root-only 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="prodshape-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _session_processes(session: int) -> list[dict]:
+    """Each process of serve's session: its real uid, effective capabilities and command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) != session:
+                continue
+            status = dict(
+                line.split(":\t", 1) for line in (entry / "status").read_text().splitlines() if ":\t" in line
+            )
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+        found.append({"uid": int(status["Uid"].split()[0]), "caps": status["CapEff"], "args": args})
+    return found
 
 
 def _ok(url: str) -> bool:

@@ -1,17 +1,22 @@
 """scripts/serve.sh runs the web, worker, beat and Flower processes unprivileged when started as root
 (scripts/service_user.sh), and refuses root in production when it cannot drop it.
 
-As far as this machine allows: the platform's Python lives under /root here, so no other user can
-run it. The drop itself is shown with a stand-in Python (/bin/true passes the check); the refusal
-with the real one. Needs root, as serve.sh's drop does; `nobody` is the unprivileged user (it
-exists everywhere, so no user is created).
+The platform's Python may live where no other user can run it (under /root, as here): serve then
+builds the service user a tree of hard links to it (scripts/service_python.py), and the real
+interpreter runs the platform as that user from there. The capabilities are shown with a stand-in
+Python (/bin/true passes the check). Needs root, as serve.sh's drop does; `nobody` is the
+unprivileged user (it exists everywhere, so no user is created). tests/test_production_shape.py
+runs the whole stack this way.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +33,7 @@ def serve_user(script: str, **env: str) -> subprocess.CompletedProcess:
         env={"PATH": os.environ["PATH"], **env},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,  # builds the service user's Python tree the first time; slow on a loaded machine
     )
 
 
@@ -50,28 +55,72 @@ def test_started_as_root_the_services_run_as_the_service_user_with_no_capabiliti
     }
 
 
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+
+
+@pytest.fixture
+def reachable():
+    """A var directory the service user can reach (pytest's tmp_path is under a root-only 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="service-user-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_service_user_that_cannot_run_the_python_where_it_is_runs_it_from_hard_links(reachable):
+    done = serve_user(
+        'choose_service_user production; as=("${service_prefix[@]}");'
+        ' cd "$SERVICE_DIR" && "${as[@]}" "$SERVICE_PY" -c'
+        ' "import os, sys, agentplatform; print(os.getuid(), sys.prefix, agentplatform.__file__)"',
+        PY=PYTHON,
+        SERVE_USER="nobody",
+        AGENTPLATFORM_VAR_DIR=str(reachable),
+    )
+    assert done.returncode == 0, done.stderr
+    uid, prefix, module = done.stdout.split()
+    assert int(uid) == pwd.getpwnam("nobody").pw_uid
+    built = reachable / "service-python"
+    assert prefix == str(built / "venv")
+    linked = built / "base" / "bin" / os.path.basename(os.path.realpath(PYTHON))
+    assert os.path.samefile(linked, os.path.realpath(PYTHON))  # a hard link: the same file, not a copy
+    assert module.startswith(str(ROOT)) or module.startswith(str(built / "app"))
+    # The tree is reused while the interpreter and the packages are unchanged.
+    stamp = (built / "stamp").stat().st_mtime_ns
+    again = serve_user(
+        "choose_service_user production", PY=PYTHON, SERVE_USER="nobody", AGENTPLATFORM_VAR_DIR=str(reachable)
+    )
+    assert again.returncode == 0 and (built / "stamp").stat().st_mtime_ns == stamp
+
+
 def test_production_refuses_root_when_the_service_user_cannot_run_the_platform():
-    python = str(ROOT / ".venv" / "bin" / "python")
-    probe = serve_user("service_user_problem", PY=python, SERVE_USER="nobody")
+    unreachable = "/root/service-python-40"  # /root is 0700: nobody cannot reach what is built there
+    probe = serve_user("service_user_problem", PY=PYTHON, SERVE_USER="nobody")
     if not probe.stdout.strip():
         pytest.skip("nobody can run this checkout's Python here: the refusal needs a machine where it cannot")
 
-    refused = serve_user("choose_service_user production", PY=python, SERVE_USER="nobody")
+    refused = serve_user(
+        "choose_service_user production", PY=PYTHON, SERVE_USER="nobody", SERVICE_PYTHON_DIR=unreachable
+    )
     assert refused.returncode == 2
     assert "refusing to run the platform as root in production: nobody cannot run" in refused.stderr
+    assert f"SERVICE_PYTHON_DIR ({unreachable}) and its parents must be reachable by nobody" in refused.stderr
 
     accepted = serve_user(
         'choose_service_user production; echo "prefix=${#service_prefix[@]}"',
-        PY=python,
+        PY=PYTHON,
         SERVE_USER="nobody",
         SERVE_AS_ROOT="1",
+        SERVICE_PYTHON_DIR=unreachable,
     )
     assert accepted.returncode == 0 and accepted.stdout.strip() == "prefix=0"
     assert (
         "WARNING: the web, worker, beat and Flower processes run as root (SERVE_AS_ROOT=1)" in accepted.stderr
     )
 
-    development = serve_user("choose_service_user development", PY=python, SERVE_USER="nobody")
+    development = serve_user(
+        "choose_service_user development", PY=PYTHON, SERVE_USER="nobody", SERVICE_PYTHON_DIR=unreachable
+    )
+    shutil.rmtree(unreachable, ignore_errors=True)
     assert development.returncode == 0 and "WARNING: running as root (development mode)" in development.stderr
 
 

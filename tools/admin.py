@@ -5,6 +5,7 @@ from django.contrib import admin, messages
 from django.utils.html import format_html_join
 
 from approvals.tool_rules import RuleError, check
+from connections.services import ConnectionUnusable
 from tenants.admin_site import (
     OperatorsWrite,
     TenantGuardedAdmin,
@@ -17,7 +18,7 @@ from tenants.crypto import SecretKeyError
 from tools.catalog import refresh, release_quarantine
 from tools.models import SandboxCaps, Tool, ToolServer
 from tools.services import configure_tool
-from tools.types import ToolFailed
+from tools.types import ToolFailed, ToolNotSent
 
 
 @admin.register(ToolServer, site=site)
@@ -46,15 +47,21 @@ class ToolServerAdmin(TenantScopedAdmin):
     def sync_tools(self, request, queryset):
         for server in queryset:
             try:
-                report = refresh(server)
-            except (ToolFailed, SecretKeyError) as exc:
+                # A server that takes each user's token is listed with the admin's own connection.
+                report = refresh(server, request.user.pk)
+            except (ToolFailed, ToolNotSent, SecretKeyError, ConnectionUnusable) as exc:
                 messages.error(request, f"{server}: {exc}")
                 continue
             messages.success(
                 request,
                 f"{server}: {len(report.added)} new (disabled until reviewed), "
                 f"{len(report.quarantined)} quarantined, {len(report.unchanged)} unchanged, "
-                f"{len(report.missing)} no longer listed",
+                f"{len(report.missing)} no longer listed"
+                + (
+                    f", {len(report.differs)} declared differently (quarantined, declaration kept)"
+                    if report.differs
+                    else ""
+                ),
             )
 
 
@@ -111,7 +118,7 @@ class ToolAdmin(TenantGuardedAdmin):
     search_fields = ["name", "description"]
     actions = ["release_selected"]
     fieldsets = [
-        (None, {"fields": ["name", "server", "tenant", "description", "input_schema", "hints"]}),
+        (None, {"fields": ["name", "server", "tenant", "declared", "description", "input_schema", "hints"]}),
         ("Review", {"fields": ["enabled", "quarantined", "quarantine_reason"]}),
         ("Effects and approval", {"fields": ["effect_class", "approval_policy", "approval_ttl_seconds"]}),
         (
@@ -137,6 +144,7 @@ class ToolAdmin(TenantGuardedAdmin):
         "name",
         "server",
         "tenant",
+        "declared",
         "description",
         "input_schema",
         "hints",

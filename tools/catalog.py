@@ -6,6 +6,7 @@ writes rows, so callers fetch first and then sync in one short transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -13,11 +14,12 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.utils import timezone
 
+from connections import services as connections
 from tenants.crypto import redact, redact_obj
 from tenants.secrets import known_secrets
 from tools.builtin import BUILTINS
 from tools.models import EffectClass, Tool, ToolServer
-from tools.transports import mcp_config
+from tools.transports import mcp_config, with_server_token
 from tools.types import RemoteTool
 
 
@@ -27,6 +29,9 @@ class SyncReport:
     quarantined: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # Declared tools (Tool.declared) the server lists with another description or input schema:
+    # quarantined, the declaration kept, for a person to compare.
+    differs: list[str] = field(default_factory=list)
 
 
 def schema_hash(description: str, input_schema: dict) -> str:
@@ -39,7 +44,9 @@ def tool_name(server: ToolServer, remote_name: str) -> str:
     return f"{server.name}__{remote_name}"
 
 
-def fetch_remote(server: ToolServer) -> list[RemoteTool]:
+def fetch_remote(server: ToolServer, user_id: int | None = None) -> list[RemoteTool]:
+    """The server's tool list. A server that takes each user's token (user_oauth) is listed with
+    `user_id`'s connection (the admin syncing with their own); without one it answers 401."""
     if server.kind == ToolServer.Kind.BUILTIN:
         return [
             RemoteTool(name, b.description, b.input_schema, {"readOnlyHint": name != "sleep"})
@@ -48,7 +55,12 @@ def fetch_remote(server: ToolServer) -> list[RemoteTool]:
     if server.kind == ToolServer.Kind.MCP:
         from tools import mcp_client  # the MCP SDK takes seconds to import: only MCP servers need it
 
-        return mcp_client.list_tools(mcp_config(server))
+        config = mcp_config(server)
+        if server.user_oauth and user_id is not None:
+            _, token, _ = connections.token_for_call(user_id=user_id, server=server)
+            headers = {**config.headers, "Authorization": f"Bearer {token}"}
+            return mcp_client.list_tools(dataclasses.replace(config, headers=headers))
+        return with_server_token(server, config, mcp_client.list_tools)
     return []  # http tools are declared in the tenant configuration
 
 
@@ -79,6 +91,16 @@ def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
                 effect_class=EffectClass.UNSAFE,
             )
             report.added.append(item.name)
+        elif tool.declared and tool.schema_hash != digest:
+            Tool.objects.filter(pk=tool.pk).update(
+                quarantined=True,
+                annotations=dict(item.annotations),
+                quarantine_reason=f"the server lists this tool with another description or input schema "
+                f"than the configuration declares (seen {timezone.now():%Y-%m-%d %H:%M} UTC); the "
+                f"declaration is kept: compare, correct the file, and re-enable it. The server's: "
+                f"{json.dumps({'description': item.description, 'input_schema': item.input_schema})[:2000]}",
+            )
+            report.differs.append(item.name)
         elif tool.schema_hash and tool.schema_hash != digest:
             Tool.objects.filter(pk=tool.pk).update(
                 quarantined=True,
@@ -103,14 +125,14 @@ def sync_server(server: ToolServer, remote: list[RemoteTool]) -> SyncReport:
     return report
 
 
-def refresh(server: ToolServer) -> SyncReport:
+def refresh(server: ToolServer, user_id: int | None = None) -> SyncReport:
     if server.kind == ToolServer.Kind.HTTP:
         # Declared, not discovered: there is no server-side list to compare with (syncing an
         # empty list would report every declared tool as missing).
         return SyncReport(
             unchanged=sorted(Tool.objects.filter(server=server).values_list("remote_name", flat=True))
         )
-    remote = fetch_remote(server)
+    remote = fetch_remote(server, user_id)
     with transaction.atomic():
         return sync_server(server, remote)
 

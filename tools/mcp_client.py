@@ -12,10 +12,12 @@ also knows the stateless `2026-07-28` era (`server/discover`, no handshake), whi
 
 Error contract for `call_tool`:
 - `ToolFailed`: `tools/call` provably did not run: the handshake failed (connection refused,
-  HTTP 4xx such as 401, bad protocol version, timeout), the `tools/call` POST could not connect
+  HTTP 4xx, bad protocol version, timeout), the `tools/call` POST could not connect
   or got a non-404 4xx, or the server answered with a JSON-RPC rejection (invalid params,
   unknown tool, method not found, ...), or it was refused before sending because its URL was
   not on the server's configured origin (the session's headers carry the server's secret).
+  `ToolUnauthorized` (a `ToolFailed`) when the handshake or the `tools/call` POST met HTTP 401:
+  the credential was refused and the tool did not run (`list_tools` raises it on a 401 too).
 - `ToolOutcomeUnknown`: the request may have been processed: timeout after sending, connection
   reset / stream closed, HTTP 5xx, 404 (session lost), JSON-RPC internal or unrecognised errors.
 - `ToolResult(is_error=True)`: the tool ran and reported a failure (`isError: true`).
@@ -89,6 +91,11 @@ def list_tools(config: McpServerConfig, *, timeout: float = 30) -> list[RemoteTo
     except ToolFailed:
         raise
     except Exception as exc:
+        if 401 in tap.statuses.values():
+            raise ToolUnauthorized(
+                f"the MCP server asks for authorization (HTTP 401), tools not listed{tap.note()}",
+                challenge=tap.challenge,
+            ) from exc
         raise ToolFailed(f"tools/list failed{tap.note()}: {_describe(exc)}") from exc
 
 
@@ -414,6 +421,12 @@ def _classify(exc: Exception, progress: _Progress, tap: _HttpTap) -> Exception:
     if status == 202:
         # Accepted without an answer: the server may still be running the call.
         return ToolOutcomeUnknown(f"tools/call accepted (HTTP 202) without a response: {detail}")
+    if status == 401:
+        # The token was refused after the handshake took it (it expired in between, or was
+        # revoked): the call did not run, and a caller with a new token may send it again.
+        return ToolUnauthorized(
+            f"tools/call rejected with HTTP 401, tool not called{tap.note()}", challenge=tap.challenge
+        )
     if status is not None and status >= 400:
         return ToolFailed(f"tools/call rejected with HTTP {status}: {detail}")
     mcp_errors = [e for e in _leaf_errors(exc) if isinstance(e, MCPError)]

@@ -38,6 +38,13 @@ class ToolServer(models.Model):
         "auth_header",
         "auth_scheme",
         "status_tool",
+        "oauth_token_url",
+        "oauth_client_id",
+        "oauth_client_secret",
+        "oauth_scopes",
+        "oauth_audience",
+        "oauth_client_auth",
+        "user_oauth",
     )
 
     class Kind(models.TextChoices):
@@ -61,6 +68,21 @@ class ToolServer(models.Model):
     auth_header = models.CharField(max_length=100, default="Authorization", blank=True)
     auth_scheme = models.CharField(max_length=20, default="Bearer", blank=True)
     status_tool = models.CharField(max_length=200, blank=True)  # MCP: reconciliation lookup
+    # The platform's own OAuth token for the server (client credentials; tools/client_credentials.py):
+    # empty token URL, none. The token itself is never stored.
+    oauth_token_url = models.CharField(max_length=500, blank=True)
+    oauth_client_id = models.CharField(max_length=200, blank=True)
+    oauth_client_secret = models.ForeignKey(
+        "tenants.Secret", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    oauth_scopes = models.JSONField(default=list, blank=True)
+    oauth_audience = models.CharField(max_length=500, blank=True)
+    oauth_client_auth = models.CharField(
+        max_length=8, blank=True, choices=[("basic", "HTTP Basic"), ("post", "in the form")]
+    )
+    # Each call carries the run's user's own OAuth token (connections/, docs/authority-oauth.md): the
+    # tool list is not readable without one, so the file declares its tools (Tool.declared).
+    user_oauth = models.BooleanField(default=False)
     last_synced_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -83,6 +105,9 @@ class Tool(models.Model):
     input_schema = models.JSONField(default=dict, blank=True)
     schema_hash = models.CharField(max_length=64, blank=True)
     annotations = models.JSONField(default=dict, blank=True)  # provider hints, display only
+    # Description and input schema from the configuration file, not the server's list (a server
+    # whose list needs a user's token); a later listing that differs is reported, never copied in.
+    declared = models.BooleanField(default=False)
     enabled = models.BooleanField(default=False)
     quarantined = models.BooleanField(default=False)
     quarantine_reason = models.TextField(blank=True)

@@ -14,14 +14,17 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 
 from connections import services as connections
 from core.cookies import no_cookies
 from runs.models import Step
+from tenants.crypto import redact, redact_obj
 from tenants.models import Secret
-from tools import run_python
+from tools import client_credentials, run_python
 from tools.builtin import BUILTINS
 from tools.models import Tool, ToolServer
 from tools.origins import origin_text, same_origin
@@ -34,6 +37,8 @@ from tools.types import (
     ToolResult,
     ToolUnauthorized,
 )
+
+T = TypeVar("T")
 
 
 def _secret_header(server: ToolServer) -> dict:
@@ -92,9 +97,10 @@ def dispatch(
     from tools import mcp_client  # the MCP SDK takes seconds to import: only processes that call MCP pay
 
     config, connection_id, presented_as = _mcp_config_as_user(server, step, authority=authority_headers)
-    _before_sending(send_by)
-    try:
-        result = mcp_client.call_tool(
+
+    def call(config: McpServerConfig) -> ToolResult:
+        _before_sending(send_by)
+        return mcp_client.call_tool(
             config,
             tool.remote_name,
             arguments,
@@ -102,11 +108,47 @@ def dispatch(
             timeout=tool.timeout_seconds,
             meta=authority_meta,
         )
+
+    try:
+        result = with_server_token(server, config, call)
     except ToolUnauthorized as exc:
         raise _unauthorized(server, exc, connection_id) from None
     if presented_as:
         result = dataclasses.replace(result, presented_as=presented_as)
     return run_python.with_files(step, result) if result.files else result
+
+
+def with_server_token(server: ToolServer, config: McpServerConfig, call: Callable[[McpServerConfig], T]) -> T:
+    """`call(config)`, with the platform's own OAuth token where the server takes one
+    (tools/client_credentials.py); after a 401 to that token, once more with a new one (the 401
+    means the tool did not run: tools/mcp_client.py). A second 401 is a failure of the call, not
+    a sign that the server wants each user's token: the server is not marked protected."""
+    token = client_credentials.authorization(server)
+    if not token:
+        return call(config)
+    for attempt in (1, 2):
+        value = token["Authorization"].removeprefix("Bearer ")
+        try:
+            answer = call(dataclasses.replace(config, headers={**config.headers, **token}))
+        except ToolUnauthorized:
+            client_credentials.forget(server, token)
+            if attempt == 2:
+                raise ToolFailed(
+                    f"denied: {server.name} refused the platform's OAuth token (HTTP 401) twice, the "
+                    "second time a newly fetched one; not called"
+                ) from None
+            token = client_credentials.authorization(server)
+            continue
+        except (ToolFailed, ToolOutcomeUnknown) as exc:
+            # A server that echoes the request puts the token in its error: never in a run record.
+            exc.args = (redact(str(exc), [value]),)
+            raise
+        if isinstance(answer, ToolResult):
+            return dataclasses.replace(
+                answer, text=redact(answer.text, [value]), structured=redact_obj(answer.structured, [value])
+            )
+        return answer
+    raise AssertionError("unreachable")
 
 
 def _mcp_config_as_user(
@@ -116,6 +158,8 @@ def _mcp_config_as_user(
     the run's user's access token, refreshed first if due. A user without a usable connection is
     refused here, before anything is sent."""
     config = mcp_config(server, authority=authority)
+    if server.oauth_token_url:  # the platform's own token (with_server_token), not the user's
+        return config, None, ""
     if getattr(server, "protection", None) is None:  # as the claim read it on this instance
         return config, None, ""
     # The run the engine attached to the step (the claim's): no read of it per call.
@@ -310,13 +354,17 @@ def lookup_status(
 
         config, connection_id, _ = _mcp_config_as_user(server, step, authority=authority_headers)
         try:
-            answer = mcp_client.call_tool(
+            answer = with_server_token(
+                server,
                 config,
-                server.status_tool,
-                {"idempotency_key": step.idempotency_key},
-                idempotency_key=f"{step.idempotency_key}:status",
-                timeout=tool.timeout_seconds,
-                meta=authority_meta,
+                lambda config: mcp_client.call_tool(
+                    config,
+                    server.status_tool,
+                    {"idempotency_key": step.idempotency_key},
+                    idempotency_key=f"{step.idempotency_key}:status",
+                    timeout=tool.timeout_seconds,
+                    meta=authority_meta,
+                ),
             )
         except ToolUnauthorized as exc:
             raise _unauthorized(server, exc, connection_id) from None

@@ -69,6 +69,15 @@ class ToolUnauthorized(ToolFailed):
         self.connection_id = connection_id
 
 
+class ToolNotSent(Exception):
+    """The call was not sent: a credential it needs could not be had (the server's OAuth token
+    endpoint did not answer usably). Nothing happened at the tool; retried with backoff."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ToolOutcomeUnknown(Exception):
     """The request may have reached the provider and its outcome is unknown
     (timeout after sending, connection reset, 5xx, lost session)."""

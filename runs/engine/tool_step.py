@@ -32,7 +32,7 @@ from runs.models import Run, Step, StepStatus
 from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
 from tools import results, transports
-from tools.types import ToolFailed, ToolInProgress, ToolOutcomeUnknown, ToolUnauthorized
+from tools.types import ToolFailed, ToolInProgress, ToolNotSent, ToolOutcomeUnknown, ToolUnauthorized
 
 
 def do_tool(plan: ToolCall) -> None:
@@ -109,6 +109,8 @@ def _call_tool(step: Step, plan: ToolCall) -> ToolOutcome:
         )
     except ToolFailed as exc:
         return ToolOutcome("failed", error=presented.scrub(str(exc)), presented=presented.presented)
+    except ToolNotSent as exc:  # a credential of the server's own could not be had (its OAuth token)
+        return ToolOutcome("not_sent", error=f"not sent: {exc}", retry_after=exc.retry_after)
     except ToolInProgress as exc:
         return ToolOutcome(
             "in_progress",
@@ -137,7 +139,7 @@ def _reconcile(plan: ToolCall, step: Step) -> ToolOutcome | None:
         result = presented.scrub(
             transports.lookup_status(step, authority_headers=presented.headers, authority_meta=presented.meta)
         )
-    except (AuthorityRefused, AuthorityUnavailable) as exc:
+    except (AuthorityRefused, AuthorityUnavailable, ToolNotSent) as exc:
         _lookup_event(plan, step, f" not sent: {exc}", found=None, count_attempt=True)
         return ToolOutcome("unknown", error=f"status lookup not sent: {exc}")
     except ToolInProgress as exc:

@@ -26,13 +26,17 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "notifications.md"
 SECRET = "whsec-0123456789abcdef"
 
 
-def documented_verify():
-    """The `verify` function exactly as docs/notifications.md prints it."""
+def documented_code() -> str:
+    """The verification snippet's text in docs/notifications.md."""
     text = DOC.read_text()
     section = text[text.index("## Verifying the signature") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def documented_verify():
+    """The `verify` function exactly as docs/notifications.md prints it."""
     namespace: dict = {}
-    exec(compile(code, str(DOC), "exec"), namespace)
+    exec(compile(documented_code(), str(DOC), "exec"), namespace)
     return namespace["verify"]
 
 

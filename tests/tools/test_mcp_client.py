@@ -21,7 +21,7 @@ from mcp.shared.exceptions import MCPError
 from examples import bank_server
 from tools import mcp_client
 from tools.mcp_client import call_tool, list_tools
-from tools.types import McpServerConfig, ToolFailed, ToolOutcomeUnknown
+from tools.types import McpServerConfig, ToolFailed, ToolOutcomeUnknown, ToolUnauthorized
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -45,7 +45,7 @@ REFUND = {"transaction_id": "TXN-1001", "amount": 12499, "currency": "INR", "rea
 def _start_subprocess(*args: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, str(SERVER), *args], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)  # a loaded machine starts it slowly
     line = proc.stdout.readline() if ready else ""
     if not line.startswith(bank_server.READY_PREFIX):
         proc.kill()
@@ -402,7 +402,10 @@ def _classify(exc: Exception, *, sent: bool = True, **tap_fields: object) -> Exc
         (MCPError(mt.CONNECTION_CLOSED, "reset"), {}, ToolOutcomeUnknown),
         (MCPError(mt.INTERNAL_ERROR, "boom"), {}, ToolOutcomeUnknown),
         (MCPError(-32099, "server-defined"), {}, ToolOutcomeUnknown),
-        (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 401}}, ToolFailed),
+        # 401: the credential was refused and the tool did not run; a caller with a fresh token
+        # (tools/client_credentials.py) may send it again. Any other 4xx is a plain failure.
+        (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 401}}, ToolUnauthorized),
+        (MCPError(mt.INTERNAL_ERROR, "x"), {"statuses": {"tools/call": 403}}, ToolFailed),
         (
             MCPError(mt.INVALID_REQUEST, "Session terminated"),
             {"statuses": {"tools/call": 404}},
