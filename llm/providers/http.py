@@ -19,12 +19,12 @@ import json
 import re
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from core.cookies import no_cookies
-from llm.types import ProviderError
+from llm.types import ModelReply, ModelRequest, ProviderError
 
 # Generous pool: one provider instance is shared by many concurrent agent runs. An idle connection
 # is dropped after 1 s, well before a server closes it: uvicorn (vLLM, LiteLLM) and Node close idle
@@ -86,6 +86,110 @@ def post_json(
             f"{provider}: reply is not a JSON object", retryable=False, sent=True, status=response.status_code
         )
     return data
+
+
+class StreamedReply(Protocol):
+    """A wire's answer put together from its streamed events (each wire has its own)."""
+
+    meter: OutputMeter
+
+    def add(self, data: Any) -> None: ...
+
+    def reply(self, request: ModelRequest, *, cut: bool) -> ModelReply: ...
+
+
+def complete_call(
+    client: httpx.Client,
+    url: str,
+    request: ModelRequest,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    stream: bool,
+    provider: str,
+    secret: str | None,
+    parse_reply: Callable[[dict[str, Any]], ModelReply],
+    streamed: Callable[[int], StreamedReply],
+    is_token: Callable[[str, Any], bool],
+    refusal_hint: Callable[[str], str],
+) -> ModelReply:
+    """One model call on either wire: one JSON answer (`parse_reply`), or a stream read into
+    `streamed(limit)` until it ends or the call's output limit is reached (closing the generator
+    closes the connection). A refused request (a non-retried 4xx/5xx other than auth and a wrong
+    path) raises with `refusal_hint(detail)` appended: the same request would be refused again,
+    so the message says which setting to change."""
+    try:
+        if stream:
+            answer = _read_stream(
+                client,
+                url,
+                request,
+                headers=headers,
+                body=body,
+                provider=provider,
+                secret=secret,
+                streamed=streamed,
+                is_token=is_token,
+            )
+        else:
+            answer = post_json(
+                client,
+                url,
+                headers=headers,
+                body=body,
+                timeout_seconds=request.timeout_seconds,
+                provider=provider,
+                secret=secret,
+            )
+    except ProviderError as exc:
+        if exc.retryable or exc.status is None or exc.status < 300 or exc.status in (401, 403, 404):
+            raise  # a 2xx that is no answer is the server's fault, not a setting to change
+        raise ProviderError(
+            f"{exc}; {refusal_hint(str(exc))}", retryable=False, sent=exc.sent, status=exc.status
+        ) from None
+    # Parsed outside the refusal handling, for the same reason.
+    return parse_reply(answer) if isinstance(answer, dict) else answer
+
+
+def _read_stream(
+    client: httpx.Client,
+    url: str,
+    request: ModelRequest,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    provider: str,
+    secret: str | None,
+    streamed: Callable[[int], StreamedReply],
+    is_token: Callable[[str, Any], bool],
+) -> ModelReply | dict[str, Any]:
+    """The streamed answer, or the one JSON body of a server that ignored `stream`."""
+    answer = streamed(request.max_output_tokens)
+    events = stream_events(
+        client,
+        url,
+        headers=headers,
+        body=body,
+        timeout_seconds=request.timeout_seconds,
+        first_token_seconds=request.first_token_timeout_seconds,
+        provider=provider,
+        secret=secret,
+        is_token=is_token,
+    )
+    try:
+        for name, data in events:
+            if name == "whole":
+                if not isinstance(data, dict):
+                    raise ProviderError(
+                        f"{provider}: reply is not a JSON object", retryable=False, sent=True, status=200
+                    )
+                return data
+            answer.add(data)
+            if answer.meter.reached:
+                return answer.reply(request, cut=True)
+    finally:
+        events.close()
+    return answer.reply(request, cut=False)
 
 
 def stream_events(

@@ -36,7 +36,8 @@ word of text or a few characters of tool arguments per event, usage as the provi
 message_delta). Reply options for streams: {"runaway": 5000, "token_ms": 2} generates that many
 tokens whatever `max_tokens` says (llama-cpp-python with tools offered); {"first_token_delay": 3}
 opens the stream and waits before the first token; {"stall_after": 5, "stall_seconds": 3} goes
-silent mid-answer. `fake.streams` records each stream: tokens sent, whether it ended or the
+silent mid-answer; {"ignores_stream": True} answers one JSON body (servers that ignore `stream`);
+{"raw": <JSON>} answers that JSON as it is. `fake.streams` records each stream: tokens sent, whether it ended or the
 client closed the connection first.
 
 With an empty queue, the auto agent's last answer repeats any `nonce-<hex>` it can see in a tool
@@ -250,13 +251,15 @@ class FakeModelServer:
             )
         elif fault:
             return self._status_fault(int(fault), reply.get("retry_after"))
+        if "raw" in reply:  # answered as given, streamed or not: a server's broken answer
+            return JSONResponse(reply["raw"])
         if body.get("stream") and reply.get("runaway"):
             reply = {**reply, "text": "tok " * int(reply["runaway"])}
         payload = self.render(body, reply, self._next_id())
         with self._lock:
             self.replies.append(payload)
         headers = {"set-cookie": self.set_cookie} if self.set_cookie else None
-        if body.get("stream"):
+        if body.get("stream") and not reply.get("ignores_stream"):
             record: dict[str, Any] = {"tokens": 0, "ended": False, "closed_early": False}
             with self._lock:
                 self.streams.append(record)
