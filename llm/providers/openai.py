@@ -290,21 +290,26 @@ class StreamedAnswer:
             )
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
-        for piece in _delta_pieces(data):
-            self.meter.add(piece)
-        for choice in data.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            for raw in delta.get("tool_calls") or []:
-                call = self.calls.setdefault(raw.get("index", len(self.calls)), {"arguments": []})
-                function = raw.get("function") or {}
-                if raw.get("id"):
-                    call["id"] = raw["id"]
-                if function.get("name"):
-                    call["name"] = function["name"]
-                if function.get("arguments"):
-                    call["arguments"].append(function["arguments"])
+        # One pass over the chunk (one per token): what it adds is metered as it is kept.
+        meter = self.meter.add
+        for choice in data.get("choices") or ():
+            delta = choice.get("delta")
+            if delta:
+                content = delta.get("content")
+                if content:
+                    self.text.append(content)
+                    meter(content)
+                for raw in delta.get("tool_calls") or ():
+                    call = self.calls.setdefault(raw.get("index", len(self.calls)), {"arguments": []})
+                    function = raw.get("function") or {}
+                    if raw.get("id"):
+                        call["id"] = raw["id"]
+                    if function.get("name"):
+                        call["name"] = function["name"]
+                        meter(function["name"])
+                    if function.get("arguments"):
+                        call["arguments"].append(function["arguments"])
+                        meter(function["arguments"])
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
 
