@@ -418,6 +418,11 @@ QUIRKS = {
     "legacy_max_tokens": "Unrecognized request argument supplied: max_completion_tokens",
     # llama-cpp-python's request model: an assistant turn's content must be a string (422, FastAPI)
     "string_content": "messages.{index}.content: Input should be a valid string",
+    # llama-cpp-python 0.3.36 as measured (docs/self-hosted.md): the same refusal of content: null,
+    # as an HTTP 500 listing one validation error per message type it tried
+    "string_content_500": "7 validation errors: {{'type': 'string_type', 'loc': ('body', 'messages', "
+    "{index}, 'ChatCompletionRequestAssistantMessage', 'content'), 'msg': 'Input should be a valid "
+    "string', 'input': None}} ...",
     # Gemma's chat template under llama.cpp: no system role (a 500 from the template engine)
     "no_system_role": "Value error: System role not supported",
     # servers that know only some tool_choice values
@@ -453,10 +458,11 @@ class FakeOpenAI(FakeModelServer):
         messages = body.get("messages") or []
         if "legacy_max_tokens" in self.quirks and "max_completion_tokens" in body:
             raise BadRequest(QUIRKS["legacy_max_tokens"])
-        if "string_content" in self.quirks:
-            for index, message in enumerate(messages):
-                if message.get("role") == "assistant" and not isinstance(message.get("content", ""), str):
-                    raise BadRequest(QUIRKS["string_content"].format(index=index), status=422)
+        for quirk, status in (("string_content", 422), ("string_content_500", 500)):
+            if quirk in self.quirks:
+                for index, message in enumerate(messages):
+                    if message.get("role") == "assistant" and not isinstance(message.get("content", ""), str):
+                        raise BadRequest(QUIRKS[quirk].format(index=index), status=status)
         if "no_system_role" in self.quirks and any(m.get("role") == "system" for m in messages):
             raise BadRequest(QUIRKS["no_system_role"], status=500)
         if "no_tool_choice" in self.quirks and "tool_choice" in body:

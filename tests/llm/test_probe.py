@@ -139,6 +139,24 @@ def test_no_cache_report_is_a_note_not_a_failure(tenant, server):
     assert caching.line().startswith("note caching: the server reports no cached input tokens")
 
 
+def test_a_refused_call_lifts_the_setting_its_error_names_into_the_check(tenant, server):
+    # llama-cpp-python refuses content: null on the tool-call turn with an HTTP 500 (as measured):
+    # the probe's line and the endpoint's page must say what to change, not only the error.
+    fake = server("openai", "string_content_500")
+    endpoint = endpoint_for(tenant, fake)
+    result = probe(endpoint)
+    reached = check(result, "tool_result")
+    assert not reached.ok and "HTTP 500" in reached.detail, reached
+    assert reached.setting == "set compat.tool_call_content: empty_string", reached
+    assert "-> set compat.tool_call_content: empty_string" in result.render()
+    assert failed_probe(endpoint.probe).endswith("set compat.tool_call_content: empty_string")
+    assert check(result, "tools").ok and check(result, "usage").ok
+
+    endpoint.compat = {"tool_call_content": "empty_string"}
+    endpoint.save()
+    assert probe(endpoint).ok, probe(endpoint).render()
+
+
 def test_a_litellm_proxy_is_refused_until_its_settings_are_set(tenant, server):
     fake = server("anthropic", "string_system", "no_cache_control", "drops_tool_results")
     endpoint = endpoint_for(tenant, fake, kind="anthropic")
