@@ -150,7 +150,10 @@ def skip_if_died(process) -> None:
 TOOLS = [ToolSpec("lookup", "Look a record up.", {"type": "object", "properties": {"q": {"type": "string"}}})]
 
 
-def conversation_request() -> ModelRequest:
+def conversation_request(padding: int = 0) -> ModelRequest:
+    result = (
+        '{"found": true, "amount": 250' + (f', "notes": "{"x " * (padding // 2)}"' if padding else "") + "}"
+    )
     return ModelRequest(
         model="gemma-3-270m",
         instructions="You help bank support agents. Answer in one short sentence.",
@@ -159,7 +162,7 @@ def conversation_request() -> ModelRequest:
             Message(
                 "assistant", "", tool_calls=[ToolCall(id="call_1", name="lookup", arguments={"q": "TXN-1"})]
             ),
-            Message("tool", '{"found": true, "amount": 250}', tool_call_id="call_1"),
+            Message("tool", result, tool_call_id="call_1"),
         ],
         tools=TOOLS,
         max_output_tokens=MAX_OUTPUT,
@@ -279,14 +282,29 @@ def test_the_probe_names_the_settings_the_server_needs_and_with_them_results_rea
     bare.delete()
     tuned = probed_endpoint(tenant, base_url, compat=RECIPE, sampling={"temperature": 0.2}, max_in_flight=1)
     after = probe(tuned)
+    skip_if_died(process)
     print("\n" + after.render())
     checks = {check.name: check for check in after.checks}
-    # Tool results reach the model: the prompt grows with the result.
-    assert "the prompt grew" in checks["tool_result"].detail, checks["tool_result"]
-    grew = int(checks["tool_result"].detail.split("the prompt grew ")[1].split(" ")[0])
-    assert grew >= 200, checks["tool_result"]
+    # With the recipe no call is refused, and the output limit holds (streamed: cut by the platform).
+    assert not any("the call failed" in check.detail for check in after.checks), after.render()
     assert checks["output_limit"].ok, checks["output_limit"]
-    assert checks["usage"].ok, checks["usage"]
+    # llama-cpp-python 0.3.36 sends no usage in a stream (it ignores stream_options), so the probe
+    # cannot see the prompt grow on the recipe's streamed endpoint, and says so in its usage check.
+    # Measured here unstreamed, with the recipe's settings: the prompt grows with the tool result
+    # sent as text (tool_results: user), and not at all when sent as role: tool (the template
+    # drops it), the finding.
+    grown = {}
+    for how in ("user", "tool"):
+        compat = Compat.of({**RECIPE, "tool_results": how})
+        provider = OpenAIProvider(base_url, None, "gemma-3-270m", compat=compat, send_cache_key=False)
+        small, large = (
+            provider.complete(conversation_request(padding)).usage.total_input for padding in (0, 2000)
+        )
+        provider.close()
+        grown[how] = large - small
+    print(f"prompt growth with 2000 more characters of result: {grown}")
+    assert grown["user"] >= 200, grown
+    assert grown["tool"] < 50, grown
 
 
 @pytest.mark.django_db(transaction=True)
