@@ -372,7 +372,9 @@ def test_litellm_on_the_anthropic_wire_answers_first_turns_with_the_anthropic_se
         [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "LITELLM_LOG": "ERROR"},
+        # With DATABASE_URL set (the test services set it) the proxy wants its own database
+        # through prisma, which the plain `litellm[proxy]` install lacks: it would not start.
+        env={**{k: v for k, v in os.environ.items() if k != "DATABASE_URL"}, "LITELLM_LOG": "ERROR"},
     )
     proxy_url = f"http://127.0.0.1:{port}"
 
