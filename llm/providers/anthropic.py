@@ -30,7 +30,7 @@ import json
 from typing import Any
 
 from llm.compat import Compat, anthropic_refusal_hint, tool_calls_text, tool_result_text
-from llm.providers.http import OutputMeter, make_client, post_json, stream_events
+from llm.providers.http import OutputMeter, complete_call, make_client
 from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 
@@ -69,56 +69,20 @@ class AnthropicProvider:
 
     def complete(self, request: ModelRequest) -> ModelReply:
         body = self.build_body(request)
-        try:
-            if self.stream:
-                return self._streamed(request, body)
-            data = post_json(
-                self._client,
-                f"{self.base_url}/v1/messages",
-                headers=self._headers(body),
-                body=body,
-                timeout_seconds=request.timeout_seconds,
-                provider=PROVIDER,
-                secret=self._api_key,
-            )
-        except ProviderError as exc:
-            if exc.retryable or exc.status in (None, 401, 403, 404):
-                raise
-            # Refused as shaped: the same request would be refused again, so say what to change.
-            raise ProviderError(
-                f"{exc}; {anthropic_refusal_hint(str(exc), body)}",
-                retryable=False,
-                sent=exc.sent,
-                status=exc.status,
-            ) from None
-        return parse_reply(data)
-
-    def _streamed(self, request: ModelRequest, body: dict[str, Any]) -> ModelReply:
-        answer = StreamedAnswer(request.max_output_tokens)
-        events = stream_events(
+        return complete_call(
             self._client,
             f"{self.base_url}/v1/messages",
+            request,
             headers=self._headers(body),
             body=body,
-            timeout_seconds=request.timeout_seconds,
-            first_token_seconds=request.first_token_timeout_seconds,
+            stream=self.stream,
             provider=PROVIDER,
             secret=self._api_key,
-            is_token=lambda name, data: (
-                name == "content_block_delta"
-                or (name == "" and isinstance(data, dict) and data.get("type") == "content_block_delta")
-            ),
+            parse_reply=parse_reply,
+            streamed=StreamedAnswer,
+            is_token=_is_token,
+            refusal_hint=lambda detail: anthropic_refusal_hint(detail, body),
         )
-        try:
-            for name, data in events:
-                if name == "whole":
-                    return parse_reply(data)
-                answer.add(data)
-                if answer.meter.reached:
-                    return answer.reply(request, cut=True)
-        finally:
-            events.close()
-        return answer.reply(request, cut=False)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
         cache = self.compat.prompt_cache == "blocks"
@@ -166,6 +130,13 @@ def clear_edit(settings: dict[str, int]) -> dict[str, Any]:
     if settings.get("clear_at_least"):
         edit["clear_at_least"] = {"type": "input_tokens", "value": settings["clear_at_least"]}
     return edit
+
+
+def _is_token(name: str, data: Any) -> bool:
+    # Generation starts with the first content delta; message_start comes before any of it.
+    return name == "content_block_delta" or (
+        name == "" and isinstance(data, dict) and data.get("type") == "content_block_delta"
+    )
 
 
 def build_tools(tools: list[ToolSpec], *, cache: bool = True) -> list[dict[str, Any]]:

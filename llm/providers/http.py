@@ -13,18 +13,19 @@ that nobody is reading (llama.cpp's server and vLLM stop generating on it).
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import email.utils
 import json
 import re
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from core.cookies import no_cookies
-from llm.types import ProviderError
+from llm.types import ModelReply, ModelRequest, ProviderError
 
 # Generous pool: one provider instance is shared by many concurrent agent runs. An idle connection
 # is dropped after 1 s, well before a server closes it: uvicorn (vLLM, LiteLLM) and Node close idle
@@ -88,6 +89,110 @@ def post_json(
     return data
 
 
+class StreamedReply(Protocol):
+    """A wire's answer put together from its streamed events (each wire has its own)."""
+
+    meter: OutputMeter
+
+    def add(self, data: Any) -> None: ...
+
+    def reply(self, request: ModelRequest, *, cut: bool) -> ModelReply: ...
+
+
+def complete_call(
+    client: httpx.Client,
+    url: str,
+    request: ModelRequest,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    stream: bool,
+    provider: str,
+    secret: str | None,
+    parse_reply: Callable[[dict[str, Any]], ModelReply],
+    streamed: Callable[[int], StreamedReply],
+    is_token: Callable[[str, Any], bool],
+    refusal_hint: Callable[[str], str],
+) -> ModelReply:
+    """One model call on either wire: one JSON answer (`parse_reply`), or a stream read into
+    `streamed(limit)` until it ends or the call's output limit is reached (closing the generator
+    closes the connection). A refused request (a non-retried 4xx/5xx other than auth and a wrong
+    path) raises with `refusal_hint(detail)` appended: the same request would be refused again,
+    so the message says which setting to change."""
+    try:
+        if stream:
+            answer = _read_stream(
+                client,
+                url,
+                request,
+                headers=headers,
+                body=body,
+                provider=provider,
+                secret=secret,
+                streamed=streamed,
+                is_token=is_token,
+            )
+        else:
+            answer = post_json(
+                client,
+                url,
+                headers=headers,
+                body=body,
+                timeout_seconds=request.timeout_seconds,
+                provider=provider,
+                secret=secret,
+            )
+    except ProviderError as exc:
+        if exc.retryable or exc.status is None or exc.status < 300 or exc.status in (401, 403, 404):
+            raise  # a 2xx that is no answer is the server's fault, not a setting to change
+        raise ProviderError(
+            f"{exc}; {refusal_hint(str(exc))}", retryable=False, sent=exc.sent, status=exc.status
+        ) from None
+    # Parsed outside the refusal handling, for the same reason.
+    return parse_reply(answer) if isinstance(answer, dict) else answer
+
+
+def _read_stream(
+    client: httpx.Client,
+    url: str,
+    request: ModelRequest,
+    *,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    provider: str,
+    secret: str | None,
+    streamed: Callable[[int], StreamedReply],
+    is_token: Callable[[str, Any], bool],
+) -> ModelReply | dict[str, Any]:
+    """The streamed answer, or the one JSON body of a server that ignored `stream`."""
+    answer = streamed(request.max_output_tokens)
+    events = stream_events(
+        client,
+        url,
+        headers=headers,
+        body=body,
+        timeout_seconds=request.timeout_seconds,
+        first_token_seconds=request.first_token_timeout_seconds,
+        provider=provider,
+        secret=secret,
+        is_token=is_token,
+    )
+    try:
+        for name, data in events:
+            if name == "whole":
+                if not isinstance(data, dict):
+                    raise ProviderError(
+                        f"{provider}: reply is not a JSON object", retryable=False, sent=True, status=200
+                    )
+                return data
+            answer.add(data)
+            if answer.meter.reached:
+                return answer.reply(request, cut=True)
+    finally:
+        events.close()
+    return answer.reply(request, cut=False)
+
+
 def stream_events(
     client: httpx.Client,
     url: str,
@@ -131,41 +236,43 @@ def stream_events(
                     ) from None
                 yield "whole", data
                 return
-            event, data_lines = "", []
-            for line in response.iter_lines():
+            # Split into events here rather than by httpx's lines: a streamed answer is one event
+            # per token, and this loop is most of the platform's own cost of reading it
+            # (bench/streaming.py; docs/performance.md).
+            text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            buffer = ""
+            for block in response.iter_bytes():
                 now = time.monotonic()
                 if now > deadline:
                     raise _clock_error(provider, f"no complete answer within {timeout_seconds:g}s")
                 if not answered and now > started + first:
                     raise _clock_error(provider, f"no first token within {first:g}s")
-                if line.startswith(":"):
-                    continue  # a comment: servers send them to keep a connection open
-                if line:
-                    field, _, value = line.partition(":")
-                    value = value.removeprefix(" ")
-                    if field == "event":
-                        event = value
-                    elif field == "data":
-                        data_lines.append(value)
+                buffer += text.decode(block)
+                if "\r" in buffer:
+                    # Lines may end in CRLF (sse-starlette, under llama-cpp-python's server), LF or
+                    # CR; a CR at the end may be half of a CRLF, so it waits for the next block.
+                    held = buffer.endswith("\r")
+                    buffer = (buffer[:-1] if held else buffer).replace("\r\n", "\n").replace("\r", "\n")
+                    buffer += "\r" if held else ""
+                if "\n\n" not in buffer:
                     continue
-                if not data_lines:
-                    event = ""
-                    continue
-                raw = "\n".join(data_lines)
-                name, event, data_lines = event, "", []
-                if raw.strip() == "[DONE]":
-                    return
-                try:
-                    decoded = json.loads(raw)
-                except ValueError:
-                    raise ProviderError(
-                        f"{provider}: a streamed event is not JSON: {redact(raw[:200], secret)}",
-                        retryable=True,
-                        sent=True,
-                        status=response.status_code,
-                    ) from None
-                answered = answered or is_token(name, decoded)
-                yield name, decoded
+                *events, buffer = buffer.split("\n\n")
+                for chunk in events:
+                    name, raw = sse_event(chunk)
+                    if raw is None:
+                        continue  # comments only: servers send them to keep a connection open
+                    if raw == "[DONE]":
+                        return
+                    decoded = _json(raw)
+                    if decoded is _NOT_JSON:
+                        raise ProviderError(
+                            f"{provider}: a streamed event is not JSON: {redact(raw[:200], secret)}",
+                            retryable=True,
+                            sent=True,
+                            status=response.status_code,
+                        )
+                    answered = answered or is_token(name, decoded)
+                    yield name, decoded
     except httpx.ReadTimeout:
         waited = time.monotonic() - started
         if not answered:
@@ -175,6 +282,36 @@ def stream_events(
         ) from None
     except httpx.TransportError as exc:
         raise transport_error(exc, provider=provider, secret=secret) from None
+
+
+_NOT_JSON = object()
+_DECODER = json.JSONDecoder()
+
+
+def _json(raw: str) -> Any:
+    """json.loads without its wrapper's checks (a third of its cost on a token's event)."""
+    try:
+        value, end = _DECODER.raw_decode(raw)
+    except ValueError:
+        return _NOT_JSON
+    return value if end == len(raw) or not raw[end:].strip() else _NOT_JSON
+
+
+def sse_event(chunk: str) -> tuple[str, str | None]:
+    """One server-sent event's name and data (its data lines joined; None if it has none)."""
+    if chunk.startswith("data: ") and "\n" not in chunk:
+        return "", chunk[6:].strip()  # the usual event (OpenAI's wire): one data line, no name
+    name, data = "", []
+    for line in chunk.split("\n"):
+        if not line or line.startswith(":"):
+            continue  # a comment
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            name = value
+        elif field == "data":
+            data.append(value)
+    return name, "\n".join(data).strip() if data else None
 
 
 def _clock_error(provider: str, what: str) -> ProviderError:

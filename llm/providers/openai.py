@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from llm.compat import Compat, refusal_hint, tool_calls_text, tool_result_text
-from llm.providers.http import OutputMeter, make_client, post_json, stream_events
+from llm.providers.http import OutputMeter, complete_call, make_client
 from llm.tokens import estimate_input_tokens
 from llm.types import Message, ModelReply, ModelRequest, ProviderError, ToolCall, ToolSpec, Usage
 
@@ -67,55 +67,20 @@ class OpenAIProvider:
 
     def complete(self, request: ModelRequest) -> ModelReply:
         body = self.build_body(request)
-        try:
-            if self.stream:
-                return self._streamed(request, body)
-            data = post_json(
-                self._client,
-                f"{self.base_url}/chat/completions",
-                headers=self._headers(),
-                body=body,
-                timeout_seconds=request.timeout_seconds,
-                provider=PROVIDER,
-                secret=self._api_key,
-            )
-        except ProviderError as exc:
-            if exc.retryable or exc.status in (None, 401, 403, 404):
-                raise
-            # Refused as shaped: the same request would be refused again, so say what to change.
-            raise ProviderError(
-                f"{exc}; {refusal_hint(str(exc), body, self.compat)}",
-                retryable=False,
-                sent=exc.sent,
-                status=exc.status,
-            ) from None
-        return parse_reply(data)
-
-    def _streamed(self, request: ModelRequest, body: dict[str, Any]) -> ModelReply:
-        """Read the answer as it streams; stop at the output limit (the generator's close closes
-        the connection)."""
-        answer = StreamedAnswer(request.max_output_tokens)
-        events = stream_events(
+        return complete_call(
             self._client,
             f"{self.base_url}/chat/completions",
+            request,
             headers=self._headers(),
             body=body,
-            timeout_seconds=request.timeout_seconds,
-            first_token_seconds=request.first_token_timeout_seconds,
+            stream=self.stream,
             provider=PROVIDER,
             secret=self._api_key,
+            parse_reply=parse_reply,
+            streamed=StreamedAnswer,
             is_token=lambda _name, data: bool(_delta_pieces(data)),
+            refusal_hint=lambda detail: refusal_hint(detail, body, self.compat),
         )
-        try:
-            for name, data in events:
-                if name == "whole":
-                    return parse_reply(data)
-                answer.add(data)
-                if answer.meter.reached:
-                    return answer.reply(request, cut=True)
-        finally:
-            events.close()
-        return answer.reply(request, cut=False)
 
     def build_body(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -325,21 +290,26 @@ class StreamedAnswer:
             )
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
-        for piece in _delta_pieces(data):
-            self.meter.add(piece)
-        for choice in data.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            for raw in delta.get("tool_calls") or []:
-                call = self.calls.setdefault(raw.get("index", len(self.calls)), {"arguments": []})
-                function = raw.get("function") or {}
-                if raw.get("id"):
-                    call["id"] = raw["id"]
-                if function.get("name"):
-                    call["name"] = function["name"]
-                if function.get("arguments"):
-                    call["arguments"].append(function["arguments"])
+        # One pass over the chunk (one per token): what it adds is metered as it is kept.
+        meter = self.meter.add
+        for choice in data.get("choices") or ():
+            delta = choice.get("delta")
+            if delta:
+                content = delta.get("content")
+                if content:
+                    self.text.append(content)
+                    meter(content)
+                for raw in delta.get("tool_calls") or ():
+                    call = self.calls.setdefault(raw.get("index", len(self.calls)), {"arguments": []})
+                    function = raw.get("function") or {}
+                    if raw.get("id"):
+                        call["id"] = raw["id"]
+                    if function.get("name"):
+                        call["name"] = function["name"]
+                        meter(function["name"])
+                    if function.get("arguments"):
+                        call["arguments"].append(function["arguments"])
+                        meter(function["arguments"])
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
 

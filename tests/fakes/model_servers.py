@@ -36,7 +36,8 @@ word of text or a few characters of tool arguments per event, usage as the provi
 message_delta). Reply options for streams: {"runaway": 5000, "token_ms": 2} generates that many
 tokens whatever `max_tokens` says (llama-cpp-python with tools offered); {"first_token_delay": 3}
 opens the stream and waits before the first token; {"stall_after": 5, "stall_seconds": 3} goes
-silent mid-answer. `fake.streams` records each stream: tokens sent, whether it ended or the
+silent mid-answer; {"ignores_stream": True} answers one JSON body (servers that ignore `stream`);
+{"raw": <JSON>} answers that JSON as it is. `fake.streams` records each stream: tokens sent, whether it ended or the
 client closed the connection first.
 
 With an empty queue, the auto agent's last answer repeats any `nonce-<hex>` it can see in a tool
@@ -250,13 +251,15 @@ class FakeModelServer:
             )
         elif fault:
             return self._status_fault(int(fault), reply.get("retry_after"))
+        if "raw" in reply:  # answered as given, streamed or not: a server's broken answer
+            return JSONResponse(reply["raw"])
         if body.get("stream") and reply.get("runaway"):
             reply = {**reply, "text": "tok " * int(reply["runaway"])}
         payload = self.render(body, reply, self._next_id())
         with self._lock:
             self.replies.append(payload)
         headers = {"set-cookie": self.set_cookie} if self.set_cookie else None
-        if body.get("stream"):
+        if body.get("stream") and not reply.get("ignores_stream"):
             record: dict[str, Any] = {"tokens": 0, "ended": False, "closed_early": False}
             with self._lock:
                 self.streams.append(record)
@@ -415,6 +418,11 @@ QUIRKS = {
     "legacy_max_tokens": "Unrecognized request argument supplied: max_completion_tokens",
     # llama-cpp-python's request model: an assistant turn's content must be a string (422, FastAPI)
     "string_content": "messages.{index}.content: Input should be a valid string",
+    # llama-cpp-python 0.3.36 as measured (docs/self-hosted.md): the same refusal of content: null,
+    # as an HTTP 500 listing one validation error per message type it tried
+    "string_content_500": "7 validation errors: {{'type': 'string_type', 'loc': ('body', 'messages', "
+    "{index}, 'ChatCompletionRequestAssistantMessage', 'content'), 'msg': 'Input should be a valid "
+    "string', 'input': None}} ...",
     # Gemma's chat template under llama.cpp: no system role (a 500 from the template engine)
     "no_system_role": "Value error: System role not supported",
     # servers that know only some tool_choice values
@@ -450,10 +458,11 @@ class FakeOpenAI(FakeModelServer):
         messages = body.get("messages") or []
         if "legacy_max_tokens" in self.quirks and "max_completion_tokens" in body:
             raise BadRequest(QUIRKS["legacy_max_tokens"])
-        if "string_content" in self.quirks:
-            for index, message in enumerate(messages):
-                if message.get("role") == "assistant" and not isinstance(message.get("content", ""), str):
-                    raise BadRequest(QUIRKS["string_content"].format(index=index), status=422)
+        for quirk, status in (("string_content", 422), ("string_content_500", 500)):
+            if quirk in self.quirks:
+                for index, message in enumerate(messages):
+                    if message.get("role") == "assistant" and not isinstance(message.get("content", ""), str):
+                        raise BadRequest(QUIRKS[quirk].format(index=index), status=status)
         if "no_system_role" in self.quirks and any(m.get("role") == "system" for m in messages):
             raise BadRequest(QUIRKS["no_system_role"], status=500)
         if "no_tool_choice" in self.quirks and "tool_choice" in body:

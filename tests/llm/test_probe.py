@@ -7,12 +7,15 @@ failed probe; `apply --probe` probes the file's endpoints after applying.
 
 from __future__ import annotations
 
+import datetime
 from io import StringIO
 from typing import Any
 
 import pytest
 import yaml
+from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
+from django.utils import timezone
 
 from llm.models import ModelEndpoint
 from llm.probe import failed_probe, probe, probe_lines
@@ -136,6 +139,24 @@ def test_no_cache_report_is_a_note_not_a_failure(tenant, server):
     assert caching.line().startswith("note caching: the server reports no cached input tokens")
 
 
+def test_a_refused_call_lifts_the_setting_its_error_names_into_the_check(tenant, server):
+    # llama-cpp-python refuses content: null on the tool-call turn with an HTTP 500 (as measured):
+    # the probe's line and the endpoint's page must say what to change, not only the error.
+    fake = server("openai", "string_content_500")
+    endpoint = endpoint_for(tenant, fake)
+    result = probe(endpoint)
+    reached = check(result, "tool_result")
+    assert not reached.ok and "HTTP 500" in reached.detail, reached
+    assert reached.setting == "set compat.tool_call_content: empty_string", reached
+    assert "-> set compat.tool_call_content: empty_string" in result.render()
+    assert failed_probe(endpoint.probe).endswith("set compat.tool_call_content: empty_string")
+    assert check(result, "tools").ok and check(result, "usage").ok
+
+    endpoint.compat = {"tool_call_content": "empty_string"}
+    endpoint.save()
+    assert probe(endpoint).ok, probe(endpoint).render()
+
+
 def test_a_litellm_proxy_is_refused_until_its_settings_are_set(tenant, server):
     fake = server("anthropic", "string_system", "no_cache_control", "drops_tool_results")
     endpoint = endpoint_for(tenant, fake, kind="anthropic")
@@ -172,3 +193,46 @@ def test_apply_probe_probes_the_files_endpoints_after_applying(server, tmp_path)
     call_command("apply", str(path), "--probe", stdout=out)
     assert "probe of local: passed" in out.getvalue()
     assert ModelEndpoint.objects.get(name="local").probe["ok"] is True
+
+
+def test_the_admin_shows_the_last_probes_result_and_time(tenant, server, client):
+    """What an operator reads on the endpoint's admin page and in the list: never probed (and
+    the command to run), then the last probe's verdict, its time in UTC and every check with the
+    setting to change; the model's own words in a check are shown as text, never as markup."""
+    fake = server("openai", "tools_need_choice")
+    endpoint = endpoint_for(tenant, fake)
+    supervisor = factories.make_user(tenant, "ravi", staff=True)
+    supervisor.user_permissions.add(Permission.objects.get(codename="view_modelendpoint"))
+    client.force_login(supervisor)
+    change, listing = f"/admin/llm/modelendpoint/{endpoint.pk}/change/", "/admin/llm/modelendpoint/"
+
+    assert "never probed: manage.py probe_endpoint local" in client.get(change).content.decode()
+    assert '<td class="field-probed">-</td>' in client.get(listing).content.decode()
+
+    # The model's first answer, quoted in the tools check's detail.
+    fake.queue({"text": "<script>alert(1)</script>"})
+    before = timezone.now()
+    probe(endpoint)
+    at = datetime.datetime.fromisoformat(ModelEndpoint.objects.get(pk=endpoint.pk).probe["at"])
+    assert before <= at <= timezone.now()
+    page = client.get(change).content.decode()
+    assert f"FAILED at {at.astimezone(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC" in page
+    assert (
+        "FAIL tools: the model did not call the offered tool (it answered "
+        "&#x27;&lt;script&gt;alert(1)&lt;/script&gt;&#x27;); with tool_choice: auto it did "
+        "-&gt; set compat.tool_choice: auto"
+    ) in page
+    assert "<script>alert(1)</script>" not in page
+    assert "ok   tool_result: the model repeated the nonce from the result" in page
+    assert '<td class="field-probed">FAILED</td>' in client.get(listing).content.decode()
+
+    # The setting named, the probe run again: the page shows the newer probe, and only it.
+    ModelEndpoint.objects.filter(pk=endpoint.pk).update(compat={"tool_choice": "auto"})
+    probe(ModelEndpoint.objects.get(pk=endpoint.pk))
+    later = datetime.datetime.fromisoformat(ModelEndpoint.objects.get(pk=endpoint.pk).probe["at"])
+    assert later > at
+    page = client.get(change).content.decode()
+    assert f"passed at {later.astimezone(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC" in page
+    assert "FAILED at" not in page and "FAIL tools" not in page
+    assert "ok   tools: the model called lookup_record" in page
+    assert '<td class="field-probed">passed</td>' in client.get(listing).content.decode()

@@ -196,6 +196,31 @@ def test_a_streamed_answer_is_read_whole_with_the_servers_usage(fakes, kind):
 
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_server_that_ignores_stream_is_read_as_one_answer(fakes, kind):
+    fake = fakes(kind)
+    fake.queue({"text": "found TXN-1", "ignores_stream": True})
+    reply = provider(kind, fake, stream=True).complete(request([Message("user", "hi")]))
+    assert fake.requests[-1]["stream"] is True and fake.streams == []
+    assert (reply.text, reply.usage.counted_by) == ("found TXN-1", "server")
+    assert reply.usage.output_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_malformed_answer_is_the_servers_fault_not_a_setting_to_change(fakes, kind, stream):
+    """A 200 whose body is no answer of the wire: not retried (it would come back the same), and
+    the message names no setting, since no setting of the platform's would change it."""
+    fake = fakes(kind)
+    for raw in ({"unexpected": "shape"}, ["not", "an", "object"]):
+        fake.queue({"raw": raw})
+        with pytest.raises(ProviderError) as caught:
+            provider(kind, fake, stream=stream).complete(request([Message("user", "hi")]))
+        assert not caught.value.retryable and caught.value.status == 200
+        assert "malformed reply" in str(caught.value) or "not a JSON object" in str(caught.value)
+        assert "set " not in str(caught.value) and "compat" not in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
 def test_a_runaway_answer_is_cut_at_the_output_limit_and_the_connection_closed(fakes, kind):
     """llama-cpp-python ignores max_tokens when tools are offered: 3,000+ tokens against 256."""
     fake = fakes(kind)
