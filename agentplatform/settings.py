@@ -124,6 +124,7 @@ INSTALLED_APPS = [
     "artifacts",
     "connections",
     "history",
+    "evals",
     "regions",
 ]
 

@@ -73,6 +73,11 @@ TENANT_PATHS = {
     "connections.protectedserver": "tenant",
     "history.legalhold": "tenant",
     "history.erasurecertificate": "tenant",
+    "evals.dataset": "tenant",
+    "evals.datasetversion": "dataset__tenant",
+    "evals.case": "version__dataset__tenant",
+    "evals.evaluation": "tenant",
+    "evals.caseresult": "evaluation__tenant",
     # history.checkpoint is platform-wide: operators only (not listed).
 }
 
