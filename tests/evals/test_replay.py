@@ -10,7 +10,8 @@ from evals.models import Evaluation
 from runs.models import Run
 from tests.evals.conftest import bank_calls, story_cases
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# The first test of a worker also creates its database: minutes on a loaded machine.
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
 
 def _failed_checks(evaluation: Evaluation) -> dict[str, list[str]]:
