@@ -13,9 +13,10 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
+from agents.admin import AliasForm
 from core.errors import DomainError
 from core.money import platform_money
-from evals import services
+from evals import gates, services
 from evals.models import Case, CaseResult, Dataset, DatasetVersion, Evaluation
 from tenants.admin_site import ReadOnlyAdmin, admin_link, site
 
@@ -264,3 +265,8 @@ class EvaluationAdmin(ReadOnlyAdmin):
             head,
             format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td></tr>", rows),
         )
+
+
+# A gated alias moves in the admin only to a version that passed (evals/gates.py); the agents'
+# admin sits below the evaluations and leaves its form's gate to be set here.
+AliasForm.check_move = staticmethod(gates.require_passing)

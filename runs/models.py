@@ -153,6 +153,9 @@ class Run(models.Model):
     # (RunReplay), nothing leaves the platform, and it is left out of the tenant's usage, run
     # search and metrics of real work.
     evaluation = models.BooleanField(default=False)
+    # Which arm of its alias's canary the run took (agents.selectors.resolve_arm): "stable",
+    # "canary", or "" (no canary, or a version asked for by number). Kept for the run's life.
+    arm = models.CharField(max_length=8, blank=True)
 
     class Meta:
         constraints = [

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents.selectors import may_run_agent, resolve_version
+from agents.selectors import may_run_agent, resolve_arm
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
 from artifacts import services as artifacts
@@ -61,6 +61,11 @@ class Replay:
     recordings: list
     uncovered: str
     budget_account_id: int
+
+
+def _marks(*, evaluation: bool, arm: str) -> dict[str, Any]:
+    """What the created event says of an evaluation's run, and of the canary arm a run took."""
+    return {**({"evaluation": True} if evaluation else {}), **({"arm": arm} if arm else {})}
 
 
 def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
@@ -127,7 +132,7 @@ def start_run(
                     status=422,
                 )
             return existing, False
-    pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
+    pinned, arm = resolve_arm(tenant=tenant, agent=agent, alias=alias, version=version)
     if not may_run_agent(user, pinned.agent_id):
         raise Forbidden(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
@@ -191,6 +196,7 @@ def start_run(
                 admitted_at=now if admitted else None,
                 deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None,
                 evaluation=replay is not None,
+                arm=arm,
             )
             create_run_account(run=run, limit_micros=limits["max_cost_micros"])
             if replay is not None:
@@ -216,7 +222,7 @@ def start_run(
                 agent=pinned.agent.name,
                 version=pinned.number,
                 alias=alias or "",
-                **({"evaluation": True} if replay is not None else {}),
+                **_marks(evaluation=replay is not None, arm=arm),
                 limits=limits,
                 expected_cost_micros=expected,
                 **given_files,

@@ -91,17 +91,13 @@ def _replay(step: Step, plan: ToolCall) -> ToolOutcome:
     """An evaluation's call, answered from the run's recordings (tools/replay.py): never sent."""
     found = RunReplay.objects.filter(run_id=plan.run_id).first()
     recordings, uncovered = (found.recordings, found.uncovered) if found else ([], RunReplay.Uncovered.ERROR)
-    earlier = (
-        Step.objects.filter(
-            run_id=plan.run_id,
-            tool_name=step.tool_name,
-            args_digest=step.args_digest,
-            seq__lt=step.seq,
-            status__in=(StepStatus.SUCCEEDED, StepStatus.FAILED),
-        )
-        .exclude(pk=step.pk)
-        .count()
-    )
+    earlier = Step.objects.filter(
+        run_id=plan.run_id,
+        tool_name=step.tool_name,
+        args_digest=step.args_digest,
+        seq__lt=step.seq,
+        status__in=(StepStatus.SUCCEEDED, StepStatus.FAILED),
+    ).count()
     replayed = replay.answer(
         recordings, step.tool_name, step.arguments or {}, earlier=earlier, uncovered=uncovered
     )

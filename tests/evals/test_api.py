@@ -112,7 +112,7 @@ def test_the_api_stores_versions_reports_bad_cases_by_path_and_runs_an_evaluatio
     assert refused.status_code == 400
     assert set(refused.json()["error"]["fields"]) == {
         "cases.0.user",
-        "cases.1.checks.2.max_steps",
+        "cases.1.checks.3.max_steps",
         "cases.2.approvals",
         "cases.3.recordings.4",
     }, refused.json()

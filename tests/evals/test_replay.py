@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from budgets.models import BudgetAccount
+from budgets.selectors import ledger_mismatches
 from evals import services
 from evals.models import Evaluation
 from runs.models import Run
@@ -111,6 +112,11 @@ def test_evaluations_spend_their_own_budget_never_the_tenants_day(story, asha, r
     account = BudgetAccount.objects.get(pk=evaluation.budget_account_id)
     assert account.spent_micros > 0 and account.spent_micros == evaluation.totals["cost_micros"]
     assert not BudgetAccount.objects.filter(scope__in=["tenant_day", "user_day"]).exists()
+    # The evaluation's ledger adds up, like every account's.
+    assert ledger_mismatches(account) == {}
+    assert all(
+        ledger_mismatches(r.run.budget) == {} for r in evaluation.results.select_related("run__budget")
+    )
 
 
 def test_an_evaluation_stops_a_case_when_its_budget_is_spent(story, asha, ravi):
