@@ -143,7 +143,12 @@ def promote_canary(*, tenant, agent: str, alias: str, user=None, reason: str = "
             raise Conflict("the canary changed meanwhile", code="canary_changed")
         number = AgentVersion.objects.get(pk=found.canary_version_id).number
         AliasChange.objects.create(
-            alias=found, kind=AliasChange.Kind.PROMOTED, version=number, actor=user, reason=reason
+            alias=found,
+            kind=AliasChange.Kind.PROMOTED,
+            version=number,
+            canary_version=number,
+            actor=user,
+            reason=reason,
         )
     return Alias.objects.select_related("version").get(pk=found.pk)
 
