@@ -15,6 +15,7 @@ from runs.services import start_run
 from tenants.models import Tenant
 from tests import factories
 from tests.conftest import drive
+from tests.fakes.model_servers import FakeOpenAI
 
 RULES = {"min_runs": 10}
 pytestmark = pytest.mark.timeout(900)
@@ -117,6 +118,64 @@ def test_a_failing_canary_is_rolled_back_by_the_watcher_and_later_runs_take_prod
     later = [start_run(user=asha, agent="helper", input={"later": i})[0] for i in range(20)]
     assert {(r.version_id, r.arm) for r in later} == {(v1.pk, "")}
     assert canary.watch() == []  # nothing left to watch
+
+
+@pytest.fixture
+def half_failing_server():
+    """A model server that refuses every other call it gets (a 400, which no retry mends)."""
+    fake = FakeOpenAI(min_cacheable_tokens=0)
+    fake.start()
+    fake.queue(*[{"fault": "bad_request"}, {"text": "done"}] * 100)
+    yield fake
+    fake.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_canary_whose_endpoint_fails_half_its_calls_is_rolled_back_within_the_window(
+    tenant, asha, ravi, agent, half_failing_server
+):
+    from agents import services as agents
+
+    v1, _ = agent
+    endpoint = factories.make_endpoint(
+        tenant, name="flaky", kind="openai", base_url=half_failing_server.base_url
+    )
+    v3 = factories.make_agent(tenant, name="helper", endpoint=endpoint, tools=[], alias="flaky-candidate")
+    window = 600
+    agents.start_canary(
+        tenant=tenant,
+        agent="helper",
+        alias="prod",
+        version=v3.number,
+        percent=50,
+        user=ravi,
+        rules={"min_runs": 6, "window_seconds": window},
+    )
+    since = Alias.objects.get(agent__name="helper", name="prod").canary_since
+    served = []
+    for i in range(60):
+        run = drive(start_run(user=asha, agent="helper", input={"i": i})[0].pk)
+        served.append((run.arm, run.status))
+        if canary.watch():
+            break
+    canary_runs = [s for a, s in served if a == "canary"]
+    # Half the endpoint's calls refused: about half the canary's runs failed, none of prod's.
+    assert len(canary_runs) >= 6 and set(canary_runs) == {"failed", "succeeded"}
+    assert (
+        canary_runs.count("failed")
+        == len(half_failing_server.requests) // 2 + len(half_failing_server.requests) % 2
+    )
+    assert {s for a, s in served if a == "stable"} == {"succeeded"}
+    change = AliasChange.objects.get(kind="rolled_back")
+    assert change.automatic and "failure rate" in change.reason
+    assert (change.at - since).total_seconds() < window
+    alias = Alias.objects.get(agent__name="helper", name="prod")
+    assert alias.canary_version_id is None and alias.version_id == v1.pk
+
+    calls = len(half_failing_server.requests)
+    later = [drive(start_run(user=asha, agent="helper", input={"later": i})[0].pk) for i in range(20)]
+    assert {(r.version_id, r.arm, r.status) for r in later} == {(v1.pk, "", "succeeded")}
+    assert len(half_failing_server.requests) == calls  # the canary's endpoint hears no more
 
 
 @pytest.mark.django_db(transaction=True)
