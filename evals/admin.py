@@ -92,7 +92,7 @@ class DatasetAdmin(ReadOnlyAdmin):
 
     def add_runs_view(self, request):
         """Add finished runs (ids from the runs list's action) to a dataset as cases, in one step."""
-        if not request.user.is_staff or request.user.tenant_id is None:
+        if request.user.tenant_id is None or not request.user.has_perm("evals.change_dataset"):
             raise PermissionDenied
         form = AddRunsForm(request.POST or None, initial={"runs": request.GET.get("runs", "")})
         if request.method == "POST" and form.is_valid():

@@ -507,7 +507,8 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         messages.success(request, f"run {str(run.pk)[:8]}: cancel requested; no new call starts from now on")
 
     def has_add_to_dataset_permission(self, request, obj=None):
-        return request.user.is_staff and request.user.tenant_id is not None
+        # A role's permission (tenants/roles.py): supervisors and operators keep datasets.
+        return request.user.tenant_id is not None and request.user.has_perm("evals.change_dataset")
 
     @admin.action(description="Add selected finished runs to a dataset", permissions=["add_to_dataset"])
     def add_to_dataset(self, request, queryset):
