@@ -124,6 +124,7 @@ INSTALLED_APPS = [
     "artifacts",
     "connections",
     "history",
+    "evals",
     "regions",
 ]
 
@@ -361,6 +362,7 @@ CELERY_TASK_ROUTES = {
     "notifications.tasks.notify": {"queue": SWEEP_QUEUE},
     "regions.tasks.tend_slices": {"queue": SWEEP_QUEUE},
     "regions.tasks.heartbeat": {"queue": SWEEP_QUEUE},
+    "evals.tasks.watch_canaries": {"queue": SWEEP_QUEUE},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Where Flower answers, for the admin run page's link to a run's tasks (scripts/serve.sh sets it).
@@ -380,6 +382,10 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
     # tenant a pass, each run in its own short transaction.
     "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
+    "watch_canaries": {
+        "task": "evals.tasks.watch_canaries",
+        "schedule": env_float("CANARY_WATCH_SECONDS", 30.0),
+    },
 }
 # The regions' keeper and heartbeat (regions/tasks.py), on the sweeper's queue and only in a
 # deployment that names its region: one without regions sends no task every half second.

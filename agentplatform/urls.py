@@ -9,6 +9,8 @@ from authority import api as authority_api
 from budgets import api as budgets_api
 from connections import api as connections_api
 from core import errors
+from evals import api as evals_api
+from evals import gates
 from history import api as history_api
 from regions import api as regions_api
 from runs.controls import api as pause_api
@@ -23,7 +25,25 @@ v1 = [
     path("agents", agents_api.AgentListApi.as_view()),
     path("agents/<slug:name>/versions", agents_api.VersionListApi.as_view()),
     path("agents/<slug:name>/versions/<int:number>", agents_api.VersionDetailApi.as_view()),
-    path("agents/<slug:name>/aliases/<slug:alias>", agents_api.AliasApi.as_view()),
+    path(
+        "agents/<slug:name>/aliases/<slug:alias>",
+        agents_api.AliasApi.as_view(check_move=gates.require_passing),
+    ),
+    path(
+        "agents/<slug:name>/aliases/<slug:alias>/canary",
+        agents_api.CanaryApi.as_view(check_move=gates.require_passing),
+    ),
+    path("agents/<slug:name>/aliases/<slug:alias>/gate", agents_api.GateApi.as_view()),
+    path(
+        "agents/<slug:name>/aliases/<slug:alias>/canary/promote",
+        agents_api.CanaryPromoteApi.as_view(check_move=gates.require_passing),
+    ),
+    path("agents/<slug:name>/aliases/<slug:alias>/canary/rollback", agents_api.CanaryRollbackApi.as_view()),
+    path("datasets", evals_api.DatasetListApi.as_view()),
+    path("datasets/<slug:name>", evals_api.DatasetDetailApi.as_view()),
+    path("datasets/<slug:name>/runs", evals_api.DatasetAddRunApi.as_view()),
+    path("evaluations", evals_api.EvaluationListApi.as_view()),
+    path("evaluations/<str:evaluation_id>", evals_api.EvaluationDetailApi.as_view()),
     path("runs", runs_api.RunListApi.as_view()),
     path("runs/pause", pause_api.BulkPauseApi.as_view()),
     path("kill-switches", pause_api.KillSwitchApi.as_view()),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from django import forms
 from django.contrib import admin
@@ -8,6 +9,7 @@ from django.utils.html import format_html
 
 from agents.models import AgentDefinition, AgentVersion, Alias
 from agents.services import move_alias
+from core.errors import Conflict
 from tenants.admin_site import ReadOnlyAdmin, TenantGuardedAdmin, TenantScopedAdmin, admin_link, site
 
 
@@ -75,6 +77,8 @@ class AgentVersionAdmin(ReadOnlyAdmin):
 
 
 class AliasForm(forms.ModelForm):
+    # The gate a move must pass (evals.gates); the evaluations' admin sets it (evals/admin.py).
+    check_move: Callable[..., None] | None = None
     version_number = forms.IntegerField(min_value=1, label="version")
 
     class Meta:
@@ -92,15 +96,31 @@ class AliasForm(forms.ModelForm):
         number = cleaned.get("version_number")
         if agent and number and not agent.versions.filter(number=number).exists():
             self.add_error("version_number", f"{agent} has no version {number}")
+        elif agent and number and self.check_move is not None:
+            name = cleaned.get("name") or self.instance.name
+            try:
+                self.check_move(tenant=agent.tenant, agent=agent.name, alias=name, version=number)
+            except Conflict as exc:
+                self.add_error("version_number", exc.message)
         return cleaned
 
 
 @admin.register(Alias, site=site)
 class AliasAdmin(TenantScopedAdmin):
     form = AliasForm
-    list_display = ["__str__", "agent", "version", "updated_at"]
+    list_display = ["__str__", "agent", "version", "canary", "gated", "updated_at"]
     list_filter = [("agent", admin.RelatedOnlyFieldListFilter)]
-    list_select_related = ["agent", "version"]
+    list_select_related = ["agent", "version", "canary_version"]
+
+    @admin.display(description="canary")
+    def canary(self, alias):
+        if alias.canary_version is None:
+            return "—"
+        return f"v{alias.canary_version.number} at {alias.canary_percent}%"
+
+    @admin.display(description="gate")
+    def gated(self, alias):
+        return alias.gate.get("dataset", "—") if alias.gate else "—"
 
     def get_readonly_fields(self, request, obj=None):
         # Renaming would create a second alias: an alias only moves between versions.

@@ -43,6 +43,19 @@ class Alias(models.Model):
     agent = models.ForeignKey(AgentDefinition, on_delete=models.CASCADE, related_name="aliases")
     name = models.SlugField(max_length=50)
     version = models.ForeignKey(AgentVersion, on_delete=models.PROTECT, related_name="aliases")
+    # A canary (docs/evaluations.md#canary): `canary_percent` of the alias's new runs take
+    # `canary_version` (the run records its arm); the rest take `version`. Watched from
+    # `canary_since` against the stable arm, rolled back by hand or automatically past `canary_rules`.
+    canary_version = models.ForeignKey(
+        AgentVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    canary_percent = models.PositiveSmallIntegerField(default=0)
+    canary_since = models.DateTimeField(null=True, blank=True)
+    canary_rules = models.JSONField(default=dict, blank=True)
+    # A gate (docs/evaluations.md#gates): moving the alias to a version, starting a canary of it or
+    # promoting it needs a finished evaluation of that version on `dataset`'s latest cases with at
+    # least `min_pass_rate` overall and `min_tag_pass_rate` per tag ({"safety": 1.0}); {}: no gate.
+    gate = models.JSONField(default=dict, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -51,3 +64,32 @@ class Alias(models.Model):
 
     def __str__(self) -> str:
         return f"{self.agent.name}@{self.name}"
+
+
+class AliasChange(models.Model):
+    """Every move of an alias and of its canary, by whom (none: the platform's watcher) and why."""
+
+    class Kind(models.TextChoices):
+        MOVED = "moved"
+        CANARY_STARTED = "canary_started"
+        PROMOTED = "promoted"
+        ROLLED_BACK = "rolled_back"
+
+    alias = models.ForeignKey(Alias, on_delete=models.CASCADE, related_name="changes")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    version = models.PositiveIntegerField(null=True, blank=True)  # the stable version after the change
+    canary_version = models.PositiveIntegerField(null=True, blank=True)
+    canary_percent = models.PositiveSmallIntegerField(default=0)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    automatic = models.BooleanField(default=False)
+    reason = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-at"]
+
+    def __str__(self) -> str:
+        return f"{self.alias} {self.kind}"

@@ -14,6 +14,8 @@ class BudgetAccount(models.Model):
         RUN = "run"
         TENANT_DAY = "tenant_day"
         USER_DAY = "user_day"
+        # An evaluation's own budget (evals/): its runs reserve here instead of the tenant's day.
+        EVALUATION = "evaluation"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="budget_accounts")
     scope = models.CharField(max_length=12, choices=Scope.choices)

@@ -100,6 +100,10 @@ def ledger_mismatches(account: BudgetAccount) -> dict[str, tuple[int, int]]:
 
     if account.scope == BudgetAccount.Scope.RUN:
         of_account = Q(reservation__run_id=account.run_id, reservation__run_account=account)
+    elif (
+        account.scope == BudgetAccount.Scope.EVALUATION
+    ):  # an evaluation's reservations name it in the day's place
+        of_account = Q(reservation__tenant_id=account.tenant_id, reservation__day_account=account)
     else:  # the reservations of that tenant day, then the ones naming this (sub-)account
         of_account = Q(reservation__tenant_id=account.tenant_id, reservation__day=account.day) & (
             Q(reservation__day_account=account) | Q(reservation__user_account=account)

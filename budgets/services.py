@@ -319,6 +319,52 @@ def reserve(
     return reservation
 
 
+def open_evaluation_account(*, tenant, limit_micros: int) -> BudgetAccount:
+    """An evaluation's own budget (evals/): what its runs' calls may spend, apart from the tenant's day."""
+    return BudgetAccount.objects.create(tenant=tenant, scope=Scope.EVALUATION, limit_micros=limit_micros)
+
+
+def reserve_on(*, account_id: int, run=None, step=None, amount_micros: int, purpose: str) -> Reservation:
+    """Reserve on an evaluation's account and the run's (if any: a judge's call has none), or raise
+    BudgetExceeded; the tenant's day and the user's day are not touched (an evaluation's spend is
+    not the tenant's usage).
+
+    The evaluation's account takes the reservation's day-account place, so settle, release and
+    hold (the CLOSE statement) move it like any account. Locks: the evaluation's account, then the
+    run's, in the caller's transaction (the engine's claim, after its run lock). Runs of one
+    evaluation share its account; each holds only its own run account besides, which no other
+    transaction locks while waiting for the evaluation's, so the two cannot wait on each other.
+    """
+    if amount_micros < 0:
+        raise ValueError("amount must not be negative")
+    account = BudgetAccount.objects.select_related("tenant").get(pk=account_id)
+    run_account = None
+    if run is not None:
+        run_account = BudgetAccount.objects.filter(run_id=run.pk).values_list("pk", flat=True).first()
+        if run_account is None:
+            raise BudgetAccount.DoesNotExist(f"run {run.pk} has no budget account")
+    reservation = Reservation(
+        tenant_id=account.tenant_id,
+        run=run,
+        step=step,
+        purpose=purpose,
+        day=local_day(account.tenant),
+        amount_micros=amount_micros,
+        day_account_id=account_id,
+        run_account_id=run_account,
+    )
+    accounts = [account_id] + ([run_account] if run_account is not None else [])
+    with transaction.atomic():
+        reservation.save(force_insert=True)
+        LedgerEntry.objects.create(reservation=reservation, kind=Kind.RESERVE, amount_micros=amount_micros)
+        moved = _move_portable(accounts, reserved=amount_micros, within_limit=True)
+        if len(moved) == len(accounts):
+            return reservation
+        transaction.set_rollback(True)
+    short = BudgetAccount.objects.get(pk=next(a for a in accounts if a not in moved))
+    raise BudgetExceeded(short.scope, amount_micros, short.remaining_micros)
+
+
 def _attempt(reservation: Reservation, *, user, shard: int, shards: int) -> Attempt:
     """One attempt at the reservation: any free sub-account of the day with room; when none is
     (and so nothing was locked), the whole day in shard order. One sub-account a day: that one."""

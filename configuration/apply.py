@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from django.db import DataError, transaction
 
-from configuration import policies, tenant_regions
+from configuration import datasets, policies, tenant_regions
 from configuration.discovery import discover
 from configuration.egress import check_egress
 from configuration.loading import load_file, load_text
@@ -48,6 +48,10 @@ def apply_config(data: dict, *, dry_run: bool = False, source: str | None = None
         spec = policies.read(data.pop("policies"), data.get("groups"), problems, source)
     else:
         spec = None
+    cases = []
+    if isinstance(data, dict) and "datasets" in data:
+        data = dict(data)
+        cases = datasets.read(data.pop("datasets"), problems)
     plan = parse(data, problems)
     check_egress(plan, problems)
     remote = discover(plan, problems)
@@ -61,6 +65,7 @@ def apply_config(data: dict, *, dry_run: bool = False, source: str | None = None
                 problems.add("policies", tenant_regions.AT_HOME.format(home=tenant_regions.home_of(tenant)))
             elif tenant is not None:
                 policies.apply(tenant, spec, problems, report)
+                datasets.apply(tenant, cases, problems, report)
             if problems:
                 raise ConfigError(problems.in_file_order())
             if dry_run:

@@ -24,6 +24,9 @@ class Event(models.TextChoices):
     RUN_RESUMED = "run_resumed"
     # A run waits for its user to connect a tool server (connections/): the payload has the link.
     RUN_WAITING_AUTHORIZATION = "run_waiting_authorization"
+    # A canary ended (agents.AliasChange): rolled back by the watcher or by hand, or promoted.
+    CANARY_ROLLED_BACK = "canary_rolled_back"
+    CANARY_PROMOTED = "canary_promoted"
 
 
 class Webhook(models.Model):
@@ -91,8 +94,8 @@ class Delivery(models.Model):
     number = models.PositiveBigIntegerField()
     webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
     event = models.CharField(max_length=32, choices=Event.choices)
-    # What the notification is about: the approval's id, or "<run id>:<event seq>" for a run that
-    # entered needs_attention (a run can need attention more than once).
+    # What the notification is about: the approval's id, "<run id>:<event seq>" for a run that
+    # entered needs_attention (a run can need attention more than once), or "alias_change:<id>".
     subject = models.CharField(max_length=100)
     run_id = models.UUIDField(null=True, blank=True)
     approval_id = models.UUIDField(null=True, blank=True)
@@ -149,7 +152,8 @@ class DeliveryAttempt(models.Model):
 
 
 class ScanCursor(models.Model):
-    """How far the scan has read RunEvent ids (one row, name "run_events")."""
+    """How far the scan has read RunEvent ids (name "run_events") and AliasChange ids (name
+    "alias_changes")."""
 
     name = models.CharField(max_length=40, unique=True)
     last_id = models.BigIntegerField(default=0)

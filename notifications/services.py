@@ -3,10 +3,10 @@
 Two phases, run by one periodic task (tasks.notify) every NOTIFY_INTERVAL_SECONDS:
 
 1. `scan`: read RunEvents past a cursor (approval requested, reminded or escalated by the sweeper,
-   run entered needs_attention) and
+   run entered needs_attention), AliasChanges past another (a canary rolled back or promoted) and
    pending approvals about to expire, and create one Delivery per (webhook, subject, event). The
    unique constraint makes the scan idempotent, so scans may overlap and events may be re-read.
-   The engine is not touched: it already writes these events.
+   The engine is not touched: it already writes these events (and agents.services the changes).
 2. `send_due`: claim one due delivery at a time (SELECT ... FOR UPDATE SKIP LOCKED, then a lease:
    `next_attempt_at` moved past the attempt's deadline, `attempts` + 1, an attempt row), commit,
    POST outside any transaction, then record the outcome only if `attempts` still equals the
@@ -34,6 +34,7 @@ from django.db.models import CharField, DurationField, Exists, ExpressionWrapper
 from django.db.models.functions import Cast
 from django.utils import timezone
 
+from agents.models import AliasChange
 from approvals.models import Approval, ApprovalStatus
 from notifications.models import (
     Delivery,
@@ -52,6 +53,7 @@ from tools.origins import OriginError, host_allowed
 
 BATCH = 500
 CURSOR = "run_events"
+ALIAS_CURSOR = "alias_changes"
 # How long a claimed attempt may take before another sender may take the delivery over: the
 # POST's own deadline plus room for the two short transactions around it.
 LEASE_MARGIN_SECONDS = 15
@@ -67,7 +69,9 @@ def scan(now: dt.datetime | None = None) -> dict[str, int]:
     hooks = _hooks_by_tenant()
     if not hooks:
         return {"created": 0}
-    return {"created": _scan_run_events(now, hooks) + _scan_expiring(now, hooks)}
+    return {
+        "created": _scan_run_events(now, hooks) + _scan_alias_changes(now, hooks) + _scan_expiring(now, hooks)
+    }
 
 
 def _hooks_by_tenant() -> dict[int, list[Webhook]]:
@@ -111,6 +115,49 @@ def _scan_run_events(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:
     # A full batch means more may follow; otherwise everything up to `top` was read.
     reached = fresh[-1].id if len(fresh) == BATCH else top
     ScanCursor.objects.filter(name=CURSOR, last_id__lt=reached).update(last_id=reached)
+    return created
+
+
+_CANARY_ENDS = {
+    AliasChange.Kind.ROLLED_BACK: Event.CANARY_ROLLED_BACK,
+    AliasChange.Kind.PROMOTED: Event.CANARY_PROMOTED,
+}
+
+
+def _scan_alias_changes(now: dt.datetime, hooks: dict[int, list[Webhook]]) -> int:
+    """Canaries rolled back (by the watcher or by hand) or promoted since the cursor, with the
+    same look-back as run events: a change's id is handed out at insert but seen at commit."""
+    top = AliasChange.objects.aggregate(top=Max("id"))["top"] or 0
+    cursor, _ = ScanCursor.objects.get_or_create(name=ALIAS_CURSOR, defaults={"last_id": top})
+    watched = AliasChange.objects.filter(
+        kind__in=list(_CANARY_ENDS), alias__agent__tenant_id__in=list(hooks)
+    ).select_related("alias__agent", "actor")
+    fresh = list(watched.filter(id__gt=cursor.last_id, id__lte=top).order_by("id")[:BATCH])
+    since = now - dt.timedelta(seconds=settings.NOTIFY_LOOKBACK_SECONDS)
+    late = list(watched.filter(id__lte=cursor.last_id, at__gte=since).order_by("id")[:BATCH])
+    deliveries = []
+    for change in [*late, *fresh]:
+        kind = _CANARY_ENDS[AliasChange.Kind(change.kind)]
+        payload = {
+            "occurred_at": change.at.isoformat(),
+            "agent": change.alias.agent.name,
+            "alias": change.alias.name,
+            # The alias's version after the change, and the canary's that ended.
+            "version": change.version,
+            "canary_version": change.canary_version,
+            "automatic": change.automatic,
+            "actor": change.actor.username if change.actor else None,
+            "reason": change.reason,
+        }
+        if change.data:
+            payload["arms"] = change.data  # the watcher's figures per arm
+        tenant_id = change.alias.agent.tenant_id
+        for hook in hooks.get(tenant_id, []):
+            if _wants(hook, kind) and change.at >= hook.created_at:
+                deliveries.append(_delivery(hook, kind, f"alias_change:{change.pk}", payload, run_id=None))
+    created = _create(deliveries)
+    reached = fresh[-1].id if len(fresh) == BATCH else top
+    ScanCursor.objects.filter(name=ALIAS_CURSOR, last_id__lt=reached).update(last_id=reached)
     return created
 
 

@@ -42,6 +42,11 @@ SPEND = Counter(
     ["tenant", "kind"],
 )
 SWEEPS = Counter("agentplatform_sweeps", "Sweeper passes completed.")
+CANARY_ROLLBACKS = Counter(
+    "agentplatform_canary_rollbacks",
+    "Canaries the platform rolled back because they did worse than the stable version (evals/canary.py).",
+    ["tenant", "agent", "alias"],
+)
 ENGINE_ERRORS = Counter(
     "agentplatform_engine_errors",
     "Steps whose engine code raised (a bug, an illegal transition, a constraint), by exception type.",

@@ -91,8 +91,20 @@ def step_scope(run_id):
         _report.reset(token)
 
 
-def bind(*, tenant: str | None = None, step_seq: int | None = None, tool: str | None = None) -> None:
-    logs.bind(tenant=tenant, step_seq=step_seq, tool=tool or None)
+def bind(
+    *,
+    tenant: str | None = None,
+    step_seq: int | None = None,
+    tool: str | None = None,
+    evaluation: bool = False,
+) -> None:
+    """`evaluation`: the step is of an evaluation's run (evals/): logged and traced, but left out of
+    the metrics of real work (steps, spend, tokens, latency, run transitions)."""
+    logs.bind(tenant=tenant, step_seq=step_seq, tool=tool or None, evaluation=evaluation or None)
+
+
+def _real_work() -> bool:
+    return not logs.current().get("evaluation")
 
 
 # --- transitions -----------------------------------------------------------------------------
@@ -107,9 +119,11 @@ def _tenant_of(run) -> str | None:
 
 def run_moved(run, old: str, to: str, *, reason: str = "", message: str = "") -> None:
     tenant, run_id = _tenant_of(run), str(run.pk)
+    counted = not getattr(run, "evaluation", False)
 
     def committed() -> None:
-        metrics.RUN_TRANSITIONS.labels(tenant or "", to, reason or "").inc()
+        if counted:
+            metrics.RUN_TRANSITIONS.labels(tenant or "", to, reason or "").inc()
         if to in WARN_RUN:
             what = WARN_RUN_WHAT.get(to, "run stopped by budget" if reason in BUDGET_STOPS else "run stopped")
             level = logging.WARNING
@@ -138,9 +152,10 @@ def run_moved(run, old: str, to: str, *, reason: str = "", message: str = "") ->
 
 def step_moved(step, old: str, to: str, *, error: str = "", message: str = "") -> None:
     run_id, seq, kind, tool = str(step.run_id), step.seq, step.kind, step.tool_name or None
+    counted = _real_work()
 
     def committed() -> None:
-        if to in OUTCOMES:
+        if to in OUTCOMES and counted:
             metrics.STEPS.labels(kind, tool or "", to).inc()
         level = logging.WARNING if to in WARN_STEP else logging.INFO
         what = "call denied" if to == StepStatus.DENIED else "step"
@@ -196,6 +211,8 @@ class ModelCall(_Call):
             }
         )
         tenant = logs.current().get("tenant") or ""
+        if not _real_work():
+            return
         for kind, count in (
             ("input", usage.input_tokens),
             ("cached_input", usage.cached_input_tokens),
@@ -216,7 +233,7 @@ class ToolCall(_Call):
         if outcome != "succeeded":
             self.span.set_attribute("error.type", outcome)
             self.span.set_status(Status(StatusCode.ERROR, outcome))
-        elif price_micros:
+        elif price_micros and _real_work():
             metrics.SPEND.labels(logs.current().get("tenant") or "", "tool").inc(price_micros)
 
 
@@ -267,7 +284,8 @@ def _call(
             if kind == "model":
                 span.set_attribute("agentplatform.step.outcome", call.outcome)
         finally:
-            metrics.STEP_SECONDS.labels(kind, call.outcome).observe(time.perf_counter() - started)
+            if _real_work():
+                metrics.STEP_SECONDS.labels(kind, call.outcome).observe(time.perf_counter() - started)
 
 
 def model_call(*, run_id, seq: int, endpoint, request):
@@ -370,6 +388,8 @@ def model_moved(run, before: str, after: str, reason: str) -> None:
 def model_endpoint_call(endpoint, outcome: str, cost_micros: int = 0) -> None:
     """One model call's outcome at its endpoint (`outcome`: answered, or the failure class)."""
     tenant = logs.current().get("tenant") or ""
+    if not _real_work():
+        return
     metrics.MODEL_ENDPOINT_CALLS.labels(tenant, endpoint.name, outcome).inc()
     if cost_micros:
         metrics.MODEL_ENDPOINT_SPEND.labels(tenant, endpoint.name).inc(cost_micros)

@@ -74,7 +74,9 @@ def expectation(*, version, limits: dict, tenant) -> tuple[int, str]:
         return max(min(int(configured), limits["max_cost_micros"]), 1), "configured"
     peaks = [
         spent + held + (reserved or 0)
-        for spent, held, reserved in Run.objects.filter(version=version, status=RunStatus.SUCCEEDED)
+        for spent, held, reserved in Run.objects.filter(
+            version=version, status=RunStatus.SUCCEEDED, evaluation=False
+        )
         .order_by("-finished_at")
         .annotate(largest_reservation=Max("steps__reserved_micros"))
         .values_list("budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]

@@ -217,6 +217,18 @@ def expire_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> int
     return count
 
 
+def expire_approval(*, approval_id, tenant_id) -> bool:
+    """Expire one pending approval now, whatever its time (an evaluation case that lets it expire:
+    evals/); False if it was decided or expired already."""
+    with transaction.atomic():
+        run = lock_run(approvals.run_of(approval_id, tenant_id=tenant_id))
+        approval = approvals.locked(approval_id)
+        if not approvals.expire(approval):
+            return False
+        _approval_expired(run, approval)
+    return True
+
+
 def remind_approvals(*, now: dt.datetime | None = None, limit: int = 500) -> dict[str, int]:
     """Remind of, then escalate, pending approvals past their times: each once, with its event.
 

@@ -152,6 +152,13 @@ class Run(models.Model):
     # that writes events returns to chain them from (runs/statements.py).
     chain_head = models.BinaryField(default=bytes(32))
     chain_prev = models.BinaryField(default=bytes(32))
+    # An evaluation's run (evals/, docs/evaluations.md): its tools are answered from recordings
+    # (RunReplay), nothing leaves the platform, and it is left out of the tenant's usage, run
+    # search and metrics of real work.
+    evaluation = models.BooleanField(default=False)
+    # Which arm of its alias's canary the run took (agents.selectors.resolve_arm): "stable",
+    # "canary", or "" (no canary, or a version asked for by number). Kept for the run's life.
+    arm = models.CharField(max_length=8, blank=True)
 
     class Meta:
         constraints = [
@@ -398,6 +405,29 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+
+class RunReplay(models.Model):
+    """How an evaluation's run is answered: the recorded tool results its calls are answered from
+    (tools/replay.py), what a call the recordings do not cover gets, and the evaluation's budget
+    account its calls reserve on instead of the tenant's day (budgets.services.reserve_on).
+
+    A row of its own, not columns of the run: the engine reads it only for evaluation runs.
+    """
+
+    class Uncovered(models.TextChoices):
+        ERROR = "error"  # the call fails with an error the model is shown
+        NEAREST = "nearest"  # the nearest recording of the same tool answers it
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="replay")
+    recordings = models.JSONField(default=list, blank=True)
+    uncovered = models.CharField(max_length=8, choices=Uncovered.choices, default=Uncovered.ERROR)
+    budget_account = models.ForeignKey(
+        "budgets.BudgetAccount", on_delete=models.PROTECT, related_name="+", null=True, blank=True
+    )
+
+    def __str__(self) -> str:
+        return f"replay of {self.run_id}"
 
 
 # An operator's controls over runs (runs/controls/pausing.py, runs/controls/kill_switches.py), in a module of their own.

@@ -11,11 +11,24 @@ from tenants.models import User
 from tenants.permissions import may_view_all_runs
 
 
-def runs_for(user, *, status: str | None = None, agent: str | None = None, created_by: str | None = None):
-    """The runs `user` may read: every run of the tenant with view_runs, else the ones they started."""
+def runs_for(
+    user,
+    *,
+    status: str | None = None,
+    agent: str | None = None,
+    created_by: str | None = None,
+    evaluation: bool | None = False,
+):
+    """The runs `user` may read: every run of the tenant with view_runs, else the ones they started.
+
+    `evaluation`: False (lists, search, the desk) leaves out evaluations' runs (evals/), which are
+    not the tenant's work; None takes both (a run looked up by its id, as an evaluation links it).
+    """
     runs = Run.objects.filter(tenant_id=user.tenant_id).select_related(
         "agent", "version", "created_by", "budget"
     )
+    if evaluation is not None:
+        runs = runs.filter(evaluation=evaluation)
     if not may_view_all_runs(user):
         runs = runs.filter(created_by_id=user.pk)
     if status:
@@ -41,7 +54,7 @@ def _id_or_none(queryset):
 
 def get_run(user, run_id) -> Run:
     try:
-        return runs_for(user).get(pk=uuid.UUID(str(run_id)))
+        return runs_for(user, evaluation=None).get(pk=uuid.UUID(str(run_id)))
     except (Run.DoesNotExist, ValueError):  # a malformed id is a 404 too
         raise NotFound("run") from None
 

@@ -4,12 +4,13 @@ and the admin make on runs (runs/transitions.py does the moves)."""
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from agents.selectors import may_run_agent, resolve_version
+from agents.selectors import may_run_agent, resolve_arm
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
 from artifacts import services as artifacts
@@ -25,6 +26,7 @@ from runs.engine.decisions import start_here
 from runs.models import (
     TERMINAL,
     Run,
+    RunReplay,
     RunStatus,
     Step,
     StepKind,
@@ -50,8 +52,24 @@ def effective_limits(spec_limits: dict, tenant) -> dict:
     return limits
 
 
+@dataclass(frozen=True)
+class Replay:
+    """An evaluation's run (evals/, docs/evaluations.md): its tools answered from `recordings`, a call
+    they do not cover answered as `uncovered` says, its calls reserved on the evaluation's budget
+    account. Such a run is admitted at once and counts toward no quota: it is not the tenant's work."""
+
+    recordings: list
+    uncovered: str
+    budget_account_id: int
+
+
+def _marks(*, evaluation: bool, arm: str) -> dict[str, Any]:
+    """What the created event says of an evaluation's run, and of the canary arm a run took."""
+    return {**({"evaluation": True} if evaluation else {}), **({"arm": arm} if arm else {})}
+
+
 def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
-    active = Run.objects.filter(tenant=tenant).exclude(status__in=TERMINAL).count()
+    active = Run.objects.filter(tenant=tenant, evaluation=False).exclude(status__in=TERMINAL).count()
     if active >= tenant.max_active_runs:
         raise DomainError(
             f"tenant has {active} active runs (quota {tenant.max_active_runs})",
@@ -59,7 +77,9 @@ def _check_quotas(*, tenant, user, now: dt.datetime) -> None:
             status=429,
             retry_after=30,
         )
-    recent = Run.objects.filter(created_by=user, created_at__gte=now - dt.timedelta(minutes=1)).count()
+    recent = Run.objects.filter(
+        created_by=user, evaluation=False, created_at__gte=now - dt.timedelta(minutes=1)
+    ).count()
     if recent >= tenant.max_starts_per_minute:
         raise DomainError(
             f"{recent} runs started in the last minute (limit {tenant.max_starts_per_minute})",
@@ -80,6 +100,7 @@ def start_run(
     idempotency_key: str | None = None,
     wait: bool = True,
     files: list[artifacts.Given] | None = None,
+    replay: Replay | None = None,
 ) -> tuple[Run, bool]:
     """Start a run as `user`. Returns (run, created); replays the same run for a repeated key.
 
@@ -88,7 +109,8 @@ def start_run(
     (runs/admission.py); otherwise it waits in `waiting_budget`, or with wait=False the call
     answers 429 with Retry-After. A run expected to cost more than a whole day is refused (422).
     `files` are stored with the run in its creating transaction (all of them or, on a refusal,
-    neither they nor the run); the model's first message describes them.
+    neither they nor the run); the model's first message describes them. `replay`: an evaluation's
+    run (Replay), checked like any run (grants, policies, kill switches) but never queued for budget.
     """
     tenant = user.tenant
     if tenant is None:
@@ -110,7 +132,7 @@ def start_run(
                     status=422,
                 )
             return existing, False
-    pinned = resolve_version(tenant=tenant, agent=agent, alias=alias, version=version)
+    pinned, arm = resolve_arm(tenant=tenant, agent=agent, alias=alias, version=version)
     if not may_run_agent(user, pinned.agent_id):
         raise Forbidden(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
@@ -131,6 +153,8 @@ def start_run(
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)
     expected, source = admission.expectation(version=pinned, limits=limits, tenant=tenant)
+    if replay is not None:
+        expected = 0  # spends the evaluation's budget, not the day's: takes no room from admitted runs
     if expected > tenant.daily_budget_micros:
         # Room could never be found for it: refuse now rather than leave it waiting forever.
         raise DomainError(
@@ -145,8 +169,11 @@ def start_run(
             # Admissions of one tenant queue on its row, so two starts cannot both pass a quota only
             # one of them fits. NO KEY: inserts that merely reference the tenant are not blocked.
             type(tenant).objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
-            _check_quotas(tenant=tenant, user=user, now=now)
-            admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
+            if replay is None:
+                _check_quotas(tenant=tenant, user=user, now=now)
+                admitted, retry_after = admission.decide(tenant=tenant, expected=expected)
+            else:
+                admitted, retry_after = True, None
             if not admitted and not wait:
                 raise DomainError(
                     f"the tenant's budget for today cannot carry another run now ({expected} micros "
@@ -168,8 +195,17 @@ def start_run(
                 expected_cost_micros=expected,
                 admitted_at=now if admitted else None,
                 deadline_at=now + dt.timedelta(seconds=limits["max_wall_seconds"]) if admitted else None,
+                evaluation=replay is not None,
+                arm=arm,
             )
             create_run_account(run=run, limit_micros=limits["max_cost_micros"])
+            if replay is not None:
+                RunReplay.objects.create(
+                    run=run,
+                    recordings=replay.recordings,
+                    uncovered=replay.uncovered,
+                    budget_account_id=replay.budget_account_id,
+                )
             stored = artifacts.store_given(run=run, files=files)
             given_files: dict[str, Any] = {}
             if files:
@@ -186,6 +222,7 @@ def start_run(
                 agent=pinned.agent.name,
                 version=pinned.number,
                 alias=alias or "",
+                **_marks(evaluation=replay is not None, arm=arm),
                 limits=limits,
                 expected_cost_micros=expected,
                 **given_files,

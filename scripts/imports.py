@@ -49,6 +49,7 @@ PACKAGES = [
     "artifacts",
     "notifications",
     "history",
+    "evals",
     "configuration",
     "agentplatform",
 ]
@@ -71,6 +72,7 @@ LADDER = [
     "regions",
     "notifications",
     "history",
+    "evals",
     "configuration",
     "agentplatform",
 ]

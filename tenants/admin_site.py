@@ -74,6 +74,11 @@ TENANT_PATHS = {
     "history.legalhold": "tenant",
     "history.erasurecertificate": "tenant",
     "history.runtombstone": "tenant",
+    "evals.dataset": "tenant",
+    "evals.datasetversion": "dataset__tenant",
+    "evals.case": "version__dataset__tenant",
+    "evals.evaluation": "tenant",
+    "evals.caseresult": "evaluation__tenant",
     # history.checkpoint is platform-wide: operators only (not listed).
 }
 

@@ -17,8 +17,9 @@ from django.db.models import Q
 ROLES: dict[str, tuple[str, ...]] = {
     # Watches runs, decides approvals (with approve_tool on the tool), resolves calls whose outcome
     # is unknown (same grant), cancels runs, reads usage and clears the holds of lost model calls
-    # (README: reconciled by a supervisor). Also holds the tenant's view_runs object permission
-    # (every run of the tenant, not only their own).
+    # (README: reconciled by a supervisor), reads datasets and evaluations and adds finished runs
+    # to datasets (a run that went wrong becomes a case). Also holds the tenant's view_runs object
+    # permission (every run of the tenant, not only their own).
     "supervisor": (
         "tenants.view_tenant",
         "runs.view_run",
@@ -29,6 +30,12 @@ ROLES: dict[str, tuple[str, ...]] = {
         "tools.view_tool",
         "budgets.view_reservation",
         "budgets.change_reservation",
+        "evals.view_dataset",
+        "evals.view_datasetversion",
+        "evals.view_case",
+        "evals.change_dataset",
+        "evals.view_evaluation",
+        "evals.view_caseresult",
     ),
     # Follows the runs they may see (their own; every run with tenant.view_runs) and the agent
     # versions those runs pin.
@@ -38,7 +45,9 @@ ROLES: dict[str, tuple[str, ...]] = {
         "agents.view_agentversion",
     ),
     # Runs the tenant's setup: reviews and configures tools (not where calls go: the file owns
-    # destinations), syncs servers, rotates secrets, moves aliases, sets budgets and clears holds.
+    # destinations), syncs servers, rotates secrets, moves aliases (and so gates and canaries: a
+    # canary is started, promoted or rolled back on its alias), sets budgets and clears holds, and
+    # keeps the datasets that gate releases.
     "operator": (
         "tenants.view_tenant",
         "tenants.change_tenant",
@@ -59,6 +68,12 @@ ROLES: dict[str, tuple[str, ...]] = {
         "budgets.view_reservation",
         "budgets.change_reservation",
         "connections.manage_connections",
+        "evals.view_dataset",
+        "evals.view_datasetversion",
+        "evals.view_case",
+        "evals.change_dataset",
+        "evals.view_evaluation",
+        "evals.view_caseresult",
     ),
 }
 

@@ -70,7 +70,7 @@ def claim(run_id, enqueued_at: dt.datetime | None = None) -> Plan | None:
             run = lock_run(run_id, for_step=True)
         except Run.DoesNotExist:
             return None
-        observe.bind(tenant=run.tenant.slug)
+        observe.bind(tenant=run.tenant.slug, evaluation=run.evaluation)
         if (
             enqueued_at is not None
             and run.last_enqueued_at is not None

@@ -22,7 +22,7 @@ from regions.models import HomeLink, is_home
 from runs.controls import kill_switches
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
-from runs.models import Run, RunEvent, RunStatus, Step, StepKind, StepStatus, StopReason
+from runs.models import Run, RunEvent, RunReplay, RunStatus, Step, StepKind, StepStatus, StopReason
 from runs.policy_events import decision_data
 from runs.queueing import continue_run
 from runs.transitions import (
@@ -158,19 +158,46 @@ def _fallback_of(model) -> str:
 def _reserve(run: Run, step: Step, *, amount: int, purpose: str, what: str = "") -> uuid.UUID | None:
     """The reservation's id; None when the budget refused it (recorded on the run)."""
     try:
-        reservation = budgets.reserve(
-            tenant=run.tenant, run=run, user=run.created_by, step=step, amount_micros=amount, purpose=purpose
-        )
+        if run.evaluation:
+            # An evaluation's run spends its evaluation's budget, never the tenant's or the user's
+            # day (docs/evaluations.md): the replay row names that account.
+            reservation = budgets.reserve_on(
+                account_id=_evaluation_account(run), run=run, step=step, amount_micros=amount, purpose=purpose
+            )
+        else:
+            reservation = budgets.reserve(
+                tenant=run.tenant,
+                run=run,
+                user=run.created_by,
+                step=step,
+                amount_micros=amount,
+                purpose=purpose,
+            )
     except budgets.BudgetExceeded as exc:
         _record_budget_refusal(run, exc, what=what)
         return None
     return reservation.pk
 
 
+def _evaluation_account(run: Run) -> int:
+    account = RunReplay.objects.filter(run_id=run.pk).values_list("budget_account_id", flat=True).first()
+    if account is None:
+        raise BudgetAccount.DoesNotExist(f"evaluation run {run.pk} has no evaluation budget")
+    return account
+
+
 def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str = "") -> None:
     error = f"{exc.message} for {what}" if what else exc.message
     record_event(run.pk, "budget", f"refused: {error}", decision="refused", scope=exc.scope)
-    if exc.scope == BudgetAccount.Scope.RUN:
+    if exc.scope == BudgetAccount.Scope.EVALUATION:
+        end_run(
+            run,
+            RunStatus.STOPPED,
+            reason=StopReason.BUDGET_EXHAUSTED,
+            error=error,
+            message="stopped: the evaluation's budget is spent",
+        )
+    elif exc.scope == BudgetAccount.Scope.RUN:
         end_run(
             run,
             RunStatus.STOPPED,

@@ -28,10 +28,10 @@ from runs.engine.dispatch import (
     through_database_outage,
 )
 from runs.engine.types import ToolCall, ToolOutcome, fenced, tool_of
-from runs.models import Run, Step, StepStatus
+from runs.models import Run, RunReplay, Step, StepStatus
 from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
 from tenants import secrets
-from tools import results, transports
+from tools import replay, results, transports
 from tools.types import ToolFailed, ToolInProgress, ToolNotSent, ToolOutcomeUnknown, ToolUnauthorized
 
 
@@ -81,11 +81,34 @@ def _close_reservation(plan: ToolCall, step: Step, outcome: ToolOutcome):
 def charge(step: Step, outcome: ToolOutcome) -> int:
     """What a succeeded call is settled at: its measured cost where the tool reports one (run_python:
     CPU- and GiB-seconds), never more than what was reserved for it (the tool's price)."""
+    if outcome.replayed:
+        return 0
     price = tool_of(step).price_micros
     return min(results.actual_price(step, outcome.result), price)
 
 
+def _replay(step: Step, plan: ToolCall) -> ToolOutcome:
+    """An evaluation's call, answered from the run's recordings (tools/replay.py): never sent."""
+    found = RunReplay.objects.filter(run_id=plan.run_id).first()
+    recordings, uncovered = (found.recordings, found.uncovered) if found else ([], RunReplay.Uncovered.ERROR)
+    earlier = Step.objects.filter(
+        run_id=plan.run_id,
+        tool_name=step.tool_name,
+        args_digest=step.args_digest,
+        seq__lt=step.seq,
+        status__in=(StepStatus.SUCCEEDED, StepStatus.FAILED),
+    ).count()
+    replayed = replay.answer(
+        recordings, step.tool_name, step.arguments or {}, earlier=earlier, uncovered=uncovered
+    )
+    if replayed.result is None:
+        return ToolOutcome("failed", error=replayed.error, replayed=True, replay_note=replayed.note)
+    return ToolOutcome("succeeded", result=replayed.result, replayed=True, replay_note=replayed.note)
+
+
 def _call_tool(step: Step, plan: ToolCall) -> ToolOutcome:
+    if plan.run.evaluation:
+        return _replay(step, plan)
     send_by = plan.send_by
     try:
         # The user's authority for this attempt (a fresh assertion, an IdP token where configured):
@@ -194,6 +217,14 @@ def _record_tool(
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
         _identity_event(run, step, outcome)
+        if outcome.replay_note:
+            record_event(
+                run.pk,
+                "replay_uncovered",
+                f"step {step.seq} {step.tool_name}: {outcome.replay_note}",
+                step_seq=step.seq,
+                arguments=step.arguments,
+            )
         if outcome.kind == "denied":
             at_end(lambda: _close_reservation(plan, step, outcome))
             writer.deny_after_sending_nothing(run, step, secrets.redact_text(run.tenant_id, outcome.error))
@@ -213,6 +244,7 @@ def _record_tool(
                 message=f"step {step.seq} {step.tool_name}: "
                 f"{'error reported by tool' if outcome.answer.is_error else 'succeeded'}"
                 f"{' (found by status lookup)' if outcome.reconciled else ''}"
+                f"{' (replayed from the recording)' if outcome.replayed else ''}"
                 f"{f' as {run.created_by.username} through {outcome.answer.presented_as}' if outcome.answer.presented_as else ''}",
                 defer=True,  # written with the run row and the events (loops.check may add a warning)
             )

@@ -185,6 +185,10 @@ class ToolOutcome:
     presented: dict | None = None
     challenge: str = ""  # "unauthorized": the server's WWW-Authenticate
     token_presented: bool = False  # "unauthorized": the user's own token was sent, and refused
+    # An evaluation's call answered from its recordings (tools/replay.py): nothing was sent, so
+    # nothing is charged; `replay_note` says why a call the recordings did not cover got its answer.
+    replayed: bool = False
+    replay_note: str = ""
 
     @property
     def answer(self) -> ToolResult:

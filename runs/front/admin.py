@@ -343,7 +343,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         "A run id or its first characters (a7390f2e), or a value of its input or metadata (TXN-1002)."
     )
     date_hierarchy = "created_at"
-    actions = ["cancel_selected", "pause_selected", "resume_selected"]
+    actions = ["cancel_selected", "pause_selected", "resume_selected", "add_to_dataset"]
 
     def changelist_view(self, request, extra_context=None):
         return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
@@ -528,6 +528,16 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
             return
         messages.success(request, f"run {str(run.pk)[:8]}: cancel requested; no new call starts from now on")
+
+    def has_add_to_dataset_permission(self, request, obj=None):
+        # A role's permission (tenants/roles.py): supervisors and operators keep datasets.
+        return request.user.tenant_id is not None and request.user.has_perm("evals.change_dataset")
+
+    @admin.action(description="Add selected finished runs to a dataset", permissions=["add_to_dataset"])
+    def add_to_dataset(self, request, queryset):
+        # The dataset's page (evals/admin.py) takes the ids: evaluations are a room above the runs.
+        ids = ",".join(str(pk) for pk in queryset.filter(status__in=TERMINAL).values_list("pk", flat=True))
+        return redirect(f"{reverse('admin:evals_dataset_add_runs')}?runs={ids}")
 
     @admin.action(description="Cancel selected runs (give a reason)", permissions=["cancel"])
     def cancel_selected(self, request, queryset):
