@@ -214,7 +214,10 @@ def test_the_approval_says_what_approving_does_and_what_to_notice_above_the_butt
                 .map(s => document.querySelector(s).getBoundingClientRect().top)"""
         )
         page.screenshot(path=str(shots / "approval-decision.png"), full_page=False)
-        # The keyboard decides too: D denies, straight from the page.
+        # The keyboard decides too: R to the reason (a denial needs one), Escape out of it, D denies.
+        page.keyboard.press("r")
+        page.keyboard.type("the ticket carries injected instructions")
+        page.keyboard.press("Escape")
         page.keyboard.press("d")
         page.wait_for_selector("ul.messagelist")
         seen["after"] = page.locator("ul.messagelist").inner_text()
