@@ -42,15 +42,20 @@ class PurgeReport:
     unsigned: list = field(default_factory=list)  # skeleton due, final head not checkpointed yet
 
 
+def _past_period(seconds: int | None, by_agent: dict, now: dt.datetime) -> Q:
+    """Runs that ended longer ago than their period: the tenant's, or their agent's own (an empty
+    Q when neither is set)."""
+    due = Q()
+    if seconds is not None:
+        due |= Q(finished_at__lt=now - dt.timedelta(seconds=seconds)) & ~Q(agent__name__in=list(by_agent))
+    for name, own in by_agent.items():
+        due |= Q(agent__name=name, finished_at__lt=now - dt.timedelta(seconds=own))
+    return due
+
+
 def due_runs(tenant: Tenant, now: dt.datetime, limit: int) -> list:
     """Ids of the tenant's ended runs past their content period, not purged yet, oldest first."""
-    overrides = tenant.content_retention_by_agent or {}
-    due = Q()
-    if tenant.content_retention_seconds is not None:
-        cutoff = now - dt.timedelta(seconds=tenant.content_retention_seconds)
-        due |= Q(finished_at__lt=cutoff) & ~Q(agent__name__in=list(overrides))
-    for name, seconds in overrides.items():
-        due |= Q(agent__name=name, finished_at__lt=now - dt.timedelta(seconds=seconds))
+    due = _past_period(tenant.content_retention_seconds, tenant.content_retention_by_agent or {}, now)
     if not due:
         return []
     removed = ContentRemoval.objects.filter(run_id=OuterRef("pk"))
@@ -107,12 +112,7 @@ def skeleton_due(tenant: Tenant, now: dt.datetime, limit: int) -> list[tuple]:
     """(run id, agent name, period) of the tenant's ended runs past their skeleton period, oldest
     first."""
     overrides = tenant.skeleton_retention_by_agent or {}
-    due = Q()
-    if tenant.skeleton_retention_seconds is not None:
-        cutoff = now - dt.timedelta(seconds=tenant.skeleton_retention_seconds)
-        due |= Q(finished_at__lt=cutoff) & ~Q(agent__name__in=list(overrides))
-    for name, seconds in overrides.items():
-        due |= Q(agent__name=name, finished_at__lt=now - dt.timedelta(seconds=seconds))
+    due = _past_period(tenant.skeleton_retention_seconds, overrides, now)
     if not due:
         return []
     rows = (
