@@ -126,20 +126,28 @@ class Process:
         self.log_path = logs / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.offset = 0
 
-    def start(self, timeout: float = 180) -> Process:
+    def start(self, timeout: float = 180, *, wait: bool = True) -> Process:
+        """Start the process; with `wait`, until it says it is ready."""
         self.starts += 1
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0  # earlier lives' output
+        self.offset = self.log_path.stat().st_size if self.log_path.exists() else 0  # earlier lives' output
         log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.args, cwd=ROOT, env=CHILD_ENV, stdout=log_file, stderr=subprocess.STDOUT
         )
         deadline = time.monotonic() + timeout
-        while self.ready and self.ready.encode() not in self.log_path.read_bytes()[offset:]:
+        while wait and not self.is_ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not start:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.1)
         return self
+
+    def is_ready(self) -> bool:
+        """Alive and past its ready line in this life's output."""
+        if not self.alive:
+            return False
+        return not self.ready or self.ready.encode() in self.log_path.read_bytes()[self.offset :]
 
     @property
     def alive(self) -> bool:
@@ -514,7 +522,9 @@ class Chaos:
                 self.counts[f"{process.name.rstrip('0123456789')} exit on its own, restarted"] += 1
                 if process in self.workers:
                     self.losses.append((time.time(), process.name, set()))
-                process.start()
+                # A worker boots in the background (up to 25 s on a busy machine): waiting here
+                # would push the rest of the chaos past the runs it is meant to hit.
+                process.start(wait=process not in self.workers)
 
     def fault(self) -> None:
         server, tool = self.rng.choice(self.FAULTS)
@@ -552,7 +562,9 @@ class Chaos:
         worker.kill()
         self.lose(worker, ports)
         self.counts["worker SIGKILL"] += 1
-        worker.start()
+        # In the background, as revive(): in CI a SIGKILL's blocking restart (24 s) pushed the
+        # stall past the last run, and it stopped a worker with no call to fence out.
+        worker.start(wait=False)
 
     def stall(self) -> None:
         """SIGSTOP the worker with the most calls in flight past its lease: when it wakes, it is fenced out."""
@@ -574,6 +586,13 @@ class Chaos:
         busiest.signal(signal.SIGSTOP)
         self.lose(busiest, self.calls_in_flight(busiest))  # a stopped process keeps its sockets
         time.sleep(seconds)
+        # The other worker may still be booting (restarted after a kill): wake the stalled one only
+        # once another can have swept its expired lease and taken the run over.
+        booting = time.monotonic() + 60
+        if not any(w.is_ready() for w in others):
+            while not any(w.is_ready() for w in others) and time.monotonic() < booting:
+                time.sleep(0.2)
+            time.sleep(LEASE_MARGIN + 3)  # a few sweeps (SWEEP_INTERVAL_SECONDS=1)
         busiest.signal(signal.SIGCONT)
         self.counts["worker SIGSTOP past its lease"] += 1
 

@@ -3,7 +3,9 @@
 `cut()` closes every open connection and refuses new ones (what a partition looks like to
 both sides: connection reset, then connection refused... as fast as a firewall's REJECT);
 `lose_replies = True` forwards requests but closes the caller's side before any answer
-byte reaches it (the request was applied at the far end, its answer lost).
+byte reaches it (the request was applied at the far end, its answer lost); a path instead of
+True loses only the answers to requests for that path (the keeper's probe still gets through,
+so the keeper goes on to send the request whose answer is lost).
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import threading
 
 from tests.services import free_port
 
+METHODS = (b"GET", b"POST", b"PUT", b"PATCH", b"DELETE")
+
 
 class Link:
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.port = free_port()
         self.up = True
-        self.lose_replies = False
+        self.lose_replies: bool | str = False
         self.forwarded = 0
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -63,16 +67,25 @@ class Link:
                     continue
                 self._open.update((client, upstream))
                 self.forwarded += 1
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            asked = {"path": ""}  # the path of the connection's latest request (keep-alive reuses it)
+            threading.Thread(target=self._pump, args=(client, upstream, None, asked), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, asked, None), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, reply: bool) -> None:
+    def _losing(self, path: str) -> bool:
+        losing = self.lose_replies
+        return losing is True or (isinstance(losing, str) and path.startswith(losing))
+
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, reply_to: dict | None, asking: dict | None
+    ) -> None:
         try:
             while True:
                 data = source.recv(65536)
                 if not data:
                     break
-                if reply and self.lose_replies:
+                if asking is not None and data.split(b" ", 1)[0] in METHODS:  # a request's first line
+                    asking["path"] = data.split(b" ", 2)[1].decode("latin-1")
+                if reply_to is not None and self._losing(reply_to["path"]):
                     break
                 sink.sendall(data)
         except OSError:
