@@ -328,8 +328,10 @@ class RunListApi(APIView):
             OpenApiParameter(
                 "q",
                 {"type": "string", "maxLength": search.Q_MAX},
-                description="a run id or id prefix (4+ hex digits), or a value found anywhere in the "
-                "input or metadata, matched exactly (TXN-1002, 12499)",
+                description="a run id or id prefix (4+ hex digits), a value found anywhere in the "
+                "input or metadata, matched exactly (TXN-1002, 12499), or words of its strings (the "
+                'request, the customer\'s name: `meera sharma`, `"duplicate charge"`, `-refund`), '
+                "best matches first",
             ),
             OpenApiParameter(
                 "created_after", {"type": "string", "format": "date-time"}, description="created at or after"
@@ -339,7 +341,7 @@ class RunListApi(APIView):
             ),
             *PAGE_PARAMETERS,
         ],
-        responses=paginated(RunOutput, "PaginatedRuns"),
+        responses=paginated(RunOutput, "PaginatedRuns", bounded=True),
     )
     def get(self, request):
         """The runs the caller may see (their own; all of the tenant's with view_runs), newest first."""
@@ -353,7 +355,7 @@ class RunListApi(APIView):
             data.pop("created_before", None),
         )
         runs = search.created_between(selectors.runs_for(request.user, **data), after=after, before=before)
-        return paginate(self, request, search.search(runs, q, ranked=True), RunOutput)
+        return paginate(self, request, search.search(runs, q, ranked=True), RunOutput, bounded=True)
 
     @extend_schema(
         operation_id="start_run",

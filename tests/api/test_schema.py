@@ -73,7 +73,8 @@ def test_paginated_lists_are_documented_as_they_answer(schema):
     ):
         ref = json_schema(schema["paths"][path]["get"]["responses"]["200"])["$ref"]
         page = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
-        assert set(page["required"]) == {"count", "next", "previous", "results"}
+        bounded = {"count_exact"} if path == "/v1/runs" else set()  # past 1,000 runs, an estimate
+        assert set(page["required"]) == {"count", "next", "previous", "results"} | bounded
         assert page["properties"]["results"]["items"] == {"$ref": f"#/components/schemas/{item}"}
         assert page["properties"]["next"]["nullable"] is True
 

@@ -200,3 +200,36 @@ def test_postgres_uses_the_words_index_for_a_word_search(requests):
         cursor.execute(f"EXPLAIN {sql}", params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "run_search_words" in plan, plan
+
+
+def test_past_a_thousand_matches_the_count_is_an_estimate_and_next_stays_exact(ravi, requests):
+    # 1,030 more runs whose request says "chargeback": counting them all is what a common word at
+    # a million runs cannot afford; the answer says its count is an estimate, and `next` still
+    # ends exactly at the last page.
+    template = requests["meera"]
+    Run.objects.bulk_create(
+        Run(
+            tenant=template.tenant,
+            created_by=template.created_by,
+            agent=template.agent,
+            version=template.version,
+            status="succeeded",
+            input={"request": f"Customer asks for a chargeback on order {n}"},
+        )
+        for n in range(1030)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE runs_run")
+    first = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200}).json()
+    assert first["count_exact"] is False and first["count"] > 1000
+    assert len(first["results"]) == 200 and first["next"] is not None
+    last = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": 1000}).json()
+    assert len(last["results"]) == 30 and last["next"] is None
+    assert last["count"] >= 1030  # never below what the pages show exists
+    full = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": 800}).json()
+    assert len(full["results"]) == 200 and full["next"] is not None  # 30 more after it
+    # At most a thousand: counted, exact; a page that ends the list has no next.
+    few = api(ravi).get("/v1/runs", {"q": "duplicate charge", "limit": 1}).json()
+    assert (few["count"], few["count_exact"], len(few["results"])) == (2, True, 1)
+    assert few["next"] is not None
+    assert api(ravi).get("/v1/runs", {"q": "duplicate charge", "offset": 1}).json()["next"] is None
