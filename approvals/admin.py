@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import hashlib
 import re
@@ -432,9 +433,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
 
     # --- deciding ---
 
-    def _decide(self, request, approval, *, approve: bool, reason: str, announce: bool = True) -> bool:
+    def _decide(self, request, approval, *, approve: bool, reason: str, announce: bool = True) -> str | None:
         """Decide, then say what happened: a repeat from a stale tab says what was done before
-        (a warning, never a green success), and what did change goes to Recent actions."""
+        (a warning, never a green success), and what did change goes to Recent actions. Returns
+        "decided", "counted" (one approval of several needed), "repeated", or None (refused)."""
         what = f"{approval.tool.name} for run {str(approval.run_id)[:8]}"
         try:
             decided = decide_approval(
@@ -442,10 +444,10 @@ class ApprovalAdmin(ReadOnlyAdmin):
             )
         except DomainError as exc:
             messages.error(request, f"{what}: {exc.message}")
-            return False
+            return None
         if getattr(decided, "repeated", False):
             messages.warning(request, f"{what}: {approvals_services.first_decision(decided)}")
-            return True  # nothing to correct on the page: back to the inbox, with what happened
+            return "repeated"  # nothing to correct on the page: back to the inbox, with what happened
         verb = "approved" if approve else "denied"
         said = f": {reason}" if reason else ""
         if getattr(decided, "verdict", None) == approvals_services.Verdict.COUNTED:
@@ -455,10 +457,11 @@ class ApprovalAdmin(ReadOnlyAdmin):
             messages.success(
                 request, f"{what}: your approval counted, {counted}; waiting for another approver"
             )
-            return True
+            return "counted"
         self.log_change(request, decided, f"{verb.capitalize()}{said}")
-        messages.success(request, f"{verb}: {what}")
-        return True
+        if announce:
+            messages.success(request, f"{verb}: {what}")
+        return "decided"
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
         """One approval: the call, why it needs approval, the run's conversation, approve/deny."""
@@ -535,15 +538,16 @@ class ApprovalAdmin(ReadOnlyAdmin):
         form = ReasonForm(request.POST if "confirm" in request.POST else None)
         approvals = list(queryset)
         if form.is_bound and form.is_valid() and all(form.require_for(a, approve=approve) for a in approvals):
-            decided = [
-                a
+            outcomes = collections.Counter(
+                self._decide(request, a, approve=approve, reason=form.cleaned_data["reason"], announce=False)
                 for a in approvals
-                if self._decide(
-                    request, a, approve=approve, reason=form.cleaned_data["reason"], announce=False
+            )
+            # Only what this action decided counts as "approved N": a call decided before (a
+            # stale list) or still waiting for a second approver has its own message above.
+            if outcomes["decided"]:
+                messages.success(
+                    request, f"{'approved' if approve else 'denied'} {outcomes['decided']} call(s)"
                 )
-            ]
-            if decided:
-                messages.success(request, f"{'approved' if approve else 'denied'} {len(decided)} call(s)")
             gone = len(request.POST.getlist(ACTION_CHECKBOX_NAME)) - len(approvals)
             if gone > 0:
                 messages.warning(

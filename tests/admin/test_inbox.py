@@ -192,3 +192,22 @@ def test_it_filters_by_tool(as_ravi, acme):
 
     assert list(response.context["cl"].result_list) == [noop]
     assert echo not in response.context["cl"].result_list
+
+
+def test_a_bulk_decision_counts_only_the_calls_it_decided(as_ravi, acme):
+    # From a stale list: ravi denied the first call already; the bulk denial of both denies the
+    # second, says so for one call, and warns what had happened to the first.
+    first = park_on_approval(acme.asha, "refunder")
+    second = park_on_approval(acme.asha, "refunder")
+    decide_approval(approval_id=first.pk, user=acme.ravi, approve=False, reason="looked wrong")
+    selected = {"action": "deny_selected", ACTION_CHECKBOX_NAME: [str(first.pk), str(second.pk)]}
+
+    done = as_ravi.post(
+        f"{INBOX}?status=all", {**selected, "confirm": "yes", "reason": "duplicate"}, follow=True
+    )
+
+    said = messages_of(done)
+    assert "denied 1 call(s)" in said, said
+    assert "denied 2 call(s)" not in said
+    second.refresh_from_db()
+    assert second.status == ApprovalStatus.DENIED
