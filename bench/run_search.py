@@ -20,7 +20,7 @@ supervisor who reads every run of the tenant. Each runs BENCH_REPEATS (200) time
 random value; the figures are p50, p95 and p99 in milliseconds.
 
 Options (environment): BENCH_RUNS (1000000), BENCH_REPEATS (200), BENCH_REUSE (a database left by
-an earlier run); BENCH_EXPLAIN=1 prints each
+an earlier run), BENCH_KEEP=1 (leave this run's database for BENCH_REUSE); BENCH_EXPLAIN=1 prints each
 query's plan (EXPLAIN ANALYZE of the page) first.
 """
 
@@ -43,6 +43,7 @@ USERS, AGENTS, CHUNK = 50, 5, 100_000
 # BENCH_REUSE=<database>: time the queries on a database an earlier run filled and left (one stopped
 # before its end: SIGTERM skips the drop); nothing is written, nothing dropped.
 REUSE = os.environ.get("BENCH_REUSE", "")
+KEEP = bool(os.environ.get("BENCH_KEEP"))  # leave the filled database for BENCH_REUSE
 TAG = REUSE or f"bench_search_{os.getpid()}"
 
 BASE_URL = os.environ.get("DATABASE_URL", "")
@@ -288,7 +289,7 @@ def setup():
 
 def page_and_count(supervisor, **filters) -> tuple[float, float]:
     """What the API view runs for one page: (ms for the page, ms for the page and its count)."""
-    from core.api import bounded_count
+    from core.api import bounded_count, planner_settings
     from runs import selectors
     from runs.front import search
 
@@ -298,7 +299,8 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
     runs = search.search(
         search.created_between(selectors.runs_for(supervisor, **filters), after=after), q, ranked=True
     )
-    rows = list(runs[:51])  # BoundedCountPagination reads one row past the page for `next`
+    with planner_settings(getattr(runs, "page_settings", None)):  # as BoundedCountPagination
+        rows = list(runs[:51])  # one row past the page, for `next`
     page = time.perf_counter()
     bounded_count(runs, at_least=len(rows))
     return (page - started) * 1000, (time.perf_counter() - started) * 1000
@@ -399,7 +401,9 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        if not REUSE:
+        if KEEP:
+            print(f"database kept: BENCH_REUSE={TAG} times it again; drop it with DROP DATABASE {TAG}")
+        elif not REUSE:
             admin(f'DROP DATABASE IF EXISTS "{TAG}"')
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
-from django.db import connection
+from django.db import connection, transaction
 from drf_spectacular.utils import OpenApiParameter, inline_serializer
 from rest_framework import serializers
 from rest_framework.pagination import LimitOffsetPagination
@@ -62,13 +63,15 @@ class BoundedCountPagination(Pagination):
     matches and `count_exact` says so; past that, counting would read every match (seconds for a
     word in 5% of a million runs, docs/performance.md), so `count` is the planner's estimate,
     never below what the page shows exists, and `count_exact` is false ("about 45,000 runs").
-    `next` comes from one row read past the page: it is right whatever `count` says."""
+    `next` comes from one row read past the page: it is right whatever `count` says. A queryset
+    may carry `page_settings` (planner_settings) for reading its page."""
 
     def paginate_queryset(self, queryset, request, view=None):
         self._validate(request)
         self.request = request
         self.limit, self.offset = self.get_limit(request), self.get_offset(request)
-        rows = list(queryset[self.offset : self.offset + self.limit + 1])
+        with planner_settings(getattr(queryset, "page_settings", None)):
+            rows = list(queryset[self.offset : self.offset + self.limit + 1])
         self.has_more = len(rows) > self.limit
         page = rows[: self.limit]
         seen = self.offset + len(page) + self.has_more
@@ -84,6 +87,21 @@ class BoundedCountPagination(Pagination):
         response = super().get_paginated_response(data)
         response.data["count_exact"] = self.count_exact
         return response
+
+
+@contextlib.contextmanager
+def planner_settings(settings: dict[str, str] | None):
+    """PostgreSQL planner settings (`SET LOCAL`) for the statements inside, in a transaction of
+    their own: how a queryset that knows better than the planner's estimate asks to be read
+    (runs/front/search.py's walk of the newest runs for a common word)."""
+    if not settings or connection.vendor != "postgresql":
+        yield
+        return
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            for name, value in settings.items():
+                cursor.execute("SELECT set_config(%s, %s, true)", [name, value])
+        yield
 
 
 def bounded_count(queryset, *, at_least: int = 0) -> tuple[int, bool]:

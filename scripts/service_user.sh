@@ -56,7 +56,7 @@ choose_service_user() {
   problem=$(service_user_problem "$PY" "$PWD")
   if [ -n "$problem" ] && id -u "$SERVE_USER" >/dev/null 2>&1; then
     # The usual cause: an interpreter the user cannot reach. Give it one it can.
-    local dest=${SERVICE_PYTHON_DIR:-$AGENTPLATFORM_VAR_DIR/service-python}
+    local dest=${SERVICE_PYTHON_DIR:-${AGENTPLATFORM_VAR_DIR:-$PWD/var}/service-python}
     serve_user_reads_checkout || app=(--app "$PWD")
     if built=$($PY scripts/service_python.py "$dest" "${app[@]}" 2>&1); then
       extra="LD_LIBRARY_PATH=$(realpath "$dest")/base/lib"

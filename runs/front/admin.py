@@ -11,6 +11,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 from django.template.defaultfilters import filesizeformat
@@ -18,6 +19,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.formats import date_format
+from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
@@ -25,6 +27,7 @@ from approvals.services import can_approve, can_decide
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
+from core.api import bounded_count, planner_settings
 from core.errors import DomainError, NotFound
 from core.money import rate_note
 from llm.probe import failed_probe
@@ -317,12 +320,29 @@ class ResolveForm(forms.Form):
 
 class RankedChangeList(ChangeList):
     """A search that runs.front.search ranked keeps its order (best word matches first), unless a
-    column is sorted."""
+    column is sorted; a word in many runs has its page read as the API reads it (walking the
+    newest runs: core.api.planner_settings)."""
 
     def get_ordering(self, request, queryset):
         if "search_rank" in queryset.query.annotations and ORDER_VAR not in self.params:
             return ["-search_rank", "-created_at", "-pk"]
         return super().get_ordering(request, queryset)
+
+    def get_results(self, request):
+        super().get_results(request)
+        page_settings = getattr(request, "run_search_page_settings", None)
+        if page_settings:
+            with planner_settings(page_settings):
+                self.result_list = list(self.result_list)
+
+
+class BoundedPaginator(Paginator):
+    """The run list's count as the API's: exact up to 1,000 matches, PostgreSQL's estimate past
+    that (a common word in a million runs is seconds to count; core.api.bounded_count)."""
+
+    @cached_property
+    def count(self) -> int:
+        return bounded_count(self.object_list)[0]
 
 
 @admin.register(Run, site=site)
@@ -337,6 +357,8 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         FinishedFilter,
     ]
     list_select_related = ["agent", "version", "created_by", "budget", "tenant"]
+    paginator = BoundedPaginator
+    show_full_result_count = False  # "(N total)" would count the tenant's every run
     # The box searches ids, id prefixes and input/metadata values (runs/front/search.py), not these fields.
     search_fields = ["id"]
     search_help_text = (
@@ -349,7 +371,10 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
 
     def get_search_results(self, request, queryset, search_term):
-        return search(queryset, search_term[:Q_MAX], ranked=True), False
+        found = search(queryset, search_term[:Q_MAX], ranked=True)
+        # The changelist orders (clones) the queryset after this: its page settings go by request.
+        request.run_search_page_settings = getattr(found, "page_settings", None)
+        return found, False
 
     def get_changelist(self, request, **kwargs):
         return RankedChangeList

@@ -46,9 +46,12 @@ def test_an_operator_sees_paused_runs_and_switches_on_the_desk_and_top_bar(live_
         assert page.locator("#top-paused-runs").inner_text() == "3 paused runs"
         assert page.locator("#top-kill-switches-on").inner_text() == "1 kill switches on"
 
-        page.click("tr.desk-paused-reason >> nth=0 >> a")
+        # count() does not wait: without waiting for the page it read the desk (0 rows) in CI.
+        with page.expect_navigation():
+            page.click("tr.desk-paused-reason >> nth=0 >> a")
         assert page.locator("#result_list tbody tr").count() == 2
-        page.click("#top-kill-switches-on")
+        with page.expect_navigation():
+            page.click("#top-kill-switches-on")
         assert "leaks" in page.locator("#result_list").inner_text()
 
         # A bulk pause of the waiting runs: first the preview, then the action.

@@ -7,11 +7,12 @@ import datetime as dt
 
 import pytest
 from django.db import connection
+from django.db.models import Q
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from runs.front.display import run_title
-from runs.front.search import id_range, search
+from runs.front.search import DENSE_MIN, holding_values, id_range, search
 from runs.models import Run
 from runs.services import start_run
 from tests import factories
@@ -108,7 +109,8 @@ def test_postgres_uses_the_values_index_for_a_search(runs):
     # With sequential scans off, a plan that still scans the table means the index cannot serve
     # the query: the query's expression no longer matches the index's (migration 0009).
     # Unordered: ordered by created_at, the planner may walk that index backwards and filter.
-    queryset = search(Run.objects.all(), "TXN-1002").order_by()
+    # search() looks the values up first (their ids then stand in its match).
+    queryset = holding_values(Run.objects.all(), Q(search_values__contains=["TXN-1002"]))
     sql, params = queryset.query.sql_with_params()
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")
@@ -203,9 +205,9 @@ def test_postgres_uses_the_words_index_for_a_word_search(requests):
 
 
 def test_past_a_thousand_matches_the_count_is_an_estimate_and_next_stays_exact(ravi, requests):
-    # 1,030 more runs whose request says "chargeback": counting them all is what a common word at
-    # a million runs cannot afford; the answer says its count is an estimate, and `next` still
-    # ends exactly at the last page.
+    # 5,030 more runs whose request says "chargeback": counting them all is what a common word
+    # at a million runs cannot afford (the answer says its count is an estimate), and their page
+    # is read walking the newest runs; `next` still ends exactly at the last page.
     template = requests["meera"]
     Run.objects.bulk_create(
         Run(
@@ -216,20 +218,58 @@ def test_past_a_thousand_matches_the_count_is_an_estimate_and_next_stays_exact(r
             status="succeeded",
             input={"request": f"Customer asks for a chargeback on order {n}"},
         )
-        for n in range(1030)
+        for n in reversed(range(DENSE_MIN + 30))  # order 0 the newest
     )
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE runs_run")
     first = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200}).json()
     assert first["count_exact"] is False and first["count"] > 1000
     assert len(first["results"]) == 200 and first["next"] is not None
-    last = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": 1000}).json()
+    orders = [row["input"]["request"].rsplit(" ", 1)[1] for row in first["results"]]
+    assert orders == [str(n) for n in range(200)]  # the newest first
+    last = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": DENSE_MIN}).json()
     assert len(last["results"]) == 30 and last["next"] is None
-    assert last["count"] >= 1030  # never below what the pages show exists
-    full = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": 800}).json()
+    assert last["count"] >= DENSE_MIN + 30  # never below what the pages show exists
+    full = api(ravi).get("/v1/runs", {"q": "chargeback", "limit": 200, "offset": DENSE_MIN - 200}).json()
     assert len(full["results"]) == 200 and full["next"] is not None  # 30 more after it
     # At most a thousand: counted, exact; a page that ends the list has no next.
     few = api(ravi).get("/v1/runs", {"q": "duplicate charge", "limit": 1}).json()
     assert (few["count"], few["count_exact"], len(few["results"])) == (2, True, 1)
     assert few["next"] is not None
     assert api(ravi).get("/v1/runs", {"q": "duplicate charge", "offset": 1}).json()["next"] is None
+
+
+def test_a_word_in_many_runs_is_read_walking_the_newest_runs(ravi, requests):
+    from core.api import planner_settings
+
+    template = requests["meera"]
+    Run.objects.bulk_create(
+        Run(
+            tenant=template.tenant,
+            created_by=template.created_by,
+            agent=template.agent,
+            version=template.version,
+            input={"request": f"wrong amount debited on order {n}"},
+        )
+        for n in range(DENSE_MIN + 1)
+    )
+    found = search(Run.objects.filter(tenant=template.tenant), "wrong amount debited", ranked=True)
+    assert found.page_settings["enable_bitmapscan"] == "off"
+    sql, params = found.order_by("-created_at")[:51].query.sql_with_params()
+    with planner_settings(found.page_settings), connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    # The (tenant, created_at) index, newest first, filtering: neither words index nor sort.
+    assert "Index Scan" in plan and "Bitmap" not in plan and "Sort" not in plan, plan
+    # The admin's list: the newest first, its count an estimate past a thousand (not counted).
+    from django.test import Client
+
+    from tests.admin.helpers import make_supervisor
+
+    client = Client()
+    client.force_login(make_supervisor(template.tenant, "sara"))
+    listed = client.get("/admin/runs/run/", {"q": "wrong amount debited"}).context["cl"]
+    assert listed.result_count > 1000 and isinstance(listed.result_list, list)
+    assert listed.result_list[0].input["request"] == f"wrong amount debited on order {DENSE_MIN}"
+    # A rare word keeps the planner's own choice (the words index).
+    assert not hasattr(search(Run.objects.all(), "meera", ranked=True), "page_settings")
