@@ -72,10 +72,10 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
                 f"{here()!r} is not the home of {tenant.slug} for region {region!r}", code="not_home"
             )
         if operation == "authority":
-            calls = body["calls"]
-            if not isinstance(calls, list):
-                raise TypeError("calls must be a list")
-            return _answer(request, 200, services.decide(tenant=tenant, calls=calls), key)
+            calls, starts = body["calls"], body.get("starts", [])
+            if not isinstance(calls, list) or not isinstance(starts, list):
+                raise TypeError("calls and starts must be lists")
+            return _answer(request, 200, services.decide(tenant=tenant, calls=calls, starts=starts), key)
         day = dt.date.fromisoformat(body["day"])
         if operation is None:
             return _answer(request, 200, services.probe(tenant=tenant, region=region, day=day), key)

@@ -40,7 +40,7 @@ import time
 import uuid
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, OuterRef, Subquery
+from django.db.models import F, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from approvals.models import TenantPolicies
@@ -170,12 +170,13 @@ def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: i
     )
 
 
-def decide(*, tenant: Tenant, calls: list[dict]) -> dict:
+def decide(*, tenant: Tenant, calls: list[dict], starts: list[dict] = ()) -> dict:
     """For a region whose copy of the authority is older than the reach: the home's own answer,
     now, for each call (user id, tool id): whether the user holds use_tool on the tool here,
-    whether the tool's kill switch is on here, and the tenant's policy version. Nothing of the
-    run leaves its region: ids only (the region evaluates the policies, once its copy holds the
-    same version)."""
+    whether the tool's kill switch is on here, and the tenant's policy version; for each run
+    start (user id, agent id): whether the user is active and holds run_agent on the agent, and
+    the tenant's or the agent's switch if one is on. Nothing of the run leaves its region: ids
+    only (the region evaluates the policies, once its copy holds the same version)."""
     answers = []
     policy_version = TenantPolicies.objects.filter(tenant=tenant).values_list("version", flat=True).first()
     held = held_sql("tools", "tool", "use_tool", column="%(pk)s")
@@ -191,7 +192,33 @@ def decide(*, tenant: Tenant, calls: list[dict]) -> dict:
             .first()
         )
         answers.append({"user_id": user_id, "tool_id": tool_id, "granted": granted, "switch": switch})
-    return {"calls": answers, "policy_version": policy_version}
+    may_run = held_sql("agents", "agentdefinition", "run_agent", column="%(pk)s")
+    started = []
+    for start in starts[:50]:
+        user_id, agent_id = int(start["user_id"]), int(start["agent_id"])
+        active = User.objects.filter(pk=user_id, tenant=tenant, is_active=True).exists()
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT 1 WHERE {may_run}", {"user": user_id, "pk": str(agent_id)})
+            held = cursor.fetchone() is not None
+        switch = (
+            KillSwitch.objects.filter(on=True)
+            .filter(
+                Q(scope=KillSwitch.Scope.TENANT, target_id=tenant.pk)
+                | Q(scope=KillSwitch.Scope.AGENT, target_id=agent_id)
+            )
+            .values_list("reason", flat=True)
+            .first()
+        )
+        started.append(
+            {
+                "user_id": user_id,
+                "agent_id": agent_id,
+                "active": active,
+                "may_run": active and held,
+                "switch": switch,
+            }
+        )
+    return {"calls": answers, "starts": started, "policy_version": policy_version}
 
 
 def _free(tenant, day: dt.date) -> int:

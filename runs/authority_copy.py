@@ -1,6 +1,7 @@
 """Acting on a copy of the home's authority, away from home (DESIGN.md section 9, docs/regions.md).
 
     stale_authority(tenant_id)   None, or why this region may not act on its copy now
+    home_start_answer(tenant, ...) on a stale copy: the home's own answer for a run start, asked now
     home_answer(run, step)       on a stale copy: the home's own answer for this call, asked
                                  within the reach (regions.services.ask_home), or None
     pause_for_stale_authority()  with the run locked, before a tool call (and an approval's use):
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.db import connection
 from django.utils import timezone
 
+from regions import client
 from regions.models import HomeAnswer, TenantRegions, authority_age, here
 from runs.engine.decisions import AUTHORITY_STALE, authority_turn
 from runs.models import ClaimReads, Run, RunStatus
@@ -43,6 +46,30 @@ def stale_authority(tenant_id, *, reads: ClaimReads | None = None) -> str | None
         age_seconds=authority_age(config),
         reach_seconds=config.revocation_reach_seconds,
     )
+
+
+def home_start_answer(tenant, *, user_id: int, agent_id: int) -> dict | None:
+    """On a stale copy: the home's own answer, now, whether the user may start a run of the agent
+    (`may_run`: active and holding run_agent there; `switch`: the tenant's or the agent's kill
+    switch on there) with the tenant's policy version there; None when the home cannot be asked.
+    No transaction may be open (a call between regions)."""
+    config = TenantRegions.objects.filter(tenant_id=tenant.pk).first()
+    if config is None or connection.in_atomic_block:
+        # Inside a caller's transaction no call between regions is made (it would hold the
+        # transaction open across the network): the start waits as if the home were unreachable.
+        return None
+    try:
+        answer = client.call_home(
+            config.home,
+            client.AUTHORITY_PATH,
+            {"tenant": tenant.slug, "calls": [], "starts": [{"user_id": user_id, "agent_id": agent_id}]},
+        )
+    except client.HomeUnreachable:
+        return None
+    starts = answer.get("starts") or []
+    if not starts:  # a home that does not answer for starts yet
+        return None
+    return {**starts[0], "policy_version": answer.get("policy_version")}
 
 
 def home_answer(run: Run, seq: int) -> HomeAnswer | None:

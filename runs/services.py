@@ -13,6 +13,7 @@ from django.utils import timezone
 from agents.selectors import may_run_agent, resolve_arm
 from agents.spec import DEFAULT_LIMITS, LIMIT_CAPS, spec_for
 from approvals import calls, cedar
+from approvals.models import TenantPolicies
 from artifacts import services as artifacts
 from budgets.services import create_run_account
 from core import chain
@@ -20,7 +21,7 @@ from core.digests import digest
 from core.errors import Conflict, DomainError, Forbidden
 from regions.models import TenantRegions, here
 from runs import admission
-from runs.authority_copy import stale_authority
+from runs.authority_copy import home_start_answer, stale_authority
 from runs.controls import audit, kill_switches
 from runs.engine.decisions import start_here
 from runs.models import (
@@ -115,7 +116,7 @@ def start_run(
     tenant = user.tenant
     if tenant is None:
         raise DomainError("user belongs to no tenant", code="no_tenant", status=403)
-    _refuse_other_region(tenant)
+    stale = _refuse_other_region(tenant)
     metadata = metadata or {}
     files = files or []
     hashed: dict = {"agent": agent, "alias": alias, "version": version, "input": input, "metadata": metadata}
@@ -133,7 +134,16 @@ def start_run(
                 )
             return existing, False
     pinned, arm = resolve_arm(tenant=tenant, agent=agent, alias=alias, version=version)
+    if stale is not None:
+        _start_on_the_homes_answer(tenant, user, pinned.agent_id, stale)
     if not may_run_agent(user, pinned.agent_id):
+        if stale is not None:  # the home said it is held: its grant has not reached the copy yet
+            raise DomainError(
+                f"{stale}; run_agent is held at the home region but not yet in this region's copy",
+                code="authority_stale",
+                status=503,
+                retry_after=5,
+            )
         raise Forbidden(
             f"you may not start runs of {agent}: run_agent is not granted to you", code="not_permitted"
         )
@@ -247,23 +257,54 @@ def start_run(
     return run, True
 
 
-def _refuse_other_region(tenant) -> None:
-    """A run lives entirely in the region where it starts: only in the tenant's allowed regions,
-    and away from home only on a copy of the home's authority fresh enough to act on (read
+def _refuse_other_region(tenant) -> str | None:
+    """A run lives entirely in the region where it starts: only in the tenant's allowed regions.
+    Returns why this region's copy of the home's authority is too old to act on, or None (read
     first: the grants checked after it are then at least that fresh)."""
     if not here():  # a deployment without regions
-        return
+        return None
     config = TenantRegions.of(tenant)
     if config is None:
-        return
+        return None
     refused = start_here(here=here(), home=config.home, allowed=tuple(config.allowed))
     if refused is not None:
         raise DomainError(
             refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
         )
-    stale = stale_authority(tenant.pk)
-    if stale is not None:
-        raise DomainError(stale, code="authority_stale", status=503, retry_after=5)
+    return stale_authority(tenant.pk)
+
+
+def _start_on_the_homes_answer(tenant, user, agent_id: int, stale: str) -> None:
+    """Away from home on a copy older than the reach, as for a tool call: the home is asked now
+    whether the user may start a run of the agent (active, run_agent, no tenant or agent switch),
+    and its answer is as fresh as a copy that age. Refused as the home says; 503 with Retry-After
+    when the home cannot be asked or its policies are not yet in the copy (the caller retries)."""
+    answer = home_start_answer(tenant, user_id=user.pk, agent_id=agent_id)
+    if answer is None:
+        raise DomainError(
+            f"{stale}; the home region could not be asked", code="authority_stale", status=503, retry_after=5
+        )
+    if not answer["may_run"]:
+        raise Forbidden(
+            "you may not start runs of this agent: at the home region run_agent is not held by you"
+            + ("" if answer.get("active") else " (your account is inactive there)"),
+            code="not_permitted",
+        )
+    if answer.get("switch"):
+        raise DomainError(
+            f"no new runs: a kill switch is on at the home region: {answer['switch']}",
+            code="kill_switch_on",
+            status=423,
+        )
+    here_version = TenantPolicies.objects.filter(tenant=tenant).values_list("version", flat=True).first()
+    if answer.get("policy_version") != here_version:
+        raise DomainError(
+            f"{stale}; the tenant's policies changed at the home region and are not yet in this "
+            "region's copy",
+            code="authority_stale",
+            status=503,
+            retry_after=5,
+        )
 
 
 def cancel_run(*, run_id, actor, reason: str = "", bulk: int | None = None) -> Run:

@@ -196,9 +196,11 @@ def graph():
                 )
             edges[mod].add(target)
             src, dst = mod.split(".")[0], target.split(".")[0]
-            # An app's models are the shared vocabulary (foreign keys, reads); they do not make the
-            # importing app depend on the app's behaviour, so they draw no arrow between apps.
-            if mod not in WIRING and not _surface(mod) and src != dst and not target.endswith(".models"):
+            # An app's models are the shared vocabulary (foreign keys, reads), and so are the rooms
+            # of records below the gateways (room()); they do not make the importing app depend
+            # on the app's behaviour, so they draw no arrow between apps.
+            shared = target.endswith(".models") or room(target).endswith(".records")
+            if mod not in WIRING and not _surface(mod) and src != dst and not shared:
                 packages[src].add(dst)
     return edges, packages, problems
 
@@ -206,9 +208,10 @@ def graph():
 def room(mod: str) -> str:
     if mod in RECORDS:
         return "runs.records"
-    if (
-        mod == "regions.models"
-    ):  # where a tenant runs and what this region knows of its home: read by the engine
+    # Where a tenant runs and what this region knows of its home (read by the engine), and the
+    # signed call to the home (regions.client, on regions.models and regions.signing alone:
+    # a run start on a stale copy asks the home, as a tool call's keeper does).
+    if mod in ("regions.models", "regions.client", "regions.signing"):
         return "regions.records"
     return mod.split(".")[0]
 

@@ -572,3 +572,57 @@ def test_on_a_stale_copy_the_region_asks_the_home_for_the_call_and_waits_when_it
         "denied"
     }
     assert not _calls_after(echo, revoked_at)
+
+
+def test_on_a_stale_copy_a_run_start_asks_the_home_and_waits_when_it_cannot(home, link, authority):
+    """Replication cut (the copy ages past the reach) but the signed link up: a run start asks
+    the home whether the user may run the agent now and is refused as the home says (run_agent
+    revoked there, an agent's switch on there), though the copy here still allows it; both links
+    cut: 503 with Retry-After, and no run."""
+    from agents.models import AgentDefinition
+    from core.errors import DomainError, Forbidden
+
+    pg_link, tenant, asha = authority
+    _setup_runs(tenant, asha, home)
+    TenantRegions.objects.filter(tenant=tenant).delete()  # the home answers for its own tenants only
+    _home_sql(
+        home,
+        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
+        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
+        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
+    )
+    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
+    agent = AgentDefinition.objects.get(tenant=tenant, name="agent")
+    pg_link.cut()
+    wait_for(lambda: regions_stale(tenant), timeout=30, what="the copy to age past the reach")
+    # run_agent written at home while the copy is cut off (this region holds the test's own row).
+    permission = Permission.objects.get(codename="run_agent", content_type__app_label="agents")
+    row = (permission.pk, ContentType.objects.get_for_model(AgentDefinition).pk, str(agent.pk), USER_ID)
+    _home_sql(home, GRANT, row)
+    started, _ = start_run(user=asha, agent="agent", input={"i": 1})
+    assert started.status == "queued" and regions_stale(tenant)  # on the home's answer
+
+    _home_sql(home, REVOKE, row)  # at home only: the copy here still says granted
+    with pytest.raises(Forbidden) as refused:
+        start_run(user=asha, agent="agent", input={"i": 2})
+    assert refused.value.code == "not_permitted" and "at the home region" in refused.value.message
+
+    _home_sql(home, GRANT, row)
+    _home_sql(
+        home,
+        'INSERT INTO runs_killswitch (id, scope, tenant_id, target_id, target_name, "on", reason, changed_at) '
+        "VALUES (7000003, 'agent', %s, %s, 'agent', true, 'agent retired', now())",
+        [TENANT_ID, agent.pk],
+    )
+    with pytest.raises(DomainError) as switched:
+        start_run(user=asha, agent="agent", input={"i": 3})
+    assert switched.value.status == 423 and "agent retired" in switched.value.message
+    _home_sql(home, "DELETE FROM runs_killswitch WHERE id = 7000003")
+
+    link.cut()  # and the signed link: nobody to ask
+    with pytest.raises(DomainError) as waiting:
+        start_run(user=asha, agent="agent", input={"i": 4})
+    assert waiting.value.status == 503 and waiting.value.code == "authority_stale"
+    assert "could not be asked" in waiting.value.message
+    assert Run.objects.filter(tenant=tenant).count() == 1
+    link.heal()
