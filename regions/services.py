@@ -170,7 +170,7 @@ def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: i
     )
 
 
-def decide(*, tenant: Tenant, calls: list[dict], starts: list[dict] = ()) -> dict:
+def decide(*, tenant: Tenant, calls: list[dict], starts: list[dict] | None = None) -> dict:
     """For a region whose copy of the authority is older than the reach: the home's own answer,
     now, for each call (user id, tool id): whether the user holds use_tool on the tool here,
     whether the tool's kill switch is on here, and the tenant's policy version; for each run
@@ -194,12 +194,12 @@ def decide(*, tenant: Tenant, calls: list[dict], starts: list[dict] = ()) -> dic
         answers.append({"user_id": user_id, "tool_id": tool_id, "granted": granted, "switch": switch})
     may_run = held_sql("agents", "agentdefinition", "run_agent", column="%(pk)s")
     started = []
-    for start in starts[:50]:
+    for start in (starts or [])[:50]:
         user_id, agent_id = int(start["user_id"]), int(start["agent_id"])
         active = User.objects.filter(pk=user_id, tenant=tenant, is_active=True).exists()
         with connection.cursor() as cursor:
             cursor.execute(f"SELECT 1 WHERE {may_run}", {"user": user_id, "pk": str(agent_id)})
-            held = cursor.fetchone() is not None
+            runs_agent = cursor.fetchone() is not None
         switch = (
             KillSwitch.objects.filter(on=True)
             .filter(
@@ -214,7 +214,7 @@ def decide(*, tenant: Tenant, calls: list[dict], starts: list[dict] = ()) -> dic
                 "user_id": user_id,
                 "agent_id": agent_id,
                 "active": active,
-                "may_run": active and held,
+                "may_run": active and runs_agent,
                 "switch": switch,
             }
         )
