@@ -99,9 +99,15 @@ def planner_settings(settings: dict[str, str] | None):
         return
     with transaction.atomic():
         with connection.cursor() as cursor:
+            before = {}
             for name, value in settings.items():
-                cursor.execute("SELECT set_config(%s, %s, true)", [name, value])
+                cursor.execute("SELECT current_setting(%s), set_config(%s, %s, true)", [name, name, value])
+                before[name] = cursor.fetchone()[0]
         yield
+        # Inside a caller's transaction (a savepoint here) SET LOCAL would outlive this block.
+        with connection.cursor() as cursor:
+            for name, value in before.items():
+                cursor.execute("SELECT set_config(%s, %s, true)", [name, value])
 
 
 def bounded_count(queryset, *, at_least: int = 0) -> tuple[int, bool]:

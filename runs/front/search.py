@@ -15,6 +15,11 @@ search stays fast at a million runs (bench/run_search.py measures it):
   with a GIN index, queried with `@@ websearch_to_tsquery('english', q)`;
 - the tenant's newest first: (tenant, created_at); creator, agent and status have their own.
 
+The values are looked up first and their runs' ids stand in the match (rebuilding each run's
+array in the match cost 3 µs a run); a query whose words are in more than DENSE_MIN runs has its
+page read walking the newest runs (WALK_NEWEST: PostgreSQL underestimates runs that carry several
+common words and would read and sort them all). Measured in docs/performance.md.
+
 Ranked (`ranked=True`: the API's list and the admin's, unless sorted by a column): when `q`
 matches at most RANK_MAX runs (a name, a ticket's words), the best word matches first (ts_rank
 over the stored tsvector), then newest first. More matches than that are listed newest first:

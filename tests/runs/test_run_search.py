@@ -273,3 +273,17 @@ def test_a_word_in_many_runs_is_read_walking_the_newest_runs(ravi, requests):
     assert listed.result_list[0].input["request"] == f"wrong amount debited on order {DENSE_MIN}"
     # A rare word keeps the planner's own choice (the words index).
     assert not hasattr(search(Run.objects.all(), "meera", ranked=True), "page_settings")
+
+
+def test_planner_settings_end_with_their_block_inside_a_callers_transaction():
+    from core.api import planner_settings
+
+    def seqscan() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW enable_seqscan")
+            return cursor.fetchone()[0]
+
+    assert connection.in_atomic_block and seqscan() == "on"  # the test's own transaction
+    with planner_settings({"enable_seqscan": "off"}):
+        assert seqscan() == "off"
+    assert seqscan() == "on"
