@@ -73,9 +73,10 @@ def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Ap
     return approval
 
 
-def escalate_now(approval_id, *, refused) -> str | None:
-    """Escalate a pending approval at once, because an approver was refused by their limit; the
-    group's name, or None when it has no escalation group or was escalated already."""
+def escalate_now(approval_id, *, refused, correcting: bool = False) -> str | None:
+    """Escalate a pending approval at once, because an approver (or their correction of the call:
+    `correcting`) was refused by their limit; the group's name, or None when it has no
+    escalation group or was escalated already."""
     now = timezone.now()
     with transaction.atomic():
         run_id = Approval.objects.filter(pk=approval_id).values_list("run_id", flat=True).first()
@@ -92,7 +93,8 @@ def escalate_now(approval_id, *, refused) -> str | None:
             run_id,
             "approval_escalated",
             f"approval for {approval.tool.name} escalated to {group} ({', '.join(names) or 'no members'}): "
-            f"above the limit of {refused.username}",
+            + ("a correction " if correcting else "")
+            + f"above the limit of {refused.username}",
             step_seq=approval.step.seq,
             approval=str(approval.pk),
             group=group,
@@ -121,7 +123,19 @@ def _approval_counted(run: Run, approval: Approval, *, user, reason: str) -> Non
 
 def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Approval:
     """An approver corrects the call and approves the corrected one (approvals.services.correct
-    checks it again); the step is sent with the corrected arguments, both versions on the timeline."""
+    checks it again); the step is sent with the corrected arguments, both versions on the timeline.
+    A correction above the approver's limit escalates the approval at once, as an approval does."""
+    try:
+        return _correct(approval_id=approval_id, user=user, arguments=arguments, reason=reason)
+    except Forbidden as exc:
+        if exc.code == "approval_refused":
+            escalated = escalate_now(approval_id, refused=user, correcting=True)
+            if escalated:
+                raise Forbidden(f"{exc.message}; escalated to {escalated}", code=exc.code) from None
+        raise
+
+
+def _correct(*, approval_id, user, arguments: dict, reason: str) -> Approval:
     with transaction.atomic():
         run = lock_run(approvals.run_of(approval_id, tenant_id=user.tenant_id))
         approval = approvals.locked(approval_id)

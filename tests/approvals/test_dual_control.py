@@ -153,6 +153,28 @@ def test_an_approver_above_their_limit_escalates_the_approval_at_once(tenant, as
     assert ApprovalVote.objects.filter(approval=approval).count() == 0  # the refusal counted nothing
 
 
+def test_a_correction_above_the_approvers_limit_escalates_the_approval_at_once(
+    tenant, asha, ravi, bank, refund
+):
+    heads = factories.make_group(tenant, "heads-of-operations")
+    user("kiran").groups.add(heads)
+    ReminderRule.objects.create(tenant=tenant, escalate_after_seconds=3600, escalate_to=heads.tenant_link)
+    run, approval = park(tenant, asha, refund, {**REFUND, "amount": 120000})
+    refused = client_for(ravi).post(
+        f"/v1/approvals/{approval.pk}/correct",
+        {"arguments": {**REFUND, "amount": 160000}, "reason": "the fee too"},
+        format="json",
+    )
+    assert refused.status_code == 403 and error_code(refused) == "approval_refused"
+    assert refused.json()["error"]["message"].endswith("escalated to heads-of-operations")
+    approval.refresh_from_db()
+    assert approval.status == ApprovalStatus.PENDING and approval.escalated_at is not None
+    assert approval.arguments["amount"] == 120000  # the refused correction changed nothing
+    event = RunEvent.objects.get(run=run, kind="approval_escalated")
+    assert "a correction above the limit of ravi" in event.message
+    assert refunds(bank) == 0
+
+
 def test_every_decision_names_its_policies_and_the_policy_version(tenant, asha, ravi, bank, refund):
     version = TenantPolicies.objects.get(tenant=tenant).version
     # Allowed without approval: the dispatch event names the permit that allowed it.
