@@ -59,12 +59,14 @@ def test_an_operator_sees_paused_runs_and_switches_on_the_desk_and_top_bar(live_
         page.select_option("#id_kind", "pause")
         page.fill("#id_reason", "hold refunds")
         page.select_option("#id_agent", "refunder")
-        page.click("input[name=_save]")
+        with page.expect_navigation():  # all_inner_texts() does not wait either
+            page.click("input[name=_save]")
         assert (
             "Preview: this would pause 2 runs now"
             in page.locator(".errornote, .errorlist").all_inner_texts()[-1]
         )
-        page.click("input[name=_save]")
+        with page.expect_navigation():
+            page.click("input[name=_save]")
         assert "2 runs paused" in page.locator("ul.messagelist").inner_text()
         page.goto(f"{live_server.url}/admin/")
         assert page.locator("#desk-paused").inner_text() == "5"
