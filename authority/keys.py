@@ -102,15 +102,9 @@ def signing_key(now: dt.datetime | None = None) -> tuple[str, Ed25519PrivateKey]
     if kept is not None and kept[0] > time.monotonic():
         key = kept[1]
     else:
-        key = (
-            SigningKey.objects.filter(signs_from__lte=now)
-            .filter(Q(retired_at__isnull=True) | Q(retired_at__gt=now))
-            .only("kid", "private_ciphertext", "signs_from", "retired_at")
-            .order_by("-signs_from", "-id")
-            .first()
-        )
+        key = _signing_at(now)
         if key is None:
-            key = create_key(now=now, lead_seconds=0)
+            key = _first_key(now)
         if not now_given:
             _current["key"] = (time.monotonic() + KEY_CHECK_SECONDS, key)
     cached = _private.get(key.kid)
@@ -121,6 +115,30 @@ def signing_key(now: dt.datetime | None = None) -> tuple[str, Ed25519PrivateKey]
         with _private_lock:
             cached = _private.setdefault(key.kid, loaded)
     return key.kid, cached
+
+
+def _signing_at(now: dt.datetime) -> SigningKey | None:
+    return (
+        SigningKey.objects.filter(signs_from__lte=now)
+        .filter(Q(retired_at__isnull=True) | Q(retired_at__gt=now))
+        .only("kid", "private_ciphertext", "signs_from", "retired_at")
+        .order_by("-signs_from", "-id")
+        .first()
+    )
+
+
+def _first_key(now: dt.datetime) -> SigningKey:
+    """The first key, made on first use. Many calls make their first signature at once (a worker's
+    threads as it starts): the ones that lose the race find the winner's key live, and its lead of
+    0 s refused as a rotation (RotationRefused, once an engine error that left a refund in
+    `dispatching`); they sign with that key, which signs from the moment it was made."""
+    try:
+        return create_key(now=now, lead_seconds=0)
+    except RotationRefused:
+        key = _signing_at(timezone.now())
+        if key is None:  # a live key that does not sign yet: a rotation's, not the first
+            raise
+        return key
 
 
 def published(now: dt.datetime | None = None) -> list[SigningKey]:

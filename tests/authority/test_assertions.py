@@ -265,3 +265,32 @@ def test_the_rotate_command_publishes_a_key_that_signs_after_its_lead():
     assert keys.signing_key()[0] == first  # the old key signs until the new one's lead has passed
     assert keys.signing_key(timezone.now() + dt.timedelta(seconds=901))[0] == new.kid
     assert SigningKey.objects.get(kid=first).retired_at == new.signs_from
+
+
+def test_the_first_signatures_made_at_once_share_the_first_key():
+    # A worker's threads starting together each find no key: one makes it, the others, refused
+    # a 0 s rotation, sign with it (once an engine error leaving a refund `dispatching`).
+    import threading
+
+    from django.db import connection
+
+    barrier, kids, errors = threading.Barrier(8), [], []
+
+    def first_signature():
+        try:
+            barrier.wait()
+            kids.append(keys.signing_key()[0])
+        except Exception as exc:  # the assertion below names it
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    keys._current.clear()
+    threads = [threading.Thread(target=first_signature) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [] and len(kids) == 8
+    published = {key.kid for key in keys.published()}
+    assert set(kids) <= published
