@@ -61,16 +61,22 @@ def decide_approval(*, approval_id, user, approve: bool, reason: str = "") -> Ap
             elif verdict == approvals.Verdict.EXPIRED:
                 _approval_expired(run, approval)
     except Forbidden as exc:
-        if exc.code == "approval_refused":
-            # Above this approver's limit (an approve_call policy): the approval goes up to the
-            # group it escalates to now, rather than wait for its escalation time.
-            escalated = escalate_now(approval_id, refused=user)
-            if escalated:
-                raise Forbidden(f"{exc.message}; escalated to {escalated}", code=exc.code) from None
+        _escalate_if_above_limit(exc, approval_id, user)
         raise
     if verdict == approvals.Verdict.EXPIRED:
         raise Conflict("approval expired before it was decided", code="approval_expired")
     return approval
+
+
+def _escalate_if_above_limit(exc: Forbidden, approval_id, user, *, correcting: bool = False) -> None:
+    """Above this approver's limit (an approve_call policy refused them: `approval_refused`), the
+    approval goes up to the group it escalates to now, rather than wait for its escalation time;
+    the refusal is raised again naming that group."""
+    if exc.code != "approval_refused":
+        return
+    escalated = escalate_now(approval_id, refused=user, correcting=correcting)
+    if escalated:
+        raise Forbidden(f"{exc.message}; escalated to {escalated}", code=exc.code) from None
 
 
 def escalate_now(approval_id, *, refused, correcting: bool = False) -> str | None:
@@ -128,10 +134,7 @@ def correct_approval(*, approval_id, user, arguments: dict, reason: str) -> Appr
     try:
         return _correct(approval_id=approval_id, user=user, arguments=arguments, reason=reason)
     except Forbidden as exc:
-        if exc.code == "approval_refused":
-            escalated = escalate_now(approval_id, refused=user, correcting=True)
-            if escalated:
-                raise Forbidden(f"{exc.message}; escalated to {escalated}", code=exc.code) from None
+        _escalate_if_above_limit(exc, approval_id, user, correcting=True)
         raise
 
 

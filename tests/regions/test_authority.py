@@ -176,6 +176,19 @@ def _setup_runs(tenant, asha, home):
     return echo
 
 
+def _regions_written_at_home(home, tenant) -> None:
+    """The home answers only for a tenant whose home it is: the tenant's regions written there and
+    replicated here, as in production (not given here directly, as _setup_runs does)."""
+    TenantRegions.objects.filter(tenant=tenant).delete()
+    _home_sql(
+        home,
+        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
+        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
+        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
+    )
+    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
+
+
 def _drive(runs: list, stop: threading.Event, *, pace: float) -> list[threading.Thread]:
     """Three workers, each taking one step of a run at a time, `pace` seconds apart."""
 
@@ -503,16 +516,7 @@ def test_on_a_stale_copy_the_region_asks_the_home_for_the_call_and_waits_when_it
     judged on the fresh copy once it returns."""
     pg_link, tenant, asha = authority
     echo = _setup_runs(tenant, asha, home)
-    # The home answers only for a tenant whose home it is: the tenant's regions written there and
-    # replicated here, as in production (not given here directly, as the other tests do).
-    TenantRegions.objects.filter(tenant=tenant).delete()
-    _home_sql(
-        home,
-        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
-        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
-        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
-    )
-    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
+    _regions_written_at_home(home, tenant)
     row = _grant_row(echo)
     _home_sql(home, GRANT, row)
     _poll(lambda: _granted_here(row))
@@ -584,14 +588,7 @@ def test_on_a_stale_copy_a_run_start_asks_the_home_and_waits_when_it_cannot(home
 
     pg_link, tenant, asha = authority
     _setup_runs(tenant, asha, home)
-    TenantRegions.objects.filter(tenant=tenant).delete()  # the home answers for its own tenants only
-    _home_sql(
-        home,
-        "INSERT INTO regions_tenantregions (id, tenant_id, home, allowed, slice_micros, away_share_percent, "
-        "revocation_reach_seconds) VALUES (7000002, %s, %s, %s, 0, 50, %s)",
-        [TENANT_ID, HOME, f'["{HOME}", "{AWAY}"]', REACH],
-    )
-    _poll(lambda: TenantRegions.objects.filter(tenant=tenant).exists())
+    _regions_written_at_home(home, tenant)
     agent = AgentDefinition.objects.get(tenant=tenant, name="agent")
     pg_link.cut()
     wait_for(lambda: regions_stale(tenant), timeout=30, what="the copy to age past the reach")

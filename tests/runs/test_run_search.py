@@ -204,21 +204,31 @@ def test_postgres_uses_the_words_index_for_a_word_search(requests):
     assert "run_search_words" in plan, plan
 
 
-def test_past_a_thousand_matches_the_count_is_an_estimate_and_next_stays_exact(ravi, requests):
-    # 5,030 more runs whose request says "chargeback": counting them all is what a common word
-    # at a million runs cannot afford (the answer says its count is an estimate), and their page
-    # is read walking the newest runs; `next` still ends exactly at the last page.
-    template = requests["meera"]
+def _many_runs(template: Run, request: str, orders, **fields) -> None:
+    """Runs like `template`, one per order number in `orders` (the last one the newest), whose
+    request is `request` with its order number."""
     Run.objects.bulk_create(
         Run(
             tenant=template.tenant,
             created_by=template.created_by,
             agent=template.agent,
             version=template.version,
-            status="succeeded",
-            input={"request": f"Customer asks for a chargeback on order {n}"},
+            input={"request": request.format(order)},
+            **fields,
         )
-        for n in reversed(range(DENSE_MIN + 30))  # order 0 the newest
+        for order in orders
+    )
+
+
+def test_past_a_thousand_matches_the_count_is_an_estimate_and_next_stays_exact(ravi, requests):
+    # 5,030 more runs whose request says "chargeback": counting them all is what a common word
+    # at a million runs cannot afford (the answer says its count is an estimate), and their page
+    # is read walking the newest runs; `next` still ends exactly at the last page.
+    _many_runs(
+        requests["meera"],
+        "Customer asks for a chargeback on order {}",
+        reversed(range(DENSE_MIN + 30)),  # order 0 the newest
+        status="succeeded",
     )
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE runs_run")
@@ -243,16 +253,7 @@ def test_a_word_in_many_runs_is_read_walking_the_newest_runs(ravi, requests):
     from core.api import planner_settings
 
     template = requests["meera"]
-    Run.objects.bulk_create(
-        Run(
-            tenant=template.tenant,
-            created_by=template.created_by,
-            agent=template.agent,
-            version=template.version,
-            input={"request": f"wrong amount debited on order {n}"},
-        )
-        for n in range(DENSE_MIN + 1)
-    )
+    _many_runs(template, "wrong amount debited on order {}", range(DENSE_MIN + 1))
     found = search(Run.objects.filter(tenant=template.tenant), "wrong amount debited", ranked=True)
     assert found.page_settings["enable_bitmapscan"] == "off"
     sql, params = found.order_by("-created_at")[:51].query.sql_with_params()
