@@ -48,19 +48,18 @@ def stale_authority(tenant_id, *, reads: ClaimReads | None = None) -> str | None
     )
 
 
-def home_start_answer(tenant, *, user_id: int, agent_id: int) -> dict | None:
+def home_start_answer(tenant, home: str, *, user_id: int, agent_id: int) -> dict | None:
     """On a stale copy: the home's own answer, now, whether the user may start a run of the agent
     (`may_run`: active and holding run_agent there; `switch`: the tenant's or the agent's kill
     switch on there) with the tenant's policy version there; None when the home cannot be asked.
     No transaction may be open (a call between regions)."""
-    config = TenantRegions.objects.filter(tenant_id=tenant.pk).first()
-    if config is None or connection.in_atomic_block:
+    if connection.in_atomic_block:
         # Inside a caller's transaction no call between regions is made (it would hold the
         # transaction open across the network): the start waits as if the home were unreachable.
         return None
     try:
         answer = client.call_home(
-            config.home,
+            home,
             client.AUTHORITY_PATH,
             {"tenant": tenant.slug, "calls": [], "starts": [{"user_id": user_id, "agent_id": agent_id}]},
         )

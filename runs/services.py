@@ -135,11 +135,11 @@ def start_run(
             return existing, False
     pinned, arm = resolve_arm(tenant=tenant, agent=agent, alias=alias, version=version)
     if stale is not None:
-        _start_on_the_homes_answer(tenant, user, pinned.agent_id, stale)
+        _start_on_the_homes_answer(tenant, user, pinned.agent_id, *stale)
     if not may_run_agent(user, pinned.agent_id):
         if stale is not None:  # the home said it is held: its grant has not reached the copy yet
             raise DomainError(
-                f"{stale}; run_agent is held at the home region but not yet in this region's copy",
+                f"{stale[1]}; run_agent is held at the home region but not yet in this region's copy",
                 code="authority_stale",
                 status=503,
                 retry_after=5,
@@ -257,10 +257,10 @@ def start_run(
     return run, True
 
 
-def _refuse_other_region(tenant) -> str | None:
+def _refuse_other_region(tenant) -> tuple[str, str] | None:
     """A run lives entirely in the region where it starts: only in the tenant's allowed regions.
-    Returns why this region's copy of the home's authority is too old to act on, or None (read
-    first: the grants checked after it are then at least that fresh)."""
+    Returns the home and why this region's copy of its authority is too old to act on, or None
+    (read first: the grants checked after it are then at least that fresh)."""
     if not here():  # a deployment without regions
         return None
     config = TenantRegions.of(tenant)
@@ -271,15 +271,16 @@ def _refuse_other_region(tenant) -> str | None:
         raise DomainError(
             refused, code="region_not_allowed", status=421, fields={"regions": list(config.allowed)}
         )
-    return stale_authority(tenant.pk)
+    stale = stale_authority(tenant.pk)
+    return None if stale is None else (config.home, stale)
 
 
-def _start_on_the_homes_answer(tenant, user, agent_id: int, stale: str) -> None:
+def _start_on_the_homes_answer(tenant, user, agent_id: int, home: str, stale: str) -> None:
     """Away from home on a copy older than the reach, as for a tool call: the home is asked now
     whether the user may start a run of the agent (active, run_agent, no tenant or agent switch),
     and its answer is as fresh as a copy that age. Refused as the home says; 503 with Retry-After
     when the home cannot be asked or its policies are not yet in the copy (the caller retries)."""
-    answer = home_start_answer(tenant, user_id=user.pk, agent_id=agent_id)
+    answer = home_start_answer(tenant, home, user_id=user.pk, agent_id=agent_id)
     if answer is None:
         raise DomainError(
             f"{stale}; the home region could not be asked", code="authority_stale", status=503, retry_after=5

@@ -359,10 +359,12 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
     list_select_related = ["agent", "version", "created_by", "budget", "tenant"]
     paginator = BoundedPaginator
     show_full_result_count = False  # "(N total)" would count the tenant's every run
-    # The box searches ids, id prefixes and input/metadata values (runs/front/search.py), not these fields.
+    # The box searches ids, id prefixes, input/metadata values and words (runs/front/search.py),
+    # not these fields.
     search_fields = ["id"]
     search_help_text = (
-        "A run id or its first characters (a7390f2e), or a value of its input or metadata (TXN-1002)."
+        "A run id or its first characters (a7390f2e), a value of its input or metadata (TXN-1002), "
+        'or words of its request and customer (meera sharma, "duplicate charge").'
     )
     date_hierarchy = "created_at"
     actions = ["cancel_selected", "pause_selected", "resume_selected", "add_to_dataset"]
