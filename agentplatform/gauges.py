@@ -227,8 +227,10 @@ def _regions(slugs: dict) -> list:
         labels=["tenant", "region"],
     )
     latest: dict[tuple[int, str], int] = {}
-    for tenant_id, region, granted, returned in RegionDay.objects.order_by("day").values_list(
-        "tenant_id", "region", "granted_micros", "returned_micros"
+    for tenant_id, region, granted, returned in (
+        RegionDay.objects.filter(user=None)
+        .order_by("day")
+        .values_list("tenant_id", "region", "granted_micros", "returned_micros")
     ):
         latest[(tenant_id, region)] = granted - returned
     for (tenant_id, region), micros in latest.items():

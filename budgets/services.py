@@ -58,7 +58,7 @@ from django.utils import timezone
 from budgets.models import BudgetAccount, LedgerEntry, Reservation
 from budgets.statements import CLOSE, RESERVE_ANY, RESERVE_OWN, RESERVE_POOLED
 from core.errors import DomainError
-from regions.models import RegionDay, here, is_home
+from regions.models import RegionDay, here, is_home, of_user
 
 Scope = BudgetAccount.Scope
 Status = Reservation.Status
@@ -129,12 +129,18 @@ def _open_day(tenant, day: dt.date) -> None:
 
 
 def _open_user_day(tenant, day: dt.date, user) -> None:
-    lookup = {"tenant": tenant, "scope": Scope.USER_DAY, "day": day, "user": user}
+    """Open the user's day: at home with the user's daily budget less what other regions hold of
+    it; in another region empty (it spends the slices of the user's day the home grants it)."""
+    user_id = getattr(user, "pk", user)
+    lookup = {"tenant": tenant, "scope": Scope.USER_DAY, "day": day, "user_id": user_id}
+    if BudgetAccount.objects.filter(**lookup).exists():
+        return
+    limit = (
+        tenant.user_daily_budget_micros - _lent_out(tenant, day, user_id=user_id) if is_home(tenant) else 0
+    )
     try:
         with transaction.atomic():
-            BudgetAccount.objects.get_or_create(
-                **lookup, defaults={"limit_micros": tenant.user_daily_budget_micros}
-            )
+            BudgetAccount.objects.get_or_create(**lookup, defaults={"limit_micros": limit})
     except IntegrityError:  # a concurrent first reservation of the day created it
         pass
 
@@ -155,11 +161,12 @@ def _day_totals(tenant, day: dt.date) -> dict:
     )
 
 
-def _lent_out(tenant, day: dt.date) -> int:
-    """What the home has granted other regions of the day and not had back (0 with no regions)."""
+def _lent_out(tenant, day: dt.date, *, user_id: int | None = None) -> int:
+    """What the home has granted other regions of the day (of one user's day, with `user_id`)
+    and not had back (0 with no regions)."""
     if not here():
         return 0
-    totals = RegionDay.objects.filter(tenant=tenant, day=day).aggregate(
+    totals = RegionDay.objects.filter(of_user(user_id), tenant=tenant, day=day).aggregate(
         granted=Coalesce(Sum("granted_micros"), 0), returned=Coalesce(Sum("returned_micros"), 0)
     )
     return totals["granted"] - totals["returned"]
@@ -191,6 +198,47 @@ def move_day_limit(tenant, day: dt.date, by_micros: int) -> int:
     for i, account in enumerate(shards):
         room = share + (rest if i == 0 else 0) if free + moved >= 0 else (free + moved if i == 0 else 0)
         BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=used[i] + room)
+    return moved
+
+
+def move_user_day_limit(tenant, day: dt.date, user_id: int, by_micros: int) -> int:
+    """move_day_limit for one user's day (one account, no shards): raise by `by_micros`, or lower
+    by at most its free room; the amount moved. Call it in the transaction recording the move."""
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        raise RuntimeError("move_user_day_limit must run in the transaction that records the move")
+    _open_user_day(tenant, day, user_id)
+    account = BudgetAccount.objects.select_for_update().get(
+        tenant=tenant, scope=Scope.USER_DAY, day=day, user_id=user_id
+    )
+    moved = by_micros if by_micros >= 0 else -min(-by_micros, max(account.remaining_micros, 0))
+    if moved:
+        BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=F("limit_micros") + moved)
+    return moved
+
+
+def user_day_account(tenant, day: dt.date, user_id: int) -> BudgetAccount:
+    """The user's day account, opened (empty away from home) if need be."""
+    _open_user_day(tenant, day, user_id)
+    return BudgetAccount.objects.get(tenant=tenant, scope=Scope.USER_DAY, day=day, user_id=user_id)
+
+
+def set_user_day_limits(tenant, day: dt.date, limit_micros: int) -> list[BudgetAccount]:
+    """Move every user's limit for `day` to `limit_micros` less what other regions hold of that
+    user's day (the home only: elsewhere a user's limit is the slices granted). The accounts moved."""
+    if not is_home(tenant):
+        return []
+    moved = []
+    with transaction.atomic():
+        for account in (
+            BudgetAccount.objects.select_for_update(of=("self",))
+            .filter(tenant=tenant, day=day, scope=Scope.USER_DAY)
+            .select_related("user")
+            .order_by("pk")
+        ):
+            limit = limit_micros - _lent_out(tenant, day, user_id=account.user_id)
+            if account.limit_micros != limit:
+                BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
+                moved.append(account)
     return moved
 
 

@@ -18,7 +18,7 @@ from agents.models import AgentDefinition, Alias
 from agents.services import create_version, move_alias
 from agents.spec import validate_spec
 from budgets.models import BudgetAccount
-from budgets.services import local_day, set_day_limit
+from budgets.services import local_day, set_day_limit, set_user_day_limits
 from configuration import delegation, reminders, tenant_regions
 from configuration.report import ApplyReport
 from configuration.rows import assign
@@ -125,13 +125,7 @@ def _update_today_limits(tenant: Tenant, report: ApplyReport) -> None:
     limit = tenant.user_daily_budget_micros
     if limit is None:
         return
-    accounts = (
-        BudgetAccount.objects.filter(tenant=tenant, day=day, scope=BudgetAccount.Scope.USER_DAY)
-        .exclude(limit_micros=limit)
-        .select_related("user")
-    )
-    for account in accounts:
-        BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
+    for account in set_user_day_limits(tenant, day, limit):
         assert account.user is not None  # a user_day account is one user's
         report.record("budgets", f"user_day {day} {account.user.username}", "updated", ["limit"])
 

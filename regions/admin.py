@@ -16,12 +16,14 @@ class TenantRegionsAdmin(OperatorsWrite, TenantScopedAdmin):
 
 @admin.register(RegionDay, site=site)
 class RegionDayAdmin(ReadOnlyAdmin):
-    """Home side: each region's slices of a day (outstanding counts as spent here until returned)."""
+    """Home side: each region's slices of a day, or of one user's day (outstanding counts as
+    spent here until returned)."""
 
     list_display = (
         "tenant",
         "region",
         "day",
+        "user",
         "granted_micros",
         "returned_micros",
         "outstanding",
@@ -51,9 +53,11 @@ class SliceRequestAdmin(ReadOnlyAdmin):
         "created_at",
         "tenant",
         "day",
+        "user",
         "kind",
         "asked_micros",
         "moved_micros",
+        "home_free_micros",
         "status",
         "attempts",
     )

@@ -1,7 +1,8 @@
 """The regions' API: the home's escrow endpoints (signed, between regions) and a status for people.
 
-    POST /v1/regions/slices/grant    a region asks for a slice of a tenant's day (signed)
-    POST /v1/regions/slices/return   a region gives free room of a day back (signed)
+    POST /v1/regions/slices/grant    a region asks for a slice of a tenant's day, or with `user_id`
+                                     of that user's day (signed)
+    POST /v1/regions/slices/return   a region gives free room of a day (a user's day) back (signed)
     POST /v1/regions/probe           a region asks how much of a day the home has free (signed; no write)
     POST /v1/regions/authority       a region whose copy of the authority is older than the reach asks
                                      the home about calls (user, tool): held? switched off? (signed; no write)
@@ -80,13 +81,20 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
         if operation is None:
             return _answer(request, 200, services.probe(tenant=tenant, region=region, day=day), key)
         amount = int(body["amount_micros"])
+        user_id = None if body.get("user_id") is None else int(body["user_id"])
         answer = operation(
-            tenant=tenant, region=region, day=day, request_id=uuid.UUID(body["request_id"]), amount=amount
+            tenant=tenant,
+            region=region,
+            day=day,
+            request_id=uuid.UUID(body["request_id"]),
+            amount=amount,
+            user_id=user_id,
         )
         services.report(
             tenant=tenant,
             region=region,
             day=day,
+            user_id=user_id,
             spent=int(body.get("spent_micros", 0)),
             reserved=int(body.get("reserved_micros", 0)),
             held=int(body.get("held_micros", 0)),
@@ -105,8 +113,8 @@ def _escrow(request: HttpRequest, operation) -> HttpResponse:
 def grant_view(request: HttpRequest) -> HttpResponse:
     return _escrow(
         request,
-        lambda *, tenant, region, day, request_id, amount: services.grant(
-            tenant=tenant, region=region, day=day, request_id=request_id, asked_micros=amount
+        lambda *, tenant, region, day, request_id, amount, user_id: services.grant(
+            tenant=tenant, region=region, day=day, request_id=request_id, asked_micros=amount, user_id=user_id
         ),
     )
 
@@ -116,8 +124,13 @@ def grant_view(request: HttpRequest) -> HttpResponse:
 def return_view(request: HttpRequest) -> HttpResponse:
     return _escrow(
         request,
-        lambda *, tenant, region, day, request_id, amount: services.take_back(
-            tenant=tenant, region=region, day=day, request_id=request_id, amount_micros=amount
+        lambda *, tenant, region, day, request_id, amount, user_id: services.take_back(
+            tenant=tenant,
+            region=region,
+            day=day,
+            request_id=request_id,
+            amount_micros=amount,
+            user_id=user_id,
         ),
     )
 
@@ -149,7 +162,9 @@ class RegionStatusOutput(serializers.Serializer):
         child=serializers.IntegerField(), help_text="limit, reserved, spent, held of the day here"
     )
     slices = serializers.ListField(
-        child=serializers.DictField(), required=False, help_text="at home: each region's slices per day"
+        child=serializers.DictField(),
+        required=False,
+        help_text="at home: each region's slices per day (user set: of that user's day)",
     )
     link = serializers.DictField(allow_null=True, required=False, help_text="elsewhere: the link to the home")
     pending_requests = serializers.DictField(child=serializers.IntegerField(), required=False)

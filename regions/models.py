@@ -14,6 +14,7 @@ home's free room at its last answer).
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 
 from django.conf import settings
@@ -66,6 +67,10 @@ class TenantRegions(models.Model):
     def slice_size(self, daily_budget_micros: int) -> int:
         return self.slice_micros or max(daily_budget_micros // 10, 1)
 
+    def user_slice_size(self, daily_budget_micros: int, user_daily_budget_micros: int) -> int:
+        """A user's slice: the tenant's slice (sized to carry several calls), at most the user's day."""
+        return max(min(self.slice_size(daily_budget_micros), user_daily_budget_micros), 1)
+
 
 def is_home(tenant) -> bool:
     """Whether this deployment's ledger is authoritative for the tenant's day."""
@@ -93,7 +98,10 @@ def authority_age(config: TenantRegions) -> float | None:
 
 
 class SliceMove(models.Model):
-    """Home side: one grant or return a region asked for, by its request id (idempotency)."""
+    """Home side: one grant or return a region asked for, by its request id (idempotency).
+
+    With `user`, a slice of that user's day (Tenant.user_daily_budget_micros) instead of the
+    tenant's: the same escrow, on the user's day account."""
 
     class Kind(models.TextChoices):
         GRANT = "grant"
@@ -102,6 +110,9 @@ class SliceMove(models.Model):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     region = models.CharField(max_length=40)
     day = models.DateField()
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     kind = models.CharField(max_length=8, choices=Kind.choices)
     request_id = models.UUIDField()
     asked_micros = models.BigIntegerField()
@@ -117,11 +128,15 @@ class SliceMove(models.Model):
 
 
 class RegionDay(models.Model):
-    """Home side: what a region holds of a tenant's day. Moved with F() in the move's transaction."""
+    """Home side: what a region holds of a tenant's day (or, with `user`, of that user's day).
+    Moved with F() in the move's transaction."""
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     region = models.CharField(max_length=40)
     day = models.DateField()
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     granted_micros = models.BigIntegerField(default=0)
     returned_micros = models.BigIntegerField(default=0)
     # The region's own figures at its last report (its slice's spent, reserved, held).
@@ -132,7 +147,14 @@ class RegionDay(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "region", "day"], name="uniq_region_day"),
+            models.UniqueConstraint(
+                fields=["tenant", "region", "day"], condition=models.Q(user=None), name="uniq_region_day"
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "region", "day", "user"],
+                condition=models.Q(user__isnull=False),
+                name="uniq_region_user_day",
+            ),
             models.CheckConstraint(
                 condition=models.Q(returned_micros__lte=models.F("granted_micros")),
                 name="region_day_returned_lte_granted",
@@ -157,9 +179,15 @@ class SliceRequest(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)  # the request id
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     day = models.DateField()
+    user = models.ForeignKey(  # a slice of this user's day; None: of the tenant's
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     kind = models.CharField(max_length=8, choices=SliceMove.Kind.choices)
     asked_micros = models.BigIntegerField()
     moved_micros = models.BigIntegerField(null=True, blank=True)  # the home's answer
+    # What the home had left to lend (of the user's day, for a user's slice) after answering:
+    # 0 says the user's day is spent everywhere (runs refused on it follow the tenant's rule).
+    home_free_micros = models.BigIntegerField(null=True, blank=True)
     status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -217,3 +245,24 @@ class HomeAnswer(models.Model):
     class Meta:
         # One answer per call, the latest: a call that waits is asked again on each keeper pass.
         constraints = [models.UniqueConstraint(fields=["run", "step_seq"], name="uniq_home_answer_call")]
+
+
+def of_user(user_id: int | None) -> models.Q:
+    """The rows of one user's day (None: the tenant's day's, which name no user)."""
+    return models.Q(user__isnull=True) if user_id is None else models.Q(user_id=user_id)
+
+
+def user_home_free(tenant, day: dt.date, user_id: int) -> int | None:
+    """What the home had left of the user's day at its last answer today (None: not asked yet)."""
+    return (
+        SliceRequest.objects.filter(
+            tenant=tenant,
+            day=day,
+            user_id=user_id,
+            kind=SliceMove.Kind.GRANT,
+            status=SliceRequest.Status.APPLIED,
+        )
+        .order_by("-answered_at")
+        .values_list("home_free_micros", flat=True)
+        .first()
+    )

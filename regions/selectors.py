@@ -14,38 +14,66 @@ from runs.models import Run, RunEvent, RunStatus
 
 
 def home_books(tenant, day: dt.date) -> dict:
-    """The home's check: its day limit plus every region's outstanding slices is the daily budget.
+    """The home's check: its day limit plus every region's outstanding slices is the daily budget,
+    and the same for each user's day it lent slices of.
 
     Answers {} when the books agree, else what disagrees (a check that can fail: a slice lent
     twice, or a limit moved without its RegionDay, shows here).
     """
+    problems: dict = {}
     account = budgets.tenant_day_account(tenant, day)
-    lent = RegionDay.objects.filter(tenant=tenant, day=day).aggregate(
-        granted=Coalesce(Sum("granted_micros"), 0), returned=Coalesce(Sum("returned_micros"), 0)
-    )
-    outstanding = lent["granted"] - lent["returned"]
+    outstanding = _outstanding(RegionDay.objects.filter(tenant=tenant, day=day, user=None))
     if account.limit_micros + outstanding != tenant.daily_budget_micros:
-        return {
+        problems = {
             "limit_plus_outstanding": account.limit_micros + outstanding,
             "daily": tenant.daily_budget_micros,
         }
-    return {}
+    users = RegionDay.objects.filter(tenant=tenant, day=day, user__isnull=False)
+    for user_id in sorted(set(users.values_list("user_id", flat=True))):
+        limit = budgets.user_day_account(tenant, day, user_id).limit_micros
+        lent = _outstanding(users.filter(user_id=user_id))
+        if limit + lent != tenant.user_daily_budget_micros:
+            problems[f"user {user_id}"] = {
+                "limit_plus_outstanding": limit + lent,
+                "user_daily": tenant.user_daily_budget_micros,
+            }
+    return problems
+
+
+def _outstanding(days) -> int:
+    lent = days.aggregate(
+        granted=Coalesce(Sum("granted_micros"), 0), returned=Coalesce(Sum("returned_micros"), 0)
+    )
+    return lent["granted"] - lent["returned"]
 
 
 def region_books(tenant, day: dt.date) -> dict:
-    """A region's check: its day limit is what the home granted less what it gave back.
+    """A region's check: its day limit is what the home granted less what it gave back, and so
+    is each user's day limit here.
 
     Grants count once answered and applied; returns count from the moment they are taken off
     the limit (pending or not). {} when they agree.
     """
+    problems: dict = {}
+    requests = SliceRequest.objects.filter(tenant=tenant, day=day)
     account = budgets.tenant_day_account(tenant, day)
-    moves = SliceRequest.objects.filter(tenant=tenant, day=day).aggregate(
+    moved = _granted_less_returned(requests.filter(user=None))
+    if account.limit_micros != moved:
+        problems = {"limit": account.limit_micros, "granted_less_returned": moved}
+    for user_id in sorted(set(requests.filter(user__isnull=False).values_list("user_id", flat=True))):
+        limit = budgets.user_day_account(tenant, day, user_id).limit_micros
+        moved = _granted_less_returned(requests.filter(user_id=user_id))
+        if limit != moved:
+            problems[f"user {user_id}"] = {"limit": limit, "granted_less_returned": moved}
+    return problems
+
+
+def _granted_less_returned(requests) -> int:
+    moves = requests.aggregate(
         granted=Coalesce(Sum("moved_micros", filter=Q(kind="grant", status="applied")), 0),
         returned=Coalesce(Sum("asked_micros", filter=Q(kind="return")), 0),
     )
-    if account.limit_micros != moves["granted"] - moves["returned"]:
-        return {"limit": account.limit_micros, "granted_less_returned": moves["granted"] - moves["returned"]}
-    return {}
+    return moves["granted"] - moves["returned"]
 
 
 def parked_by_reason(tenant=None) -> dict[str, int]:
@@ -94,6 +122,7 @@ def tenant_status(tenant) -> dict:
             {
                 "region": d.region,
                 "day": d.day.isoformat(),
+                "user": d.user_id,  # None: the tenant's day; else a slice of this user's day
                 "granted_micros": d.granted_micros,
                 "returned_micros": d.returned_micros,
                 "outstanding_micros": d.outstanding_micros,

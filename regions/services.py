@@ -58,6 +58,8 @@ from regions.models import (
     TenantRegions,
     authority_age,
     here,
+    of_user,
+    user_home_free,
 )
 from runs import admission
 from runs.authority_copy import stale_authority
@@ -74,61 +76,100 @@ logger = logging.getLogger("regions")
 
 # Closed days a region still looks at for room to give back or requests to send again.
 CLOSING_DAYS = 3
+# The runs whose users' days the keeper tops up in this region: they reserve soon or wait to.
+USERS_RUNS_HERE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING_BUDGET)
 
 
 # --- the home's side -----------------------------------------------------------------------------
 
 
-def grant(*, tenant: Tenant, region: str, day: dt.date, request_id: uuid.UUID, asked_micros: int) -> dict:
-    """Lend `region` up to `asked_micros` of the tenant's `day` (as much as the home may lend)."""
-    return _move(tenant, region, day, request_id, SliceMove.Kind.GRANT, asked_micros)
+def grant(
+    *,
+    tenant: Tenant,
+    region: str,
+    day: dt.date,
+    request_id: uuid.UUID,
+    asked_micros: int,
+    user_id: int | None = None,
+) -> dict:
+    """Lend `region` up to `asked_micros` of the tenant's `day` (of the user's day, with
+    `user_id`), as much as the home may lend."""
+    return _move(tenant, region, day, request_id, SliceMove.Kind.GRANT, asked_micros, user_id)
 
 
 def take_back(
-    *, tenant: Tenant, region: str, day: dt.date, request_id: uuid.UUID, amount_micros: int
+    *,
+    tenant: Tenant,
+    region: str,
+    day: dt.date,
+    request_id: uuid.UUID,
+    amount_micros: int,
+    user_id: int | None = None,
 ) -> dict:
-    """`region` gives back `amount_micros` of the tenant's `day` (already taken off its own limit)."""
-    return _move(tenant, region, day, request_id, SliceMove.Kind.RETURN, amount_micros)
+    """`region` gives back `amount_micros` of the tenant's `day` (of the user's day, with
+    `user_id`), already taken off its own limit."""
+    return _move(tenant, region, day, request_id, SliceMove.Kind.RETURN, amount_micros, user_id)
 
 
-def _move(tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, amount: int) -> dict:
+def _move(
+    tenant, region: str, day: dt.date, request_id: uuid.UUID, kind: str, amount: int, user_id: int | None
+) -> dict:
     if amount < 0:
         raise Conflict("a slice amount cannot be negative", code="negative_slice")
+    if user_id is not None and (
+        tenant.user_daily_budget_micros is None or not User.objects.filter(pk=user_id, tenant=tenant).exists()
+    ):
+        raise Conflict(
+            f"{tenant.slug} has no day budget for user {user_id} at its home", code="no_user_day_budget"
+        )
     done = SliceMove.objects.filter(region=region, request_id=request_id).values_list(
         "moved_micros", flat=True
     )
     if done:  # a repeat (its answer was lost): the first answer, before any check that the move changed
-        return {"moved_micros": done[0], "home_free_micros": _lendable_now(tenant, region, day)}
+        return {"moved_micros": done[0], "home_free_micros": _lendable_now(tenant, region, day, user_id)}
     try:
         with transaction.atomic():
             # A repeat of an applied request waits here for the day's lock and then finds nothing
             # new to do: its unique insert below fails and the whole move rolls back.
             if kind == SliceMove.Kind.GRANT:
-                moved = -budgets.move_day_limit(tenant, day, -min(amount, _lendable(tenant, region, day)))
+                moved = -_move_limit(
+                    tenant, day, user_id, -min(amount, _lendable(tenant, region, day, user_id))
+                )
             else:
-                outstanding = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
+                outstanding = RegionDay.objects.filter(
+                    of_user(user_id), tenant=tenant, region=region, day=day
+                ).first()
                 if outstanding is None or outstanding.outstanding_micros < amount:
                     raise Conflict(
                         f"{region} returns more of {day} than it was lent", code="slice_over_returned"
                     )
-                moved = budgets.move_day_limit(tenant, day, amount)
+                moved = _move_limit(tenant, day, user_id, amount)
             SliceMove.objects.create(
                 tenant=tenant,
                 region=region,
                 day=day,
+                user_id=user_id,
                 kind=kind,
                 request_id=request_id,
                 asked_micros=amount,
                 moved_micros=moved,
             )
-            RegionDay.objects.get_or_create(tenant=tenant, region=region, day=day)
+            if not RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).exists():
+                # Under the day's (or the user's day's) lock the move holds: no other insert races it.
+                RegionDay.objects.create(tenant=tenant, region=region, day=day, user_id=user_id)
             column = "granted_micros" if kind == SliceMove.Kind.GRANT else "returned_micros"
-            RegionDay.objects.filter(tenant=tenant, region=region, day=day).update(
+            RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).update(
                 **{column: F(column) + moved}
             )
     except IntegrityError:
         moved = SliceMove.objects.get(region=region, request_id=request_id).moved_micros
-    return {"moved_micros": moved, "home_free_micros": _lendable_now(tenant, region, day)}
+    return {"moved_micros": moved, "home_free_micros": _lendable_now(tenant, region, day, user_id)}
+
+
+def _move_limit(tenant, day: dt.date, user_id: int | None, by_micros: int) -> int:
+    if user_id is None:
+        return budgets.move_day_limit(tenant, day, by_micros)
+    return budgets.move_user_day_limit(tenant, day, user_id, by_micros)
 
 
 def probe(*, tenant: Tenant, region: str, day: dt.date) -> dict:
@@ -137,32 +178,55 @@ def probe(*, tenant: Tenant, region: str, day: dt.date) -> dict:
     return {"moved_micros": 0, "home_free_micros": _lendable_now(tenant, region, day)}
 
 
-def _lendable(tenant, region: str, day: dt.date) -> int:
+def _lendable(tenant, region: str, day: dt.date, user_id: int | None = None) -> int:
     """What the home may lend `region` of `day`, decided under admission's lock (the tenant row,
     then the day's accounts: the order start_run and the sweeper's admission take them in).
 
     Never what the home's admitted runs are still expected to spend (runs/admission.py: a run let
     start at home must not find its day lent away), and never more than the region's share of
-    the day (TenantRegions.away_share_percent) outstanding at once.
+    the day (TenantRegions.away_share_percent) outstanding at once. Of a user's day: the user's
+    free room at home, within the same share of the user's daily budget (admission does not
+    count users' days).
     """
-    Tenant.objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
-    free = _free(tenant, day)
-    room = admission.room_micros(tenant)[0] if day == budgets.local_day(tenant) else free
     config = TenantRegions.of(tenant)
-    share = (config.away_share_percent if config else 100) * tenant.daily_budget_micros // 100
-    lent = RegionDay.objects.filter(tenant=tenant, region=region, day=day).first()
+    percent = config.away_share_percent if config else 100
+    if user_id is not None:
+        # The user's account locked first: two grants to one user are decided one after the other.
+        budgets.user_day_account(tenant, day, user_id)
+        free = (
+            BudgetAccount.objects.select_for_update()
+            .get(tenant=tenant, scope=BudgetAccount.Scope.USER_DAY, day=day, user_id=user_id)
+            .remaining_micros
+        )
+        share = percent * (tenant.user_daily_budget_micros or 0) // 100
+        room = free
+    else:
+        Tenant.objects.select_for_update(no_key=True).filter(pk=tenant.pk).exists()
+        free = _free(tenant, day)
+        room = admission.room_micros(tenant)[0] if day == budgets.local_day(tenant) else free
+        share = percent * tenant.daily_budget_micros // 100
+    lent = RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).first()
     return max(min(free, room, share - (lent.outstanding_micros if lent else 0)), 0)
 
 
-def _lendable_now(tenant, region: str, day: dt.date) -> int:
+def _lendable_now(tenant, region: str, day: dt.date, user_id: int | None = None) -> int:
     with transaction.atomic():
-        return _lendable(tenant, region, day)
+        return _lendable(tenant, region, day, user_id)
 
 
-def report(*, tenant: Tenant, region: str, day: dt.date, spent: int, reserved: int, held: int) -> None:
+def report(
+    *,
+    tenant: Tenant,
+    region: str,
+    day: dt.date,
+    spent: int,
+    reserved: int,
+    held: int,
+    user_id: int | None = None,
+) -> None:
     """What the region says its slice of the day carries: shown to operators; holds count as spent
     at home anyway (they stay in the slice, which is outstanding until returned)."""
-    RegionDay.objects.filter(tenant=tenant, region=region, day=day).update(
+    RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).update(
         reported_spent_micros=spent,
         reported_reserved_micros=reserved,
         reported_held_micros=held,
@@ -401,8 +465,60 @@ def tend(config: TenantRegions) -> None:
         )
         if not _send(config, request):
             return
+    if not _tend_users(config, today):
+        return
     if parked:
         resume_parked(tenant)
+
+
+def _tend_users(config: TenantRegions, today: dt.date) -> bool:
+    """The same for each user's day, when the tenant limits users' days: give back the free room
+    of a closed day or of a user with no run here left, top up the users with runs here before
+    they run short, and ask a whole slice for a user whose parked run did not fit. False: the
+    home became unreachable."""
+    tenant = config.tenant
+    per_user = tenant.user_daily_budget_micros
+    if per_user is None:
+        return True
+    size = config.user_slice_size(tenant.daily_budget_micros, per_user)
+    here_runs = Run.objects.filter(tenant=tenant, status__in=USERS_RUNS_HERE)
+    active = set(here_runs.values_list("created_by_id", flat=True).distinct())
+    parked = set(
+        here_runs.filter(
+            status=RunStatus.WAITING_BUDGET, admitted_at__isnull=False, resume_at__isnull=True
+        ).values_list("created_by_id", flat=True)
+    )
+    for account in BudgetAccount.objects.filter(
+        tenant=tenant,
+        scope=BudgetAccount.Scope.USER_DAY,
+        day__gte=today - dt.timedelta(days=CLOSING_DAYS),
+        day__lte=today,
+    ).order_by("day", "user_id"):
+        assert account.day is not None and account.user_id is not None  # a user's day names both
+        # A user's slice is needed only while the user has runs here: all its free room goes back
+        # once none is left (as a closed day's), so the home's own runs for the user can spend it.
+        give = slice_give_back(
+            free_micros=account.remaining_micros,
+            size_micros=size,
+            day_over=account.day < today or account.user_id not in active,
+            runs_waiting=account.user_id in active,
+        )
+        if give and not _send(config, _give_back(tenant, account.day, give, user_id=account.user_id)):
+            return False
+    for user_id in sorted(u for u in active if u is not None):
+        free = budgets.user_day_account(tenant, today, user_id).remaining_micros
+        waiting = user_id in parked and free < size
+        ask = slice_ask(free_micros=free, size_micros=size, runs_waiting=waiting, pending=False)
+        # A top-up only while the home's last answer for the user left room: with the user's day
+        # spent everywhere, asking would only write refusals (a parked run still asks: its answer
+        # is what lets it follow the tenant's rule).
+        if ask and (waiting or user_home_free(tenant, today, user_id) != 0):
+            request = SliceRequest.objects.create(
+                tenant=tenant, day=today, user_id=user_id, kind=SliceMove.Kind.GRANT, asked_micros=ask
+            )
+            if not _send(config, request):
+                return False
+    return True
 
 
 def _open_days(tenant, today: dt.date) -> list[dt.date]:
@@ -420,13 +536,13 @@ def _open_days(tenant, today: dt.date) -> list[dt.date]:
     return sorted({day for day in days if day is not None})
 
 
-def _give_back(tenant, day: dt.date, amount: int) -> SliceRequest | None:
+def _give_back(tenant, day: dt.date, amount: int, *, user_id: int | None = None) -> SliceRequest | None:
     with transaction.atomic():
-        given = -budgets.move_day_limit(tenant, day, -amount)
+        given = -_move_limit(tenant, day, user_id, -amount)
         if not given:
             return None
         return SliceRequest.objects.create(
-            tenant=tenant, day=day, kind=SliceMove.Kind.RETURN, asked_micros=given
+            tenant=tenant, day=day, user_id=user_id, kind=SliceMove.Kind.RETURN, asked_micros=given
         )
 
 
@@ -462,7 +578,12 @@ def _send(config: TenantRegions, request: SliceRequest | None) -> bool:
     if request is None:
         return True
     tenant = config.tenant
-    day_account = budgets.tenant_day_account(tenant, request.day)
+    user_id = request.user_id
+    day_account = (
+        budgets.tenant_day_account(tenant, request.day)
+        if user_id is None
+        else budgets.user_day_account(tenant, request.day, user_id)
+    )
     payload = {
         "tenant": tenant.slug,
         "day": request.day.isoformat(),
@@ -472,6 +593,8 @@ def _send(config: TenantRegions, request: SliceRequest | None) -> bool:
         "reserved_micros": day_account.reserved_micros,
         "held_micros": day_account.held_micros,
     }
+    if user_id is not None:
+        payload["user_id"] = user_id
     path = client.GRANT_PATH if request.kind == SliceMove.Kind.GRANT else client.RETURN_PATH
     started = time.monotonic()
     SliceRequest.objects.filter(pk=request.pk).update(attempts=F("attempts") + 1)
@@ -480,16 +603,19 @@ def _send(config: TenantRegions, request: SliceRequest | None) -> bool:
     except client.HomeUnreachable as exc:
         _link_down(tenant, str(exc))
         return False
-    moved = int(answer["moved_micros"])
+    moved, home_free = int(answer["moved_micros"]), int(answer["home_free_micros"])
     with transaction.atomic():
         applied = SliceRequest.objects.filter(pk=request.pk, status=SliceRequest.Status.PENDING).update(
-            status=SliceRequest.Status.APPLIED, moved_micros=moved, answered_at=timezone.now()
+            status=SliceRequest.Status.APPLIED,
+            moved_micros=moved,
+            home_free_micros=home_free,
+            answered_at=timezone.now(),
         )
         if applied and request.kind == SliceMove.Kind.GRANT and moved:
-            budgets.move_day_limit(tenant, request.day, moved)
+            _move_limit(tenant, request.day, user_id, moved)
     _link_up(
         tenant,
-        home_free=int(answer["home_free_micros"]),
+        home_free=home_free if user_id is None else None,  # the link keeps the tenant's day's
         day=request.day,
         refill_ms=(time.monotonic() - started) * 1000 if request.kind == SliceMove.Kind.GRANT else None,
     )
@@ -508,10 +634,12 @@ def _link_down(tenant, error: str) -> None:
         HomeLink.objects.filter(pk=link.pk).update(last_error=error[:500])
 
 
-def _link_up(tenant, *, home_free: int, day: dt.date, refill_ms: float | None) -> None:
+def _link_up(tenant, *, home_free: int | None, day: dt.date, refill_ms: float | None) -> None:
     now = timezone.now()
     link, _ = HomeLink.objects.get_or_create(tenant=tenant, defaults={"since": now})
-    fields: dict = {"last_ok_at": now, "home_free_micros": home_free, "home_day": day}
+    fields: dict = {"last_ok_at": now}
+    if home_free is not None:
+        fields |= {"home_free_micros": home_free, "home_day": day}
     if refill_ms is not None:
         fields["refill_ms"] = refill_ms
     if link.state == HomeLink.State.DOWN:

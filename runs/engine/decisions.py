@@ -655,14 +655,14 @@ def budget_refusal(
 ) -> Literal["tenant_rule"] | tuple[Literal["park"], str]:
     """What a run does when the budget refused its reservation.
 
-    A run's own budget, a user's day, or the tenant's day at its home: the tenant's rule (stop,
-    or pause to the next local day), as in one region. The tenant's day in another region is its
+    A run's own budget, or a day at the tenant's home: the tenant's rule (stop, or pause to the
+    next local day), as in one region. The tenant's day, or a user's day, in another region is its
     slice: with the home unreachable the run parks ("budget region unreachable") and resumes when
     a slice arrives; with the home reachable it parks for the slice being asked for, unless the
-    home's last answer said it had nothing left (then the day is spent everywhere: the tenant's
-    rule). Never spend what was not granted.
+    home's last answer (for that day: the tenant's or the user's) said it had nothing left (then
+    the day is spent everywhere: the tenant's rule). Never spend what was not granted.
     """
-    if scope != "tenant_day" or home_here:
+    if scope not in ("tenant_day", "user_day") or home_here:
         return "tenant_rule"
     if not link_up:
         return ("park", REGION_UNREACHABLE)
@@ -671,30 +671,53 @@ def budget_refusal(
     return ("park", WAITING_FOR_SLICE)
 
 
-def slice_ask(*, free_micros: int, size_micros: int, runs_waiting: bool, pending: bool) -> int:
+def slice_ask(
+    *,
+    free_micros: int,
+    size_micros: int,
+    runs_waiting: bool,
+    pending: bool,
+    committed_micros: int = 0,
+    waiting_micros: int = 0,
+) -> int:
     """How much a non-home region asks its home for now (0: nothing).
 
-    One request at a time (a pending one is sent again, same id, before any new one). Below half
-    a slice of free room it tops up to a whole slice, before it runs out: refills happen off the
-    step path. Runs parked for a slice ask for a whole slice more, whatever is free: their next
-    call did not fit what is.
+    One request at a time (a pending one is sent again, same id, before any new one). What new
+    runs may start on is the free room less what the runs admitted here are still expected to
+    spend (`committed_micros`: admission's own sum, runs/admission.py); below half a slice of
+    that it tops up to a whole slice, before it runs out: refills happen off the step path. Runs
+    waiting here (admission's queue, or runs parked for a slice) ask for what their expected
+    costs (`waiting_micros`, those of the queue) exceed that room by, in whole slices and at
+    least one: a burst of runs is covered by one round trip, not one slice per keeper's pass,
+    and a parked run's next call did not fit what is free. The home lends at most its share.
     """
     if pending:
         return 0
+    room = free_micros - committed_micros
     if runs_waiting:
-        return size_micros
-    if free_micros * 2 < size_micros:
-        return size_micros - free_micros
+        short = waiting_micros - room
+        return max(-(-short // size_micros), 1) * size_micros
+    if room * 2 < size_micros:
+        return size_micros - room
     return 0
 
 
-def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool, runs_waiting: bool = False) -> int:
+def slice_give_back(
+    *,
+    free_micros: int,
+    size_micros: int,
+    day_over: bool,
+    runs_waiting: bool = False,
+    committed_micros: int = 0,
+) -> int:
     """How much free room a non-home region returns to its home (0: nothing).
 
     A day that is over closes: all its free room goes back (reservations made before midnight
-    settle on it later and what they leave is returned in turn). Today, only room beyond two
-    slices goes back, so the region keeps enough at hand not to ask again at once, and nothing
-    while runs wait here (admission keeps free room for the runs it admitted: it is not spare).
+    settle on it later and what they leave is returned in turn). Today, nothing while runs wait
+    here, and what the runs admitted here are still expected to spend (`committed_micros`) is
+    not spare: admission let them start on it, and giving it back would park them mid-run. Of
+    the rest, only room beyond two slices goes back, so the region keeps enough at hand not to
+    ask again at once.
     """
     if free_micros <= 0:
         return 0
@@ -702,7 +725,8 @@ def slice_give_back(*, free_micros: int, size_micros: int, day_over: bool, runs_
         return free_micros
     if runs_waiting:
         return 0
-    return free_micros - 2 * size_micros if free_micros > 3 * size_micros else 0
+    spare = free_micros - committed_micros
+    return spare - 2 * size_micros if spare > 3 * size_micros else 0
 
 
 AUTHORITY_STALE: Final = "authority copy stale"

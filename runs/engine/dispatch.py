@@ -18,7 +18,7 @@ from approvals import services as approvals
 from budgets import services as budgets
 from budgets.models import BudgetAccount, Reservation
 from core import chain, sql
-from regions.models import HomeLink, is_home
+from regions.models import HomeLink, is_home, user_home_free
 from runs.controls import kill_switches
 from runs.engine import decisions, heartbeat, writer
 from runs.engine.types import Intent, Lease, ModelCall, ModelPlan, Plan, ToolCall, ToolPlan, fenced, tool_of
@@ -236,20 +236,25 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str =
 
 
 def _region_park_reason(run: Run, scope: str) -> str | None:
-    """Regions: the reason to park a run whose tenant day (a slice, away from home) refused it.
+    """Regions: the reason to park a run whose tenant day or user day (a slice, away from home)
+    refused it.
 
     Read only on a refusal, never on the step path: a reservation that fits costs the same in
     every region (the slice is the day's limit there).
     """
-    if scope != BudgetAccount.Scope.TENANT_DAY or is_home(run.tenant):
+    if scope not in (BudgetAccount.Scope.TENANT_DAY, BudgetAccount.Scope.USER_DAY) or is_home(run.tenant):
         return None
     link = HomeLink.objects.filter(tenant_id=run.tenant_id).first()
     today = budgets.local_day(run.tenant)
+    if scope == BudgetAccount.Scope.USER_DAY:
+        home_free = user_home_free(run.tenant, today, run.created_by_id)
+    else:
+        home_free = link.home_free_micros if link is not None and link.home_day == today else None
     move = decisions.budget_refusal(
         scope=scope,
         home_here=False,
         link_up=link is None or link.state == HomeLink.State.UP,
-        home_free_micros=link.home_free_micros if link is not None and link.home_day == today else None,
+        home_free_micros=home_free,
     )
     return None if move == "tenant_rule" else move[1]
 

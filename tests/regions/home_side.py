@@ -2,7 +2,9 @@
 
     DATABASE_URL=<home> REGION=mumbai python -m tests.regions.home_side COMMAND JSON
 
-    setup {"slug", "daily", "slice", "zone", "regions"}  the tenant as the home knows it (the same slug)
+    setup {"slug", "daily", "slice", "zone", "regions", "user_daily"?, "user_id"?}  the tenant as the
+                                                   home knows it (the same slug; its user with the
+                                                   region's id, as replication keeps ids)
     race  {"slug", "runs", "timeout"}              race runs at home until quiet; prints outcomes
     books {"slug", "day"}                          the home's ledger and its check; prints JSON
     publish {}                                     the publication of the authority tables
@@ -43,7 +45,15 @@ def main(command: str, args: dict) -> dict:
             max_active_runs=200,
             max_starts_per_minute=200,
         )
-        asha = factories.make_user(tenant, f"asha-{tenant.slug}")
+        if args.get("user_daily") is not None:
+            tenant.user_daily_budget_micros = args["user_daily"]
+            tenant.save()
+        if args.get("user_id") is not None:  # the region's id for the user, as replication would bring it
+            asha = User.objects.create_user(
+                pk=args["user_id"], username=f"asha-{tenant.slug}", password="pw", tenant=tenant
+            )
+        else:
+            asha = factories.make_user(tenant, f"asha-{tenant.slug}")
         per_call = race.make_racing_agent(tenant, asha, factories)
         TenantRegions.objects.create(
             tenant=tenant, home=args["regions"][0], allowed=args["regions"], slice_micros=args["slice"]
@@ -109,7 +119,11 @@ def main(command: str, args: dict) -> dict:
                     "returned": d.returned_micros,
                     "held": d.reported_held_micros,
                 }
-                for d in RegionDay.objects.filter(tenant=tenant, day=day)
+                for d in RegionDay.objects.filter(tenant=tenant, day=day, user=None)
+            },
+            "user_lent": {
+                f"{d.region}/{d.user_id}": {"granted": d.granted_micros, "returned": d.returned_micros}
+                for d in RegionDay.objects.filter(tenant=tenant, day=day, user__isnull=False)
             },
             "moves": list(
                 SliceMove.objects.filter(tenant=tenant).values_list(

@@ -165,7 +165,8 @@ class Race:
 
 
 def books(tenant) -> dict:
-    """This region's ledger for the tenant: every day's balances and the steps' costs."""
+    """This region's ledger for the tenant: every day's balances (the tenant's, each user's) and
+    the steps' costs."""
     from budgets.models import BudgetAccount
 
     days = {}
@@ -180,8 +181,17 @@ def books(tenant) -> dict:
         )
     ):
         days[row["day"].isoformat()] = {k: row[k] for k in ("limit", "reserved", "spent", "held")}
+    user_days = {
+        f"{a.day.isoformat()}/{a.user_id}": {
+            "limit": a.limit_micros,
+            "reserved": a.reserved_micros,
+            "spent": a.spent_micros,
+            "held": a.held_micros,
+        }
+        for a in BudgetAccount.objects.filter(tenant=tenant, scope="user_day")
+    }
     steps = Step.objects.filter(run__tenant=tenant).aggregate(cost=Sum("cost_micros"))["cost"] or 0
     statuses: dict[str, int] = {}
     for status in Run.objects.filter(tenant=tenant).values_list("status", flat=True):
         statuses[status] = statuses.get(status, 0) + 1
-    return {"days": days, "step_costs": steps, "runs": statuses}
+    return {"days": days, "user_days": user_days, "step_costs": steps, "runs": statuses}

@@ -12,6 +12,7 @@ from core.errors import Conflict
 from regions import services as regions
 from regions.models import RegionDay, SliceMove, TenantRegions
 from regions.selectors import home_books
+from tests import factories
 from tests.budgets.conftest import in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -84,3 +85,76 @@ def test_it_lends_no_more_than_the_regions_share_nor_what_it_has_free(home):
     other = regions.grant(tenant=home, region="paris", day=day, request_id=uuid.uuid4(), asked_micros=400_000)
     assert other["moved_micros"] == 50_000  # what is left of the day
     assert _limit(home) + 600_000 + 50_000 == 1_000_000 and home_books(home, day) == {}
+
+
+def _user_limit(tenant, user) -> int:
+    return budgets.user_day_account(tenant, budgets.local_day(tenant), user.pk).limit_micros
+
+
+def test_a_users_day_is_lent_by_the_same_rules_on_the_users_own_account(home, asha):
+    home.user_daily_budget_micros = 100_000
+    home.save()
+    day = budgets.local_day(home)
+    asked = uuid.uuid4()
+    first = regions.grant(
+        tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=40_000, user_id=asha.pk
+    )
+    again = regions.grant(
+        tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=40_000, user_id=asha.pk
+    )
+    assert first["moved_micros"] == again["moved_micros"] == 40_000
+    assert first["home_free_micros"] == 20_000  # 60 % of the user's day at most, 40 % already out
+    more = regions.grant(
+        tenant=home,
+        region="frankfurt",
+        day=day,
+        request_id=uuid.uuid4(),
+        asked_micros=40_000,
+        user_id=asha.pk,
+    )
+    assert (more["moved_micros"], more["home_free_micros"]) == (20_000, 0)
+    # The user's account at home lost what was lent; the tenant's day did not move.
+    assert _user_limit(home, asha) == 40_000 and _limit(home) == 1_000_000
+    assert RegionDay.objects.get(user=asha).outstanding_micros == 60_000
+    assert home_books(home, day) == {}
+    # At home the user can spend only what is left: 40,000.
+    budgets.reserve(tenant=home, user=asha, amount_micros=40_000, purpose="tool")
+    with pytest.raises(budgets.BudgetExceeded) as refused:
+        budgets.reserve(tenant=home, user=asha, amount_micros=1, purpose="tool")
+    assert refused.value.scope == "user_day"
+    back = regions.take_back(
+        tenant=home,
+        region="frankfurt",
+        day=day,
+        request_id=uuid.uuid4(),
+        amount_micros=25_000,
+        user_id=asha.pk,
+    )
+    assert back["moved_micros"] == 25_000 and _user_limit(home, asha) == 65_000
+    assert home_books(home, day) == {}
+    # A new daily budget for users keeps what is lent out of the home's limit.
+    home.user_daily_budget_micros = 200_000
+    home.save()
+    budgets.set_user_day_limits(home, day, 200_000)
+    assert _user_limit(home, asha) == 200_000 - 35_000 and home_books(home, day) == {}
+
+
+def test_a_slice_of_a_users_day_is_refused_without_a_user_day_budget_or_for_a_stranger(home, asha):
+    day = budgets.local_day(home)
+    with pytest.raises(Conflict, match="no day budget for user"):  # the tenant limits no user's day
+        regions.grant(
+            tenant=home, region="frankfurt", day=day, request_id=uuid.uuid4(), asked_micros=1, user_id=asha.pk
+        )
+    home.user_daily_budget_micros = 100_000
+    home.save()
+    stranger = factories.make_user(factories.make_tenant("elsewhere"), "stranger")
+    with pytest.raises(Conflict, match="no day budget for user"):
+        regions.grant(
+            tenant=home,
+            region="frankfurt",
+            day=day,
+            request_id=uuid.uuid4(),
+            asked_micros=1,
+            user_id=stranger.pk,
+        )
+    assert not SliceMove.objects.exists() and home_books(home, day) == {}

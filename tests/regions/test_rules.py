@@ -31,7 +31,10 @@ def test_it_starts_runs_only_in_the_allowed_regions(here, allowed, refused):
     "scope, home_here, link_up, home_free, expected",
     [
         ("run", False, False, None, "tenant_rule"),  # a run's own budget: never the region's business
-        ("user_day", False, True, 5, "tenant_rule"),
+        ("user_day", True, False, None, "tenant_rule"),  # at home the user's day is the user's day
+        ("user_day", False, False, None, ("park", d.REGION_UNREACHABLE)),  # a user's day: its slice
+        ("user_day", False, True, 5, ("park", d.WAITING_FOR_SLICE)),
+        ("user_day", False, True, 0, "tenant_rule"),  # the user's day is spent everywhere
         ("tenant_day", True, False, None, "tenant_rule"),  # at home the day is the day
         ("tenant_day", False, False, None, ("park", d.REGION_UNREACHABLE)),
         ("tenant_day", False, False, 0, ("park", d.REGION_UNREACHABLE)),  # cut off: never assume spent
@@ -64,6 +67,32 @@ def test_it_asks_for_a_slice_before_it_runs_low(free, waiting, pending, ask):
 
 
 @pytest.mark.parametrize(
+    "free, committed, waiting, queued, ask",
+    [
+        (5 * SIZE, 5 * SIZE, False, 0, SIZE),  # free room all promised to admitted runs: top up
+        (5 * SIZE, 4 * SIZE + 400, False, 0, 0),  # more than half a slice to admit new runs on
+        (SIZE, 3 * SIZE, False, 0, 3 * SIZE),  # promised beyond the room (a run admitted alone)
+        (SIZE, 0, True, 70 * SIZE, 69 * SIZE),  # a burst queued: its whole need in one request
+        (SIZE, 0, True, 70 * SIZE + 1, 70 * SIZE),  # in whole slices
+        (SIZE, 0, True, SIZE // 2, SIZE),  # at least a slice: the queue's head did not fit
+        (100, 2900, True, 0, 3 * SIZE),  # runs parked mid-run: what they were promised
+    ],
+)
+def test_it_asks_for_what_the_runs_here_are_expected_to_need(free, committed, waiting, queued, ask):
+    assert (
+        d.slice_ask(
+            free_micros=free,
+            size_micros=SIZE,
+            runs_waiting=waiting,
+            pending=False,
+            committed_micros=committed,
+            waiting_micros=queued,
+        )
+        == ask
+    )
+
+
+@pytest.mark.parametrize(
     "free, day_over, waiting, give",
     [
         (0, True, False, 0),
@@ -77,6 +106,22 @@ def test_it_asks_for_a_slice_before_it_runs_low(free, waiting, pending, ask):
 def test_it_gives_back_what_it_does_not_need(free, day_over, waiting, give):
     assert (
         d.slice_give_back(free_micros=free, size_micros=SIZE, day_over=day_over, runs_waiting=waiting) == give
+    )
+
+
+@pytest.mark.parametrize(
+    "free, committed, day_over, give",
+    [
+        (10 * SIZE, 10 * SIZE, False, 0),  # all promised to the runs admitted here
+        (10 * SIZE, 7 * SIZE, False, 0),  # three slices beyond the promises: kept
+        (10 * SIZE, 6 * SIZE, False, 2 * SIZE),  # beyond that, all but two slices
+        (10 * SIZE, 10 * SIZE, True, 10 * SIZE),  # a closed day: its runs reserve on the new one
+    ],
+)
+def test_it_never_gives_back_what_admitted_runs_are_expected_to_spend(free, committed, day_over, give):
+    assert (
+        d.slice_give_back(free_micros=free, size_micros=SIZE, day_over=day_over, committed_micros=committed)
+        == give
     )
 
 
