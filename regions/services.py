@@ -40,7 +40,8 @@ import time
 import uuid
 
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, OuterRef, Q, Subquery
+from django.db.models import Count, F, OuterRef, Q, Subquery, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from approvals.models import TenantPolicies
@@ -68,6 +69,7 @@ from runs.controls.models import KillSwitch
 from runs.engine.decisions import AUTHORITY_STALE, slice_ask, slice_give_back
 from runs.models import Run, RunEvent, RunStatus, Step, StepStatus
 from runs.queueing import enqueue
+from runs.recovery import sweeper
 from runs.transitions import lock_run, transition_run
 from tenants.models import Tenant, User
 from tenants.permissions import held_sql
@@ -446,25 +448,42 @@ def tend(config: TenantRegions) -> None:
     size = config.slice_size(tenant.daily_budget_micros)
     today = budgets.local_day(tenant)
     parked = parked_runs(tenant).exists()
-    waiting = (
-        parked
-        or Run.objects.filter(
-            tenant=tenant, status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True
-        ).exists()
+    queued = admission.waiting_runs(tenant).aggregate(
+        n=Count("id"), micros=Coalesce(Sum("expected_cost_micros"), 0)
     )
+    waiting = parked or queued["n"] > 0
+    # What the runs admitted here are still expected to spend is not spare room: it is neither
+    # given back nor counted as room for the runs waiting to be admitted (runs/admission.py).
+    room, remaining = admission.room_micros(tenant)
+    committed = remaining - room
     for day in _open_days(tenant, today):
         free = budgets.tenant_day_account(tenant, day).remaining_micros
-        give = slice_give_back(free_micros=free, size_micros=size, day_over=day < today, runs_waiting=waiting)
+        give = slice_give_back(
+            free_micros=free,
+            size_micros=size,
+            day_over=day < today,
+            runs_waiting=waiting,
+            committed_micros=committed if day == today else 0,
+        )
         if give and not _send(config, _give_back(tenant, day, give)):
             return
     free = budgets.tenant_day_account(tenant, today).remaining_micros
-    ask = slice_ask(free_micros=free, size_micros=size, runs_waiting=waiting, pending=False)
+    ask = slice_ask(
+        free_micros=free,
+        size_micros=size,
+        runs_waiting=waiting,
+        pending=False,
+        committed_micros=committed,
+        waiting_micros=queued["micros"],
+    )
     if ask and home_free > 0:  # with nothing free at home, asking would only write refusals
         request = SliceRequest.objects.create(
             tenant=tenant, day=today, kind=SliceMove.Kind.GRANT, asked_micros=ask
         )
         if not _send(config, request):
             return
+        if queued["n"]:  # the runs waiting to be admitted need not wait for the sweeper's pass
+            sweeper.admit_tenant(tenant.pk, timezone.now())
     if not _tend_users(config, today):
         return
     if parked:

@@ -201,7 +201,6 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
     settled, or a new local day begins), or alone when nothing of the tenant runs and budget
     remains (the progress rule). Each expectation is recomputed first: runs queued while their
     version was cold are admitted by what its finished runs have taught since."""
-    admitted = 0
     tenant_ids = sorted(
         set(
             Run.objects.filter(status=RunStatus.WAITING_BUDGET, admitted_at__isnull=True)
@@ -209,51 +208,57 @@ def _admit_waiting_runs(now: dt.datetime) -> int:
             .distinct()
         )
     )
-    for tenant_id in tenant_ids:
-        with atomic_with_events():
-            # The lock start_run takes: one admission decision at a time per tenant.
-            tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
-            room, remaining = admission.room_micros(tenant)
-            alone = admission.may_start_alone(tenant, remaining, now)
-            expectations: dict = {}
-            for run in (
-                admission.waiting_runs(tenant).select_related("version").order_by("created_at", "id")[:BATCH]
-            ):
-                if run.version_id not in expectations:
-                    expected, _ = admission.expectation(version=run.version, limits=run.limits, tenant=tenant)
-                    # Accepted when it fitted a day: a later, higher figure must not strand it.
-                    expectations[run.version_id] = min(expected, tenant.daily_budget_micros)
-                expected = expectations[run.version_id]
-                if expected <= room:
-                    how = f"admitted: {expected} micros expected, {room} micros of room"
-                elif alone:
-                    how = (
-                        f"admitted alone: {expected} micros expected, {room} micros of room, nothing "
-                        f"of the tenant running and {remaining} micros left today"
-                    )
-                else:
-                    break  # strictly in order of arrival: nobody overtakes the oldest
-                run = lock_run(run.pk)
-                if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
-                    continue
-                transition_run(
-                    run,
-                    RunStatus.QUEUED,
-                    admitted_at=now,
-                    resume_at=None,
-                    expected_cost_micros=expected,
-                    deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
-                    message=how,
-                    event_data={
-                        "expected_cost_micros": expected,
-                        "room_micros": room,
-                        "alone": expected > room,
-                    },
+    return sum(admit_tenant(tenant_id, now) for tenant_id in tenant_ids)
+
+
+def admit_tenant(tenant_id: int, now: dt.datetime) -> int:
+    """One tenant's admission pass (the sweeper's, and the slice keeper's once a slice arrived
+    for runs waiting to be admitted: they need not wait for the sweeper's next pass)."""
+    admitted = 0
+    with atomic_with_events():
+        # The lock start_run takes: one admission decision at a time per tenant.
+        tenant = Tenant.objects.select_for_update(no_key=True).get(pk=tenant_id)
+        room, remaining = admission.room_micros(tenant)
+        alone = admission.may_start_alone(tenant, remaining, now)
+        expectations: dict = {}
+        for run in (
+            admission.waiting_runs(tenant).select_related("version").order_by("created_at", "id")[:BATCH]
+        ):
+            if run.version_id not in expectations:
+                expected, _ = admission.expectation(version=run.version, limits=run.limits, tenant=tenant)
+                # Accepted when it fitted a day: a later, higher figure must not strand it.
+                expectations[run.version_id] = min(expected, tenant.daily_budget_micros)
+            expected = expectations[run.version_id]
+            if expected <= room:
+                how = f"admitted: {expected} micros expected, {room} micros of room"
+            elif alone:
+                how = (
+                    f"admitted alone: {expected} micros expected, {room} micros of room, nothing "
+                    f"of the tenant running and {remaining} micros left today"
                 )
-                enqueue(run.pk)
-                room -= expected
-                alone = False
-                admitted += 1
+            else:
+                break  # strictly in order of arrival: nobody overtakes the oldest
+            run = lock_run(run.pk)
+            if run.status != RunStatus.WAITING_BUDGET or run.admitted_at is not None:
+                continue
+            transition_run(
+                run,
+                RunStatus.QUEUED,
+                admitted_at=now,
+                resume_at=None,
+                expected_cost_micros=expected,
+                deadline_at=now + dt.timedelta(seconds=run.limits["max_wall_seconds"]),
+                message=how,
+                event_data={
+                    "expected_cost_micros": expected,
+                    "room_micros": room,
+                    "alone": expected > room,
+                },
+            )
+            enqueue(run.pk)
+            room -= expected
+            alone = False
+            admitted += 1
     return admitted
 
 

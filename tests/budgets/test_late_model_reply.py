@@ -40,7 +40,8 @@ def _wait(predicate, what: str, timeout: float = 20):
 def test_a_late_reply_reconciles_the_held_charge_of_its_call(tenant, asha, fake_openai):
     factories.make_agent(tenant, endpoint=openai_endpoint(tenant, fake_openai), tools=[])
     fake_openai.queue({"text": "first answer, too late"}, {"text": "second answer"})
-    fake_openai.latency_ms = 1500
+    # Long enough for the takeover below to happen first on a loaded machine.
+    fake_openai.latency_ms = 4000
     run, _ = start_run(user=asha, agent="agent", input={"question": "refund policy?"})
 
     def stalling_worker():
@@ -52,6 +53,9 @@ def test_a_late_reply_reconciles_the_held_charge_of_its_call(tenant, asha, fake_
     stalled = threading.Thread(target=stalling_worker)
     stalled.start()
     first = _wait(lambda: Step.objects.filter(run=run, seq=1, status="dispatching").first(), "the first call")
+    # The fake reads its latency once the request arrived: lowered before, the "stalled" call
+    # would come back at once and settle before any takeover.
+    _wait(lambda: fake_openai.requests, "the first call at the provider")
     heartbeat.untrack(run.pk)  # it stops renewing its lease
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
     fake_openai.latency_ms = 0

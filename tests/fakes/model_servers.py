@@ -221,13 +221,14 @@ class FakeModelServer:
             body = json.loads(await request.body())
         except ValueError:
             return self.error(400, "invalid_request_error", "request body is not valid JSON")
+        latency_ms = self.latency_ms  # read before the request shows: a test may change it once it does
         with self._lock:
             self.requests.append(body)
             self.arrived_at.append(time.monotonic())
             self.request_headers.append(dict(request.headers))
             self.client_ports.append(request.client.port if request.client else 0)
-        if self.latency_ms:
-            await asyncio.sleep(self.latency_ms / 1000)
+        if latency_ms:
+            await asyncio.sleep(latency_ms / 1000)
         auth_problem = self.check_auth(request.headers)
         if auth_problem:
             return self.error(401, "authentication_error", auth_problem)
