@@ -13,7 +13,9 @@ def execute(evaluation_id: str) -> None:
     services.execute(evaluation_id)
 
 
-@shared_task(name="evals.tasks.watch_canaries", ignore_result=True)
+@shared_task(
+    name="evals.tasks.watch_canaries", ignore_result=True, send_events=False
+)  # housekeeping: not in Flower
 def watch_canaries() -> list[str]:
     """Compare every canary with its stable version; roll back those past their thresholds."""
     return canary.watch()

@@ -9,14 +9,16 @@ from history.checkpoints import take_checkpoint
 from history.retention import purge_due, purge_skeletons
 
 
-@shared_task(name="history.tasks.checkpoint", ignore_result=True)
+@shared_task(
+    name="history.tasks.checkpoint", ignore_result=True, send_events=False
+)  # housekeeping: not in Flower
 def checkpoint() -> int | None:
     """Sign a checkpoint over the runs' chain heads (none when no head moved); its number."""
     taken = take_checkpoint()
     return taken.number if taken else None
 
 
-@shared_task(name="history.tasks.purge", ignore_result=True)
+@shared_task(name="history.tasks.purge", ignore_result=True, send_events=False)  # housekeeping: not in Flower
 def purge() -> int:
     """Remove the content of runs whose content period ended, then delete the runs whose skeleton
     period ended (a batch per tenant each); how many runs were touched."""

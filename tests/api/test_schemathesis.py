@@ -25,7 +25,9 @@ from runs.services import start_run
 from tenants.tokens import issue_token
 from tests import factories
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# About a minute alone; several times that on a machine busy with other suites (the default 300 s
+# timeout cut it off mid-case once, which Hypothesis then reported as a flaky strategy).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(1200)]
 
 MAX_EXAMPLES = 12
 CHECKS = [
