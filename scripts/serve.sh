@@ -70,7 +70,11 @@ pids=()
 # Each process's lines start with its name (web, worker, beat, flower): one terminal, four processes.
 named() { sed -u "s/^/$1 | /"; }
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait || true; }
-trap cleanup EXIT INT TERM
+# A signal exits (then EXIT cleans up) rather than returning to where it arrived: during start-up that
+# was the wait for the worker and Flower below, which went on waiting after every process had stopped.
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 # ASGI, so that live run streams (/v1/runs/{id}/stream) wait on the event loop, holding no thread
 # and no database connection each (agentplatform/asgi.py). uvicorn supervises its worker processes
@@ -97,6 +101,8 @@ as_service env DB_POOL_CHECK="${WORKER_DB_POOL_CHECK:-0}" "$SERVICE_PY" -m celer
 sandbox_backend=${SANDBOX_BACKEND:-bubblewrap}
 sandbox_args=(--backend "$sandbox_backend")
 [ -z "${SANDBOX_RUNTIME:-}" ] || sandbox_args+=(--runtime "$(realpath -m "$SANDBOX_RUNTIME")")
+# Two runners on one machine need slot uids apart (scripts/serve_regions.sh gives each region its own).
+[ -z "${SANDBOX_UID_BASE:-}" ] || sandbox_args+=(--uid-base "$SANDBOX_UID_BASE")
 if [ "$(id -u)" != 0 ]; then
   run_python="off: the sandbox runner needs root (docs/sandbox.md)"
 elif ! why=$($PY -m sandbox.runner --check "${sandbox_args[@]}" 2>&1); then
