@@ -4,6 +4,8 @@
 # make test-fast – the same without the slow recovery, end-to-end, browser and production-shape tests
 # make lint   – ruff check, ruff format --check (make format rewrites) and mypy (mypy.ini)
 # make serve  – production shape: PostgreSQL, Redis broker, uvicorn, celery worker + beat, flower
+# make serve-regions – two regions on one machine: a home and a region away, each its own PostgreSQL, Redis
+#   and serve.sh, authority replicated, a link to cut and heal (docs/regions.md)
 # make bench  – benchmarks under bench/ (PostgreSQL + Redis)
 # make bench-peers – the engine side by side with a plain Celery chain, LangGraph and DBOS (bench/peers.py)
 # make selfhosted-check – probe and run agents on a real llama-cpp-python server and LiteLLM's proxy (docs/self-hosted.md)
@@ -22,7 +24,7 @@ RABBITMQ_TESTS := tests/recovery/test_rabbitmq.py tests/recovery/test_worker_cra
 	tests/recovery/test_stalled_worker.py tests/e2e/test_dispute_story.py
 PYTEST_RABBITMQ := $(PY) -m tests.services --broker rabbitmq -- $(PY) -m pytest -q -p no:cacheprovider $(RABBITMQ_TESTS)
 
-.PHONY: setup demo test test-fast test-rabbitmq rabbitmq lint format services browser sandbox serve bench bench-peers chaos selfhosted-check
+.PHONY: setup demo test test-fast test-rabbitmq rabbitmq lint format services browser sandbox serve serve-regions bench bench-peers chaos selfhosted-check
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -71,6 +73,11 @@ format: setup
 
 serve: setup sandbox
 	bash scripts/serve.sh
+
+# Its own PostgreSQL clusters and Redis servers under $AGENTPLATFORM_VAR_DIR/regions (var/regions by default), on
+# ports of their own (HOME_API_PORT, ...: docs/regions.md); the machine's 5432 and 6379 are not used.
+serve-regions: setup sandbox
+	bash scripts/serve_regions.sh
 
 bench: setup services
 	DATABASE_URL=$(TEST_DATABASE_URL) CELERY_BROKER_URL=$(TEST_BROKER_URL) $(PY) bench/run_all.py
