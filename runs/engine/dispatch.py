@@ -211,8 +211,9 @@ def _record_budget_refusal(run: Run, exc: budgets.BudgetExceeded, *, what: str =
         transition_run(
             run,
             RunStatus.WAITING_BUDGET,
-            message=f"parked: {park}",
-            event_data={"region_reason": park},
+            # Which day's slice it waits for: the tenant's, or its creator's own (user_day).
+            message=f"parked: {park} ({exc.scope})",
+            event_data={"region_reason": park, "scope": exc.scope},
             resume_at=None,
         )
     elif run.tenant.on_budget_exhausted == run.tenant.OnBudgetExhausted.PAUSE:
