@@ -171,6 +171,11 @@ class RegionStatusOutput(serializers.Serializer):
     parked_runs = serializers.DictField(
         child=serializers.IntegerField(), required=False, help_text="elsewhere: runs parked, by reason"
     )
+    user_days = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        help_text="elsewhere: each user's slices of today here (user, username, limit, reserved, spent, held)",
+    )
 
 
 class RegionStatusApi(APIView):

@@ -8,6 +8,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import Coalesce
 
 from budgets import services as budgets
+from budgets.models import BudgetAccount
 from regions.models import HomeLink, RegionDay, SliceRequest, TenantRegions, authority_age, here, is_home
 from runs.engine.decisions import REGION_UNREACHABLE, WAITING_FOR_SLICE
 from runs.models import Run, RunEvent, RunStatus
@@ -148,4 +149,20 @@ def tenant_status(tenant) -> dict:
         pending = SliceRequest.objects.filter(tenant=tenant, status=SliceRequest.Status.PENDING)
         status["pending_requests"] = pending.aggregate(n=Count("id"), micros=Coalesce(Sum("asked_micros"), 0))
         status["parked_runs"] = parked_by_reason(tenant)
+        # Each user's slices of today here, when the tenant limits users' days (docs/regions.md).
+        status["user_days"] = [
+            {
+                "user": a.user_id,
+                "username": a.user.username if a.user else "",
+                "limit_micros": a.limit_micros,
+                "reserved_micros": a.reserved_micros,
+                "spent_micros": a.spent_micros,
+                "held_micros": a.held_micros,
+            }
+            for a in BudgetAccount.objects.filter(
+                tenant=tenant, scope=BudgetAccount.Scope.USER_DAY, day=today
+            )
+            .select_related("user")
+            .order_by("user_id")[:200]
+        ]
     return status

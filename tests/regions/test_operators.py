@@ -56,6 +56,7 @@ def test_supervisors_read_the_region_status_and_others_may_not(away, tenant, ash
     assert body["parked_runs"][REGION_UNREACHABLE] == 1
     assert body["day_account"]["limit_micros"] == 1
     assert 0 <= body["authority_age_seconds"] < 60
+    assert body["user_days"] == []  # the tenant limits no user's day
     client.force_authenticate(asha)
     assert client.get("/v1/regions/status").status_code == 403
 
@@ -92,3 +93,26 @@ def test_the_home_reports_no_slice_balance_of_its_own(away, tenant):
     TenantRegions.objects.filter(tenant=tenant).update(home="frankfurt")
     names = {name for name, _ in scrape()}  # not even an empty family: no sample at all
     assert "agentplatform_region_slice_balance_micros" not in names
+
+
+def test_the_region_status_shows_each_users_slices_of_today(away, tenant, asha, ravi):
+    tenant.user_daily_budget_micros = 50_000
+    tenant.save()
+    day = budgets.local_day(tenant)
+    with transaction.atomic():  # a slice of Asha's day arrives, and 700 of it is reserved
+        budgets.move_day_limit(tenant, day, 5_000)
+        budgets.move_user_day_limit(tenant, day, asha.pk, 2_000)
+    budgets.reserve(tenant=tenant, user=asha, amount_micros=700, purpose="tool")
+    client = APIClient()
+    client.force_authenticate(ravi)
+    body = client.get("/v1/regions/status").json()
+    assert body["user_days"] == [
+        {
+            "user": asha.pk,
+            "username": "asha",
+            "limit_micros": 2_000,  # opened empty away from home: only the slice
+            "reserved_micros": 700,
+            "spent_micros": 0,
+            "held_micros": 0,
+        }
+    ]
