@@ -206,20 +206,29 @@ def move_user_day_limit(tenant, day: dt.date, user_id: int, by_micros: int) -> i
     by at most its free room; the amount moved. Call it in the transaction recording the move."""
     if connection.vendor == "postgresql" and not connection.in_atomic_block:
         raise RuntimeError("move_user_day_limit must run in the transaction that records the move")
-    _open_user_day(tenant, day, user_id)
-    account = BudgetAccount.objects.select_for_update().get(
-        tenant=tenant, scope=Scope.USER_DAY, day=day, user_id=user_id
-    )
+    account = lock_user_day_account(tenant, day, user_id)
     moved = by_micros if by_micros >= 0 else -min(-by_micros, max(account.remaining_micros, 0))
     if moved:
         BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=F("limit_micros") + moved)
     return moved
 
 
+def lock_user_day_account(tenant, day: dt.date, user_id: int) -> BudgetAccount:
+    """The user's day account, opened if need be and locked (FOR UPDATE) until the transaction ends."""
+    _open_user_day(tenant, day, user_id)
+    return BudgetAccount.objects.select_for_update().get(
+        tenant=tenant, scope=Scope.USER_DAY, day=day, user_id=user_id
+    )
+
+
 def user_day_account(tenant, day: dt.date, user_id: int) -> BudgetAccount:
     """The user's day account, opened (empty away from home) if need be."""
-    _open_user_day(tenant, day, user_id)
-    return BudgetAccount.objects.get(tenant=tenant, scope=Scope.USER_DAY, day=day, user_id=user_id)
+    lookup = {"tenant": tenant, "scope": Scope.USER_DAY, "day": day, "user_id": user_id}
+    account = BudgetAccount.objects.filter(**lookup).first()
+    if account is None:
+        _open_user_day(tenant, day, user_id)
+        account = BudgetAccount.objects.get(**lookup)
+    return account
 
 
 def set_user_day_limits(tenant, day: dt.date, limit_micros: int) -> list[BudgetAccount]:
@@ -227,6 +236,15 @@ def set_user_day_limits(tenant, day: dt.date, limit_micros: int) -> list[BudgetA
     user's day (the home only: elsewhere a user's limit is the slices granted). The accounts moved."""
     if not is_home(tenant):
         return []
+    lent: dict = {}
+    if here():  # what each user's day has out in other regions, in one query
+        for user_id, granted, returned in (
+            RegionDay.objects.filter(tenant=tenant, day=day, user__isnull=False)
+            .values("user_id")
+            .annotate(granted=Sum("granted_micros"), returned=Sum("returned_micros"))
+            .values_list("user_id", "granted", "returned")
+        ):
+            lent[user_id] = granted - returned
     moved = []
     with transaction.atomic():
         for account in (
@@ -235,7 +253,7 @@ def set_user_day_limits(tenant, day: dt.date, limit_micros: int) -> list[BudgetA
             .select_related("user")
             .order_by("pk")
         ):
-            limit = limit_micros - _lent_out(tenant, day, user_id=account.user_id)
+            limit = limit_micros - lent.get(account.user_id, 0)
             if account.limit_micros != limit:
                 BudgetAccount.objects.filter(pk=account.pk).update(limit_micros=limit)
                 moved.append(account)

@@ -156,13 +156,13 @@ def _move(
                 asked_micros=amount,
                 moved_micros=moved,
             )
-            if not RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).exists():
-                # Under the day's (or the user's day's) lock the move holds: no other insert races it.
-                RegionDay.objects.create(tenant=tenant, region=region, day=day, user_id=user_id)
             column = "granted_micros" if kind == SliceMove.Kind.GRANT else "returned_micros"
-            RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).update(
+            if not RegionDay.objects.filter(of_user(user_id), tenant=tenant, region=region, day=day).update(
                 **{column: F(column) + moved}
-            )
+            ):  # the region's first move of the day: under the day's lock, no other insert races it
+                RegionDay.objects.create(
+                    tenant=tenant, region=region, day=day, user_id=user_id, **{column: moved}
+                )
     except IntegrityError:
         moved = SliceMove.objects.get(region=region, request_id=request_id).moved_micros
     return {"moved_micros": moved, "home_free_micros": _lendable_now(tenant, region, day, user_id)}
@@ -194,12 +194,7 @@ def _lendable(tenant, region: str, day: dt.date, user_id: int | None = None) -> 
     percent = config.away_share_percent if config else 100
     if user_id is not None:
         # The user's account locked first: two grants to one user are decided one after the other.
-        budgets.user_day_account(tenant, day, user_id)
-        free = (
-            BudgetAccount.objects.select_for_update()
-            .get(tenant=tenant, scope=BudgetAccount.Scope.USER_DAY, day=day, user_id=user_id)
-            .remaining_micros
-        )
+        free = budgets.lock_user_day_account(tenant, day, user_id).remaining_micros
         share = percent * (tenant.user_daily_budget_micros or 0) // 100
         room = free
     else:

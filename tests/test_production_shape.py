@@ -9,7 +9,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -21,6 +20,7 @@ from django.conf import settings
 
 from tests.observability.conftest import parse, value
 from tests.servers import ROOT, BankServer, database_url, wait_for
+from tests.services import free_port
 from tests.stream.sse import follow
 
 CONFIG = """
@@ -56,12 +56,6 @@ METRICS_TOKEN = secrets.token_urlsafe(32)
 pytestmark = pytest.mark.timeout(900)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def prod_database():
     name = f"prodshape_{os.getpid()}"
@@ -78,7 +72,7 @@ def prod_database():
 def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_database, var_dir):
     tmp_path = var_dir
     bank = BankServer().start()
-    port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
+    port, flower_port, sandbox_port = free_port(), free_port(), free_port()
     from tenants.crypto import generate_key
 
     # TLS ends at a proxy in front of uvicorn; the test plays the proxy with X-Forwarded-Proto.
@@ -314,7 +308,7 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
     tmp_path = var_dir
     # The runner once started anyway, exited ("backend unavailable") and took the whole stack down
     # about 40 s after "ready". Now it is checked first and left out, and the rest serves.
-    port, flower_port, sandbox_port = _free_port(), _free_port(), _free_port()
+    port, flower_port, sandbox_port = free_port(), free_port(), free_port()
     from tenants.crypto import generate_key
 
     env = dict(

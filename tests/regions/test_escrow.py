@@ -37,12 +37,16 @@ ZONE = "Asia/Kolkata"
 RUNS = 50
 
 
-def _tenant(home, slug: str, *, calls: int, slice_calls: int) -> tuple:
-    """The tenant in both regions: its day fits about `calls` model calls; slices of `slice_calls`."""
+def _tenant(home, slug: str, *, calls: int, slice_calls: int, user_calls: int | None = None) -> tuple:
+    """The tenant in both regions: its day fits about `calls` model calls; slices of `slice_calls`;
+    with `user_calls`, each user's day fits about that many (its user has the same id at home, as
+    replication keeps the home's ids)."""
     tenant = factories.make_tenant(slug, time_zone=ZONE, max_active_runs=200, max_starts_per_minute=200)
     asha = factories.make_user(tenant, f"asha-{slug}")
     per_call = race.make_racing_agent(tenant, asha, factories)
     tenant.daily_budget_micros = calls * per_call
+    if user_calls is not None:
+        tenant.user_daily_budget_micros = user_calls * per_call
     tenant.save()
     # Authority's reach is test_authority.py's business: here a copy a day old may be acted on.
     config = TenantRegions.objects.create(
@@ -61,6 +65,8 @@ def _tenant(home, slug: str, *, calls: int, slice_calls: int) -> tuple:
             "slice": config.slice_micros,
             "zone": ZONE,
             "regions": [HOME, AWAY],
+            "user_daily": tenant.user_daily_budget_micros,
+            "user_id": asha.pk if user_calls is not None else None,
         },
     )
     assert answer["per_call"] == per_call  # the same agent, priced the same, in both regions

@@ -87,6 +87,19 @@ def test_it_lends_no_more_than_the_regions_share_nor_what_it_has_free(home):
     assert _limit(home) + 600_000 + 50_000 == 1_000_000 and home_books(home, day) == {}
 
 
+def _users_move(move, tenant, user, micros: int, *, request_id: uuid.UUID | None = None) -> dict:
+    """A grant or return of `micros` of the user's today, Frankfurt's request (a new id unless given)."""
+    amount = {"asked_micros" if move is regions.grant else "amount_micros": micros}
+    return move(
+        tenant=tenant,
+        region="frankfurt",
+        day=budgets.local_day(tenant),
+        request_id=request_id or uuid.uuid4(),
+        user_id=user.pk,
+        **amount,
+    )
+
+
 def _user_limit(tenant, user) -> int:
     return budgets.user_day_account(tenant, budgets.local_day(tenant), user.pk).limit_micros
 
@@ -96,22 +109,11 @@ def test_a_users_day_is_lent_by_the_same_rules_on_the_users_own_account(home, as
     home.save()
     day = budgets.local_day(home)
     asked = uuid.uuid4()
-    first = regions.grant(
-        tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=40_000, user_id=asha.pk
-    )
-    again = regions.grant(
-        tenant=home, region="frankfurt", day=day, request_id=asked, asked_micros=40_000, user_id=asha.pk
-    )
+    first = _users_move(regions.grant, home, asha, 40_000, request_id=asked)
+    again = _users_move(regions.grant, home, asha, 40_000, request_id=asked)
     assert first["moved_micros"] == again["moved_micros"] == 40_000
     assert first["home_free_micros"] == 20_000  # 60 % of the user's day at most, 40 % already out
-    more = regions.grant(
-        tenant=home,
-        region="frankfurt",
-        day=day,
-        request_id=uuid.uuid4(),
-        asked_micros=40_000,
-        user_id=asha.pk,
-    )
+    more = _users_move(regions.grant, home, asha, 40_000)
     assert (more["moved_micros"], more["home_free_micros"]) == (20_000, 0)
     # The user's account at home lost what was lent; the tenant's day did not move.
     assert _user_limit(home, asha) == 40_000 and _limit(home) == 1_000_000
@@ -122,14 +124,7 @@ def test_a_users_day_is_lent_by_the_same_rules_on_the_users_own_account(home, as
     with pytest.raises(budgets.BudgetExceeded) as refused:
         budgets.reserve(tenant=home, user=asha, amount_micros=1, purpose="tool")
     assert refused.value.scope == "user_day"
-    back = regions.take_back(
-        tenant=home,
-        region="frankfurt",
-        day=day,
-        request_id=uuid.uuid4(),
-        amount_micros=25_000,
-        user_id=asha.pk,
-    )
+    back = _users_move(regions.take_back, home, asha, 25_000)
     assert back["moved_micros"] == 25_000 and _user_limit(home, asha) == 65_000
     assert home_books(home, day) == {}
     # A new daily budget for users keeps what is lent out of the home's limit.
@@ -142,19 +137,10 @@ def test_a_users_day_is_lent_by_the_same_rules_on_the_users_own_account(home, as
 def test_a_slice_of_a_users_day_is_refused_without_a_user_day_budget_or_for_a_stranger(home, asha):
     day = budgets.local_day(home)
     with pytest.raises(Conflict, match="no day budget for user"):  # the tenant limits no user's day
-        regions.grant(
-            tenant=home, region="frankfurt", day=day, request_id=uuid.uuid4(), asked_micros=1, user_id=asha.pk
-        )
+        _users_move(regions.grant, home, asha, 1)
     home.user_daily_budget_micros = 100_000
     home.save()
     stranger = factories.make_user(factories.make_tenant("elsewhere"), "stranger")
     with pytest.raises(Conflict, match="no day budget for user"):
-        regions.grant(
-            tenant=home,
-            region="frankfurt",
-            day=day,
-            request_id=uuid.uuid4(),
-            asked_micros=1,
-            user_id=stranger.pk,
-        )
+        _users_move(regions.grant, home, stranger, 1)
     assert not SliceMove.objects.exists() and home_books(home, day) == {}

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 from tests.servers import ROOT
-from tests.services import ThrowawayPostgres
+from tests.services import ThrowawayPostgres, free_port
 
 # Two fresh databases migrated at once on a loaded machine take minutes, as in the production-shape test.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -91,12 +91,6 @@ grants:
     + LOCAL
 )
 AT_FRANKFURT = "tenant: {slug: two-regions}\n" + LOCAL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -223,7 +217,7 @@ def _scalar(url: str, sql: str):
 def test_two_regions_replicate_lend_a_slice_and_survive_a_cut_link(var_dir):
     ports: dict[str, str] = {}
     while len(set(ports.values())) < len(PORTS):
-        ports = {name: str(_free_port()) for name in PORTS}
+        ports = {name: str(free_port()) for name in PORTS}
     env = {
         **_base_env(),
         **ports,

@@ -7,55 +7,26 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.utils import timezone
 
 from budgets import services as budgets
-from regions.models import Heartbeat, SliceRequest, TenantRegions
+from regions.models import SliceRequest
 from regions.selectors import region_books
 from runs.models import RunEvent
-from tests import factories
 from tests.regions import race
-from tests.regions.conftest import AWAY, HOME
-from tests.regions.test_escrow import _assert_books, _keeper, _settle_books
+from tests.regions.conftest import AWAY
+from tests.regions.test_escrow import _assert_books, _keeper, _settle_books, _tenant
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(900)]
 
-ZONE = "Europe/Berlin"
 RUNS = 15
 ZERO = {"limit": 0, "reserved": 0, "spent": 0, "held": 0}
 
 
 def test_one_users_runs_racing_in_two_regions_never_spend_more_than_the_users_day(home, link):
-    slug = "userday"
-    tenant = factories.make_tenant(slug, time_zone=ZONE, max_active_runs=200, max_starts_per_minute=200)
-    asha = factories.make_user(tenant, f"asha-{slug}")
-    per_call = race.make_racing_agent(tenant, asha, factories)
     # The tenant's day is ample; the user's fits about 24 model calls (15 runs in each region
     # want about 90): the user's day is what stops them.
-    tenant.daily_budget_micros = 400 * per_call
-    tenant.user_daily_budget_micros = 24 * per_call
-    tenant.save()
-    config = TenantRegions.objects.create(
-        tenant=tenant,
-        home=HOME,
-        allowed=[HOME, AWAY],
-        slice_micros=6 * per_call,
-        revocation_reach_seconds=86_400,
-    )
-    Heartbeat.objects.update_or_create(region=HOME, defaults={"beat_at": timezone.now()})
-    answer = home.run(
-        "setup",
-        {
-            "slug": slug,
-            "daily": tenant.daily_budget_micros,
-            "user_daily": tenant.user_daily_budget_micros,
-            "user_id": asha.pk,  # the same person: replication keeps the home's ids
-            "slice": config.slice_micros,
-            "zone": ZONE,
-            "regions": [HOME, AWAY],
-        },
-    )
-    assert answer["per_call"] == per_call
+    tenant, asha, config = _tenant(home, "userday", calls=400, slice_calls=6, user_calls=24)
+    slug = tenant.slug
     day = budgets.local_day(tenant)
     at_home = home.popen("race", {"slug": slug, "runs": RUNS, "timeout": 240})
     away = race.Race(tenant, asha, runs=RUNS, keeper=_keeper(config)).start()
