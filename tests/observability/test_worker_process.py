@@ -18,7 +18,7 @@ from runs.models import Run, Step
 from tests import factories
 from tests.observability.conftest import parse, scrape, value
 from tests.servers import wait_for
-from tests.test_production_shape import _free_port
+from tests.services import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -132,7 +132,7 @@ def test_a_worker_process_exports_metrics_logs_spans_and_readable_results(
 
     # A worker on another host or in another container shares no directory with the API: it
     # serves what it recorded itself, behind the same token.
-    port = _free_port()
+    port = free_port()
     workers(
         "loner",
         env={
