@@ -179,6 +179,14 @@ def _database() -> dict[str, Any]:
         # parsed and planned once per connection instead of on every call. With the psycopg
         # default Django passes (None), prepare=True is silently ignored.
         db["OPTIONS"] = {"prepare_threshold": 5}
+        # The engine's prepared statements are keyed by a run or a row's id, for which one generic
+        # plan serves every call. Left to choose, PostgreSQL re-plans those that read the steps
+        # table (partitioned by month: history/partitions.py) on every call, since the generic
+        # plan's estimate counts every month's partition: 0.6 ms a step window. "" leaves it to
+        # the server (a pooler that refuses startup options: set it with ALTER ROLE instead).
+        plan_cache_mode = env_str("DB_PLAN_CACHE_MODE", "force_generic_plan")
+        if plan_cache_mode:
+            db["OPTIONS"]["options"] = f"-c plan_cache_mode={plan_cache_mode}"
         pool_max = env_int("DB_POOL_MAX", 0)
         if pool_max:
             # Pooled connections are returned on close(); workers close before network calls
@@ -382,6 +390,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
     # tenant a pass, each run in its own short transaction.
     "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
+    # The month partitions of steps, events and the ledger (history/partitions.py), made ahead.
+    "history_partitions": {
+        "task": "history.tasks.prepare_partitions",
+        "schedule": env_float("HISTORY_PARTITIONS_SECONDS", 86_400.0),
+    },
     "watch_canaries": {
         "task": "evals.tasks.watch_canaries",
         "schedule": env_float("CANARY_WATCH_SECONDS", 30.0),
@@ -401,6 +414,13 @@ if env_str("REGION", ""):
 CELERY_TASK_ROUTES["regions.tasks.tend_slices"] = {"queue": SWEEP_QUEUE}
 CELERY_TASK_ROUTES["regions.tasks.heartbeat"] = {"queue": SWEEP_QUEUE}
 HISTORY_PURGE_BATCH = env_int("HISTORY_PURGE_BATCH", 100, minimum=1, maximum=10_000)
+# How long making or dropping a month partition waits for its brief exclusive lock on a history
+# table before it gives up until the next pass (the step path's statements queue behind it).
+HISTORY_PARTITION_LOCK_TIMEOUT_MS = env_int(
+    "HISTORY_PARTITION_LOCK_TIMEOUT_MS", 200, minimum=10, maximum=60_000
+)
+# How many months ahead the beat makes partitions for.
+HISTORY_PARTITION_MONTHS_AHEAD = env_int("HISTORY_PARTITION_MONTHS_AHEAD", 2, minimum=1, maximum=24)
 
 # --- Regions (regions/, docs/regions.md) ---
 # This deployment's region; "" (the default): no regions, every tenant is at home here.

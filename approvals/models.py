@@ -32,7 +32,11 @@ class Approval(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="approvals")
     run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="approvals")
-    step = models.OneToOneField("runs.Step", on_delete=models.CASCADE, related_name="approval")
+    # No database key: steps are partitioned by their run (history/partitions.py), so none can
+    # point at a step's id alone; Django still cascades.
+    step = models.OneToOneField(
+        "runs.Step", on_delete=models.CASCADE, related_name="approval", db_constraint=False
+    )
     tool = models.ForeignKey("tools.Tool", on_delete=models.PROTECT, related_name="approvals")
     arguments = models.JSONField()
     digest = models.CharField(max_length=64)
@@ -218,7 +222,11 @@ class ToolArgumentDayTotal(models.Model):
 class CountedCall(models.Model):
     """A tool step counted into its day's totals: once, however often it is claimed again."""
 
-    step = models.OneToOneField("runs.Step", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    # No database key: steps are partitioned by their run (history/partitions.py), so none can
+    # point at a step's id alone; Django still cascades.
+    step = models.OneToOneField(
+        "runs.Step", on_delete=models.CASCADE, primary_key=True, related_name="+", db_constraint=False
+    )
     total = models.ForeignKey(ToolDayTotal, on_delete=models.CASCADE, related_name="+")
     amount = models.BigIntegerField(default=0)
 

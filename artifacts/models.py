@@ -18,7 +18,9 @@ class Artifact(models.Model):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     run = models.ForeignKey("runs.Run", on_delete=models.CASCADE, related_name="artifacts")
     # The step that produced it (a tool call or run_python); none for an upload.
-    step = models.ForeignKey("runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    step = models.ForeignKey(
+        "runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_constraint=False
+    )  # no database key: steps are partitioned by their run (history/partitions.py)
     source = models.CharField(max_length=16, choices=Source.choices)
     name = models.CharField(max_length=200)
     media_type = models.CharField(max_length=100)

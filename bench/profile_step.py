@@ -15,6 +15,9 @@ and their worker and PostgreSQL CPU per step are printed side by side, with the 
 machine's drift then falls on both alike: the way to see what a change to the engine moves.
 `--stream ROUNDS`: no profile; the engine's steps with the model endpoint streamed (the default)
 and not, alternating round by round, and what streaming costs the worker per model step.
+`--partitions ROUNDS`: no profile; the engine's steps with the history tables plain and
+partitioned by month (`--months` past months beside this one), rebuilt between rounds in the same
+database: what partitioning costs the step path.
 `--walk`: the modules one step visits: a model step and a tool step of a warm run traced call by
 call (sys.setprofile), each module change counted as a stop, with the rooms it climbs back up
 (a call from a room into a room above it on scripts/imports.py's ladder).
@@ -101,6 +104,20 @@ def main() -> None:
     )
     parser.add_argument("--walk", action="store_true", help="the modules a model step and a tool step visit")
     parser.add_argument(
+        "--partitions",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="no profile: the engine's steps with the history tables plain and partitioned by month "
+        "(history/partitions.py), rebuilt between rounds in this database, alternating for ROUNDS rounds",
+    )
+    parser.add_argument(
+        "--months",
+        type=int,
+        default=24,
+        help="with --partitions: how many past months' partitions the tables have beside this month's",
+    )
+    parser.add_argument(
         "--stream",
         type=int,
         default=0,
@@ -157,6 +174,9 @@ def main() -> None:
             return
         if opts.walk:
             _walk(advance, user, agents[0])
+            return
+        if opts.partitions:
+            _partitioned_or_not(opts, user, agents[0], url)
             return
         if opts.stream:
             _streamed_or_not(opts, user, agents[0], url)
@@ -495,6 +515,86 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
         phases.report({"engine": esteps, "floor": fsteps}, {"engine": ecpu, "floor": fcpu})
     if opts.statements:
         for name, steps in (("engine", esteps), ("floor", fsteps)):
+            costs[name].report(int(steps), title=f"{name}: ")
+
+
+def _partitioned_or_not(opts, user, agent, url: str) -> None:
+    """--partitions: the engine's step with steps, events, reservations and ledger entries in plain
+    tables and in tables partitioned by month (with --months past months beside this one and the
+    default partition), the tables rebuilt in this database between rounds, so both sides step
+    over the same rows and the machine's drift falls on both alike."""
+    import datetime as dt
+
+    from django.db import connection, transaction
+
+    from history import partitions
+    from runs.engine import advance
+    from runs.models import TERMINAL
+
+    def engine() -> int:
+        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
+        steps = 0
+        with engine_bench.HeldMessages():
+            for run_id in ids:
+                for _ in range(opts.steps * 2):
+                    report = advance(run_id)
+                    steps += 1
+                    if report.get("run_status") in TERMINAL or "step" not in report:
+                        break
+        return steps
+
+    now = dt.datetime.now(dt.UTC)
+    first = dt.datetime(now.year - (opts.months // 12), now.month, 1, tzinfo=dt.UTC)
+    while (now.year - first.year) * 12 + now.month - first.month > opts.months:
+        first = dt.datetime(first.year + first.month // 12, first.month % 12 + 1, 1, tzinfo=dt.UTC)
+
+    def layout(partitioned: bool) -> None:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for table, key in partitions.TABLES.items():
+                if partitioned:
+                    partitions.partition_table(cursor, table, key, months_of=first)
+                    partitions.ensure_months_of(cursor, table, first, ahead=opts.months + 2)
+                else:
+                    partitions.unpartition_table(cursor, table, key)
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE")
+
+    from bench import pgstatements
+
+    engine()  # not counted: the first round pays for imports, caches and prepared statements
+    totals: dict[str, list[float]] = {"plain": [0.0, 0.0, 0], "partitioned": [0.0, 0.0, 0]}
+    costs = {"plain": pgstatements.Costs(), "partitioned": pgstatements.Costs()}
+    print(
+        f"{opts.runs} runs x {opts.steps} steps per round, plain then partitioned ({opts.months} past months), "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
+    for round_no in range(1, opts.partitions + 1):
+        for name in ("plain", "partitioned"):
+            layout(name == "partitioned")
+            engine()  # not counted: the rebuilt tables' catalog entries are read into every backend anew
+            backends = pgcpu.BackendCpu(url).start()
+            if opts.statements:
+                costs[name].install()
+            cpu = time.process_time()
+            steps = engine()
+            cpu = time.process_time() - cpu
+            costs[name].uninstall()
+            pg_cpu = backends.stop() or 0.0
+            total = totals[name]
+            total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
+            print(
+                f"round {round_no} {name:11} {steps:5} steps  worker {cpu * 1000 / steps:6.2f} ms/step  "
+                f"PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step"
+            )
+    (pcpu, ppg, psteps), (qcpu, qpg, qsteps) = totals["plain"], totals["partitioned"]
+    print(
+        f"all rounds: plain {pcpu * 1000 / psteps:.2f} / {ppg * 1000 / psteps:.2f} ms, "
+        f"partitioned {qcpu * 1000 / qsteps:.2f} / {qpg * 1000 / qsteps:.2f} ms (worker / PostgreSQL per step); "
+        f"partitioned/plain: worker {qcpu / qsteps / (pcpu / psteps):.3f}x, PostgreSQL {qpg / qsteps / (ppg / psteps):.3f}x, "
+        f"both {(qcpu + qpg) / qsteps / ((pcpu + ppg) / psteps):.3f}x"
+    )
+    if opts.statements:
+        for name, steps in (("plain", psteps), ("partitioned", qsteps)):
             costs[name].report(int(steps), title=f"{name}: ")
 
 

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-import uuid
-
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+
+from core.ids import uuid7
 
 
 class BudgetAccount(models.Model):
@@ -71,7 +71,9 @@ class Reservation(models.Model):
         RECONCILED = "reconciled"
         WRITTEN_OFF = "written_off"
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Time-ordered: the reservation and its ledger entries live in the partition of the month it
+    # was made in (history/partitions.py).
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     # Reservations and their ledger entries are the platform's most frequent inserts. Indexes are
     # kept to what queries use (by tenant and status, run, step, account). The references written
     # by budgets.services' reserve statements carry no database FK check (db_constraint=False):
@@ -88,8 +90,15 @@ class Reservation(models.Model):
         related_name="reservations",
         db_constraint=False,
     )
+    # Steps are partitioned by their run (history/partitions.py): no database key can point at a
+    # step's id alone. Django still sets it to NULL when the step goes.
     step = models.ForeignKey(
-        "runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="reservations"
+        "runs.Step",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="reservations",
+        db_constraint=False,
     )
     # Fixed lock order: day account, user-day account, run account. Nothing looks reservations
     # up by account except the ledger audit (budgets.selectors.ledger_mismatches, which narrows

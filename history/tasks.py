@@ -6,6 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from history.checkpoints import take_checkpoint
+from history.partitions import ensure_months
 from history.retention import purge_due, purge_skeletons
 
 
@@ -25,3 +26,9 @@ def purge() -> int:
     content = purge_due(batch=settings.HISTORY_PURGE_BATCH)
     skeletons = purge_skeletons(batch=settings.HISTORY_PURGE_BATCH)
     return len(content.purged) + len(skeletons.purged)
+
+
+@shared_task(name="history.tasks.prepare_partitions", ignore_result=True, send_events=False)  # not in Flower
+def prepare_partitions() -> int:
+    """Make the month partitions of the coming months (history/partitions.py); how many."""
+    return len(ensure_months(ahead=settings.HISTORY_PARTITION_MONTHS_AHEAD))

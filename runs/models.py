@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import models
+
+from core.ids import uuid7
 
 
 class RunStatus(models.TextChoices):
@@ -94,7 +95,9 @@ class Run(models.Model):
     # Set by lock_run(for_step=True) on the instance it returns; not a column.
     claim_reads: ClaimReads | None = None
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # Time-ordered: the id names the month the run was made in, the partition its steps and events
+    # live in (history/partitions.py).
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="runs")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="runs")
     agent = models.ForeignKey("agents.AgentDefinition", on_delete=models.PROTECT, related_name="runs")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import uuid
 from dataclasses import dataclass
 
 from django.db import DEFAULT_DB_ALIAS, connections, models
@@ -46,11 +47,15 @@ class StepWrite:
     (runs.transitions.transition_step(defer=True))."""
 
     step_id: int
+    run_id: uuid.UUID  # steps are partitioned by run: the run names the one partition to look in
     status: str  # the status it was read in: the guard
     values: dict  # columns to write, by field name
 
+    def guard(self) -> dict:
+        return {"run_id": self.run_id, "status": self.status}
+
     def sql(self) -> tuple[str, list, int]:
-        text, params = sql.update_sql(Step, self.step_id, where={"status": self.status}, **self.values)
+        text, params = sql.update_sql(Step, self.step_id, where=self.guard(), **self.values)
         return text, params, 1
 
 
@@ -156,7 +161,7 @@ def write_run(
         for write in steps:
             if isinstance(write, StepInsert):
                 sql.insert(write.steps)
-            elif not sql.update(Step, write.step_id, where={"status": write.status}, **write.values):
+            elif not sql.update(Step, write.step_id, where=write.guard(), **write.values):
                 raise _moved(write)
         if sets:
             sql.update(Run, run_id, **sets)
@@ -188,7 +193,12 @@ def write_run(
     params.append(run)
     if events:
         params += [bodies, run, rows_json]
-    with sql.prepared_cursor() as cursor:
+    # A step UPDATE is planned with its values each time, not prepared: steps are partitioned by
+    # month (history/partitions.py), and PostgreSQL 15 runs a prepared (generic) plan over a
+    # partitioned table only after locking every partition and index, 24 months' worth of them on
+    # every step (bench/profile_step.py --partitions); with the values, it plans for one.
+    updates = any(isinstance(write, StepWrite) for write in steps)
+    with sql.prepared_cursor(prepare=not updates) as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall() if events or steps else []
     if steps:

@@ -197,9 +197,11 @@ def transition_step(
     deferred = getattr(_batch, "step_writes", None) if defer else None
     if deferred is not None and not any(hasattr(v, "resolve_expression") for v in fields.values()):
         deferred.setdefault(step.run_id, []).append(
-            statements.StepWrite(step.pk, old, {"status": to, **fields})
+            statements.StepWrite(step.pk, step.run_id, old, {"status": to, **fields})
         )
-    elif not update_row(Step, step.pk, where={"status": old}, status=to, **fields):
+    # With the run: steps are partitioned by it (history/partitions.py), and it names the one
+    # partition the row is in.
+    elif not update_row(Step, step.pk, where={"run_id": step.run_id, "status": old}, status=to, **fields):
         raise IllegalTransition("step", old, to)
     step.status = to
     for name, value in fields.items():
@@ -244,7 +246,7 @@ def write_step(step: Step, **values) -> None:
         if isinstance(write, statements.StepWrite) and write.step_id == step.pk:
             write.values.update(values)
             return
-    update_row(Step, step.pk, **values)
+    update_row(Step, step.pk, where={"run_id": step.run_id}, **values)
 
 
 def update_row(model, pk, *, where: dict | None = None, **values) -> int:

@@ -82,7 +82,9 @@ def _mark_model(run: Run, lease: Lease, model: ModelPlan) -> ModelCall | None:
         reservation_id = _reserve(run, step, amount=model.estimate, purpose="model", what=_fallback_of(model))
     if reservation_id is None:
         if not summary:
-            Step.objects.filter(pk=step.pk).delete()  # never dispatched: the refusal is the record
+            Step.objects.filter(
+                run_id=step.run_id, pk=step.pk
+            ).delete()  # never dispatched: the refusal is the record
         return None
     record_event(
         run.pk,

@@ -136,7 +136,7 @@ def _record_model_failure(
     # No answer after sending, or a 2xx we could not read: the provider may have charged it.
     lost = exc.sent and (exc.status is None or 200 <= exc.status < 300)
     if retry:  # the failed attempt's writes to `step` in memory were rolled back in the database
-        step = Step.objects.get(pk=step.pk)
+        step = Step.objects.get(run_id=step.run_id, pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         # Closing is a no-op on a reservation already closed, so a retry repeats it safely.
@@ -207,7 +207,7 @@ def _record_model(
     `began`: when recording was first tried (dispatch.recorded_before).
     """
     if retry:
-        step = Step.objects.get(pk=step.pk)
+        step = Step.objects.get(run_id=step.run_id, pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         settle = functools.partial(_settle, plan, step, cost)
@@ -337,7 +337,7 @@ def _record_summary(
     """A fold's summary (runs/engine/summaries.py): settle its reservation, store the summary on
     its step (the conversation shows it in the fold's record from the next call on), go on."""
     if retry:
-        step = Step.objects.get(pk=step.pk)
+        step = Step.objects.get(run_id=step.run_id, pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         settle = functools.partial(_settle, plan, step, cost)
@@ -466,7 +466,7 @@ def recover_model(plan: LostModelCall) -> None:
         run = lock_run(plan.run_id)
         if not fenced(run, plan):
             return
-        step = Step.objects.get(pk=plan.step_id)
+        step = Step.objects.get(run_id=plan.run_id, pk=plan.step_id)
         transition_step(
             step,
             StepStatus.OUTCOME_UNKNOWN,

@@ -188,7 +188,7 @@ def _lookup_event(
         run = lock_run(plan.run_id)
         if fenced(run, plan):
             if count_attempt:
-                Step.objects.filter(pk=step.pk).update(attempts=F("attempts") + 1)
+                Step.objects.filter(run_id=step.run_id, pk=step.pk).update(attempts=F("attempts") + 1)
             record_event(
                 run.pk, "recovery", f"status lookup for step {step.seq}{what}", step_seq=step.seq, found=found
             )
@@ -358,7 +358,7 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     )
     decision = decisions.after_unknown(step.seq, attempt, now)
     if not isinstance(decision, decisions.GiveUp):
-        Step.objects.filter(pk=step.pk).update(error=error)
+        Step.objects.filter(run_id=step.run_id, pk=step.pk).update(error=error)
     writer.after_unknown(run, step, decision, error=error)
 
 

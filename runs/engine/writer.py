@@ -168,7 +168,7 @@ def count_crash(run: Run, step: Step) -> None:
     )
     transaction.on_commit(lambda: _hold(lost), robust=True)
     step.crashes += 1
-    Step.objects.filter(pk=step.pk).update(crashes=step.crashes)
+    Step.objects.filter(run_id=step.run_id, pk=step.pk).update(crashes=step.crashes)
 
 
 def poison(run: Run, step: Step | None, decision: decisions.Poison) -> None:
@@ -231,12 +231,12 @@ def after_unknown(run: Run, step: Step, decision, *, error: str = "") -> None:
         if decision.uncount_attempt:
             # A repeat answered "in progress" did nothing: it does not use up one of max_attempts.
             step.attempts = max(step.attempts - 1, 0)
-            Step.objects.filter(pk=step.pk).update(attempts=step.attempts)
+            Step.objects.filter(run_id=step.run_id, pk=step.pk).update(attempts=step.attempts)
         wait_to_settle(run, step, decision.until, decision.why + (f" ({error})" if error else ""))
     else:
         assert isinstance(decision, decisions.Retry) and decision.at is not None
         delay = max((decision.at - timezone.now()).total_seconds(), 0.0)
-        Step.objects.filter(pk=step.pk).update(next_attempt_at=decision.at, error=error)
+        Step.objects.filter(run_id=step.run_id, pk=step.pk).update(next_attempt_at=decision.at, error=error)
         step.next_attempt_at = decision.at
         record_event(
             run.pk,
@@ -262,7 +262,7 @@ def mark_unknown(run: Run, step: Step, message: str) -> None:
 
 def wait_to_settle(run: Run, step: Step, until: dt.datetime, why: str) -> None:
     """Park the run as a row (no lease, no message) until `until`; the sweeper wakes it."""
-    Step.objects.filter(pk=step.pk).update(next_attempt_at=until)
+    Step.objects.filter(run_id=step.run_id, pk=step.pk).update(next_attempt_at=until)
     step.next_attempt_at = until
     transition_run(
         run,
@@ -368,7 +368,7 @@ def keep_retry(step: Step) -> None:
     attempt's worker death a second time."""
     if step.next_attempt_at is None:
         step.next_attempt_at = timezone.now()
-        Step.objects.filter(pk=step.pk).update(next_attempt_at=step.next_attempt_at)
+        Step.objects.filter(run_id=step.run_id, pk=step.pk).update(next_attempt_at=step.next_attempt_at)
 
 
 def replay(run: Run, step: Step, prior: Step) -> None:
