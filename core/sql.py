@@ -171,14 +171,6 @@ class _PreparedCursor(psycopg.Cursor):
         return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
 
 
-class _PlannedCursor(psycopg.Cursor):
-    """psycopg's server-side-binding cursor, no statement prepared: PostgreSQL plans each call
-    with its values (see prepared_cursor's `prepare`)."""
-
-    def execute(self, query, params=None, *, prepare=None, binary=None):
-        return super().execute(query, params, prepare=False, binary=binary)
-
-
 class _PreparedDebugCursor(CursorDebugWrapper):
     """DEBUG's query log for a prepared cursor. psycopg binds a prepared statement's parameters on
     the server and keeps no text of it once run, so Django's `last_executed_query` reads None (the
@@ -190,7 +182,7 @@ class _PreparedDebugCursor(CursorDebugWrapper):
             return CursorWrapper.execute(self, sql, params)
 
 
-def prepared_cursor(prepare: bool = True):
+def prepared_cursor():
     """A cursor whose statements PostgreSQL parses and plans once per connection.
 
     Django binds parameters on the client, so every call of a statement is parsed and planned
@@ -200,18 +192,13 @@ def prepared_cursor(prepare: bool = True):
     are: budgets/services._execute), wrapped as Django wraps its own cursors (errors mapped,
     execute wrappers and DEBUG's query log applied); a pooler in front of PostgreSQL must
     support prepared statements. SQLite: Django's cursor.
-
-    `prepare=False`: the same cursor, its statements planned with their values on every call, for
-    a statement that UPDATEs a partitioned table (runs.statements.write_run's step writes).
     """
     db = _db()
     if db.vendor != "postgresql":
         return db.cursor()
     db.ensure_connection()
     db.validate_thread_sharing()
-    raw: Any = (_PreparedCursor if prepare else _PlannedCursor)(
-        db.connection
-    )  # django-stubs types the argument as Django's own wrapper
+    raw: Any = _PreparedCursor(db.connection)  # django-stubs types the argument as Django's own wrapper
     return _PreparedDebugCursor(raw, db) if db.queries_logged else db.make_cursor(raw)
 
 

@@ -193,12 +193,7 @@ def write_run(
     params.append(run)
     if events:
         params += [bodies, run, rows_json]
-    # A step UPDATE is planned with its values each time, not prepared: steps are partitioned by
-    # month (history/partitions.py), and PostgreSQL 15 runs a prepared (generic) plan over a
-    # partitioned table only after locking every partition and index, 24 months' worth of them on
-    # every step (bench/profile_step.py --partitions); with the values, it plans for one.
-    updates = any(isinstance(write, StepWrite) for write in steps)
-    with sql.prepared_cursor(prepare=not updates) as cursor:
+    with sql.prepared_cursor() as cursor:
         cursor.execute(statement, params)
         rows = cursor.fetchall() if events or steps else []
     if steps:
