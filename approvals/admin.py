@@ -27,6 +27,7 @@ from approvals.selectors import approvable_tools, approvals_for, escalated_to
 from approvals.services import MOMENT
 from budgets.models import BudgetAccount
 from core.errors import DomainError
+from core.ids import short
 from runs.approval_effects import correct_approval, decide_approval
 from runs.front.admin import conversation
 from runs.front.flags import risk_flags
@@ -421,8 +422,8 @@ class ApprovalAdmin(ReadOnlyAdmin):
     @admin.display(description="run")
     def run_link(self, approval):
         # A link the user cannot open is not shown: approvers who may not read the run see its id.
-        short = str(approval.run_id)[:8]
-        return admin_link(approval.run, short) if getattr(approval, "run_visible", False) else short
+        label = short(approval.run_id)
+        return admin_link(approval.run, label) if getattr(approval, "run_visible", False) else label
 
     def get_list_display(self, request):
         columns = list(self.list_display)
@@ -437,7 +438,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
         """Decide, then say what happened: a repeat from a stale tab says what was done before
         (a warning, never a green success), and what did change goes to Recent actions. Returns
         "decided", "counted" (one approval of several needed), "repeated", or None (refused)."""
-        what = f"{approval.tool.name} for run {str(approval.run_id)[:8]}"
+        what = f"{approval.tool.name} for run {short(approval.run_id)}"
         try:
             decided = decide_approval(
                 approval_id=approval.pk, user=request.user, approve=approve, reason=reason

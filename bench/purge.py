@@ -14,7 +14,9 @@ content column, all ended 100 days ago, cloned by SQL from one real run; then:
    transactions' durations, the WAL it wrote, sessions seen waiting on a lock (sampled every
    50 ms), and the live runs' latency beside it;
 3. with `--skeleton`: a checkpoint over the seeded runs, then the skeleton's purge (delete the
-   runs, their steps and events, a tombstone each) the same way.
+   runs, their steps and events, a tombstone each) the same way, run by run; with
+   `--skeleton-months` instead, by dropping their month's partitions (the seeded runs' ids are
+   of a month 130 days ago: history/partitions.py).
 
 Prints the load average before and after: on a shared machine the figures move with it.
 """
@@ -103,11 +105,20 @@ def clone(cursor, table: str, source: str, overrides: dict, params: list) -> Non
 
 def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> float:
     """Clone the template run into `runs` ended runs with `steps` steps and `events` events a step."""
+    import datetime as dt
     import json
 
     from django.db import connection, transaction
+    from django.utils import timezone
 
+    from core.ids import uuid7
+    from history import partitions
     from runs.models import Step
+
+    with connection.cursor() as cursor:
+        then = timezone.now() - dt.timedelta(days=130)
+        for table in partitions.TABLES if partitions.active() else ():
+            partitions.ensure_months_of(cursor, table, then, ahead=0)
 
     Step.objects.filter(run=template).update(arguments=ARGUMENTS, result=RESULT, observation=OBSERVATION)
     step_id = Step.objects.filter(run=template).order_by("seq").values_list("pk", flat=True).first()
@@ -122,7 +133,11 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
             with transaction.atomic():
                 cursor.execute("CREATE TEMP TABLE IF NOT EXISTS seeded (id uuid) ON COMMIT DROP")
                 cursor.execute("TRUNCATE seeded")
-                cursor.execute("INSERT INTO seeded SELECT gen_random_uuid() FROM generate_series(1, %s)", [n])
+                # Ids of a month over and past the periods (core/ids.py): the runs live in its partition.
+                then = timezone.now() - dt.timedelta(days=130)
+                cursor.execute(
+                    "INSERT INTO seeded SELECT unnest(%s::uuid[])", [[uuid7(then) for _ in range(n)]]
+                )
                 clone(
                     cursor,
                     "runs_run",
@@ -136,8 +151,8 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
                             [json.dumps({"account": SECRET, "complaint": "double charge " * 20})],
                         ),
                         "final_output": ("%s", [OBSERVATION]),
-                        "created_at": "now() - interval '101 days'",
-                        "finished_at": "now() - interval '100 days'",
+                        "created_at": "now() - interval '130 days'",
+                        "finished_at": "now() - interval '129 days'",
                         "event_seq": ("%s", [steps * events]),
                         "step_count": ("%s", [steps]),
                     },
@@ -294,7 +309,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--events", type=int, default=3)
     parser.add_argument("--live-seconds", type=float, default=30)
-    parser.add_argument("--skeleton", action="store_true", help="then purge the skeleton too")
+    parser.add_argument("--skeleton", action="store_true", help="then purge the skeleton too, run by run")
+    parser.add_argument(
+        "--skeleton-months",
+        action="store_true",
+        help="then purge the skeleton by dropping the seeded runs' month (history.retention.drop_due_months)",
+    )
     parser.add_argument(
         "--purge-seconds",
         type=float,
@@ -387,6 +407,22 @@ def main() -> None:
 
             beside(user, f"skeleton purge of {args.runs * args.steps} steps", skeleton_purge, args.runs)
             print(f"runs left: {Run.objects.count()} (the live ones), steps left: {Step.objects.count()}")
+        elif args.skeleton_months:
+            take_checkpoint(now=timezone.now() - dt.timedelta(days=99))
+            Tenant.objects.filter(pk=tenant.pk).update(skeleton_retention_seconds=95 * 86400)
+            # The template run and the live ones are of this month: they stay.
+
+            def month_purge() -> list[float]:
+                started = time.perf_counter()
+                report = retention.drop_due_months()
+                assert report.dropped, report.kept
+                return [time.perf_counter() - started]
+
+            beside(user, f"skeleton purge of {args.runs * args.steps} steps, whole months", month_purge, 1)
+            print(
+                f"runs left: {Run.objects.count()} (the live ones), steps left: {Step.objects.count()}, "
+                f"tombstones: {retention.RunTombstone.objects.count()}"
+            )
         print(f"load average after: {os.getloadavg()}")
     finally:
         from django.db import connections

@@ -16,6 +16,7 @@ from django.urls import path
 from budgets import selectors, services
 from budgets.models import LedgerEntry, Reservation
 from core.errors import DomainError
+from core.ids import short
 from core.money import rate_note
 from runs.models import Run
 from tenants.admin_site import ReadOnlyAdmin, admin_link, money, run_visible, site, status_filter
@@ -126,7 +127,7 @@ def usage_page(model_admin, request, tenant):
         "top_runs": [
             {
                 "run": run,
-                "link": admin_link(run, str(run.pk)[:8]) if run.pk in visible else str(run.pk)[:8],
+                "link": admin_link(run, short(run.pk)) if run.pk in visible else short(run.pk),
                 "spent": money(run.budget.spent_micros, tenant),
                 "held": money(run.budget.held_micros, tenant),
             }
@@ -156,7 +157,7 @@ class NoteForm(forms.Form):
 def reconcile_form(reservations, data=None) -> forms.Form:
     """A note plus, per reservation, the actual charge the provider reported (in micros)."""
     fields = {
-        f"actual_{r.pk}": forms.IntegerField(min_value=0, label=f"actual micros for {str(r.pk)[:8]}")
+        f"actual_{r.pk}": forms.IntegerField(min_value=0, label=f"actual micros for {short(r.pk)}")
         for r in reservations
     }
     return type("ReconcileForm", (NoteForm,), fields)(data)
@@ -205,7 +206,7 @@ class ReservationAdmin(ReadOnlyAdmin):
 
     @admin.display(description="reservation")
     def short_id(self, reservation):
-        return str(reservation.pk)[:8]
+        return short(reservation.pk)
 
     def get_queryset(self, request):
         return (
@@ -216,8 +217,8 @@ class ReservationAdmin(ReadOnlyAdmin):
     def run_link(self, reservation):
         if not reservation.run:
             return "—"
-        short = str(reservation.run_id)[:8]
-        return admin_link(reservation.run, short) if getattr(reservation, "run_visible", False) else short
+        label = short(reservation.run_id)
+        return admin_link(reservation.run, label) if getattr(reservation, "run_visible", False) else label
 
     @admin.display(description="step")
     def step_seq(self, reservation):
@@ -272,12 +273,12 @@ class ReservationAdmin(ReadOnlyAdmin):
             try:
                 closed = close(reservation)
             except DomainError as exc:
-                messages.error(request, f"{str(reservation.pk)[:8]}: {exc.message}")
+                messages.error(request, f"{short(reservation.pk)}: {exc.message}")
                 continue
             if closed:
                 done += 1
             else:
-                messages.warning(request, f"{str(reservation.pk)[:8]} was no longer held")
+                messages.warning(request, f"{short(reservation.pk)} was no longer held")
         messages.success(request, f"{verb} {done} hold(s)")
 
     def _confirm(self, request, action: str, title: str, held, form, *, with_actual: bool = False):

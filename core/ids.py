@@ -43,3 +43,9 @@ def made_at(value: uuid.UUID) -> dt.datetime | None:
     if value.version != 7:
         return None
     return dt.datetime.fromtimestamp((value.int >> 80) / 1000, tz=dt.UTC)
+
+
+def short(value) -> str:
+    """The 8 characters a person is shown for an id (admin lists, messages). The last 8, not the
+    first: a version 7 id's first 8 are the same for every id made within some 49 days."""
+    return str(value)[-8:]

@@ -15,6 +15,7 @@ from django.utils.html import format_html, format_html_join
 
 from agents.admin import AliasForm
 from core.errors import DomainError
+from core.ids import short
 from core.money import platform_money
 from evals import gates, services
 from evals.models import Case, CaseResult, Dataset, DatasetVersion, Evaluation
@@ -106,7 +107,7 @@ class DatasetAdmin(ReadOnlyAdmin):
                         user=request.user,
                     )
                 except DomainError as exc:
-                    messages.error(request, f"run {run_id[:8]}: {exc.message}")
+                    messages.error(request, f"run {short(run_id)}: {exc.message}")
             if version is not None:
                 messages.success(request, f"{version}: {version.cases.count()} cases")
                 return HttpResponseRedirect(reverse("admin:evals_datasetversion_change", args=[version.pk]))
@@ -171,9 +172,7 @@ class ResultInline(admin.TabularInline):
     @admin.display(description="run")
     def timeline(self, result):
         return (
-            admin_link(result.run, f"{str(result.run_id)[:8]} ({result.run_status})")
-            if result.run_id
-            else "—"
+            admin_link(result.run, f"{short(result.run_id)} ({result.run_status})") if result.run_id else "—"
         )
 
     @admin.display(description="cost")
@@ -223,7 +222,7 @@ class EvaluationAdmin(ReadOnlyAdmin):
 
     @admin.display(description="evaluation", ordering="created_at")
     def short_id(self, evaluation):
-        return str(evaluation.pk)[:8]
+        return short(evaluation.pk)
 
     @admin.display(description="pass rate")
     def pass_rate(self, evaluation):

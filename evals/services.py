@@ -29,6 +29,7 @@ from agents.selectors import resolve_version
 from budgets import services as budgets
 from core.digests import digest
 from core.errors import Conflict, DomainError, NotFound
+from core.ids import short
 from evals import checks as check_rules
 from evals import replay
 from evals.models import Case, CaseResult, Dataset, DatasetVersion, Evaluation
@@ -241,7 +242,7 @@ def add_run(
         )
     if run.evaluation:
         raise Conflict("an evaluation's run does not become a case", code="evaluation_run")
-    name = name or f"run-{str(run.pk)[:8]}"
+    name = name or f"run-{short(run.pk)}"
     found = Dataset.objects.filter(tenant=tenant, name=dataset).first()
     latest = found.versions.order_by("-number").first() if found else None
     cases = [case_as_data(c) for c in latest.cases.select_related("user", "approver")] if latest else []

@@ -24,6 +24,7 @@ batch bounds how long a pass runs.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass, field
 
 from django.db import OperationalError, transaction
@@ -276,58 +277,22 @@ def _month_blocked(low, high, now: dt.datetime) -> str:
 
 
 def _drop_month_of_runs(year: int, month: int, low, high, now: dt.datetime) -> bool:
-    """Tombstone the month's runs and drop their step and event partitions in one transaction
-    (a hold placed meanwhile, or a lock not had in time, undoes both); then its ledger partition
-    and the runs' rows. Whether the month went."""
+    """Tombstone the month's runs, then drop their step and event partitions (a few tries: the
+    lock is had between two of the step path's transactions, or not at all within the timeout);
+    then its ledger partition and the runs' rows. A hold placed meanwhile, or no lock had, takes
+    the tombstones back. Whether the month went."""
     runs = Run.objects.filter(pk__gte=low, pk__lt=high)
-    with transaction.atomic():
-        for tenant_id in sorted(set(runs.values_list("tenant_id", flat=True))):
-            holds.tenant_hold_lock(tenant_id)  # a hold placed meanwhile is seen
-            if holds.holds_over(
-                tenant_id, list(runs.filter(tenant_id=tenant_id).values_list("pk", flat=True))
-            ):
-                return False
-        for start in range(0, runs.count(), 1000):
-            batch = list(
-                runs.select_related("agent", "created_by", "tenant").order_by("pk")[start : start + 1000]
-            )
-            ids = [run.pk for run in batch]
-            costs = dict(
-                Step.objects.filter(run_id__in=ids)
-                .values("run_id")
-                .annotate(total=Sum("cost_micros"))
-                .values_list("run_id", "total")
-            )
-            leaves: dict = {}
-            for run_id, checkpoint_id in (
-                CheckpointLeaf.objects.filter(run_id__in=ids)
-                .order_by("run_id", "-checkpoint__number")
-                .values_list("run_id", "checkpoint_id")
-            ):
-                leaves.setdefault(run_id, checkpoint_id)
-            RunTombstone.objects.bulk_create(
-                [
-                    _tombstone(
-                        run,
-                        leaves.get(run.pk),
-                        costs.get(run.pk) or 0,
-                        _period(
-                            run.tenant.skeleton_retention_seconds,
-                            run.tenant.skeleton_retention_by_agent or {},
-                            run.agent.name,
-                        )
-                        or 0,
-                        now,
-                    )
-                    for run in batch
-                ],
-                ignore_conflicts=True,
-            )
-        try:
-            partitions.drop_month(year, month, partitions.RUN_TABLES)
-        except OperationalError:  # the lock timeout: the next pass tries again
-            transaction.set_rollback(True)
-            return False
+    _write_tombstones(runs, now)
+    outcome = "busy"
+    for attempt in range(DROP_ATTEMPTS):
+        if attempt:
+            time.sleep(DROP_PAUSE_SECONDS)
+        outcome = _drop_run_partitions(year, month, runs)
+        if outcome != "busy":
+            break
+    if outcome != "dropped":
+        RunTombstone.objects.filter(run_id__in=runs.values("pk")).delete()
+        return False
     # The month's ledger goes whole when every reservation of it is of this month's runs (a run
     # made on the month's last day may have reservations in the next month: those go by cascade).
     strays = Reservation.objects.filter(pk__gte=low, pk__lt=high).exclude(run_id__gte=low, run_id__lt=high)
@@ -338,6 +303,68 @@ def _drop_month_of_runs(year: int, month: int, low, high, now: dt.datetime) -> b
             pass  # its entries go with their reservations, by cascade
     _delete_tombstoned(runs)
     return True
+
+
+DROP_ATTEMPTS = 5
+DROP_PAUSE_SECONDS = 0.5
+
+
+def _drop_run_partitions(year: int, month: int, runs) -> str:
+    """'dropped', 'held' (a hold covers a run now) or 'busy' (the lock timeout)."""
+    with transaction.atomic():
+        for tenant_id in sorted(set(runs.values_list("tenant_id", flat=True))):
+            holds.tenant_hold_lock(tenant_id)  # a hold placed meanwhile is seen
+            if holds.holds_over(
+                tenant_id, list(runs.filter(tenant_id=tenant_id).values_list("pk", flat=True))
+            ):
+                return "held"
+        try:
+            partitions.drop_month(year, month, partitions.RUN_TABLES)
+        except OperationalError:
+            transaction.set_rollback(True)
+            return "busy"
+    return "dropped"
+
+
+def _write_tombstones(runs, now: dt.datetime) -> None:
+    """A tombstone for each of `runs`, a thousand to a transaction (written again: kept)."""
+    for start in range(0, runs.count(), 1000):
+        batch = list(
+            runs.select_related("agent", "created_by", "tenant").order_by("pk")[start : start + 1000]
+        )
+        ids = [run.pk for run in batch]
+        costs = dict(
+            Step.objects.filter(run_id__in=ids)
+            .values("run_id")
+            .annotate(total=Sum("cost_micros"))
+            .values_list("run_id", "total")
+        )
+        leaves: dict = {}
+        for run_id, checkpoint_id in (
+            CheckpointLeaf.objects.filter(run_id__in=ids)
+            .order_by("run_id", "-checkpoint__number")
+            .values_list("run_id", "checkpoint_id")
+        ):
+            leaves.setdefault(run_id, checkpoint_id)
+        tenant = {run.pk: run.tenant for run in batch}
+        RunTombstone.objects.bulk_create(
+            [
+                _tombstone(
+                    run,
+                    leaves.get(run.pk),
+                    costs.get(run.pk) or 0,
+                    _period(
+                        tenant[run.pk].skeleton_retention_seconds,
+                        tenant[run.pk].skeleton_retention_by_agent or {},
+                        run.agent.name,
+                    )
+                    or 0,
+                    now,
+                )
+                for run in batch
+            ],
+            ignore_conflicts=True,
+        )
 
 
 def _delete_tombstoned(runs) -> None:

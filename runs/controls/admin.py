@@ -29,6 +29,7 @@ from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
 from core.errors import DomainError
+from core.ids import short
 from runs.controls import cancelling, kill_switches, pausing
 from runs.models import TERMINAL, BulkAction, KillSwitch, RunStatus
 from tenants.admin_site import DATETIME_FORMAT, TenantScopedAdmin, site
@@ -81,7 +82,7 @@ class PauseAdminMixin(admin.ModelAdmin):
         return redirect(reverse("admin:runs_run_change", args=[run.pk]))
 
     def _act(self, request, run, *, reason: str, resume: bool, until: str = "") -> bool:
-        label = str(run.pk)[:8]
+        label = short(run.pk)
         if not resume and not reason:
             messages.error(request, f"run {label}: say why it is paused")
             return False
@@ -145,7 +146,7 @@ class PauseAdminMixin(admin.ModelAdmin):
                     pausing.pause_run(run_id=run.pk, actor=request.user, reason=reason, bulk=action.pk)
                 count += 1
             except DomainError as exc:
-                messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
+                messages.error(request, f"run {short(run.pk)}: {exc.message}")
         BulkAction.objects.filter(pk=action.pk).update(count=count)
         messages.success(
             request, f"{'resumed' if resume else 'paused'} {count} run{'s' if count != 1 else ''}"
@@ -424,7 +425,7 @@ class BulkActionAdmin(pausing.PausersOnly, TenantScopedAdmin):
                 shown = self.data.copy()  # type: ignore[has-type]  # a bound form's QueryDict
                 shown["previewed"] = key
                 self.data = shown  # the next Save, unchanged, goes ahead
-                first = ", ".join(f"{str(run.pk)[:8]} ({run.agent.name})" for run in sample)
+                first = ", ".join(f"{short(run.pk)} ({run.agent.name})" for run in sample)
                 raise forms.ValidationError(
                     f"Preview: this would {data['kind']} {count} run{'s' if count != 1 else ''} now"
                     + (f" (first: {first})" if first else "")

@@ -29,6 +29,7 @@ from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
 from core.api import bounded_count, planner_settings
 from core.errors import DomainError, NotFound
+from core.ids import short
 from core.money import rate_note
 from llm.probe import failed_probe
 from runs import admission
@@ -383,7 +384,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
 
     @admin.display(description="run", ordering="created_at")
     def short_id(self, run):
-        return str(run.pk)[:8]
+        return short(run.pk)
 
     @admin.display(description="created", ordering="created_at")
     def created(self, run):
@@ -552,9 +553,9 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         try:
             cancel_run(run_id=run.pk, actor=request.user, reason=reason or "cancelled in the admin")
         except DomainError as exc:
-            messages.error(request, f"run {str(run.pk)[:8]}: {exc.message}")
+            messages.error(request, f"run {short(run.pk)}: {exc.message}")
             return
-        messages.success(request, f"run {str(run.pk)[:8]}: cancel requested; no new call starts from now on")
+        messages.success(request, f"run {short(run.pk)}: cancel requested; no new call starts from now on")
 
     def has_add_to_dataset_permission(self, request, obj=None):
         # A role's permission (tenants/roles.py): supervisors and operators keep datasets.

@@ -13,6 +13,7 @@ from django.urls import reverse
 from django.utils.html import escape
 
 from approvals.models import Approval, ApprovalStatus
+from core.ids import short
 from tenants.models import Tenant
 from tests.admin.helpers import park_on_approval
 from tools.models import Tool
@@ -69,7 +70,7 @@ def test_a_denial_needs_a_reason_and_lands_in_recent_actions(as_ravi, in_inr):
 
     denied = as_ravi.post(page_url(approval), {"_deny": "Deny", "reason": "a duplicate"}, follow=True)
     assert Approval.objects.get(pk=approval.pk).status == ApprovalStatus.DENIED
-    assert (messages.SUCCESS, f"denied: {approval.tool.name} for run {str(approval.run_id)[:8]}") in (
+    assert (messages.SUCCESS, f"denied: {approval.tool.name} for run {short(approval.run_id)}") in (
         messages_of(denied)
     )
     assert log_of(approval) == [("ravi", "Denied: a duplicate")]

@@ -8,6 +8,7 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalStatus
+from core.ids import short
 from runs.approval_effects import decide_approval
 from runs.models import Run, RunStatus
 from tests import factories
@@ -37,9 +38,9 @@ def test_it_lists_only_the_pending_approvals_the_supervisor_may_decide(as_ravi, 
     listed = list(response.context["cl"].result_list)
     assert listed == [mine]
     html = response.content.decode()
-    assert str(mine.run_id)[:8] in html
+    assert short(mine.run_id) in html
     for hidden in (not_approvable, decided, globex.approval):
-        assert str(hidden.run_id)[:8] not in html
+        assert short(hidden.run_id) not in html
 
 
 def test_it_shows_arguments_readably_with_money_in_bold(as_ravi, acme):

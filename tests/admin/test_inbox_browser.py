@@ -13,6 +13,7 @@ import time
 import pytest
 
 from approvals.models import ApprovalStatus
+from core.ids import short
 from tests.admin.helpers import park_on_approval
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -76,13 +77,13 @@ def test_a_supervisor_approves_from_the_inbox_and_the_run_succeeds(live_server, 
         page.fill("#id_password", "pw")
         page.click("input[type=submit]")
 
-        row = page.locator("#result_list tbody tr", has_text=run_id[:8])
+        row = page.locator("#result_list tbody tr", has_text=short(run_id))
         assert row.locator(".field-call_arguments strong.amount").first.text_content() == "12499"
         row.get_by_role("link", name=tool).click()
         assert "Let me do that." in page.locator(".conversation").inner_text()
         page.fill("textarea[name=reason]", "customer identity verified")
         page.click("input[name=_approve]")
-        assert f"Approved: {tool} for run {run_id[:8]}" in page.locator("ul.messagelist").inner_text()
+        assert f"Approved: {tool} for run {short(run_id)}" in page.locator("ul.messagelist").inner_text()
         assert page.locator("#result_list").count() == 0  # nothing else is waiting
 
         page.goto(f"{live_server.url}/admin/runs/run/{run_id}/change/")
