@@ -434,6 +434,41 @@ def _staggered(opts, user, agent) -> None:
         print(f"    {first.get(what, 0.0):7.1f} {final[what]:7.1f}  {what}")
 
 
+def _engine_steps(user, agent, opts) -> int:
+    """`--runs` new runs advanced in this process until each ends: how many steps they took."""
+    from runs.engine import advance
+    from runs.models import TERMINAL
+
+    ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
+    steps = 0
+    with engine_bench.HeldMessages():
+        for run_id in ids:
+            for _ in range(opts.steps * 2):
+                report = advance(run_id)
+                steps += 1
+                if report.get("run_status") in TERMINAL or "step" not in report:
+                    break
+    return steps
+
+
+def _measured(label: str, drive, url: str, total: list, costs=None) -> None:
+    """One side's round: this process's and PostgreSQL's CPU over `drive()`'s steps, added to
+    `total` (worker seconds, PostgreSQL seconds, steps) and printed; `costs`: by statement too."""
+    backends = pgcpu.BackendCpu(url).start()
+    if costs is not None:
+        costs.install()
+    cpu = time.process_time()
+    steps = drive()
+    cpu = time.process_time() - cpu
+    if costs is not None:
+        costs.uninstall()
+    pg_cpu = backends.stop() or 0.0
+    total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
+    print(
+        f"{label} {steps:5} steps  worker {cpu * 1000 / steps:6.2f} ms/step  PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step"
+    )
+
+
 def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) -> None:
     """--floor: the engine's step and the floor's, the same agent loop over the same servers and
     database, driven from this process one after the other, round by round.
@@ -446,20 +481,9 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
     from django.db import connection
 
     from bench import peer_agent, peer_floor, pgstatements
-    from runs.engine import advance
-    from runs.models import TERMINAL
 
     def engine() -> int:
-        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
-        steps = 0
-        with engine_bench.HeldMessages():
-            for run_id in ids:
-                for _ in range(opts.steps * 2):
-                    report = advance(run_id)
-                    steps += 1
-                    if report.get("run_status") in TERMINAL or "step" not in report:
-                        break
-        return steps
+        return _engine_steps(user, agent, opts)
 
     def floor() -> int:
         with connection.cursor() as cursor:
@@ -489,21 +513,14 @@ def _side_by_side(opts, user, agent, model_url: str, tool_url: str, url: str) ->
     )
     for round_no in range(1, opts.floor + 1):
         for name, drive in (("engine", engine), ("floor", floor)):
-            backends = pgcpu.BackendCpu(url).start()
-            if opts.statements:
-                costs[name].install()
             if phases is not None:
                 phases.side = name
-            cpu = time.process_time()
-            steps = drive()
-            cpu = time.process_time() - cpu
-            costs[name].uninstall()
-            pg_cpu = backends.stop() or 0.0
-            total = totals[name]
-            total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
-            print(
-                f"round {round_no} {name:6} {steps:5} steps  worker {cpu * 1000 / steps:6.2f} ms/step  "
-                f"PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step"
+            _measured(
+                f"round {round_no} {name:6}",
+                drive,
+                url,
+                totals[name],
+                costs[name] if opts.statements else None,
             )
     (ecpu, epg, esteps), (fcpu, fpg, fsteps) = totals["engine"], totals["floor"]
     print(
@@ -528,20 +545,9 @@ def _partitioned_or_not(opts, user, agent, url: str) -> None:
     from django.db import connection, transaction
 
     from history import partitions
-    from runs.engine import advance
-    from runs.models import TERMINAL
 
     def engine() -> int:
-        ids, _held, _ = engine_bench.create_runs(user, agent, opts.runs)
-        steps = 0
-        with engine_bench.HeldMessages():
-            for run_id in ids:
-                for _ in range(opts.steps * 2):
-                    report = advance(run_id)
-                    steps += 1
-                    if report.get("run_status") in TERMINAL or "step" not in report:
-                        break
-        return steps
+        return _engine_steps(user, agent, opts)
 
     now = dt.datetime.now(dt.UTC)
     first = dt.datetime(now.year - (opts.months // 12), now.month, 1, tzinfo=dt.UTC)
@@ -572,19 +578,12 @@ def _partitioned_or_not(opts, user, agent, url: str) -> None:
         for name in ("plain", "partitioned"):
             layout(name == "partitioned")
             engine()  # not counted: the rebuilt tables' catalog entries are read into every backend anew
-            backends = pgcpu.BackendCpu(url).start()
-            if opts.statements:
-                costs[name].install()
-            cpu = time.process_time()
-            steps = engine()
-            cpu = time.process_time() - cpu
-            costs[name].uninstall()
-            pg_cpu = backends.stop() or 0.0
-            total = totals[name]
-            total[0], total[1], total[2] = total[0] + cpu, total[1] + pg_cpu, total[2] + steps
-            print(
-                f"round {round_no} {name:11} {steps:5} steps  worker {cpu * 1000 / steps:6.2f} ms/step  "
-                f"PostgreSQL {pg_cpu * 1000 / steps:5.2f} ms/step"
+            _measured(
+                f"round {round_no} {name:11}",
+                engine,
+                url,
+                totals[name],
+                costs[name] if opts.statements else None,
             )
     (pcpu, ppg, psteps), (qcpu, qpg, qsteps) = totals["plain"], totals["partitioned"]
     print(
