@@ -68,7 +68,7 @@ def partition_table(cursor, table: str, key: str, *, months_of: dt.datetime | No
     if is_partitioned(cursor, table):
         return
     _rebuild(cursor, table, key, partitioned=True)
-    ensure_months_of(cursor, table, months_of or dt.datetime.now(dt.UTC), ahead=2)
+    ensure_months_of(cursor, table, months_of or dt.datetime.now(dt.UTC), ahead=2, wait=True)
 
 
 def unpartition_table(cursor, table: str, key: str) -> None:
@@ -192,11 +192,14 @@ def ensure_months(*, now: dt.datetime | None = None, ahead: int = 2) -> list[str
     return created
 
 
-def ensure_months_of(cursor, table: str, now: dt.datetime, *, ahead: int) -> list[str]:
+def ensure_months_of(cursor, table: str, now: dt.datetime, *, ahead: int, wait: bool = False) -> list[str]:
+    """As ensure_months, for one table, in the caller's transaction. `wait`: no lock timeout (the
+    migration, which has the table to itself)."""
     key = TABLES[table]
     year, month = now.year, now.month
     created = []
-    _lock_timeout(cursor)
+    if not wait:
+        _lock_timeout(cursor)
     for _ in range(ahead + 1):
         name = month_name(table, year, month)
         cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [name])

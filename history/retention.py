@@ -31,7 +31,7 @@ from django.db import OperationalError, transaction
 from django.db.models import Exists, OuterRef, Q, Sum
 from django.utils import timezone
 
-from budgets.models import Reservation
+from budgets.models import LedgerEntry, Reservation
 from core.ids import month_floor
 from history import content, holds, partitions
 from history.models import CheckpointLeaf, ContentRemoval, HoldScope, LegalHold, RunTombstone
@@ -252,6 +252,20 @@ def drop_due_months(*, now: dt.datetime | None = None) -> MonthReport:
             report.kept[(year, month)] = why
         else:
             report.dropped.append((year, month))
+    # A month's ledger partition kept at its runs' drop (it held reservations of the month before's
+    # runs) goes once its last entry has gone with them.
+    steps_months = set(partitions.months("runs_step"))
+    for year, month in partitions.months("budgets_ledgerentry"):
+        low, high = partitions.bounds(year, month)
+        if high > month_floor(cutoff.year, cutoff.month):
+            break
+        if (year, month) not in steps_months and not LedgerEntry.objects.filter(
+            reservation_id__gte=low, reservation_id__lt=high
+        ).exists():
+            try:
+                partitions.drop_month(year, month, ("budgets_ledgerentry",))
+            except OperationalError:
+                pass  # the next pass
     return report
 
 
