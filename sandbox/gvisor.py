@@ -112,7 +112,11 @@ class Gvisor(Bubblewrap):
         os.mkdir(bundle, 0o700)
         numbers = (
             -1,
-            int(limits.cpu_seconds) + 1,
+            # The sentry's task clock is not the host's: on a busy host it ran 2 s of "CPU" while the
+            # cgroup billed 0.87 s, and its RLIMIT_CPU killed the code before the runner's watch
+            # could name the limit. The cgroup is the limit that counts; inside, a backstop no
+            # single-threaded loop reaches before the wall clock stops it.
+            int(max(limits.cpu_seconds, limits.wall_seconds)) + 1,
             max(limits.tmp_bytes, limits.output_bytes),
             limits.open_files,
             limits.memory_bytes,

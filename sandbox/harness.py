@@ -54,7 +54,9 @@ def main():
         )
     )
     for which, value in rlimits:
-        resource.setrlimit(which, (value, value))
+        # CPU's hard limit a second above the soft one: at the soft limit the code gets SIGXCPU,
+        # which the runner reads as "cpu"; at equal limits the kernel sends SIGKILL, which names nothing.
+        resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
     if report_fd >= 0:
         os.set_inheritable(report_fd, False)
     kind = None
