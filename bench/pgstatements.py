@@ -21,10 +21,11 @@ Reading schedstat costs this process about 10 us per statement: measure CPU apar
 from __future__ import annotations
 
 import collections
+import os
 import re
 import threading
 
-WIDTH = 56
+WIDTH = int(os.environ.get("PGSTATEMENTS_WIDTH", "56"))
 
 
 def _on_cpu_ns(pid: int) -> int:

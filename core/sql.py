@@ -286,10 +286,13 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
         return cursor.rowcount
 
 
-def update_sql(model, pk, *, where: dict | None = None, **values) -> tuple[str, list]:
-    """The UPDATE of `update`, and its parameters, for a caller that sends it inside another statement."""
+def update_sql(
+    model, pk, *, where: dict | None = None, into: str | None = None, **values
+) -> tuple[str, list]:
+    """The UPDATE of `update`, and its parameters, for a caller that sends it inside another
+    statement. `into`: the quoted table to update, where not the model's (a partition of it)."""
     where = where or {}
-    text, fields, key, guards = _update_shape(model, tuple(values), tuple(where))
+    text, fields, key, guards = _update_shape(model, tuple(values), tuple(where), into)
     db = _db()
     params = [
         field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, db)
@@ -301,7 +304,9 @@ def update_sql(model, pk, *, where: dict | None = None, **values) -> tuple[str, 
 
 
 @functools.cache
-def _update_shape(model, names: tuple[str, ...], where: tuple[str, ...]) -> tuple[str, list, Any, list]:
+def _update_shape(
+    model, names: tuple[str, ...], where: tuple[str, ...], into: str | None = None
+) -> tuple[str, list, Any, list]:
     """The text of an UPDATE of fields `names` guarded by equalities on `where`, once per shape,
     with the fields whose conversions its parameters go through."""
     meta = model._meta
@@ -309,4 +314,4 @@ def _update_shape(model, names: tuple[str, ...], where: tuple[str, ...]) -> tupl
     guards = [meta.get_field(name) for name in where]
     sets = ", ".join(f"{quote(f.column)} = %s" for f in fields)
     conditions = " AND ".join([f"{quote(meta.pk.column)} = %s"] + [f"{quote(f.column)} = %s" for f in guards])
-    return f"UPDATE {table(model)} SET {sets} WHERE {conditions}", fields, meta.pk, guards
+    return f"UPDATE {into or table(model)} SET {sets} WHERE {conditions}", fields, meta.pk, guards

@@ -29,6 +29,8 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from core.ids import month_floor, next_month
+from core.partitions import forget as forget_located
+from core.partitions import month_name
 
 # table -> partition key, in the order a month is dropped (each before what it refers to).
 TABLES = {
@@ -42,10 +44,6 @@ _MONTH = re.compile(r"_y(\d{4})m(\d{2})$")
 
 def active() -> bool:
     return connection.vendor == "postgresql"
-
-
-def month_name(table: str, year: int, month: int) -> str:
-    return f"{table}_y{year:04d}m{month:02d}"
 
 
 def bounds(year: int, month: int) -> tuple:
@@ -79,6 +77,7 @@ def unpartition_table(cursor, table: str, key: str) -> None:
 
 
 def _rebuild(cursor, table: str, key: str, *, partitioned: bool) -> None:
+    forget_located()
     old = f"{table}_rebuilt"
     cursor.execute(
         "SELECT conname, conrelid::regclass::text, pg_get_constraintdef(oid) FROM pg_constraint "
@@ -252,6 +251,7 @@ def drop_month(year: int, month: int, tables) -> list[str]:
                 cursor.execute(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"')
                 cursor.execute(f'DROP TABLE "{name}"')
                 dropped.append(name)
+    forget_located()
     return dropped
 
 

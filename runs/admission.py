@@ -56,7 +56,7 @@ from agents.spec import spec_for
 from budgets import services as budgets
 from budgets.models import BudgetAccount
 from core import sql
-from runs.models import TERMINAL, Run, RunStatus, StopReason
+from runs.models import TERMINAL, Run, RunStatus, Step, StopReason
 
 LEARN_FROM = 20
 MIN_LEARNED = 5
@@ -72,16 +72,21 @@ def expectation(*, version, limits: dict, tenant) -> tuple[int, str]:
     configured = spec_for(version).expected_cost_micros
     if configured:
         return max(min(int(configured), limits["max_cost_micros"]), 1), "configured"
-    peaks = [
-        spent + held + (reserved or 0)
-        for spent, held, reserved in Run.objects.filter(
-            version=version, status=RunStatus.SUCCEEDED, evaluation=False
-        )
+    recent = list(
+        Run.objects.filter(version=version, status=RunStatus.SUCCEEDED, evaluation=False)
         .order_by("-finished_at")
-        .annotate(largest_reservation=Max("steps__reserved_micros"))
-        .values_list("budget__spent_micros", "budget__held_micros", "largest_reservation")[:LEARN_FROM]
-        if spent is not None
-    ]
+        .values_list("pk", "budget__spent_micros", "budget__held_micros")[:LEARN_FROM]
+    )
+    # The runs' largest reservations in a second statement that names the runs: steps are
+    # partitioned by their run, and a join from runs planned every month's partition (4.8 ms
+    # with seven years kept, against 1 ms).
+    largest = dict(
+        Step.objects.filter(run_id__in=[pk for pk, _, _ in recent])
+        .values("run_id")
+        .annotate(largest=Max("reserved_micros"))
+        .values_list("run_id", "largest")
+    )
+    peaks = [spent + held + (largest.get(pk) or 0) for pk, spent, held in recent if spent is not None]
     if len(peaks) >= MIN_LEARNED:
         costs = sorted(peaks)
         learned = costs[math.ceil(0.9 * len(costs)) - 1]  # nearest-rank 90th percentile

@@ -19,10 +19,10 @@ from django.db import DEFAULT_DB_ALIAS, connections, models
 
 from core import chain, sql
 from core.errors import IllegalTransition
+from core.partitions import located
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
 RUNS = sql.table(Run)
-STEPS = sql.table(Step)
 EVENTS = sql.table(RunEvent)
 
 
@@ -55,7 +55,8 @@ class StepWrite:
         return {"run_id": self.run_id, "status": self.status}
 
     def sql(self) -> tuple[str, list, int]:
-        text, params = sql.update_sql(Step, self.step_id, where=self.guard(), **self.values)
+        into = located(Step._meta.db_table, self.run_id)
+        text, params = sql.update_sql(Step, self.step_id, where=self.guard(), into=into, **self.values)
         return text, params, 1
 
 
@@ -238,7 +239,7 @@ def _moved(write: StepWrite | None) -> IllegalTransition:
 
 
 @functools.cache
-def _step_window_sql() -> str:
+def _step_window_sql(steps: str) -> str:
     """STEP_WINDOW. The first open step comes through the partial index `step_open`, the proposing
     model call and the last tool call through the (run, seq) index read backwards from the run's
     newest step; the rows are then read from the (run, seq) index starting at the least of those,
@@ -247,18 +248,20 @@ def _step_window_sql() -> str:
     Each bound is an ORDER BY ... LIMIT 1, not a min() or max(): in the generic plan of the
     prepared statement PostgreSQL aggregated max() over every step of the run, and the OR of the
     four conditions was a filter over all of them too (bench/profile_step.py --stagger: 0.21 ms
-    of PostgreSQL's time a step over steps 1-25, 0.53 ms over steps 176-201)."""
+    of PostgreSQL's time a step over steps 1-25, 0.53 ms over steps 176-201).
+
+    `steps`: the quoted table the run's steps are in (core.partitions.located)."""
     open_statuses = ", ".join(f"'{status}'" for status in sorted(OPEN))
     first_open = (
-        f"SELECT o.seq FROM {STEPS} o WHERE o.run_id = %(run)s AND o.status IN ({open_statuses}) "
+        f"SELECT o.seq FROM {steps} o WHERE o.run_id = %(run)s AND o.status IN ({open_statuses}) "
         "ORDER BY o.seq LIMIT 1"
     )
     last_tool = (
-        f"SELECT t.seq FROM {STEPS} t WHERE t.run_id = %(run)s AND t.kind = '{StepKind.TOOL}' "
+        f"SELECT t.seq FROM {steps} t WHERE t.run_id = %(run)s AND t.kind = '{StepKind.TOOL}' "
         "ORDER BY t.seq DESC LIMIT 1"
     )
     last_model = (
-        f"SELECT m.seq FROM {STEPS} m WHERE m.run_id = %(run)s AND m.kind = '{StepKind.MODEL}' "
+        f"SELECT m.seq FROM {steps} m WHERE m.run_id = %(run)s AND m.kind = '{StepKind.MODEL}' "
         f"AND m.status = '{StepStatus.SUCCEEDED}' ORDER BY m.seq DESC LIMIT 1"
     )
     # A run with no open step or no answer yet bounds by the rest (`after` is never NULL), one with
@@ -270,7 +273,7 @@ def _step_window_sql() -> str:
         f"COALESCE(({last_model}), %(after)s), %(after)s)"
     )
     return (
-        f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s AND s.seq >= {start} "
+        f"SELECT {sql.columns(Step, 's')} FROM {steps} s WHERE s.run_id = %(run)s AND s.seq >= {start} "
         f"AND (s.status IN ({open_statuses}) OR s.seq >= COALESCE(({last_tool}), 0) OR s.seq = ({last_model}) "
         "OR s.seq > %(after)s) ORDER BY s.seq"
     )
@@ -288,17 +291,19 @@ def step_window(run: Run, *, after: int | None = None) -> list[Step]:
     statement; None adds none.
     """
     params = {"run": run.pk, "after": 2**31 if after is None else after}
-    steps = [step for (step,) in sql.fetch(_step_window_sql(), params, Step)]
+    text = _step_window_sql(located(Step._meta.db_table, run.pk))
+    steps = [step for (step,) in sql.fetch(text, params, Step)]
     for step in steps:
         step.run = run
     return steps
 
 
 @functools.cache
-def _steps_after_sql() -> str:
-    return f"SELECT {sql.columns(Step, 's')} FROM {STEPS} s WHERE s.run_id = %(run)s AND s.seq > %(after)s ORDER BY s.seq"
+def _steps_after_sql(steps: str) -> str:
+    return f"SELECT {sql.columns(Step, 's')} FROM {steps} s WHERE s.run_id = %(run)s AND s.seq > %(after)s ORDER BY s.seq"
 
 
 def steps_after(run: Run, after: int) -> list[Step]:
     """STEPS_AFTER: the run's steps after seq `after`, in order (the conversation's new turns)."""
-    return [step for (step,) in sql.fetch(_steps_after_sql(), {"run": run.pk, "after": after}, Step)]
+    text = _steps_after_sql(located(Step._meta.db_table, run.pk))
+    return [step for (step,) in sql.fetch(text, {"run": run.pk, "after": after}, Step)]

@@ -11,10 +11,13 @@ import uuid
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from budgets.models import LedgerEntry, Reservation
 from core.ids import made_at, month_floor, next_month, uuid7
+from core.partitions import forget as forget_located
+from core.partitions import located
 from history import partitions
 from history.checkpoints import take_checkpoint
 from history.holds import place_hold
@@ -104,6 +107,46 @@ def test_a_month_prepared_late_takes_its_rows_out_of_the_default_partition(tenan
     assert _where("runs_step", "run_id", run.pk) == [partitions.month_name("runs_step", now.year, now.month)]
     assert Step.objects.filter(run=run).count() == steps
     assert partitions.ensure_months(now=now, ahead=0) == []  # made once
+    assert verify().ok
+
+
+def test_the_step_path_names_the_months_partition_once_it_has_seen_it_and_the_parent_until_then(
+    tenant, asha, echo_agent
+):
+    now = dt.datetime.now(dt.UTC)
+    month = partitions.month_name("runs_step", now.year, now.month)
+    # A month nobody prepared: its partitions taken away (rows kept in the default partition), and
+    # this process told, as drop_month tells it.
+    with connection.cursor() as cursor:
+        for table in partitions.TABLES:
+            name = partitions.month_name(table, now.year, now.month)
+            cursor.execute(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"')
+            cursor.execute(f'INSERT INTO "{table}_default" SELECT * FROM "{name}"')
+            cursor.execute(f'DROP TABLE "{name}"')
+    forget_located()
+    early = finished_run(asha)
+    assert located("runs_step", early.pk) == '"runs_step"'
+    assert _where("runs_step", "run_id", early.pk) == ["runs_step_default"]
+
+    partitions.ensure_months(now=now, ahead=0)  # the month made late: its rows move into it
+    # This process has not looked again: the parent still finds the run's steps where they went.
+    assert located("runs_step", early.pk) == '"runs_step"'
+    assert finished_run(asha, word="between").status == "succeeded"
+
+    forget_located()
+    with CaptureQueriesContext(connection) as captured:
+        late = finished_run(asha, word="later")
+    assert located("runs_step", late.pk) == f'"{month}"'
+    writes = [
+        q["sql"] for q in captured.captured_queries if q["sql"].lstrip().startswith("WITH s0 AS (UPDATE")
+    ]
+    windows = [q["sql"] for q in captured.captured_queries if "LEAST(COALESCE((SELECT o.seq" in q["sql"]]
+    assert writes and all(f'UPDATE "{month}"' in text for text in writes), writes
+    assert windows and all(f'FROM "{month}" s' in text for text in windows)
+    assert _where("runs_step", "run_id", early.pk) == _where("runs_step", "run_id", late.pk) == [month]
+    assert Step.objects.filter(run__in=[early, late]).count() == 6
+    # Ids of any kind name a month or none: an old-style id whose first bits read as no date.
+    assert located("runs_step", uuid.UUID(int=(0xFFFF << 112) | 1)) == '"runs_step"'
     assert verify().ok
 
 
