@@ -303,6 +303,26 @@ def beside(user, label: str, work, total: int) -> None:
     print(latency_row(f"  live runs beside {label}", live.latencies[1:], took))
 
 
+def find_subject(tenant, template) -> None:
+    """--find: the erasure's search (a regular expression over every content column of the
+    tenant's rows) for an identifier one seeded run carries in a step's result, and for one that
+    no run carries; each timed with the process's and the server's view of it."""
+    from history import subjects
+    from runs.models import Step
+
+    carrier = Step.objects.filter(run__tenant=tenant).exclude(run=template).order_by("run_id", "seq").first()
+    Step.objects.filter(run_id=carrier.run_id, pk=carrier.pk).update(result={"customer": "CUST-4471-BENCH"})
+    for identifier, expected in (("CUST-4471-BENCH", 1), ("NOBODY-0000-BENCH", 0)):
+        started = time.monotonic()
+        found = subjects.find(tenant.pk, identifier)
+        took = time.monotonic() - started
+        runs = len(found.run_ids())
+        assert runs == expected, (identifier, runs)
+        print(
+            f"data subject search for an identifier carried by {expected} run(s): {took:.1f} s ({found.counts()})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10_000)
@@ -320,6 +340,12 @@ def main() -> None:
         type=float,
         default=0,
         help="stop each purge after this long and extrapolate its rate to every run (0: to the end)",
+    )
+    parser.add_argument(
+        "--find",
+        action="store_true",
+        help="first time a data subject request's search over the seeded tenant (history.subjects.find): "
+        "an identifier carried by one run, and one carried by none",
     )
     parser.add_argument("--keep", action="store_true", help="keep the database (named in the output)")
     args = parser.parse_args()
@@ -349,6 +375,9 @@ def main() -> None:
             f"seeded {args.runs} runs, {Step.objects.count()} steps, {RunEvent.objects.count()} events "
             f"in {took:.0f} s"
         )
+
+        if args.find:
+            find_subject(tenant, template)
 
         stop = threading.Event()
         live = Live(user, stop)

@@ -145,7 +145,9 @@ def _correct(*, approval_id, user, arguments: dict, reason: str) -> Approval:
         changes = approvals.correct(approval, run=run, user=user, arguments=arguments, reason=reason)
         step = approval.step
         what = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in changes.items())
-        update_row(Step, step.pk, arguments=arguments, args_digest=digest(arguments))
+        update_row(
+            Step, step.pk, where={"run_id": step.run_id}, arguments=arguments, args_digest=digest(arguments)
+        )
         step.arguments = arguments
         record_event(
             run.pk,

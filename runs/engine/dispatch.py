@@ -274,7 +274,7 @@ def mark_after_lookup(plan: ToolCall) -> ToolCall | None:
             end_run(run, RunStatus.CANCELLED, message="cancelled before dispatch")
             return None
         step = Step.objects.select_related("tool", "tool__server", "tool__server__delegation").get(
-            pk=plan.step_id
+            run_id=plan.run_id, pk=plan.step_id
         )
         step.run = run
         # A switch may have gone on, or a pause been asked for, during the lookup: the resend is

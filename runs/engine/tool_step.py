@@ -205,14 +205,16 @@ def _record_tool(
     """
     now = timezone.now()
     if retry:
-        step = Step.objects.select_related("tool", "tool__server").get(pk=step.pk)
+        step = Step.objects.select_related("tool", "tool__server").get(run_id=step.run_id, pk=step.pk)
     with atomic_with_events():
         run = lock_run(plan.run_id, like=plan.run)
         if not fenced(run, plan):
             _close_reservation(plan, step, outcome)
             if retry and recorded_before(run, step, began):
                 return
-            _late_tool_attempt(run, Step.objects.select_related("tool").get(pk=step.pk), outcome)
+            _late_tool_attempt(
+                run, Step.objects.select_related("tool").get(run_id=step.run_id, pk=step.pk), outcome
+            )
             return
         # While this worker holds the lease nobody else moves the run's steps: the step as marked
         # dispatching, and the step log the claim read, are still what is stored.
