@@ -90,17 +90,23 @@ def test_a_run_lives_in_its_month_and_verifies(tenant, asha, echo_agent):
     assert verify().ok
 
 
-def test_a_month_prepared_late_takes_its_rows_out_of_the_default_partition(tenant, asha, echo_agent):
-    run = finished_run(asha)
-    now = made_at(run.pk)
-    steps = Step.objects.filter(run=run).count()
-    # As if nobody had made this month's partitions: its rows went to the default one.
+def _unprepare(now: dt.datetime) -> None:
+    """As if nobody had made the month's partitions: they go, their rows to the default ones, and
+    this process is told, as drop_month tells it."""
     with connection.cursor() as cursor:
         for table in partitions.TABLES:
             name = partitions.month_name(table, now.year, now.month)
             cursor.execute(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"')
             cursor.execute(f'INSERT INTO "{table}_default" SELECT * FROM "{name}"')
             cursor.execute(f'DROP TABLE "{name}"')
+    forget_located()
+
+
+def test_a_month_prepared_late_takes_its_rows_out_of_the_default_partition(tenant, asha, echo_agent):
+    run = finished_run(asha)
+    now = made_at(run.pk)
+    steps = Step.objects.filter(run=run).count()
+    _unprepare(now)
     assert _where("runs_step", "run_id", run.pk) == ["runs_step_default"]
     created = partitions.ensure_months(now=now, ahead=0)
     assert sorted(created) == sorted(partitions.month_name(t, now.year, now.month) for t in partitions.TABLES)
@@ -115,15 +121,7 @@ def test_the_step_path_names_the_months_partition_once_it_has_seen_it_and_the_pa
 ):
     now = dt.datetime.now(dt.UTC)
     month = partitions.month_name("runs_step", now.year, now.month)
-    # A month nobody prepared: its partitions taken away (rows kept in the default partition), and
-    # this process told, as drop_month tells it.
-    with connection.cursor() as cursor:
-        for table in partitions.TABLES:
-            name = partitions.month_name(table, now.year, now.month)
-            cursor.execute(f'ALTER TABLE "{table}" DETACH PARTITION "{name}"')
-            cursor.execute(f'INSERT INTO "{table}_default" SELECT * FROM "{name}"')
-            cursor.execute(f'DROP TABLE "{name}"')
-    forget_located()
+    _unprepare(now)
     early = finished_run(asha)
     assert located("runs_step", early.pk) == '"runs_step"'
     assert _where("runs_step", "run_id", early.pk) == ["runs_step_default"]
