@@ -6,6 +6,7 @@ copied, by the offline snippet in docs/history.md.
     event_body(...)                 SHA-256 of an event's skeleton fields and its content digest
     link(prev, seq, body)           the event's chain hash: SHA-256(prev || seq as 4 bytes || body)
     content_of(fields, names)       digests of the content columns being written, for the write's event
+    content_texts / digests_of      the same in two halves, for a writer that writes the texts too
 
 A run's first event links from GENESIS. The hash covers the skeleton and the content's digest,
 never the content itself, so erasing content (history/erasure.py) leaves every link verifiable.
@@ -63,4 +64,14 @@ def link(prev: bytes, seq: int, body: bytes) -> bytes:
 
 def content_of(fields: dict, names: tuple[str, ...] = STEP_CONTENT) -> dict:
     """{column: digest} of the content columns `names` among a write's `fields` ({} when none)."""
-    return {name: digest(fields[name]) for name in names if name in fields}
+    return digests_of(content_texts(fields, names))
+
+
+def content_texts(fields: dict, names: tuple[str, ...] = STEP_CONTENT) -> dict[str, bytes]:
+    """{column: canonical text} of the content columns `names` among a write's `fields`: a writer
+    that digests them can write the same text (core.sql.JsonText) rather than serialise twice."""
+    return {name: canonical(fields[name]) for name in names if name in fields}
+
+
+def digests_of(texts: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(text).hexdigest() for name, text in texts.items()}

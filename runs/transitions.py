@@ -11,7 +11,7 @@ import threading
 import uuid
 from contextlib import contextmanager
 
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -41,6 +41,10 @@ from tenants.models import Tenant, TenantGroup, User
 from tenants.permissions import held_sql
 
 _batch = threading.local()
+# The step's content columns that hold JSON: written from the text their digest was made of.
+_JSON_STEP_COLUMNS = frozenset(
+    name for name in chain.STEP_CONTENT if isinstance(Step._meta.get_field(name), models.JSONField)
+)
 
 
 def record_event(
@@ -195,13 +199,26 @@ def transition_step(
     if to not in STEP_TRANSITIONS.get(old, set()):
         raise IllegalTransition("step", old, to)
     deferred = getattr(_batch, "step_writes", None) if defer else None
-    if deferred is not None and not any(hasattr(v, "resolve_expression") for v in fields.values()):
+    plain = not any(hasattr(v, "resolve_expression") for v in fields.values())
+    # The content columns serialised once: their texts are digested into the event and written.
+    texts = chain.content_texts(fields)
+    written = fields
+    if plain and texts:
+        written = {
+            **fields,
+            **{
+                name: sql.JsonText(fields[name], text)
+                for name, text in texts.items()
+                if name in _JSON_STEP_COLUMNS and fields[name] is not None
+            },
+        }
+    if deferred is not None and plain:
         deferred.setdefault(step.run_id, []).append(
-            statements.StepWrite(step.pk, step.run_id, old, {"status": to, **fields})
+            statements.StepWrite(step.pk, step.run_id, old, {"status": to, **written})
         )
     # With the run: steps are partitioned by it (history/partitions.py), and it names the one
     # partition the row is in.
-    elif not update_row(Step, step.pk, where={"run_id": step.run_id, "status": old}, status=to, **fields):
+    elif not update_row(Step, step.pk, where={"run_id": step.run_id, "status": old}, status=to, **written):
         raise IllegalTransition("step", old, to)
     step.status = to
     for name, value in fields.items():
@@ -214,7 +231,8 @@ def transition_step(
         step_seq=step.seq,
         actor=actor,
         # The digests of the content it writes bind that content into the run's chain (core/chain.py).
-        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name, **_content(fields)},
+        **{"from": old, "to": to, "step_kind": step.kind, "tool": step.tool_name},
+        **({"content": chain.digests_of(texts)} if texts else {}),
     )
     observe.step_moved(step, old, to, error=fields.get("error", ""), message=message)
     return event

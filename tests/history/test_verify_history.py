@@ -58,6 +58,17 @@ def test_it_verifies_an_untouched_history_from_each_runs_first_event(asha, echo_
     )
 
 
+def test_a_tool_result_is_written_from_the_text_its_digest_was_made_of_and_reads_back_equal(asha, echo_agent):
+    word = 'Zoë «日本» "quoted" \\ back\nslash \u2028 end'
+    run = finished_run(asha, word=word)
+    tool = Step.objects.get(run=run, kind="tool")
+    assert tool.result["structured"] == {"say": word}
+    written = RunEvent.objects.get(run=run, step_seq=tool.seq, data__to="succeeded")
+    assert written.data["content"]["result"] == chain.digest(tool.result)
+    _, out = _verify_command()
+    assert out.splitlines()[-1].startswith("OK: 1 runs,"), out
+
+
 def test_it_names_a_tool_result_edited_in_the_database(asha, echo_agent):
     run = finished_run(asha)
     tool = Step.objects.get(run=run, kind="tool")
