@@ -14,6 +14,8 @@ BEGIN psycopg sends before a transaction's first statement is counted with that 
     ... drive steps ...
     costs.uninstall(); costs.report(steps)   # per step: ms, calls, us per call, statement
 
+A statement is labelled by its first PGSTATEMENTS_WIDTH characters (56) and its length.
+
 Needs the PostgreSQL server on this machine and /proc readable (root, or the same user).
 Reading schedstat costs this process about 10 us per statement: measure CPU apart.
 """

@@ -306,7 +306,7 @@ def beside(user, label: str, work, total: int) -> None:
 def find_subject(tenant, template) -> None:
     """--find: the erasure's search (a regular expression over every content column of the
     tenant's rows) for an identifier one seeded run carries in a step's result, and for one that
-    no run carries; each timed with the process's and the server's view of it."""
+    no run carries; each timed on the wall clock."""
     from history import subjects
     from runs.models import Step
 

@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from core.ids import month_floor, next_month
+from core.partitions import TABLES as LOCATED_TABLES
 from core.partitions import forget as forget_located
 from core.partitions import month_name
 
@@ -38,7 +39,7 @@ TABLES = {
     "runs_step": "run_id",
     "budgets_ledgerentry": "reservation_id",
 }
-RUN_TABLES = ("runs_runevent", "runs_step")
+RUN_TABLES = LOCATED_TABLES  # the run's steps and events: the tables the step path names a month of
 _MONTH = re.compile(r"_y(\d{4})m(\d{2})$")
 
 

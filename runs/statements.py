@@ -23,6 +23,7 @@ from core.partitions import located
 from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
 
 RUNS = sql.table(Run)
+STEPS = Step._meta.db_table  # unquoted: core.partitions.located names the table or its month
 EVENTS = sql.table(RunEvent)
 
 
@@ -55,7 +56,7 @@ class StepWrite:
         return {"run_id": self.run_id, "status": self.status}
 
     def sql(self) -> tuple[str, list, int]:
-        into = located(Step._meta.db_table, self.run_id)
+        into = located(STEPS, self.run_id)
         text, params = sql.update_sql(Step, self.step_id, where=self.guard(), into=into, **self.values)
         return text, params, 1
 
@@ -291,7 +292,7 @@ def step_window(run: Run, *, after: int | None = None) -> list[Step]:
     statement; None adds none.
     """
     params = {"run": run.pk, "after": 2**31 if after is None else after}
-    text = _step_window_sql(located(Step._meta.db_table, run.pk))
+    text = _step_window_sql(located(STEPS, run.pk))
     steps = [step for (step,) in sql.fetch(text, params, Step)]
     for step in steps:
         step.run = run
@@ -305,5 +306,5 @@ def _steps_after_sql(steps: str) -> str:
 
 def steps_after(run: Run, after: int) -> list[Step]:
     """STEPS_AFTER: the run's steps after seq `after`, in order (the conversation's new turns)."""
-    text = _steps_after_sql(located(Step._meta.db_table, run.pk))
+    text = _steps_after_sql(located(STEPS, run.pk))
     return [step for (step,) in sql.fetch(text, {"run": run.pk, "after": after}, Step)]

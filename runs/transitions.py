@@ -202,16 +202,7 @@ def transition_step(
     plain = not any(hasattr(v, "resolve_expression") for v in fields.values())
     # The content columns serialised once: their texts are digested into the event and written.
     texts = chain.content_texts(fields)
-    written = fields
-    if plain and texts:
-        written = {
-            **fields,
-            **{
-                name: sql.JsonText(fields[name], text)
-                for name, text in texts.items()
-                if name in _JSON_STEP_COLUMNS and fields[name] is not None
-            },
-        }
+    written = _as_texts(fields, texts) if plain else fields
     if deferred is not None and plain:
         deferred.setdefault(step.run_id, []).append(
             statements.StepWrite(step.pk, step.run_id, old, {"status": to, **written})
@@ -238,7 +229,17 @@ def transition_step(
     return event
 
 
-def _content(fields: dict, names: tuple[str, ...] = chain.STEP_CONTENT) -> dict:
+def _as_texts(fields: dict, texts: dict[str, bytes]) -> dict:
+    """`fields` with each JSON content column's value written as its canonical text (not None:
+    that is SQL NULL, which the text "null" is not)."""
+    return fields | {
+        name: sql.JsonText(fields[name], text)
+        for name, text in texts.items()
+        if name in _JSON_STEP_COLUMNS and fields[name] is not None
+    }
+
+
+def _content(fields: dict, names: tuple[str, ...]) -> dict:
     digests = chain.content_of(fields, names)
     return {"content": digests} if digests else {}
 
