@@ -390,6 +390,12 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Retention's purge of runs' content (history/retention.py): at most a batch of runs per
     # tenant a pass, each run in its own short transaction.
     "history_purge": {"task": "history.tasks.purge", "schedule": env_float("HISTORY_PURGE_SECONDS", 300.0)},
+    # The data subject search's index (history/subjects.py): the runs ended since the last pass.
+    # Until a run is indexed, an erasure's search reads it whole.
+    "history_subject_index": {
+        "task": "history.tasks.index_subjects",
+        "schedule": env_float("HISTORY_SUBJECT_INDEX_SECONDS", 60.0),
+    },
     # The month partitions of steps, events and the ledger (history/partitions.py), made ahead.
     "history_partitions": {
         "task": "history.tasks.prepare_partitions",
@@ -414,6 +420,8 @@ if env_str("REGION", ""):
 CELERY_TASK_ROUTES["regions.tasks.tend_slices"] = {"queue": SWEEP_QUEUE}
 CELERY_TASK_ROUTES["regions.tasks.heartbeat"] = {"queue": SWEEP_QUEUE}
 HISTORY_PURGE_BATCH = env_int("HISTORY_PURGE_BATCH", 100, minimum=1, maximum=10_000)
+# How many ended runs a pass of the subject index reads, each in its own short transaction.
+HISTORY_SUBJECT_INDEX_BATCH = env_int("HISTORY_SUBJECT_INDEX_BATCH", 500, minimum=1, maximum=100_000)
 # How long making or dropping a month partition waits for its brief exclusive lock on a history
 # table before it gives up until the next pass (the step path's statements queue behind it).
 HISTORY_PARTITION_LOCK_TIMEOUT_MS = env_int(

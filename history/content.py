@@ -19,6 +19,7 @@ from django.db import connection
 
 from approvals.models import Approval
 from artifacts.models import Artifact
+from history import subjects
 from history.models import ContentRemoval
 from history.verify import REMOVED_KIND
 from runs.models import Run, RunEvent, Step
@@ -87,6 +88,7 @@ def remove_content(
         artifacts=artifacts,
     )
     ContentRemoval.objects.update_or_create(run_id=run.pk, defaults={"why": why, "certificate": certificate})
+    subjects.forget(run.pk)
 
 
 def _blank_events(run: Run) -> list[int]:

@@ -1,5 +1,6 @@
 """The run history's own records (docs/history.md): signed checkpoints over every run's chain
-head, legal holds, and erasure certificates. All of it is skeleton: none holds a run's content."""
+head, legal holds, and erasure certificates, all skeleton; and the data subject search's index,
+hashes of a run's words, which go when its content goes (history/subjects.py)."""
 
 from __future__ import annotations
 
@@ -181,3 +182,29 @@ class RunTombstone(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} (purged {self.purged_at:%Y-%m-%d})"
+
+
+class WordHashes(models.Field):
+    """A run's word hashes: `bigint[]` under a GIN index on PostgreSQL (migration 0004). Written
+    and read in SQL only (history/subjects.py); the search needs PostgreSQL, so elsewhere the
+    column is an unused text."""
+
+    def db_type(self, connection):
+        return "bigint[]" if connection.vendor == "postgresql" else "text"
+
+
+class SubjectWords(models.Model):
+    """The data subject search's index row of an ended run: the 64-bit hashes of the words of
+    every text the search reads, and the run's `event_seq` when they were read (a row whose
+    `event_seq` is not the run's is stale, and the search reads that run whole)."""
+
+    run = models.OneToOneField("runs.Run", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, db_index=False, related_name="+")
+    event_seq = models.PositiveIntegerField()
+    words = WordHashes()
+
+    class Meta:
+        db_table = "history_subject_words"
+
+    def __str__(self) -> str:
+        return f"words of run {self.run_id}"

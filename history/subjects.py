@@ -4,24 +4,58 @@ tenant carrying it as an exact value (a customer id, an email, an account number
 "Exact": the identifier as a whole token, not as part of a longer one (`C-77` matches
 `"C-77"` and `customer C-77 called`, not `C-775`): a regular expression with the identifier
 between non-word characters, over the text of each content column (JSON as PostgreSQL prints
-it), and a byte search in artifacts' content. The scan covers the tenant's rows; it does not use
-the run search's GIN index, which holds input and metadata only (docs/history.md).
+it), and a byte search in artifacts' content.
+
+Through an index, so a request does not read every row of the tenant (docs/history.md, "The
+search's index"): `history_subject_words` holds, for each ended run, the 64-bit hashes of the
+words of every text the search reads (maximal runs of ASCII letters, digits and `_`, two or
+more long) and the run's `event_seq` when they were read. The words of an identifier found in a
+text as a whole token are words of that text, so the runs whose row holds all of the
+identifier's words, together with the runs the index does not cover (live, not yet indexed, or
+changed since: every change of a run's content writes an event and moves its `event_seq`), are
+a superset of the runs carrying it; the regular expression then runs over those runs only. The
+beat fills the index (`index_due`), off the step path; content removal deletes a run's row, so
+no hash of erased words is kept. An identifier with no such word (all its letters non-ASCII)
+reads the whole tenant, as artifacts always are (they are few a run, and written without an
+event).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from django.db import connection
+from django.db import connection, transaction
 
 from approvals.models import Approval
 from artifacts.models import Artifact
 from core import sql
 from core.errors import DomainError
-from runs.models import Run, RunEvent, Step
+from runs.models import TERMINAL, Run, RunEvent, Step
 
 RUNS, STEPS, EVENTS = sql.table(Run), sql.table(Step), sql.table(RunEvent)
 APPROVALS, ARTIFACTS = sql.table(Approval), sql.table(Artifact)
+WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
+
+# The texts the search reads of each table (and the index's words are made of): one list, so the
+# two cannot part.
+RUN_TEXTS = ("r.input::text", "r.metadata::text", "r.final_output", "r.error")
+STEP_TEXTS = (
+    "s.arguments::text",
+    "s.request::text",
+    "s.result::text",
+    "s.observation",
+    "s.error",
+    "s.resolution",
+)
+EVENT_TEXTS = ("e.message", "e.data::text")
+APPROVAL_TEXTS = (
+    "a.arguments::text",
+    "a.original_arguments::text",
+    "a.decision_reason",
+    "a.correction_reason",
+)
+WORD = "[A-Za-z0-9_]{2,}"  # PostgreSQL's and Python's regular expressions read it alike
 
 
 @dataclass
@@ -56,56 +90,152 @@ def pattern(identifier: str) -> str:
     return f"(^|[^[:alnum:]_]){escaped}($|[^[:alnum:]_])"
 
 
+def words(identifier: str) -> list[str]:
+    """The identifier's words the index holds (an identifier with none cannot use it)."""
+    return sorted(set(re.findall(WORD, identifier)))
+
+
 def _rows(text: str, params: list) -> list[tuple]:
     with connection.cursor() as cursor:
         cursor.execute(text, params)
         return cursor.fetchall()
 
 
-def find(tenant_id, identifier: str, *, within: list | None = None) -> Found:
-    """Every item of the tenant (of the runs `within`, when given) carrying `identifier`."""
+def _matching(texts: tuple[str, ...]) -> str:
+    return " OR ".join(f"coalesce({t}, '') ~ %s" for t in texts)
+
+
+def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool = False) -> Found:
+    """Every item of the tenant (of the runs `within`, when given) carrying `identifier`.
+    `scan`: read every run of the tenant, not only those the index names (the benchmark's
+    comparison, and a check of the index)."""
     identifier = identifier.strip()
     if len(identifier) < 3:
         raise DomainError("an identifier must be at least 3 characters", code="identifier_too_short")
     if connection.vendor != "postgresql":
         raise DomainError("finding a data subject needs PostgreSQL", code="not_supported")
     p = pattern(identifier)
-    only = " AND r.id = ANY(%s)" if within is not None else ""
-    extra = [list(within)] if within is not None else []
     found = Found()
-    for (run_id,) in _rows(
-        f"SELECT r.id FROM {RUNS} r WHERE r.tenant_id = %s{only} AND (r.input::text ~ %s OR "
-        "r.metadata::text ~ %s OR r.final_output ~ %s OR r.error ~ %s)",
-        [tenant_id, *extra, p, p, p, p],
-    ):
-        found.runs.add(run_id)
-    for run_id, seq in _rows(
-        f"SELECT s.run_id, s.seq FROM {STEPS} s JOIN {RUNS} r ON r.id = s.run_id WHERE r.tenant_id = %s{only} "
-        "AND (coalesce(s.arguments::text, '') ~ %s OR coalesce(s.request::text, '') ~ %s OR "
-        "coalesce(s.result::text, '') ~ %s OR s.observation ~ %s OR s.error ~ %s OR s.resolution ~ %s)",
-        [tenant_id, *extra, p, p, p, p, p, p],
-    ):
-        found.steps.setdefault(run_id, []).append(seq)
-    for run_id, seq in _rows(
-        f"SELECT e.run_id, e.seq FROM {EVENTS} e JOIN {RUNS} r ON r.id = e.run_id WHERE r.tenant_id = %s{only} "
-        "AND (e.message ~ %s OR e.data::text ~ %s)",
-        [tenant_id, *extra, p, p],
-    ):
-        found.events.setdefault(run_id, []).append(seq)
-    for run_id, approval_id in _rows(
-        f"SELECT a.run_id, a.id FROM {APPROVALS} a JOIN {RUNS} r ON r.id = a.run_id WHERE a.tenant_id = %s{only} "
-        "AND (a.arguments::text ~ %s OR coalesce(a.original_arguments::text, '') ~ %s OR "
-        "a.decision_reason ~ %s OR a.correction_reason ~ %s)",
-        [tenant_id, *extra, p, p, p, p],
-    ):
-        found.approvals.setdefault(run_id, []).append(approval_id)
+    artifacts_within = within
+    if not scan and words(identifier):
+        scope = {str(r) for r in candidates(tenant_id, identifier) | uncovered(tenant_id)}
+        within = [r for r in within if str(r) in scope] if within is not None else sorted(scope)
+
+    def only(alias: str) -> str:
+        return f" AND {alias} = ANY(%s::uuid[])" if within is not None else ""
+
+    extra = [[str(r) for r in within]] if within is not None else []
+    if within is None or within:
+        for (run_id,) in _rows(
+            f"SELECT r.id FROM {RUNS} r WHERE r.tenant_id = %s{only('r.id')} AND ({_matching(RUN_TEXTS)})",
+            [tenant_id, *extra, *[p] * len(RUN_TEXTS)],
+        ):
+            found.runs.add(run_id)
+        for run_id, seq in _rows(
+            f"SELECT s.run_id, s.seq FROM {STEPS} s JOIN {RUNS} r ON r.id = s.run_id "
+            f"WHERE r.tenant_id = %s{only('s.run_id')} AND ({_matching(STEP_TEXTS)})",
+            [tenant_id, *extra, *[p] * len(STEP_TEXTS)],
+        ):
+            found.steps.setdefault(run_id, []).append(seq)
+        for run_id, seq in _rows(
+            f"SELECT e.run_id, e.seq FROM {EVENTS} e JOIN {RUNS} r ON r.id = e.run_id "
+            f"WHERE r.tenant_id = %s{only('e.run_id')} AND ({_matching(EVENT_TEXTS)})",
+            [tenant_id, *extra, *[p] * len(EVENT_TEXTS)],
+        ):
+            found.events.setdefault(run_id, []).append(seq)
+        for run_id, approval_id in _rows(
+            f"SELECT a.run_id, a.id FROM {APPROVALS} a JOIN {RUNS} r ON r.id = a.run_id "
+            f"WHERE a.tenant_id = %s{only('a.run_id')} AND ({_matching(APPROVAL_TEXTS)})",
+            [tenant_id, *extra, *[p] * len(APPROVAL_TEXTS)],
+        ):
+            found.approvals.setdefault(run_id, []).append(approval_id)
+    # Artifacts are written without an event (artifacts/services.py), so the index cannot tell
+    # when a run's changed: they are read by the tenant (or the runs asked about), a byte search.
+    narrow = " AND a.run_id = ANY(%s::uuid[])" if artifacts_within is not None else ""
+    extra = [[str(r) for r in artifacts_within]] if artifacts_within is not None else []
     for run_id, artifact_id in _rows(
-        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a JOIN {RUNS} r ON r.id = a.run_id WHERE a.tenant_id = %s{only} "
+        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{narrow} "
         "AND (position(convert_to(%s, 'UTF8') in a.content) > 0 OR a.name ~ %s)",
         [tenant_id, *extra, identifier, p],
     ):
         found.artifacts.setdefault(run_id, []).append(artifact_id)
     return found
+
+
+def candidates(tenant_id, identifier: str) -> set:
+    """The indexed runs of the tenant whose words include all of the identifier's."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT array_agg(hashtextextended(w, 0)) FROM unnest(%s::text[]) w", [words(identifier)]
+        )
+        (hashes,) = cursor.fetchone()
+        cursor.execute(
+            f"SELECT run_id FROM {WORDS} WHERE words @> %s::bigint[] AND tenant_id = %s", [hashes, tenant_id]
+        )
+        return {run_id for (run_id,) in cursor.fetchall()}
+
+
+def uncovered(tenant_id) -> set:
+    """The tenant's runs the index does not cover: live, not yet indexed, or changed since."""
+    return {
+        run_id
+        for (run_id,) in _rows(
+            f"SELECT r.id FROM {RUNS} r LEFT JOIN {WORDS} w ON w.run_id = r.id WHERE r.tenant_id = %s "
+            "AND (r.status <> ALL(%s) OR w.run_id IS NULL OR w.event_seq <> r.event_seq)",
+            [tenant_id, sorted(TERMINAL)],
+        )
+    }
+
+
+def _texts(alias: str, table: str, texts: tuple[str, ...], key: str) -> str:
+    return f"SELECT t FROM {table} {alias}, unnest(ARRAY[{', '.join(texts)}]) t WHERE {alias}.{key} = %(run)s"
+
+
+INDEX_RUN = f"""
+INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words)
+SELECT %(run)s, %(tenant)s, %(seq)s, coalesce(array_agg(DISTINCT hashtextextended(m[1], 0)), '{{}}')
+FROM (
+    {_texts("r", RUNS, RUN_TEXTS, "id")}
+    UNION ALL {_texts("s", STEPS, STEP_TEXTS, "run_id")}
+    UNION ALL {_texts("e", EVENTS, EVENT_TEXTS, "run_id")}
+    UNION ALL {_texts("a", APPROVALS, APPROVAL_TEXTS, "run_id")}
+) texts, regexp_matches(texts.t, '{WORD}', 'g') m
+ON CONFLICT (run_id) DO UPDATE SET event_seq = EXCLUDED.event_seq, words = EXCLUDED.words
+"""
+
+
+def index_due(*, batch: int) -> int:
+    """Index up to `batch` ended runs the index does not cover (the beat's pass); how many. Each
+    run in its own short transaction, its row share-locked so that its content and `event_seq`
+    are read together; a run locked by a writer (an erasure, a late event) waits for the next pass."""
+    if connection.vendor != "postgresql":
+        return 0
+    due = _rows(
+        f"SELECT r.id FROM {RUNS} r LEFT JOIN {WORDS} w ON w.run_id = r.id WHERE r.status = ANY(%s) "
+        "AND (w.run_id IS NULL OR w.event_seq <> r.event_seq) ORDER BY r.id LIMIT %s",
+        [sorted(TERMINAL), batch],
+    )
+    done = 0
+    for (run_id,) in due:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT tenant_id, event_seq FROM {RUNS} WHERE id = %s AND status = ANY(%s) FOR SHARE SKIP LOCKED",
+                [run_id, sorted(TERMINAL)],
+            )
+            row = cursor.fetchone()
+            if row is None:
+                continue
+            cursor.execute(INDEX_RUN, {"run": run_id, "tenant": row[0], "seq": row[1]})
+            done += 1
+    return done
+
+
+def forget(run_id) -> None:
+    """Drop a run's words (its content is being removed): no hash of an erased word is kept, and
+    the run is read whole until the beat indexes what is left."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"DELETE FROM {WORDS} WHERE run_id = %s", [run_id])
 
 
 def runs_carrying(tenant_id, identifier: str, *, within: list | None = None) -> set:

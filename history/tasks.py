@@ -8,6 +8,7 @@ from django.conf import settings
 from history.checkpoints import take_checkpoint
 from history.partitions import ensure_months
 from history.retention import purge_due, purge_skeletons
+from history.subjects import index_due
 
 
 @shared_task(
@@ -32,3 +33,10 @@ def purge() -> int:
 def prepare_partitions() -> int:
     """Make the month partitions of the coming months (history/partitions.py); how many."""
     return len(ensure_months(ahead=settings.HISTORY_PARTITION_MONTHS_AHEAD))
+
+
+@shared_task(name="history.tasks.index_subjects", ignore_result=True, send_events=False)  # not in Flower
+def index_subjects() -> int:
+    """Index the words of ended runs the data subject search's index does not cover yet
+    (history/subjects.py); how many runs."""
+    return index_due(batch=settings.HISTORY_SUBJECT_INDEX_BATCH)

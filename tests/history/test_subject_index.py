@@ -1,0 +1,150 @@
+"""The data subject search's index (history/subjects.py, docs/history.md "The search's index"):
+the search reads the runs the index names and those it does not cover, and finds what reading
+every run finds; erasure takes a run's words with its content."""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from history import subjects
+from history.erasure import erase_subject
+from history.models import SubjectWords
+from history.tasks import index_subjects
+from runs.models import RunStatus
+from runs.services import start_run
+from runs.transitions import atomic_with_events, record_event
+from tests.conftest import drive
+from tests.history.conftest import finished_run
+
+CUSTOMER = "CUST-4471-XK"
+OTHER = "CUST-9002-QZ"
+
+
+def _same(found: subjects.Found, scanned: subjects.Found) -> None:
+    assert found.run_ids() == scanned.run_ids()
+    assert found.counts() == scanned.counts()
+    assert {r: sorted(s) for r, s in found.steps.items()} == {r: sorted(s) for r, s in scanned.steps.items()}
+    assert {r: sorted(s) for r, s in found.events.items()} == {
+        r: sorted(s) for r, s in scanned.events.items()
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_search_reads_the_runs_the_index_names_and_those_it_does_not_cover_and_finds_what_the_scan_finds(
+    tenant, asha, echo_agent
+):
+    carrying = [finished_run(asha, word=CUSTOMER) for _ in range(2)]
+    others = [finished_run(asha, word=OTHER) for _ in range(4)]
+    # Before the beat's pass, no run is covered: the search reads all of them.
+    assert subjects.uncovered(tenant.pk) == {r.pk for r in carrying + others}
+
+    assert index_subjects() == 6
+    assert settings.CELERY_BEAT_SCHEDULE["history_subject_index"]["task"] == "history.tasks.index_subjects"
+    assert subjects.index_due(batch=100) == 0  # a second pass finds nothing to do
+
+    assert subjects.uncovered(tenant.pk) == set()
+    assert subjects.candidates(tenant.pk, CUSTOMER) == {r.pk for r in carrying}
+    assert subjects.candidates(tenant.pk, "CUST-4471-XX") == set()  # a word it lacks rules a run out
+    found = subjects.find(tenant.pk, CUSTOMER)
+    assert found.run_ids() == {r.pk for r in carrying}
+    _same(found, subjects.find(tenant.pk, CUSTOMER, scan=True))
+
+    # A live run is never in the index: it is read whole.
+    type(echo_agent).objects.filter(pk=echo_agent.pk).update(approval_policy="always")
+    live, _ = start_run(user=asha, agent="agent", input={"word": CUSTOMER})
+    assert drive(live.pk).status == RunStatus.WAITING_APPROVAL
+    assert subjects.uncovered(tenant.pk) == {live.pk}
+    assert subjects.index_due(batch=100) == 0
+    found = subjects.find(tenant.pk, CUSTOMER)
+    assert found.run_ids() == {r.pk for r in carrying} | {live.pk}
+    _same(found, subjects.find(tenant.pk, CUSTOMER, scan=True))
+
+    # An ended run that changes (an event: every content write makes one) is read whole until
+    # the next pass, then named by its new words.
+    changed = others[0]
+    with atomic_with_events():
+        record_event(changed.pk, "note", f"customer {CUSTOMER} called back")
+    assert subjects.uncovered(tenant.pk) == {live.pk, changed.pk}
+    assert changed.pk in subjects.find(tenant.pk, CUSTOMER).run_ids()
+    assert subjects.index_due(batch=100) == 1
+    assert subjects.candidates(tenant.pk, CUSTOMER) == {r.pk for r in carrying} | {changed.pk}
+    _same(subjects.find(tenant.pk, CUSTOMER), subjects.find(tenant.pk, CUSTOMER, scan=True))
+
+    # Asked about some runs only (a subject hold's check), the index narrows those.
+    within = [carrying[0].pk, others[1].pk]
+    assert subjects.find(tenant.pk, CUSTOMER, within=within).run_ids() == {carrying[0].pk}
+    assert subjects.runs_carrying(tenant.pk, CUSTOMER, within=[str(others[1].pk)]) == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_erasure_takes_a_runs_words_with_its_content_and_the_next_pass_indexes_what_is_left(
+    tenant, asha, echo_agent
+):
+    carrying = [finished_run(asha, word=CUSTOMER) for _ in range(3)]
+    kept = finished_run(asha, word=OTHER)
+    subjects.index_due(batch=100)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
+        )
+        assert cursor.fetchone() == (3,)
+
+    certificate = erase_subject(tenant_id=tenant.pk, identifier=CUSTOMER, request_ref="DSR-9", actor=asha)
+
+    assert sorted(certificate.runs) == sorted(str(r.pk) for r in carrying)
+    # No hash of an erased word is kept: the erased runs' rows went with their content.
+    assert not SubjectWords.objects.filter(run__in=carrying).exists()
+    assert SubjectWords.objects.filter(run=kept).exists()
+    assert subjects.uncovered(tenant.pk) == {r.pk for r in carrying}
+    assert subjects.index_due(batch=100) == 3
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
+        )
+        assert cursor.fetchone() == (0,)
+    assert subjects.find(tenant.pk, CUSTOMER).run_ids() == set()
+    # The run deleted by skeleton retention takes its row with it.
+    kept.delete()
+    assert not SubjectWords.objects.filter(run_id=kept.pk).exists()
+
+
+ALPHABET = 'aZ09_-.@ /:"\\\n\té中Ж—\u2028'
+
+
+@pytest.mark.django_db
+@hypothesis_settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    text=st.text(alphabet=ALPHABET, max_size=40),
+    start=st.integers(0, 40),
+    length=st.integers(3, 12),
+)
+def test_a_text_carrying_an_identifier_as_a_whole_token_holds_every_word_of_it(text, start, length):
+    """The index's superset rule, over raw text and JSON as PostgreSQL prints it: wherever the
+    search's regular expression matches, the text's words include the identifier's."""
+    identifier = text[start : start + length].strip()
+    if len(identifier) < 3 or not subjects.words(identifier):
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT t ~ %(p)s, coalesce((
+                SELECT array_agg(DISTINCT hashtextextended(m[1], 0)) FROM regexp_matches(t, %(word)s, 'g') m
+            ), '{}') @> (SELECT array_agg(hashtextextended(w, 0)) FROM unnest(%(words)s::text[]) w)
+            FROM (SELECT %(text)s::text AS t UNION ALL SELECT to_jsonb(%(text)s::text)::text) texts
+            """,
+            {
+                "p": subjects.pattern(identifier),
+                "word": subjects.WORD,
+                "words": subjects.words(identifier),
+                "text": text,
+            },
+        )
+        for matches, indexed in cursor.fetchall():
+            assert indexed or not matches, (text, identifier)
