@@ -1,7 +1,7 @@
 """Retention's purge at scale, beside live runs (issue 37; docs/history.md, "Retention").
 
     DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/purge.py \
-        [--runs 10000] [--steps 100] [--events 3] [--live-seconds 30] [--skeleton]
+        [--runs 10000] [--steps 100] [--events 3] [--live-seconds 30] [--skeleton] [--find]
 
 DATABASE_URL only says where PostgreSQL is: the benchmark creates its own database and drops it.
 It seeds `runs` ended runs of `steps` steps each (`events` events a step), content in every
@@ -16,7 +16,9 @@ content column, all ended 100 days ago, cloned by SQL from one real run; then:
 3. with `--skeleton`: a checkpoint over the seeded runs, then the skeleton's purge (delete the
    runs, their steps and events, a tombstone each) the same way, run by run; with
    `--skeleton-months` instead, by dropping their month's partitions (the seeded runs' ids are
-   of a month 130 days ago: history/partitions.py).
+   of a month 130 days ago: history/partitions.py);
+4. with `--find` (first): a data subject's search reading every run, the search's index filled
+   by the beat's function beside live runs, and the search through it (history/subjects.py).
 
 Prints the load average before and after: on a shared machine the figures move with it.
 """
@@ -303,24 +305,57 @@ def beside(user, label: str, work, total: int) -> None:
     print(latency_row(f"  live runs beside {label}", live.latencies[1:], took))
 
 
-def find_subject(tenant, template) -> None:
-    """--find: the erasure's search (a regular expression over every content column of the
-    tenant's rows) for an identifier one seeded run carries in a step's result, and for one that
-    no run carries; each timed on the wall clock."""
+def find_subject(tenant, template, user, runs: int) -> None:
+    """--find: the erasure's search for an identifier one seeded run carries in a step's result,
+    and for one that no run carries: reading every run (a regular expression over every content
+    column of the tenant's rows), then the index filled by the beat's own function beside live
+    runs, then through the index; each search timed on the wall clock."""
+    from django.db import connection
+
     from history import subjects
     from runs.models import Step
 
+    # Written behind the engine's back (no event), so before the index reads it.
     carrier = Step.objects.filter(run__tenant=tenant).exclude(run=template).order_by("run_id", "seq").first()
     Step.objects.filter(run_id=carrier.run_id, pk=carrier.pk).update(result={"customer": "CUST-4471-BENCH"})
-    for identifier, expected in (("CUST-4471-BENCH", 1), ("NOBODY-0000-BENCH", 0)):
-        started = time.monotonic()
-        found = subjects.find(tenant.pk, identifier)
-        took = time.monotonic() - started
-        runs = len(found.run_ids())
-        assert runs == expected, (identifier, runs)
-        print(
-            f"data subject search for an identifier carried by {expected} run(s): {took:.1f} s ({found.counts()})"
+
+    def search(how: str, scan: bool) -> None:
+        for identifier, expected in (("CUST-4471-BENCH", 1), ("NOBODY-0000-BENCH", 0)):
+            started = time.monotonic()
+            found = subjects.find(tenant.pk, identifier, scan=scan)
+            took = time.monotonic() - started
+            assert len(found.run_ids()) == expected, (identifier, found.run_ids())
+            print(f"data subject search {how}, an identifier carried by {expected} run(s): {took:.2f} s")
+
+    search("reading every run", scan=True)
+
+    def index() -> list[float]:
+        # The seeded runs' ids are the oldest, and a pass takes the oldest first: `runs` passes of
+        # one run index them all (the live runs beside, ending all the while, would keep it busy).
+        durations: list[float] = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            assert subjects.index_due(batch=1) == 1
+            durations.append(time.perf_counter() - started)
+        return durations
+
+    beside(user, "the subject index filled", index, runs)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT count(*), pg_total_relation_size('{subjects.WORDS}'), avg(cardinality(words)) FROM {subjects.WORDS}"
         )
+        rows, size, words = cursor.fetchone()
+    print(f"  the index: {rows} runs, {size / 2**20:.1f} MiB, {float(words or 0):.0f} words a run")
+    for when in ("the live runs beside it not indexed yet", "after the next pass"):
+        started = time.monotonic()
+        uncovered = subjects.uncovered(tenant.pk)
+        took = 1000 * (time.monotonic() - started)
+        search(
+            f"through the index, {len(uncovered)} runs not covered ({when}; found in {took:.0f} ms)",
+            scan=False,
+        )
+        while subjects.index_due(batch=500):
+            pass
 
 
 def main() -> None:
@@ -345,7 +380,8 @@ def main() -> None:
         "--find",
         action="store_true",
         help="first time a data subject request's search over the seeded tenant (history.subjects.find): "
-        "an identifier carried by one run, and one carried by none",
+        "an identifier carried by one run, and one carried by none, reading every run; then fill the "
+        "search's index beside live runs, and time the search through it",
     )
     parser.add_argument("--keep", action="store_true", help="keep the database (named in the output)")
     args = parser.parse_args()
@@ -377,7 +413,7 @@ def main() -> None:
         )
 
         if args.find:
-            find_subject(tenant, template)
+            find_subject(tenant, template, user, args.runs)
 
         stop = threading.Event()
         live = Live(user, stop)

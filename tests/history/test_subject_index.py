@@ -4,8 +4,11 @@ every run finds; erasure takes a run's words with its content."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.conf import settings
+from django.core.management import call_command
 from django.db import connection
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -148,3 +151,29 @@ def test_a_text_carrying_an_identifier_as_a_whole_token_holds_every_word_of_it(t
         )
         for matches, indexed in cursor.fetchall():
             assert indexed or not matches, (text, identifier)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_verify_history_names_an_index_row_edited_to_hide_a_run_from_a_search(tenant, asha, echo_agent):
+    carrying = finished_run(asha, word=CUSTOMER)
+    finished_run(asha, word=OTHER)
+    subjects.index_due(batch=100)
+    out = io.StringIO()
+    call_command("verify_history", "--subject-index", stdout=out)
+    assert "OK:" in out.getvalue() and "FAIL" not in out.getvalue()
+
+    with connection.cursor() as cursor:  # a database administrator takes one word out
+        cursor.execute(
+            "UPDATE history_subject_words SET words = array_remove(words, hashtextextended('XK', 0)) "
+            "WHERE run_id = %s",
+            [carrying.pk],
+        )
+    assert subjects.find(tenant.pk, CUSTOMER).run_ids() == set()  # the search now misses it
+    assert subjects.find(tenant.pk, CUSTOMER, scan=True).run_ids() == {carrying.pk}
+
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command("verify_history", "--subject-index", stdout=out)
+    assert exited.value.code == 1
+    assert f"FAIL run {carrying.pk}: its row in the data subject search's index" in out.getvalue()
+    assert subjects.mismatched() == [carrying.pk]

@@ -7,7 +7,7 @@ import json
 
 from django.core.management.base import BaseCommand
 
-from history import verify
+from history import subjects, verify
 
 
 class Command(BaseCommand):
@@ -19,14 +19,27 @@ class Command(BaseCommand):
             "--jwks",
             help="a JWKS file kept from /.well-known/jwks.json: checkpoints must be signed by its keys",
         )
+        parser.add_argument(
+            "--subject-index",
+            action="store_true",
+            help="also recompute the data subject search's index rows and name any that does not match "
+            "its run's content (reads every indexed run: as slow as filling the index)",
+        )
 
-    def handle(self, *args, runs=None, jwks=None, **options):
+    def handle(self, *args, runs=None, jwks=None, subject_index=False, **options):
         pinned = None
         if jwks:
             with open(jwks, encoding="utf-8") as handle:
                 pinned = json.load(handle)
         report = verify.verify(runs, jwks=pinned)
-        for finding in report.findings:
+        findings = [str(f) for f in report.findings]
+        if subject_index:
+            findings += [
+                f"run {run_id}: its row in the data subject search's index does not match its content: "
+                "a search would miss what was taken out (reindex it: delete the row)"
+                for run_id in subjects.mismatched(runs)
+            ]
+        for finding in findings:
             self.stdout.write(f"FAIL {finding}")
         if pinned is None and report.checkpoint:
             self.stdout.write(
@@ -41,8 +54,8 @@ class Command(BaseCommand):
             )
         checkpoint = f"checkpoint {report.checkpoint}" if report.checkpoint else "no checkpoint yet"
         self.stdout.write(
-            f"{'OK' if report.ok else 'FAILED'}: {report.runs} runs, {report.events} events, {checkpoint}, "
-            f"{len(report.findings)} finding(s)"
+            f"{'FAILED' if findings else 'OK'}: {report.runs} runs, {report.events} events, {checkpoint}, "
+            f"{len(findings)} finding(s)"
         )
-        if not report.ok:
+        if findings:
             raise SystemExit(1)
