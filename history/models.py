@@ -194,13 +194,14 @@ class WordHashes(models.Field):
 
 
 class SubjectWords(models.Model):
-    """The data subject search's index row of an ended run: the 64-bit hashes of the words of
-    every text the search reads, and the run's `event_seq` when they were read (a row whose
-    `event_seq` is not the run's is stale, and the search reads that run whole)."""
+    """The data subject search's index row of a run: the 64-bit hashes of the words of every text
+    the search reads, and the run's `event_seq` when they were read. Every run has one from its
+    insert (a trigger); `event_seq` null means not covered (the run is live, was never indexed,
+    changed since, or its content was removed): the search reads that run whole."""
 
     run = models.OneToOneField("runs.Run", on_delete=models.CASCADE, primary_key=True, related_name="+")
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, db_index=False, related_name="+")
-    event_seq = models.PositiveIntegerField()
+    event_seq = models.PositiveIntegerField(null=True)
     words = WordHashes()
 
     class Meta:

@@ -7,17 +7,16 @@ between non-word characters, over the text of each content column (JSON as Postg
 it), and a byte search in artifacts' content.
 
 Through an index, so a request does not read every row of the tenant (docs/history.md, "The
-search's index"): `history_subject_words` holds, for each ended run, the 64-bit hashes of the
-words of every text the search reads (maximal runs of ASCII letters, digits and `_`, two or
-more long) and the run's `event_seq` when they were read. The words of an identifier found in a
-text as a whole token are words of that text, so the runs whose row holds all of the
-identifier's words, together with the runs the index does not cover (live, not yet indexed, or
-changed since: every change of a run's content writes an event and moves its `event_seq`), are
-a superset of the runs carrying it; the regular expression then runs over those runs only. The
-beat fills the index (`index_due`), off the step path; content removal deletes a run's row, so
-no hash of erased words is kept. An identifier with no such word (all its letters non-ASCII)
-reads the whole tenant, as artifacts always are (they are few a run, and written without an
-event).
+search's index"): `history_subject_words` holds a row per run with the 64-bit hashes of the words
+of every text the search reads (maximal runs of ASCII letters, digits and `_`, two or more long)
+and the run's `event_seq` when they were read, or null while the run is not covered (live, never
+indexed, changed since: triggers on runs_run keep that, migration 0004). The words of an
+identifier found in a text as a whole token are words of that text, so the runs whose row holds
+all of the identifier's words, together with the runs not covered, are a superset of the runs
+carrying it; the regular expression then runs over those runs only. The beat fills the index
+(`index_due`), off the step path; content removal empties a run's row, so no hash of an erased
+word is kept. An identifier with no such word (all its letters non-ASCII) reads the whole
+tenant, as artifacts always are (they are few a run, and written without an event).
 """
 
 from __future__ import annotations
@@ -190,13 +189,12 @@ def candidates(tenant_id, identifier: str) -> set:
 
 
 def uncovered(tenant_id) -> set:
-    """The tenant's runs the index does not cover: live, not yet indexed, or changed since."""
+    """The tenant's runs the index does not cover: live, not yet indexed, changed since or
+    emptied (a partial index holds them: migration 0004's triggers keep it)."""
     return {
         run_id
         for (run_id,) in _rows(
-            f"SELECT r.id FROM {RUNS} r LEFT JOIN {WORDS} w ON w.run_id = r.id WHERE r.tenant_id = %s "
-            "AND (r.status <> ALL(%s) OR w.run_id IS NULL OR w.event_seq <> r.event_seq)",
-            [tenant_id, sorted(TERMINAL)],
+            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND event_seq IS NULL", [tenant_id]
         )
     }
 
@@ -228,8 +226,8 @@ def index_due(*, batch: int) -> int:
     if connection.vendor != "postgresql":
         return 0
     due = _rows(
-        f"SELECT r.id FROM {RUNS} r LEFT JOIN {WORDS} w ON w.run_id = r.id WHERE r.status = ANY(%s) "
-        "AND (w.run_id IS NULL OR w.event_seq <> r.event_seq) ORDER BY r.id LIMIT %s",
+        f"SELECT w.run_id FROM {WORDS} w JOIN {RUNS} r ON r.id = w.run_id "
+        "WHERE w.event_seq IS NULL AND r.status = ANY(%s) ORDER BY w.run_id LIMIT %s",
         [sorted(TERMINAL), batch],
     )
     done = 0
@@ -248,39 +246,61 @@ def index_due(*, batch: int) -> int:
 
 
 def forget(run_id) -> None:
-    """Drop a run's words (its content is being removed): no hash of an erased word is kept, and
+    """Empty a run's words (its content is being removed): no hash of an erased word is kept, and
     the run is read whole until the beat indexes what is left."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(f"DELETE FROM {WORDS} WHERE run_id = %s", [run_id])
+            cursor.execute(
+                f"INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words) "
+                f"SELECT id, tenant_id, NULL, '{{}}' FROM {RUNS} WHERE id = %s "
+                "ON CONFLICT (run_id) DO UPDATE SET event_seq = NULL, words = '{}'",
+                [run_id],
+            )
 
 
-def mismatched(run_ids: list | None = None) -> list:
-    """The runs (of `run_ids`, or all) whose index row claims to cover them but holds other words
-    than their content's: someone with database access edited it to hide a run from a search
+def mismatched(run_ids: list | None = None) -> list[tuple]:
+    """(run id, what is wrong) for each run (of `run_ids`, or all) a search could miss because of
+    its index row: none at all, one claiming to cover a run that moved on, or one holding other
+    words than its content's: someone with database access hid the run from searches
     (`manage.py verify_history --subject-index`). Reads every covered run: as slow as indexing."""
     if connection.vendor != "postgresql":
         return []
-    only = " AND w.run_id = ANY(%s::uuid[])" if run_ids is not None else ""
+    only = " AND r.id = ANY(%s::uuid[])" if run_ids is not None else ""
+    ids = [[str(r) for r in run_ids]] if run_ids is not None else []
+    found: list[tuple] = [
+        (run_id, "it has no row in the data subject search's index, so a search does not read it")
+        for (run_id,) in _rows(
+            f"SELECT r.id FROM {RUNS} r WHERE NOT EXISTS (SELECT 1 FROM {WORDS} w WHERE w.run_id = r.id){only} "
+            "ORDER BY r.id",
+            ids,
+        )
+    ]
     covered = _rows(
-        f"SELECT w.run_id FROM {WORDS} w JOIN {RUNS} r ON r.id = w.run_id AND r.event_seq = w.event_seq "
-        f"WHERE r.status = ANY(%s){only} ORDER BY w.run_id",
-        [sorted(TERMINAL), *([[str(r) for r in run_ids]] if run_ids is not None else [])],
+        f"SELECT r.id FROM {WORDS} w JOIN {RUNS} r ON r.id = w.run_id WHERE w.event_seq IS NOT NULL{only} "
+        "ORDER BY r.id",
+        ids,
     )
-    found = []
     for (run_id,) in covered:
         with transaction.atomic(), connection.cursor() as cursor:
             # Share-locked as the index pass does: no writer moves the run between the two reads.
-            cursor.execute(f"SELECT event_seq FROM {RUNS} WHERE id = %s FOR SHARE", [run_id])
-            (seq,) = cursor.fetchone()
+            cursor.execute(f"SELECT event_seq, status FROM {RUNS} WHERE id = %s FOR SHARE", [run_id])
+            seq, status = cursor.fetchone()
             cursor.execute(
-                f"SELECT w.event_seq = %(seq)s AND w.words IS DISTINCT FROM ({WORDS_OF}) FROM {WORDS} w "
-                "WHERE w.run_id = %(run)s",
-                {"run": run_id, "seq": seq},
+                f"SELECT w.event_seq, w.words IS DISTINCT FROM ({WORDS_OF}) FROM {WORDS} w WHERE w.run_id = %(run)s",
+                {"run": run_id},
             )
             row = cursor.fetchone()
-            if row is not None and row[0]:
-                found.append(run_id)
+        if row is None or row[0] is None:
+            continue  # emptied meanwhile: not covered, read whole
+        if status not in TERMINAL or row[0] != seq:
+            found.append(
+                (
+                    run_id,
+                    f"its index row claims to cover it at event {row[0]}, but it is {status} at event {seq}",
+                )
+            )
+        elif row[1]:
+            found.append((run_id, "its index row holds other words than its content's"))
     return found
 
 

@@ -4,6 +4,7 @@ every run finds; erasure takes a run's words with its content."""
 
 from __future__ import annotations
 
+import importlib
 import io
 
 import pytest
@@ -18,12 +19,13 @@ from history import subjects
 from history.erasure import erase_subject
 from history.models import SubjectWords
 from history.tasks import index_subjects
-from runs.models import RunStatus
+from runs.models import TERMINAL, RunStatus
 from runs.services import start_run
 from runs.transitions import atomic_with_events, record_event
 from tests.conftest import drive
 from tests.history.conftest import finished_run
 
+migration = importlib.import_module("history.migrations.0004_subject_words")
 CUSTOMER = "CUST-4471-XK"
 OTHER = "CUST-9002-QZ"
 
@@ -43,7 +45,9 @@ def test_the_search_reads_the_runs_the_index_names_and_those_it_does_not_cover_a
 ):
     carrying = [finished_run(asha, word=CUSTOMER) for _ in range(2)]
     others = [finished_run(asha, word=OTHER) for _ in range(4)]
-    # Before the beat's pass, no run is covered: the search reads all of them.
+    # Before the beat's pass, no run is covered (each has its row from its insert, empty): the
+    # search reads all of them.
+    assert SubjectWords.objects.filter(run__in=carrying + others, event_seq__isnull=True).count() == 6
     assert subjects.uncovered(tenant.pk) == {r.pk for r in carrying + others}
 
     assert index_subjects() == 6
@@ -100,9 +104,14 @@ def test_erasure_takes_a_runs_words_with_its_content_and_the_next_pass_indexes_w
     certificate = erase_subject(tenant_id=tenant.pk, identifier=CUSTOMER, request_ref="DSR-9", actor=asha)
 
     assert sorted(certificate.runs) == sorted(str(r.pk) for r in carrying)
-    # No hash of an erased word is kept: the erased runs' rows went with their content.
-    assert not SubjectWords.objects.filter(run__in=carrying).exists()
-    assert SubjectWords.objects.filter(run=kept).exists()
+    # No hash of an erased word is kept: the erased runs' rows were emptied with their content.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
+        )
+        assert cursor.fetchone() == (0,)
+    assert SubjectWords.objects.filter(run__in=carrying, event_seq__isnull=True).count() == 3
+    assert SubjectWords.objects.get(run=kept).event_seq is not None
     assert subjects.uncovered(tenant.pk) == {r.pk for r in carrying}
     assert subjects.index_due(batch=100) == 3
     with connection.cursor() as cursor:
@@ -175,5 +184,27 @@ def test_verify_history_names_an_index_row_edited_to_hide_a_run_from_a_search(te
     with pytest.raises(SystemExit) as exited:
         call_command("verify_history", "--subject-index", stdout=out)
     assert exited.value.code == 1
-    assert f"FAIL run {carrying.pk}: its row in the data subject search's index" in out.getvalue()
-    assert subjects.mismatched() == [carrying.pk]
+    assert f"FAIL run {carrying.pk}: its index row holds other words than its content's" in out.getvalue()
+    assert subjects.mismatched() == [(carrying.pk, "its index row holds other words than its content's")]
+
+    # Deleting the row, or marking it covered past a change with the trigger bypassed, is named too.
+    other = finished_run(asha, word=OTHER)
+    subjects.index_due(batch=100)
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM history_subject_words WHERE run_id = %s", [carrying.pk])
+        cursor.execute("ALTER TABLE runs_run DISABLE TRIGGER runs_run_subject_words_stale")
+        with atomic_with_events():
+            record_event(other.pk, "note", f"customer {CUSTOMER} called back")
+        cursor.execute("ALTER TABLE runs_run ENABLE TRIGGER runs_run_subject_words_stale")
+    assert subjects.find(tenant.pk, CUSTOMER).run_ids() == set()
+    seq = type(other).objects.get(pk=other.pk).event_seq
+    assert dict(subjects.mismatched()) == {
+        carrying.pk: "it has no row in the data subject search's index, so a search does not read it",
+        other.pk: f"its index row claims to cover it at event {seq - 1}, but it is succeeded at event {seq}",
+    }
+
+
+def test_the_triggers_name_the_statuses_that_end_a_run():
+    """Migration 0004's trigger marks an ended run's row stale: its list is the engine's."""
+    named = set(migration.TERMINAL.strip("()").replace("'", "").split(", "))
+    assert named == set(TERMINAL)

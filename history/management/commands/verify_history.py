@@ -35,9 +35,8 @@ class Command(BaseCommand):
         findings = [str(f) for f in report.findings]
         if subject_index:
             findings += [
-                f"run {run_id}: its row in the data subject search's index does not match its content: "
-                "a search would miss what was taken out (reindex it: delete the row)"
-                for run_id in subjects.mismatched(runs)
+                f"run {run_id}: {what}: a data subject search could miss it"
+                for run_id, what in subjects.mismatched(runs)
             ]
         for finding in findings:
             self.stdout.write(f"FAIL {finding}")
