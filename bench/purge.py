@@ -342,10 +342,14 @@ def find_subject(tenant, template, user, runs: int) -> None:
     beside(user, "the subject index filled", index, runs)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT count(*), pg_total_relation_size('{subjects.WORDS}'), avg(cardinality(words)) FROM {subjects.WORDS}"
+            f"SELECT count(*), count(event_seq), pg_total_relation_size('{subjects.WORDS}'), "
+            f"avg(cardinality(words)) FILTER (WHERE event_seq IS NOT NULL) FROM {subjects.WORDS}"
         )
-        rows, size, words = cursor.fetchone()
-    print(f"  the index: {rows} runs, {size / 2**20:.1f} MiB, {float(words or 0):.0f} words a run")
+        rows, covered, size, words = cursor.fetchone()
+    print(
+        f"  the index: {rows} rows ({covered} runs covered), {size / 2**20:.1f} MiB, "
+        f"{float(words or 0):.0f} words a covered run"
+    )
     for when in ("the live runs beside it not indexed yet", "after the next pass"):
         started = time.monotonic()
         uncovered = subjects.uncovered(tenant.pk)
