@@ -117,7 +117,7 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
     found = Found()
     artifacts_within = within
     if not scan and words(identifier):
-        scope = {str(r) for r in candidates(tenant_id, identifier) | uncovered(tenant_id)}
+        scope = {str(r) for r in candidates(tenant_id, identifier) | uncovered(tenant_id, within=within)}
         within = [r for r in within if str(r) in scope] if within is not None else sorted(scope)
 
     if within is None:
@@ -188,13 +188,16 @@ def candidates(tenant_id, identifier: str) -> set:
         return {run_id for (run_id,) in cursor.fetchall()}
 
 
-def uncovered(tenant_id) -> set:
-    """The tenant's runs the index does not cover: live, not yet indexed, changed since or
-    emptied (a partial index holds them: migration 0004's triggers keep it)."""
+def uncovered(tenant_id, *, within: list | None = None) -> set:
+    """The tenant's runs (of `within`, when given) the index does not cover: live, not yet
+    indexed, changed since or emptied (a partial index holds them: migration 0004's triggers)."""
+    only = " AND run_id = ANY(%s::uuid[])" if within is not None else ""
+    extra = [[str(r) for r in within]] if within is not None else []
     return {
         run_id
         for (run_id,) in _rows(
-            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND event_seq IS NULL", [tenant_id]
+            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND event_seq IS NULL{only}",
+            [tenant_id, *extra],
         )
     }
 
