@@ -3,7 +3,8 @@ which (docs/history.md, "Content and skeleton"). Erasure (history/erasure.py) an
 (history/retention.py) call it with the run locked, inside `atomic_with_events`.
 
 Content: the run's input, metadata, final output and error; every step's arguments, request,
-result, observation, error and resolution; its approvals' arguments and people's texts; its
+result, observation, error and resolution; its approvals' arguments and people's texts (the
+decider's, the corrector's and each dual-control vote's reason); its
 artifacts' bytes and names; its events' messages and data but for the skeleton keys below.
 Skeleton: everything else (ids, who, when, statuses, tools, effect classes, costs, approvals and
 their deciders, policies and versions, idempotency keys, every digest, the chain).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from django.db import connection
 
-from approvals.models import Approval
+from approvals.models import Approval, ApprovalVote
 from artifacts.models import Artifact
 from history import subjects
 from history.models import ContentRemoval
@@ -66,6 +67,7 @@ def remove_content(
     Approval.objects.filter(run=run).update(
         arguments={}, original_arguments=None, decision_reason="", correction_reason="", void_reason=""
     )
+    ApprovalVote.objects.filter(approval__run=run).update(reason="")
     artifacts = [str(a) for a in Artifact.objects.filter(run=run).values_list("pk", flat=True)]
     Artifact.objects.filter(run=run).update(content=b"", name=ERASED)
     if events is None:

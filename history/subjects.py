@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 from django.db import connection, transaction
 
-from approvals.models import Approval
+from approvals.models import Approval, ApprovalVote
 from artifacts.models import Artifact
 from core import partitions, sql
 from core.errors import DomainError
 from runs.models import TERMINAL, Run, RunEvent, Step
 
 RUNS, STEPS, EVENTS = sql.table(Run), sql.table(Step), sql.table(RunEvent)
-APPROVALS, ARTIFACTS = sql.table(Approval), sql.table(Artifact)
+APPROVALS, VOTES, ARTIFACTS = sql.table(Approval), sql.table(ApprovalVote), sql.table(Artifact)
 WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
 
 # The texts the search reads of each table (and the index's words are made of): one list, so the
@@ -54,6 +54,7 @@ APPROVAL_TEXTS = (
     "a.decision_reason",
     "a.correction_reason",
 )
+VOTE_TEXTS = ("v.reason",)  # a dual-control vote's reason: read with its approval
 WORD = "[A-Za-z0-9_]{2,}"  # PostgreSQL's and Python's regular expressions read it alike
 
 
@@ -173,6 +174,13 @@ def _read(found: Found, tenant_id, p: str, ids: list | None) -> None:
         [tenant_id, *extra, *[p] * len(APPROVAL_TEXTS)],
     ):
         found.approvals.setdefault(run_id, []).append(approval_id)
+    for run_id, approval_id in _rows(
+        f"SELECT DISTINCT a.run_id, a.id FROM {VOTES} v JOIN {APPROVALS} a ON a.id = v.approval_id "
+        f"WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND ({_matching(VOTE_TEXTS)})",
+        [tenant_id, *extra, *[p] * len(VOTE_TEXTS)],
+    ):
+        if approval_id not in found.approvals.get(run_id, []):
+            found.approvals.setdefault(run_id, []).append(approval_id)
 
 
 def candidates(tenant_id, identifier: str) -> set:
@@ -214,6 +222,7 @@ FROM (
     UNION ALL {_texts("s", STEPS, STEP_TEXTS, "run_id")}
     UNION ALL {_texts("e", EVENTS, EVENT_TEXTS, "run_id")}
     UNION ALL {_texts("a", APPROVALS, APPROVAL_TEXTS, "run_id")}
+    UNION ALL SELECT v.reason FROM {VOTES} v JOIN {APPROVALS} a ON a.id = v.approval_id WHERE a.run_id = %(run)s
 ) texts, regexp_matches(texts.t, '{WORD}', 'g') m
 """
 INDEX_RUN = f"""

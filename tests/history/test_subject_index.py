@@ -15,13 +15,16 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from approvals.models import Approval, ApprovalVote
 from history import subjects
 from history.erasure import erase_subject
 from history.models import SubjectWords
 from history.tasks import index_subjects
+from runs.approval_effects import decide_approval
 from runs.models import TERMINAL, RunStatus
 from runs.services import start_run
 from runs.transitions import atomic_with_events, record_event
+from tests import factories
 from tests.conftest import drive
 from tests.history.conftest import finished_run
 
@@ -208,3 +211,26 @@ def test_the_triggers_name_the_statuses_that_end_a_run():
     """Migration 0004's trigger marks an ended run's row stale: its list is the engine's."""
     named = set(migration.TERMINAL.strip("()").replace("'", "").split(", "))
     assert named == set(TERMINAL)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_dual_control_votes_reason_is_found_indexed_and_erased(tenant, asha, ravi, echo_agent):
+    type(echo_agent).objects.filter(pk=echo_agent.pk).update(approval_policy="always")
+    factories.grant(echo_agent, approve=[ravi])
+    run, _ = start_run(user=asha, agent="agent", input={"word": OTHER})
+    assert drive(run.pk).status == RunStatus.WAITING_APPROVAL
+    approval = Approval.objects.get(run=run)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason=f"checked {CUSTOMER} by phone")
+    assert drive(run.pk).status == RunStatus.SUCCEEDED
+    # Only the vote carries it now (the decision's own copy of the reason taken away).
+    Approval.objects.filter(pk=approval.pk).update(decision_reason="")
+    assert subjects.find(tenant.pk, CUSTOMER).approvals == {run.pk: [approval.pk]}  # read whole
+    subjects.index_due(batch=100)
+    assert subjects.candidates(tenant.pk, CUSTOMER) == {run.pk}
+    assert subjects.find(tenant.pk, CUSTOMER).approvals == {run.pk: [approval.pk]}  # through the index
+
+    certificate = erase_subject(tenant_id=tenant.pk, identifier=CUSTOMER, request_ref="DSR-7", actor=asha)
+
+    assert certificate.runs == [str(run.pk)] and certificate.counts["approvals"] == 1
+    assert list(ApprovalVote.objects.filter(approval=approval).values_list("reason", flat=True)) == [""]
+    assert subjects.find(tenant.pk, CUSTOMER, scan=True).run_ids() == set()
