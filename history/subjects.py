@@ -54,7 +54,7 @@ APPROVAL_TEXTS = (
     "a.decision_reason",
     "a.correction_reason",
 )
-VOTE_TEXTS = ("v.reason",)  # a dual-control vote's reason: read with its approval
+VOTE_TEXTS = ("v.reason",)  # its dual-control votes' reasons: an approval's too
 WORD = "[A-Za-z0-9_]{2,}"  # PostgreSQL's and Python's regular expressions read it alike
 
 
@@ -133,10 +133,10 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
             _read(found, tenant_id, p, ids)
     # Artifacts are written without an event (artifacts/services.py), so the index cannot tell
     # when a run's changed: they are read by the tenant (or the runs asked about), a byte search.
-    narrow = " AND a.run_id = ANY(%s::uuid[])" if artifacts_within is not None else ""
-    extra = [[str(r) for r in artifacts_within]] if artifacts_within is not None else []
+    ids = [str(r) for r in artifacts_within] if artifacts_within is not None else None
+    extra = [ids] if ids is not None else []
     for run_id, artifact_id in _rows(
-        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{narrow} "
+        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} "
         "AND (position(convert_to(%s, 'UTF8') in a.content) > 0 OR a.name ~ %s)",
         [tenant_id, *extra, identifier, p],
     ):
@@ -170,42 +170,34 @@ def _read(found: Found, tenant_id, p: str, ids: list | None) -> None:
         found.events.setdefault(run_id, []).append(seq)
     for run_id, approval_id in _rows(
         f"SELECT a.run_id, a.id FROM {APPROVALS} a JOIN {RUNS} r ON r.id = a.run_id "
-        f"WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND ({_matching(APPROVAL_TEXTS)})",
-        [tenant_id, *extra, *[p] * len(APPROVAL_TEXTS)],
+        f"WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND ({_matching(APPROVAL_TEXTS)} OR EXISTS ("
+        f"SELECT 1 FROM {VOTES} v WHERE v.approval_id = a.id AND ({_matching(VOTE_TEXTS)})))",
+        [tenant_id, *extra, *[p] * (len(APPROVAL_TEXTS) + len(VOTE_TEXTS))],
     ):
         found.approvals.setdefault(run_id, []).append(approval_id)
-    for run_id, approval_id in _rows(
-        f"SELECT DISTINCT a.run_id, a.id FROM {VOTES} v JOIN {APPROVALS} a ON a.id = v.approval_id "
-        f"WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND ({_matching(VOTE_TEXTS)})",
-        [tenant_id, *extra, *[p] * len(VOTE_TEXTS)],
-    ):
-        if approval_id not in found.approvals.get(run_id, []):
-            found.approvals.setdefault(run_id, []).append(approval_id)
 
 
 def candidates(tenant_id, identifier: str) -> set:
     """The indexed runs of the tenant whose words include all of the identifier's."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT array_agg(hashtextextended(w, 0)) FROM unnest(%s::text[]) w", [words(identifier)]
+    return {
+        run_id
+        for (run_id,) in _rows(
+            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND words @> "
+            "(SELECT array_agg(hashtextextended(w, 0)) FROM unnest(%s::text[]) w)",
+            [tenant_id, words(identifier)],
         )
-        (hashes,) = cursor.fetchone()
-        cursor.execute(
-            f"SELECT run_id FROM {WORDS} WHERE words @> %s::bigint[] AND tenant_id = %s", [hashes, tenant_id]
-        )
-        return {run_id for (run_id,) in cursor.fetchall()}
+    }
 
 
 def uncovered(tenant_id, *, within: list | None = None) -> set:
     """The tenant's runs (of `within`, when given) the index does not cover: live, not yet
     indexed, changed since or emptied (a partial index holds them: migration 0004's triggers)."""
-    only = " AND run_id = ANY(%s::uuid[])" if within is not None else ""
-    extra = [[str(r) for r in within]] if within is not None else []
+    ids = [str(r) for r in within] if within is not None else None
     return {
         run_id
         for (run_id,) in _rows(
-            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND event_seq IS NULL{only}",
-            [tenant_id, *extra],
+            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND event_seq IS NULL{_only(ids, 'run_id')}",
+            [tenant_id, *([ids] if ids is not None else [])],
         )
     }
 
