@@ -76,6 +76,18 @@ def _forget_signing_key():
     keys._current.clear()
 
 
+@pytest.fixture(autouse=True)
+def _forget_leases():
+    """A worker process's heartbeat thread extends every lease it was given until the step lets it
+    go (runs/engine/heartbeat.py); a test that claims a run and stops there would have the thread
+    go on updating that run in the next tests' database, on a connection of its own."""
+    yield
+    from runs.engine import heartbeat
+
+    for run_id in list(heartbeat._active):
+        heartbeat.untrack(run_id)
+
+
 @pytest.fixture
 def tenant(db):
     return factories.make_tenant()

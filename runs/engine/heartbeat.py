@@ -7,11 +7,13 @@ run to another worker, which then fences the stale one out.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 
 from django.db import close_old_connections, connection
 from django.utils import timezone
+from psycopg.pq import TransactionStatus
 
 from runs.models import Run
 
@@ -19,6 +21,7 @@ _lock = threading.Lock()
 _active: dict[str, tuple[str, int]] = {}  # run id -> (lease token, lease seconds)
 _thread: threading.Thread | None = None
 TICK_SECONDS = 1.0
+log = logging.getLogger(__name__)
 
 
 def track(run_id, token, lease_seconds: int) -> None:
@@ -53,11 +56,27 @@ def _loop() -> None:
                 last[run_id] = now
             for run_id in set(last) - {r for r, _ in items}:
                 last.pop(run_id)
+            leave_no_transaction()
         except Exception:  # the database may be restarting; the next tick tries again
             _quietly(close_old_connections)
         finally:
             if not items:
                 _quietly(connection.close)
+
+
+def leave_no_transaction() -> None:
+    """Each update commits on its own (autocommit). Should this thread's connection ever be found
+    inside a transaction after a tick, it would hold its lock on `runs_run` until the next tick
+    and beyond, blocking every DDL, TRUNCATE and partition attach behind it (seen once in CI, an
+    idle transaction after the UPDATE; its cause not found): closing it rolls it back."""
+    raw = connection.connection
+    if raw is None:
+        return
+    info = getattr(raw, "info", None)  # psycopg; sqlite3 says it directly
+    open_ = info.transaction_status != TransactionStatus.IDLE if info is not None else raw.in_transaction
+    if open_ or connection.in_atomic_block:
+        log.warning("lease heartbeat: its connection was left inside a transaction; closing it")
+        _quietly(connection.close)
 
 
 def _quietly(close) -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 
+import psycopg
 import pytest
 
 from runs.engine import heartbeat
@@ -29,3 +30,27 @@ def test_the_heartbeat_outlives_a_tick_whose_connection_cannot_even_be_closed(dj
             assert _heartbeat_alive()
     finally:
         heartbeat.untrack(run_id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tick_never_leaves_a_transaction_holding_the_runs_table(tenant):
+    """Whatever left the thread's connection inside a transaction, the tick ends it: else its lock
+    on runs_run would block every TRUNCATE, DDL and partition attach until the process ended."""
+    from django.db import connection
+
+    from runs.models import Run
+    from tests.servers import database_url
+
+    connection.set_autocommit(False)  # as if something had opened a transaction on it
+    Run.objects.filter(pk=uuid.uuid4()).update(lease_expires_at=None)  # locks the table (ROW EXCLUSIVE)
+    other = psycopg.connect(database_url().replace("postgres://", "postgresql://", 1), autocommit=True)
+    try:
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            other.execute("SET lock_timeout = '100ms'; LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE")
+        heartbeat.leave_no_transaction()
+        with other.transaction():
+            other.execute("SET LOCAL lock_timeout = '2s'")
+            other.execute("LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE")
+    finally:
+        other.close()
+        connection.close()
