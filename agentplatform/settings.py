@@ -1,7 +1,8 @@
 """Settings: everything comes from the environment, with defaults that need nothing installed.
 
-AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS, DATABASE_URL and the URLs the
-platform publishes (ASSERTION_ISSUER, PUBLIC_BASE_URL) required,
+AGENTPLATFORM_ENV=production makes SECRET_KEY, SECRET_ENCRYPTION_KEYS, DATABASE_URL,
+CONTENT_KEYS_DATABASE_URL and the URLs the platform publishes (ASSERTION_ISSUER, PUBLIC_BASE_URL)
+required,
 refuses to start with a weak SECRET_KEY, an invalid encryption key or DEBUG on, and turns on
 HTTPS-only behaviour (HSTS, redirect to HTTPS, secure cookies): `manage.py check --deploy` passes.
 """
@@ -95,6 +96,22 @@ else:
         env_list("SECRET_ENCRYPTION_KEYS", []) or [_dev_file_secret("encryption.key", _fernet_key)],
     )
     DEBUG = env_bool("DEBUG", True)
+# Run content sealed at rest (vault/): the keys that wrap each run's data key, the first wrapping
+# new ones (default: the secrets' keys, from which each tenant's key is derived under its own
+# label), and the key store's database, apart from the platform's so that dumps and backups of
+# the one do not hold the keys of the other (docs/history.md, "Sealed content").
+CONTENT_KEYS = fernet_keys("CONTENT_KEYS", env_list("CONTENT_KEYS", []) or SECRET_ENCRYPTION_KEYS)
+CONTENT_KEYS_DATABASE_URL = env_str("CONTENT_KEYS_DATABASE_URL", "")
+if PRODUCTION:
+    # Derived beside the platform's database, the keys would share its server's backups: named.
+    if not CONTENT_KEYS_DATABASE_URL:
+        raise ConfigError(
+            "CONTENT_KEYS_DATABASE_URL must be set in production: the content key store, a database "
+            "whose backups are not the platform database's (docs/history.md, 'Sealed content')"
+        )
+    _where = [dj_database_url.parse(u) for u in (CONTENT_KEYS_DATABASE_URL, env_str("DATABASE_URL", ""))]
+    if len({(w.get("HOST"), w.get("PORT"), w.get("NAME")) for w in _where}) == 1:
+        raise ConfigError("CONTENT_KEYS_DATABASE_URL must not be the platform's own database (DATABASE_URL)")
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 

@@ -7,7 +7,9 @@ from django.http import Http404, HttpResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
+from artifacts.api import download
 from artifacts.models import Artifact
+from artifacts.services import ContentAltered, ContentErased
 from tenants.admin_site import ReadOnlyAdmin, site
 
 
@@ -38,7 +40,11 @@ class ArtifactAdmin(ReadOnlyAdmin):
         artifact = self.get_queryset(request).defer(None).filter(pk=artifact_id).first()
         if artifact is None or not self.has_view_permission(request, artifact):
             raise Http404("no artifact with this id")
-        response = HttpResponse(bytes(artifact.content), content_type=artifact.media_type)
-        response["Content-Disposition"] = f'attachment; filename="{artifact.name}"'
-        response["X-Content-Type-Options"] = "nosniff"
-        return response
+        return admin_download(artifact)
+
+
+def admin_download(artifact: Artifact) -> HttpResponse:
+    try:
+        return download(artifact)
+    except (ContentErased, ContentAltered) as exc:
+        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")

@@ -27,6 +27,9 @@ class Artifact(models.Model):
     size = models.BigIntegerField()
     sha256 = models.CharField(max_length=64)
     content = models.BinaryField()
+    # Sealed with the run's data key (vault/): `content` is ciphertext, read through
+    # artifacts.services.content_of. False: stored before sealing, or emptied by content removal.
+    sealed = models.BooleanField(default=False)
     # Given with the run's start request: the model's first message describes it.
     given_at_start = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)

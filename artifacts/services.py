@@ -4,6 +4,9 @@
 that holds the run's artifact lock (an advisory lock: two files stored at once cannot both slip
 under the run's cap). A refusal raises ArtifactRefused with the field that was wrong; nothing
 is written then. The same file stored again by a retried step returns the row already there.
+
+The bytes are sealed with the run's data key (vault/sealing.py) and read back through
+`content_of`; erasure destroys that key, so a copy of the row in a backup no longer opens.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import hashlib
 import io
 import uuid
 
+from cryptography.exceptions import InvalidTag
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, Sum
 
 from artifacts.models import Artifact, ArtifactLimits
 from core.errors import DomainError
+from vault import sealing
 
 UPLOAD_TYPES = {
     "text/csv": ".csv",
@@ -33,6 +38,23 @@ EXTENSIONS = {ext: media for media, ext in UPLOAD_TYPES.items()} | {
     ".md": "text/markdown",
     ".tsv": "text/tab-separated-values",
 }
+
+
+class ContentErased(DomainError):
+    """The artifact's key was destroyed by an erasure: its bytes cannot be read any more."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}: its content was erased", code="content_erased", status=410)
+
+
+class ContentAltered(DomainError):
+    """The sealed bytes do not open with their run's key: changed in the database, or another
+    artifact's put in their place."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            f"{what}: its stored bytes fail their seal (altered)", code="content_altered", status=500
+        )
 
 
 class ArtifactRefused(DomainError):
@@ -175,6 +197,9 @@ def store(
             status=413,
         )
     digest = hashlib.sha256(content).hexdigest()
+    # Sealed before the transaction: the run's key may have to be made in the key store.
+    artifact_id = uuid.uuid4()
+    sealed = sealing.seal(run.pk, run.tenant_id, content, sealed_as(artifact_id))
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cur:
@@ -200,6 +225,7 @@ def store(
         try:
             with transaction.atomic():
                 return Artifact.objects.create(
+                    id=artifact_id,
                     tenant_id=run.tenant_id,
                     run=run,
                     step=step,
@@ -208,7 +234,8 @@ def store(
                     media_type=media_type,
                     size=len(content),
                     sha256=digest,
-                    content=content,
+                    content=sealed,
+                    sealed=True,
                     given_at_start=given_at_start,
                 )
         except IntegrityError:
@@ -216,9 +243,29 @@ def store(
 
 
 def content_of(artifact: Artifact) -> bytes:
+    """The artifact's bytes, opened with its run's key. ContentErased when that key was destroyed
+    (the row came back from a backup taken before its run's content was erased)."""
     if "content" in artifact.get_deferred_fields():
-        return bytes(Artifact.objects.values_list("content", flat=True).get(pk=artifact.pk))
-    return bytes(artifact.content)
+        raw, sealed = Artifact.objects.values_list("content", "sealed").get(pk=artifact.pk)
+    else:
+        raw, sealed = artifact.content, artifact.sealed
+    if not sealed:
+        return bytes(raw)
+    return open_sealed(artifact.pk, artifact.run_id, artifact.tenant_id, bytes(raw))
+
+
+def sealed_as(artifact_id) -> str:
+    """The sealing's purpose, bound into the ciphertext: the bytes open as this artifact's only."""
+    return f"artifact:{artifact_id}"
+
+
+def open_sealed(artifact_id, run_id, tenant_id, raw: bytes) -> bytes:
+    try:
+        return sealing.unseal(run_id, tenant_id, raw, sealed_as(artifact_id))
+    except sealing.KeyDestroyed:
+        raise ContentErased(f"artifact {artifact_id}") from None
+    except InvalidTag:
+        raise ContentAltered(f"artifact {artifact_id}") from None
 
 
 def is_text(media_type: str) -> bool:

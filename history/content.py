@@ -16,11 +16,11 @@ retention does not visit the run again.
 
 from __future__ import annotations
 
-from django.db import connection
+from django.db import connection, transaction
 
 from approvals.models import Approval, ApprovalVote
 from artifacts.models import Artifact
-from history import subjects
+from history import shredding, subjects
 from history.models import ContentRemoval
 from history.verify import REMOVED_KIND
 from runs.models import Run, RunEvent, Step
@@ -69,7 +69,10 @@ def remove_content(
     )
     ApprovalVote.objects.filter(approval__run=run).update(reason="")
     artifacts = [str(a) for a in Artifact.objects.filter(run=run).values_list("pk", flat=True)]
-    Artifact.objects.filter(run=run).update(content=b"", name=ERASED)
+    Artifact.objects.filter(run=run).update(content=b"", name=ERASED, sealed=False)
+    # The run's key goes once this is committed (a failed erasure must not lose the content it
+    # kept); if the key store cannot be reached then, history.shredding's pass destroys it later.
+    transaction.on_commit(lambda: shredding.shred_quietly([run.pk]))
     if events is None:
         blanked = _blank_events(run)
     else:

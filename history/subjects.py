@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from django.db import connection, transaction
 
 from approvals.models import Approval, ApprovalVote
+from artifacts import services as artifact_services
 from artifacts.models import Artifact
 from core import partitions, sql
 from core.errors import DomainError
@@ -132,16 +133,37 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
         for ids in months.values():
             _read(found, tenant_id, p, ids)
     # Artifacts are written without an event (artifacts/services.py), so the index cannot tell
-    # when a run's changed: they are read by the tenant (or the runs asked about), a byte search.
+    # when a run's changed: they are read by the tenant (or the runs asked about), a byte search;
+    # in SQL for their names and the bytes of those stored before sealing, here for sealed bytes.
     ids = [str(r) for r in artifacts_within] if artifacts_within is not None else None
     extra = [ids] if ids is not None else []
     for run_id, artifact_id in _rows(
         f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} "
-        "AND (position(convert_to(%s, 'UTF8') in a.content) > 0 OR a.name ~ %s)",
-        [tenant_id, *extra, identifier, p],
+        "AND (a.name ~ %s OR (NOT a.sealed AND position(convert_to(%s, 'UTF8') in a.content) > 0))",
+        [tenant_id, *extra, p, identifier],
     ):
         found.artifacts.setdefault(run_id, []).append(artifact_id)
+    _read_sealed(found, tenant_id, identifier, ids)
     return found
+
+
+def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None) -> None:
+    """Sealed artifacts carrying the identifier: each opened with its run's key (a key destroyed:
+    nothing left to find), a chunk of rows at a time."""
+    seen = {a for items in found.artifacts.values() for a in items}
+    rows = Artifact.objects.filter(tenant_id=tenant_id, sealed=True)
+    if ids is not None:
+        rows = rows.filter(run_id__in=ids)
+    needle = identifier.encode("utf-8")
+    for pk, run_id, content in rows.values_list("pk", "run_id", "content").iterator(chunk_size=100):
+        if pk in seen:
+            continue
+        try:
+            plain = artifact_services.open_sealed(pk, run_id, tenant_id, bytes(content))
+        except (artifact_services.ContentErased, artifact_services.ContentAltered):
+            continue  # nothing anyone can read: erased, or unreadable since altered
+        if needle in plain:
+            found.artifacts.setdefault(run_id, []).append(pk)
 
 
 def _only(ids: list | None, column: str) -> str:

@@ -8,6 +8,7 @@ from django.conf import settings
 from history.checkpoints import take_checkpoint
 from history.partitions import ensure_months
 from history.retention import purge_due, purge_skeletons
+from history.shredding import shred_forgotten
 from history.subjects import index_due
 
 
@@ -23,9 +24,11 @@ def checkpoint() -> int | None:
 @shared_task(name="history.tasks.purge", ignore_result=True, send_events=False)  # housekeeping: not in Flower
 def purge() -> int:
     """Remove the content of runs whose content period ended, then delete the runs whose skeleton
-    period ended (a batch per tenant each); how many runs were touched."""
+    period ended (a batch per tenant each), then destroy the data keys of runs whose content is
+    gone (history/shredding.py); how many runs were touched."""
     content = purge_due(batch=settings.HISTORY_PURGE_BATCH)
     skeletons = purge_skeletons(batch=settings.HISTORY_PURGE_BATCH)
+    shred_forgotten()
     return len(content.purged) + len(skeletons.purged)
 
 

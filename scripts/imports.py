@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top: the ground floor imports no app; the project package on top names every app.
 PACKAGES = [
     "core",
+    "vault",
     "sandbox",
     "observability",
     "tenants",
@@ -55,6 +56,7 @@ PACKAGES = [
 ]
 LADDER = [
     "core",
+    "vault",
     "sandbox",
     "tenants",
     "agents",

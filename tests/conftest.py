@@ -39,6 +39,17 @@ def _machine_services_untouched():
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _drop_content_key_store(django_db_setup, django_db_blocker):
+    """The content key store (vault/store.py) is a database beside the test database, made on first
+    use: dropped with it."""
+    yield
+    from vault import store
+
+    with django_db_blocker.unblock():
+        store.drop_database()
+
+
 @pytest.fixture(autouse=True)
 def _purge_broker():
     """Unit tests drive runs in-process; drop the messages their commits sent to the broker.

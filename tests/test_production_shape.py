@@ -67,6 +67,7 @@ def prod_database():
     yield f"{server}/{name}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}_keys" WITH (FORCE)')  # the content key store
 
 
 def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_database, var_dir):
@@ -83,6 +84,7 @@ def test_it_serves_api_admin_worker_beat_and_flower_from_environment(prod_databa
         SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
         SECRET_ENCRYPTION_KEYS=generate_key(),
         DATABASE_URL=prod_database,
+        CONTENT_KEYS_DATABASE_URL=f"{prod_database}_keys",
         CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
         CELERY_QUEUE=f"prodshape-{os.getpid()}",
         BIND=f"127.0.0.1:{port}",
@@ -318,6 +320,7 @@ def test_without_the_sandbox_runtime_it_serves_without_run_python_and_says_so(pr
         SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto",
         SECRET_ENCRYPTION_KEYS=generate_key(),
         DATABASE_URL=prod_database,
+        CONTENT_KEYS_DATABASE_URL=f"{prod_database}_keys",
         CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
         CELERY_QUEUE=f"prodshape-bare-{os.getpid()}",
         BIND=f"127.0.0.1:{port}",

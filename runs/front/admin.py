@@ -12,7 +12,7 @@ from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import ORDER_VAR, ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponse, JsonResponse
+from django.http import Http404, JsonResponse
 from django.shortcuts import redirect
 from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
@@ -24,6 +24,7 @@ from django.utils.html import format_html
 from django.views.decorators.http import require_POST
 
 from approvals.services import can_approve, can_decide
+from artifacts.admin import admin_download
 from artifacts.selectors import artifacts_of, get_artifact
 from budgets.models import BudgetAccount
 from budgets.services import next_local_midnight
@@ -512,10 +513,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
             artifact = get_artifact([run.pk], artifact_id, with_content=True)
         except NotFound:
             raise Http404("no such file in this run") from None
-        response = HttpResponse(bytes(artifact.content), content_type=artifact.media_type)
-        response["Content-Disposition"] = f'attachment; filename="{artifact.name}"'
-        response["X-Content-Type-Options"] = "nosniff"
-        return response
+        return admin_download(artifact)
 
     def _step_row(self, request, step, tenant) -> dict:
         row = {

@@ -227,7 +227,7 @@ def _given(user, items: list[dict]) -> list[artifacts.Given]:
                 artifacts.Given(
                     name=item.get("name") or found.name,
                     media_type=found.media_type,
-                    content=bytes(found.content),
+                    content=artifacts.content_of(found),
                     copied_from=found.pk,
                 )
             )

@@ -32,6 +32,7 @@ def manage(*args: str, **env: str | None) -> subprocess.CompletedProcess:
         **base,
         "AGENTPLATFORM_ENV": "production",
         "DATABASE_URL": DATABASE_URL,
+        "CONTENT_KEYS_DATABASE_URL": f"{DATABASE_URL}_keys",
         "SECRET_KEY": secrets.token_urlsafe(50),
         "SECRET_ENCRYPTION_KEYS": Fernet.generate_key().decode(),
         "ASSERTION_ISSUER": "https://agents.bank.example",
@@ -105,6 +106,22 @@ def test_it_refuses_debug_in_production():
 
     assert done.returncode != 0
     assert "DEBUG must not be on in production" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "value, complaint",
+    [
+        (None, "CONTENT_KEYS_DATABASE_URL must be set in production"),
+        (DATABASE_URL, "must not be the platform's own database"),
+    ],
+)
+def test_it_refuses_content_keys_beside_the_content(value, complaint):
+    # Kept in the platform's database (or derived beside it), the keys that seal run content would
+    # be in the same dumps and backups as that content, and erasing a key would not reach them.
+    done = manage("check", CONTENT_KEYS_DATABASE_URL=value)
+
+    assert done.returncode != 0
+    assert complaint in done.stderr
 
 
 def test_a_strong_key_and_valid_keys_start():

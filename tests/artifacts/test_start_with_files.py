@@ -12,6 +12,7 @@ from django.test import override_settings
 from rest_framework.test import APIClient
 
 from artifacts.models import Artifact, ArtifactLimits
+from artifacts.services import content_of
 from llm.gateway import first_message
 from runs.models import Run, RunEvent, Step
 from runs.services import start_run
@@ -69,7 +70,7 @@ def test_it_starts_a_run_with_files_and_the_model_pages_through_one(asha, agent)
     run = Run.objects.get(pk=response.json()["id"])
     stored = {a.name: a for a in Artifact.objects.filter(run=run)}
     assert set(stored) == {"card.csv", "notes.txt"}
-    assert bytes(stored["card.csv"].content) == CSV and stored["card.csv"].given_at_start
+    assert content_of(stored["card.csv"]) == CSV and stored["card.csv"].given_at_start
     created = RunEvent.objects.get(run=run, kind="created")
     assert [f["name"] for f in created.data["files"]] == ["card.csv", "notes.txt"]
 
@@ -115,8 +116,8 @@ def test_it_starts_a_run_with_multipart_files_and_copies_of_readable_artifacts(a
     run = Run.objects.get(pk=response.json()["id"])
     assert run.input == {"task": "compare"}
     rows = {a.name: a for a in Artifact.objects.filter(run=run)}
-    assert bytes(rows["card.csv"].content) == CSV and rows["card.csv"].media_type == "text/csv"
-    assert bytes(rows["report.md"].content) == b"# done" and rows["report.md"].media_type == "text/markdown"
+    assert content_of(rows["card.csv"]) == CSV and rows["card.csv"].media_type == "text/csv"
+    assert content_of(rows["report.md"]) == b"# done" and rows["report.md"].media_type == "text/markdown"
     files = RunEvent.objects.get(run=run, kind="created").data["files"]
     assert files[1]["copied_from"] == str(report.pk)
 

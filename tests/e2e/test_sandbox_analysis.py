@@ -9,6 +9,7 @@ import json
 import pytest
 
 from artifacts.models import Artifact
+from artifacts.services import content_of
 from runs.models import Run, Step
 from tests import factories
 from tests.recovery.conftest import FAST_LEASES, sweep_until
@@ -109,10 +110,10 @@ def check_answer(run_id: str, truth: dict, missing_ids: list[str]) -> Step:
     assert {k: answer[k] for k in truth} == truth
     assert answer["missing_ids"] == missing_ids[:5]
     produced = Artifact.objects.get(run=run, step=step, name="mismatches.csv")
-    assert bytes(produced.content).count(b"\n") == truth["mismatches"] + 1
+    assert content_of(produced).count(b"\n") == truth["mismatches"] + 1
     inputs = Artifact.objects.filter(run=run, source="tool").order_by("name")
     assert [a.name for a in inputs] == ["card_transactions.csv", "ledger.csv"]
-    assert inputs[0].size == len(bytes(inputs[0].content))
+    assert inputs[0].size == len(content_of(inputs[0]))
     return step
 
 

@@ -15,6 +15,7 @@ import uvicorn
 from mcp.server.lowlevel import Server
 
 from artifacts.models import Artifact
+from artifacts.services import content_of
 from runs.models import Step
 from runs.services import start_run
 from tests import factories
@@ -120,7 +121,7 @@ def test_an_mcp_tools_files_become_artifacts_the_model_sees_described(files_serv
     step = Step.objects.get(run=run, tool_name=tool.name)
     stored = {a.name: a for a in Artifact.objects.filter(run=run, step=step)}
     assert set(stored) == {"card.csv", "ledger.csv"}
-    assert bytes(stored["card.csv"].content) == CARD.encode() and stored["card.csv"].source == "tool"
+    assert content_of(stored["card.csv"]) == CARD.encode() and stored["card.csv"].source == "tool"
     assert f"artifact {stored['ledger.csv'].pk}: ledger.csv (text/csv" in step.observation
     assert "T2,250" in step.observation  # the first lines of the description, not a whole export
     assert [f["name"] for f in step.result["structured"]["files"]] == ["card.csv", "ledger.csv"]

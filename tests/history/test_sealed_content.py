@@ -1,0 +1,160 @@
+"""Crypto-shredding of artifacts (issue 37, part 4): their bytes are sealed with their run's data
+key, kept in a key store apart from the platform's database; an erasure destroys the key, so a
+copy of the row taken before (a backup, a dump) no longer opens; a pass destroys the keys a
+removal could not; without the key store nothing is stored, with a clear 503."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import importlib
+import uuid
+
+import pytest
+from cryptography.exceptions import InvalidTag
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from artifacts import services as artifacts
+from artifacts.models import Artifact
+from history import subjects
+from history.models import ContentRemoval
+from history.shredding import shred_forgotten
+from tests.history.conftest import finished_run
+from tests.history.test_erasure import _erase, _pg_dump, compliance  # noqa: F401 (a fixture)
+from vault import sealing, store
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CUSTOMER = "CUST-4471-XK"
+IBAN = "DE89-3704-0044-0532-0130-00"  # only ever inside the artifact
+
+
+def _client(user) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(user)
+    return client
+
+
+def _statement(run, text: str) -> Artifact:
+    body = f"customer,iban\n{text},{IBAN}\n".encode()
+    return artifacts.store(
+        run=run, name="statement.csv", media_type="text/csv", content=body, source="upload"
+    )
+
+
+def test_an_artifact_is_sealed_at_rest_and_its_key_is_kept_apart(asha, echo_agent):
+    run = finished_run(asha, word="hello")
+    stored = _statement(run, CUSTOMER)
+
+    row = Artifact.objects.get(pk=stored.pk)
+    assert row.sealed and IBAN.encode() not in bytes(row.content)
+    assert IBAN.encode() in artifacts.content_of(row)
+    download = _client(asha).get(f"/v1/artifacts/{stored.pk}/content")
+    assert download.status_code == 200 and IBAN.encode() in download.content
+    dump = _pg_dump()
+    assert IBAN not in dump and "content_keys" not in dump  # neither the bytes nor the key
+    assert store.get(run.pk) is not None
+    assert store.location().rsplit("/", 1)[-1].endswith("_keys")
+
+
+def test_an_erasure_destroys_the_key_so_a_copy_taken_before_no_longer_opens(asha, compliance, echo_agent):  # noqa: F811
+    run = finished_run(asha, word=CUSTOMER)
+    stored = _statement(run, CUSTOMER)
+    backup = Artifact.objects.values("content", "sealed", "name").get(pk=stored.pk)  # a backup's copy
+
+    assert _erase(compliance).status_code == 201
+
+    assert store.get(run.pk) is None
+    assert ContentRemoval.objects.get(run=run).why == "erasure"
+    # The backup restored: the row is back, its bytes are not.
+    Artifact.objects.filter(pk=stored.pk).update(**backup)
+    sealing.forget_cached()  # another process: nothing kept in memory
+    with pytest.raises(sealing.KeyDestroyed):
+        sealing.unseal(run.pk, run.tenant_id, bytes(backup["content"]), artifacts.sealed_as(stored.pk))
+    gone = _client(asha).get(f"/v1/artifacts/{stored.pk}/content")
+    assert gone.status_code == 410 and gone.json()["error"]["code"] == "content_erased"
+    assert str(stored.pk) not in {
+        str(a) for items in subjects.find(run.tenant_id, IBAN).artifacts.values() for a in items
+    }
+
+
+def test_a_sealed_value_opens_only_for_its_run_and_purpose(tenant):
+    one, other = uuid.uuid4(), uuid.uuid4()
+    sealed = sealing.seal(one, tenant.pk, b"secret", "artifact:1")
+    sealing.seal(other, tenant.pk, b"anything", "artifact:1")  # the other run has a key too
+    assert sealing.unseal(one, tenant.pk, sealed, "artifact:1") == b"secret"
+    with pytest.raises(InvalidTag):
+        sealing.unseal(other, tenant.pk, sealed, "artifact:1")  # moved to another run
+    with pytest.raises(InvalidTag):
+        sealing.unseal(one, tenant.pk, sealed, "artifact:2")  # put in another artifact's place
+    sealing.shred([one, other])
+
+
+def test_the_pass_destroys_the_keys_a_removal_missed_and_those_of_runs_deleted(asha, echo_agent):
+    removed, live = finished_run(asha, word="a"), finished_run(asha, word="b")
+    _statement(removed, "x"), _statement(live, "y")
+    # A removal whose after-commit shred never ran (the key store was down, the process killed).
+    ContentRemoval.objects.create(run=removed, why=ContentRemoval.Why.RETENTION)
+    deleted = uuid.uuid4()  # a run deleted whole (skeleton retention, a month's partitions dropped)
+    sealing.seal(deleted, removed.tenant_id, b"left behind", "artifact:1")
+
+    # (The key store outlives each test's database: earlier tests' keys are other runs deleted.)
+    assert shred_forgotten(page=1) >= 1  # a key a page
+    assert store.get(removed.pk) is None and store.get(live.pk) is not None
+    assert store.get(deleted) is not None  # young: its run may still be being created
+    assert shred_forgotten(now=timezone.now() + dt.timedelta(hours=2)) >= 1
+    assert store.get(deleted) is None and store.get(live.pk) is not None
+
+
+def test_without_the_key_store_an_upload_is_refused_with_503_and_nothing_is_stored(
+    asha, echo_agent, settings
+):
+    run = finished_run(asha, word="hello")
+    settings.CONTENT_KEYS_DATABASE_URL = "postgresql://root@127.0.0.1:1/nowhere"
+    body = {"name": "t.csv", "media_type": "text/csv", "content_b64": base64.b64encode(b"a,b\n").decode()}
+
+    response = _client(asha).post(f"/v1/runs/{run.pk}/artifacts", body, format="json")
+
+    assert response.status_code == 503, response.content
+    error = response.json()["error"]
+    assert error["code"] == "key_store_unavailable" and "key store" in error["message"]
+    assert not Artifact.objects.filter(run=run).exists()
+
+
+def test_bytes_altered_or_swapped_in_the_database_are_refused_not_served(asha, echo_agent):
+    run = finished_run(asha, word="hello")
+    one, two = (
+        _statement(run, "one"),
+        artifacts.store(run=run, name="other.csv", media_type="text/csv", content=b"a,b\n", source="upload"),
+    )
+    # An administrator puts one artifact's sealed bytes in the other's place: same run, same key.
+    Artifact.objects.filter(pk=two.pk).update(content=Artifact.objects.get(pk=one.pk).content)
+
+    swapped = _client(asha).get(f"/v1/artifacts/{two.pk}/content")
+
+    assert swapped.status_code == 500 and swapped.json()["error"]["code"] == "content_altered"
+    assert IBAN.encode() not in swapped.content
+
+
+def test_the_upgrade_seals_artifacts_stored_before_and_the_downgrade_opens_them(asha, echo_agent):
+    from django.apps import apps
+
+    migration = importlib.import_module("artifacts.migrations.0004_sealed")
+    run = finished_run(asha, word="hello")
+    kept = _statement(run, "old")
+    erased = _statement(run, "gone")
+    # As they were before the upgrade: in the clear, and one emptied by an earlier erasure.
+    Artifact.objects.filter(pk=kept.pk).update(content=artifacts.content_of(kept), sealed=False)
+    Artifact.objects.filter(pk=erased.pk).update(content=b"", sealed=False)
+
+    migration.seal_existing(apps, None)
+
+    row = Artifact.objects.get(pk=kept.pk)
+    assert (
+        row.sealed and IBAN.encode() not in bytes(row.content) and IBAN.encode() in artifacts.content_of(row)
+    )
+    assert not Artifact.objects.get(pk=erased.pk).sealed  # nothing to seal
+    migration.open_sealed(apps, None)
+    row = Artifact.objects.get(pk=kept.pk)
+    assert not row.sealed and IBAN.encode() in bytes(row.content)

@@ -1,0 +1,99 @@
+"""Sealing a run's content with its data key.
+
+A run's data key (32 random bytes) is made when its first content is sealed, wrapped by the
+tenant's key and kept in the key store (vault/store.py). The tenant's key is derived (HKDF-SHA256,
+labelled with the tenant) from each of CONTENT_KEYS, so a new one can be put in front and old
+wrappings still open. A sealed value is `nonce || AES-256-GCM(plaintext)`, bound by its associated
+data to its run and its purpose: moved to another run or column it does not open.
+
+Unwrapped keys are kept per process for KEY_CACHE_SECONDS, so a step seals without a round trip
+to the store; a key destroyed elsewhere stops opening content here at most that long after
+(only for content still in this process's reach: a run must have ended to be erased).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from django.conf import settings
+
+from vault import store
+from vault.store import KeyDestroyed, KeyStoreUnavailable
+
+__all__ = ["KeyDestroyed", "KeyStoreUnavailable", "seal", "shred", "unseal"]
+
+KEY_CACHE_SECONDS = 60.0
+_CACHE_LIMIT = 4096
+_cache: dict[str, tuple[bytes, float]] = {}
+_lock = threading.Lock()
+
+
+def seal(run_id, tenant, plaintext: bytes, purpose: str) -> bytes:
+    key = _data_key(run_id, tenant, make=True)
+    nonce = os.urandom(12)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+
+
+def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
+    """The plaintext; KeyDestroyed when the run's key was shredded."""
+    key = _data_key(run_id, tenant, make=False)
+    return AESGCM(key).decrypt(sealed[:12], sealed[12:], _aad(run_id, purpose))
+
+
+def shred(run_ids) -> int:
+    """Destroy the runs' keys (here and in the store); how many the store held."""
+    ids = [str(r) for r in run_ids]
+    with _lock:
+        for run_id in ids:
+            _cache.pop(run_id, None)
+    return store.destroy(ids)
+
+
+def forget_cached() -> None:
+    with _lock:
+        _cache.clear()
+
+
+def _aad(run_id, purpose: str) -> bytes:
+    return f"{run_id}|{purpose}".encode()
+
+
+def _data_key(run_id, tenant, *, make: bool) -> bytes:
+    run_id = str(run_id)
+    now = time.monotonic()
+    with _lock:
+        held = _cache.get(run_id)
+    if held is not None and now - held[1] < KEY_CACHE_SECONDS:
+        return held[0]
+    wrapped = store.get(run_id)
+    if wrapped is None:
+        if not make:
+            raise KeyDestroyed(run_id)
+        wrapped = store.put(run_id, tenant, _tenant_keys(tenant).encrypt(os.urandom(32)))
+    try:
+        key = _tenant_keys(tenant).decrypt(wrapped)
+    except InvalidToken:
+        raise KeyStoreUnavailable(
+            f"run {run_id}'s key is wrapped by none of CONTENT_KEYS (a key removed too soon?)"
+        ) from None
+    with _lock:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()  # rare: a process touching thousands of runs within a minute
+        _cache[run_id] = (key, now)
+    return key
+
+
+def _tenant_keys(tenant) -> MultiFernet:
+    return MultiFernet([Fernet(_derive(master, str(tenant))) for master in settings.CONTENT_KEYS])
+
+
+def _derive(master: str, tenant: str) -> bytes:
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=f"content-key|tenant:{tenant}".encode())
+    return base64.urlsafe_b64encode(hkdf.derive(base64.urlsafe_b64decode(master)))

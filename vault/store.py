@@ -1,0 +1,197 @@
+"""The key store: one row a run, `(run_id, tenant, wrapped key)`, in a database of its own.
+
+Why apart: a key kept in the platform's database would be in every dump and backup beside the
+content it seals, and destroying it there would not reach them. CONTENT_KEYS_DATABASE_URL names
+the store; unset, it is the platform's database server with `_keys` appended to the database's
+name (PostgreSQL), or a `-keys` file beside the SQLite file (the demo). Production should put it
+on a server whose backups are kept only as long as the erasure deadline promised
+(docs/history.md). The table is made on first use.
+
+Each thread keeps one connection in autocommit: every call is one statement, and the platform's
+transactions never wait on a lock here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from django.conf import settings
+from django.db import connection
+
+from core.errors import DomainError
+
+_local = threading.local()
+TABLE = (
+    "CREATE TABLE IF NOT EXISTS content_keys ("
+    " run_id varchar(36) PRIMARY KEY, tenant varchar(64) NOT NULL, wrapped {blob} NOT NULL,"
+    " created_at {time} NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+)
+
+
+class KeyStoreUnavailable(DomainError):
+    """The key store cannot be reached: sealed content can be neither written nor read (503)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="key_store_unavailable", status=503)
+
+
+def location() -> str:
+    """Where the store is: a postgres:// URL or a SQLite file's path."""
+    if settings.CONTENT_KEYS_DATABASE_URL:
+        return settings.CONTENT_KEYS_DATABASE_URL
+    s = connection.settings_dict  # read now: tests switch it to their own database
+    if connection.vendor == "sqlite":
+        path = Path(s["NAME"])
+        return str(path.with_name(f"{path.stem}-keys{path.suffix or '.sqlite3'}"))
+    return f"postgresql://{s['USER'] or ''}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}_keys"
+
+
+def _is_pg(where: str) -> bool:
+    return where.startswith(("postgres://", "postgresql://"))
+
+
+def _connect(where: str) -> Any:
+    if not _is_pg(where):
+        lite = sqlite3.connect(where, isolation_level=None, timeout=30, check_same_thread=False)
+        lite.execute(TABLE.format(blob="blob", time="text"))
+        return lite
+    url = where.replace("postgres://", "postgresql://", 1)
+    try:
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        if "does not exist" not in str(exc):
+            raise
+        _create_database(url)
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
+    conn.execute(TABLE.format(blob="bytea", time="timestamptz"))
+    return conn
+
+
+def _create_database(url: str) -> None:
+    """The store's database, made beside the others on first use (the role needs CREATEDB; else an
+    operator makes it: docs/history.md)."""
+    admin_url, name = _server(url)
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        try:
+            admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+        except psycopg.errors.DuplicateDatabase:
+            pass  # another process made it first
+
+
+def _server(url: str) -> tuple[str, str]:
+    """The server's maintenance database, and the store's database's name."""
+    info = psycopg.conninfo.conninfo_to_dict(url)
+    name = str(info.pop("dbname"))
+    return psycopg.conninfo.make_conninfo("", **{**info, "dbname": "postgres"}), name
+
+
+def _conn() -> Any:
+    where = location()
+    held = getattr(_local, "held", None)
+    if held is not None and held[0] == where:
+        return held[1]
+    if held is not None:
+        _close(held[1])
+    try:
+        conn = _connect(where)
+    except (psycopg.Error, sqlite3.Error) as exc:
+        raise KeyStoreUnavailable(f"the content key store cannot be reached: {exc}") from None
+    _local.held = (where, conn)
+    return conn
+
+
+def _close(conn) -> None:
+    try:
+        conn.close()
+    except Exception:  # already broken: nothing to release
+        pass
+
+
+def _run(sql: str, params: tuple, fetch: bool):
+    """One statement, once more on a fresh connection if the held one broke (a restart)."""
+    for attempt in (1, 2):
+        conn = _conn()
+        try:
+            cursor = conn.execute(sql if _is_pg(location()) else sql.replace("%s", "?"), params)
+            return cursor.fetchall() if fetch else cursor.rowcount
+        except (psycopg.OperationalError, psycopg.InterfaceError, sqlite3.OperationalError) as exc:
+            _close(conn)
+            _local.held = None
+            if attempt == 2:
+                raise KeyStoreUnavailable(f"the content key store failed: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def put(run_id, tenant, wrapped: bytes) -> bytes:
+    """Store the run's wrapped key unless it has one; the one it has (two writers agree)."""
+    _run(
+        "INSERT INTO content_keys (run_id, tenant, wrapped) VALUES (%s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+        (str(run_id), str(tenant), wrapped),
+        fetch=False,
+    )
+    found = get(run_id)
+    if found is None:  # destroyed between the two statements: the run's content is being erased
+        raise KeyDestroyed(run_id)
+    return found
+
+
+def get(run_id) -> bytes | None:
+    rows = _run("SELECT wrapped FROM content_keys WHERE run_id = %s", (str(run_id),), fetch=True)
+    return bytes(rows[0][0]) if rows else None
+
+
+def destroy(run_ids) -> int:
+    """Delete the runs' keys; how many there were."""
+    ids = [str(r) for r in run_ids]
+    if not ids:
+        return 0
+    marks = ", ".join(["%s"] * len(ids))
+    return _run(f"DELETE FROM content_keys WHERE run_id IN ({marks})", tuple(ids), fetch=False)
+
+
+def destroy_older(run_ids, before) -> int:
+    """Delete those of the runs' keys made before `before` (an aware datetime); how many."""
+    ids = [str(r) for r in run_ids]
+    if not ids:
+        return 0
+    marks = ", ".join(["%s"] * len(ids))
+    cutoff = before if _is_pg(location()) else before.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return _run(
+        f"DELETE FROM content_keys WHERE run_id IN ({marks}) AND created_at < %s", (*ids, cutoff), fetch=False
+    )
+
+
+def page(after: str, limit: int) -> list[str]:
+    """Run ids holding a key, in order, after `after`: for the pass that destroys forgotten keys."""
+    rows = _run(
+        "SELECT run_id FROM content_keys WHERE run_id > %s ORDER BY run_id LIMIT %s",
+        (after, limit),
+        fetch=True,
+    )
+    return [r[0] for r in rows]
+
+
+def drop_database() -> None:
+    """Drop the store's database (tests: the test database's own store)."""
+    where = location()
+    held = getattr(_local, "held", None)
+    if held is not None:
+        _close(held[1])
+        _local.held = None
+    if not _is_pg(where):
+        Path(where).unlink(missing_ok=True)
+        return
+    admin_url, name = _server(where.replace("postgres://", "postgresql://", 1))
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(
+            psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name))
+        )
+
+
+class KeyDestroyed(LookupError):
+    """The run's key is gone: its sealed content was erased."""
