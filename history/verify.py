@@ -5,7 +5,8 @@
                                from the leaves
     verify_run(run_id, ...)    one run's events: content against digests, each link, gaps, the
                                head on the run row, every checkpoint leaf of the run; its steps'
-                               and its own content against the digests its events bound
+                               and its own content against the digests its events bound; its
+                               artifacts' bytes sealed, opening, and matching their sha256
     verify(run_ids, jwks)      both, over every run (or those given)
 
 Each finding names the run and the event (or step). What the verifier can tell apart, and what
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from artifacts import services as artifact_services
+from artifacts.models import Artifact
 from authority.models import SigningKey
 from core import chain
 from history import checkpoints
@@ -218,6 +222,7 @@ def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) ->
                 )
             )
     findings += _content_bindings(rid, dict(run), events, erased_steps, erased_run)
+    findings += _artifacts(rid, erased_run)
     return findings, len(events)
 
 
@@ -300,6 +305,36 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
                         f"step {step['seq']}'s {name} was edited: it no longer matches the digest this event bound",
                     )
                 )
+    return findings
+
+
+def _artifacts(rid: str, erased_run: bool) -> list[Finding]:
+    """Each artifact's bytes: sealed (vault/), opening with the run's key, and matching its sha256.
+    Bytes in the clear were written around the platform (every artifact is sealed since migration
+    artifacts/0004); emptied ones only by a content removal. A key destroyed is no finding: the
+    bytes are a copy from before an erasure, unreadable as it meant them to be."""
+    findings = []
+    rows = Artifact.objects.filter(run_id=rid).values_list("pk", "tenant_id", "sealed", "content", "sha256")
+    for pk, tenant_id, sealed, content, sha256 in rows.order_by("created_at", "pk"):
+        raw = bytes(content)
+        if not sealed:
+            if raw or not erased_run:
+                what = "in the clear" if raw else "emptied without a content removal"
+                findings.append(
+                    Finding(rid, None, f"artifact {pk}: its bytes are {what}: written around the platform")
+                )
+            continue
+        try:
+            plain = artifact_services.open_sealed(pk, rid, tenant_id, raw)
+        except artifact_services.ContentErased:
+            continue
+        except artifact_services.ContentAltered:
+            findings.append(
+                Finding(rid, None, f"artifact {pk}: its bytes fail their seal: edited, or another's")
+            )
+            continue
+        if hashlib.sha256(plain).hexdigest() != sha256:
+            findings.append(Finding(rid, None, f"artifact {pk}: its bytes no longer match its sha256"))
     return findings
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
 import importlib
 import uuid
 
@@ -20,6 +21,7 @@ from artifacts.models import Artifact
 from history import subjects
 from history.models import ContentRemoval
 from history.shredding import shred_forgotten
+from history.verify import verify
 from tests.history.conftest import finished_run
 from tests.history.test_erasure import _erase, _pg_dump, compliance  # noqa: F401 (a fixture)
 from vault import sealing, store
@@ -135,6 +137,24 @@ def test_bytes_altered_or_swapped_in_the_database_are_refused_not_served(asha, e
 
     assert swapped.status_code == 500 and swapped.json()["error"]["code"] == "content_altered"
     assert IBAN.encode() not in swapped.content
+    # Others in the clear, the flag cleared and the sha256 fitted to them: served, but named.
+    forged = b"customer,iban\nother,XX00\n"
+    Artifact.objects.filter(pk=one.pk).update(
+        content=forged, sealed=False, sha256=hashlib.sha256(forged).hexdigest()
+    )
+    problems = {f.problem for f in verify([run.pk]).findings}
+    assert problems == {
+        f"artifact {one.pk}: its bytes are in the clear: written around the platform",
+        f"artifact {two.pk}: its bytes fail their seal: edited, or another's",
+    }
+
+
+def test_an_untouched_runs_artifacts_verify_and_those_of_an_erased_run_too(asha, compliance, echo_agent):  # noqa: F811
+    kept, erased = finished_run(asha, word="hello"), finished_run(asha, word=CUSTOMER)
+    _statement(kept, "x"), _statement(erased, CUSTOMER)
+    assert _erase(compliance).status_code == 201
+    report = verify([kept.pk, erased.pk])
+    assert report.ok, [str(f) for f in report.findings]
 
 
 def test_the_upgrade_seals_artifacts_stored_before_and_the_downgrade_opens_them(asha, echo_agent):
