@@ -56,6 +56,38 @@ def shred(run_ids) -> int:
     return store.destroy(ids)
 
 
+def rewrap_all(*, page: int = 500) -> tuple[int, int]:
+    """Wrap every run's data key with the first of CONTENT_KEYS (after a new one was put in front),
+    so that the older ones can be retired; (rewrapped, already so). The data keys, and so every
+    sealed value, stay as they are."""
+    rewrapped = current = 0
+    after = ""
+    while True:
+        rows = store.wrapped_page(after, page)
+        if not rows:
+            return rewrapped, current
+        after = rows[-1][0]
+        for run_id, tenant, wrapped in rows:
+            if _wrapped_by_first(wrapped, tenant):
+                current += 1
+                continue
+            try:
+                fresh = _tenant_keys(tenant).rotate(wrapped)
+            except InvalidToken:
+                raise KeyStoreUnavailable(
+                    f"run {run_id}'s key is wrapped by none of CONTENT_KEYS: put the old key back (after the new one)"
+                ) from None
+            rewrapped += store.rewrap(run_id, wrapped, fresh)
+
+
+def _wrapped_by_first(wrapped: bytes, tenant: str) -> bool:
+    try:
+        Fernet(_derive(settings.CONTENT_KEYS[0], str(tenant))).decrypt(wrapped)
+        return True
+    except InvalidToken:
+        return False
+
+
 def forget_cached() -> None:
     with _lock:
         _cache.clear()

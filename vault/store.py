@@ -176,6 +176,28 @@ def page(after: str, limit: int) -> list[str]:
     return [r[0] for r in rows]
 
 
+def wrapped_page(after: str, limit: int) -> list[tuple[str, str, bytes]]:
+    """(run id, tenant, wrapped key) in run id order after `after`: for rewrapping."""
+    rows = _run(
+        "SELECT run_id, tenant, wrapped FROM content_keys WHERE run_id > %s ORDER BY run_id LIMIT %s",
+        (after, limit),
+        fetch=True,
+    )
+    return [(r[0], r[1], bytes(r[2])) for r in rows]
+
+
+def rewrap(run_id: str, old: bytes, new: bytes) -> bool:
+    """Replace the run's wrapped key if it is still `old` (not destroyed or rewrapped meanwhile)."""
+    return (
+        _run(
+            "UPDATE content_keys SET wrapped = %s WHERE run_id = %s AND wrapped = %s",
+            (new, run_id, old),
+            fetch=False,
+        )
+        == 1
+    )
+
+
 def drop_database() -> None:
     """Drop the store's database (tests: the test database's own store)."""
     where = location()

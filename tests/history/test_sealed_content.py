@@ -9,10 +9,13 @@ import base64
 import datetime as dt
 import hashlib
 import importlib
+import io
 import uuid
 
 import pytest
 from cryptography.exceptions import InvalidTag
+from cryptography.fernet import Fernet
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -178,3 +181,27 @@ def test_the_upgrade_seals_artifacts_stored_before_and_the_downgrade_opens_them(
     migration.open_sealed(apps, None)
     row = Artifact.objects.get(pk=kept.pk)
     assert not row.sealed and IBAN.encode() in bytes(row.content)
+
+
+def test_a_new_content_key_put_in_front_rewraps_every_run_key_and_the_old_one_retires(
+    asha, echo_agent, settings
+):
+    old, new = settings.CONTENT_KEYS[0], Fernet.generate_key().decode()
+    run = finished_run(asha, word="hello")
+    stored = _statement(run, "x")
+    settings.CONTENT_KEYS = [new, old]
+    sealing.forget_cached()
+
+    out = io.StringIO()
+    call_command("rotate_content_keys", stdout=out)
+
+    assert "rewrapped" in out.getvalue()
+    settings.CONTENT_KEYS = [new]  # the old key retired
+    sealing.forget_cached()
+    assert IBAN.encode() in artifacts.content_of(Artifact.objects.get(pk=stored.pk))
+    out = io.StringIO()
+    call_command("rotate_content_keys", stdout=out)
+    assert out.getvalue().startswith("rewrapped 0 run keys")
+    settings.CONTENT_KEYS = [Fernet.generate_key().decode()]  # neither: refused, named
+    with pytest.raises(CommandError, match="wrapped by none of CONTENT_KEYS"):
+        call_command("rotate_content_keys", stdout=io.StringIO())
