@@ -112,7 +112,8 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
     comparison, and a check of the index)."""
     identifier = identifier.strip()
     if len(identifier) < 3:
-        raise DomainError("an identifier must be at least 3 characters", code="identifier_too_short")
+        message = "an identifier must be at least 3 characters"
+        raise DomainError(message, code="identifier_too_short", fields={"identifier": [message]})
     if connection.vendor != "postgresql":
         raise DomainError("finding a data subject needs PostgreSQL", code="not_supported")
     p = pattern(identifier)

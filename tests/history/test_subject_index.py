@@ -6,22 +6,26 @@ from __future__ import annotations
 
 import importlib
 import io
+import threading
+import time
 
 import pytest
 from django.conf import settings
+from django.contrib.auth.models import Permission
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalVote
 from history import subjects
 from history.erasure import erase_subject
-from history.models import SubjectWords
+from history.models import ErasureCertificate, SubjectWords
 from history.tasks import index_subjects
 from runs.approval_effects import decide_approval
-from runs.models import TERMINAL, RunStatus
+from runs.models import TERMINAL, Run, RunStatus
 from runs.services import start_run
 from runs.transitions import atomic_with_events, record_event
 from tests import factories
@@ -234,3 +238,92 @@ def test_a_dual_control_votes_reason_is_found_indexed_and_erased(tenant, asha, r
     assert certificate.runs == [str(run.pk)] and certificate.counts["approvals"] == 1
     assert list(ApprovalVote.objects.filter(approval=approval).values_list("reason", flat=True)) == [""]
     assert subjects.find(tenant.pk, CUSTOMER, scan=True).run_ids() == set()
+
+
+def _in_thread(work):
+    """Run `work` in a thread of its own (its own connection); (thread, box of its result or error)."""
+    box: dict = {}
+
+    def body():
+        try:
+            box["result"] = work()
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_and_an_erasure_of_the_same_run_take_turns_and_no_erased_word_stays(tenant, asha, echo_agent):
+    """The pass indexes a run under a share lock; the erasure takes the run's row lock: whichever is
+    second waits (the erasure) or skips (the pass), and the index never keeps an erased word."""
+    run = finished_run(asha, word=CUSTOMER)
+    indexing, erasing = threading.Event(), threading.Event()
+
+    def slow_pass():  # the beat's pass on this run, held open after writing its words
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT tenant_id, event_seq FROM runs_run WHERE id = %s FOR SHARE SKIP LOCKED", [run.pk]
+            )
+            tenant_id, seq = cursor.fetchone()
+            cursor.execute(subjects.INDEX_RUN, {"run": run.pk, "tenant": tenant_id, "seq": seq})
+            indexing.set()
+            assert erasing.wait(10)
+
+    passing, passed = _in_thread(slow_pass)
+    assert indexing.wait(10)
+    eraser, erased = _in_thread(
+        lambda: erase_subject(tenant_id=tenant.pk, identifier=CUSTOMER, request_ref="DSR-7", actor=asha)
+    )
+    eraser.join(1.0)
+    assert eraser.is_alive(), "the erasure must wait for the pass that holds the run"
+    erasing.set()
+    passing.join(10), eraser.join(30)
+    assert "error" not in passed and "error" not in erased, (passed, erased)
+    row = SubjectWords.objects.get(run=run)
+    assert row.event_seq is None and not row.words  # the pass's words went with the content
+    assert run.pk not in subjects.candidates(tenant.pk, CUSTOMER)
+
+    # The other way round: a run locked by a writer is skipped by the pass, which does not wait.
+    locked, unlock = threading.Event(), threading.Event()
+
+    def writer():
+        with transaction.atomic():
+            list(Run.objects.select_for_update().filter(pk=run.pk))
+            locked.set()
+            assert unlock.wait(10)
+
+    holder, held = _in_thread(writer)
+    assert locked.wait(10)
+    started = time.monotonic()
+    assert subjects.index_due(batch=100) == 0
+    assert time.monotonic() - started < 5
+    unlock.set()
+    holder.join(10)
+    assert "error" not in held
+    assert subjects.index_due(batch=100) == 1  # the next pass indexes what is left: nothing of it
+    assert run.pk not in subjects.candidates(tenant.pk, CUSTOMER)
+
+
+@pytest.mark.django_db
+def test_an_identifier_too_short_to_be_told_apart_is_refused_with_a_field_error(tenant, asha):
+    user = factories.make_user(tenant, "clara", staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(content_type__app_label="history", codename="add_erasurecertificate")
+    )
+    client = APIClient()
+    client.force_authenticate(type(user).objects.get(pk=user.pk))
+
+    response = client.post(
+        "/v1/history/erasures", {"identifier": " 7 ", "request_ref": "DSR-8"}, format="json"
+    )
+
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "identifier_too_short"
+    assert error["fields"] == {"identifier": ["an identifier must be at least 3 characters"]}
+    assert not ErasureCertificate.objects.exists()
