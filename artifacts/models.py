@@ -7,6 +7,8 @@ import uuid
 
 from django.db import models
 
+from core.words import WordHashes
+
 
 class Artifact(models.Model):
     class Source(models.TextChoices):
@@ -30,6 +32,10 @@ class Artifact(models.Model):
     # Sealed with the run's data key (vault/): `content` is ciphertext, read through
     # artifacts.services.content_of. False: stored before sealing, or emptied by content removal.
     sealed = models.BooleanField(default=False)
+    # The keyed hashes of its words (vault.sealing.word_hashes), for the data subject search:
+    # sealed bytes cannot be searched in SQL (history/subjects.py). None: too many to keep
+    # (artifacts.services.MAX_WORDS), the search reads it whole.
+    words = WordHashes(null=True, default=list)
     # Given with the run's start request: the model's first message describes it.
     given_at_start = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -15,6 +15,7 @@ import csv
 import dataclasses
 import hashlib
 import io
+import re
 import uuid
 
 from cryptography.exceptions import InvalidTag
@@ -24,6 +25,7 @@ from django.db.models import Count, Sum
 
 from artifacts.models import Artifact, ArtifactLimits
 from core.errors import DomainError
+from core.words import WORD
 from vault import sealing
 
 UPLOAD_TYPES = {
@@ -38,6 +40,11 @@ EXTENSIONS = {ext: media for media, ext in UPLOAD_TYPES.items()} | {
     ".md": "text/markdown",
     ".tsv": "text/tab-separated-values",
 }
+
+
+# An artifact's words the search's index keeps at most (8 bytes each, and as much again in GIN):
+# past it, none, and a search reads the artifact whole (history/subjects.py).
+MAX_WORDS = 50_000
 
 
 class ContentErased(DomainError):
@@ -200,6 +207,9 @@ def store(
     # Sealed before the transaction: the run's key may have to be made in the key store.
     artifact_id = uuid.uuid4()
     sealed = sealing.seal(run.pk, run.tenant_id, content, sealed_as(artifact_id))
+    found = words_of(content)
+    # Too many to index (a large binary file): none kept, and every search reads it instead.
+    hashes = sealing.word_hashes(run.tenant_id, found) if len(found) <= MAX_WORDS else None
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cur:
@@ -236,6 +246,7 @@ def store(
                     sha256=digest,
                     content=sealed,
                     sealed=True,
+                    words=hashes,
                     given_at_start=given_at_start,
                 )
         except IntegrityError:
@@ -252,6 +263,11 @@ def content_of(artifact: Artifact) -> bytes:
     if not sealed:
         return bytes(raw)
     return open_sealed(artifact.pk, artifact.run_id, artifact.tenant_id, bytes(raw))
+
+
+def words_of(content: bytes) -> set[str]:
+    """The words of an artifact's text (binary files: the words among their bytes)."""
+    return set(re.findall(WORD, content.decode("utf-8", errors="replace")))
 
 
 def sealed_as(artifact_id) -> str:

@@ -1,46 +1,67 @@
-"""What sealing content costs (vault/; docs/history.md, "Sealed content").
+"""What sealing content costs, and the data subject search over sealed artifacts (vault/;
+docs/history.md, "Sealed content").
 
-    DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/sealing.py [--repeat 2000]
+    DATABASE_URL=postgres://root@127.0.0.1:5432/test .venv/bin/python bench/sealing.py \
+        [--repeat 2000] [--artifacts 5000] [--artifact-bytes 10000]
 
-Per artifact size: sealing and opening with the run's key cached (AES-256-GCM, the process's CPU
-time), and the first sealing of a run in a process (a key made: two statements at the key store,
-the tenant's key derived and the data key wrapped) and a first opening (one key store read and
-an unwrap). The key store is the one DATABASE_URL implies (its database name + `_keys`), made if
-missing (and dropped again); the keys this writes are destroyed at the end.
+DATABASE_URL only says where PostgreSQL is: the benchmark makes its own database (and its key
+store beside it) and drops both. Prints:
+
+1. per size, sealing and opening with the run's key cached (AES-256-GCM, the process's CPU time);
+   a run's first sealing (its key made: two statements at the key store, a derivation, a wrap)
+   and a first opening in a process (one key store read, an unwrap), wall time;
+2. with `--artifacts N`: N CSV artifacts of `--artifact-bytes` stored (sealed, their words hashed
+   with the tenant's key), 50 a run, one of them carrying the identifier; then the search for it
+   (history.subjects.find) through the artifacts' keyed words and reading every artifact
+   (`scan=True`), best of three each.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+TAG = f"bench_sealing_{os.getpid()}"
+BASE_URL = os.environ.get("DATABASE_URL", "")
+if not BASE_URL.startswith("postgres"):
+    sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
+IDENTIFIER = "CUST-4471-XK"
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=2000)
-    parser.add_argument("--sizes", default="1000,100000,1000000")
-    args = parser.parse_args()
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
-    import django
 
-    django.setup()
-    from vault import sealing, store
+def with_database(url: str, name: str) -> str:
+    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
 
-    print(f"load average {os.getloadavg()}; key store {store.location()}")
-    existed = _exists(store)
+
+def admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(
+        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
+    ) as conn:
+        conn.execute(sql)
+
+
+os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+os.environ["CELERY_BROKER_URL"] = "memory://"
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # beside the throwaway database: dropped with it
+os.environ.setdefault("LOG_LEVEL", "ERROR")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
+
+
+def costs(sealing, repeat: int, sizes: list[int]) -> None:
     tenant = "bench"
-    made = []
     firsts, opens = [], []
-    for _ in range(200):  # first sealing and first opening of a run, wall time
+    for _ in range(200):
         run_id = uuid.uuid4()
-        made.append(run_id)
         started = time.perf_counter()
         sealed = sealing.seal(run_id, tenant, b"x" * 1000, "artifact:bench")
         firsts.append(time.perf_counter() - started)
@@ -53,30 +74,86 @@ def main() -> None:
         f"a run's first sealing (key made): p50 {firsts[100] * 1000:.2f} ms, p99 {firsts[198] * 1000:.2f} ms; "
         f"first opening in a process: p50 {opens[100] * 1000:.2f} ms, p99 {opens[198] * 1000:.2f} ms"
     )
-    run_id = made[0]
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in sizes:
         body = os.urandom(size)
-        repeat = max(20, args.repeat * 1000 // max(size, 1000))
+        times = max(20, repeat * 1000 // max(size, 1000))
         started = time.process_time()
-        for _ in range(repeat):
+        for _ in range(times):
             sealed = sealing.seal(run_id, tenant, body, "artifact:bench")
-        seal_us = (time.process_time() - started) / repeat * 1e6
+        seal_us = (time.process_time() - started) / times * 1e6
         started = time.process_time()
-        for _ in range(repeat):
+        for _ in range(times):
             sealing.unseal(run_id, tenant, sealed, "artifact:bench")
-        open_us = (time.process_time() - started) / repeat * 1e6
-        print(f"{size:>9} bytes, key cached: seal {seal_us:8.1f} us, open {open_us:8.1f} us (CPU, x{repeat})")
-    print(f"destroyed {sealing.shred(made)} keys")
-    if not existed:
+        open_us = (time.process_time() - started) / times * 1e6
+        print(f"{size:>9} bytes, key cached: seal {seal_us:8.1f} us, open {open_us:8.1f} us (CPU, x{times})")
+
+
+def search(count: int, size: int) -> None:
+    from artifacts import services as artifacts
+    from history import subjects
+    from runs.services import start_run
+    from tests import factories
+
+    tenant = factories.make_tenant("bench", max_active_runs=100_000, max_starts_per_minute=1_000_000)
+    user = factories.make_user(tenant, "asha")
+    factories.make_agent(tenant, turns=[{"text": "done"}])
+    words = [f"{w}{i}" for w in ("acct", "txn", "ref", "amount", "merchant") for i in range(2000)]
+    rows = max(1, size // 40)
+    started = time.perf_counter()
+    run = None
+    for i in range(count):
+        if i % 50 == 0:
+            run, _ = start_run(user=user, agent="agent", input={})
+        lines = [",".join(random.choices(words, k=4)) for _ in range(rows)]
+        if i == count // 2:
+            lines[rows // 2] = f"{IDENTIFIER},DE89-3704,dispute"
+        body = ("\n".join(lines) + "\n").encode()
+        artifacts.store(run=run, name=f"export-{i}.csv", media_type="text/csv", content=body, source="upload")
+    took = time.perf_counter() - started
+    print(f"stored {count} artifacts of ~{size} bytes in {took:.1f} s ({took / count * 1000:.2f} ms each)")
+    for label, scan in (("through the keyed words", False), ("reading every artifact", True)):
+        best = None
+        for _ in range(3):
+            started = time.perf_counter()
+            found = subjects.find(tenant.pk, IDENTIFIER, scan=scan)
+            elapsed = time.perf_counter() - started
+            best = elapsed if best is None else min(best, elapsed)
+        assert sum(map(len, found.artifacts.values())) == 1, found.artifacts
+        print(f"search {label}: {best:.3f} s (the whole find: runs through their index, artifacts)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=2000)
+    parser.add_argument("--sizes", default="1000,100000,1000000")
+    parser.add_argument("--artifacts", type=int, default=0)
+    parser.add_argument("--artifact-bytes", type=int, default=10_000)
+    args = parser.parse_args()
+    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+    admin(f'CREATE DATABASE "{TAG}"')
+    try:
+        import django
+        from django.core.management import call_command
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+        from vault import sealing, store
+
+        print(
+            f"sealing benchmark, database {TAG}, key store {store.location()}, load average {os.getloadavg()}"
+        )
+        costs(sealing, args.repeat, [int(s) for s in args.sizes.split(",")])
+        if args.artifacts:
+            search(args.artifacts, args.artifact_bytes)
+        print(f"load average after {os.getloadavg()}")
+    finally:
+        from django.db import connections
+
+        from vault import store
+
         store.drop_database()
-
-
-def _exists(store) -> bool:
-    import psycopg
-
-    admin, name = store._server(store.location())
-    with psycopg.connect(admin, autocommit=True) as conn:
-        return conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone() is not None
+        connections.close_all()
+        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def remove_content(
     )
     ApprovalVote.objects.filter(approval__run=run).update(reason="")
     artifacts = [str(a) for a in Artifact.objects.filter(run=run).values_list("pk", flat=True)]
-    Artifact.objects.filter(run=run).update(content=b"", name=ERASED, sealed=False)
+    Artifact.objects.filter(run=run).update(content=b"", name=ERASED, sealed=False, words=[])
     # The run's key goes once this is committed (a failed erasure must not lose the content it
     # kept); if the key store cannot be reached then, history.shredding's pass destroys it later.
     transaction.on_commit(lambda: shredding.shred_quietly([run.pk]))

@@ -9,6 +9,8 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+from core.words import WordHashes
+
 
 class Checkpoint(models.Model):
     """A signed statement: the Merkle root over every run's latest checkpointed chain head.
@@ -182,15 +184,6 @@ class RunTombstone(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} (purged {self.purged_at:%Y-%m-%d})"
-
-
-class WordHashes(models.Field):
-    """A run's word hashes: `bigint[]` under a GIN index on PostgreSQL (migration 0004). Written
-    and read in SQL only (history/subjects.py); the search needs PostgreSQL, so elsewhere the
-    column is an unused text."""
-
-    def db_type(self, connection):
-        return "bigint[]" if connection.vendor == "postgresql" else "text"
 
 
 class SubjectWords(models.Model):

@@ -31,7 +31,9 @@ from artifacts import services as artifact_services
 from artifacts.models import Artifact
 from core import partitions, sql
 from core.errors import DomainError
+from core.words import WORD
 from runs.models import TERMINAL, Run, RunEvent, Step
+from vault import sealing
 
 RUNS, STEPS, EVENTS = sql.table(Run), sql.table(Step), sql.table(RunEvent)
 APPROVALS, VOTES, ARTIFACTS = sql.table(Approval), sql.table(ApprovalVote), sql.table(Artifact)
@@ -56,7 +58,6 @@ APPROVAL_TEXTS = (
     "a.correction_reason",
 )
 VOTE_TEXTS = ("v.reason",)  # its dual-control votes' reasons: an approval's too
-WORD = "[A-Za-z0-9_]{2,}"  # PostgreSQL's and Python's regular expressions read it alike
 
 
 @dataclass
@@ -133,38 +134,44 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
             months.setdefault(partitions.month_of(run_id), []).append(str(run_id))
         for ids in months.values():
             _read(found, tenant_id, p, ids)
-    # Artifacts are written without an event (artifacts/services.py), so the index cannot tell
-    # when a run's changed: they are read by the tenant (or the runs asked about), a byte search;
-    # in SQL for their names and the bytes of those stored before sealing, here for sealed bytes.
+    # Artifacts are written without an event (artifacts/services.py), so the run index cannot tell
+    # when a run's changed: they have words of their own, keyed (their bytes are sealed), written
+    # with them. Their names are read in SQL.
     ids = [str(r) for r in artifacts_within] if artifacts_within is not None else None
     extra = [ids] if ids is not None else []
     for run_id, artifact_id in _rows(
-        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} "
-        "AND (a.name ~ %s OR (NOT a.sealed AND position(convert_to(%s, 'UTF8') in a.content) > 0))",
-        [tenant_id, *extra, p, identifier],
+        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND a.name ~ %s",
+        [tenant_id, *extra, p],
     ):
         found.artifacts.setdefault(run_id, []).append(artifact_id)
-    _read_sealed(found, tenant_id, identifier, ids)
+    _read_sealed(found, tenant_id, identifier, ids, scan=scan)
     return found
 
 
-def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None) -> None:
-    """Sealed artifacts carrying the identifier: each opened with its run's key (a key destroyed:
-    nothing left to find), a chunk of rows at a time."""
+def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None, *, scan: bool) -> None:
+    """Sealed artifacts carrying the identifier as a whole token: those whose words hold all of its
+    words, or have too many to keep (every one, with `scan` or an identifier without one), each opened with its run's key (a
+    key destroyed: nothing left to find) and read, a hundred at a time."""
+    hashed = sealing.word_hashes(tenant_id, words(identifier)) if words(identifier) and not scan else None
+    named = _rows(
+        f"SELECT a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s AND a.sealed{_only(ids, 'a.run_id')}"
+        + (" AND (a.words IS NULL OR a.words @> %s::bigint[])" if hashed else ""),
+        [tenant_id, *([ids] if ids is not None else []), *([hashed] if hashed else [])],
+    )
     seen = {a for items in found.artifacts.values() for a in items}
-    rows = Artifact.objects.filter(tenant_id=tenant_id, sealed=True)
-    if ids is not None:
-        rows = rows.filter(run_id__in=ids)
-    needle = identifier.encode("utf-8")
-    for pk, run_id, content in rows.values_list("pk", "run_id", "content").iterator(chunk_size=100):
-        if pk in seen:
-            continue
-        try:
-            plain = artifact_services.open_sealed(pk, run_id, tenant_id, bytes(content))
-        except (artifact_services.ContentErased, artifact_services.ContentAltered):
-            continue  # nothing anyone can read: erased, or unreadable since altered
-        if needle in plain:
-            found.artifacts.setdefault(run_id, []).append(pk)
+    todo = [pk for (pk,) in named if pk not in seen]
+    token = re.compile(rf"(?:^|[^\w]){re.escape(identifier)}(?:$|[^\w])")
+    for start in range(0, len(todo), 100):
+        rows = Artifact.objects.filter(pk__in=todo[start : start + 100]).values_list(
+            "pk", "run_id", "content"
+        )
+        for pk, run_id, content in rows:
+            try:
+                plain = artifact_services.open_sealed(pk, run_id, tenant_id, bytes(content))
+            except (artifact_services.ContentErased, artifact_services.ContentAltered):
+                continue  # nothing anyone can read: erased, or unreadable since altered
+            if token.search(plain.decode("utf-8", errors="replace")):
+                found.artifacts.setdefault(run_id, []).append(pk)
 
 
 def _only(ids: list | None, column: str) -> str:

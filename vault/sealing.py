@@ -14,6 +14,8 @@ to the store; a key destroyed elsewhere stops opening content here at most that 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import os
 import threading
 import time
@@ -27,9 +29,10 @@ from django.conf import settings
 from vault import store
 from vault.store import KeyDestroyed, KeyStoreUnavailable
 
-__all__ = ["KeyDestroyed", "KeyStoreUnavailable", "seal", "shred", "unseal"]
+__all__ = ["KeyDestroyed", "KeyStoreUnavailable", "seal", "shred", "unseal", "word_hashes"]
 
 KEY_CACHE_SECONDS = 60.0
+WORDS_KEY = "words:"  # the key store's id of a tenant's word key, before the tenant's id
 _CACHE_LIMIT = 4096
 _cache: dict[str, tuple[bytes, float]] = {}
 _lock = threading.Lock()
@@ -45,6 +48,19 @@ def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
     """The plaintext; KeyDestroyed when the run's key was shredded."""
     key = _data_key(run_id, tenant, make=False)
     return AESGCM(key).decrypt(sealed[:12], sealed[12:], _aad(run_id, purpose))
+
+
+def word_hashes(tenant, words) -> list[int]:
+    """Keyed 64-bit hashes of the words (HMAC-SHA256 with the tenant's word key, a key like a run's
+    kept in the key store under `words:<tenant>`): an index of them, in a backup, confirms no
+    guess without that key. Sorted and distinct."""
+    key = _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
+    return sorted(
+        {
+            int.from_bytes(hmac.new(key, w.encode(), hashlib.sha256).digest()[:8], "big", signed=True)
+            for w in words
+        }
+    )
 
 
 def shred(run_ids) -> int:

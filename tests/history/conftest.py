@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.auth.models import Permission
 
 from runs.models import RunStatus
 from runs.services import start_run
@@ -30,3 +31,22 @@ def echo_agent(tenant, asha, builtins):
         ],
     )
     return echo
+
+
+@pytest.fixture
+def compliance(tenant):
+    """A tenant's compliance officer: staff, with the history's permissions."""
+    user = factories.make_user(tenant, "clara", staff=True)
+    user.user_permissions.add(
+        *Permission.objects.filter(
+            content_type__app_label="history",
+            codename__in=[
+                "add_erasurecertificate",
+                "view_erasurecertificate",
+                "add_legalhold",
+                "change_legalhold",
+                "view_legalhold",
+            ],
+        )
+    )
+    return type(user).objects.get(pk=user.pk)

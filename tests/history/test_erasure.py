@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.db import connection
 from rest_framework.test import APIClient
 
@@ -29,25 +28,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 CUSTOMER = "CUST-4471-XK"
 OTHER = "CUST-9002-QZ"
-
-
-@pytest.fixture
-def compliance(tenant):
-    """A tenant's compliance officer: staff, with the history's permissions."""
-    user = factories.make_user(tenant, "clara", staff=True)
-    user.user_permissions.add(
-        *Permission.objects.filter(
-            content_type__app_label="history",
-            codename__in=[
-                "add_erasurecertificate",
-                "view_erasurecertificate",
-                "add_legalhold",
-                "change_legalhold",
-                "view_legalhold",
-            ],
-        )
-    )
-    return type(user).objects.get(pk=user.pk)
 
 
 def _client(user) -> APIClient:

@@ -25,8 +25,9 @@ from history import subjects
 from history.models import ContentRemoval
 from history.shredding import shred_forgotten
 from history.verify import verify
+from tests import factories
 from tests.history.conftest import finished_run
-from tests.history.test_erasure import _erase, _pg_dump, compliance  # noqa: F401 (a fixture)
+from tests.history.test_erasure import _erase, _pg_dump
 from vault import sealing, store
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -63,7 +64,7 @@ def test_an_artifact_is_sealed_at_rest_and_its_key_is_kept_apart(asha, echo_agen
     assert store.location().rsplit("/", 1)[-1].endswith("_keys")
 
 
-def test_an_erasure_destroys_the_key_so_a_copy_taken_before_no_longer_opens(asha, compliance, echo_agent):  # noqa: F811
+def test_an_erasure_destroys_the_key_so_a_copy_taken_before_no_longer_opens(asha, compliance, echo_agent):
     run = finished_run(asha, word=CUSTOMER)
     stored = _statement(run, CUSTOMER)
     backup = Artifact.objects.values("content", "sealed", "name").get(pk=stored.pk)  # a backup's copy
@@ -152,7 +153,7 @@ def test_bytes_altered_or_swapped_in_the_database_are_refused_not_served(asha, e
     }
 
 
-def test_an_untouched_runs_artifacts_verify_and_those_of_an_erased_run_too(asha, compliance, echo_agent):  # noqa: F811
+def test_an_untouched_runs_artifacts_verify_and_those_of_an_erased_run_too(asha, compliance, echo_agent):
     kept, erased = finished_run(asha, word="hello"), finished_run(asha, word=CUSTOMER)
     _statement(kept, "x"), _statement(erased, CUSTOMER)
     assert _erase(compliance).status_code == 201
@@ -205,3 +206,46 @@ def test_a_new_content_key_put_in_front_rewraps_every_run_key_and_the_old_one_re
     settings.CONTENT_KEYS = [Fernet.generate_key().decode()]  # neither: refused, named
     with pytest.raises(CommandError, match="wrapped by none of CONTENT_KEYS"):
         call_command("rotate_content_keys", stdout=io.StringIO())
+
+
+def test_the_search_reads_the_artifacts_whose_keyed_words_hold_the_identifiers_and_erasure_empties_them(
+    tenant,
+    asha,
+    compliance,
+    echo_agent,
+):
+    run = finished_run(asha, word="hello")
+    carrying = _statement(run, CUSTOMER)
+    other = artifacts.store(
+        run=run,
+        name="notes.txt",
+        media_type="text/plain",
+        content=b"XK 4471 CUST, in other words",
+        source="upload",
+    )
+    other_tenant = factories.make_tenant("globex")
+
+    words = list(Artifact.objects.filter(pk=carrying.pk).values_list("words", flat=True))[0]
+    assert sealing.word_hashes(tenant.pk, ["CUST"])[0] in words  # its words, keyed
+    assert sealing.word_hashes(other_tenant.pk, ["CUST"]) != sealing.word_hashes(tenant.pk, ["CUST"])
+    found = subjects.find(tenant.pk, CUSTOMER)
+    # `other` holds every word of the identifier, but not the identifier: read, and not found.
+    assert found.artifacts == {run.pk: [carrying.pk]}
+    assert subjects.find(tenant.pk, CUSTOMER, scan=True).artifacts == found.artifacts
+    assert subjects.find(tenant.pk, "UST-4471-XK").artifacts == {}  # inside a longer token
+
+    assert _erase(compliance).status_code == 201
+
+    assert list(Artifact.objects.filter(run=run).values_list("words", flat=True)) == [[], []]
+    assert other.pk  # emptied with the rest of the run's content
+
+
+def test_an_artifact_with_too_many_words_to_keep_is_read_whole_by_every_search(
+    tenant, asha, echo_agent, monkeypatch
+):
+    monkeypatch.setattr(artifacts, "MAX_WORDS", 3)
+    run = finished_run(asha, word="hello")
+    stored = _statement(run, CUSTOMER)  # customer, iban, CUST, 4471, XK, DE89, ...: over 3
+
+    assert list(Artifact.objects.filter(pk=stored.pk).values_list("words", flat=True)) == [None]
+    assert subjects.find(tenant.pk, CUSTOMER).artifacts == {run.pk: [stored.pk]}
