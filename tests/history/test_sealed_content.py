@@ -161,7 +161,9 @@ def test_an_untouched_runs_artifacts_verify_and_those_of_an_erased_run_too(asha,
     assert report.ok, [str(f) for f in report.findings]
 
 
-def test_the_upgrade_seals_artifacts_stored_before_and_the_downgrade_opens_them(asha, echo_agent):
+def test_the_upgrade_seals_artifacts_stored_before_indexes_their_words_and_the_downgrade_opens_them(
+    asha, echo_agent
+):
     from django.apps import apps
 
     migration = importlib.import_module("artifacts.migrations.0004_sealed")
@@ -172,12 +174,15 @@ def test_the_upgrade_seals_artifacts_stored_before_and_the_downgrade_opens_them(
     Artifact.objects.filter(pk=kept.pk).update(content=artifacts.content_of(kept), sealed=False)
     Artifact.objects.filter(pk=erased.pk).update(content=b"", sealed=False)
 
+    Artifact.objects.filter(run=run).update(words=[])
     migration.seal_existing(apps, None)
+    importlib.import_module("artifacts.migrations.0005_words").index_words(apps, None)
 
     row = Artifact.objects.get(pk=kept.pk)
     assert (
         row.sealed and IBAN.encode() not in bytes(row.content) and IBAN.encode() in artifacts.content_of(row)
     )
+    assert row.words == sealing.word_hashes(run.tenant_id, artifacts.words_of(artifacts.content_of(row)))
     assert not Artifact.objects.get(pk=erased.pk).sealed  # nothing to seal
     migration.open_sealed(apps, None)
     row = Artifact.objects.get(pk=kept.pk)
