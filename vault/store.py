@@ -14,10 +14,12 @@ transactions never wait on a lock here.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 from django.conf import settings
@@ -25,6 +27,7 @@ from django.db import connection
 
 from core.errors import DomainError
 
+log = logging.getLogger(__name__)
 _local = threading.local()
 TABLE = (
     "CREATE TABLE IF NOT EXISTS content_keys ("
@@ -48,7 +51,10 @@ def location() -> str:
     if connection.vendor == "sqlite":
         path = Path(s["NAME"])
         return str(path.with_name(f"{path.stem}-keys{path.suffix or '.sqlite3'}"))
-    return f"postgresql://{s['USER'] or ''}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}_keys"
+    user = quote(s["USER"] or "", safe="") + (
+        f":{quote(s['PASSWORD'], safe='')}" if s.get("PASSWORD") else ""
+    )
+    return f"postgresql://{user}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}_keys"
 
 
 def _is_pg(where: str) -> bool:
@@ -100,7 +106,8 @@ def _conn() -> Any:
     try:
         conn = _connect(where)
     except (psycopg.Error, sqlite3.Error) as exc:
-        raise KeyStoreUnavailable(f"the content key store cannot be reached: {exc}") from None
+        log.warning("content key store unreachable: %s", exc)  # where, and why: not for API callers
+        raise KeyStoreUnavailable("the content key store cannot be reached; try again later") from None
     _local.held = (where, conn)
     return conn
 
@@ -123,7 +130,8 @@ def _run(sql: str, params: tuple, fetch: bool):
             _close(conn)
             _local.held = None
             if attempt == 2:
-                raise KeyStoreUnavailable(f"the content key store failed: {exc}") from None
+                log.warning("content key store failed: %s", exc)
+                raise KeyStoreUnavailable("the content key store failed; try again later") from None
     raise AssertionError("unreachable")
 
 

@@ -125,6 +125,7 @@ def test_without_the_key_store_an_upload_is_refused_with_503_and_nothing_is_stor
     assert response.status_code == 503, response.content
     error = response.json()["error"]
     assert error["code"] == "key_store_unavailable" and "key store" in error["message"]
+    assert "127.0.0.1" not in error["message"] and "nowhere" not in error["message"]  # where: logged only
     assert not Artifact.objects.filter(run=run).exists()
 
 
@@ -254,3 +255,13 @@ def test_an_artifact_with_too_many_words_to_keep_is_read_whole_by_every_search(
 
     assert list(Artifact.objects.filter(pk=stored.pk).values_list("words", flat=True)) == [None]
     assert subjects.find(tenant.pk, CUSTOMER).artifacts == {run.pk: [stored.pk]}
+
+
+def test_the_key_store_beside_a_database_with_a_password_is_reached_with_it(settings, monkeypatch):
+    from django.db import connection
+
+    settings.CONTENT_KEYS_DATABASE_URL = ""
+    monkeypatch.setitem(connection.settings_dict, "PASSWORD", "p@ss:w/rd")
+
+    assert ":p%40ss%3Aw%2Frd@" in store.location()
+    assert store.location().endswith("_keys")
