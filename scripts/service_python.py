@@ -28,7 +28,19 @@ import shutil
 import sys
 from pathlib import Path
 
-SKIP_APP = {".git", ".venv", "var", "node_modules", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+# Not code: caches and tools' databases (Hypothesis writes its examples into .hypothesis/ as tests
+# run; bytecode is compiled again from the sources), so writing them rebuilds nothing.
+SKIP_APP = {
+    ".git",
+    ".venv",
+    "var",
+    "node_modules",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".hypothesis",
+    "__pycache__",
+}
 
 
 def link_tree(source: Path, dest: Path, skip=lambda path: False) -> None:

@@ -16,6 +16,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,27 @@ def test_a_missing_service_user_is_named_with_how_to_create_it():
     done = serve_user("service_user_problem", PY="/bin/true", SERVE_USER="no-such-user-40")
 
     assert done.stdout.startswith("no user no-such-user-40 (useradd --system --no-create-home")
+
+
+def test_caches_and_tools_databases_written_in_the_checkout_do_not_rebuild_the_tree(tmp_path):
+    """Hypothesis writes its examples into .hypothesis/ while tests run, and a process may write
+    bytecode: neither is code, so the tree built for the service user stays (once, a test saw it
+    rebuilt between two starts because another test wrote there meanwhile)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("service_python", ROOT / "scripts" / "service_python.py")
+    service_python = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(service_python)
+    app = tmp_path / "app"
+    (app / "runs" / "__pycache__").mkdir(parents=True)  # made once, by the first import
+    (app / "runs" / "engine.py").write_text("x = 1\n")
+    before = service_python.stamp(app)
+
+    time.sleep(0.01)  # a later mtime for whatever is written next
+    (app / ".hypothesis" / "examples").mkdir(parents=True)
+    (app / ".hypothesis" / "examples" / "a1").write_bytes(b"example")
+    (app / "runs" / "__pycache__" / "engine.cpython-311.pyc").write_bytes(b"bytecode")
+    assert service_python.stamp(app) == before
+
+    (app / "runs" / "engine.py").write_text("x = 2\n")
+    assert service_python.stamp(app) != before  # code edited: rebuilt

@@ -17,10 +17,13 @@ from psycopg.pq import TransactionStatus
 
 from runs.models import Run
 
-_lock = threading.Lock()
+_lock = threading.Condition()
 _active: dict[str, tuple[str, int]] = {}  # run id -> (lease token, lease seconds)
+_extending: str | None = None  # the run whose lease the thread is extending right now
 _thread: threading.Thread | None = None
 TICK_SECONDS = 1.0
+# How long untrack waits out an extension under way: bounded, should its UPDATE hang.
+UNTRACK_WAIT_SECONDS = 2.0
 log = logging.getLogger(__name__)
 
 
@@ -34,11 +37,17 @@ def track(run_id, token, lease_seconds: int) -> None:
 
 
 def untrack(run_id) -> None:
+    """Stop extending the run's lease. Once this returns the thread extends it no more: an
+    extension under way (the run read before it was let go) is waited out, so that a lease the
+    caller then ends or lets expire is not pushed forward behind its back."""
+    run_id = str(run_id)
     with _lock:
-        _active.pop(str(run_id), None)
+        _active.pop(run_id, None)
+        _lock.wait_for(lambda: _extending != run_id, timeout=UNTRACK_WAIT_SECONDS)
 
 
 def _loop() -> None:
+    global _extending
     last: dict[str, float] = {}
     while True:
         time.sleep(TICK_SECONDS)
@@ -50,9 +59,18 @@ def _loop() -> None:
                 # Extend at a third of the lease so two missed ticks never lose it.
                 if now - last.get(run_id, 0) < seconds / 3:
                     continue
-                Run.objects.filter(pk=run_id, lease_token=token).update(
-                    lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds)
-                )
+                with _lock:
+                    if run_id not in _active:
+                        continue  # let go since this tick read the list
+                    _extending = run_id
+                try:
+                    Run.objects.filter(pk=run_id, lease_token=token).update(
+                        lease_expires_at=timezone.now() + dt.timedelta(seconds=seconds)
+                    )
+                finally:
+                    with _lock:
+                        _extending = None
+                        _lock.notify_all()
                 last[run_id] = now
             for run_id in set(last) - {r for r, _ in items}:
                 last.pop(run_id)

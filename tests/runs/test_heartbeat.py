@@ -54,3 +54,45 @@ def test_a_tick_never_leaves_a_transaction_holding_the_runs_table(tenant):
     finally:
         other.close()
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_once_untrack_returns_the_lease_is_extended_no_more(tenant, asha, builtins):
+    """An extension under way when the run is let go is waited out: a lease the caller then lets
+    expire (a takeover to come) is not pushed forward behind its back."""
+    import datetime as dt
+
+    from django.db import connection, transaction
+    from django.utils import timezone
+
+    from runs.models import Run
+    from runs.services import start_run
+    from tests import factories
+    from tests.servers import database_url
+
+    factories.make_agent(tenant, tools=[], turns=[{"text": "done"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    token = uuid.uuid4()
+    Run.objects.filter(pk=run.pk).update(lease_token=token)
+    blocker = psycopg.connect(database_url().replace("postgres://", "postgresql://", 1))
+    try:
+        blocker.execute("SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE", [run.pk])  # the row held
+        heartbeat.track(run.pk, token, 3)  # extended every second: its UPDATE now waits on the row
+        deadline = time.monotonic() + 10
+        while heartbeat._extending != str(run.pk):
+            assert time.monotonic() < deadline, "the heartbeat never began extending the lease"
+            time.sleep(0.05)
+        letting_go = threading.Thread(target=heartbeat.untrack, args=(run.pk,))
+        letting_go.start()
+        letting_go.join(0.5)
+        assert letting_go.is_alive(), "untrack returned while the extension was still under way"
+        blocker.rollback()  # the extension goes through...
+        letting_go.join(5)
+        assert not letting_go.is_alive()  # ...and only then is the run let go
+    finally:
+        blocker.close()
+        connection.close()
+    with transaction.atomic():
+        Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
+    time.sleep(heartbeat.TICK_SECONDS * 2.5)
+    assert Run.objects.get(pk=run.pk).lease_expires_at < timezone.now()  # expired, and it stays so
