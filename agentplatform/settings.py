@@ -413,6 +413,12 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
         "task": "history.tasks.index_subjects",
         "schedule": env_float("HISTORY_SUBJECT_INDEX_SECONDS", 60.0),
     },
+    # The content keys a removal could not destroy, and those of runs deleted whole
+    # (history/shredding.py): a read of the whole key store, so not on every purge.
+    "history_shred_keys": {
+        "task": "history.tasks.shred_keys",
+        "schedule": env_float("HISTORY_SHRED_SECONDS", 3600.0),
+    },
     # The month partitions of steps, events and the ledger (history/partitions.py), made ahead.
     "history_partitions": {
         "task": "history.tasks.prepare_partitions",

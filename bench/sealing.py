@@ -13,7 +13,9 @@ store beside it) and drops both. Prints:
 2. with `--artifacts N`: N CSV artifacts of `--artifact-bytes` stored (sealed, their words hashed
    with the tenant's key), 50 a run, one of them carrying the identifier; then the search for it
    (history.subjects.find) through the artifacts' keyed words and reading every artifact
-   (`scan=True`), best of three each.
+   (`scan=True`), best of three each;
+3. with `--keys N`: the shredding pass (history/shredding.py) over N keys of runs that do not
+   exist, young (paged, none destroyed) and then old (all destroyed).
 """
 
 from __future__ import annotations
@@ -122,12 +124,35 @@ def search(count: int, size: int) -> None:
         print(f"search {label}: {best:.3f} s (the whole find: runs through their index, artifacts)")
 
 
+def pass_cost(count: int) -> None:
+    """The shredding pass over a key store of `count` keys of runs that do not exist: young ones
+    (within the grace: paged and checked, none destroyed), then the same made old (all destroyed)."""
+    from history.shredding import shred_forgotten
+    from vault import store
+
+    store.get("warm")  # the store's database and table made
+    conn = store._conn()
+    conn.execute(
+        "INSERT INTO content_keys (run_id, tenant, wrapped) "
+        "SELECT gen_random_uuid()::text, 'bench', '\\x00'::bytea FROM generate_series(1, %s)",
+        [count],
+    )
+    for label in ("young keys, none destroyed", "old keys, all destroyed"):
+        started = time.perf_counter()
+        destroyed = shred_forgotten()
+        print(
+            f"shredding pass over {count} keys ({label}): {time.perf_counter() - started:.2f} s, {destroyed} destroyed"
+        )
+        conn.execute("UPDATE content_keys SET created_at = now() - interval '2 hours'")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=2000)
     parser.add_argument("--sizes", default="1000,100000,1000000")
     parser.add_argument("--artifacts", type=int, default=0)
     parser.add_argument("--artifact-bytes", type=int, default=10_000)
+    parser.add_argument("--keys", type=int, default=0, help="time the shredding pass over this many keys")
     args = parser.parse_args()
     admin(f'DROP DATABASE IF EXISTS "{TAG}"')
     admin(f'CREATE DATABASE "{TAG}"')
@@ -145,6 +170,8 @@ def main() -> None:
         costs(sealing, args.repeat, [int(s) for s in args.sizes.split(",")])
         if args.artifacts:
             search(args.artifacts, args.artifact_bytes)
+        if args.keys:
+            pass_cost(args.keys)
         print(f"load average after {os.getloadavg()}")
     finally:
         from django.db import connections

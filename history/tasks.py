@@ -24,12 +24,17 @@ def checkpoint() -> int | None:
 @shared_task(name="history.tasks.purge", ignore_result=True, send_events=False)  # housekeeping: not in Flower
 def purge() -> int:
     """Remove the content of runs whose content period ended, then delete the runs whose skeleton
-    period ended (a batch per tenant each), then destroy the data keys of runs whose content is
-    gone (history/shredding.py); how many runs were touched."""
+    period ended (a batch per tenant each); how many runs were touched."""
     content = purge_due(batch=settings.HISTORY_PURGE_BATCH)
     skeletons = purge_skeletons(batch=settings.HISTORY_PURGE_BATCH)
-    shred_forgotten()
     return len(content.purged) + len(skeletons.purged)
+
+
+@shared_task(name="history.tasks.shred_keys", ignore_result=True, send_events=False)  # not in Flower
+def shred_keys() -> int:
+    """Destroy the content keys of runs whose content is gone that are still in the key store
+    (history/shredding.py); how many."""
+    return shred_forgotten()
 
 
 @shared_task(name="history.tasks.prepare_partitions", ignore_result=True, send_events=False)  # not in Flower

@@ -24,6 +24,7 @@ from artifacts.models import Artifact
 from history import subjects
 from history.models import ContentRemoval
 from history.shredding import shred_forgotten
+from history.tasks import shred_keys
 from history.verify import verify
 from tests import factories
 from tests.history.conftest import finished_run
@@ -97,7 +98,7 @@ def test_a_sealed_value_opens_only_for_its_run_and_purpose(tenant):
     sealing.shred([one, other])
 
 
-def test_the_pass_destroys_the_keys_a_removal_missed_and_those_of_runs_deleted(asha, echo_agent):
+def test_the_pass_destroys_the_keys_a_removal_missed_and_those_of_runs_deleted(asha, echo_agent, settings):
     removed, live = finished_run(asha, word="a"), finished_run(asha, word="b")
     _statement(removed, "x"), _statement(live, "y")
     # A removal whose after-commit shred never ran (the key store was down, the process killed).
@@ -107,6 +108,8 @@ def test_the_pass_destroys_the_keys_a_removal_missed_and_those_of_runs_deleted(a
 
     # (The key store outlives each test's database: earlier tests' keys are other runs deleted.)
     assert shred_forgotten(page=1) >= 1  # a key a page
+    assert settings.CELERY_BEAT_SCHEDULE["history_shred_keys"]["task"] == "history.tasks.shred_keys"
+    assert shred_keys() == 0  # the beat's task: nothing left to destroy now
     assert store.get(removed.pk) is None and store.get(live.pk) is not None
     assert store.get(deleted) is not None  # young: its run may still be being created
     assert shred_forgotten(now=timezone.now() + dt.timedelta(hours=2)) >= 1
