@@ -311,8 +311,9 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
 def _artifacts(rid: str, erased_run: bool) -> list[Finding]:
     """Each artifact's bytes: sealed (vault/), opening with the run's key, and matching its sha256.
     Bytes in the clear were written around the platform (every artifact is sealed since migration
-    artifacts/0004); emptied ones only by a content removal. A key destroyed is no finding: the
-    bytes are a copy from before an erasure, unreadable as it meant them to be."""
+    artifacts/0004); emptied ones only by a content removal. Bytes whose key is gone are no finding
+    in a run whose content was removed (a copy from before the erasure, unreadable as it meant them
+    to be), and one anywhere else."""
     findings = []
     rows = Artifact.objects.filter(run_id=rid).values_list("pk", "tenant_id", "sealed", "content", "sha256")
     for pk, tenant_id, sealed, content, sha256 in rows.order_by("created_at", "pk"):
@@ -327,6 +328,15 @@ def _artifacts(rid: str, erased_run: bool) -> list[Finding]:
         try:
             plain = artifact_services.open_sealed(pk, rid, tenant_id, raw)
         except artifact_services.ContentErased:
+            if not erased_run:
+                findings.append(
+                    Finding(
+                        rid,
+                        None,
+                        f"artifact {pk}: its bytes were sealed by a key this run does not hold: another run's, "
+                        "or restored from before an erasure this history does not record",
+                    )
+                )
             continue
         except artifact_services.ContentAltered:
             findings.append(

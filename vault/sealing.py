@@ -3,12 +3,15 @@
 A run's data key (32 random bytes) is made when its first content is sealed, wrapped by the
 tenant's key and kept in the key store (vault/store.py). The tenant's key is derived (HKDF-SHA256,
 labelled with the tenant) from each of CONTENT_KEYS, so a new one can be put in front and old
-wrappings still open. A sealed value is `nonce || AES-256-GCM(plaintext)`, bound by its associated
-data to its run and its purpose: moved to another run or column it does not open.
+wrappings still open. A sealed value is `version || key fingerprint || nonce || AES-256-GCM(
+plaintext)`, bound by its associated data to its run and its purpose: moved to another run or
+column it does not open; sealed by a key since destroyed, it says so even when the run has a
+newer key.
 
-Unwrapped keys are kept per process for KEY_CACHE_SECONDS, so a step seals without a round trip
-to the store; a key destroyed elsewhere stops opening content here at most that long after
-(only for content still in this process's reach: a run must have ended to be erased).
+Unwrapped keys are kept per process for KEY_CACHE_SECONDS, so reading a run's content costs no
+round trip to the store; a key destroyed elsewhere stops opening content here at most that long
+after (a run must have ended to be erased). Sealing reads the key from the store every time: new
+content is never sealed with a key already destroyed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import threading
 import time
 
+from cryptography.exceptions import InvalidTag
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -32,6 +36,7 @@ from vault.store import KeyDestroyed, KeyStoreUnavailable
 __all__ = ["KeyDestroyed", "KeyStoreUnavailable", "seal", "shred", "unseal", "word_hashes"]
 
 KEY_CACHE_SECONDS = 60.0
+VERSION = b"\x01"  # a sealed value: VERSION || key fingerprint (4) || nonce (12) || AES-256-GCM
 WORDS_KEY = "words:"  # the key store's id of a tenant's word key, before the tenant's id
 _CACHE_LIMIT = 4096
 _cache: dict[str, tuple[bytes, float]] = {}
@@ -39,15 +44,25 @@ _lock = threading.Lock()
 
 
 def seal(run_id, tenant, plaintext: bytes, purpose: str) -> bytes:
-    key = _data_key(run_id, tenant, make=True)
+    # The key read from the store, not the cache: sealed with a key another process destroyed a
+    # moment ago (an erasure), new content would never open again.
+    key = _data_key(run_id, tenant, make=True, cached=False)
     nonce = os.urandom(12)
-    return nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+    return VERSION + _fingerprint(key) + nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
 
 
 def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
-    """The plaintext; KeyDestroyed when the run's key was shredded."""
+    """The plaintext; KeyDestroyed when the key that sealed it is gone (the run's content erased:
+    the run may hold a newer key since, which does not open it); InvalidTag when the bytes were
+    altered."""
+    if sealed[:1] != VERSION:
+        raise InvalidTag()
     key = _data_key(run_id, tenant, make=False)
-    return AESGCM(key).decrypt(sealed[:12], sealed[12:], _aad(run_id, purpose))
+    if _fingerprint(key) != sealed[1:5]:
+        key = _data_key(run_id, tenant, make=False, cached=False)  # this process's copy may be stale
+        if _fingerprint(key) != sealed[1:5]:
+            raise KeyDestroyed(run_id)
+    return AESGCM(key).decrypt(sealed[5:17], sealed[17:], _aad(run_id, purpose))
 
 
 def word_hashes(tenant, words) -> list[int]:
@@ -109,16 +124,21 @@ def forget_cached() -> None:
         _cache.clear()
 
 
+def _fingerprint(key: bytes) -> bytes:
+    """Which key sealed a value (4 bytes of a hash of it: nothing to learn the key from)."""
+    return hashlib.sha256(b"content-key-fingerprint|" + key).digest()[:4]
+
+
 def _aad(run_id, purpose: str) -> bytes:
     return f"{run_id}|{purpose}".encode()
 
 
-def _data_key(run_id, tenant, *, make: bool) -> bytes:
+def _data_key(run_id, tenant, *, make: bool, cached: bool = True) -> bytes:
     run_id = str(run_id)
     now = time.monotonic()
     with _lock:
         held = _cache.get(run_id)
-    if held is not None and now - held[1] < KEY_CACHE_SECONDS:
+    if cached and held is not None and now - held[1] < KEY_CACHE_SECONDS:
         return held[0]
     wrapped = store.get(run_id)
     if wrapped is None:

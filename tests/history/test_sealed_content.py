@@ -91,8 +91,8 @@ def test_a_sealed_value_opens_only_for_its_run_and_purpose(tenant):
     sealed = sealing.seal(one, tenant.pk, b"secret", "artifact:1")
     sealing.seal(other, tenant.pk, b"anything", "artifact:1")  # the other run has a key too
     assert sealing.unseal(one, tenant.pk, sealed, "artifact:1") == b"secret"
-    with pytest.raises(InvalidTag):
-        sealing.unseal(other, tenant.pk, sealed, "artifact:1")  # moved to another run
+    with pytest.raises(sealing.KeyDestroyed):
+        sealing.unseal(other, tenant.pk, sealed, "artifact:1")  # moved to another run: not its key
     with pytest.raises(InvalidTag):
         sealing.unseal(one, tenant.pk, sealed, "artifact:2")  # put in another artifact's place
     sealing.shred([one, other])
@@ -145,6 +145,12 @@ def test_bytes_altered_or_swapped_in_the_database_are_refused_not_served(asha, e
 
     assert swapped.status_code == 500 and swapped.json()["error"]["code"] == "content_altered"
     assert IBAN.encode() not in swapped.content
+    # Another run's sealed bytes put in place of a third artifact: unreadable here, and named.
+    elsewhere = _statement(finished_run(asha, word="other"), "z")
+    three = artifacts.store(
+        run=run, name="third.csv", media_type="text/csv", content=b"c,d\n", source="upload"
+    )
+    Artifact.objects.filter(pk=three.pk).update(content=Artifact.objects.get(pk=elsewhere.pk).content)
     # Others in the clear, the flag cleared and the sha256 fitted to them: served, but named.
     forged = b"customer,iban\nother,XX00\n"
     Artifact.objects.filter(pk=one.pk).update(
@@ -154,6 +160,8 @@ def test_bytes_altered_or_swapped_in_the_database_are_refused_not_served(asha, e
     assert problems == {
         f"artifact {one.pk}: its bytes are in the clear: written around the platform",
         f"artifact {two.pk}: its bytes fail their seal: edited, or another's",
+        f"artifact {three.pk}: its bytes were sealed by a key this run does not hold: another run's, "
+        "or restored from before an erasure this history does not record",
     }
 
 
@@ -268,3 +276,19 @@ def test_the_key_store_beside_a_database_with_a_password_is_reached_with_it(sett
 
     assert ":p%40ss%3Aw%2Frd@" in store.location()
     assert store.location().endswith("_keys")
+
+
+def test_a_file_stored_after_another_process_destroyed_the_runs_key_gets_a_new_one(asha, echo_agent):
+    run = finished_run(asha, word="hello")
+    first = _statement(run, "x")
+    assert IBAN.encode() in artifacts.content_of(first)  # this process now holds the key
+    store.destroy([run.pk])  # another process's erasure: this one's cache is not told
+
+    later = artifacts.store(
+        run=run, name="later.csv", media_type="text/csv", content=b"a,b\n", source="upload"
+    )
+
+    sealing.forget_cached()
+    assert artifacts.content_of(Artifact.objects.get(pk=later.pk)) == b"a,b\n"  # a new key: it opens
+    with pytest.raises(artifacts.ContentErased):
+        artifacts.content_of(Artifact.objects.get(pk=first.pk))  # the old one is gone for good
