@@ -4,6 +4,7 @@ run's key a batch at a time (one whose key was destroyed keeps none: it was eras
 
 import re
 
+from cryptography.exceptions import InvalidTag
 from django.db import migrations
 
 import core.words
@@ -35,10 +36,12 @@ def index_words(apps, schema_editor):
             return
         for pk, run_id, tenant_id, content in batch:
             try:
-                found = words_of(sealing.unseal(run_id, tenant_id, bytes(content), sealed_as(pk)))
+                found: set | None = words_of(sealing.unseal(run_id, tenant_id, bytes(content), sealed_as(pk)))
             except sealing.KeyDestroyed:
                 found = set()
-            hashes = sealing.word_hashes(tenant_id, found) if len(found) <= MAX_WORDS else None
+            except InvalidTag:
+                found = None  # does not open (altered): no words, so every search reads it
+            hashes = sealing.word_hashes(tenant_id, found) if found is not None and len(found) <= MAX_WORDS else None
             Artifact.objects.filter(pk=pk).update(words=hashes)
         last = batch[-1][0]
 
