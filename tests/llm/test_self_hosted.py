@@ -192,6 +192,13 @@ def test_a_streamed_answer_is_read_whole_with_the_servers_usage(fakes, kind):
     billed = fake.replies[-1]["usage"]
     assert reply.usage.output_tokens == billed["completion_tokens" if kind == "openai" else "output_tokens"]
     assert fake.requests[-1]["stream"] is True
+    # The fake marks its stream ended once the server asks it for more after the last event, which
+    # can be a moment after the client has read that event and returned (seen once on a loaded CI).
+    deadline = time.monotonic() + 5
+    while (
+        not fake.streams[0]["ended"] and not fake.streams[0]["closed_early"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
     assert fake.streams == [{"tokens": fake.streams[0]["tokens"], "ended": True, "closed_early": False}]
 
 

@@ -136,7 +136,9 @@ def test_one_executions_fork_bomb_does_not_stop_anothers(run):
     thread.join()
     assert honest.exit_code == 0 and honest.stdout.strip() == b"499999500000", honest.stderr
     assert took < 3
-    assert results["bomb"].limit in (PROCESSES, TIMEOUT, CPU)
+    # Stopped by whichever of its own limits it reached first: 64 forked interpreters can fill
+    # the 256 MiB before the process count (seen under gVisor on a loaded machine).
+    assert results["bomb"].limit in (PROCESSES, TIMEOUT, CPU, MEMORY)
 
 
 def test_limits_refuse_unknown_names_and_non_positive_values():
