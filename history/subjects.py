@@ -152,7 +152,8 @@ def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None, *, 
     """Sealed artifacts carrying the identifier as a whole token: those whose words hold all of its
     words, or have too many to keep (every one, with `scan` or an identifier without one), each opened with its run's key (a
     key destroyed: nothing left to find) and read, a hundred at a time."""
-    hashed = sealing.word_hashes(tenant_id, words(identifier)) if words(identifier) and not scan else None
+    needed = words(identifier)
+    hashed = sealing.word_hashes(tenant_id, needed) if needed and not scan else None
     named = _rows(
         f"SELECT a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s AND a.sealed{_only(ids, 'a.run_id')}"
         + (" AND (a.words IS NULL OR a.words @> %s::bigint[])" if hashed else ""),

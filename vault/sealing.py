@@ -17,6 +17,7 @@ content is never sealed with a key already destroyed.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import os
@@ -39,7 +40,7 @@ KEY_CACHE_SECONDS = 60.0
 VERSION = b"\x01"  # a sealed value: VERSION || key fingerprint (4) || nonce (12) || AES-256-GCM
 WORDS_KEY = "words:"  # the key store's id of a tenant's word key, before the tenant's id
 _CACHE_LIMIT = 4096
-_cache: dict[str, tuple[bytes, float]] = {}
+_cache: dict[str, tuple[bytes, bytes, float]] = {}  # run id -> (key, its wrapping, when read)
 _lock = threading.Lock()
 
 
@@ -103,7 +104,7 @@ def rewrap_all(*, page: int = 500) -> tuple[int, int]:
                 current += 1
                 continue
             try:
-                fresh = _tenant_keys(tenant).rotate(wrapped)
+                fresh = _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS)).rotate(wrapped)
             except InvalidToken:
                 raise KeyStoreUnavailable(
                     f"run {run_id}'s key is wrapped by none of CONTENT_KEYS: put the old key back (after the new one)"
@@ -113,7 +114,7 @@ def rewrap_all(*, page: int = 500) -> tuple[int, int]:
 
 def _wrapped_by_first(wrapped: bytes, tenant: str) -> bool:
     try:
-        Fernet(_derive(settings.CONTENT_KEYS[0], str(tenant))).decrypt(wrapped)
+        _tenant_keys(str(tenant), (settings.CONTENT_KEYS[0],)).decrypt(wrapped)
         return True
     except InvalidToken:
         return False
@@ -138,28 +139,35 @@ def _data_key(run_id, tenant, *, make: bool, cached: bool = True) -> bytes:
     now = time.monotonic()
     with _lock:
         held = _cache.get(run_id)
-    if cached and held is not None and now - held[1] < KEY_CACHE_SECONDS:
+    if cached and held is not None and now - held[2] < KEY_CACHE_SECONDS:
         return held[0]
     wrapped = store.get(run_id)
     if wrapped is None:
         if not make:
             raise KeyDestroyed(run_id)
-        wrapped = store.put(run_id, tenant, _tenant_keys(tenant).encrypt(os.urandom(32)))
-    try:
-        key = _tenant_keys(tenant).decrypt(wrapped)
-    except InvalidToken:
-        raise KeyStoreUnavailable(
-            f"run {run_id}'s key is wrapped by none of CONTENT_KEYS (a key removed too soon?)"
-        ) from None
+        wrapped = store.put(
+            run_id, tenant, _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS)).encrypt(os.urandom(32))
+        )
+    if held is not None and held[1] == wrapped:
+        key = held[0]  # the store still holds the key this process unwrapped: no unwrap again
+    else:
+        try:
+            key = _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS)).decrypt(wrapped)
+        except InvalidToken:
+            raise KeyStoreUnavailable(
+                f"run {run_id}'s key is wrapped by none of CONTENT_KEYS (a key removed too soon?)"
+            ) from None
     with _lock:
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()  # rare: a process touching thousands of runs within a minute
-        _cache[run_id] = (key, now)
+        _cache[run_id] = (key, wrapped, now)
     return key
 
 
-def _tenant_keys(tenant) -> MultiFernet:
-    return MultiFernet([Fernet(_derive(master, str(tenant))) for master in settings.CONTENT_KEYS])
+@functools.lru_cache(maxsize=1024)
+def _tenant_keys(tenant: str, masters: tuple[str, ...]) -> MultiFernet:
+    """The tenant's keys, one per master (keyed by the masters too: a rotation derives anew)."""
+    return MultiFernet([Fernet(_derive(master, tenant)) for master in masters])
 
 
 def _derive(master: str, tenant: str) -> bytes:
