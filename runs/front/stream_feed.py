@@ -135,7 +135,7 @@ class Feed:
                 del self.subscribers[subscription.run_id]
 
     async def wait(self, subscription: Subscription, *, after: int, timeout: float) -> bool:
-        """Wait until events after `after` may exist (True) or `timeout` passes (False)."""
+        """Wait until events after `after`, or a newer status, may exist (True) or `timeout` passes (False)."""
         if timeout <= 0:
             return False
         if not listens():
@@ -154,7 +154,10 @@ class Feed:
             subscription.woken.clear()
             reread, notified = subscription.reread, subscription.notified
             subscription.reread, subscription.notified = False, 0
-            if reread or notified > after:  # an event this stream has not sent yet
+            # Equal counts too: a read takes the run's status before its events, so a stream that
+            # sent the notified event may hold a status older than that event's commit (the run's
+            # last commit, say) and must read once more to see it.
+            if reread or (notified and notified >= after):
                 return True
 
     def wake_all(self) -> None:

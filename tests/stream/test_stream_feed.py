@@ -128,3 +128,31 @@ def test_a_lapsed_lease_is_ignored_by_the_trigger(tenant, asha, builtins):
             await feed.close()
 
     assert asyncio.run(scenario()) == [str(other.pk)]
+
+
+def test_a_notification_for_the_event_already_sent_wakes_the_stream_to_read_the_status_again(
+    tenant, asha, builtins
+):
+    # A read takes the status, then the events: the run's last commit can land between the two, so
+    # the stream sends the last event with a status older than it; that event's notification must
+    # make it read again, or it never learns the run ended (seen in CI: no end within 90 s).
+    factories.make_agent(tenant, tools=[builtins["echo"]], turns=[{"text": "hi"}])
+    run, _ = start_run(user=asha, agent="agent", input={})
+    seen = Run.objects.get(pk=run.pk).event_seq
+
+    async def scenario():
+        feed = stream_feed.Feed()
+        try:
+            following = feed.subscribe(run.pk)
+            await asyncio.wait_for(feed.connected.wait(), 10)
+            assert await feed.wait(following, after=seen, timeout=1)  # the listener's first wake-up
+            await asyncio.to_thread(note, run.pk)
+            # The notification of seq + 1 is delivered while (as if) a read sent that event already.
+            deadline = asyncio.get_running_loop().time() + 10
+            while following.notified <= seen and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            return await feed.wait(following, after=seen + 1, timeout=1)
+        finally:
+            await feed.close()
+
+    assert asyncio.run(scenario()) is True
