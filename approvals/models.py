@@ -5,6 +5,8 @@ import uuid
 from django.conf import settings
 from django.db import models
 
+from vault.fields import SealedJSONField, SealedTextField
+
 
 class ApprovalStatus(models.TextChoices):
     PENDING = "pending"
@@ -38,7 +40,9 @@ class Approval(models.Model):
         "runs.Step", on_delete=models.CASCADE, related_name="approval", db_constraint=False
     )
     tool = models.ForeignKey("tools.Tool", on_delete=models.PROTECT, related_name="approvals")
-    arguments = models.JSONField()
+    # Content (the call's arguments, people's texts) is sealed at rest with the run's key
+    # (vault/fields.py): erasing the run destroys the key, and with it every copy.
+    arguments = SealedJSONField(run="run_id", tenant="tenant_id", empty=dict)
     digest = models.CharField(max_length=64)
     policy = models.TextField()  # the tool's own approval rule (its `approval:` key), as text
     policy_version = models.PositiveIntegerField()  # the tool's, bound into the digest
@@ -64,15 +68,15 @@ class Approval(models.Model):
         on_delete=models.PROTECT,
         related_name="approvals_decided",
     )
-    decision_reason = models.TextField(blank=True)
+    decision_reason = SealedTextField(run="run_id", tenant="tenant_id")
     # An approver's correction of the call (approvals.services.correct): what the model proposed,
     # who changed it and why; `arguments` and `digest` are then the corrected call's.
-    original_arguments = models.JSONField(null=True, blank=True)
+    original_arguments = SealedJSONField(blank=True, run="run_id", tenant="tenant_id")
     corrected_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
-    correction_reason = models.TextField(blank=True)
-    void_reason = models.TextField(blank=True)
+    correction_reason = SealedTextField(run="run_id", tenant="tenant_id")
+    void_reason = SealedTextField(run="run_id", tenant="tenant_id")
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(db_index=True)
     decided_at = models.DateTimeField(null=True, blank=True)
@@ -115,7 +119,7 @@ class ApprovalVote(models.Model):
     approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="votes")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
     digest = models.CharField(max_length=64)  # of the call this person approved
-    reason = models.TextField(blank=True)
+    reason = SealedTextField(run="approval.run_id", tenant="approval.tenant_id")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

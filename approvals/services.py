@@ -22,6 +22,7 @@ from runs.models import Run, Step
 from tenants import permissions
 from tenants.permissions import holds
 from tools.models import Tool
+from vault.fields import seal, sealed_names
 
 
 def effective_policy(run: Run, tool: Tool) -> str:
@@ -71,6 +72,9 @@ def can_decide(user, approval: Approval) -> bool:
     return can_approve(user, approval.tool) or reminders.escalated_member(user, approval)
 
 
+SEALED = frozenset(sealed_names(Approval))  # content: sealed at rest (vault/fields.py)
+
+
 def _transition(approval: Approval, to: str, *, where: dict | None = None, **fields) -> bool:
     """Move the approval from the status it was read in to `to` (APPROVAL_TRANSITIONS), or raise.
 
@@ -79,13 +83,22 @@ def _transition(approval: Approval, to: str, *, where: dict | None = None, **fie
     if to not in APPROVAL_TRANSITIONS.get(approval.status, set()):
         raise IllegalTransition("approval", approval.status, to)
     updated = Approval.objects.filter(pk=approval.pk, status=approval.status, **(where or {})).update(
-        status=to, **fields
+        status=to, **_sealed(approval, fields)
     )
     if updated:
         approval.status = to
         for name, value in fields.items():
             setattr(approval, name, value)
     return bool(updated)
+
+
+def _sealed(approval: Approval, fields: dict) -> dict:
+    """`fields` with the content columns sealed with the run's key, as an UPDATE writes them."""
+    return fields | {
+        name: seal(Approval, name, approval.run_id, value, tenant=approval.tenant_id)
+        for name, value in fields.items()
+        if name in SEALED
+    }
 
 
 def request_approval(*, run: Run, step: Step, decision: Decision) -> Approval:
@@ -335,7 +348,9 @@ def correct(approval: Approval, *, run: Run, user, arguments: dict, reason: str)
     ApprovalVote.objects.create(approval=approval, user=user, digest=corrected["digest"], reason=reason)
     given = ApprovalVote.objects.filter(approval=approval, digest=corrected["digest"]).count()
     if given < approval.required_approvals:
-        if not Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.PENDING).update(**corrected):
+        if not Approval.objects.filter(pk=approval.pk, status=ApprovalStatus.PENDING).update(
+            **_sealed(approval, corrected)
+        ):
             raise Conflict("approval was decided meanwhile", code="approval_decided")
         for name, value in corrected.items():
             setattr(approval, name, value)

@@ -116,13 +116,20 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
     from core.ids import uuid7
     from history import partitions
     from runs.models import Step
+    from vault.fields import seal
 
     with connection.cursor() as cursor:
         then = timezone.now() - dt.timedelta(days=130)
         for table in partitions.TABLES if partitions.active() else ():
             partitions.ensure_months_of(cursor, table, then, ahead=0)
 
-    Step.objects.filter(run=template).update(arguments=ARGUMENTS, result=RESULT, observation=OBSERVATION)
+    # Sealed with the template's key (vault/fields.py); the copies keep the template's seal.
+    Step.objects.filter(run=template).update(
+        **{
+            name: seal(Step, name, template.pk, value, tenant=template.tenant_id)
+            for name, value in (("arguments", ARGUMENTS), ("result", RESULT), ("observation", OBSERVATION))
+        }
+    )
     step_id = Step.objects.filter(run=template).order_by("seq").values_list("pk", flat=True).first()
     started = time.monotonic()
     done = 0
@@ -314,10 +321,13 @@ def find_subject(tenant, template, user, runs: int) -> None:
 
     from history import subjects
     from runs.models import Step
+    from vault.fields import seal
 
     # Written behind the engine's back (no event), so before the index reads it.
     carrier = Step.objects.filter(run__tenant=tenant).exclude(run=template).order_by("run_id", "seq").first()
-    Step.objects.filter(run_id=carrier.run_id, pk=carrier.pk).update(result={"customer": "CUST-4471-BENCH"})
+    Step.objects.filter(run_id=carrier.run_id, pk=carrier.pk).update(
+        result=seal(Step, "result", carrier.run_id, {"customer": "CUST-4471-BENCH"}, tenant=tenant.pk)
+    )
 
     def search(how: str, scan: bool) -> None:
         for identifier, expected in (("CUST-4471-BENCH", 1), ("NOBODY-0000-BENCH", 0)):
@@ -450,7 +460,8 @@ def main() -> None:
             return durations
 
         beside(user, f"content purge of {args.runs * args.steps} steps", content_purge, args.runs)
-        left = Step.objects.filter(observation__contains=SECRET).exclude(run=template).count()
+        # Sealed: the database cannot search the observations, but a purged one is NULL.
+        left = Step.objects.filter(observation__isnull=False).exclude(run=template).count()
         print(f"seeded steps still carrying the content: {left} (of {args.runs * args.steps})")
 
         if args.skeleton:

@@ -69,7 +69,7 @@ def content_of(fields: dict, names: tuple[str, ...] = STEP_CONTENT) -> dict:
 
 def content_texts(fields: dict, names: tuple[str, ...] = STEP_CONTENT) -> dict[str, bytes]:
     """{column: canonical text} of the content columns `names` among a write's `fields`: a writer
-    that digests them can write the same text (core.sql.JsonText) rather than serialise twice."""
+    that digests them can seal the same text (vault/fields.py) rather than serialise twice."""
     return {name: canonical(fields[name]) for name in names if name in fields}
 
 

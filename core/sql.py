@@ -18,7 +18,6 @@ import uuid
 from typing import Any
 
 import psycopg
-import psycopg.types.json
 from django.db import DEFAULT_DB_ALIAS, connection, connections, models
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import signals
@@ -287,36 +286,16 @@ def update(model, pk, *, where: dict | None = None, **values) -> int:
         return cursor.rowcount
 
 
-class JsonText:
-    """A JSON column's value written as text already made of it (core.chain.canonical): the step's
-    content columns are serialised once, for their digests in the run's chain and for the write
-    (a 40 KB tool result's second serialisation cost 0.7 ms). Never SQL NULL: pass None as is."""
-
-    __slots__ = ("text", "value")
-
-    def __init__(self, value, text: bytes):
-        self.value, self.text = value, text
-
-    def param(self, db):
-        if db.vendor == "postgresql":
-            text = self.text
-            return psycopg.types.json.Jsonb(self.value, dumps=lambda _value: text)
-        return self.text.decode("utf-8")
-
-
 def update_sql(
     model, pk, *, where: dict | None = None, into: str | None = None, **values
 ) -> tuple[str, list]:
     """The UPDATE of `update`, and its parameters, for a caller that sends it inside another
-    statement. `into`: the quoted table to update, where not the model's (a partition of it).
-    A value may be a JsonText."""
+    statement. `into`: the quoted table to update, where not the model's (a partition of it)."""
     where = where or {}
     text, fields, key, guards = _update_shape(model, tuple(values), tuple(where), into)
     db = _db()
     params = [
-        value.param(db)
-        if isinstance(value, JsonText)
-        else field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, db)
+        field.get_db_prep_save(value.pk if hasattr(value, "_meta") else value, db)
         for field, value in zip(fields, values.values())
     ]
     params.append(key.get_db_prep_value(pk, db))

@@ -4,7 +4,8 @@ tenant carrying it as an exact value (a customer id, an email, an account number
 "Exact": the identifier as a whole token, not as part of a longer one (`C-77` matches
 `"C-77"` and `customer C-77 called`, not `C-775`): a regular expression with the identifier
 between non-word characters, over the text of each content column (JSON as PostgreSQL prints
-it), and a byte search in artifacts' content.
+it); over steps' and artifacts' content, sealed at rest (vault/), the same in Python once opened
+(a step's JSON as the platform serialises it).
 
 Through an index, so a request does not read every row of the tenant (docs/history.md, "The
 search's index"): `history_subject_words` holds a row per run with the 64-bit hashes of the words
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from cryptography.exceptions import InvalidTag
 from django.db import connection, transaction
 
 from approvals.models import Approval, ApprovalVote
@@ -35,29 +38,18 @@ from core.words import WORD
 from runs.models import TERMINAL, Run, RunEvent, Step
 from vault import sealing
 
-RUNS, STEPS, EVENTS = sql.table(Run), sql.table(Step), sql.table(RunEvent)
-APPROVALS, VOTES, ARTIFACTS = sql.table(Approval), sql.table(ApprovalVote), sql.table(Artifact)
+RUNS, EVENTS = sql.table(Run), sql.table(RunEvent)
+APPROVALS, ARTIFACTS = sql.table(Approval), sql.table(Artifact)
 WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
 
 # The texts the search reads of each table (and the index's words are made of): one list, so the
 # two cannot part.
 RUN_TEXTS = ("r.input::text", "r.metadata::text", "r.final_output", "r.error")
-STEP_TEXTS = (
-    "s.arguments::text",
-    "s.request::text",
-    "s.result::text",
-    "s.observation",
-    "s.error",
-    "s.resolution",
-)
+# Sealed at rest (vault/fields.py): read and searched here, in Python (SEALED_SOURCES).
+STEP_TEXTS = ("arguments", "request", "result", "observation", "error", "resolution")
 EVENT_TEXTS = ("e.message", "e.data::text")
-APPROVAL_TEXTS = (
-    "a.arguments::text",
-    "a.original_arguments::text",
-    "a.decision_reason",
-    "a.correction_reason",
-)
-VOTE_TEXTS = ("v.reason",)  # its dual-control votes' reasons: an approval's too
+APPROVAL_TEXTS = ("arguments", "original_arguments", "decision_reason", "correction_reason")
+VOTE_TEXTS = ("reason",)  # its dual-control votes' reasons: an approval's too
 
 
 @dataclass
@@ -125,7 +117,7 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
         within = [r for r in within if str(r) in scope] if within is not None else sorted(scope)
 
     if within is None:
-        _read(found, tenant_id, p, None)
+        _read(found, tenant_id, p, identifier, None)
     else:
         # By month: a list of one month's runs prunes steps and events to that month's partition,
         # where a list spanning months is planned over every partition (a scan of each).
@@ -133,7 +125,7 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
         for run_id in within:
             months.setdefault(partitions.month_of(run_id), []).append(str(run_id))
         for ids in months.values():
-            _read(found, tenant_id, p, ids)
+            _read(found, tenant_id, p, identifier, ids)
     # Artifacts are written without an event (artifacts/services.py), so the run index cannot tell
     # when a run's changed: they have words of their own, keyed (their bytes are sealed), written
     # with them. Their names are read in SQL.
@@ -161,7 +153,7 @@ def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None, *, 
     )
     seen = {a for items in found.artifacts.values() for a in items}
     todo = [pk for (pk,) in named if pk not in seen]
-    token = re.compile(rf"(?:^|[^\w]){re.escape(identifier)}(?:$|[^\w])")
+    found_token = token(identifier)
     for start in range(0, len(todo), 100):
         rows = Artifact.objects.filter(pk__in=todo[start : start + 100]).values_list(
             "pk", "run_id", "content"
@@ -171,7 +163,7 @@ def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None, *, 
                 plain = artifact_services.open_sealed(pk, run_id, tenant_id, bytes(content))
             except (artifact_services.ContentErased, artifact_services.ContentAltered):
                 continue  # nothing anyone can read: erased, or unreadable since altered
-            if token.search(plain.decode("utf-8", errors="replace")):
+            if found_token.search(plain.decode("utf-8", errors="replace")):
                 found.artifacts.setdefault(run_id, []).append(pk)
 
 
@@ -179,7 +171,7 @@ def _only(ids: list | None, column: str) -> str:
     return f" AND {column} = ANY(%s::uuid[])" if ids is not None else ""
 
 
-def _read(found: Found, tenant_id, p: str, ids: list | None) -> None:
+def _read(found: Found, tenant_id, p: str, identifier: str, ids: list | None) -> None:
     """The runs, steps, events and approvals of the tenant (of the runs `ids`) matching `p`."""
     extra = [ids] if ids is not None else []
     for (run_id,) in _rows(
@@ -187,25 +179,98 @@ def _read(found: Found, tenant_id, p: str, ids: list | None) -> None:
         [tenant_id, *extra, *[p] * len(RUN_TEXTS)],
     ):
         found.runs.add(run_id)
-    for run_id, seq in _rows(
-        f"SELECT s.run_id, s.seq FROM {STEPS} s JOIN {RUNS} r ON r.id = s.run_id "
-        f"WHERE r.tenant_id = %s{_only(ids, 's.run_id')} AND ({_matching(STEP_TEXTS)})",
-        [tenant_id, *extra, *[p] * len(STEP_TEXTS)],
-    ):
-        found.steps.setdefault(run_id, []).append(seq)
+    found_token = token(identifier)
+    for source in SEALED_SOURCES:
+        for run_id, item, texts in _sealed_texts(source, tenant_id, ids):
+            if any(found_token.search(text) for text in texts):
+                items = getattr(found, source.found_as).setdefault(run_id, [])
+                if item not in items:  # an approval found by its own texts and a vote's
+                    items.append(item)
     for run_id, seq in _rows(
         f"SELECT e.run_id, e.seq FROM {EVENTS} e JOIN {RUNS} r ON r.id = e.run_id "
         f"WHERE r.tenant_id = %s{_only(ids, 'e.run_id')} AND ({_matching(EVENT_TEXTS)})",
         [tenant_id, *extra, *[p] * len(EVENT_TEXTS)],
     ):
         found.events.setdefault(run_id, []).append(seq)
-    for run_id, approval_id in _rows(
-        f"SELECT a.run_id, a.id FROM {APPROVALS} a JOIN {RUNS} r ON r.id = a.run_id "
-        f"WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND ({_matching(APPROVAL_TEXTS)} OR EXISTS ("
-        f"SELECT 1 FROM {VOTES} v WHERE v.approval_id = a.id AND ({_matching(VOTE_TEXTS)})))",
-        [tenant_id, *extra, *[p] * (len(APPROVAL_TEXTS) + len(VOTE_TEXTS))],
-    ):
-        found.approvals.setdefault(run_id, []).append(approval_id)
+
+
+def token(identifier: str) -> re.Pattern:
+    """The identifier as a whole token, in Python (`pattern` is PostgreSQL's)."""
+    return re.compile(rf"(?:^|[^\w]){re.escape(identifier)}(?:$|[^\w])")
+
+
+@dataclass(frozen=True)
+class SealedSource:
+    """A table whose texts are sealed at rest (vault/fields.py), read in Python: its rows' run
+    (`run`), what the search reports (`item`), and the order it pages in (`key`), over alias `t`."""
+
+    model: Any  # a model class
+    texts: tuple[str, ...]
+    found_as: str  # the Found attribute its items go to
+    run: str = "t.run_id"
+    item: str = "t.id"
+    key: str = "t.id"
+    join: str = ""
+
+
+SEALED_SOURCES = (
+    SealedSource(Step, STEP_TEXTS, "steps", item="t.seq", key="t.seq"),
+    SealedSource(Approval, APPROVAL_TEXTS, "approvals"),
+    # A vote's reason is its approval's: the approval is what the search reports.
+    SealedSource(
+        ApprovalVote,
+        VOTE_TEXTS,
+        "approvals",
+        run="a.run_id",
+        item="t.approval_id",
+        join=f"JOIN {APPROVALS} a ON a.id = t.approval_id",
+    ),
+)
+
+
+def _sealed_texts(source: SealedSource, tenant_id, ids: list | None):
+    """(run id, item, [its texts]) of the tenant's rows of `source` (of the runs `ids`), a page of
+    500 at a time, each text opened with its run's key (one erased or altered is left out:
+    nothing anyone can read; verify_history names an altered step)."""
+    fields = [source.model._meta.get_field(name) for name in source.texts]
+    columns = ", ".join(f't."{f.column}"' for f in fields)
+    purposes = [f.purpose for f in fields]
+    extra = [ids] if ids is not None else []
+    table = sql.table(source.model)
+    last: list = []
+    while True:
+        after = f" AND ({source.run}, {source.key}) > (%s::uuid, %s)" if last else ""
+        rows = _rows(
+            f"SELECT {source.run}, {source.key}, {source.item}, {columns} FROM {table} t {source.join} "
+            f"JOIN {RUNS} r ON r.id = {source.run} WHERE r.tenant_id = %s{_only(ids, source.run)}{after} "
+            f"ORDER BY {source.run}, {source.key} LIMIT 500",
+            [tenant_id, *extra, *last],
+        )
+        if not rows:
+            return
+        for run_id, _key, item, *stored in rows:
+            texts = []
+            for raw, purpose in zip(stored, purposes):
+                if raw is None:
+                    continue
+                try:
+                    texts.append(sealing.open_value(bytes(raw), purpose).decode("utf-8"))
+                except (sealing.KeyDestroyed, InvalidTag, ValueError):
+                    continue
+            yield run_id, item, texts
+        last = [str(rows[-1][0]), rows[-1][1]]
+
+
+def sealed_words(run_id) -> list[str]:
+    """The words of a run's sealed texts (steps', approvals', votes'), opened here: the index's SQL
+    cannot read them."""
+    found: set[str] = set()
+    tenant = Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).first()
+    for source in SEALED_SOURCES:
+        for _run, _item, texts in _sealed_texts(source, tenant, [str(run_id)]):
+            for text in texts:
+                found.update(re.findall(WORD, text))
+    return sorted(found)
 
 
 def candidates(tenant_id, identifier: str) -> set:
@@ -237,16 +302,18 @@ def _texts(alias: str, table: str, texts: tuple[str, ...], key: str) -> str:
     return f"SELECT t FROM {table} {alias}, unnest(ARRAY[{', '.join(texts)}]) t WHERE {alias}.{key} = %(run)s"
 
 
-# The hashes of a run's words, sorted and distinct (so that a row read back compares equal).
+# The hashes of a run's words, sorted and distinct (so that a row read back compares equal): of
+# the texts read here, and of its sealed texts' words read in Python (`sealed_words`), passed as
+# %(words)s.
 WORDS_OF = f"""
-SELECT coalesce(array_agg(DISTINCT hashtextextended(m[1], 0)), '{{}}')
+SELECT coalesce(array_agg(DISTINCT h), '{{}}')
 FROM (
-    {_texts("r", RUNS, RUN_TEXTS, "id")}
-    UNION ALL {_texts("s", STEPS, STEP_TEXTS, "run_id")}
-    UNION ALL {_texts("e", EVENTS, EVENT_TEXTS, "run_id")}
-    UNION ALL {_texts("a", APPROVALS, APPROVAL_TEXTS, "run_id")}
-    UNION ALL SELECT v.reason FROM {VOTES} v JOIN {APPROVALS} a ON a.id = v.approval_id WHERE a.run_id = %(run)s
-) texts, regexp_matches(texts.t, '{WORD}', 'g') m
+    SELECT hashtextextended(m[1], 0) AS h FROM (
+        {_texts("r", RUNS, RUN_TEXTS, "id")}
+        UNION ALL {_texts("e", EVENTS, EVENT_TEXTS, "run_id")}
+    ) texts, regexp_matches(texts.t, '{WORD}', 'g') m
+    UNION ALL SELECT hashtextextended(w, 0) FROM unnest(%(words)s::text[]) w
+) hashes
 """
 INDEX_RUN = f"""
 INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words) SELECT %(run)s, %(tenant)s, %(seq)s, ({WORDS_OF})
@@ -275,9 +342,14 @@ def index_due(*, batch: int) -> int:
             row = cursor.fetchone()
             if row is None:
                 continue
-            cursor.execute(INDEX_RUN, {"run": run_id, "tenant": row[0], "seq": row[1]})
+            index_run(cursor, run_id, row[0], row[1])
             done += 1
     return done
+
+
+def index_run(cursor, run_id, tenant_id, seq) -> None:
+    """Write the run's index row: its words as of event `seq` (the caller holds the run's row)."""
+    cursor.execute(INDEX_RUN, {"run": run_id, "tenant": tenant_id, "seq": seq, "words": sealed_words(run_id)})
 
 
 def forget(run_id) -> None:
@@ -322,7 +394,7 @@ def mismatched(run_ids: list | None = None) -> list[tuple]:
             seq, status = cursor.fetchone()
             cursor.execute(
                 f"SELECT w.event_seq, w.words IS DISTINCT FROM ({WORDS_OF}) FROM {WORDS} w WHERE w.run_id = %(run)s",
-                {"run": run_id},
+                {"run": run_id, "words": sealed_words(run_id)},
             )
             row = cursor.fetchone()
         if row is None or row[0] is None:

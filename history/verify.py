@@ -27,16 +27,19 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from django.db import connection
 
 from artifacts import services as artifact_services
 from artifacts.models import Artifact
 from authority.models import SigningKey
-from core import chain
+from core import chain, sql
 from history import checkpoints
 from history.models import Checkpoint, CheckpointLeaf, RunTombstone
 from runs.models import Run, RunEvent, Step
+from vault import sealing
+from vault.fields import SealedValueAltered
 
 # Where a misplaced event's hash is looked for: this many places either side of where it stands.
 WINDOW = 3
@@ -291,21 +294,61 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
                         f"the run's {name} was edited: it no longer matches the digest event {seq} bound",
                     )
                 )
-    steps = Step.objects.filter(run_id=rid).values("seq", *chain.STEP_CONTENT)
-    for step in steps:
-        if step["seq"] in erased_steps:
+    for seq, stored in _step_content(rid):
+        if seq in erased_steps:
             continue
         for name in chain.STEP_CONTENT:
-            binding = bound.get((step["seq"], name))
-            if binding is not None and chain.digest(step[name]) != binding[1]:
+            binding = bound.get((seq, name))
+            where = binding[0] if binding is not None else None
+            try:
+                value = _opened(Step, name, stored[name], rid)
+            except SealedValueAltered:
+                findings.append(
+                    Finding(
+                        rid, where, f"step {seq}'s {name} fails its seal: altered, or copied from elsewhere"
+                    )
+                )
+                continue
+            except sealing.KeyDestroyed:
+                findings.append(
+                    Finding(rid, where, f"step {seq}'s {name} is sealed by a key this run does not hold")
+                )
+                continue
+            if binding is not None and chain.digest(value) != binding[1]:
                 findings.append(
                     Finding(
                         rid,
                         binding[0],
-                        f"step {step['seq']}'s {name} was edited: it no longer matches the digest this event bound",
+                        f"step {seq}'s {name} was edited: it no longer matches the digest this event bound",
                     )
                 )
     return findings
+
+
+def _step_content(rid: str) -> list[tuple[int, dict]]:
+    """Each step's content columns as stored (sealed bytes, not opened: the verifier says which do not open)."""
+    columns = ", ".join(sql.column(Step, name) for name in chain.STEP_CONTENT)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT seq, {columns} FROM {sql.table(Step)} WHERE run_id = %s ORDER BY seq",
+            [sql.adapt(uuid.UUID(rid))],
+        )
+        return [(row[0], dict(zip(chain.STEP_CONTENT, row[1:]))) for row in cursor.fetchall()]
+
+
+def _opened(model, name: str, raw, rid: str):
+    """A sealed column's stored value opened; KeyDestroyed rather than empty when its key is gone.
+    A value of another run (its seal names its run) is refused here: it would open with that
+    run's key, which a read of the row cannot tell."""
+    field = model._meta.get_field(name)
+    if raw is None:
+        return field.empty()
+    try:
+        if str(sealing.run_of(bytes(raw))) != str(rid):
+            raise SealedValueAltered(field.purpose)
+        return field.from_plaintext(sealing.open_value(bytes(raw), field.purpose))
+    except (InvalidTag, ValueError):
+        raise SealedValueAltered(field.purpose) from None
 
 
 def _artifacts(rid: str, erased_run: bool) -> list[Finding]:

@@ -22,7 +22,7 @@ from runs.models import (
     StopReason,
 )
 from runs.queueing import enqueue
-from runs.transitions import end_run, lock_run, record_event, transition_run, transition_step, update_row
+from runs.transitions import end_run, lock_run, record_event, transition_run, transition_step, write_step
 
 
 def request_approval(run: Run, step: Step, decision) -> None:
@@ -145,10 +145,7 @@ def _correct(*, approval_id, user, arguments: dict, reason: str) -> Approval:
         changes = approvals.correct(approval, run=run, user=user, arguments=arguments, reason=reason)
         step = approval.step
         what = ", ".join(f"{name} {old!r} → {new!r}" for name, (old, new) in changes.items())
-        update_row(
-            Step, step.pk, where={"run_id": step.run_id}, arguments=arguments, args_digest=digest(arguments)
-        )
-        step.arguments = arguments
+        write_step(step, arguments=arguments, args_digest=digest(arguments))
         record_event(
             run.pk,
             "approval_corrected",

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import models
 
 from core.ids import uuid7
+from vault.fields import SealedJSONField, SealedTextField
 
 
 class RunStatus(models.TextChoices):
@@ -310,13 +311,15 @@ class Step(models.Model):
     )
     tool_name = models.CharField(max_length=200, blank=True)
     call_id = models.CharField(max_length=200, blank=True)
-    arguments = models.JSONField(null=True, blank=True)
+    # Content (what a model, a tool or a person said) is sealed at rest with the run's key
+    # (vault/fields.py): erasing the run destroys the key, and with it every copy, backups included.
+    arguments = SealedJSONField(blank=True)
     args_digest = models.CharField(max_length=64, blank=True)
     idempotency_key = models.CharField(max_length=200, blank=True)
-    request = models.JSONField(null=True, blank=True)  # redacted
-    result = models.JSONField(null=True, blank=True)  # redacted, full
-    observation = models.TextField(blank=True)  # what the model is given
-    error = models.TextField(blank=True)
+    request = SealedJSONField(blank=True)  # redacted
+    result = SealedJSONField(blank=True)  # redacted, full
+    observation = SealedTextField()  # what the model is given
+    error = SealedTextField()
     usage = models.JSONField(null=True, blank=True)
     cost_micros = models.BigIntegerField(default=0)
     reserved_micros = models.BigIntegerField(default=0)
@@ -329,7 +332,7 @@ class Step(models.Model):
     dispatched_at = models.DateTimeField(null=True, blank=True)  # when the latest attempt was sent
     finished_at = models.DateTimeField(null=True, blank=True)  # when the call's outcome was known
     resolved_at = models.DateTimeField(null=True, blank=True)  # when a person resolved an unknown outcome
-    resolution = models.TextField(blank=True)  # what they decided, and why
+    resolution = SealedTextField()  # what they decided, and why
     # A model step: the endpoint it was sent to (the primary or a fallback: llm/fallback.py), and
     # the class of its failure (rate_limited, server_error, timeout, context_too_long; "" answered).
     model_endpoint = models.ForeignKey(

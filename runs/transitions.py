@@ -11,7 +11,7 @@ import threading
 import uuid
 from contextlib import contextmanager
 
-from django.db import connection, models, transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -39,11 +39,14 @@ from runs.models import (
 )
 from tenants.models import Tenant, TenantGroup, User
 from tenants.permissions import held_sql
+from vault.fields import SealedJSONField, seal, sealed_names
 
 _batch = threading.local()
-# The step's content columns that hold JSON: written from the text their digest was made of.
+# The step's columns sealed at rest (vault/fields.py), and those of them holding JSON: sealed as
+# the text their digest was made of.
+_SEALED_STEP_COLUMNS = frozenset(sealed_names(Step))
 _JSON_STEP_COLUMNS = frozenset(
-    name for name in chain.STEP_CONTENT if isinstance(Step._meta.get_field(name), models.JSONField)
+    name for name in _SEALED_STEP_COLUMNS if isinstance(Step._meta.get_field(name), SealedJSONField)
 )
 
 
@@ -202,7 +205,7 @@ def transition_step(
     plain = not any(hasattr(v, "resolve_expression") for v in fields.values())
     # The content columns serialised once: their texts are digested into the event and written.
     texts = chain.content_texts(fields)
-    written = _as_texts(fields, texts) if plain else fields
+    written = _as_texts(fields, texts, step.run_id)
     if deferred is not None and plain:
         deferred.setdefault(step.run_id, []).append(
             statements.StepWrite(step.pk, step.run_id, old, {"status": to, **written})
@@ -229,14 +232,32 @@ def transition_step(
     return event
 
 
-def _as_texts(fields: dict, texts: dict[str, bytes]) -> dict:
-    """`fields` with each JSON content column's value written as its canonical text (not None:
-    that is SQL NULL, which the text "null" is not)."""
-    return fields | {
-        name: sql.JsonText(fields[name], text)
-        for name, text in texts.items()
-        if name in _JSON_STEP_COLUMNS and fields[name] is not None
+def _as_texts(fields: dict, texts: dict[str, bytes], run_id) -> dict:
+    """`fields` with each content column's value sealed with the run's key, a JSON one from the
+    canonical text its digest was made of (not serialised twice)."""
+    return fields | _sealed(run_id, fields, texts)
+
+
+def _sealed(run_id, values: dict, texts: dict[str, bytes] | None = None) -> dict:
+    """The sealed columns among a step write's `values`, as the column stores them."""
+    texts = texts or {}
+    return {
+        name: seal(
+            Step,
+            name,
+            run_id,
+            value,
+            tenant=functools.partial(_tenant_of, run_id),
+            plaintext=texts.get(name) if name in _JSON_STEP_COLUMNS else None,
+        )
+        for name, value in values.items()
+        if name in _SEALED_STEP_COLUMNS
     }
+
+
+def _tenant_of(run_id):
+    """The run's tenant: asked only when a run's first content is sealed (its key is made)."""
+    return Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).get()
 
 
 def _content(fields: dict, names: tuple[str, ...]) -> dict:
@@ -261,6 +282,7 @@ def write_step(step: Step, **values) -> None:
     columns at the end), else now. `step` (the instance) is updated at once."""
     for name, value in values.items():
         setattr(step, name, value)
+    values = values | _sealed(step.run_id, values)
     for write in (getattr(_batch, "step_writes", None) or {}).get(step.run_id, []):
         if isinstance(write, statements.StepWrite) and write.step_id == step.pk:
             write.values.update(values)

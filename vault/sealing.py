@@ -10,8 +10,12 @@ newer key.
 
 Unwrapped keys are kept per process for KEY_CACHE_SECONDS, so reading a run's content costs no
 round trip to the store; a key destroyed elsewhere stops opening content here at most that long
-after (a run must have ended to be erased). Sealing reads the key from the store every time: new
-content is never sealed with a key already destroyed.
+after (a run must have ended to be erased). `seal` reads the key from the store every time: a
+file stored after an erasure is never sealed with a key already destroyed. `seal_value` (a
+column's value: vault/fields.py) takes the key this process holds, since only an open run's rows
+are written and an open run is never erased; a late write to an erased run sealed with the
+destroyed key is as erased as the rest of it. A column value also names its run, so that it
+opens from the row alone: `VALUE_VERSION || run id (16) || key fingerprint || nonce || AES-GCM`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import hmac
 import os
 import threading
 import time
+import uuid
 
 from cryptography.exceptions import InvalidTag
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
@@ -34,13 +39,25 @@ from django.conf import settings
 from vault import store
 from vault.store import KeyDestroyed, KeyStoreUnavailable
 
-__all__ = ["KeyDestroyed", "KeyStoreUnavailable", "seal", "shred", "unseal", "word_hashes"]
+__all__ = [
+    "KeyDestroyed",
+    "KeyStoreUnavailable",
+    "open_value",
+    "run_of",
+    "seal",
+    "seal_value",
+    "shred",
+    "unseal",
+    "word_hashes",
+]
 
 KEY_CACHE_SECONDS = 60.0
 VERSION = b"\x01"  # a sealed value: VERSION || key fingerprint (4) || nonce (12) || AES-256-GCM
+VALUE_VERSION = b"\x02"  # a sealed column value: VALUE_VERSION || run id (16) || as VERSION's
 WORDS_KEY = "words:"  # the key store's id of a tenant's word key, before the tenant's id
 _CACHE_LIMIT = 4096
 _cache: dict[str, tuple[bytes, bytes, float]] = {}  # run id -> (key, its wrapping, when read)
+_ciphers: dict[bytes, AESGCM] = {}  # key -> its cipher (building one costs more than a short value's sealing)
 _lock = threading.Lock()
 
 
@@ -49,7 +66,7 @@ def seal(run_id, tenant, plaintext: bytes, purpose: str) -> bytes:
     # moment ago (an erasure), new content would never open again.
     key = _data_key(run_id, tenant, make=True, cached=False)
     nonce = os.urandom(12)
-    return VERSION + _fingerprint(key) + nonce + AESGCM(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+    return VERSION + _fingerprint(key) + nonce + _cipher(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
 
 
 def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
@@ -63,7 +80,45 @@ def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
         key = _data_key(run_id, tenant, make=False, cached=False)  # this process's copy may be stale
         if _fingerprint(key) != sealed[1:5]:
             raise KeyDestroyed(run_id)
-    return AESGCM(key).decrypt(sealed[5:17], sealed[17:], _aad(run_id, purpose))
+    return _cipher(key).decrypt(sealed[5:17], sealed[17:], _aad(run_id, purpose))
+
+
+def seal_value(run_id, plaintext: bytes, purpose: str, *, tenant) -> bytes:
+    """A column value of the run, sealed with the key this process holds (the module says why);
+    `tenant`, or a callable giving it, is asked only when the run has no key yet."""
+    key = _data_key(run_id, tenant, make=True)
+    nonce = os.urandom(12)
+    head = VALUE_VERSION + uuid.UUID(str(run_id)).bytes
+    return head + _fingerprint(key) + nonce + _cipher(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+
+
+def run_of(sealed: bytes) -> uuid.UUID:
+    """The run a sealed column value belongs to (InvalidTag: not a sealed value)."""
+    if sealed[:1] != VALUE_VERSION or len(sealed) < 33:
+        raise InvalidTag()
+    return uuid.UUID(bytes=bytes(sealed[1:17]))
+
+
+def open_value(sealed: bytes, purpose: str) -> bytes:
+    """A sealed column value's plaintext; KeyDestroyed when its run's content was erased;
+    InvalidTag when the bytes were altered (or moved from another run or column)."""
+    run_id = run_of(sealed)
+    fingerprint, nonce, body = sealed[17:21], sealed[21:33], sealed[33:]
+    key = _data_key(run_id, None, make=False)
+    if _fingerprint(key) != fingerprint:
+        key = _data_key(run_id, None, make=False, cached=False)
+        if _fingerprint(key) != fingerprint:
+            raise KeyDestroyed(run_id)
+    return _cipher(key).decrypt(bytes(nonce), bytes(body), _aad(run_id, purpose))
+
+
+def _cipher(key: bytes) -> AESGCM:
+    found = _ciphers.get(key)
+    if found is None:
+        if len(_ciphers) >= _CACHE_LIMIT:
+            _ciphers.clear()
+        found = _ciphers[key] = AESGCM(key)
+    return found
 
 
 def word_hashes(tenant, words) -> list[int]:
@@ -123,6 +178,7 @@ def _wrapped_by_first(wrapped: bytes, tenant: str) -> bool:
 def forget_cached() -> None:
     with _lock:
         _cache.clear()
+        _ciphers.clear()
 
 
 def _fingerprint(key: bytes) -> bytes:
@@ -141,18 +197,23 @@ def _data_key(run_id, tenant, *, make: bool, cached: bool = True) -> bytes:
         held = _cache.get(run_id)
     if cached and held is not None and now - held[2] < KEY_CACHE_SECONDS:
         return held[0]
-    wrapped = store.get(run_id)
-    if wrapped is None:
+    found = store.held(run_id)
+    if found is None:
         if not make:
             raise KeyDestroyed(run_id)
+        if callable(tenant):
+            tenant = tenant()
         wrapped = store.put(
             run_id, tenant, _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS)).encrypt(os.urandom(32))
         )
+        owner = str(tenant)
+    else:
+        wrapped, owner = found  # wrapped for the tenant the store names
     if held is not None and held[1] == wrapped:
         key = held[0]  # the store still holds the key this process unwrapped: no unwrap again
     else:
         try:
-            key = _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS)).decrypt(wrapped)
+            key = _tenant_keys(owner, tuple(settings.CONTENT_KEYS)).decrypt(wrapped)
         except InvalidToken:
             raise KeyStoreUnavailable(
                 f"run {run_id}'s key is wrapped by none of CONTENT_KEYS (a key removed too soon?)"

@@ -149,8 +149,15 @@ def put(run_id, tenant, wrapped: bytes) -> bytes:
 
 
 def get(run_id) -> bytes | None:
-    rows = _run("SELECT wrapped FROM content_keys WHERE run_id = %s", (str(run_id),), fetch=True)
-    return bytes(rows[0][0]) if rows else None
+    found = held(run_id)
+    return found[0] if found is not None else None
+
+
+def held(run_id) -> tuple[bytes, str] | None:
+    """The run's wrapped key and the tenant it was wrapped for (a sealed column value names only
+    its run: vault/fields.py), or None."""
+    rows = _run("SELECT wrapped, tenant FROM content_keys WHERE run_id = %s", (str(run_id),), fetch=True)
+    return (bytes(rows[0][0]), rows[0][1]) if rows else None
 
 
 def destroy(run_ids) -> int:

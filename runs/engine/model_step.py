@@ -434,7 +434,11 @@ def _check_output(run: Run, text: str) -> tuple[str, list[str], int]:
             ):
                 results.append(stored["text"])
     _, errors = output_contract.check(text, contract, results)
-    refused = Step.objects.filter(run_id=run.pk, kind=StepKind.MODEL, result__has_key="output_errors").count()
+    # Counted here, not in SQL: a step's result is sealed at rest (vault/fields.py).
+    refused = sum(
+        isinstance(result, dict) and "output_errors" in result
+        for result in Step.objects.filter(run_id=run.pk, kind=StepKind.MODEL).values_list("result", flat=True)
+    )
     return decisions.output_turn(errors, refused, contract.retries), errors, refused
 
 

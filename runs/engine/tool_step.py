@@ -29,7 +29,7 @@ from runs.engine.dispatch import (
 )
 from runs.engine.types import ToolCall, ToolOutcome, fenced, tool_of
 from runs.models import Run, RunReplay, Step, StepStatus
-from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step
+from runs.transitions import at_end, atomic_with_events, lock_run, record_event, transition_step, write_step
 from tenants import secrets
 from tools import replay, results, transports
 from tools.types import ToolFailed, ToolInProgress, ToolNotSent, ToolOutcomeUnknown, ToolUnauthorized
@@ -360,7 +360,7 @@ def _record_unknown(run: Run, step: Step, outcome: ToolOutcome) -> None:
     )
     decision = decisions.after_unknown(step.seq, attempt, now)
     if not isinstance(decision, decisions.GiveUp):
-        Step.objects.filter(run_id=step.run_id, pk=step.pk).update(error=error)
+        write_step(step, error=error)
     writer.after_unknown(run, step, decision, error=error)
 
 

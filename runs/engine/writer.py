@@ -31,6 +31,7 @@ from runs.transitions import (
     transition_step,
     void_approval,
     write_run_at_end,
+    write_step,
 )
 from tenants.models import User
 
@@ -236,8 +237,7 @@ def after_unknown(run: Run, step: Step, decision, *, error: str = "") -> None:
     else:
         assert isinstance(decision, decisions.Retry) and decision.at is not None
         delay = max((decision.at - timezone.now()).total_seconds(), 0.0)
-        Step.objects.filter(run_id=step.run_id, pk=step.pk).update(next_attempt_at=decision.at, error=error)
-        step.next_attempt_at = decision.at
+        write_step(step, next_attempt_at=decision.at, error=error)
         record_event(
             run.pk,
             "retry_scheduled",

@@ -31,6 +31,7 @@ from tenants.models import User
 from tests import factories
 from tests.conftest import drive
 from tests.servers import BankServer, wait_for
+from vault.fields import seal
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -181,7 +182,9 @@ def test_it_refuses_to_dispatch_when_the_arguments_change_after_approval(tenant,
     run, approval = waiting_run(tenant, asha, refund)
     decide_approval(approval_id=approval.pk, user=ravi, approve=True)
     tampered = {"transaction_id": "TXN-1001", "amount": 1, "currency": "INR"}
-    Step.objects.filter(pk=refund_step(run).pk).update(arguments=tampered)
+    Step.objects.filter(pk=refund_step(run).pk).update(  # by someone holding the run's key
+        arguments=seal(Step, "arguments", run.pk, tampered, tenant=run.tenant_id)
+    )
     step = refund_step(run)
     assert approvals.verify_for_dispatch(step) is not None
     assert approvals.consume(step) is False  # consuming checks the exact call too

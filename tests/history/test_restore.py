@@ -15,6 +15,7 @@ from django.db import connection
 
 from history.checkpoints import take_checkpoint
 from tests.history.conftest import finished_run
+from vault import store
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,7 +32,14 @@ def _pg(*args: str, db: str, stdin: bytes | None = None) -> bytes:
 def _verify(db: str) -> subprocess.CompletedProcess:
     conf = connection.settings_dict
     url = f"postgres://{conf['USER']}@{conf['HOST'] or '127.0.0.1'}:{conf['PORT']}/{db}"
-    env = {**os.environ, "DATABASE_URL": url, "CELERY_BROKER_URL": settings.CELERY_BROKER_URL}
+    # Restored beside the original, with the original's key store (docs/history.md, "Backups"):
+    # the restored content opens with the keys that sealed it.
+    env = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
+        "CONTENT_KEYS_DATABASE_URL": store.location(),
+    }
     return subprocess.run(
         [sys.executable, "manage.py", "verify_history"],
         capture_output=True,

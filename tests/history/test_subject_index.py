@@ -270,7 +270,7 @@ def test_a_pass_and_an_erasure_of_the_same_run_take_turns_and_no_erased_word_sta
                 "SELECT tenant_id, event_seq FROM runs_run WHERE id = %s FOR SHARE SKIP LOCKED", [run.pk]
             )
             tenant_id, seq = cursor.fetchone()
-            cursor.execute(subjects.INDEX_RUN, {"run": run.pk, "tenant": tenant_id, "seq": seq})
+            subjects.index_run(cursor, run.pk, tenant_id, seq)
             indexing.set()
             assert erasing.wait(10)
 

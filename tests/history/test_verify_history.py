@@ -20,6 +20,7 @@ from history.verify import verify, verify_run
 from runs.models import Run, RunEvent, Step
 from runs.transitions import record_event
 from tests.history.conftest import finished_run
+from vault.fields import SealedValueAltered, seal
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -70,15 +71,45 @@ def test_a_tool_result_is_written_from_the_text_its_digest_was_made_of_and_reads
 
 
 def test_it_names_a_tool_result_edited_in_the_database(asha, echo_agent):
+    # Sealed anew by someone holding the run's key: it opens, but not to what the chain bound.
     run = finished_run(asha)
     tool = Step.objects.get(run=run, kind="tool")
-    Step.objects.filter(pk=tool.pk).update(result={**tool.result, "structured": {"say": "forged"}})
+    forged = seal(
+        Step, "result", run.pk, {**tool.result, "structured": {"say": "forged"}}, tenant=run.tenant_id
+    )
+    Step.objects.filter(pk=tool.pk).update(result=forged)
 
     code, out = _verify_command()
 
     assert code == 1
     assert f"FAIL run {run.pk} event " in out and f"step {tool.seq}'s result was edited" in out, out
     assert out.count("FAIL run") == 1, out
+
+
+def test_it_names_a_sealed_tool_result_whose_bytes_were_changed_or_copied_from_another_run(asha, echo_agent):
+    # Without the key: bytes changed in place, or another run's sealed value put in their place.
+    run, other = finished_run(asha), finished_run(asha, word="other")
+    tool = Step.objects.get(run=run, kind="tool")
+    _sql(
+        "UPDATE runs_step SET result = overlay(result placing '\\x00'::bytea from 40 for 1) WHERE id = %s",
+        [tool.pk],
+    )
+    _sql(
+        "UPDATE runs_step SET observation = (SELECT observation FROM runs_step WHERE run_id = %s AND kind = 'tool') "
+        "WHERE id = %s",
+        [other.pk, tool.pk],
+    )
+
+    findings = " ".join(str(f) for f in verify_run(run.pk)[0])
+
+    assert f"step {tool.seq}'s result fails its seal: altered, or copied from elsewhere" in findings, findings
+    assert f"step {tool.seq}'s observation fails its seal: altered, or copied from elsewhere" in findings, (
+        findings
+    )
+    assert findings.count(f"run {run.pk}") == 2, findings
+    # Served nowhere: reading the step is refused, not answered with what the bytes hold.
+    with pytest.raises(SealedValueAltered):
+        Step.objects.get(pk=tool.pk)
 
 
 def test_it_names_an_events_content_edited_and_its_skeleton_edited(asha, echo_agent):

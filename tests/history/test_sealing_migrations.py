@@ -1,0 +1,99 @@
+"""The migrations that seal steps' and approvals' content (runs 0026, approvals 0009), both ways on
+a database holding runs: back, every column holds its content in the clear in its old type;
+forward again, every value is sealed in place and reads as it did, and the history verifies."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from approvals.models import Approval
+from history.verify import verify
+from runs.approval_effects import decide_approval
+from runs.models import RunStatus, Step
+from runs.services import start_run
+from tests import factories
+from tests.conftest import drive
+from tests.history.conftest import finished_run
+from vault import sealing
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CUSTOMER = "CUST-9031-MG"
+
+
+SEALED = {
+    "runs_step": ("arguments", "request", "result", "observation", "error", "resolution"),
+    "approvals_approval": (
+        "arguments",
+        "original_arguments",
+        "decision_reason",
+        "correction_reason",
+        "void_reason",
+    ),
+    "approvals_approvalvote": ("reason",),
+}
+
+
+def _column_types() -> dict:
+    """{table.column: type} of every sealed column."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT table_name || '.' || column_name, data_type FROM information_schema.columns "
+            "WHERE table_name = ANY(%s)",
+            [list(SEALED)],
+        )
+        found = dict(cursor.fetchall())
+    return {f"{t}.{c}": found[f"{t}.{c}"] for t, columns in SEALED.items() for c in columns}
+
+
+def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_agent):
+    plain_run = finished_run(asha, word=CUSTOMER)
+    type(echo_agent).objects.filter(pk=echo_agent.pk).update(approval_policy="always")
+    factories.grant(echo_agent, approve=[ravi])
+    run, _ = start_run(user=asha, agent="agent", input={"word": CUSTOMER})
+    assert drive(run.pk).status == RunStatus.WAITING_APPROVAL
+    approval = Approval.objects.get(run=run)
+    decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason=f"called {CUSTOMER}")
+    assert drive(run.pk).status == RunStatus.SUCCEEDED
+    before = {
+        "steps": [
+            (s.seq, s.arguments, s.request, s.result, s.observation, s.error)
+            for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
+        ],
+        "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
+    }
+    assert all(kind == "bytea" for kind in _column_types().values())
+
+    try:
+        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)
+        call_command("migrate", "approvals", "0008_step_refs_without_db_keys", verbosity=0)
+        types = _column_types()
+        assert types["runs_step.result"] == "jsonb" and types["runs_step.observation"] == "text", types
+        assert (
+            types["approvals_approval.arguments"] == "jsonb"
+            and types["approvals_approvalvote.reason"] == "text"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM runs_step WHERE arguments::text LIKE %s", [f"%{CUSTOMER}%"])
+            assert cursor.fetchone()[0] == 2  # the plain run's call and the approved one's, in the clear
+            cursor.execute("SELECT decision_reason FROM approvals_approval WHERE id = %s", [approval.pk])
+            assert cursor.fetchone()[0] == f"called {CUSTOMER}"
+    finally:
+        call_command("migrate", verbosity=0)
+
+    sealing.forget_cached()
+    assert all(kind == "bytea" for kind in _column_types().values())
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT arguments FROM runs_step WHERE arguments IS NOT NULL")
+        assert all(bytes(v)[:1] == sealing.VALUE_VERSION for (v,) in cursor.fetchall())
+    after = {
+        "steps": [
+            (s.seq, s.arguments, s.request, s.result, s.observation, s.error)
+            for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
+        ],
+        "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
+    }
+    assert after == before
+    assert verify([plain_run.pk, run.pk]).ok

@@ -1,0 +1,160 @@
+"""Turning a table's content columns into sealed ones (vault/fields.py), for the migrations that do
+it: each column's type changed to `bytea` in place on PostgreSQL (its text as UTF-8 bytes: a
+partitioned table's partitions follow it), or made anew beside the old one on SQLite; then every
+row sealed, a batch at a time, with its run's key (made here for runs that have none: the key
+store is reached, as artifacts migration 0004 says). And back, on PostgreSQL.
+
+A `Sealed` names them: `table`: the table; `label`: the model's label ("runs.step": the seal binds `<label>.<column>`);
+`run` and `tenant`: SQL expressions of a row's run and tenant over alias `t` (with `join`);
+`json_columns` and `text_columns`: the columns of each kind, each with the text an empty value was
+stored as (`{}` for an approval's arguments, `''` for a text, None where empty was NULL already):
+empty becomes NULL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+
+from core import chain
+from vault import sealing
+
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A table's columns to seal (the module says what each field is)."""
+
+    table: str
+    label: str
+    json_columns: dict
+    text_columns: dict
+    run: str
+    tenant: str
+    join: str = ""
+
+
+def seal_columns(schema_editor, spec: Sealed) -> None:
+    table, label, json_columns, text_columns = spec.table, spec.label, spec.json_columns, spec.text_columns
+    conn = schema_editor.connection
+    pg = conn.vendor == "postgresql"
+    columns = (*json_columns, *text_columns)
+    with conn.cursor() as cursor:
+        if pg:
+            cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # as below: nothing an earlier update queued
+        for column in columns:
+            if pg:
+                empty = json_columns[column] if column in json_columns else text_columns[column]
+                plain = f'"{column}"::text' if column in json_columns else f'"{column}"'
+                cursor.execute(
+                    f'ALTER TABLE "{table}" ALTER COLUMN "{column}" DROP NOT NULL, '
+                    f'ALTER COLUMN "{column}" DROP DEFAULT, '
+                    f"ALTER COLUMN \"{column}\" TYPE bytea USING convert_to(nullif({plain}, %s), 'UTF8')",
+                    [empty],
+                )
+            else:
+                cursor.execute(f'ALTER TABLE "{table}" ADD COLUMN "{column}__sealed" BLOB NULL')
+    targets = columns if pg else tuple(f"{c}__sealed" for c in columns)
+    for pk, run_id, tenant_id, values in _pages(conn, spec):
+        sealed = [
+            _seal(label, column, run_id, tenant_id, value, json_columns, text_columns)
+            for column, value in zip(columns, values)
+        ]
+        with conn.cursor() as cursor:
+            cursor.execute(
+                f'UPDATE "{table}" SET {", ".join(f"{chr(34)}{c}{chr(34)} = %s" for c in targets)} WHERE id = %s',
+                [*sealed, pk],
+            )
+    if not pg:
+        with conn.cursor() as cursor:
+            for column in columns:
+                cursor.execute(f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
+                cursor.execute(f'ALTER TABLE "{table}" RENAME COLUMN "{column}__sealed" TO "{column}"')
+
+
+def open_columns(schema_editor, spec: Sealed) -> None:
+    """Back: each column in the clear again, in its old type (what a destroyed key sealed, or what
+    does not open: emptied, it was erased)."""
+    table, label, json_columns, text_columns = spec.table, spec.label, spec.json_columns, spec.text_columns
+    conn = schema_editor.connection
+    if conn.vendor != "postgresql":
+        raise RuntimeError(
+            "sealed columns are opened back on PostgreSQL only (the demo's SQLite: make it anew)"
+        )
+    columns = (*json_columns, *text_columns)
+    with conn.cursor() as cursor:
+        for column in columns:
+            cursor.execute(f'ALTER TABLE "{table}" ADD COLUMN "{column}__plain" text NULL')
+    for pk, _run, _tenant, values in _pages(conn, spec):
+        plain = []
+        for column, value in zip(columns, values):
+            try:
+                opened = sealing.open_value(bytes(value), f"{label}.{column}") if value is not None else None
+            except (sealing.KeyDestroyed, InvalidTag):
+                opened = None
+            plain.append(opened.decode("utf-8") if opened is not None else None)
+        with conn.cursor() as cursor:
+            cursor.execute(
+                f'UPDATE "{table}" SET {", ".join(f"{chr(34)}{c}__plain{chr(34)} = %s" for c in columns)} WHERE id = %s',
+                [*plain, pk],
+            )
+    with conn.cursor() as cursor:
+        # The updates above queued the deferred foreign keys' checks, which ALTER TABLE refuses to
+        # leave pending: run them now.
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        for column in columns:
+            cursor.execute(f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
+            cursor.execute(f'ALTER TABLE "{table}" RENAME COLUMN "{column}__plain" TO "{column}"')
+            empty = json_columns[column] if column in json_columns else text_columns[column]
+            if column in json_columns:
+                cursor.execute(
+                    f'ALTER TABLE "{table}" ALTER COLUMN "{column}" TYPE jsonb USING "{column}"::jsonb'
+                )
+            if empty is not None:
+                cast = "::jsonb" if column in json_columns else ""
+                cursor.execute(
+                    f'UPDATE "{table}" SET "{column}" = %s{cast} WHERE "{column}" IS NULL', [empty]
+                )
+                cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN "{column}" SET NOT NULL')
+
+
+def _pages(conn, spec: Sealed):
+    """(pk, run id, tenant id, [column values]) of every row, a page at a time, in pk order."""
+    columns = (*spec.json_columns, *spec.text_columns)
+    table, run, tenant, join = spec.table, spec.run, spec.tenant, spec.join
+    selected = ", ".join(f't."{c}"' for c in columns)
+    last = None
+    while True:
+        after = "WHERE t.id > %s " if last is not None else ""
+        with conn.cursor() as cursor:
+            cursor.execute(
+                f'SELECT t.id, {run}, {tenant}, {selected} FROM "{table}" t {join} {after}ORDER BY t.id LIMIT %s',
+                [*([last] if last is not None else []), BATCH],
+            )
+            rows = cursor.fetchall()
+        if not rows:
+            return
+        for pk, run_id, tenant_id, *values in rows:
+            yield pk, run_id, tenant_id, values
+        last = rows[-1][0]
+
+
+def _seal(
+    label: str, column: str, run_id, tenant_id, value, json_columns: dict, text_columns: dict
+) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, memoryview | bytes):
+        value = bytes(value).decode("utf-8")
+    if column in json_columns:
+        if value == json_columns[column]:
+            return None
+        plain = chain.canonical(json.loads(value))
+    else:
+        if value == text_columns[column]:
+            return None
+        plain = value.encode("utf-8")
+    return sealing.seal_value(run_id, plain, f"{label}.{column}", tenant=tenant_id)
