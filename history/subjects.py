@@ -44,7 +44,8 @@ WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
 
 # The texts the search reads of each table (and the index's words are made of): one list, so the
 # two cannot part.
-RUN_TEXTS = ("r.input::text", "r.metadata::text", "r.final_output", "r.error")
+RUN_TEXTS = ("r.input::text", "r.metadata::text", "r.error")
+RUN_SEALED_TEXTS = ("final_output",)
 # Sealed at rest (vault/fields.py): read and searched here, in Python (SEALED_SOURCES).
 STEP_TEXTS = ("arguments", "request", "result", "observation", "error", "resolution")
 EVENT_TEXTS = ("e.message", "e.data::text")
@@ -183,7 +184,11 @@ def _read(found: Found, tenant_id, p: str, identifier: str, ids: list | None) ->
     for source in SEALED_SOURCES:
         for run_id, item, texts in _sealed_texts(source, tenant_id, ids):
             if any(found_token.search(text) for text in texts):
-                items = getattr(found, source.found_as).setdefault(run_id, [])
+                kept = getattr(found, source.found_as)
+                if isinstance(kept, set):  # the run itself
+                    kept.add(run_id)
+                    continue
+                items = kept.setdefault(run_id, [])
                 if item not in items:  # an approval found by its own texts and a vote's
                     items.append(item)
     for run_id, seq in _rows(
@@ -214,6 +219,7 @@ class SealedSource:
 
 
 SEALED_SOURCES = (
+    SealedSource(Run, RUN_SEALED_TEXTS, "runs", run="t.id"),
     SealedSource(Step, STEP_TEXTS, "steps", item="t.seq", key="t.seq"),
     SealedSource(Approval, APPROVAL_TEXTS, "approvals"),
     # A vote's reason is its approval's: the approval is what the search reports.
@@ -262,7 +268,7 @@ def _sealed_texts(source: SealedSource, tenant_id, ids: list | None):
 
 
 def sealed_words(run_id) -> list[str]:
-    """The words of a run's sealed texts (steps', approvals', votes'), opened here: the index's SQL
+    """The words of a run's sealed texts (its own, its steps', approvals', votes'), opened here: the index's SQL
     cannot read them."""
     found: set[str] = set()
     tenant = Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).first()

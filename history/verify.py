@@ -39,7 +39,7 @@ from history import checkpoints
 from history.models import Checkpoint, CheckpointLeaf, RunTombstone
 from runs.models import Run, RunEvent, Step
 from vault import sealing
-from vault.fields import SealedValueAltered
+from vault.fields import SealedField, SealedValueAltered
 
 # Where a misplaced event's hash is looked for: this many places either side of where it stands.
 WINDOW = 3
@@ -137,11 +137,7 @@ def verify_checkpoints(jwks: dict | None = None) -> tuple[list[Finding], Checkpo
 def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) -> tuple[list[Finding], int]:
     """One run's findings and the number of its events. `leaves`: (checkpoint number, seq, head)."""
     rid = str(run_id)
-    run = (
-        Run.objects.filter(pk=run_id)
-        .values("event_seq", "chain_head", "input", "metadata", "final_output")
-        .first()
-    )
+    run = Run.objects.filter(pk=run_id).values("event_seq", "chain_head", "input", "metadata").first()
     leaves = leaves if leaves is not None else _leaves_of(run_id)
     if run is None:
         if leaves:
@@ -284,7 +280,10 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
                 bound[(step_seq, name)] = (seq, value)
     findings = []
     if not erased_run:
+        run = run | _run_sealed(rid, bound, findings)
         for name in chain.RUN_CONTENT:
+            if name not in run:
+                continue  # does not open: named above
             if (None, name) in bound and chain.digest(run[name]) != bound[(None, name)][1]:
                 seq = bound[(None, name)][0]
                 findings.append(
@@ -323,6 +322,32 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
                     )
                 )
     return findings
+
+
+def _run_sealed(rid: str, bound: dict, findings: list) -> dict:
+    """The run's own sealed content opened from its raw bytes ({} for a column that does not
+    open, with the finding added)."""
+    names = [f.name for f in Run._meta.concrete_fields if isinstance(f, SealedField)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {', '.join(sql.column(Run, n) for n in names)} FROM {sql.table(Run)} WHERE id = %s",
+            [sql.adapt(uuid.UUID(rid))],
+        )
+        row = cursor.fetchone()
+    opened = {}
+    for name, raw in zip(names, row):
+        where = bound.get((None, name), (None,))[0]
+        try:
+            opened[name] = _opened(Run, name, raw, rid)
+        except SealedValueAltered:
+            findings.append(
+                Finding(rid, where, f"the run's {name} fails its seal: altered, or copied from elsewhere")
+            )
+        except sealing.KeyDestroyed:
+            findings.append(
+                Finding(rid, where, f"the run's {name} is sealed by a key this run does not hold")
+            )
+    return opened
 
 
 def _step_content(rid: str) -> list[tuple[int, dict]]:

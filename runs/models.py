@@ -111,7 +111,8 @@ class Run(models.Model):
     )
     stop_reason = models.CharField(max_length=32, choices=StopReason.choices, blank=True)
     error = models.TextField(blank=True)
-    final_output = models.TextField(blank=True)
+    # The answer: content, sealed at rest with the run's key (vault/fields.py), as its steps' are.
+    final_output = SealedTextField(run="pk", tenant="tenant_id")
     cancel_requested = models.BooleanField(default=False)
     # An operator's pause (runs/controls/pausing.py): requested while a call is in flight, taken by the
     # record or the next claim at the step boundary; who, why and until when, kept while paused.

@@ -45,6 +45,7 @@ _batch = threading.local()
 # The step's columns sealed at rest (vault/fields.py), and those of them holding JSON: sealed as
 # the text their digest was made of.
 _SEALED_STEP_COLUMNS = frozenset(sealed_names(Step))
+_SEALED_RUN_COLUMNS = frozenset(sealed_names(Run))
 _JSON_STEP_COLUMNS = frozenset(
     name for name in _SEALED_STEP_COLUMNS if isinstance(Step._meta.get_field(name), SealedJSONField)
 )
@@ -172,7 +173,12 @@ def transition_run(
     if to in TERMINAL or to in WAITING:
         # Nobody works on a run that waits or has ended: the next claim must not find a lease.
         fields.update(lease_token=None, lease_expires_at=None)
-    if not update_row(Run, run.pk, where={"status": old}, status=to, **fields):
+    written = fields | {
+        name: seal(Run, name, run.pk, value, tenant=run.tenant_id)
+        for name, value in fields.items()
+        if name in _SEALED_RUN_COLUMNS
+    }
+    if not update_row(Run, run.pk, where={"status": old}, status=to, **written):
         raise IllegalTransition("run", old, to)
     run.status = to
     for name, value in fields.items():

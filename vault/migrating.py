@@ -42,9 +42,12 @@ def seal_columns(schema_editor, spec: Sealed) -> None:
     conn = schema_editor.connection
     pg = conn.vendor == "postgresql"
     columns = (*json_columns, *text_columns)
+    triggers = _dependent_triggers(conn, table, columns) if pg else []
     with conn.cursor() as cursor:
         if pg:
             cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # as below: nothing an earlier update queued
+        for name, _definition in triggers:
+            cursor.execute(f'DROP TRIGGER "{name}" ON "{table}"')
         for column in columns:
             if pg:
                 empty = json_columns[column] if column in json_columns else text_columns[column]
@@ -68,8 +71,11 @@ def seal_columns(schema_editor, spec: Sealed) -> None:
                 f'UPDATE "{table}" SET {", ".join(f"{chr(34)}{c}{chr(34)} = %s" for c in targets)} WHERE id = %s',
                 [*sealed, pk],
             )
-    if not pg:
-        with conn.cursor() as cursor:
+    with conn.cursor() as cursor:
+        # After the pass: sealing a value in place changes nothing those triggers watch for.
+        for _name, definition in triggers:
+            cursor.execute(definition)
+        if not pg:
             for column in columns:
                 cursor.execute(f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
                 cursor.execute(f'ALTER TABLE "{table}" RENAME COLUMN "{column}__sealed" TO "{column}"')
@@ -105,6 +111,9 @@ def open_columns(schema_editor, spec: Sealed) -> None:
         # The updates above queued the deferred foreign keys' checks, which ALTER TABLE refuses to
         # leave pending: run them now.
         cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        triggers = _dependent_triggers(conn, table, columns)
+        for name, _definition in triggers:
+            cursor.execute(f'DROP TRIGGER "{name}" ON "{table}"')
         for column in columns:
             cursor.execute(f'ALTER TABLE "{table}" DROP COLUMN "{column}"')
             cursor.execute(f'ALTER TABLE "{table}" RENAME COLUMN "{column}__plain" TO "{column}"')
@@ -119,6 +128,22 @@ def open_columns(schema_editor, spec: Sealed) -> None:
                     f'UPDATE "{table}" SET "{column}" = %s{cast} WHERE "{column}" IS NULL', [empty]
                 )
                 cursor.execute(f'ALTER TABLE "{table}" ALTER COLUMN "{column}" SET NOT NULL')
+        for _name, definition in triggers:
+            cursor.execute(definition)
+
+
+def _dependent_triggers(conn, table: str, columns: tuple) -> list[tuple[str, str]]:
+    """(name, definition) of the table's triggers that name one of the columns (`UPDATE OF`, or
+    their WHEN): PostgreSQL changes no such column's type, so they are dropped and made again."""
+    with conn.cursor() as cursor:
+        cursor.execute(
+            "SELECT DISTINCT t.tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t "
+            "JOIN pg_depend d ON d.classid = 'pg_trigger'::regclass AND d.objid = t.oid "
+            "JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid "
+            "WHERE d.refobjid = %s::regclass AND NOT t.tgisinternal AND a.attname = ANY(%s)",
+            [table, list(columns)],
+        )
+        return [(name, definition) for name, definition in cursor.fetchall()]
 
 
 def _pages(conn, spec: Sealed):

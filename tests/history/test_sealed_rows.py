@@ -14,7 +14,7 @@ from approvals.models import Approval, ApprovalVote
 from history import subjects
 from history.verify import verify
 from runs.approval_effects import decide_approval
-from runs.models import RunStatus, Step
+from runs.models import Run, RunStatus, Step
 from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
@@ -61,11 +61,20 @@ def test_a_steps_content_is_sealed_at_rest_and_read_opened(asha, echo_agent):
     # The model step that proposed the call carries it too, in its result.
     assert subjects.find(run.tenant_id, CUSTOMER, scan=True).steps == {run.pk: [tool.seq - 1, tool.seq]}
     assert verify([run.pk]).ok
+    # The run's answer too.
+    assert _raw_output(run)[:1] == sealing.VALUE_VERSION and b"all done" not in _raw_output(run)
+    assert Run.objects.get(pk=run.pk).final_output == "all done"
+
+
+def _raw_output(run) -> bytes:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT final_output FROM runs_run WHERE id = %s", [run.pk])
+        return bytes(cursor.fetchone()[0])
 
 
 def test_an_erasure_destroys_the_key_so_steps_copied_before_no_longer_open(asha, compliance, echo_agent):
     run = finished_run(asha, word=CUSTOMER)
-    backup = _raw(run)  # a backup's copy of the rows
+    backup, answer = _raw(run), _raw_output(run)  # a backup's copy of the rows
 
     assert _erase(compliance).status_code == 201
 
@@ -77,7 +86,9 @@ def test_an_erasure_destroys_the_key_so_steps_copied_before_no_longer_open(asha,
                 f"UPDATE runs_step SET {', '.join(f'{c} = %s' for c in COLUMNS)} WHERE run_id = %s AND seq = %s",
                 [*values, run.pk, seq],
             )
+        cursor.execute("UPDATE runs_run SET final_output = %s WHERE id = %s", [answer, run.pk])
     sealing.forget_cached()  # another process: nothing kept in memory
+    assert Run.objects.get(pk=run.pk).final_output == ""
     tool = Step.objects.get(run=run, kind="tool")
     assert tool.arguments is None and tool.observation == "" and tool.result is None  # erased, not served
     assert subjects.find(run.tenant_id, CUSTOMER, scan=True).run_ids() == set()

@@ -11,7 +11,7 @@ from django.db import connection
 from approvals.models import Approval
 from history.verify import verify
 from runs.approval_effects import decide_approval
-from runs.models import RunStatus, Step
+from runs.models import Run, RunStatus, Step
 from runs.services import start_run
 from tests import factories
 from tests.conftest import drive
@@ -33,6 +33,7 @@ SEALED = {
         "void_reason",
     ),
     "approvals_approvalvote": ("reason",),
+    "runs_run": ("final_output",),
 }
 
 
@@ -63,14 +64,18 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
             for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
         ],
         "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
+        "answers": list(
+            Run.objects.filter(pk__in=[plain_run.pk, run.pk]).order_by("pk").values_list("final_output")
+        ),
     }
     assert all(kind == "bytea" for kind in _column_types().values())
 
     try:
-        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)
+        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0027, then 0026
         call_command("migrate", "approvals", "0008_step_refs_without_db_keys", verbosity=0)
         types = _column_types()
         assert types["runs_step.result"] == "jsonb" and types["runs_step.observation"] == "text", types
+        assert types["runs_run.final_output"] == "text"
         assert (
             types["approvals_approval.arguments"] == "jsonb"
             and types["approvals_approvalvote.reason"] == "text"
@@ -94,6 +99,12 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
             for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
         ],
         "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
+        "answers": list(
+            Run.objects.filter(pk__in=[plain_run.pk, run.pk]).order_by("pk").values_list("final_output")
+        ),
     }
-    assert after == before
+    assert after == before and before["answers"] == [("all done",), ("all done",)]
+    with connection.cursor() as cursor:  # the data subject index's trigger that names the column is back
+        cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'runs_run_subject_words_stale'")
+        assert cursor.fetchone()[0] == 1
     assert verify([plain_run.pk, run.pk]).ok

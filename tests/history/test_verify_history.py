@@ -278,3 +278,18 @@ def test_verify_against_a_pinned_jwks(asha, echo_agent, tmp_path):
     jwks.write_text(json.dumps({"keys": []}))
     code, out = _verify_command("--jwks", str(jwks))
     assert code == 1 and "checkpoint 1: key " in out and "is not among the pinned keys" in out
+
+
+def test_it_names_a_runs_sealed_answer_whose_bytes_were_changed(asha, echo_agent):
+    run = finished_run(asha)
+    _sql(
+        "UPDATE runs_run SET final_output = overlay(final_output placing '\\x00'::bytea from 40 for 1) WHERE id = %s",
+        [run.pk],
+    )
+
+    findings = [str(f) for f in verify_run(run.pk)[0]]
+
+    assert (
+        len(findings) == 1
+        and "the run's final_output fails its seal: altered, or copied from elsewhere" in findings[0]
+    )
