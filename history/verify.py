@@ -278,7 +278,7 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
         if isinstance(content, dict):
             for name, value in content.items():
                 bound[(step_seq, name)] = (seq, value)
-    findings = []
+    findings: list[Finding] = []
     if not erased_run:
         run = run | _run_sealed(rid, bound, findings)
         for name in chain.RUN_CONTENT:
