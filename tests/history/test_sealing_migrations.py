@@ -49,6 +49,23 @@ def _column_types() -> dict:
     return {f"{t}.{c}": found[f"{t}.{c}"] for t, columns in SEALED.items() for c in columns}
 
 
+def _read_back(runs, approval) -> dict:
+    """What the runs' sealed columns read as, through the ORM."""
+    return {
+        "steps": [
+            (s.seq, s.arguments, s.request, s.result, s.observation, s.error, s.resolution)
+            for s in Step.objects.filter(run__in=runs).order_by("run_id", "seq")
+        ],
+        "approval": Approval.objects.values_list(
+            "arguments", "original_arguments", "decision_reason", "correction_reason", "void_reason"
+        ).get(pk=approval.pk),
+        "votes": list(approval.votes.values_list("reason", flat=True)),
+        "answers": list(
+            Run.objects.filter(pk__in=[r.pk for r in runs]).order_by("pk").values_list("final_output")
+        ),
+    }
+
+
 def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_agent):
     plain_run = finished_run(asha, word=CUSTOMER)
     type(echo_agent).objects.filter(pk=echo_agent.pk).update(approval_policy="always")
@@ -58,16 +75,7 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     approval = Approval.objects.get(run=run)
     decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason=f"called {CUSTOMER}")
     assert drive(run.pk).status == RunStatus.SUCCEEDED
-    before = {
-        "steps": [
-            (s.seq, s.arguments, s.request, s.result, s.observation, s.error)
-            for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
-        ],
-        "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
-        "answers": list(
-            Run.objects.filter(pk__in=[plain_run.pk, run.pk]).order_by("pk").values_list("final_output")
-        ),
-    }
+    before = _read_back([plain_run, run], approval)
     assert all(kind == "bytea" for kind in _column_types().values())
 
     try:
@@ -93,17 +101,9 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     with connection.cursor() as cursor:
         cursor.execute("SELECT arguments FROM runs_step WHERE arguments IS NOT NULL")
         assert all(bytes(v)[:1] == sealing.VALUE_VERSION for (v,) in cursor.fetchall())
-    after = {
-        "steps": [
-            (s.seq, s.arguments, s.request, s.result, s.observation, s.error)
-            for s in Step.objects.filter(run__in=[plain_run, run]).order_by("run_id", "seq")
-        ],
-        "approval": Approval.objects.values_list("arguments", "decision_reason").get(pk=approval.pk),
-        "answers": list(
-            Run.objects.filter(pk__in=[plain_run.pk, run.pk]).order_by("pk").values_list("final_output")
-        ),
-    }
+    after = _read_back([plain_run, run], approval)
     assert after == before and before["answers"] == [("all done",), ("all done",)]
+    assert before["votes"] == [f"called {CUSTOMER}"] and before["approval"][0] == {"say": CUSTOMER}
     with connection.cursor() as cursor:  # the data subject index's trigger that names the column is back
         cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'runs_run_subject_words_stale'")
         assert cursor.fetchone()[0] == 1
