@@ -267,13 +267,12 @@ def _sealed_texts(source: SealedSource, tenant_id, ids: list | None):
         last = [str(rows[-1][0]), rows[-1][1]]
 
 
-def sealed_words(run_id) -> list[str]:
+def sealed_words(run_id, tenant_id) -> list[str]:
     """The words of a run's sealed texts (its own, its steps', approvals', votes'), opened here: the index's SQL
     cannot read them."""
     found: set[str] = set()
-    tenant = Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).first()
     for source in SEALED_SOURCES:
-        for _run, _item, texts in _sealed_texts(source, tenant, [str(run_id)]):
+        for _run, _item, texts in _sealed_texts(source, tenant_id, [str(run_id)]):
             for text in texts:
                 found.update(re.findall(WORD, text))
     return sorted(found)
@@ -355,7 +354,9 @@ def index_due(*, batch: int) -> int:
 
 def index_run(cursor, run_id, tenant_id, seq) -> None:
     """Write the run's index row: its words as of event `seq` (the caller holds the run's row)."""
-    cursor.execute(INDEX_RUN, {"run": run_id, "tenant": tenant_id, "seq": seq, "words": sealed_words(run_id)})
+    cursor.execute(
+        INDEX_RUN, {"run": run_id, "tenant": tenant_id, "seq": seq, "words": sealed_words(run_id, tenant_id)}
+    )
 
 
 def forget(run_id) -> None:
@@ -396,11 +397,13 @@ def mismatched(run_ids: list | None = None) -> list[tuple]:
     for (run_id,) in covered:
         with transaction.atomic(), connection.cursor() as cursor:
             # Share-locked as the index pass does: no writer moves the run between the two reads.
-            cursor.execute(f"SELECT event_seq, status FROM {RUNS} WHERE id = %s FOR SHARE", [run_id])
-            seq, status = cursor.fetchone()
+            cursor.execute(
+                f"SELECT event_seq, status, tenant_id FROM {RUNS} WHERE id = %s FOR SHARE", [run_id]
+            )
+            seq, status, tenant_id = cursor.fetchone()
             cursor.execute(
                 f"SELECT w.event_seq, w.words IS DISTINCT FROM ({WORDS_OF}) FROM {WORDS} w WHERE w.run_id = %(run)s",
-                {"run": run_id, "words": sealed_words(run_id)},
+                {"run": run_id, "words": sealed_words(run_id, tenant_id)},
             )
             row = cursor.fetchone()
         if row is None or row[0] is None:

@@ -27,7 +27,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from django.db import connection
 
@@ -362,18 +362,8 @@ def _step_content(rid: str) -> list[tuple[int, dict]]:
 
 
 def _opened(model, name: str, raw, rid: str):
-    """A sealed column's stored value opened; KeyDestroyed rather than empty when its key is gone.
-    A value of another run (its seal names its run) is refused here: it would open with that
-    run's key, which a read of the row cannot tell."""
-    field = model._meta.get_field(name)
-    if raw is None:
-        return field.empty()
-    try:
-        if str(sealing.run_of(bytes(raw))) != str(rid):
-            raise SealedValueAltered(field.purpose)
-        return field.from_plaintext(sealing.open_value(bytes(raw), field.purpose))
-    except (InvalidTag, ValueError):
-        raise SealedValueAltered(field.purpose) from None
+    """A sealed column's stored value opened strictly (vault.fields.SealedField.open_strictly)."""
+    return model._meta.get_field(name).open_strictly(raw, run_id=rid)
 
 
 def _artifacts(rid: str, erased_run: bool) -> list[Finding]:

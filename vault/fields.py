@@ -106,12 +106,20 @@ class SealedField(models.Field):
 
     def open(self, raw) -> Any:
         """A stored value, opened (empty once erased); SealedValueAltered when it does not open."""
+        try:
+            return self.open_strictly(raw)
+        except sealing.KeyDestroyed:
+            return self.empty()
+
+    def open_strictly(self, raw, *, run_id=None) -> Any:
+        """As `open`, but KeyDestroyed when the key is gone; with `run_id`, a value another run
+        sealed is SealedValueAltered too (it would open with that run's key): the verifier's."""
         if raw is None:
             return self.empty()
         try:
+            if run_id is not None and str(sealing.run_of(bytes(raw))) != str(run_id):
+                raise SealedValueAltered(self.purpose)
             return self.from_plaintext(sealing.open_value(bytes(raw), self.purpose))
-        except sealing.KeyDestroyed:
-            return self.empty()
         except (InvalidTag, ValueError):
             raise SealedValueAltered(self.purpose) from None
 
