@@ -94,7 +94,7 @@ class DatabaseCollector:
         # When each such run last entered needs_attention (its status event), the oldest of those.
         entered = (
             RunEvent.objects.filter(
-                run__status=RunStatus.NEEDS_ATTENTION, kind="status", data__to=RunStatus.NEEDS_ATTENTION
+                run__status=RunStatus.NEEDS_ATTENTION, kind="status", skeleton__to=RunStatus.NEEDS_ATTENTION
             )
             .values("run_id")
             .annotate(entered=Max("at"))

@@ -768,10 +768,10 @@ def report(run_ids: list[str], banks: dict[str, Bank], chaos: Chaos, supervisor:
         )
     events = dict(RunEvent.objects.filter(run__in=runs).values_list("kind").annotate(n=Count("pk")))
     found = collections.Counter(
-        RunEvent.objects.filter(run__in=runs, kind="recovery").values_list("data__found", flat=True)
+        RunEvent.objects.filter(run__in=runs, kind="recovery").values_list("skeleton__found", flat=True)
     )
     resent = collections.Counter(
-        RunEvent.objects.filter(run__in=runs, kind="recovery", data__found="lost_message").values_list(
+        RunEvent.objects.filter(run__in=runs, kind="recovery", skeleton__found="lost_message").values_list(
             "run_id", flat=True
         )
     )

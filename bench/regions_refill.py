@@ -194,7 +194,7 @@ def watch_parks(tenant, room: HomeRoom, stop: threading.Event, parks: list, load
         while not stop.is_set():
             loads.append(os.getloadavg()[0])
             for event in RunEvent.objects.filter(
-                run__tenant=tenant, kind="status", data__to="waiting_budget", id__gt=seen
+                run__tenant=tenant, kind="status", skeleton__to="waiting_budget", id__gt=seen
             ).order_by("id"):
                 seen = event.id
                 if event.data.get("admission"):
@@ -302,7 +302,7 @@ def scenario(name: str, home, beat: Beat, args) -> dict:
     # Admission waits: from the status event that put a run in admission's queue to its next
     # one (admitted). Not admitted_at: the sweeper stamps it with the start of its pass.
     admission_waits = []
-    for queued in RunEvent.objects.filter(run__tenant=tenant, kind="status", data__admission=True):
+    for queued in RunEvent.objects.filter(run__tenant=tenant, kind="status", skeleton__admission=True):
         admitted = (
             RunEvent.objects.filter(run_id=queued.run_id, kind="status", seq__gt=queued.seq)
             .order_by("seq")
@@ -315,7 +315,7 @@ def scenario(name: str, home, beat: Beat, args) -> dict:
     for park in parks:
         resumed = (
             RunEvent.objects.filter(run_id=park["run"], kind="status", at__gte=park["at"])
-            .exclude(data__to="waiting_budget")
+            .exclude(skeleton__to="waiting_budget")
             .order_by("at", "id")
             .values_list("at", flat=True)
             .first()

@@ -78,6 +78,15 @@ def _fields(model) -> tuple[list[str], list[str], list[tuple[int, object, list]]
     return [f.column for f in fields], [f.attname for f in fields], converters, fields.index(model._meta.pk)
 
 
+def convert(field, value, db=None):
+    """A column's value read in raw SQL, as the ORM gives it (the conversions `build` applies)."""
+    column = field.get_col(field.model._meta.db_table)
+    db = db or _db()
+    for function in db.ops.get_db_converters(column) + column.get_db_converters(db):
+        value = function(value, column, db)
+    return value
+
+
 def quote(name: str) -> str:
     """A table or column name as an SQL identifier."""
     return f'"{name}"'

@@ -94,7 +94,8 @@ def _records(run_ids: list) -> list[dict]:
                     "actor_id": event.actor_id,
                     "actor": event.actor.username if event.actor else None,
                     "message": event.message,
-                    "data": event.data,
+                    # once its content went, what stays (a removal's own record is all that)
+                    "data": event.details,
                     "content_digest": event.content_digest,
                     "chain_hash": bytes(event.chain_hash).hex() if event.chain_hash is not None else None,
                 }

@@ -8,8 +8,10 @@ it); over steps' and artifacts' content, sealed at rest (vault/), the same in Py
 (a step's JSON as the platform serialises it).
 
 Through an index, so a request does not read every row of the tenant (docs/history.md, "The
-search's index"): `history_subject_words` holds a row per run with the 64-bit hashes of the words
-of every text the search reads (maximal runs of ASCII letters, digits and `_`, two or more long)
+search's index"): `history_subject_words` holds a row per run with the keyed 64-bit hashes
+(vault.sealing.word_hashes: HMAC with the tenant's word key, so a copy of the index confirms no
+guessed word) of the words of every text the search reads, opened in Python (maximal runs of
+ASCII letters, digits and `_`, two or more long)
 and the run's `event_seq` when they were read, or null while the run is not covered (live, never
 indexed, changed since: triggers on runs_run keep that, migration 0004). The words of an
 identifier found in a text as a whole token are words of that text, so the runs whose row holds
@@ -44,11 +46,12 @@ WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
 
 # The texts the search reads of each table (and the index's words are made of): one list, so the
 # two cannot part.
-RUN_TEXTS = ("r.input::text", "r.metadata::text", "r.error")
-RUN_SEALED_TEXTS = ("final_output",)
+RUN_TEXTS = ("r.input::text", "r.metadata::text")
+EVENT_TEXTS = ("e.skeleton::text",)  # its data's keys about the platform's state, in the clear
 # Sealed at rest (vault/fields.py): read and searched here, in Python (SEALED_SOURCES).
+RUN_SEALED_TEXTS = ("final_output", "error")
 STEP_TEXTS = ("arguments", "request", "result", "observation", "error", "resolution")
-EVENT_TEXTS = ("e.message", "e.data::text")
+EVENT_SEALED_TEXTS = ("message", "data")
 APPROVAL_TEXTS = ("arguments", "original_arguments", "decision_reason", "correction_reason")
 VOTE_TEXTS = ("reason",)  # its dual-control votes' reasons: an approval's too
 
@@ -90,7 +93,7 @@ def words(identifier: str) -> list[str]:
     return sorted(set(re.findall(WORD, identifier)))
 
 
-def _rows(text: str, params: list) -> list[tuple]:
+def _rows(text: str, params: list | dict) -> list[tuple]:
     with connection.cursor() as cursor:
         cursor.execute(text, params)
         return cursor.fetchall()
@@ -196,7 +199,9 @@ def _read(found: Found, tenant_id, p: str, identifier: str, ids: list | None) ->
         f"WHERE r.tenant_id = %s{_only(ids, 'e.run_id')} AND ({_matching(EVENT_TEXTS)})",
         [tenant_id, *extra, *[p] * len(EVENT_TEXTS)],
     ):
-        found.events.setdefault(run_id, []).append(seq)
+        seqs = found.events.setdefault(run_id, [])
+        if seq not in seqs:  # found by its sealed texts too
+            seqs.append(seq)
 
 
 def token(identifier: str) -> re.Pattern:
@@ -221,6 +226,7 @@ class SealedSource:
 SEALED_SOURCES = (
     SealedSource(Run, RUN_SEALED_TEXTS, "runs", run="t.id"),
     SealedSource(Step, STEP_TEXTS, "steps", item="t.seq", key="t.seq"),
+    SealedSource(RunEvent, EVENT_SEALED_TEXTS, "events", item="t.seq", key="t.seq"),
     SealedSource(Approval, APPROVAL_TEXTS, "approvals"),
     # A vote's reason is its approval's: the approval is what the search reports.
     SealedSource(
@@ -267,10 +273,13 @@ def _sealed_texts(source: SealedSource, tenant_id, ids: list | None):
         last = [str(rows[-1][0]), rows[-1][1]]
 
 
-def sealed_words(run_id, tenant_id) -> list[str]:
-    """The words of a run's sealed texts (its own, its steps', approvals', votes'), opened here: the index's SQL
-    cannot read them."""
+def run_words(run_id, tenant_id) -> list[str]:
+    """The words of every text of a run the search reads: those in the clear read in SQL, the
+    sealed ones (its own, its steps', events', approvals', votes') opened here."""
     found: set[str] = set()
+    for (text,) in _rows(PLAIN_TEXTS, {"run": run_id}):
+        if text:
+            found.update(re.findall(WORD, text))
     for source in SEALED_SOURCES:
         for _run, _item, texts in _sealed_texts(source, tenant_id, [str(run_id)]):
             for text in texts:
@@ -278,14 +287,19 @@ def sealed_words(run_id, tenant_id) -> list[str]:
     return sorted(found)
 
 
+def word_hashes(run_id, tenant_id) -> list[int]:
+    """What a run's index row holds: its words' keyed hashes, sorted and distinct (so that a row
+    read back compares equal)."""
+    return sealing.word_hashes(tenant_id, run_words(run_id, tenant_id))
+
+
 def candidates(tenant_id, identifier: str) -> set:
     """The indexed runs of the tenant whose words include all of the identifier's."""
     return {
         run_id
         for (run_id,) in _rows(
-            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND words @> "
-            "(SELECT array_agg(hashtextextended(w, 0)) FROM unnest(%s::text[]) w)",
-            [tenant_id, words(identifier)],
+            f"SELECT run_id FROM {WORDS} WHERE tenant_id = %s AND words @> %s::bigint[]",
+            [tenant_id, sealing.word_hashes(tenant_id, words(identifier))],
         )
     }
 
@@ -307,21 +321,10 @@ def _texts(alias: str, table: str, texts: tuple[str, ...], key: str) -> str:
     return f"SELECT t FROM {table} {alias}, unnest(ARRAY[{', '.join(texts)}]) t WHERE {alias}.{key} = %(run)s"
 
 
-# The hashes of a run's words, sorted and distinct (so that a row read back compares equal): of
-# the texts read here, and of its sealed texts' words read in Python (`sealed_words`), passed as
-# %(words)s.
-WORDS_OF = f"""
-SELECT coalesce(array_agg(DISTINCT h), '{{}}')
-FROM (
-    SELECT hashtextextended(m[1], 0) AS h FROM (
-        {_texts("r", RUNS, RUN_TEXTS, "id")}
-        UNION ALL {_texts("e", EVENTS, EVENT_TEXTS, "run_id")}
-    ) texts, regexp_matches(texts.t, '{WORD}', 'g') m
-    UNION ALL SELECT hashtextextended(w, 0) FROM unnest(%(words)s::text[]) w
-) hashes
-"""
+# A run's texts in the clear (its input and metadata, its events' skeletons), one a row.
+PLAIN_TEXTS = f"{_texts('r', RUNS, RUN_TEXTS, 'id')} UNION ALL {_texts('e', EVENTS, EVENT_TEXTS, 'run_id')}"
 INDEX_RUN = f"""
-INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words) SELECT %(run)s, %(tenant)s, %(seq)s, ({WORDS_OF})
+INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words) VALUES (%(run)s, %(tenant)s, %(seq)s, %(words)s::bigint[])
 ON CONFLICT (run_id) DO UPDATE SET event_seq = EXCLUDED.event_seq, words = EXCLUDED.words
 """
 
@@ -355,7 +358,7 @@ def index_due(*, batch: int) -> int:
 def index_run(cursor, run_id, tenant_id, seq) -> None:
     """Write the run's index row: its words as of event `seq` (the caller holds the run's row)."""
     cursor.execute(
-        INDEX_RUN, {"run": run_id, "tenant": tenant_id, "seq": seq, "words": sealed_words(run_id, tenant_id)}
+        INDEX_RUN, {"run": run_id, "tenant": tenant_id, "seq": seq, "words": word_hashes(run_id, tenant_id)}
     )
 
 
@@ -401,13 +404,11 @@ def mismatched(run_ids: list | None = None) -> list[tuple]:
                 f"SELECT event_seq, status, tenant_id FROM {RUNS} WHERE id = %s FOR SHARE", [run_id]
             )
             seq, status, tenant_id = cursor.fetchone()
-            cursor.execute(
-                f"SELECT w.event_seq, w.words IS DISTINCT FROM ({WORDS_OF}) FROM {WORDS} w WHERE w.run_id = %(run)s",
-                {"run": run_id, "words": sealed_words(run_id, tenant_id)},
-            )
+            cursor.execute(f"SELECT w.event_seq, w.words FROM {WORDS} w WHERE w.run_id = %s", [run_id])
             row = cursor.fetchone()
-        if row is None or row[0] is None:
-            continue  # emptied meanwhile: not covered, read whole
+            if row is None or row[0] is None:
+                continue  # emptied meanwhile: not covered, read whole
+            other_words = sorted(set(row[1])) != word_hashes(run_id, tenant_id)
         if status not in TERMINAL or row[0] != seq:
             found.append(
                 (
@@ -415,7 +416,7 @@ def mismatched(run_ids: list | None = None) -> list[tuple]:
                     f"its index row claims to cover it at event {row[0]}, but it is {status} at event {seq}",
                 )
             )
-        elif row[1]:
+        elif other_words:
             found.append((run_id, "its index row holds other words than its content's"))
     return found
 

@@ -37,7 +37,7 @@ from authority.models import SigningKey
 from core import chain, sql
 from history import checkpoints
 from history.models import Checkpoint, CheckpointLeaf, RunTombstone
-from runs.models import Run, RunEvent, Step
+from runs.models import Run, RunEvent, Step, skeleton_of
 from vault import sealing
 from vault.fields import SealedField, SealedValueAltered
 
@@ -143,18 +143,12 @@ def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) ->
         if leaves:
             return [Finding(rid, None, f"the run is gone, but checkpoint {leaves[-1][0]} holds its head")], 0
         return [Finding(rid, None, "no such run")], 0
-    events = list(
-        RunEvent.objects.filter(run_id=run_id)
-        .order_by("seq")
-        .values_list(
-            "seq", "at", "kind", "step_seq", "actor_id", "message", "data", "content_digest", "chain_hash"
-        )
-    )
+    events = _events(rid)
     findings: list[Finding] = []
     erased_events, erased_steps, erased_run = _erased(events)
     bodies = [
         chain.event_body(rid, at, kind, step, actor, digest)
-        for _, at, kind, step, actor, _, _, digest, _ in events
+        for _, at, kind, step, actor, _, _, _, digest, _ in events
     ]
     stored = [bytes(h) if h is not None else None for *_, h in events]
     by_seq = {e[0]: i for i, e in enumerate(events)}
@@ -162,13 +156,11 @@ def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) ->
     # Where each event's hash says it was written (its seq when in place): an event after two
     # swapped ones links from the one written before it, wherever that one stands now.
     written_as: dict[int, bytes] = {0: chain.GENESIS}
-    for i, (seq, _at, _kind, _step, _actor, message, data, digest, _) in enumerate(events):
-        if seq not in erased_events and chain.content_digest(message, data) != digest:
-            findings.append(
-                Finding(
-                    rid, seq, "content edited: its message or data no longer match the digest in the chain"
-                )
-            )
+    for i, (seq, _at, _kind, _step, _actor, message, data, skeleton, digest, _) in enumerate(events):
+        if seq not in erased_events:
+            problem = _event_content(rid, message, data, skeleton, digest)
+            if problem is not None:
+                findings.append(Finding(rid, seq, problem))
         gap = seq > last_seq + 1
         if gap:
             missing = f"{last_seq + 1}" if seq == last_seq + 2 else f"{last_seq + 1}..{seq - 1}"
@@ -256,13 +248,63 @@ def _diagnose(i: int, events, bodies, stored) -> tuple[str, int | None]:
     return "inserted or rewritten: it chains from no event of the run", None
 
 
+def _events(rid: str) -> list[tuple]:
+    """The run's events in seq order, their message and data as stored (sealed bytes, not opened:
+    the verifier says which do not open)."""
+    names = (
+        "seq",
+        "at",
+        "kind",
+        "step_seq",
+        "actor",
+        "message",
+        "data",
+        "skeleton",
+        "content_digest",
+        "chain_hash",
+    )
+    fields = [RunEvent._meta.get_field(name) for name in names]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {', '.join(sql.column(RunEvent, name) for name in names)} FROM {sql.table(RunEvent)} "
+            f"WHERE {sql.column(RunEvent, 'run')} = %s ORDER BY seq",
+            [sql.adapt(uuid.UUID(rid))],
+        )
+        rows = cursor.fetchall()
+    return [
+        tuple(value if isinstance(f, SealedField) else sql.convert(f, value) for f, value in zip(fields, row))
+        for row in rows
+    ]
+
+
+def _event_content(rid: str, message, data, skeleton, digest: str) -> str | None:
+    """What is wrong with an event's content (None: nothing): it does not open, does not match the
+    digest its chain hash took, or its skeleton is not what its data says. Sealed by a key since
+    destroyed (the run's content removed), it must be all skeleton, as a removal's own record is:
+    an event whose content went is one a removal names, and skipped."""
+    try:
+        text = _opened(RunEvent, "message", message, rid)
+        values = _opened(RunEvent, "data", data, rid)
+    except SealedValueAltered:
+        return "content edited: its message or data fail their seal (altered, or copied from elsewhere)"
+    except sealing.KeyDestroyed:
+        if message is None and chain.content_digest("", skeleton) == digest:
+            return None
+        return "its message and data are sealed by a key this run does not hold, and no removal names it"
+    if chain.content_digest(text, values) != digest:
+        return "content edited: its message or data no longer match the digest in the chain"
+    if skeleton != skeleton_of(values):
+        return "skeleton edited: its kept keys differ from its data's (statuses, tools, digests)"
+    return None
+
+
 def _erased(events) -> tuple[set[int], set[int], bool]:
     """What the run's removal events (history/content.py) say was removed: event seqs, step seqs,
-    the run's own content."""
+    the run's own content (from their skeletons: kept when the content goes)."""
     events_out: set[int] = set()
     steps_out: set[int] = set()
     run_out = False
-    for _seq, _at, kind, _step, _actor, _message, data, _digest, _ in events:
+    for _seq, _at, kind, _step, _actor, _message, _data, data, _digest, _ in events:
         if kind == REMOVED_KIND and isinstance(data, dict):
             events_out.update(data.get("events", []))
             steps_out.update(data.get("steps", []))
@@ -273,8 +315,8 @@ def _erased(events) -> tuple[set[int], set[int], bool]:
 def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erased_run: bool) -> list[Finding]:
     """The run's and its steps' content against the latest digest an event bound for each column."""
     bound: dict[tuple[int | None, str], tuple[int, str]] = {}
-    for seq, _at, _kind, step_seq, _actor, _message, data, _digest, _ in events:
-        content = data.get("content") if isinstance(data, dict) else None
+    for seq, _at, _kind, step_seq, _actor, _message, _data, skeleton, _digest, _ in events:
+        content = skeleton.get("content") if isinstance(skeleton, dict) else None
         if isinstance(content, dict):
             for name, value in content.items():
                 bound[(step_seq, name)] = (seq, value)

@@ -89,8 +89,8 @@ _REMINDERS = {"approval_reminder": Event.APPROVAL_REMINDER, "approval_escalated"
 _WATCHED = (
     Q(kind="approval_requested")
     | Q(kind__in=list(_REMINDERS))
-    | Q(kind="status", data__to=RunStatus.NEEDS_ATTENTION)
-    | Q(kind="status", data__to=RunStatus.WAITING_AUTHORIZATION)
+    | Q(kind="status", skeleton__to=RunStatus.NEEDS_ATTENTION)
+    | Q(kind="status", skeleton__to=RunStatus.WAITING_AUTHORIZATION)
     | Q(kind__in=["paused", "resumed"])
 )
 _PAUSES = {"paused": Event.RUN_PAUSED, "resumed": Event.RUN_RESUMED}

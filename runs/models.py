@@ -110,8 +110,9 @@ class Run(models.Model):
         max_length=24, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
     )
     stop_reason = models.CharField(max_length=32, choices=StopReason.choices, blank=True)
-    error = models.TextField(blank=True)
-    # The answer: content, sealed at rest with the run's key (vault/fields.py), as its steps' are.
+    # The error and the answer: content, sealed at rest with the run's key (vault/fields.py), as
+    # its steps' are.
+    error = SealedTextField(run="pk", tenant="tenant_id")
     final_output = SealedTextField(run="pk", tenant="tenant_id")
     cancel_requested = models.BooleanField(default=False)
     # An operator's pause (runs/controls/pausing.py): requested while a call is in flight, taken by the
@@ -372,6 +373,62 @@ class Step(models.Model):
         return None
 
 
+# Event data the platform writes about its own state, never about what was said (docs/history.md,
+# "Content and skeleton"): statuses, tools, agents, policies, costs, approvals and holds, identity
+# assertions' jti and parties, content digests, and what a removal removed. Kept in the clear in
+# `RunEvent.skeleton` for the skeleton's period; every other key is content.
+EVENT_SKELETON = frozenset(
+    {
+        "from",
+        "to",
+        "step_kind",
+        "tool",
+        "content",
+        "agent",
+        "version",
+        "alias",
+        "expected_cost_micros",
+        "admission",
+        "cost_micros",
+        "effect_class",
+        "outcome",
+        "policies",
+        "policy_set",
+        "policy_version",
+        "decision",
+        "scope",
+        "approval",
+        "certificate",
+        "hold",
+        # an identity assertion presented (runs/engine/tool_step.py): who, to whom, its jti
+        "jti",
+        "subject",
+        "audience",
+        "token_subject",
+        # recovery's findings and actions, a compaction's place, a circuit's state, the limit a
+        # call waited on, the operators' bulk action (filtered on by the sweeper and the engine)
+        "found",
+        "action",
+        "state",
+        "limit",
+        "alone",
+        "bulk_action",
+        "at",
+        "first_step",
+        "last_step",
+        "region_reason",
+        # a removal (history/content.py): why, and which items went
+        "note",
+        "why",
+        "run",
+        "steps",
+        "events",
+        "approvals",
+        "artifacts",
+    }
+)
+
+
 class RunEvent(models.Model):
     """Append-only timeline of everything that happened to a run.
 
@@ -396,8 +453,13 @@ class RunEvent(models.Model):
         related_name="+",
         db_index=False,
     )
-    message = models.TextField(blank=True)
-    data = models.JSONField(default=dict, blank=True)
+    # What was said: content, sealed at rest with the run's key (vault/fields.py). `skeleton`: the
+    # data's keys about the platform's own state (EVENT_SKELETON), copied in the clear when the
+    # event is written: what the database filters on, and what stays once the content is removed
+    # or its key destroyed.
+    message = SealedTextField()
+    data = SealedJSONField(empty=dict, blank=True)
+    skeleton = models.JSONField(default=dict, blank=True)
     # The chain (core/chain.py): SHA-256 of message and data, kept when they are erased; and the
     # event's chain hash over the previous one's, its seq, its skeleton fields and that digest.
     content_digest = models.CharField(max_length=64, blank=True)
@@ -412,6 +474,18 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+    @property
+    def details(self) -> dict:
+        """What the API, the admin and exports show: the data, or its skeleton once the content went."""
+        return {**self.skeleton, **self.data} if isinstance(self.data, dict) else dict(self.skeleton)
+
+
+def skeleton_of(data) -> dict:
+    """The keys of an event's data that are its skeleton (EVENT_SKELETON)."""
+    if not isinstance(data, dict):
+        return {}
+    return {key: value for key, value in data.items() if key in EVENT_SKELETON}
 
 
 class RunReplay(models.Model):

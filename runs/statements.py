@@ -10,6 +10,7 @@ PostgreSQL gets one statement per job; SQLite (the demo) gets the same effect in
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import uuid
@@ -20,7 +21,8 @@ from django.db import DEFAULT_DB_ALIAS, connections, models
 from core import chain, sql
 from core.errors import IllegalTransition
 from core.partitions import located
-from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus
+from runs.models import OPEN, Run, RunEvent, Step, StepKind, StepStatus, skeleton_of
+from vault.fields import SealedField
 
 RUNS = sql.table(Run)
 STEPS = Step._meta.db_table  # unquoted: core.partitions.located names the table or its month
@@ -34,11 +36,15 @@ def _field(model, name: str) -> models.Field:
     return field
 
 
+_EVENT_MESSAGE = RunEvent._meta.get_field("message")
 _EVENT_DATA = RunEvent._meta.get_field("data")
-assert isinstance(_EVENT_DATA, models.JSONField)
+_EVENT_SKELETON = RunEvent._meta.get_field("skeleton")
+assert isinstance(_EVENT_MESSAGE, SealedField) and isinstance(_EVENT_DATA, SealedField)
+assert isinstance(_EVENT_SKELETON, models.JSONField)
+# message and data: the sealed values, base64 (vault/fields.py)
 _EVENT_COLUMNS = (
-    "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data jsonb, "
-    "content_digest text"
+    "i integer, at timestamptz, kind text, step_seq integer, actor_id bigint, message text, data text, "
+    "skeleton jsonb, content_digest text"
 )
 
 
@@ -108,9 +114,10 @@ def _insert_events_sql(
     chain = f"chain AS (SELECT run_event_chain(chain_prev, event_seq - {count} + 1, %s::bytea[]) AS h FROM counter)"
     return f"""
 WITH {", ".join([*ctes, counter, chain])}
-INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data, content_digest, chain_hash)
-SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id, v.message, v.data,
-       v.content_digest, chain.h[v.i]
+INSERT INTO {EVENTS} (run_id, seq, at, kind, step_seq, actor_id, message, data, skeleton, content_digest,
+                       chain_hash)
+SELECT %s, counter.event_seq - {count} + v.i, v.at, v.kind, v.step_seq, v.actor_id,
+       decode(v.message, 'base64'), decode(v.data, 'base64'), v.skeleton, v.content_digest, chain.h[v.i]
   FROM counter, chain, jsonb_to_recordset(%s::jsonb) AS v({_EVENT_COLUMNS})
 RETURNING id, seq{", " + moved if guarded else ""}
 """
@@ -118,12 +125,14 @@ RETURNING id, seq{", " + moved if guarded else ""}
 
 def _events_json(events: list[RunEvent]) -> tuple[str, list[bytes]]:
     """The events as INSERT_EVENTS reads them: one JSON array of objects, `i` numbering them from
-    1; and their chain bodies (core/chain.py), which the statement links. Sets each event's
-    content digest."""
+    1, message and data sealed with the run's key; and their chain bodies (core/chain.py), which
+    the statement links. Sets each event's content digest and skeleton."""
     rows, bodies = [], []
+    tenant = functools.partial(tenant_of, events[0].run_id) if events else None
     for i, event in enumerate(events, 1):
         at = event.at
         event.content_digest = chain.content_digest(event.message, event.data)
+        event.skeleton = skeleton_of(event.data)
         bodies.append(
             chain.event_body(
                 event.run_id, at, event.kind, event.step_seq, event.actor_id, event.content_digest
@@ -136,12 +145,23 @@ def _events_json(events: list[RunEvent]) -> tuple[str, list[bytes]]:
                 "kind": event.kind,
                 "step_seq": event.step_seq,
                 "actor_id": event.actor_id,
-                "message": event.message,
-                "data": event.data,
+                "message": _sealed_b64(_EVENT_MESSAGE, event.run_id, event.message, tenant),
+                "data": _sealed_b64(_EVENT_DATA, event.run_id, event.data, tenant),
+                "skeleton": event.skeleton,
                 "content_digest": event.content_digest,
             }
         )
-    return json.dumps(rows, cls=_EVENT_DATA.encoder), bodies
+    return json.dumps(rows, cls=_EVENT_SKELETON.encoder), bodies
+
+
+def _sealed_b64(field: SealedField, run_id, value, tenant) -> str | None:
+    sealed = field.seal(run_id, value, tenant=tenant)
+    return base64.b64encode(sealed).decode("ascii") if sealed is not None else None
+
+
+def tenant_of(run_id):
+    """The run's tenant: asked only when a run's first content is sealed (its key is made)."""
+    return Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).get()
 
 
 def write_run(
@@ -225,6 +245,7 @@ def _chain_in_steps(run_id, events: list[RunEvent]) -> None:
     for i, event in enumerate(events):
         event.seq = first + i
         event.content_digest = chain.content_digest(event.message, event.data)
+        event.skeleton = skeleton_of(event.data)
         body = chain.event_body(
             run_id, event.at, event.kind, event.step_seq, event.actor_id, event.content_digest
         )

@@ -253,17 +253,12 @@ def _sealed(run_id, values: dict, texts: dict[str, bytes] | None = None) -> dict
             name,
             run_id,
             value,
-            tenant=functools.partial(_tenant_of, run_id),
+            tenant=functools.partial(statements.tenant_of, run_id),
             plaintext=texts.get(name) if name in _JSON_STEP_COLUMNS else None,
         )
         for name, value in values.items()
         if name in _SEALED_STEP_COLUMNS
     }
-
-
-def _tenant_of(run_id):
-    """The run's tenant: asked only when a run's first content is sealed (its key is made)."""
-    return Run.objects.filter(pk=run_id).values_list("tenant_id", flat=True).get()
 
 
 def _content(fields: dict, names: tuple[str, ...]) -> dict:

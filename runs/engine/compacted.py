@@ -22,7 +22,7 @@ KIND = "context_compacted"
 
 
 def record(run: Run, seq: int, fold: Fold) -> None:
-    if RunEvent.objects.filter(run_id=run.pk, kind=KIND, data__contains={"at": fold.at}).exists():
+    if RunEvent.objects.filter(run_id=run.pk, kind=KIND, skeleton__contains={"at": fold.at}).exists():
         return
     seqs = [line.seq for line in fold.lines]
     folded = f"steps {min(seqs)}-{max(seqs)}" if seqs else "earlier turns"

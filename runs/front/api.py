@@ -169,7 +169,7 @@ class EventOutput(serializers.ModelSerializer):
     # would show other tenants' activity.
     id = serializers.IntegerField(source="seq", help_text="the event's number within its run (same as seq)")
     actor = serializers.CharField(source="actor.username", allow_null=True, default=None)
-    data = JsonObjectField(help_text="the event's details, by kind")  # type: ignore[assignment]  # stubs: DRF's metaclass takes declared fields off the class
+    data = JsonObjectField(source="details", help_text="the event's details, by kind")  # type: ignore[assignment]  # stubs: DRF's metaclass takes declared fields off the class
 
     class Meta:
         model = RunEvent

@@ -37,6 +37,7 @@ current loop's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import types
 import uuid
@@ -50,6 +51,7 @@ from django.db import connections
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from runs.models import Run, RunEvent
+from vault.fields import SealedField
 
 logger = logging.getLogger("agentplatform.runs.stream")
 
@@ -293,7 +295,10 @@ class Feed:
         async with pool.connection() as conn:
             row = await (await conn.execute(_sql()["status"], (run_id,))).fetchone()
             rows = await (await conn.execute(_sql()["events"], (run_id, after, limit))).fetchall()
-        return (row[0] if row else None), [_event(*r) for r in rows]
+        # Opened in the one opener thread: a run's key may have to be read from the key store
+        # (vault/store.py: a connection a thread), which the event loop must not wait on.
+        events = await asyncio.get_running_loop().run_in_executor(_OPENER, _events, rows)
+        return (row[0] if row else None), events
 
     async def _pool(self) -> AsyncConnectionPool:
         if self.pool is None:
@@ -317,17 +322,28 @@ def _read_orm(run_id, after: int, limit: int) -> tuple[str | None, list]:
     return status, list(events[:limit])
 
 
-def _event(seq, at, kind, step_seq, actor, message, data):
-    """A row in the shape the API's event serializer reads (runs.front.api.EventOutput)."""
+def _events(rows) -> list:
+    """The rows in the shape the API's event serializer reads (runs.front.api.EventOutput), their
+    sealed message and data opened (vault/fields.py)."""
+    return [_event(*row) for row in rows]
+
+
+def _event(seq, at, kind, step_seq, actor, message, data, skeleton):
+    opened = _DATA.open(data)
     return types.SimpleNamespace(
         seq=seq,
         at=at,
         kind=kind,
         step_seq=step_seq,
         actor=types.SimpleNamespace(username=actor) if actor is not None else None,
-        message=message,
-        data=data,
+        message=_MESSAGE.open(message),
+        details={**skeleton, **opened},
     )
+
+
+_OPENER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-open")
+_MESSAGE, _DATA = RunEvent._meta.get_field("message"), RunEvent._meta.get_field("data")
+assert isinstance(_MESSAGE, SealedField) and isinstance(_DATA, SealedField)
 
 
 _statements: dict[str, str] = {}
@@ -340,7 +356,7 @@ def _sql() -> dict[str, str]:
         run_id = event.get_field("run").column
         _statements["status"] = f'SELECT status FROM "{run.db_table}" WHERE id = %s'
         _statements["events"] = (
-            f'SELECT e.seq, e.at, e.kind, e.step_seq, u.username, e.message, e.data FROM "{event.db_table}" e '
+            f'SELECT e.seq, e.at, e.kind, e.step_seq, u.username, e.message, e.data, e.skeleton FROM "{event.db_table}" e '
             f'LEFT JOIN "{user.db_table}" u ON u.id = e."{actor}" '
             f'WHERE e."{run_id}" = %s AND e.seq > %s ORDER BY e.seq LIMIT %s'
         )

@@ -97,7 +97,10 @@ def _requeue_lost_messages(now: dt.datetime) -> int:
     """
     wait = dt.timedelta(seconds=settings.QUEUED_TOO_LONG_SECONDS)
     resends = RunEvent.objects.filter(
-        run=OuterRef("pk"), kind="recovery", data__found="lost_message", at__gt=OuterRef("last_enqueued_at")
+        run=OuterRef("pk"),
+        kind="recovery",
+        skeleton__found="lost_message",
+        at__gt=OuterRef("last_enqueued_at"),
     ).values("run")
     deaths = RunEvent.objects.filter(
         run=OuterRef("pk"), kind="engine_error", at__gt=OuterRef("last_enqueued_at")

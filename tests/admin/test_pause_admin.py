@@ -40,7 +40,7 @@ def test_the_list_actions_need_a_reason_and_leave_one_audit_record(as_ravi, acme
     assert Run.objects.filter(pk__in=runs, status="paused").count() == 2
     action = BulkAction.objects.get()
     assert (action.kind, action.count, action.actor_id) == ("pause", 2, acme.ravi.pk)
-    assert RunEvent.objects.filter(kind="paused", data__bulk_action=action.pk).count() == 2
+    assert RunEvent.objects.filter(kind="paused", skeleton__bulk_action=action.pk).count() == 2
     as_ravi.post(RUNS, {**post, "action": "resume_selected", "reason": "back"}, follow=True)
     assert Run.objects.filter(pk__in=runs, status="running").count() == 2
 

@@ -180,14 +180,14 @@ def test_every_decision_names_its_policies_and_the_policy_version(tenant, asha, 
     # Allowed without approval: the dispatch event names the permit that allowed it.
     small_run, _ = park_or_finish(tenant, asha, refund, {**REFUND, "amount": 900})
     dispatched = RunEvent.objects.get(
-        run=small_run, kind="step", data__to="dispatching", data__step_kind="tool"
+        run=small_run, kind="step", skeleton__to="dispatching", skeleton__step_kind="tool"
     )
     assert dispatched.data["policies"] == ["refunds-allowed"]
     assert dispatched.data["policy_version"] == version
 
     # Denied: the denial event names the forbid.
     big_run, _ = park_or_finish(tenant, asha, refund, {**REFUND, "amount": 250000})
-    denied = RunEvent.objects.get(run=big_run, kind="step", data__to="denied")
+    denied = RunEvent.objects.get(run=big_run, kind="step", skeleton__to="denied")
     assert denied.data["policies"] == ["refund-ceiling"] and denied.data["policy_version"] == version
 
     # Approval asked: the approval and its event name the @approval policy, its text and version.

@@ -84,7 +84,7 @@ def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next
     assert body["expected_cost_micros"] > 0
     run = Run.objects.get(pk=body["id"])
     assert not run.steps.exists() and run.lease_token is None
-    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == ["waiting_budget"]
+    assert list(run.events.filter(kind="status").values_list("skeleton__to", flat=True)) == ["waiting_budget"]
     assert sweeper._admit_waiting_runs(timezone.now()) == 0  # still no room today
 
     tomorrow = timezone.now() + dt.timedelta(days=1)
@@ -92,7 +92,7 @@ def test_a_run_waits_for_budget_when_the_tenant_day_is_spent_and_starts_the_next
     assert sweeper._admit_waiting_runs(timezone.now()) == 1
     run.refresh_from_db()
     assert run.status == "queued" and run.admitted_at is not None and run.deadline_at is not None
-    assert list(run.events.filter(kind="status").values_list("data__to", flat=True)) == [
+    assert list(run.events.filter(kind="status").values_list("skeleton__to", flat=True)) == [
         "waiting_budget",
         "queued",
     ]

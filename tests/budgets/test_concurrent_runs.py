@@ -111,7 +111,7 @@ def test_fifty_runs_at_once_finish_what_starts_and_never_spend_more_than_the_ten
         if not admitted:
             break
         for run in Run.objects.filter(tenant=tenant, status="queued"):
-            alone = run.events.filter(kind="status", data__alone=True).exists()
+            alone = run.events.filter(kind="status", skeleton__alone=True).exists()
             assert _drive(run.pk).status in (("succeeded", "stopped") if alone else ("succeeded",))
 
     runs = Run.objects.filter(tenant=tenant)

@@ -183,7 +183,7 @@ def test_a_model_call_lost_with_its_worker_is_held_until_a_person_reconciles_it(
     assert (lost.status, retried.status) == ("held", "settled")
     step = Step.objects.get(pk=lost.step_id)
     assert (step.status, step.crashes) == ("outcome_unknown", 1)
-    assert run.events.filter(kind="recovery", data__action="hold_and_retry").exists()
+    assert run.events.filter(kind="recovery", skeleton__action="hold_and_retry").exists()
     accounts = [BudgetAccount.objects.get(run=run), day_account(tenant)]
     assert [a.held_micros for a in accounts] == [lost.amount_micros] * 2
     assert_books_balance(tenant)

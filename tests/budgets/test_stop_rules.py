@@ -69,7 +69,7 @@ def test_it_stops_when_the_run_budget_cannot_pay_for_the_next_call(tenant, asha,
     budget = run.budget
     assert budget.limit_micros == first_call
     assert 0 < budget.spent_micros <= budget.limit_micros and budget.reserved_micros == 0
-    refusal = run.events.get(kind="budget", data__decision="refused")
+    refusal = run.events.get(kind="budget", skeleton__decision="refused")
     assert refusal.data["scope"] == "run"
     assert_books_balance(tenant)
 

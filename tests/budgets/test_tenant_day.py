@@ -128,7 +128,7 @@ def test_a_paused_run_resumes_after_local_midnight_and_charges_the_new_day(
 
     midnight = dt.datetime.combine(today + dt.timedelta(days=1), dt.time(0, 0), tzinfo=clock.zone)
     assert (run.status, run.resume_at, run.stop_reason) == ("waiting_budget", midnight, "")
-    assert run.events.get(kind="budget", data__decision="refused").data["scope"] == "tenant_day"
+    assert run.events.get(kind="budget", skeleton__decision="refused").data["scope"] == "tenant_day"
     assert sweeper.sweep(now=midnight - dt.timedelta(seconds=1))["budget_resumed"] == 0
     assert Run.objects.get(pk=run.pk).status == "waiting_budget"
 

@@ -199,7 +199,7 @@ def test_a_user_without_a_connection_waits_for_one_and_nothing_reaches_the_serve
 
     assert run.status == RunStatus.WAITING_AUTHORIZATION
     assert Step.objects.get(run=run, kind="tool").status == StepStatus.AWAITING_AUTHORIZATION
-    waiting = RunEvent.objects.get(run=run, kind="status", data__to=RunStatus.WAITING_AUTHORIZATION)
+    waiting = RunEvent.objects.get(run=run, kind="status", skeleton__to=RunStatus.WAITING_AUTHORIZATION)
     assert waiting.data["connect_url"].endswith(f"/admin/connections/connection/connect/{tool.server_id}/")
     assert oauth_bank.calls() == []
 

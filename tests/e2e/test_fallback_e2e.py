@@ -103,7 +103,7 @@ def test_sixty_runs_in_flight_finish_on_the_fallback_when_the_primary_goes_down(
         assert all(s.cost_micros == 0 for s in failed)  # refused and 503: nothing charged, released
         # The breaker spared most calls the dead primary: far fewer attempts than runs.
         assert len(failed) < 60, len(failed)
-        assert RunEvent.objects.filter(run__in=runs, kind="circuit", data__state="open").exists()
+        assert RunEvent.objects.filter(run__in=runs, kind="circuit", skeleton__state="open").exists()
         # 0 overspend: each run's account is exactly its steps' costs, nothing reserved or held
         for run in runs:
             account = BudgetAccount.objects.get(run=run)
@@ -169,11 +169,11 @@ def test_a_circuit_opens_after_the_configured_failures_sends_nothing_while_open_
         states = list(
             RunEvent.objects.filter(run__in=runs, kind="circuit")
             .order_by("at")
-            .values_list("data__state", flat=True)
+            .values_list("skeleton__state", flat=True)
         )
         assert states == ["open", "closed"]
         # the probe was the first call after the outage, and the only one while half open
-        probe_event = RunEvent.objects.get(run__in=runs, kind="circuit", data__state="closed")
+        probe_event = RunEvent.objects.get(run__in=runs, kind="circuit", skeleton__state="closed")
         probe = Step.objects.get(run=probe_event.run, seq=probe_event.step_seq)
         sent_before = Step.objects.filter(run__in=runs, kind="model", dispatched_at__lt=probe.dispatched_at)
         assert sorted(sent_before.values_list("status", flat=True)) == ["failed"] * 3

@@ -108,6 +108,6 @@ def test_it_keeps_every_window_under_the_limit_and_shares_calls_by_weight(worker
         # The runs waited as rows with a countdown, on their timelines, holding no worker.
         waits = RunEvent.objects.filter(kind="quota_wait")
         assert waits.exists()
-        assert set(waits.values_list("data__limit", flat=True)) == {"requests", "fair_share"}
+        assert set(waits.values_list("skeleton__limit", flat=True)) == {"requests", "fair_share"}
     finally:
         fake.stop()

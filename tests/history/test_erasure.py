@@ -145,7 +145,7 @@ def test_a_customer_id_in_30_runs_is_gone_everywhere_and_the_skeleton_verifies(
             == before[run.pk]
         )
         erased = RunEvent.objects.get(run=run, kind="content_removed")
-        assert erased.data["certificate"] == certificate["id"] and erased.actor_id == compliance.pk
+        assert erased.skeleton["certificate"] == certificate["id"] and erased.actor_id == compliance.pk
     assert Artifact.objects.filter(run__in=runs, content=b"").count() == 2
     dump = _pg_dump()
     assert CUSTOMER not in dump
@@ -296,4 +296,4 @@ def test_the_admin_places_a_hold_through_the_service(tenant, asha, echo_agent, a
     assert response.status_code == 302, response.content.decode()[:2000]
     hold = LegalHold.objects.get()
     assert hold.placed_by == admin_user and hold.run_id == run.pk
-    assert RunEvent.objects.filter(run=run, kind="legal_hold_placed", data__hold=str(hold.pk)).exists()
+    assert RunEvent.objects.filter(run=run, kind="legal_hold_placed", skeleton__hold=str(hold.pk)).exists()

@@ -83,7 +83,9 @@ def test_ended_runs_past_their_period_lose_content_and_keep_their_skeleton(
         assert SECRET not in _api(asha, run.pk)
         page = admin_client.get(f"/admin/runs/run/{run.pk}/change/")
         assert page.status_code == 200 and SECRET not in page.content.decode()
-        assert RunEvent.objects.filter(run=run, kind="content_removed", data__why="retention").count() == 1
+        assert (
+            RunEvent.objects.filter(run=run, kind="content_removed", skeleton__why="retention").count() == 1
+        )
     assert (
         list(
             Step.objects.filter(run=old)

@@ -1,10 +1,14 @@
-"""Crypto-shredding of steps' and approvals' content (issue 37, part 4): a step's arguments,
-request, result, observation, error and resolution, an approval's arguments and people's texts,
+"""Crypto-shredding of runs', steps', events' and approvals' content (issue 37, part 4): a step's
+arguments, request, result, observation, error and resolution, a run's error and answer, an
+event's message and data (its skeleton kept apart in the clear), an approval's arguments and
+people's texts,
 are sealed with their run's data key at rest; the API, the engine and the data subject search read
 them opened; an erasure destroys the key, so a copy of the rows taken before no longer opens; a
 plain write is refused."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from django.db import connection
@@ -14,8 +18,9 @@ from approvals.models import Approval, ApprovalVote
 from history import subjects
 from history.verify import verify
 from runs.approval_effects import decide_approval
-from runs.models import Run, RunStatus, Step
+from runs.models import Run, RunEvent, RunStatus, Step
 from runs.services import start_run
+from runs.transitions import end_run, record_event
 from tests import factories
 from tests.conftest import drive
 from tests.history.conftest import finished_run
@@ -158,3 +163,95 @@ def test_an_approvals_arguments_and_reasons_are_sealed_and_an_erasure_shreds_the
     assert approval.arguments == {} and approval.decision_reason == ""  # erased, not served
     assert [v.reason for v in ApprovalVote.objects.filter(approval=approval)] == [""]
     assert subjects.find(run.tenant_id, CUSTOMER, scan=True).run_ids() == set()
+
+
+def _raw_events(run) -> list[tuple]:
+    """The run's events' (seq, message, data, skeleton) as PostgreSQL holds them."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT seq, message, data, skeleton FROM runs_runevent WHERE run_id = %s ORDER BY seq", [run.pk]
+        )
+        return [(seq, m, d, json.loads(skeleton)) for seq, m, d, skeleton in cursor.fetchall()]
+
+
+def _events_in(dump: str) -> str:
+    sections = dump.split("\nCOPY ")
+    return "".join(
+        part.split("\n\\.\n", 1)[0] for part in sections if part.startswith("public.runs_runevent")
+    )
+
+
+def test_a_runs_events_and_error_are_sealed_at_rest_with_their_skeleton_kept_in_the_clear(asha, echo_agent):
+    run = finished_run(asha, word=CUSTOMER)
+    record_event(run.pk, "note", f"customer {CUSTOMER} called back", customer=CUSTOMER, to="noted")
+    failed, _ = start_run(user=asha, agent="agent", input={"word": "other"})
+    end_run(Run.objects.get(pk=failed.pk), RunStatus.FAILED, error=f"the bank refused {CUSTOMER}")
+
+    raw = _raw_events(run)
+    sealed = [bytes(v) for _seq, message, data, _skeleton in raw for v in (message, data) if v is not None]
+    assert len(sealed) >= len(raw) and all(v[:1] == sealing.VALUE_VERSION for v in sealed)
+    assert not [v for v in sealed if CUSTOMER.encode() in v]
+    dump = _pg_dump()
+    assert "runs_runevent" in dump and CUSTOMER not in _events_in(dump)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT error FROM runs_run WHERE id = %s", [failed.pk])
+        error = bytes(cursor.fetchone()[0])
+    assert error[:1] == sealing.VALUE_VERSION and CUSTOMER.encode() not in error
+    assert Run.objects.get(pk=failed.pk).error == f"the bank refused {CUSTOMER}"
+    # The skeleton: the keys about the platform's own state, in the clear; what was said, not.
+    note = RunEvent.objects.get(run=run, kind="note")
+    assert note.skeleton == {"to": "noted"} and note.data == {"customer": CUSTOMER, "to": "noted"}
+    statuses = [skeleton["to"] for _seq, _m, _d, skeleton in raw if "from" in skeleton]
+    assert statuses[-1] == RunStatus.SUCCEEDED
+    # Read opened: the API's timeline, the stream's rows, the search.
+    client = APIClient()
+    client.force_authenticate(asha)
+    timeline = client.get(f"/v1/runs/{run.pk}/events").json()
+    shown = next(e for e in timeline if e["kind"] == "note")
+    assert shown["message"] == f"customer {CUSTOMER} called back" and shown["data"]["customer"] == CUSTOMER
+    found = subjects.find(run.tenant_id, CUSTOMER, scan=True)
+    assert note.seq in found.events[run.pk] and failed.pk in found.runs
+    assert subjects.index_due(batch=100) >= 2
+    assert subjects.find(run.tenant_id, CUSTOMER).events == found.events  # through the keyed index
+    with pytest.raises(TypeError, match="runs.runevent.message is sealed at rest"):
+        RunEvent.objects.filter(run=run, message__contains=CUSTOMER).count()
+    assert verify([run.pk, failed.pk]).ok
+
+
+def test_after_an_erasure_events_keep_their_skeleton_and_copies_taken_before_no_longer_open(
+    asha, compliance, echo_agent
+):
+    run = finished_run(asha, word=CUSTOMER)
+    record_event(run.pk, "note", f"customer {CUSTOMER} called back", customer=CUSTOMER)
+    backup = _raw_events(run)
+
+    assert _erase(compliance).status_code == 201
+
+    after = _raw_events(run)
+    removal = RunEvent.objects.get(run=run, kind="content_removed")
+    # Every event's message and data gone; the removal's own record is all skeleton.
+    assert all(m is None and d is None for seq, m, d, _s in after if seq != removal.seq)
+    assert removal.skeleton["why"] == "erasure" and removal.skeleton["note"].startswith("content erased")
+    # The note carried the identifier: its skeleton too is the certificate's marker.
+    note = RunEvent.objects.get(run=run, kind="note")
+    assert note.skeleton == {"erased": removal.skeleton["certificate"]}
+    kept = {seq: skeleton for seq, _m, _d, skeleton in after}
+    assert [kept[seq] for seq, *_ in backup if seq != note.seq] == [
+        skeleton for seq, _m, _d, skeleton in backup if seq != note.seq
+    ]
+    with connection.cursor() as cursor:  # the backup restored
+        for seq, message, data, _skeleton in backup:
+            cursor.execute(
+                "UPDATE runs_runevent SET message = %s, data = %s WHERE run_id = %s AND seq = %s",
+                [message, data, run.pk, seq],
+            )
+    sealing.forget_cached()
+    events = list(RunEvent.objects.filter(run=run).order_by("seq"))
+    assert all(e.message == "" and e.data == {} for e in events)  # nothing opens
+    client = APIClient()
+    client.force_authenticate(asha)
+    shown = client.get(f"/v1/runs/{run.pk}/events").json()
+    assert CUSTOMER not in str(shown)
+    assert [e["data"] for e in shown if e["kind"] == "status"][-1]["to"] == RunStatus.SUCCEEDED
+    assert subjects.find(run.tenant_id, CUSTOMER, scan=True).run_ids() == set()
+    assert verify([run.pk]).ok

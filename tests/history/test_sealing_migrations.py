@@ -1,4 +1,5 @@
-"""The migrations that seal steps' and approvals' content (runs 0026, approvals 0009), both ways on
+"""The migrations that seal steps', approvals', runs' and events' content (runs 0026-0028, approvals
+0009), both ways on
 a database holding runs: back, every column holds its content in the clear in its old type;
 forward again, every value is sealed in place and reads as it did, and the history verifies."""
 
@@ -11,8 +12,9 @@ from django.db import connection
 from approvals.models import Approval
 from history.verify import verify
 from runs.approval_effects import decide_approval
-from runs.models import Run, RunStatus, Step
+from runs.models import Run, RunEvent, RunStatus, Step
 from runs.services import start_run
+from runs.transitions import end_run
 from tests import factories
 from tests.conftest import drive
 from tests.history.conftest import finished_run
@@ -33,7 +35,8 @@ SEALED = {
         "void_reason",
     ),
     "approvals_approvalvote": ("reason",),
-    "runs_run": ("final_output",),
+    "runs_run": ("final_output", "error"),
+    "runs_runevent": ("message", "data"),
 }
 
 
@@ -61,8 +64,14 @@ def _read_back(runs, approval) -> dict:
         ).get(pk=approval.pk),
         "votes": list(approval.votes.values_list("reason", flat=True)),
         "answers": list(
-            Run.objects.filter(pk__in=[r.pk for r in runs]).order_by("pk").values_list("final_output")
+            Run.objects.filter(pk__in=[r.pk for r in runs])
+            .order_by("pk")
+            .values_list("final_output", "error")
         ),
+        "events": [
+            (e.run_id, e.seq, e.message, e.data, e.skeleton)
+            for e in RunEvent.objects.filter(run__in=runs).order_by("run_id", "seq")
+        ],
     }
 
 
@@ -75,15 +84,18 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     approval = Approval.objects.get(run=run)
     decide_approval(approval_id=approval.pk, user=ravi, approve=True, reason=f"called {CUSTOMER}")
     assert drive(run.pk).status == RunStatus.SUCCEEDED
-    before = _read_back([plain_run, run], approval)
+    failed, _ = start_run(user=asha, agent="agent", input={"word": "other"})
+    end_run(Run.objects.get(pk=failed.pk), RunStatus.FAILED, error=f"refused {CUSTOMER}")
+    before = _read_back([plain_run, run, failed], approval)
     assert all(kind == "bytea" for kind in _column_types().values())
 
     try:
-        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0027, then 0026
+        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0028 back to 0026
         call_command("migrate", "approvals", "0008_step_refs_without_db_keys", verbosity=0)
         types = _column_types()
         assert types["runs_step.result"] == "jsonb" and types["runs_step.observation"] == "text", types
-        assert types["runs_run.final_output"] == "text"
+        assert types["runs_run.final_output"] == "text" and types["runs_run.error"] == "text"
+        assert types["runs_runevent.data"] == "jsonb" and types["runs_runevent.message"] == "text"
         assert (
             types["approvals_approval.arguments"] == "jsonb"
             and types["approvals_approvalvote.reason"] == "text"
@@ -93,6 +105,12 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
             assert cursor.fetchone()[0] == 2  # the plain run's call and the approved one's, in the clear
             cursor.execute("SELECT decision_reason FROM approvals_approval WHERE id = %s", [approval.pk])
             assert cursor.fetchone()[0] == f"called {CUSTOMER}"
+            cursor.execute("SELECT error FROM runs_run WHERE id = %s", [failed.pk])
+            assert cursor.fetchone()[0] == f"refused {CUSTOMER}"
+            cursor.execute(
+                "SELECT count(*) FROM runs_runevent WHERE data->>'error' = %s", [f"refused {CUSTOMER}"]
+            )
+            assert cursor.fetchone()[0] == 1  # the failed run's last event, in the clear
     finally:
         call_command("migrate", verbosity=0)
 
@@ -101,10 +119,15 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     with connection.cursor() as cursor:
         cursor.execute("SELECT arguments FROM runs_step WHERE arguments IS NOT NULL")
         assert all(bytes(v)[:1] == sealing.VALUE_VERSION for (v,) in cursor.fetchall())
-    after = _read_back([plain_run, run], approval)
-    assert after == before and before["answers"] == [("all done",), ("all done",)]
+    after = _read_back([plain_run, run, failed], approval)
+    # The events' skeletons made again from their data as they were written.
+    assert after == before and sorted(before["answers"]) == [
+        ("", f"refused {CUSTOMER}"),
+        ("all done", ""),
+        ("all done", ""),
+    ]
     assert before["votes"] == [f"called {CUSTOMER}"] and before["approval"][0] == {"say": CUSTOMER}
     with connection.cursor() as cursor:  # the data subject index's trigger that names the column is back
         cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'runs_run_subject_words_stale'")
         assert cursor.fetchone()[0] == 1
-    assert verify([plain_run.pk, run.pk]).ok
+    assert verify([plain_run.pk, run.pk, failed.pk]).ok

@@ -31,6 +31,7 @@ from runs.transitions import atomic_with_events, record_event
 from tests import factories
 from tests.conftest import drive
 from tests.history.conftest import finished_run
+from vault import sealing
 
 migration = importlib.import_module("history.migrations.0004_subject_words")
 CUSTOMER = "CUST-4471-XK"
@@ -95,6 +96,27 @@ def test_the_search_reads_the_runs_the_index_names_and_those_it_does_not_cover_a
     assert subjects.runs_carrying(tenant.pk, CUSTOMER, within=[str(others[1].pk)]) == set()
 
 
+def XK(tenant) -> int:
+    """The index's hash of the word `XK` (of CUSTOMER): keyed with the tenant's word key."""
+    return sealing.word_hashes(tenant.pk, ["XK"])[0]
+
+
+def _holding(word_hash: int) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[%s::bigint]", [word_hash]
+        )
+        return cursor.fetchone()[0]
+
+
+def _holding_plain(word: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended(%s, 0)]", [word]
+        )
+        return cursor.fetchone()[0]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_erasure_takes_a_runs_words_with_its_content_and_the_next_pass_indexes_what_is_left(
     tenant, asha, echo_agent
@@ -102,30 +124,21 @@ def test_erasure_takes_a_runs_words_with_its_content_and_the_next_pass_indexes_w
     carrying = [finished_run(asha, word=CUSTOMER) for _ in range(3)]
     kept = finished_run(asha, word=OTHER)
     subjects.index_due(batch=100)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
-        )
-        assert cursor.fetchone() == (3,)
+    assert _holding(XK(tenant)) == 3
+    # Keyed: PostgreSQL's own hash of the word (what a copy of the table could test a guess with) is
+    # in no row.
+    assert _holding_plain("XK") == 0
 
     certificate = erase_subject(tenant_id=tenant.pk, identifier=CUSTOMER, request_ref="DSR-9", actor=asha)
 
     assert sorted(certificate.runs) == sorted(str(r.pk) for r in carrying)
     # No hash of an erased word is kept: the erased runs' rows were emptied with their content.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
-        )
-        assert cursor.fetchone() == (0,)
+    assert _holding(XK(tenant)) == 0
     assert SubjectWords.objects.filter(run__in=carrying, event_seq__isnull=True).count() == 3
     assert SubjectWords.objects.get(run=kept).event_seq is not None
     assert subjects.uncovered(tenant.pk) == {r.pk for r in carrying}
     assert subjects.index_due(batch=100) == 3
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM history_subject_words WHERE words @> ARRAY[hashtextextended('XK', 0)]"
-        )
-        assert cursor.fetchone() == (0,)
+    assert _holding(XK(tenant)) == 0
     assert subjects.find(tenant.pk, CUSTOMER).run_ids() == set()
     # The run deleted by skeleton retention takes its row with it.
     kept.delete()
@@ -180,9 +193,8 @@ def test_verify_history_names_an_index_row_edited_to_hide_a_run_from_a_search(te
 
     with connection.cursor() as cursor:  # a database administrator takes one word out
         cursor.execute(
-            "UPDATE history_subject_words SET words = array_remove(words, hashtextextended('XK', 0)) "
-            "WHERE run_id = %s",
-            [carrying.pk],
+            "UPDATE history_subject_words SET words = array_remove(words, %s) WHERE run_id = %s",
+            [XK(tenant), carrying.pk],
         )
     assert subjects.find(tenant.pk, CUSTOMER).run_ids() == set()  # the search now misses it
     assert subjects.find(tenant.pk, CUSTOMER, scan=True).run_ids() == {carrying.pk}

@@ -64,7 +64,7 @@ def test_a_tool_result_is_written_from_the_text_its_digest_was_made_of_and_reads
     run = finished_run(asha, word=word)
     tool = Step.objects.get(run=run, kind="tool")
     assert tool.result["structured"] == {"say": word}
-    written = RunEvent.objects.get(run=run, step_seq=tool.seq, data__to="succeeded")
+    written = RunEvent.objects.get(run=run, step_seq=tool.seq, skeleton__to="succeeded")
     assert written.data["content"]["result"] == chain.digest(tool.result)
     _, out = _verify_command()
     assert out.splitlines()[-1].startswith("OK: 1 runs,"), out
@@ -114,25 +114,36 @@ def test_it_names_a_sealed_tool_result_whose_bytes_were_changed_or_copied_from_a
 
 def test_it_names_an_events_content_edited_and_its_skeleton_edited(asha, echo_agent):
     run = finished_run(asha)
+    # Without the keys: the bytes written do not open.
     _sql("UPDATE runs_runevent SET message = 'nothing happened' WHERE run_id = %s AND seq = 3", [run.pk])
+    # With them: sealed anew, opening, but not what the chain took.
+    resealed = seal(RunEvent, "message", run.pk, "nothing happened", tenant=run.tenant_id)
+    RunEvent.objects.filter(run=run, seq=4).update(message=resealed)
     _sql("UPDATE runs_runevent SET kind = 'note' WHERE run_id = %s AND seq = 5", [run.pk])
+    # The skeleton kept in the clear, changed while the content still says otherwise.
+    status = RunEvent.objects.filter(run=run, kind="status").order_by("seq").last()
+    RunEvent.objects.filter(pk=status.pk).update(skeleton={**status.skeleton, "to": "cancelled"})
 
     findings = [str(f) for f in verify_run(run.pk)[0]]
 
-    assert findings == [
-        f"run {run.pk} event 3: content edited: its message or data no longer match the digest in the chain",
-        f"run {run.pk} event 5: edited: its skeleton fields or content digest no longer give its chain hash",
-    ]
+    assert sorted(findings) == sorted(
+        [
+            f"run {run.pk} event 3: content edited: its message or data fail their seal (altered, or copied "
+            "from elsewhere)",
+            f"run {run.pk} event 4: content edited: its message or data no longer match the digest in the chain",
+            f"run {run.pk} event 5: edited: its skeleton fields or content digest no longer give its chain hash",
+            f"run {run.pk} event {status.seq}: skeleton edited: its kept keys differ from its data's (statuses, "
+            "tools, digests)",
+        ]
+    )
 
 
 def test_it_names_an_edit_whose_digest_was_recomputed(asha, echo_agent):
     run = finished_run(asha)
     event = RunEvent.objects.get(run=run, seq=4)
     forged = chain.content_digest("forged", event.data)
-    _sql(
-        "UPDATE runs_runevent SET message = 'forged', content_digest = %s WHERE run_id = %s AND seq = 4",
-        [forged, run.pk],
-    )
+    sealed = seal(RunEvent, "message", run.pk, "forged", tenant=run.tenant_id)
+    RunEvent.objects.filter(pk=event.pk).update(message=sealed, content_digest=forged)
 
     findings = [str(f) for f in verify_run(run.pk)[0]]
 
@@ -216,8 +227,10 @@ def test_it_names_an_inserted_event_at_the_end_and_in_the_middle(asha, echo_agen
 def test_a_whole_chain_rewritten_after_a_checkpoint_is_caught_by_the_signed_head(asha, echo_agent):
     run = finished_run(asha)
     take_checkpoint()
-    # The administrator edits content and recomputes every digest, link and the head.
-    _sql("UPDATE runs_runevent SET message = 'forged' WHERE run_id = %s AND seq = 2", [run.pk])
+    # The administrator (holding the keys too) edits content and recomputes every digest, link and
+    # the head.
+    forged = seal(RunEvent, "message", run.pk, "forged", tenant=run.tenant_id)
+    RunEvent.objects.filter(run=run, seq=2).update(message=forged)
     head = chain.GENESIS
     for event in RunEvent.objects.filter(run=run).order_by("seq"):
         event.content_digest = chain.content_digest(event.message, event.data)

@@ -124,7 +124,7 @@ def test_a_run_needing_attention_produces_one_delivery(acme, receiver):
     body = json.loads(request.body)
     assert request.verified and body["event"] == "run_needs_attention"
     assert body["run"]["id"] == str(run.pk) and body["reason"].startswith("needs attention: step 2")
-    seq = run.events.get(kind="status", data__to="needs_attention").seq
+    seq = run.events.get(kind="status", skeleton__to="needs_attention").seq
     assert Delivery.objects.get().subject == f"{run.pk}:{seq}"
 
 

@@ -117,7 +117,9 @@ def test_it_finishes_every_run_after_redis_restarts_mid_flight(tenant, asha, ban
     assert {r.status for r in finished} == {"succeeded"}, [(r.pk, r.status, r.error) for r in finished]
     refunds = bank.effects("issue_refund")
     assert sorted(e["arguments"]["amount"] for e in refunds) == [100 + n for n in range(6)]  # one each
-    found = set(RunEvent.objects.filter(run__in=ids, kind="recovery").values_list("data__found", flat=True))
+    found = set(
+        RunEvent.objects.filter(run__in=ids, kind="recovery").values_list("skeleton__found", flat=True)
+    )
     assert found & {"lost_message", "expired_lease"}
     assert worker.proc.poll() is None  # the same worker process did all of it
 

@@ -106,7 +106,7 @@ def test_each_fold_gets_a_summary_step_shown_in_later_prompts_and_paid_by_the_ru
     assert (sent.get("max_completion_tokens") or sent.get("max_tokens")) == 400
 
     # The timeline shows what each summary folded and its cost.
-    shown = RunEvent.objects.get(run=run, kind="step", step_seq=summaries[0].seq, data__to="succeeded")
+    shown = RunEvent.objects.get(run=run, kind="step", step_seq=summaries[0].seq, skeleton__to="succeeded")
     assert shown.message.startswith(f"step {summaries[0].seq} summary of steps 2-")
     assert f"cost {summaries[0].cost_micros} micros" in shown.message
 
@@ -154,7 +154,7 @@ def test_a_failing_summariser_leaves_the_deterministic_record_and_the_run_finish
         assert step.status == "failed" and step.cost_micros == 0
         assert Reservation.objects.get(step=step).status == "released"  # refused: not charged
     assert len({s.request["fold_at"] for s in summaries}) == len(summaries)  # none tried twice
-    failed = RunEvent.objects.get(run=run, kind="step", step_seq=summaries[0].seq, data__to="failed")
+    failed = RunEvent.objects.get(run=run, kind="step", step_seq=summaries[0].seq, skeleton__to="failed")
     assert "keeps its deterministic record" in failed.message
 
 
@@ -180,7 +180,7 @@ def test_a_summary_the_run_budget_cannot_carry_is_not_made_and_the_run_goes_on(
         assert not Reservation.objects.filter(step=step).exists()
     assert (
         "summary not made: "
-        in RunEvent.objects.get(run=run, step_seq=summaries[0].seq, data__to="failed").message
+        in RunEvent.objects.get(run=run, step_seq=summaries[0].seq, skeleton__to="failed").message
     )
 
 

@@ -143,7 +143,7 @@ def test_a_phase_that_raises_on_every_attempt_fails_the_run_after_the_crash_budg
     assert errors.count() == 3
     assert all("injected failure" in e.data["error"] for e in errors)
     assert [e.data["count"] for e in errors] == [1, 2, 3]
-    resent = RunEvent.objects.filter(run=run, kind="recovery", data__found="lost_message").count()
+    resent = RunEvent.objects.filter(run=run, kind="recovery", skeleton__found="lost_message").count()
     assert resent == 0
     # Ended: the sweeper and any late message leave it alone.
     advance(run.pk)

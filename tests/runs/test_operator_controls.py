@@ -144,7 +144,7 @@ def test_bulk_cancel_needs_a_reason_and_cancels_every_match_once(asha, ravi, age
     assert (answer.json()["kind"], answer.json()["count"]) == ("cancel", 3)
     assert Run.objects.filter(status=RunStatus.CANCELLED).count() == 3
     action = BulkAction.objects.get()
-    assert RunEvent.objects.filter(kind="cancel_requested", data__bulk_action=action.pk).count() == 3
+    assert RunEvent.objects.filter(kind="cancel_requested", skeleton__bulk_action=action.pk).count() == 3
     assert all(entries(run) == [("ravi", CHANGE, "Cancelled: agent recalled")] for run in runs)
     again = api(ravi).post("/v1/runs/cancel", {"agent": "agent", "reason": "again"}, format="json")
     assert again.json()["count"] == 0

@@ -214,7 +214,7 @@ def test_bulk_pause_by_tool_and_resume_in_order_with_one_audit_record(tenant, as
         {"tool": echo.name, "tenant": "acme"},
         3,
     )
-    assert RunEvent.objects.filter(kind="paused", data__bulk_action=action.pk).count() == 3
+    assert RunEvent.objects.filter(kind="paused", skeleton__bulk_action=action.pk).count() == 3
     for run in runs[:3]:
         advance(run.pk)
     assert Step.objects.filter(run__in=runs[:3], seq=2, status="proposed").count() == 3  # nothing sent
