@@ -17,7 +17,7 @@ from tenants.admin_site import ReadOnlyAdmin, site
 class ArtifactAdmin(ReadOnlyAdmin):
     list_display = ["name", "run", "step", "source", "media_type", "size", "created_at", "download"]
     list_filter = ["source", "media_type"]
-    search_fields = ["name", "sha256", "=run__id"]
+    search_fields = ["sha256", "=run__id"]  # the name is sealed at rest: the database cannot search it
     FIELDS = ("name", "run", "step", "source", "media_type", "size", "sha256", "created_at", "download")
     fields = FIELDS
     readonly_fields = FIELDS

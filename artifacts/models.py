@@ -8,6 +8,7 @@ import uuid
 from django.db import models
 
 from core.words import WordHashes
+from vault.fields import SealedTextField
 
 
 class Artifact(models.Model):
@@ -24,7 +25,11 @@ class Artifact(models.Model):
         "runs.Step", null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_constraint=False
     )  # no database key: steps are partitioned by their run (history/partitions.py)
     source = models.CharField(max_length=16, choices=Source.choices)
-    name = models.CharField(max_length=200)
+    # Content, sealed at rest with the run's data key (vault/fields.py): a file's name can carry a
+    # customer's (`statement_C-4471.pdf`). `name_key`: its keyed digest (vault.sealing.keyed_digest),
+    # what the constraint below compares.
+    name = SealedTextField(run="run_id", tenant="tenant_id")
+    name_key = models.CharField(max_length=64, blank=True, default="")
     media_type = models.CharField(max_length=100)
     size = models.BigIntegerField()
     sha256 = models.CharField(max_length=64)
@@ -43,7 +48,9 @@ class Artifact(models.Model):
     class Meta:
         constraints = [
             # A retried step stores the same file again: it finds this row instead of a second one.
-            models.UniqueConstraint(fields=["run", "step", "name", "sha256"], name="uniq_artifact_per_step"),
+            models.UniqueConstraint(
+                fields=["run", "step", "name_key", "sha256"], name="uniq_artifact_name_per_step"
+            ),
         ]
         indexes = [models.Index(fields=["run", "created_at"])]
 

@@ -11,7 +11,7 @@ from core.errors import NotFound
 
 
 def artifacts_of(run):
-    return Artifact.objects.filter(run=run).defer("content").order_by("created_at", "name")
+    return Artifact.objects.filter(run=run).defer("content").order_by("created_at", "pk")
 
 
 def get_artifact(readable_runs, artifact_id, *, with_content: bool = False) -> Artifact:

@@ -186,7 +186,7 @@ def store_given(*, run, files: list[Given]) -> list[Artifact]:
 
 def start_descriptions(run) -> list[str]:
     """What the model's first message says of the files given with the run, in request order."""
-    rows = Artifact.objects.filter(run=run, given_at_start=True).order_by("created_at", "name")
+    rows = Artifact.objects.filter(run=run, given_at_start=True).order_by("created_at", "pk")
     return [describe_text(describe(a)) for a in rows]
 
 
@@ -207,7 +207,8 @@ def store(
     # Sealed before the transaction: the run's key may have to be made in the key store.
     artifact_id = uuid.uuid4()
     sealed = sealing.seal(run.pk, run.tenant_id, content, sealed_as(artifact_id))
-    found = words_of(content)
+    name_key = sealing.keyed_digest(run.tenant_id, name)
+    found = words_of(content) | set(re.findall(WORD, name))
     # Too many to index (a large binary file): none kept, and every search reads it instead.
     hashes = sealing.word_hashes(run.tenant_id, found) if len(found) <= MAX_WORDS else None
     with transaction.atomic():
@@ -215,7 +216,9 @@ def store(
             with connection.cursor() as cur:
                 cur.execute("SELECT pg_advisory_xact_lock(hashtext('artifacts:' || %s))", [str(run.pk)])
         existing = (
-            Artifact.objects.filter(run=run, step=step, name=name, sha256=digest).defer("content").first()
+            Artifact.objects.filter(run=run, step=step, name_key=name_key, sha256=digest)
+            .defer("content")
+            .first()
         )
         if existing:
             return existing
@@ -241,6 +244,7 @@ def store(
                     step=step,
                     source=source,
                     name=name,
+                    name_key=name_key,
                     media_type=media_type,
                     size=len(content),
                     sha256=digest,
@@ -250,7 +254,7 @@ def store(
                     given_at_start=given_at_start,
                 )
         except IntegrityError:
-            return Artifact.objects.defer("content").get(run=run, step=step, name=name, sha256=digest)
+            return Artifact.objects.defer("content").get(run=run, step=step, name_key=name_key, sha256=digest)
 
 
 def content_of(artifact: Artifact) -> bytes:

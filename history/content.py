@@ -18,6 +18,8 @@ retention does not visit the run again.
 from __future__ import annotations
 
 from django.db import transaction
+from django.db.models import CharField
+from django.db.models.functions import Cast
 
 from approvals.models import Approval, ApprovalVote
 from artifacts.models import Artifact
@@ -26,8 +28,6 @@ from history.models import ContentRemoval
 from history.verify import REMOVED_KIND
 from runs.models import Run, RunEvent, Step
 from runs.transitions import record_event
-
-ERASED = "[erased]"
 
 
 def remove_content(
@@ -47,7 +47,11 @@ def remove_content(
     )
     ApprovalVote.objects.filter(approval__run=run).update(reason="")
     artifacts = [str(a) for a in Artifact.objects.filter(run=run).values_list("pk", flat=True)]
-    Artifact.objects.filter(run=run).update(content=b"", name=ERASED, sealed=False, words=[])
+    # The name's keyed digest goes too (the tenant's word key outlives the run's): its own id
+    # keeps the row unique beside an artifact of the same bytes and step.
+    Artifact.objects.filter(run=run).update(
+        content=b"", name="", name_key=Cast("id", CharField()), sealed=False, words=[]
+    )
     # The run's key goes once this is committed (a failed erasure must not lose the content it
     # kept); if the key store cannot be reached then, history.shredding's pass destroys it later.
     transaction.on_commit(lambda: shredding.shred_quietly([run.pk]))

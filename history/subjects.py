@@ -39,6 +39,7 @@ from core.errors import DomainError
 from core.words import WORD
 from runs.models import TERMINAL, Run, RunEvent, Step
 from vault import sealing
+from vault.fields import SealedField, SealedValueAltered
 
 RUNS, EVENTS = sql.table(Run), sql.table(RunEvent)
 APPROVALS, ARTIFACTS = sql.table(Approval), sql.table(Artifact)
@@ -131,15 +132,9 @@ def find(tenant_id, identifier: str, *, within: list | None = None, scan: bool =
         for ids in months.values():
             _read(found, tenant_id, p, identifier, ids)
     # Artifacts are written without an event (artifacts/services.py), so the run index cannot tell
-    # when a run's changed: they have words of their own, keyed (their bytes are sealed), written
-    # with them. Their names are read in SQL.
+    # when a run's changed: they have words of their own (their bytes' and name's), keyed, written
+    # with them.
     ids = [str(r) for r in artifacts_within] if artifacts_within is not None else None
-    extra = [ids] if ids is not None else []
-    for run_id, artifact_id in _rows(
-        f"SELECT a.run_id, a.id FROM {ARTIFACTS} a WHERE a.tenant_id = %s{_only(ids, 'a.run_id')} AND a.name ~ %s",
-        [tenant_id, *extra, p],
-    ):
-        found.artifacts.setdefault(run_id, []).append(artifact_id)
     _read_sealed(found, tenant_id, identifier, ids, scan=scan)
     return found
 
@@ -155,20 +150,30 @@ def _read_sealed(found: Found, tenant_id, identifier: str, ids: list | None, *, 
         + (" AND (a.words IS NULL OR a.words @> %s::bigint[])" if hashed else ""),
         [tenant_id, *([ids] if ids is not None else []), *([hashed] if hashed else [])],
     )
-    seen = {a for items in found.artifacts.values() for a in items}
-    todo = [pk for (pk,) in named if pk not in seen]
+    todo = [pk for (pk,) in named]
     found_token = token(identifier)
     for start in range(0, len(todo), 100):
-        rows = Artifact.objects.filter(pk__in=todo[start : start + 100]).values_list(
-            "pk", "run_id", "content"
+        rows = _rows(
+            f"SELECT a.id, a.run_id, a.content, a.name FROM {ARTIFACTS} a WHERE a.id = ANY(%s::uuid[])",
+            [[str(pk) for pk in todo[start : start + 100]]],
         )
-        for pk, run_id, content in rows:
+        for pk, run_id, content, name in rows:
+            texts = []
+            try:
+                texts.append(_ARTIFACT_NAME.open(name))
+            except SealedValueAltered:
+                pass  # unreadable since altered: verify_history names it
             try:
                 plain = artifact_services.open_sealed(pk, run_id, tenant_id, bytes(content))
+                texts.append(plain.decode("utf-8", errors="replace"))
             except (artifact_services.ContentErased, artifact_services.ContentAltered):
-                continue  # nothing anyone can read: erased, or unreadable since altered
-            if found_token.search(plain.decode("utf-8", errors="replace")):
+                pass  # nothing anyone can read: erased, or unreadable since altered
+            if any(found_token.search(text) for text in texts):
                 found.artifacts.setdefault(run_id, []).append(pk)
+
+
+_ARTIFACT_NAME = Artifact._meta.get_field("name")
+assert isinstance(_ARTIFACT_NAME, SealedField)
 
 
 def _only(ids: list | None, column: str) -> str:

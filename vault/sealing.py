@@ -134,6 +134,14 @@ def word_hashes(tenant, words) -> list[int]:
     )
 
 
+def keyed_digest(tenant, text: str) -> str:
+    """A keyed digest of a short text (HMAC-SHA256 with the tenant's word key, hex): what a unique
+    constraint compares where the text itself is sealed (an artifact's name), confirming no
+    guess without that key."""
+    key = _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
+    return hmac.new(key, b"text|" + text.encode(), hashlib.sha256).hexdigest()
+
+
 def shred(run_ids) -> int:
     """Destroy the runs' keys (here and in the store); how many the store held."""
     ids = [str(r) for r in run_ids]

@@ -15,6 +15,8 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalVote
+from artifacts import services as artifact_services
+from artifacts.models import Artifact
 from history import subjects
 from history.verify import verify
 from runs.approval_effects import decide_approval
@@ -254,4 +256,51 @@ def test_after_an_erasure_events_keep_their_skeleton_and_copies_taken_before_no_
     assert CUSTOMER not in str(shown)
     assert [e["data"] for e in shown if e["kind"] == "status"][-1]["to"] == RunStatus.SUCCEEDED
     assert subjects.find(run.tenant_id, CUSTOMER, scan=True).run_ids() == set()
+    assert verify([run.pk]).ok
+
+
+def test_an_artifacts_name_is_sealed_found_by_the_search_and_erased(asha, compliance, echo_agent):
+    run = finished_run(asha)
+    name = f"statement-{CUSTOMER}.txt"
+    artifact = artifact_services.store(
+        run=run, name=name, media_type="text/plain", content=b"balance 12.40", source=Artifact.Source.TOOL
+    )
+    # The same file stored again (a retried step) finds its row through the name's keyed digest.
+    again = artifact_services.store(
+        run=run, name=name, media_type="text/plain", content=b"balance 12.40", source=Artifact.Source.TOOL
+    )
+    other = artifact_services.store(
+        run=run,
+        name="other.txt",
+        media_type="text/plain",
+        content=b"balance 12.40",
+        source=Artifact.Source.TOOL,
+    )
+    assert again.pk == artifact.pk and other.pk != artifact.pk
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name, name_key FROM artifacts_artifact WHERE id = %s", [artifact.pk])
+        raw, key = cursor.fetchone()
+    assert bytes(raw)[:1] == sealing.VALUE_VERSION and CUSTOMER.encode() not in bytes(raw)
+    assert CUSTOMER not in key and len(key) == 64
+    assert CUSTOMER not in "".join(
+        part.split("\n\\.\n", 1)[0]
+        for part in _pg_dump().split("\nCOPY ")
+        if part.startswith("public.artifacts")
+    )
+    assert Artifact.objects.get(pk=artifact.pk).name == name
+    client = APIClient()
+    client.force_authenticate(asha)
+    assert name in [a["name"] for a in client.get(f"/v1/runs/{run.pk}/artifacts").json()]
+    # Only its name carries the identifier: found through its keyed words, and by reading.
+    assert subjects.find(run.tenant_id, CUSTOMER).artifacts == {run.pk: [artifact.pk]}
+    assert subjects.find(run.tenant_id, CUSTOMER, scan=True).artifacts == {run.pk: [artifact.pk]}
+
+    assert _erase(compliance).status_code == 201
+
+    names = dict(Artifact.objects.filter(run=run).values_list("pk", "name"))
+    assert names == {artifact.pk: "", other.pk: ""}
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name, name_key FROM artifacts_artifact WHERE run_id = %s", [run.pk])
+        assert sorted(cursor.fetchall()) == sorted([(None, str(artifact.pk)), (None, str(other.pk))])
     assert verify([run.pk]).ok

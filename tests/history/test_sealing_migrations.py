@@ -10,6 +10,8 @@ from django.core.management import call_command
 from django.db import connection
 
 from approvals.models import Approval
+from artifacts import services as artifact_services
+from artifacts.models import Artifact
 from history.verify import verify
 from runs.approval_effects import decide_approval
 from runs.models import Run, RunEvent, RunStatus, Step
@@ -37,6 +39,7 @@ SEALED = {
     "approvals_approvalvote": ("reason",),
     "runs_run": ("final_output", "error"),
     "runs_runevent": ("message", "data"),
+    "artifacts_artifact": ("name",),
 }
 
 
@@ -68,6 +71,9 @@ def _read_back(runs, approval) -> dict:
             .order_by("pk")
             .values_list("final_output", "error")
         ),
+        "artifacts": list(
+            Artifact.objects.filter(run__in=runs).order_by("pk").values_list("name", "name_key")
+        ),
         "events": [
             (e.run_id, e.seq, e.message, e.data, e.skeleton)
             for e in RunEvent.objects.filter(run__in=runs).order_by("run_id", "seq")
@@ -86,16 +92,21 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     assert drive(run.pk).status == RunStatus.SUCCEEDED
     failed, _ = start_run(user=asha, agent="agent", input={"word": "other"})
     end_run(Run.objects.get(pk=failed.pk), RunStatus.FAILED, error=f"refused {CUSTOMER}")
+    artifact_services.store(
+        run=plain_run, name=f"note-{CUSTOMER}.txt", media_type="text/plain", content=b"x", source="tool"
+    )
     before = _read_back([plain_run, run, failed], approval)
     assert all(kind == "bytea" for kind in _column_types().values())
 
     try:
         call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0028 back to 0026
         call_command("migrate", "approvals", "0008_step_refs_without_db_keys", verbosity=0)
+        call_command("migrate", "artifacts", "0005_words", verbosity=0)
         types = _column_types()
         assert types["runs_step.result"] == "jsonb" and types["runs_step.observation"] == "text", types
         assert types["runs_run.final_output"] == "text" and types["runs_run.error"] == "text"
         assert types["runs_runevent.data"] == "jsonb" and types["runs_runevent.message"] == "text"
+        assert types["artifacts_artifact.name"] == "text"
         assert (
             types["approvals_approval.arguments"] == "jsonb"
             and types["approvals_approvalvote.reason"] == "text"
@@ -111,6 +122,8 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
                 "SELECT count(*) FROM runs_runevent WHERE data->>'error' = %s", [f"refused {CUSTOMER}"]
             )
             assert cursor.fetchone()[0] == 1  # the failed run's last event, in the clear
+            cursor.execute("SELECT name FROM artifacts_artifact WHERE run_id = %s", [plain_run.pk])
+            assert cursor.fetchone()[0] == f"note-{CUSTOMER}.txt"
     finally:
         call_command("migrate", verbosity=0)
 
