@@ -115,7 +115,7 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
 
     from core.ids import uuid7
     from history import partitions
-    from runs.models import Run, Step
+    from runs.models import Run, RunEvent, Step
     from vault.fields import seal
 
     with connection.cursor() as cursor:
@@ -130,6 +130,10 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
             name: seal(Step, name, template.pk, value, tenant=template.tenant_id)
             for name, value in (("arguments", ARGUMENTS), ("result", RESULT), ("observation", OBSERVATION))
         }
+    )
+    message = seal(RunEvent, "message", template.pk, f"looked up {SECRET}", tenant=template.tenant_id)
+    data = seal(
+        RunEvent, "data", template.pk, {"tool": "lookup", "result": RESULT}, tenant=template.tenant_id
     )
     step_id = Step.objects.filter(run=template).order_by("seq").values_list("pk", flat=True).first()
     started = time.monotonic()
@@ -184,8 +188,9 @@ def seed(template, runs: int, steps: int, events: int, chunk: int = 200) -> floa
                         "seq": "g",
                         "step_seq": f"(g - 1) / {events} + 1",
                         "kind": "'tool_result'",
-                        "message": ("%s", [f"looked up {SECRET}"]),
-                        "data": ("%s::jsonb", [json.dumps({"tool": "lookup", "result": RESULT})]),
+                        "message": ("%s", [message]),
+                        "data": ("%s", [data]),
+                        "skeleton": ("%s::jsonb", [json.dumps({"tool": "lookup"})]),
                     },
                     [steps * events, event_id],
                 )
