@@ -57,16 +57,16 @@ VALUE_VERSION = b"\x02"  # a sealed column value: VALUE_VERSION || run id (16) |
 WORDS_KEY = "words:"  # the key store's id of a tenant's word key, before the tenant's id
 _CACHE_LIMIT = 4096
 _cache: dict[str, tuple[bytes, bytes, float]] = {}  # run id -> (key, its wrapping, when read)
-_ciphers: dict[bytes, AESGCM] = {}  # key -> its cipher (building one costs more than a short value's sealing)
+_ciphers: dict[bytes, tuple[AESGCM, bytes]] = {}  # key -> its cipher and fingerprint
 _lock = threading.Lock()
 
 
 def seal(run_id, tenant, plaintext: bytes, purpose: str) -> bytes:
     # The key read from the store, not the cache: sealed with a key another process destroyed a
     # moment ago (an erasure), new content would never open again.
-    key = _data_key(run_id, tenant, make=True, cached=False)
+    cipher, fingerprint = _cipher(_data_key(run_id, tenant, make=True, cached=False))
     nonce = os.urandom(12)
-    return VERSION + _fingerprint(key) + nonce + _cipher(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+    return VERSION + fingerprint + nonce + cipher.encrypt(nonce, plaintext, _aad(run_id, purpose))
 
 
 def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
@@ -75,21 +75,17 @@ def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
     altered."""
     if sealed[:1] != VERSION:
         raise InvalidTag()
-    key = _data_key(run_id, tenant, make=False)
-    if _fingerprint(key) != sealed[1:5]:
-        key = _data_key(run_id, tenant, make=False, cached=False)  # this process's copy may be stale
-        if _fingerprint(key) != sealed[1:5]:
-            raise KeyDestroyed(run_id)
-    return _cipher(key).decrypt(sealed[5:17], sealed[17:], _aad(run_id, purpose))
+    cipher = _opening(run_id, tenant, sealed[1:5])
+    return cipher.decrypt(sealed[5:17], sealed[17:], _aad(run_id, purpose))
 
 
 def seal_value(run_id, plaintext: bytes, purpose: str, *, tenant) -> bytes:
     """A column value of the run, sealed with the key this process holds (the module says why);
     `tenant`, or a callable giving it, is asked only when the run has no key yet."""
-    key = _data_key(run_id, tenant, make=True)
+    cipher, fingerprint = _cipher(_data_key(run_id, tenant, make=True))
     nonce = os.urandom(12)
     head = VALUE_VERSION + uuid.UUID(str(run_id)).bytes
-    return head + _fingerprint(key) + nonce + _cipher(key).encrypt(nonce, plaintext, _aad(run_id, purpose))
+    return head + fingerprint + nonce + cipher.encrypt(nonce, plaintext, _aad(run_id, purpose))
 
 
 def run_of(sealed: bytes) -> uuid.UUID:
@@ -103,21 +99,29 @@ def open_value(sealed: bytes, purpose: str) -> bytes:
     """A sealed column value's plaintext; KeyDestroyed when its run's content was erased;
     InvalidTag when the bytes were altered (or moved from another run or column)."""
     run_id = run_of(sealed)
-    fingerprint, nonce, body = sealed[17:21], sealed[21:33], sealed[33:]
-    key = _data_key(run_id, None, make=False)
-    if _fingerprint(key) != fingerprint:
-        key = _data_key(run_id, None, make=False, cached=False)
-        if _fingerprint(key) != fingerprint:
+    cipher = _opening(run_id, None, bytes(sealed[17:21]))
+    return cipher.decrypt(bytes(sealed[21:33]), bytes(sealed[33:]), _aad(run_id, purpose))
+
+
+def _opening(run_id, tenant, fingerprint: bytes) -> AESGCM:
+    """The cipher of the run's key that sealed a value (its fingerprint); KeyDestroyed when the
+    run no longer holds that key (its content erased: it may hold a newer one since)."""
+    cipher, held = _cipher(_data_key(run_id, tenant, make=False))
+    if held != fingerprint:
+        # This process's copy may be stale: the store's.
+        cipher, held = _cipher(_data_key(run_id, tenant, make=False, cached=False))
+        if held != fingerprint:
             raise KeyDestroyed(run_id)
-    return _cipher(key).decrypt(bytes(nonce), bytes(body), _aad(run_id, purpose))
+    return cipher
 
 
-def _cipher(key: bytes) -> AESGCM:
+def _cipher(key: bytes) -> tuple[AESGCM, bytes]:
+    """The key's cipher and fingerprint, made once a key (each costs more than a short value's sealing)."""
     found = _ciphers.get(key)
     if found is None:
         if len(_ciphers) >= _CACHE_LIMIT:
             _ciphers.clear()
-        found = _ciphers[key] = AESGCM(key)
+        found = _ciphers[key] = (AESGCM(key), _fingerprint(key))
     return found
 
 

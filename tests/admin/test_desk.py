@@ -10,6 +10,7 @@ from django.utils import timezone
 from budgets import services as budgets
 from runs.models import Run, RunStatus
 from runs.services import start_run
+from vault.fields import seal
 
 LONG_ERROR = "model provider refused the request: 400 " + "x" * 600 + " END-OF-ERROR"
 
@@ -17,7 +18,9 @@ LONG_ERROR = "model provider refused the request: 400 " + "x" * 600 + " END-OF-E
 def failed_run(acme, *, hours_ago: float, case: str):
     run, _ = start_run(user=acme.asha, agent="refunder", input={"case": case})
     Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.FAILED, error=LONG_ERROR, finished_at=timezone.now() - dt.timedelta(hours=hours_ago)
+        status=RunStatus.FAILED,
+        error=seal(Run, "error", run.pk, LONG_ERROR, tenant=run.tenant_id),  # sealed at rest
+        finished_at=timezone.now() - dt.timedelta(hours=hours_ago),
     )
     return run
 
