@@ -151,8 +151,8 @@ def _dependent_triggers(conn, table: str, columns: tuple) -> list[tuple[str, str
 
 def _write_page(conn, table: str, targets: tuple, rows: list[tuple], *, types: str = "bytea") -> None:
     """Write a page of rows ((pk, [a value a target column])): on PostgreSQL in one UPDATE from
-    arrays (an UPDATE a row made sealing a table of millions of events take hours), elsewhere
-    an UPDATE a row."""
+    arrays (14 µs a row against 54 µs for an UPDATE a row, over loopback: minutes saved on a
+    table of millions of events), elsewhere an UPDATE a row."""
     if not rows:
         return
     with conn.cursor() as cursor:
