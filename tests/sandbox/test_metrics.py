@@ -94,8 +94,8 @@ def test_executions_are_counted_by_outcome_and_limit_with_start_and_queue_times(
     assert "shutil.copy(&#x27;/in/t.csv&#x27;, &#x27;/out/copy.csv&#x27;)" in page  # the code, escaped
     assert 'class="tl-result tl-code"' in page
     assert "exit 0" in first and "memory <code>128.0\xa0MB</code>" in first and "CPU <code>" in first
-    copy = Artifact.objects.get(run=run, name="copy.csv")
-    original = Artifact.objects.get(run=run, name="t.csv")
+    by_name = {a.name: a for a in Artifact.objects.filter(run=run)}  # names are sealed at rest
+    copy, original = by_name["copy.csv"], by_name["t.csv"]
     assert f"/admin/runs/run/{run.pk}/artifacts/{original.pk}/" in first
     assert f"/admin/runs/run/{run.pk}/artifacts/{copy.pk}/" in first
     assert "limit hit: memory" in page and "exit 3" in page
