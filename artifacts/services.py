@@ -208,7 +208,7 @@ def store(
     artifact_id = uuid.uuid4()
     sealed = sealing.seal(run.pk, run.tenant_id, content, sealed_as(artifact_id))
     name_key = sealing.keyed_digest(run.tenant_id, name)
-    found = words_of(content) | set(re.findall(WORD, name))
+    found = words_of(content) | words_of(name.encode())
     # Too many to index (a large binary file): none kept, and every search reads it instead.
     hashes = sealing.word_hashes(run.tenant_id, found) if len(found) <= MAX_WORDS else None
     with transaction.atomic():

@@ -143,7 +143,7 @@ def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) ->
         if leaves:
             return [Finding(rid, None, f"the run is gone, but checkpoint {leaves[-1][0]} holds its head")], 0
         return [Finding(rid, None, "no such run")], 0
-    events = _events(rid)
+    events = _stored(RunEvent, EVENT_COLUMNS, rid)
     findings: list[Finding] = []
     erased_events, erased_steps, erased_run = _erased(events)
     bodies = [
@@ -248,26 +248,32 @@ def _diagnose(i: int, events, bodies, stored) -> tuple[str, int | None]:
     return "inserted or rewritten: it chains from no event of the run", None
 
 
-def _events(rid: str) -> list[tuple]:
-    """The run's events in seq order, their message and data as stored (sealed bytes, not opened:
-    the verifier says which do not open)."""
-    names = (
-        "seq",
-        "at",
-        "kind",
-        "step_seq",
-        "actor",
-        "message",
-        "data",
-        "skeleton",
-        "content_digest",
-        "chain_hash",
-    )
-    fields = [RunEvent._meta.get_field(name) for name in names]
+EVENT_COLUMNS = (
+    "seq",
+    "at",
+    "kind",
+    "step_seq",
+    "actor",
+    "message",
+    "data",
+    "skeleton",
+    "content_digest",
+    "chain_hash",
+)
+
+
+def _stored(
+    model, names: tuple[str, ...], rid: str, *, by: str = "run", order: str | None = "seq"
+) -> list[tuple]:
+    """The run's rows of `model` (`by`: the field naming the run), `names` in that order, as
+    stored: sealed columns raw (not opened: the verifier says which do not open), the others as
+    the ORM gives them."""
+    fields = [model._meta.get_field(name) for name in names]
+    ordered = f" ORDER BY {sql.column(model, order)}" if order else ""
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {', '.join(sql.column(RunEvent, name) for name in names)} FROM {sql.table(RunEvent)} "
-            f"WHERE {sql.column(RunEvent, 'run')} = %s ORDER BY seq",
+            f"SELECT {', '.join(sql.column(model, name) for name in names)} FROM {sql.table(model)} "
+            f"WHERE {sql.column(model, by)} = %s{ordered}",
             [sql.adapt(uuid.UUID(rid))],
         )
         rows = cursor.fetchall()
@@ -369,13 +375,8 @@ def _content_bindings(rid: str, run: dict, events, erased_steps: set[int], erase
 def _run_sealed(rid: str, bound: dict, findings: list) -> dict:
     """The run's own sealed content opened from its raw bytes ({} for a column that does not
     open, with the finding added)."""
-    names = [f.name for f in Run._meta.concrete_fields if isinstance(f, SealedField)]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT {', '.join(sql.column(Run, n) for n in names)} FROM {sql.table(Run)} WHERE id = %s",
-            [sql.adapt(uuid.UUID(rid))],
-        )
-        row = cursor.fetchone()
+    names = tuple(f.name for f in Run._meta.concrete_fields if isinstance(f, SealedField))
+    (row,) = _stored(Run, names, rid, by="id", order=None)
     opened = {}
     for name, raw in zip(names, row):
         where = bound.get((None, name), (None,))[0]
@@ -394,13 +395,8 @@ def _run_sealed(rid: str, bound: dict, findings: list) -> dict:
 
 def _step_content(rid: str) -> list[tuple[int, dict]]:
     """Each step's content columns as stored (sealed bytes, not opened: the verifier says which do not open)."""
-    columns = ", ".join(sql.column(Step, name) for name in chain.STEP_CONTENT)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT seq, {columns} FROM {sql.table(Step)} WHERE run_id = %s ORDER BY seq",
-            [sql.adapt(uuid.UUID(rid))],
-        )
-        return [(row[0], dict(zip(chain.STEP_CONTENT, row[1:]))) for row in cursor.fetchall()]
+    rows = _stored(Step, ("seq", *chain.STEP_CONTENT), rid)
+    return [(row[0], dict(zip(chain.STEP_CONTENT, row[1:]))) for row in rows]
 
 
 def _opened(model, name: str, raw, rid: str):

@@ -129,7 +129,7 @@ def word_hashes(tenant, words) -> list[int]:
     """Keyed 64-bit hashes of the words (HMAC-SHA256 with the tenant's word key, a key like a run's
     kept in the key store under `words:<tenant>`): an index of them, in a backup, confirms no
     guess without that key. Sorted and distinct."""
-    key = _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
+    key = _word_key(tenant)
     return sorted(
         {
             int.from_bytes(hmac.new(key, w.encode(), hashlib.sha256).digest()[:8], "big", signed=True)
@@ -142,8 +142,12 @@ def keyed_digest(tenant, text: str) -> str:
     """A keyed digest of a short text (HMAC-SHA256 with the tenant's word key, hex): what a unique
     constraint compares where the text itself is sealed (an artifact's name), confirming no
     guess without that key."""
-    key = _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
-    return hmac.new(key, b"text|" + text.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(_word_key(tenant), b"text|" + text.encode(), hashlib.sha256).hexdigest()
+
+
+def _word_key(tenant) -> bytes:
+    """The tenant's word key: made, and kept in the key store, like a run's."""
+    return _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
 
 
 def shred(run_ids) -> int:
