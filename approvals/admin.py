@@ -392,7 +392,9 @@ class ApprovalAdmin(ReadOnlyAdmin):
         term = search_term.strip()[:Q_MAX]
         if not term:
             return queryset, False
-        runs = search_runs(Run.objects.filter(tenant_id=request.user.tenant_id), term).values("pk")
+        runs = search_runs(
+            Run.objects.filter(tenant_id=request.user.tenant_id), term, tenants=[request.user.tenant_id]
+        ).values("pk")
         return (
             queryset.filter(
                 Q(tool__name__icontains=term) | Q(requested_by__username__iexact=term) | Q(run_id__in=runs)

@@ -297,7 +297,10 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
     after = filters.pop("created_after", None)
     started = time.perf_counter()
     runs = search.search(
-        search.created_between(selectors.runs_for(supervisor, **filters), after=after), q, ranked=True
+        search.created_between(selectors.runs_for(supervisor, **filters), after=after),
+        q,
+        tenants=[supervisor.tenant_id],
+        ranked=True,
     )
     with planner_settings(getattr(runs, "page_settings", None)):  # as BoundedCountPagination
         rows = list(runs[:51])  # one row past the page, for `next`
@@ -383,6 +386,7 @@ def main() -> None:
                 runs = search.search(
                     search.created_between(selectors.runs_for(supervisor, **filters), after=after),
                     q,
+                    tenants=[supervisor.tenant_id],
                     ranked=True,
                 )
                 print(label, runs[:50].explain(analyze=True), sep="\n", end="\n\n")

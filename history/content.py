@@ -2,7 +2,7 @@
 which (docs/history.md, "Content and skeleton"). Erasure (history/erasure.py) and retention
 (history/retention.py) call it with the run locked, inside `atomic_with_events`.
 
-Content: the run's input, metadata, final output and error; every step's arguments, request,
+Content: the run's input, metadata (and the search's keyed words of them), final output and error; every step's arguments, request,
 result, observation, error and resolution; its approvals' arguments and people's texts (the
 decider's, the corrector's and each dual-control vote's reason); its
 artifacts' bytes and names; its events' messages and data (their keys about the platform's own
@@ -36,7 +36,7 @@ def remove_content(
     """Remove the run's content. Every event's message and data go (its skeleton stays);
     `events`: the seqs of the events whose skeleton goes too, for the certificate's marker
     (erasure: those carrying the identifier), or None (retention)."""
-    Run.objects.filter(pk=run.pk).update(input={}, metadata={}, final_output="", error="")
+    Run.objects.filter(pk=run.pk).update(input={}, metadata={}, search_words=None, final_output="", error="")
     steps = list(Step.objects.filter(run=run).order_by("seq").values_list("seq", flat=True))
     Step.objects.filter(run=run).update(
         arguments=None, request=None, result=None, observation="", error="", resolution=""

@@ -47,10 +47,9 @@ WORDS = "history_subject_words"  # history/migrations/0004_subject_words.py
 
 # The texts the search reads of each table (and the index's words are made of): one list, so the
 # two cannot part.
-RUN_TEXTS = ("r.input::text", "r.metadata::text")
 EVENT_TEXTS = ("e.skeleton::text",)  # its data's keys about the platform's state, in the clear
 # Sealed at rest (vault/fields.py): read and searched here, in Python (SEALED_SOURCES).
-RUN_SEALED_TEXTS = ("final_output", "error")
+RUN_SEALED_TEXTS = ("input", "metadata", "final_output", "error")
 STEP_TEXTS = ("arguments", "request", "result", "observation", "error", "resolution")
 EVENT_SEALED_TEXTS = ("message", "data")
 APPROVAL_TEXTS = ("arguments", "original_arguments", "decision_reason", "correction_reason")
@@ -183,11 +182,6 @@ def _only(ids: list | None, column: str) -> str:
 def _read(found: Found, tenant_id, p: str, identifier: str, ids: list | None) -> None:
     """The runs, steps, events and approvals of the tenant (of the runs `ids`) matching `p`."""
     extra = [ids] if ids is not None else []
-    for (run_id,) in _rows(
-        f"SELECT r.id FROM {RUNS} r WHERE r.tenant_id = %s{_only(ids, 'r.id')} AND ({_matching(RUN_TEXTS)})",
-        [tenant_id, *extra, *[p] * len(RUN_TEXTS)],
-    ):
-        found.runs.add(run_id)
     found_token = token(identifier)
     for source in SEALED_SOURCES:
         for run_id, item, texts in _sealed_texts(source, tenant_id, ids):
@@ -326,8 +320,8 @@ def _texts(alias: str, table: str, texts: tuple[str, ...], key: str) -> str:
     return f"SELECT t FROM {table} {alias}, unnest(ARRAY[{', '.join(texts)}]) t WHERE {alias}.{key} = %(run)s"
 
 
-# A run's texts in the clear (its input and metadata, its events' skeletons), one a row.
-PLAIN_TEXTS = f"{_texts('r', RUNS, RUN_TEXTS, 'id')} UNION ALL {_texts('e', EVENTS, EVENT_TEXTS, 'run_id')}"
+# A run's texts in the clear (its events' skeletons), one a row.
+PLAIN_TEXTS = _texts("e", EVENTS, EVENT_TEXTS, "run_id")
 INDEX_RUN = f"""
 INSERT INTO {WORDS} (run_id, tenant_id, event_seq, words) VALUES (%(run)s, %(tenant)s, %(seq)s, %(words)s::bigint[])
 ON CONFLICT (run_id) DO UPDATE SET event_seq = EXCLUDED.event_seq, words = EXCLUDED.words

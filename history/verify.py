@@ -137,7 +137,7 @@ def verify_checkpoints(jwks: dict | None = None) -> tuple[list[Finding], Checkpo
 def verify_run(run_id, *, leaves: list[tuple[int, int, bytes]] | None = None) -> tuple[list[Finding], int]:
     """One run's findings and the number of its events. `leaves`: (checkpoint number, seq, head)."""
     rid = str(run_id)
-    run = Run.objects.filter(pk=run_id).values("event_seq", "chain_head", "input", "metadata").first()
+    run = Run.objects.filter(pk=run_id).values("event_seq", "chain_head").first()
     leaves = leaves if leaves is not None else _leaves_of(run_id)
     if run is None:
         if leaves:

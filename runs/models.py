@@ -7,6 +7,7 @@ from django.db import models
 
 from core.ids import uuid7
 from vault.fields import SealedJSONField, SealedTextField
+from vault.keyed_search import KeyedWordsField
 
 
 class RunStatus(models.TextChoices):
@@ -103,8 +104,12 @@ class Run(models.Model):
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="runs")
     agent = models.ForeignKey("agents.AgentDefinition", on_delete=models.PROTECT, related_name="runs")
     version = models.ForeignKey("agents.AgentVersion", on_delete=models.PROTECT, related_name="runs")
-    input = models.JSONField()
-    metadata = models.JSONField(default=dict, blank=True)
+    # What the run was started with and the caller's labels: content, sealed at rest with the run's
+    # key (vault/fields.py). The run search reads `search_words` instead: keyed lexemes of their
+    # words and values, made when the run is created (vault/keyed_search.py, runs/front/search.py).
+    input = SealedJSONField(run="pk", tenant="tenant_id", empty=dict)
+    metadata = SealedJSONField(run="pk", tenant="tenant_id", empty=dict, default=dict, blank=True)
+    search_words = KeyedWordsField()
     limits = models.JSONField(default=dict)  # snapshot at admission, capped by the tenant
     status = models.CharField(
         max_length=24, choices=RunStatus.choices, default=RunStatus.QUEUED, db_index=True
@@ -178,7 +183,7 @@ class Run(models.Model):
             models.Index(fields=["tenant", "status"]),
             # No index holds lease_expires_at, last_enqueued_at or the counters: a claim and a
             # record change them on every step, and PostgreSQL updates a row in place, without
-            # touching its twenty indexes (one a GIN over input and metadata), only when no
+            # touching its twenty indexes (one a GIN over its search words), only when no
             # indexed column changed (a HOT update; migration 0017). The sweeper finds expired
             # leases among the running runs through the status index.
             # The sweeper's pass over pauses given an end (runs/controls/pausing.resume_due): empty most days.

@@ -42,6 +42,7 @@ from runs.transitions import (
     transition_run,
     transition_step,
 )
+from vault import keyed_search
 
 
 def effective_limits(spec_limits: dict, tenant) -> dict:
@@ -160,6 +161,8 @@ def start_run(
     if refused is not None:
         raise Forbidden(f"you may not start this run: {refused}", code="policy_denied")
     artifacts.check_given(tenant, files)
+    # Before the transaction: the tenant's word key may come from the key store.
+    search_words = keyed_search.document(tenant.pk, input, metadata)
     now = timezone.now()
     limits = effective_limits(dict(spec_for(pinned).limits), tenant)
     expected, source = admission.expectation(version=pinned, limits=limits, tenant=tenant)
@@ -199,6 +202,7 @@ def start_run(
                 version=pinned,
                 input=input,
                 metadata=metadata,
+                search_words=search_words,
                 limits=limits,
                 idempotency_key=idempotency_key or None,
                 request_hash=request_hash,

@@ -111,6 +111,13 @@ def scope(queryset, user):
     return queryset
 
 
+def tenants_seen(user) -> list:
+    """The ids of the tenants whose rows `user` may see in the admin: every one for an operator."""
+    if is_operator(user):
+        return list(apps.get_model("tenants", "Tenant").objects.values_list("pk", flat=True))
+    return [user.tenant_id] if user.tenant_id is not None else []
+
+
 def run_visible(user, run_id) -> Exists | Value:
     """An annotation: whether `user` may open the page of the run `run_id` (an OuterRef or a value);
     a link to a run the user cannot open is shown as plain text."""

@@ -137,6 +137,17 @@ def open_columns(schema_editor, spec: Sealed) -> None:
             cursor.execute(definition)
 
 
+def fill_column(schema_editor, spec: Sealed, target: str, make, *, types: str) -> None:
+    """Write every row's `target` column (SQL type `types`) with `make(tenant id, values)`, `values`
+    being the spec's columns as stored, a page at a time (a keyed index made from content about to
+    be sealed: runs migration 0029)."""
+    conn = schema_editor.connection
+    pk_type = _pk_type(conn, spec.table)
+    for page in _pages(conn, spec):
+        rows = [(pk, [make(tenant_id, values)]) for pk, _run, tenant_id, values in page]
+        _write_page(conn, spec.table, (target,), rows, pk_type=pk_type, types=types)
+
+
 def _dependent_triggers(conn, table: str, columns: tuple) -> list[tuple[str, str]]:
     """(name, definition) of the table's triggers that name one of the columns (`UPDATE OF`, or
     their WHEN): PostgreSQL changes no such column's type, so they are dropped and made again."""

@@ -46,6 +46,7 @@ __all__ = [
     "run_of",
     "seal",
     "seal_value",
+    "search_lexemes",
     "shred",
     "unseal",
     "word_hashes",
@@ -143,6 +144,13 @@ def keyed_digest(tenant, text: str) -> str:
     constraint compares where the text itself is sealed (an artifact's name), confirming no
     guess without that key."""
     return hmac.new(_word_key(tenant), b"text|" + text.encode(), hashlib.sha256).hexdigest()
+
+
+def search_lexemes(tenant, tokens) -> list[str]:
+    """Keyed lexemes of search tokens (vault/keyed_search.py), in their order: the first 64 bits of
+    HMAC-SHA256 with the tenant's word key, in hex; a tokens' hash in no other tenant's search."""
+    key = _word_key(tenant)
+    return [hmac.new(key, b"search|" + t.encode(), hashlib.sha256).hexdigest()[:16] for t in tokens]
 
 
 def _word_key(tenant) -> bytes:

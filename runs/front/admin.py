@@ -49,6 +49,7 @@ from tenants.admin_site import (
     money,
     money_in_text,
     site,
+    tenants_seen,
     time_left,
 )
 from tools.display import formatted_arguments
@@ -375,7 +376,7 @@ class RunAdmin(PauseAdminMixin, ReadOnlyAdmin):
         return super().changelist_view(request, {"title": "Runs", **(extra_context or {})})
 
     def get_search_results(self, request, queryset, search_term):
-        found = search(queryset, search_term[:Q_MAX], ranked=True)
+        found = search(queryset, search_term[:Q_MAX], tenants=tenants_seen(request.user), ranked=True)
         # The changelist orders (clones) the queryset after this: its page settings go by request.
         request.run_search_page_settings = getattr(found, "page_settings", None)
         return found, False

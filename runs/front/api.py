@@ -355,7 +355,13 @@ class RunListApi(APIView):
             data.pop("created_before", None),
         )
         runs = search.created_between(selectors.runs_for(request.user, **data), after=after, before=before)
-        return paginate(self, request, search.search(runs, q, ranked=True), RunOutput, bounded=True)
+        return paginate(
+            self,
+            request,
+            search.search(runs, q, tenants=[request.user.tenant_id], ranked=True),
+            RunOutput,
+            bounded=True,
+        )
 
     @extend_schema(
         operation_id="start_run",

@@ -96,6 +96,13 @@ def _api_text(user, run_id) -> str:
     return "\n".join(texts)
 
 
+def _searched(user, q: str) -> set[str]:
+    """The runs `GET /v1/runs?q=` finds."""
+    response = _client(user).get("/v1/runs", {"q": q, "limit": 100})
+    assert response.status_code == 200, response.content
+    return {row["id"] for row in response.json()["results"]}
+
+
 def test_a_customer_id_in_30_runs_is_gone_everywhere_and_the_skeleton_verifies(
     tenant, asha, ravi, compliance, echo_agent, admin_client
 ):
@@ -120,7 +127,9 @@ def test_a_customer_id_in_30_runs_is_gone_everywhere_and_the_skeleton_verifies(
         )
         for r in runs
     }
-    assert CUSTOMER in _pg_dump()
+    # Sealed at rest everywhere (vault/): a dump holds it nowhere in the clear, even before.
+    assert CUSTOMER not in _pg_dump() and CUSTOMER in _api_text(asha, runs[0].pk)
+    assert len(_searched(asha, CUSTOMER)) == 28  # the runs whose input carries it
     admin_page = admin_client.get(f"/admin/runs/run/{runs[0].pk}/change/")
     assert admin_page.status_code == 200 and CUSTOMER in admin_page.content.decode()
 
@@ -147,9 +156,11 @@ def test_a_customer_id_in_30_runs_is_gone_everywhere_and_the_skeleton_verifies(
         erased = RunEvent.objects.get(run=run, kind="content_removed")
         assert erased.skeleton["certificate"] == certificate["id"] and erased.actor_id == compliance.pk
     assert Artifact.objects.filter(run__in=runs, content=b"").count() == 2
-    dump = _pg_dump()
-    assert CUSTOMER not in dump
-    assert OTHER in dump and OTHER in _api_text(asha, kept.pk)  # what was not asked for stays
+    assert CUSTOMER not in _pg_dump()
+    assert OTHER in _api_text(asha, kept.pk)  # what was not asked for stays
+    # Out of the run search too: its keyed words of the input went with it.
+    assert _searched(asha, CUSTOMER) == set() and _searched(asha, OTHER) == {str(kept.pk)}
+    assert not Run.objects.filter(pk__in=[r.pk for r in runs], search_words__isnull=False).exists()
     report = verify()
     assert report.ok, [str(f) for f in report.findings]
     take_checkpoint()

@@ -7,15 +7,15 @@ import datetime as dt
 
 import pytest
 from django.db import connection
-from django.db.models import Q
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from runs.front.display import run_title
-from runs.front.search import DENSE_MIN, holding_values, id_range, search
+from runs.front.search import DENSE_MIN, id_range, search
 from runs.models import Run
 from runs.services import start_run
 from tests import factories
+from vault import keyed_search
 
 pytestmark = pytest.mark.django_db
 
@@ -105,25 +105,24 @@ def test_an_id_prefix_is_a_range_of_the_primary_key():
     assert id_range("a73") is None and id_range("TXN-1") is None
 
 
-def test_postgres_uses_the_values_index_for_a_search(runs):
+def test_postgres_uses_the_words_index_for_a_value_search(runs, tenant):
     # With sequential scans off, a plan that still scans the table means the index cannot serve
-    # the query: the query's expression no longer matches the index's (migration 0009).
-    # Unordered: ordered by created_at, the planner may walk that index backwards and filter.
-    # search() looks the values up first (their ids then stand in its match).
-    queryset = holding_values(Run.objects.all(), Q(search_values__contains=["TXN-1002"]))
+    # the query. Unordered: ordered by created_at, the planner may walk that index backwards and
+    # filter. Values are keyed lexemes of the same tsvector as words (migration 0029).
+    queryset = search(Run.objects.all(), "TXN-1002", tenants=[tenant.pk]).order_by()
     sql, params = queryset.query.sql_with_params()
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")
         cursor.execute(f"EXPLAIN {sql}", params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
-    assert "run_search_values" in plan, plan
+    assert "run_search_words" in plan, plan
 
 
 def test_a_search_inside_a_subquery_names_its_own_table(runs, tenant):
     # The inbox filters approvals by the runs a search finds: the runs table is joined twice.
     from approvals.models import Approval
 
-    inner = search(Run.objects.filter(tenant=tenant), "TXN-1002").values("pk")
+    inner = search(Run.objects.filter(tenant=tenant), "TXN-1002", tenants=[tenant.pk]).values("pk")
     assert list(Approval.objects.select_related("run").filter(run_id__in=inner)) == []
     assert {r.pk for r in Run.objects.filter(pk__in=inner).select_related("tenant")} == {
         runs["b"].pk,
@@ -192,10 +191,10 @@ def test_the_admin_search_box_finds_words_best_first(requests, tenant):
     assert shown == [requests["meera"].pk, requests["ravi"].pk]
 
 
-def test_postgres_uses_the_words_index_for_a_word_search(requests):
+def test_postgres_uses_the_words_index_for_a_word_search(requests, tenant):
     # As for values: with sequential scans off, a plan without the index means the query's
-    # expression no longer matches the index's (migration 0021).
-    queryset = search(Run.objects.all(), "meera sharma").order_by()
+    # expression no longer matches the index's (migrations 0021, 0029).
+    queryset = search(Run.objects.all(), "meera sharma", tenants=[tenant.pk]).order_by()
     sql, params = queryset.query.sql_with_params()
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")
@@ -214,6 +213,7 @@ def _many_runs(template: Run, request: str, orders, **fields) -> None:
             agent=template.agent,
             version=template.version,
             input={"request": request.format(order)},
+            search_words=keyed_search.document(template.tenant_id, {"request": request.format(order)}),
             **fields,
         )
         for order in orders
@@ -254,7 +254,12 @@ def test_a_word_in_many_runs_is_read_walking_the_newest_runs(ravi, requests):
 
     template = requests["meera"]
     _many_runs(template, "wrong amount debited on order {}", range(DENSE_MIN + 1))
-    found = search(Run.objects.filter(tenant=template.tenant), "wrong amount debited", ranked=True)
+    found = search(
+        Run.objects.filter(tenant=template.tenant),
+        "wrong amount debited",
+        tenants=[template.tenant_id],
+        ranked=True,
+    )
     assert found.page_settings["enable_bitmapscan"] == "off"
     sql, params = found.order_by("-created_at")[:51].query.sql_with_params()
     with planner_settings(found.page_settings), connection.cursor() as cursor:
@@ -273,7 +278,9 @@ def test_a_word_in_many_runs_is_read_walking_the_newest_runs(ravi, requests):
     assert listed.result_count > 1000 and isinstance(listed.result_list, list)
     assert listed.result_list[0].input["request"] == f"wrong amount debited on order {DENSE_MIN}"
     # A rare word keeps the planner's own choice (the words index).
-    assert not hasattr(search(Run.objects.all(), "meera", ranked=True), "page_settings")
+    assert not hasattr(
+        search(Run.objects.all(), "meera", tenants=[template.tenant_id], ranked=True), "page_settings"
+    )
 
 
 def test_planner_settings_end_with_their_block_inside_a_callers_transaction():
