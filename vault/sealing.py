@@ -46,6 +46,8 @@ __all__ = [
     "run_of",
     "seal",
     "seal_value",
+    "seal_with",
+    "make_keys",
     "search_lexemes",
     "shred",
     "unseal",
@@ -83,10 +85,24 @@ def unseal(run_id, tenant, sealed: bytes, purpose: str) -> bytes:
 def seal_value(run_id, plaintext: bytes, purpose: str, *, tenant) -> bytes:
     """A column value of the run, sealed with the key this process holds (the module says why);
     `tenant`, or a callable giving it, is asked only when the run has no key yet."""
-    cipher, fingerprint = _cipher(_data_key(run_id, tenant, make=True))
+    return seal_with(_data_key(run_id, tenant, make=True), run_id, plaintext, purpose)
+
+
+def seal_with(key: bytes, run_id, plaintext: bytes, purpose: str) -> bytes:
+    """A column value of the run sealed with `key`, the run's (seal_value's, or make_keys')."""
+    cipher, fingerprint = _cipher(key)
     nonce = os.urandom(12)
     head = VALUE_VERSION + uuid.UUID(str(run_id)).bytes
     return head + fingerprint + nonce + cipher.encrypt(nonce, plaintext, _aad(run_id, purpose))
+
+
+def make_keys(tenant, run_ids) -> dict[str, bytes]:
+    """New keys for runs written in bulk (a benchmark's million), kept in the store in one
+    statement: {run id: key}. A run holding a key already keeps it and is left out."""
+    keys = {str(r): os.urandom(32) for r in run_ids}
+    wrapping = _tenant_keys(str(tenant), tuple(settings.CONTENT_KEYS))
+    kept = store.put_many([(run_id, str(tenant), wrapping.encrypt(key)) for run_id, key in keys.items()])
+    return {run_id: key for run_id, key in keys.items() if run_id in kept}
 
 
 def run_of(sealed: bytes) -> uuid.UUID:

@@ -74,7 +74,10 @@ def _connect(where: str) -> Any:
             raise
         _create_database(url)
         conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
-    conn.execute(TABLE.format(blob="bytea", time="timestamptz"))
+    try:
+        conn.execute(TABLE.format(blob="bytea", time="timestamptz"))
+    except psycopg.errors.UniqueViolation:
+        pass  # made by another connection at the same moment (IF NOT EXISTS does not cover that race)
     return conn
 
 
@@ -85,8 +88,10 @@ def _create_database(url: str) -> None:
     with psycopg.connect(admin_url, autocommit=True) as admin:
         try:
             admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
-        except psycopg.errors.DuplicateDatabase:
-            pass  # another process made it first
+        except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+            # Another process made it first, or is making it at this moment (the catalog's unique
+            # index answers the second: fifty runs sealing their first input at once in a new region).
+            pass
 
 
 def _server(url: str) -> tuple[str, str]:
@@ -146,6 +151,30 @@ def put(run_id, tenant, wrapped: bytes) -> bytes:
     if found is None:  # destroyed between the two statements: the run's content is being erased
         raise KeyDestroyed(run_id)
     return found
+
+
+def put_many(rows: list[tuple[str, str, bytes]]) -> set[str]:
+    """Store (run id, tenant, wrapped key) rows in one statement, none replacing a key a run holds;
+    the run ids stored."""
+    if not rows:
+        return set()
+    if _is_pg(location()):
+        found = _run(
+            "INSERT INTO content_keys (run_id, tenant, wrapped) SELECT * FROM unnest(%s::text[], %s::text[], "
+            "%s::bytea[]) ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
+            tuple(list(column) for column in zip(*rows, strict=True)),
+            fetch=True,
+        )
+        return {r[0] for r in found}
+    stored = set()
+    for run_id, tenant, wrapped in rows:
+        if _run(
+            "INSERT INTO content_keys (run_id, tenant, wrapped) VALUES (%s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+            (run_id, tenant, wrapped),
+            fetch=False,
+        ):
+            stored.add(run_id)
+    return stored
 
 
 def get(run_id) -> bytes | None:

@@ -285,6 +285,25 @@ def test_the_key_store_beside_a_database_with_a_password_is_reached_with_it(sett
     assert store.location().endswith("_keys")
 
 
+def test_a_new_key_store_reached_by_many_threads_at_once_is_made_once_and_serves_them_all(settings):
+    # A region's first runs: fifty starts seal their input at the same moment, each thread on its
+    # own connection, and each finds the store's database (and table) missing.
+    from concurrent.futures import ThreadPoolExecutor
+
+    db = connection.settings_dict
+    name = f"keys_race_{uuid.uuid4().hex[:8]}"
+    settings.CONTENT_KEYS_DATABASE_URL = (
+        f"postgresql://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT']}/{name}"
+    )
+    ids = [str(uuid.uuid4()) for _ in range(16)]
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            stored = list(pool.map(lambda run_id: store.put(run_id, "t", b"wrapped-" + run_id.encode()), ids))
+        assert stored == [b"wrapped-" + run_id.encode() for run_id in ids]
+    finally:
+        store.drop_database()
+
+
 def test_a_file_stored_after_another_process_destroyed_the_runs_key_gets_a_new_one(asha, echo_agent):
     run = finished_run(asha, word="hello")
     first = _statement(run, "x")

@@ -1,5 +1,5 @@
-"""The migrations that seal steps', approvals', runs' and events' content (runs 0026-0028, approvals
-0009), both ways on
+"""The migrations that seal steps', approvals', runs' and events' content (runs 0026-0029, approvals
+0009, artifacts 0006), both ways on
 a database holding runs: back, every column holds its content in the clear in its old type;
 forward again, every value is sealed in place and reads as it did, and the history verifies."""
 
@@ -14,6 +14,7 @@ from artifacts import services as artifact_services
 from artifacts.models import Artifact
 from history.verify import verify
 from runs.approval_effects import decide_approval
+from runs.front.search import search
 from runs.models import Run, RunEvent, RunStatus, Step
 from runs.services import start_run
 from runs.transitions import end_run
@@ -37,7 +38,7 @@ SEALED = {
         "void_reason",
     ),
     "approvals_approvalvote": ("reason",),
-    "runs_run": ("final_output", "error"),
+    "runs_run": ("input", "metadata", "final_output", "error"),
     "runs_runevent": ("message", "data"),
     "artifacts_artifact": ("name",),
 }
@@ -69,7 +70,7 @@ def _read_back(runs, approval) -> dict:
         "answers": list(
             Run.objects.filter(pk__in=[r.pk for r in runs])
             .order_by("pk")
-            .values_list("final_output", "error")
+            .values_list("input", "metadata", "final_output", "error")
         ),
         "artifacts": list(
             Artifact.objects.filter(run__in=runs).order_by("pk").values_list("name", "name_key")
@@ -99,12 +100,13 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
     assert all(kind == "bytea" for kind in _column_types().values())
 
     try:
-        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0028 back to 0026
+        call_command("migrate", "runs", "0025_time_ordered_run_ids", verbosity=0)  # 0029 back to 0026
         call_command("migrate", "approvals", "0008_step_refs_without_db_keys", verbosity=0)
         call_command("migrate", "artifacts", "0005_words", verbosity=0)
         types = _column_types()
         assert types["runs_step.result"] == "jsonb" and types["runs_step.observation"] == "text", types
         assert types["runs_run.final_output"] == "text" and types["runs_run.error"] == "text"
+        assert types["runs_run.input"] == "jsonb" and types["runs_run.metadata"] == "jsonb"
         assert types["runs_runevent.data"] == "jsonb" and types["runs_runevent.message"] == "text"
         assert types["artifacts_artifact.name"] == "text"
         assert (
@@ -124,6 +126,12 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
             assert cursor.fetchone()[0] == 1  # the failed run's last event, in the clear
             cursor.execute("SELECT name FROM artifacts_artifact WHERE run_id = %s", [plain_run.pk])
             assert cursor.fetchone()[0] == f"note-{CUSTOMER}.txt"
+            # The run's input in the clear, and its plain words made again by the old trigger's text.
+            cursor.execute(
+                "SELECT input->>'word', search_words @@ to_tsquery('english', 'cust') FROM runs_run WHERE id = %s",
+                [plain_run.pk],
+            )
+            assert cursor.fetchone() == (CUSTOMER, True)
     finally:
         call_command("migrate", verbosity=0)
 
@@ -134,11 +142,18 @@ def test_sealing_migrations_open_back_and_seal_again_in_place(asha, ravi, echo_a
         assert all(bytes(v)[:1] == sealing.VALUE_VERSION for (v,) in cursor.fetchall())
     after = _read_back([plain_run, run, failed], approval)
     # The events' skeletons made again from their data as they were written.
-    assert after == before and sorted(before["answers"]) == [
+    assert after == before and sorted((a[2], a[3]) for a in before["answers"]) == [
         ("", f"refused {CUSTOMER}"),
         ("all done", ""),
         ("all done", ""),
     ]
+    assert sorted(a[0]["word"] for a in before["answers"]) == [CUSTOMER, CUSTOMER, "other"]
+    # The search words are keyed again: no plain word, and the run search finds the runs.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM runs_run WHERE search_words @@ to_tsquery('english', 'cust')")
+        assert cursor.fetchone()[0] == 0
+    found = search(Run.objects.all(), CUSTOMER, tenants=[asha.tenant_id])
+    assert {r.pk for r in found} == {plain_run.pk, run.pk}
     assert before["votes"] == [f"called {CUSTOMER}"] and before["approval"][0] == {"say": CUSTOMER}
     with connection.cursor() as cursor:  # the data subject index's trigger that names the column is back
         cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'runs_run_subject_words_stale'")

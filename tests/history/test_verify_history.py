@@ -306,3 +306,32 @@ def test_it_names_a_runs_sealed_answer_whose_bytes_were_changed(asha, echo_agent
         len(findings) == 1
         and "the run's final_output fails its seal: altered, or copied from elsewhere" in findings[0]
     )
+
+
+def test_it_names_a_runs_sealed_input_altered_or_resealed_and_metadata_copied_from_another_run(
+    asha, echo_agent
+):
+    run, other = finished_run(asha, word="one"), finished_run(asha, word="two")
+    _sql(
+        "UPDATE runs_run SET input = overlay(input placing '\\x00'::bytea from 40 for 1) WHERE id = %s",
+        [run.pk],
+    )
+    # With the key: sealed anew, opening, but not what the run's first event bound.
+    resealed = seal(Run, "input", other.pk, {"word": "three"}, tenant=other.tenant_id)
+    Run.objects.filter(pk=other.pk).update(input=resealed)
+    # Another run's metadata (sealed with that run's key) copied in.
+    metadata = seal(Run, "metadata", other.pk, {"ticket": "T-1"}, tenant=other.tenant_id)
+    Run.objects.filter(pk=run.pk).update(metadata=metadata)
+
+    first = [str(f) for f in verify_run(run.pk)[0]]
+    second = [str(f) for f in verify_run(other.pk)[0]]
+
+    assert sorted(first) == sorted(
+        [
+            f"run {run.pk} event 1: the run's input fails its seal: altered, or copied from elsewhere",
+            f"run {run.pk} event 1: the run's metadata fails its seal: altered, or copied from elsewhere",
+        ]
+    ), first
+    assert second == [
+        f"run {other.pk} event 1: the run's input was edited: it no longer matches the digest event 1 bound"
+    ], second
