@@ -67,8 +67,10 @@ def for_update(alias: str) -> str:
 
 @functools.cache
 def _fields(model) -> tuple[list[str], list[str], list[tuple[int, object, list]], int]:
-    """Columns, attribute names, converters per column (as the ORM's compiler finds them) and pk index."""
-    fields = model._meta.concrete_fields
+    """Columns, attribute names, converters per column (as the ORM's compiler finds them) and pk
+    index. A field marked `read_in_rows = False` is left out of the rows read here (the run's
+    search words: only the search reads them); its attribute loads on access, as a deferred one."""
+    fields = [f for f in model._meta.concrete_fields if getattr(f, "read_in_rows", True)]
     converters = []
     for i, field in enumerate(fields):
         column = field.get_col(model._meta.db_table)

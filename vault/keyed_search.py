@@ -244,7 +244,10 @@ def _holds(phrase: list[tuple[str, int]], found: dict[str, set[int]]) -> bool:
 
 class KeyedWordsField(models.TextField):
     """A `document`: a tsvector in PostgreSQL (searched with `@@` through its GIN index), its text
-    in SQLite. Not shown or edited anywhere."""
+    in SQLite. Not shown or edited anywhere, and left out of the engine's row reads (core/sql.py):
+    a claim has no use for it."""
+
+    read_in_rows = False
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("null", True)
