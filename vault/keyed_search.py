@@ -82,17 +82,15 @@ def _scalars(value):
             yield from _scalars(item)
 
 
-def _words(text: str, start: int = 0) -> list[tuple[str, int]]:
+def _words(text: str, start: int = 0) -> tuple[list[tuple[str, int]], int]:
     """The stems of a text's words with their positions (after `start`), stop words left out but
-    counted, as PostgreSQL counts them."""
-    found = []
-    for position, word in enumerate(WORD.findall(text.lower()), start=start + 1):
-        if word not in STOP_WORDS:
-            found.append((_stem(word), position))
-    return found
+    counted, as PostgreSQL counts them; and how many words it has."""
+    words = WORD.findall(text.lower())
+    found = [(_stem(w), at) for at, w in enumerate(words, start=start + 1) if w not in STOP_WORDS]
+    return found, len(words)
 
 
-def tokens(*values) -> tuple[dict[str, list[int]], set[str]]:
+def _tokens(*values) -> tuple[dict[str, list[int]], set[str]]:
     """A document's plain tokens: each word's positions (`w|stem`), and its whole values (`s|text`,
     `n|number`)."""
     positions: dict[str, list[int]] = {}
@@ -104,16 +102,16 @@ def tokens(*values) -> tuple[dict[str, list[int]], set[str]]:
                 whole.add(f"n|{_number(item)}")
                 continue
             whole.add(f"s|{item}")
-            words = WORD.findall(item.lower())
-            for stem, at in _words(item, position):
+            found, count = _words(item, position)
+            for stem, at in found:
                 positions.setdefault(f"w|{stem}", []).append(min(at, MAX_POSITION))
-            position += len(words) + 1
+            position += count + 1
     return positions, whole
 
 
 def document(tenant, *values) -> str:
     """The values' tsvector text, with the tenant's keyed lexemes: what `search_words` holds."""
-    positions, whole = tokens(*values)
+    positions, whole = _tokens(*values)
     names = list(positions) + sorted(whole)
     hashed = dict(zip(names, sealing.search_lexemes(tenant, names), strict=True))
     entries = [
@@ -164,7 +162,7 @@ def parse(q: str) -> Query:
                 groups.append(tuple(group))
             group, dangling = [], False
             continue
-        found = _words(text)
+        found, _ = _words(text)
         if not found:
             dangling = dangling or text.startswith("-")
             continue

@@ -76,8 +76,10 @@ def _connect(where: str) -> Any:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
     try:
         conn.execute(TABLE.format(blob="bytea", time="timestamptz"))
-    except psycopg.errors.UniqueViolation:
-        pass  # made by another connection at the same moment (IF NOT EXISTS does not cover that race)
+    except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject, psycopg.errors.DuplicateTable):
+        # Made by another connection at the same moment (IF NOT EXISTS does not cover that race:
+        # the loser fails on the catalog's unique index, once the winner has committed).
+        pass
     return conn
 
 

@@ -98,12 +98,10 @@ def search(runs, q: str, *, tenants, ranked: bool = False):
     if not q:
         return runs
     parsed = keyed_search.parse(q)
-    ids = id_range(q)
-    by_id = Q(pk__gte=ids[0], pk__lte=ids[1]) if ids is not None else Q(pk__in=[])
     if connection.vendor != "postgresql":
-        return runs.filter(by_id | Q(pk__in=_matching_in_python(runs, parsed)))
+        return runs.filter(_by_id(q, Q(pk__in=_matching_in_python(runs, parsed))))
     query = keyed_search.tsquery(tenants, parsed)
-    found = runs.filter(Q(WordsMatch(query)) | by_id)
+    found = runs.filter(_by_id(q, Q(WordsMatch(query))))
     # How many runs carry q's lexemes, up to DENSE_MIN + 1 (one lookup in the words index).
     words = runs.filter(WordsMatch(query)).order_by().values("pk")[: DENSE_MIN + 1].count()
     if words > DENSE_MIN:
@@ -119,6 +117,12 @@ def search(runs, q: str, *, tenants, ranked: bool = False):
         return found
     ranking = keyed_search.tsquery(tenants, parsed, values=False)
     return found.alias(search_rank=WordsRank(ranking)).order_by("-search_rank", "-created_at")
+
+
+def _by_id(q: str, match: Q) -> Q:
+    """`match`, or the run's id starting with `q` when `q` is an id prefix."""
+    ids = id_range(q)
+    return match | Q(pk__gte=ids[0], pk__lte=ids[1]) if ids is not None else match
 
 
 def _matching_in_python(runs, parsed: keyed_search.Query) -> list:
