@@ -37,7 +37,7 @@ import re
 import uuid
 
 from django.db import connection
-from django.db.models import BooleanField, F, FloatField, Func, Q, Value
+from django.db.models import BooleanField, Case, F, FloatField, Func, Q, TextField, Value, When
 
 from vault import keyed_search
 
@@ -50,12 +50,12 @@ WALK_NEWEST = {"enable_bitmapscan": "off", "enable_seqscan": "off", "max_paralle
 
 
 class _Words(Func):
-    """An expression over the run's `search_words` and a tsquery's text."""
+    """An expression over the run's `search_words` and a tsquery's text (or an expression giving it)."""
 
     sql = ""
 
-    def __init__(self, query: str):
-        super().__init__(F("search_words"), Value(query))
+    def __init__(self, query):
+        super().__init__(F("search_words"), query if hasattr(query, "resolve_expression") else Value(query))
 
     def as_sql(self, compiler, connection, function=None, template=None, arg_joiner=None, **extra_context):
         (words_sql, words_params), (q_sql, q_params) = (
@@ -115,8 +115,23 @@ def search(runs, q: str, *, tenants, ranked: bool = False):
         # Many matches: newest first, which the (tenant, created_at) index serves without reading
         # every match; ranking them would sort them all, row by row (seconds for a word in most runs).
         return found
-    ranking = keyed_search.tsquery(tenants, parsed, values=False)
-    return found.alias(search_rank=WordsRank(ranking)).order_by("-search_rank", "-created_at")
+    return found.alias(search_rank=WordsRank(_ranking(tenants, parsed))).order_by(
+        "-search_rank", "-created_at"
+    )
+
+
+def _ranking(tenants, parsed: keyed_search.Query):
+    """What ts_rank is given: the query's words in the run's own tenant's lexemes. One tsquery
+    ORing every tenant's would rank each match as an OR of its words (proximity ignored): an
+    operator searching every tenant gets, for each run, its tenant's query."""
+    queries = {tenant: keyed_search.tsquery([tenant], parsed, values=False) for tenant in tenants}
+    if len(queries) == 1:
+        return next(iter(queries.values()))
+    return Case(
+        *[When(tenant_id=tenant, then=Value(query)) for tenant, query in queries.items()],
+        default=Value("''"),
+        output_field=TextField(),
+    )
 
 
 def _by_id(q: str, match: Q) -> Q:

@@ -165,7 +165,10 @@ def test_a_canary_whose_endpoint_fails_half_its_calls_is_rolled_back_within_the_
         canary_runs.count("failed")
         == len(half_failing_server.requests) // 2 + len(half_failing_server.requests) % 2
     )
-    assert {s for a, s in served if a == "stable"} == {"succeeded"}
+    # None of prod's failed. The arms are drawn at random: six canary draws in a row (1 in 64)
+    # roll the canary back before prod served a run, and then there is none to look at here (the
+    # twenty runs below are prod's).
+    assert {s for a, s in served if a == "stable"} <= {"succeeded"}
     change = AliasChange.objects.get(kind="rolled_back")
     assert change.automatic and "failure rate" in change.reason
     assert (change.at - since).total_seconds() < window

@@ -116,6 +116,18 @@ def test_an_operator_searches_every_tenant_and_a_tenant_only_its_own(run, tenant
     listed = client.get("/admin/runs/run/", {"q": "meera"}).context["cl"].result_list
     assert {r.pk for r in listed} == {run.pk, theirs.pk}
 
+    # Ranked as each tenant ranks its own: "duplicate charge" side by side beats the words far
+    # apart, though the second says "duplicate" four times (ranked as an OR of the words, it won).
+    near, _ = start_run(user=asha, agent="disputes", input={"request": "duplicate charge"})
+    far_text = "duplicate duplicate duplicate duplicate " + " ".join(f"w{n}" for n in range(20)) + " charge"
+    far, _ = start_run(user=asha, agent="disputes", input={"request": far_text})
+    start_run(user=olga, agent="disputes", input={"request": "duplicate charge"})
+    own = [row["id"] for row in api(asha).get("/v1/runs", {"q": "duplicate charge"}).json()["results"]]
+    assert own.index(str(near.pk)) < own.index(str(far.pk))
+    listed = client.get("/admin/runs/run/", {"q": "duplicate charge"}).context["cl"].result_list
+    ranked = [r.pk for r in listed if r.pk in (near.pk, far.pk)]
+    assert ranked == [near.pk, far.pk]
+
 
 # Documents and searches whose words PostgreSQL's parser splits as the platform does (letters and
 # digits between spaces): the keyed search must decide as `to_tsvector @@ websearch_to_tsquery`.
