@@ -2,10 +2,10 @@
 which (docs/history.md, "Content and skeleton"). Erasure (history/erasure.py) and retention
 (history/retention.py) call it with the run locked, inside `atomic_with_events`.
 
-Content: the run's input, metadata (and the search's keyed words of them), final output and error; every step's arguments, request,
-result, observation, error and resolution; its approvals' arguments and people's texts (the
-decider's, the corrector's and each dual-control vote's reason); its
-artifacts' bytes and names; its events' messages and data (their keys about the platform's own
+Content: the run's input, metadata (and the search's keyed words of them), final output and
+error; every step's arguments, request, result, observation, error and resolution; its approvals'
+arguments and people's texts (the decider's, the corrector's and each dual-control vote's reason);
+its artifacts' bytes and names; its events' messages and data (their keys about the platform's own
 state are kept apart in the clear: runs.models.EVENT_SKELETON, the events' `skeleton`).
 Skeleton: everything else (ids, who, when, statuses, tools, effect classes, costs, approvals and
 their deciders, policies and versions, idempotency keys, every digest, the chain).

@@ -53,23 +53,27 @@ def _id_or_none(queryset):
 
 
 def get_run(user, run_id) -> Run:
-    try:
-        return runs_for(user, evaluation=None).get(pk=uuid.UUID(str(run_id)))
-    except (Run.DoesNotExist, ValueError):  # a malformed id is a 404 too
-        raise NotFound("run") from None
+    run = _visible(user, run_id).first()
+    if run is None:
+        raise NotFound("run")
+    return run
 
 
 def visible_run_id(user, run_id) -> uuid.UUID:
     """The id of a run `user` may see, or NotFound, without reading (and opening) its content:
     for the views that need only to know that (the live stream, opened by a thousand clients)."""
-    try:
-        visible = runs_for(user, evaluation=None).filter(pk=uuid.UUID(str(run_id)))
-    except ValueError:  # a malformed id is a 404 too
-        raise NotFound("run") from None
-    found = visible.values_list("pk", flat=True).first()
+    found = _id_or_none(_visible(user, run_id))
     if found is None:
         raise NotFound("run")
     return found
+
+
+def _visible(user, run_id):
+    """The run `run_id` if `user` may see it (an empty queryset if not); NotFound for a malformed id."""
+    try:
+        return runs_for(user, evaluation=None).filter(pk=uuid.UUID(str(run_id)))
+    except ValueError:  # a malformed id is a 404 too
+        raise NotFound("run") from None
 
 
 def steps_of(run: Run):

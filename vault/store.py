@@ -36,6 +36,12 @@ TABLE = (
 )
 
 
+# A run's wrapped key, unless it holds one: a key is never replaced (two writers agree on the first).
+INSERT_ONE = (
+    "INSERT INTO content_keys (run_id, tenant, wrapped) VALUES (%s, %s, %s) ON CONFLICT (run_id) DO NOTHING"
+)
+
+
 class KeyStoreUnavailable(DomainError):
     """The key store cannot be reached: sealed content can be neither written nor read (503)."""
 
@@ -145,7 +151,7 @@ def _run(sql: str, params: tuple, fetch: bool):
 def put(run_id, tenant, wrapped: bytes) -> bytes:
     """Store the run's wrapped key unless it has one; the one it has (two writers agree)."""
     _run(
-        "INSERT INTO content_keys (run_id, tenant, wrapped) VALUES (%s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+        INSERT_ONE,
         (str(run_id), str(tenant), wrapped),
         fetch=False,
     )
@@ -171,7 +177,7 @@ def put_many(rows: list[tuple[str, str, bytes]]) -> set[str]:
     stored = set()
     for run_id, tenant, wrapped in rows:
         if _run(
-            "INSERT INTO content_keys (run_id, tenant, wrapped) VALUES (%s, %s, %s) ON CONFLICT (run_id) DO NOTHING",
+            INSERT_ONE,
             (run_id, tenant, wrapped),
             fetch=False,
         ):

@@ -88,6 +88,22 @@ def test_input_and_metadata_are_sealed_and_the_search_holds_only_keyed_lexemes(r
     assert verify([run.pk]).ok
 
 
+def test_without_the_key_store_a_start_is_refused_with_503_and_nothing_is_written(
+    tenant, asha, builtins, settings
+):
+    # The input is sealed and its words keyed when the run is created: both need the key store.
+    factories.make_agent(tenant, name="disputes", tools=[builtins["echo"]], turns=[{"text": "hi"}])
+    sealing.forget_cached()
+    settings.CONTENT_KEYS_DATABASE_URL = "postgresql://root@127.0.0.1:1/nowhere"
+
+    response = api(asha).post("/v1/runs", {"agent": "disputes", "input": INPUT}, format="json")
+
+    assert response.status_code == 503, response.content
+    error = response.json()["error"]
+    assert error["code"] == "key_store_unavailable" and "nowhere" not in error["message"]
+    assert not Run.objects.exists()
+
+
 def test_the_data_subject_search_opens_input_and_metadata(run):
     assert subjects.find(run.tenant_id, "DSP-9031", scan=True).runs == {run.pk}
     assert subjects.find(run.tenant_id, "TXN-7781", scan=True).runs == {run.pk}
