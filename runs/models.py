@@ -88,6 +88,9 @@ class ClaimReads:
     switches_on: bool  # a tool or endpoint kill switch of the tenant is on (runs/controls/kill_switches.py)
     groups: tuple[str, ...]  # the creator's tenant groups, by name (Cedar's principal parents)
     may_run_agent: bool  # the creator holds run_agent on the run's agent right now
+    # A person has decided an approval of the run: only then does the conversation read who
+    # (runs/engine/conversation.decisions), a statement most runs' model steps need not send.
+    people_decided: bool = True
     # With regions: (the tenant's home or None, its revocation reach, the age in seconds of the
     # home's newest heartbeat here or None) (runs/authority_copy.py); None without regions.
     authority: tuple[str | None, float | None, float | None] | None = None

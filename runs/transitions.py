@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from agents.models import AgentDefinition, AgentVersion
 from approvals import services as approvals
-from approvals.models import TenantPolicies
+from approvals.models import Approval, TenantPolicies
 from core import chain, sql
 from core.errors import IllegalTransition
 from llm.models import ModelEndpoint
@@ -342,6 +342,8 @@ def _lock_run_sql(for_step: bool, regions: bool = False) -> str:
             + held_sql("agents", "agentdefinition", "run_agent", column="r.agent_id").replace(
                 "%(user)s", "r.created_by_id"
             )
+            + f", EXISTS (SELECT 1 FROM {sql.table(Approval)} ap WHERE ap.run_id = r.id "
+            "AND ap.decided_by_id IS NOT NULL)"
         )
         if regions:
             homes = f"{sql.table(TenantRegions)} rr WHERE rr.tenant_id = r.tenant_id"
@@ -391,7 +393,7 @@ def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
     run.tenant, run.version = tenant, version
     if more:
         run.created_by, version.model_endpoint, run.agent = more
-        policy_version, switches_on, groups, may_run_agent, *authority = rest
+        policy_version, switches_on, groups, may_run_agent, people_decided, *authority = rest
         if isinstance(groups, str):  # SQLite's JSON array
             groups = json.loads(groups)
         run.claim_reads = ClaimReads(
@@ -399,6 +401,7 @@ def lock_run(run_id, *, for_step: bool = False, like: Run | None = None) -> Run:
             switches_on,
             tuple(groups),
             bool(may_run_agent),
+            bool(people_decided),
             (authority[0], authority[1], None if authority[2] is None else max(float(authority[2]), 0.0))
             if regions
             else None,

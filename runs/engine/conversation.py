@@ -89,7 +89,10 @@ DECIDED: dict[str, str] = {
 def decisions(run: Run, steps: list[Step]) -> dict[int, str]:
     """Per step seq, a person's decision on the approval of a tool call among `steps`, as its
     compact record names it ("approved by ravi"). Read once, with the step's turn: a finished
-    step's approval never changes again."""
+    step's approval never changes again. Not asked when the claim's read found no approval of
+    the run decided by a person (the claim locks the run, so none is decided meanwhile)."""
+    if run.claim_reads is not None and not run.claim_reads.people_decided:
+        return {}
     ids = {s.pk: s.seq for s in steps if s.kind == StepKind.TOOL and s.status in OBSERVED}
     if not ids:
         return {}
