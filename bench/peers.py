@@ -21,6 +21,7 @@ bench/tool_server.py, alternating model, tool, model, ..., model. Every HTTP cal
                  reserved on a run and a tenant-day sub-account before the call and settled after,
                  one event; bench/peer_floor.py), through Django's connection; one process
   floor-2        the floor with two worker processes (beside engine-2)
+  floor-amqp     the floor on RabbitMQ (quorum queues), beside engine-1-amqp (run it by name)
   langgraph      LangGraph 1.x, model node -> tool node looping, PostgresSaver checkpointing every
                  superstep, durability "sync" (bench/peer_langgraph.py), one process, 128 threads
   dbos           a DBOS 3.x durable workflow whose steps are the model call and the tool call, on
@@ -98,7 +99,7 @@ ALL_SCENARIOS = [
     "engine-2",
     "engine-1-200ms",
 ]
-EXTRA_SCENARIOS = ["floor-2"]  # not in the default list: run them by name
+EXTRA_SCENARIOS = ["floor-2", "floor-amqp"]  # not in the default list: run them by name
 # The same scenario with RabbitMQ (quorum queues) as the broker: run by a child of this script whose
 # CELERY_BROKER_URL is --amqp-url (the settings are read once per process), its results reported here.
 AMQP_SUFFIX = "-amqp"

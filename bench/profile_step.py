@@ -20,7 +20,8 @@ partitioned by month (`--months` past months beside this one), rebuilt between r
 database: what partitioning costs the step path.
 `--walk`: the modules one step visits: a model step and a tool step of a warm run traced call by
 call (sys.setprofile), each module change counted as a stop, with the rooms it climbs back up
-(a call from a room into a room above it on scripts/imports.py's ladder).
+(a call from a room into a room above it on scripts/imports.py's ladder), and the rooms (apps,
+with the run's records apart) the modules belong to.
 `--stagger`: cost at length, early and late steps of long runs measured in the same minutes.
 With `--statements`, each side's PostgreSQL CPU is also split by statement (bench/pgstatements.py:
 the backend's own CPU time around each statement and COMMIT, to the microsecond), which moves
@@ -336,6 +337,12 @@ def _walk(advance, user, agent) -> None:
                 f"({calls} calls, {len(stops) - calls} returns), {len(climbs)} climbs back up the ladder"
             )
             print("   modules: " + ", ".join(visited))
+            rooms = collections.Counter(ladder.room(name) for name in visited)
+            print(
+                f"   rooms: {len(rooms)} ("
+                + ", ".join(f"{room} {n}" for room, n in sorted(rooms.items()))
+                + ")"
+            )
             visits = collections.Counter(to for _, _, to in stops[:50])
             print(
                 "   visits in the first 50 stops: " + ", ".join(f"{m} {n}" for m, n in visits.most_common(8))

@@ -69,12 +69,17 @@ def for_update(alias: str) -> str:
 def _fields(model) -> tuple[list[str], list[str], list[tuple[int, object, list]], int]:
     """Columns, attribute names, converters per column (as the ORM's compiler finds them) and pk
     index. A field marked `read_in_rows = False` is left out of the rows read here (the run's
-    search words: only the search reads them); its attribute loads on access, as a deferred one."""
+    search words: only the search reads them); its attribute loads on access, as a deferred one.
+    A field with `read_unopened` (a sealed one: vault/fields.py) has it as its converter instead
+    of its from_db_value: the value is opened when its attribute is first read."""
     fields = [f for f in model._meta.concrete_fields if getattr(f, "read_in_rows", True)]
     converters = []
     for i, field in enumerate(fields):
         column = field.get_col(model._meta.db_table)
-        found = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        own = getattr(field, "read_unopened", None)
+        found = connection.ops.get_db_converters(column) + (
+            [own] if own is not None else column.get_db_converters(connection)
+        )
         if found:
             converters.append((i, column, found))
     return [f.column for f in fields], [f.attname for f in fields], converters, fields.index(model._meta.pk)

@@ -2,8 +2,13 @@
 
 A column of such a field holds `bytea` (a BLOB on SQLite): the sealed value, or NULL when the
 value is empty. Reading opens it (the sealed value names its run; the key comes from this
-process's cache or the key store), so the ORM, `values()` and `core.sql.build` give plain
-values as before. A value whose run's key was destroyed (its content erased) reads as empty;
+process's cache or the key store), so the ORM and `values()` give plain values as before. The
+engine's row reads (`core.sql.build`) keep the value as stored (Unopened) and open it when the
+attribute is first read: a step opens only the content it uses, not the run's input and
+metadata at each of its two locks, and a row whose content fails its seal can still be read for
+its state (an operator cancels such a run). Opened from its row, a value another run sealed is
+refused as well; the ORM's loads, which open in from_db_value without the row, leave that to
+`manage.py verify_history`. A value whose run's key was destroyed (its content erased) reads as empty;
 one that does not open (altered in the database, or moved from another run or column) raises
 SealedValueAltered, which `manage.py verify_history` names without raising.
 
@@ -23,6 +28,7 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from django.db import models
+from django.db.models.query_utils import DeferredAttribute
 
 from core import chain
 from core.errors import DomainError
@@ -31,6 +37,34 @@ from vault import sealing
 
 class Sealed(bytes):
     """A column value sealed already: written as it is."""
+
+
+class Unopened(Sealed):
+    """A stored value read by `core.sql.build` and not opened yet: opened on the attribute's first
+    read, and written back as it is if never read."""
+
+
+class _OpenedOnRead(DeferredAttribute):
+    """A sealed field's attribute: a value read Unopened is opened on first access and kept
+    opened. A data descriptor (it has __set__), so it is asked although the value sits in the
+    instance's __dict__."""
+
+    field: SealedField
+
+    def __get__(self, instance, cls=None):
+        if instance is None:
+            return self
+        value = super().__get__(instance, cls)
+        if type(value) is Unopened:
+            # The row is at hand: a value another run sealed (copied over this one's) is refused
+            # too. Only a direct attribute is followed, so opening never sends a query.
+            path = self.field.run_attr
+            run_id = None if "." in path else getattr(instance, path)
+            value = instance.__dict__[self.field.attname] = self.field.open(value, run_id=run_id)
+        return value
+
+    def __set__(self, instance, value):
+        instance.__dict__[self.field.attname] = value
 
 
 class SealedValueAltered(DomainError):
@@ -51,6 +85,8 @@ class SealedField(models.Field):
     "approval.run_id" for a vote); `tenant`: the path to the tenant's id ("run.tenant_id"),
     followed only when the run has no key yet.
     """
+
+    descriptor_class = _OpenedOnRead
 
     def __init__(self, *args, run: str = "run_id", tenant: str = "run.tenant_id", **kwargs):
         self.run_attr, self.tenant_path = run, tenant
@@ -104,10 +140,11 @@ class SealedField(models.Field):
         plain = plaintext if plaintext is not None else self.plaintext(value)
         return Sealed(sealing.seal_value(run_id, plain, self.purpose, tenant=tenant))
 
-    def open(self, raw) -> Any:
-        """A stored value, opened (empty once erased); SealedValueAltered when it does not open."""
+    def open(self, raw, *, run_id=None) -> Any:
+        """A stored value, opened (empty once erased); SealedValueAltered when it does not open, or
+        with `run_id`, when another run sealed it."""
         try:
-            return self.open_strictly(raw)
+            return self.open_strictly(raw, run_id=run_id)
         except sealing.KeyDestroyed:
             return self.empty()
 
@@ -126,7 +163,14 @@ class SealedField(models.Field):
     def from_db_value(self, value, expression, connection):
         return self.open(value)
 
+    def read_unopened(self, value, expression, connection):
+        """core.sql.build's converter for this column, instead of from_db_value."""
+        return Unopened(value) if value is not None else self.empty()
+
     def pre_save(self, model_instance, add):
+        stored = model_instance.__dict__.get(self.attname)
+        if type(stored) is Unopened:  # never read since it was loaded: unchanged
+            return stored
         value = getattr(model_instance, self.attname)
         if isinstance(value, Sealed) or self.is_empty(value):
             return value

@@ -21,8 +21,8 @@ from history import subjects
 from history.verify import verify
 from runs.approval_effects import decide_approval
 from runs.models import Run, RunEvent, RunStatus, Step
-from runs.services import start_run
-from runs.transitions import end_run, record_event
+from runs.services import cancel_run, start_run
+from runs.transitions import end_run, lock_run, record_event
 from tests import factories
 from tests.conftest import drive
 from tests.history.conftest import finished_run
@@ -304,3 +304,36 @@ def test_an_artifacts_name_is_sealed_found_by_the_search_and_erased(asha, compli
         cursor.execute("SELECT name, name_key FROM artifacts_artifact WHERE run_id = %s", [run.pk])
         assert sorted(cursor.fetchall()) == sorted([(None, str(artifact.pk)), (None, str(other.pk))])
     assert verify([run.pk]).ok
+
+
+def test_a_run_whose_input_fails_its_seal_can_still_be_cancelled_and_its_input_is_refused(asha, echo_agent):
+    """The engine's row reads open content when it is read, not when the row is: an operator can
+    still cancel a run whose input was tampered with (another run's sealed input copied over it),
+    and whatever reads the input is refused rather than served the other run's."""
+    run, _ = start_run(user=asha, agent="agent", input={"word": CUSTOMER})
+    other, _ = start_run(user=asha, agent="agent", input={"word": "someone else"})
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE runs_run SET input = (SELECT input FROM runs_run WHERE id = %s) WHERE id = %s",
+            [other.pk, run.pk],
+        )
+
+    cancel_run(run_id=run.pk, actor=asha, reason="tampered")
+
+    assert Run.objects.filter(pk=run.pk).values_list("status", flat=True).get() == RunStatus.CANCELLED
+    locked = lock_run(run.pk)
+    assert locked.status == RunStatus.CANCELLED
+    with pytest.raises(SealedValueAltered):
+        locked.input  # noqa: B018 (reading the attribute opens it)
+    assert lock_run(other.pk).input == {"word": "someone else"}
+
+    altered, _ = start_run(user=asha, agent="agent", input={"word": CUSTOMER})
+    with connection.cursor() as cursor:  # one byte of the sealed input flipped
+        cursor.execute(
+            "UPDATE runs_run SET input = overlay(input placing '\\x00'::bytea from 40 for 1) WHERE id = %s",
+            [altered.pk],
+        )
+    cancel_run(run_id=altered.pk, actor=asha, reason="tampered")
+    assert Run.objects.filter(pk=altered.pk).values_list("status", flat=True).get() == RunStatus.CANCELLED
+    with pytest.raises(SealedValueAltered):
+        Run.objects.get(pk=altered.pk)  # the ORM opens a row's content as it loads it
