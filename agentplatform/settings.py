@@ -102,6 +102,9 @@ else:
 # the one do not hold the keys of the other (docs/history.md, "Sealed content").
 CONTENT_KEYS = fernet_keys("CONTENT_KEYS", env_list("CONTENT_KEYS", []) or SECRET_ENCRYPTION_KEYS)
 CONTENT_KEYS_DATABASE_URL = env_str("CONTENT_KEYS_DATABASE_URL", "")
+# Connections a process keeps to the key store, and how long a thread waits for one (vault/store.py).
+CONTENT_KEYS_POOL_MAX = env_int("CONTENT_KEYS_POOL_MAX", 4, minimum=1, maximum=100)
+CONTENT_KEYS_POOL_TIMEOUT = env_float("CONTENT_KEYS_POOL_TIMEOUT", 5.0)
 if PRODUCTION:
     # Derived beside the platform's database, the keys would share its server's backups: named.
     if not CONTENT_KEYS_DATABASE_URL:

@@ -144,11 +144,11 @@ def pass_cost(count: int) -> None:
     from vault import store
 
     store.get("warm")  # the store's database and table made
-    conn = store._conn()
-    conn.execute(
+    store._run(
         "INSERT INTO content_keys (run_id, tenant, wrapped) "
         "SELECT gen_random_uuid()::text, 'bench', '\\x00'::bytea FROM generate_series(1, %s)",
-        [count],
+        (count,),
+        fetch=False,
     )
     for label in ("young keys, none destroyed", "old keys, all destroyed"):
         started = time.perf_counter()
@@ -156,7 +156,7 @@ def pass_cost(count: int) -> None:
         print(
             f"shredding pass over {count} keys ({label}): {time.perf_counter() - started:.2f} s, {destroyed} destroyed"
         )
-        conn.execute("UPDATE content_keys SET created_at = now() - interval '2 hours'")
+        store._run("UPDATE content_keys SET created_at = now() - interval '2 hours'", (), fetch=False)
 
 
 def main() -> None:

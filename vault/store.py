@@ -7,14 +7,21 @@ name (PostgreSQL), or a `-keys` file beside the SQLite file (the demo). Producti
 on a server whose backups are kept only as long as the erasure deadline promised
 (docs/history.md). The table is made on first use.
 
-Each thread keeps one connection in autocommit: every call is one statement, and the platform's
-transactions never wait on a lock here.
+A process shares a small pool of connections to it (CONTENT_KEYS_POOL_MAX, 4), in autocommit:
+every call is one statement, and the platform's transactions never wait on a lock here. Not one
+connection a thread: a worker of 128 threads would hold 128 (each thread's first step of a run
+whose key the process has not cached opened one), and with the platform's own pool they took
+every connection the server allows (bench/peers.py on RabbitMQ: 77 key store connections, and
+runs left queued). Keys are cached by the process (vault/sealing.py), so a few connections serve
+it; a thread waits at most CONTENT_KEYS_POOL_TIMEOUT seconds for one, then 503. The SQLite store
+(the demo) keeps one connection a thread.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -22,13 +29,16 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg
+import psycopg_pool
 from django.conf import settings
 from django.db import connection
 
 from core.errors import DomainError
 
 log = logging.getLogger(__name__)
-_local = threading.local()
+_local = threading.local()  # the SQLite store's connection, one a thread
+_pools: dict[tuple[int, str], psycopg_pool.ConnectionPool] = {}  # by (process, location)
+_pools_lock = threading.Lock()
 TABLE = (
     "CREATE TABLE IF NOT EXISTS content_keys ("
     " run_id varchar(36) PRIMARY KEY, tenant varchar(64) NOT NULL, wrapped {blob} NOT NULL,"
@@ -109,18 +119,37 @@ def _server(url: str) -> tuple[str, str]:
     return psycopg.conninfo.make_conninfo("", **{**info, "dbname": "postgres"}), name
 
 
-def _conn() -> Any:
-    where = location()
+def _pool(where: str) -> psycopg_pool.ConnectionPool:
+    """This process's pool of connections to the store at `where`, made (with the store's database
+    and table) on first use."""
+    key = (os.getpid(), where)  # a forked child makes its own: the parent's pool threads are not in it
+    pool = _pools.get(key)
+    if pool is not None:
+        return pool
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            _close(_connect(where))  # the database and its table, made once
+            pool = psycopg_pool.ConnectionPool(
+                where.replace("postgres://", "postgresql://", 1),
+                min_size=1,
+                max_size=settings.CONTENT_KEYS_POOL_MAX,
+                kwargs={"autocommit": True, "connect_timeout": 5},
+                timeout=settings.CONTENT_KEYS_POOL_TIMEOUT,
+                name="content-keys",
+                open=True,
+            )
+            _pools[key] = pool
+    return pool
+
+
+def _sqlite(where: str) -> Any:
     held = getattr(_local, "held", None)
     if held is not None and held[0] == where:
         return held[1]
     if held is not None:
         _close(held[1])
-    try:
-        conn = _connect(where)
-    except (psycopg.Error, sqlite3.Error) as exc:
-        log.warning("content key store unreachable: %s", exc)  # where, and why: not for API callers
-        raise KeyStoreUnavailable("the content key store cannot be reached; try again later") from None
+    conn = _connect(where)
     _local.held = (where, conn)
     return conn
 
@@ -132,19 +161,35 @@ def _close(conn) -> None:
         pass
 
 
-def _run(sql: str, params: tuple, fetch: bool):
-    """One statement, once more on a fresh connection if the held one broke (a restart)."""
-    for attempt in (1, 2):
-        conn = _conn()
+def _once(where: str, sql: str, params: tuple, fetch: bool):
+    if not _is_pg(where):
         try:
-            cursor = conn.execute(sql if _is_pg(location()) else sql.replace("%s", "?"), params)
-            return cursor.fetchall() if fetch else cursor.rowcount
-        except (psycopg.OperationalError, psycopg.InterfaceError, sqlite3.OperationalError) as exc:
-            _close(conn)
+            cursor = _sqlite(where).execute(sql.replace("%s", "?"), params)
+        except sqlite3.OperationalError:
+            _close(_sqlite(where))
             _local.held = None
+            raise
+        return cursor.fetchall() if fetch else cursor.rowcount
+    with _pool(where).connection() as conn:  # a broken connection is not given back to the pool
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if fetch else cursor.rowcount
+
+
+def _run(sql: str, params: tuple, fetch: bool):
+    """One statement, once more on another connection if the first broke (a restart)."""
+    where = location()
+    for attempt in (1, 2):
+        try:
+            return _once(where, sql, params, fetch)
+        except psycopg_pool.PoolTimeout as exc:  # waited its time already: no second wait
+            log.warning("content key store failed: %s", exc)
+            raise KeyStoreUnavailable("the content key store cannot be reached; try again later") from None
+        except (psycopg.OperationalError, psycopg.InterfaceError, sqlite3.Error) as exc:
             if attempt == 2:
-                log.warning("content key store failed: %s", exc)
-                raise KeyStoreUnavailable("the content key store failed; try again later") from None
+                log.warning("content key store failed: %s", exc)  # where, and why: not for API callers
+                raise KeyStoreUnavailable(
+                    "the content key store cannot be reached; try again later"
+                ) from None
     raise AssertionError("unreachable")
 
 
@@ -250,13 +295,21 @@ def rewrap(run_id: str, old: bytes, new: bytes) -> bool:
     )
 
 
-def drop_database() -> None:
-    """Drop the store's database (tests: the test database's own store)."""
-    where = location()
+def close(where: str | None = None) -> None:
+    """Close this process's pools (or the one to `where`) and this thread's SQLite connection."""
+    with _pools_lock:
+        for key in [k for k in _pools if where is None or k[1] == where]:
+            _pools.pop(key).close()
     held = getattr(_local, "held", None)
     if held is not None:
         _close(held[1])
         _local.held = None
+
+
+def drop_database() -> None:
+    """Drop the store's database (tests: the test database's own store)."""
+    where = location()
+    close(where)
     if not _is_pg(where):
         Path(where).unlink(missing_ok=True)
         return

@@ -286,8 +286,9 @@ def test_the_key_store_beside_a_database_with_a_password_is_reached_with_it(sett
 
 
 def test_a_new_key_store_reached_by_many_threads_at_once_is_made_once_and_serves_them_all(settings):
-    # A region's first runs: fifty starts seal their input at the same moment, each thread on its
-    # own connection, and each finds the store's database (and table) missing.
+    # A region's first runs: fifty starts seal their input at the same moment and find the store's
+    # database (and table) missing; the threads share the process's few connections to it (a
+    # worker's 128 threads once held one each, and took every connection the server allows).
     from concurrent.futures import ThreadPoolExecutor
 
     db = connection.settings_dict
@@ -299,7 +300,11 @@ def test_a_new_key_store_reached_by_many_threads_at_once_is_made_once_and_serves
     try:
         with ThreadPoolExecutor(16) as pool:
             stored = list(pool.map(lambda run_id: store.put(run_id, "t", b"wrapped-" + run_id.encode()), ids))
+            with connection.cursor() as cursor:  # the threads are alive still, with whatever they hold
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [name])
+                (held,) = cursor.fetchone()
         assert stored == [b"wrapped-" + run_id.encode() for run_id in ids]
+        assert 1 <= held <= settings.CONTENT_KEYS_POOL_MAX
     finally:
         store.drop_database()
 
