@@ -136,7 +136,12 @@ def _pool(where: str) -> psycopg_pool.ConnectionPool:
                 max_size=settings.CONTENT_KEYS_POOL_MAX,
                 kwargs={"autocommit": True, "connect_timeout": 5},
                 timeout=settings.CONTENT_KEYS_POOL_TIMEOUT,
+                # Checked when taken (an empty statement): after the store's server restarted,
+                # every idle connection is broken, and the retry must not get another of them.
+                # Keys are cached by the process, so the store is asked rarely.
+                check=psycopg_pool.ConnectionPool.check_connection,
                 name="content-keys",
+                num_workers=1,  # it grows and reconnects in the background: one thread does (3 by default)
                 open=True,
             )
             _pools[key] = pool
@@ -163,10 +168,11 @@ def _close(conn) -> None:
 
 def _once(where: str, sql: str, params: tuple, fetch: bool):
     if not _is_pg(where):
+        conn = _sqlite(where)
         try:
-            cursor = _sqlite(where).execute(sql.replace("%s", "?"), params)
+            cursor = conn.execute(sql.replace("%s", "?"), params)
         except sqlite3.OperationalError:
-            _close(_sqlite(where))
+            _close(conn)
             _local.held = None
             raise
         return cursor.fetchall() if fetch else cursor.rowcount
