@@ -24,12 +24,13 @@ import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import psycopg
-import psycopg_pool
 from django.conf import settings
 from django.db import connection
 
@@ -37,7 +38,7 @@ from core.errors import DomainError
 
 log = logging.getLogger(__name__)
 _local = threading.local()  # the SQLite store's connection, one a thread
-_pools: dict[tuple[int, str], psycopg_pool.ConnectionPool] = {}  # by (process, location)
+_pools: dict[tuple[int, str], _Pool] = {}  # by (process, location)
 _pools_lock = threading.Lock()
 TABLE = (
     "CREATE TABLE IF NOT EXISTS content_keys ("
@@ -119,30 +120,71 @@ def _server(url: str) -> tuple[str, str]:
     return psycopg.conninfo.make_conninfo("", **{**info, "dbname": "postgres"}), name
 
 
-def _pool(where: str) -> psycopg_pool.ConnectionPool:
+class _Pool:
+    """At most `size` connections to one store, shared by a process's threads, made when first
+    needed. A connection lost (the store's server restarted) takes the idle ones with it: they
+    went with the same restart, and the retry must make a new one, not take another dead one. No
+    background thread and no check round trip (psycopg_pool has both): keys are cached by the
+    process, so the store is asked rarely."""
+
+    def __init__(self, url: str, size: int, timeout: float):
+        self.url, self.timeout = url, timeout
+        self.slots = threading.BoundedSemaphore(size)
+        self.idle: list[psycopg.Connection] = []
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        if not self.slots.acquire(timeout=self.timeout):
+            raise KeyStoreBusy(f"no key store connection free within {self.timeout} s")
+        try:
+            with self.lock:
+                conn = self.idle.pop() if self.idle else None
+            if conn is None:
+                conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            try:
+                yield conn
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                _close(conn)
+                self.close_idle()
+                raise
+            except BaseException:
+                _close(conn)
+                raise
+            with self.lock:
+                self.idle.append(conn)
+        finally:
+            self.slots.release()
+
+    def close_idle(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for conn in idle:
+            _close(conn)
+
+
+class KeyStoreBusy(Exception):
+    """Every connection of the process's pool stayed taken for the pool's timeout."""
+
+
+def _pool(where: str) -> _Pool:
     """This process's pool of connections to the store at `where`, made (with the store's database
     and table) on first use."""
-    key = (os.getpid(), where)  # a forked child makes its own: the parent's pool threads are not in it
+    key = (os.getpid(), where)  # a forked child makes its own: the parent's connections are not its own
     pool = _pools.get(key)
     if pool is not None:
         return pool
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            _close(_connect(where))  # the database and its table, made once
-            pool = psycopg_pool.ConnectionPool(
+            try:
+                _close(_connect(where))  # the database and its table, made once
+            except psycopg.Error as exc:
+                raise _unavailable(exc) from None
+            pool = _Pool(
                 where.replace("postgres://", "postgresql://", 1),
-                min_size=1,
-                max_size=settings.CONTENT_KEYS_POOL_MAX,
-                kwargs={"autocommit": True, "connect_timeout": 5},
-                timeout=settings.CONTENT_KEYS_POOL_TIMEOUT,
-                # Checked when taken (an empty statement): after the store's server restarted,
-                # every idle connection is broken, and the retry must not get another of them.
-                # Keys are cached by the process, so the store is asked rarely.
-                check=psycopg_pool.ConnectionPool.check_connection,
-                name="content-keys",
-                num_workers=1,  # it grows and reconnects in the background: one thread does (3 by default)
-                open=True,
+                settings.CONTENT_KEYS_POOL_MAX,
+                settings.CONTENT_KEYS_POOL_TIMEOUT,
             )
             _pools[key] = pool
     return pool
@@ -154,9 +196,17 @@ def _sqlite(where: str) -> Any:
         return held[1]
     if held is not None:
         _close(held[1])
-    conn = _connect(where)
+    try:
+        conn = _connect(where)
+    except sqlite3.Error as exc:
+        raise _unavailable(exc) from None
     _local.held = (where, conn)
     return conn
+
+
+def _unavailable(exc: Exception) -> KeyStoreUnavailable:
+    log.warning("content key store unreachable: %s", exc)  # where, and why: not for API callers
+    return KeyStoreUnavailable("the content key store cannot be reached; try again later")
 
 
 def _close(conn) -> None:
@@ -176,7 +226,7 @@ def _once(where: str, sql: str, params: tuple, fetch: bool):
             _local.held = None
             raise
         return cursor.fetchall() if fetch else cursor.rowcount
-    with _pool(where).connection() as conn:  # a broken connection is not given back to the pool
+    with _pool(where).connection() as conn:
         cursor = conn.execute(sql, params)
         return cursor.fetchall() if fetch else cursor.rowcount
 
@@ -187,15 +237,11 @@ def _run(sql: str, params: tuple, fetch: bool):
     for attempt in (1, 2):
         try:
             return _once(where, sql, params, fetch)
-        except psycopg_pool.PoolTimeout as exc:  # waited its time already: no second wait
-            log.warning("content key store failed: %s", exc)
-            raise KeyStoreUnavailable("the content key store cannot be reached; try again later") from None
-        except (psycopg.OperationalError, psycopg.InterfaceError, sqlite3.Error) as exc:
+        except KeyStoreBusy as exc:  # waited its time already: no second wait
+            raise _unavailable(exc) from None
+        except (psycopg.OperationalError, psycopg.InterfaceError, sqlite3.OperationalError) as exc:
             if attempt == 2:
-                log.warning("content key store failed: %s", exc)  # where, and why: not for API callers
-                raise KeyStoreUnavailable(
-                    "the content key store cannot be reached; try again later"
-                ) from None
+                raise _unavailable(exc) from None
     raise AssertionError("unreachable")
 
 
@@ -305,7 +351,7 @@ def close(where: str | None = None) -> None:
     """Close this process's pools (or the one to `where`) and this thread's SQLite connection."""
     with _pools_lock:
         for key in [k for k in _pools if where is None or k[1] == where]:
-            _pools.pop(key).close()
+            _pools.pop(key).close_idle()
     held = getattr(_local, "held", None)
     if held is not None:
         _close(held[1])
