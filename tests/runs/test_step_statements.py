@@ -32,6 +32,17 @@ def _approval_reads(run_id) -> int:
     )
 
 
+def _to_the_end(run):
+    """Advance the run task by task until it ends: the run, and each task's approval reads."""
+    reads = []
+    for _ in range(8):
+        reads.append(_approval_reads(run.pk))
+        run.refresh_from_db()
+        if run.is_terminal:
+            break
+    return run, reads
+
+
 def test_it_asks_nothing_about_approvals_of_a_run_no_person_decided(tenant, asha, builtins):
     echo = builtins["echo"]
     factories.grant(echo, use=[asha])
@@ -42,12 +53,7 @@ def test_it_asks_nothing_about_approvals_of_a_run_no_person_decided(tenant, asha
         + [{"text": "done"}],
     )
     run, _ = start_run(user=asha, agent="agent", input={})
-    reads = []
-    for _ in range(8):
-        reads.append(_approval_reads(run.pk))
-        run.refresh_from_db()
-        if run.is_terminal:
-            break
+    run, reads = _to_the_end(run)
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert Step.objects.filter(run=run, tool_name=echo.name, status="succeeded").count() == 3
     assert reads == [0] * len(reads)
@@ -73,12 +79,7 @@ def test_once_a_person_decided_the_model_step_reads_who(tenant, asha, ravi, buil
     assert run.status == RunStatus.WAITING_APPROVAL, run.error
     decide_approval(approval_id=Approval.objects.get(run=run).pk, user=ravi, approve=True, reason="ok")
 
-    reads = []
-    for _ in range(8):
-        reads.append(_approval_reads(run.pk))
-        run.refresh_from_db()
-        if run.is_terminal:
-            break
+    run, reads = _to_the_end(run)
     assert run.status == RunStatus.SUCCEEDED, run.error
     assert len(bank.effects("issue_refund")) == 1
     # The model steps after the approved refund read who decided the calls new to them.
