@@ -44,6 +44,9 @@ class Unopened(Sealed):
     read, and written back as it is if never read."""
 
 
+_MISSING = object()
+
+
 class _OpenedOnRead(DeferredAttribute):
     """A sealed field's attribute: a value read Unopened is opened on first access and kept
     opened. A data descriptor (it has __set__), so it is asked although the value sits in the
@@ -54,7 +57,9 @@ class _OpenedOnRead(DeferredAttribute):
     def __get__(self, instance, cls=None):
         if instance is None:
             return self
-        value = super().__get__(instance, cls)
+        value = instance.__dict__.get(self.field.attname, _MISSING)  # read on every access: no super() first
+        if value is _MISSING:
+            value = super().__get__(instance, cls)  # deferred: loaded from the database
         if type(value) is Unopened:
             # The row is at hand: a value another run sealed (copied over this one's) is refused
             # too. Only a direct attribute is followed, so opening never sends a query.
