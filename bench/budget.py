@@ -35,10 +35,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import dbs
 
 SECONDS = float(os.environ.get("BENCH_SECONDS", 10))
 CLIENTS = int(os.environ.get("BENCH_CLIENTS", 64))
@@ -52,21 +53,9 @@ if not BASE_URL.startswith("postgres"):
     sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    """CREATE/DROP DATABASE run on a connection to the server's maintenance database."""
-    import psycopg
-
-    with psycopg.connect(
-        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
-    ) as conn:
-        conn.execute(sql)
-
-
-os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+BENCH_URL = dbs.with_database(BASE_URL, TAG)
+os.environ["DATABASE_URL"] = BENCH_URL
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # the key store beside it: bench/dbs.py drops both
 os.environ["CELERY_BROKER_URL"] = "memory://"  # start_run enqueues; nothing consumes here
 os.environ.pop("DB_POOL_MAX", None)  # one plain connection per client thread
 os.environ.setdefault("LOG_LEVEL", "ERROR")
@@ -302,8 +291,7 @@ def step_overhead(repeats: int = 500) -> dict:
 
 
 def main() -> None:
-    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-    admin(f'CREATE DATABASE "{TAG}"')
+    dbs.create(BENCH_URL)
     try:
         import django
         from django.core.management import call_command
@@ -350,7 +338,7 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        dbs.drop(BENCH_URL)
 
 
 if __name__ == "__main__":

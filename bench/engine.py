@@ -40,10 +40,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import dbs
 
 RUNS = int(os.environ.get("BENCH_RUNS", 100))
 STEPS = int(os.environ.get("BENCH_STEPS", 25))  # odd: model, tool, model, ..., model
@@ -65,23 +66,9 @@ if not (os.environ.get("CELERY_BROKER_URL", "").startswith("redis") or os.enviro
     sys.exit("CELERY_BROKER_URL must point at Redis (or set BENCH_REDIS_URL beside an amqp:// broker)")
 
 
-def with_database(url: str, name: str) -> str:
-    parts = urlparse(url)
-    return urlunparse(parts._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    """CREATE/DROP DATABASE run on a connection to the server's maintenance database."""
-    import psycopg
-
-    with psycopg.connect(
-        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
-    ) as conn:
-        conn.execute(sql)
-
-
-BENCH_URL = with_database(BASE_URL, TAG)
+BENCH_URL = dbs.with_database(BASE_URL, TAG)
 os.environ["DATABASE_URL"] = BENCH_URL
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # the key store beside it: bench/dbs.py drops both
 os.environ["CELERY_QUEUE"] = TAG  # settings: the default queue, here and in the worker
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 os.environ.pop("DB_POOL_MAX", None)  # the benchmark process itself: plain connections
@@ -480,7 +467,7 @@ def main() -> None:
     fakes: dict[int, subprocess.Popen] = {}
     worker: Worker | None = None
     sampler: RssSampler | None = None
-    admin(f'CREATE DATABASE "{TAG}"')
+    dbs.create(BENCH_URL)
     try:
         subprocess.run(
             [sys.executable, "manage.py", "migrate", "-v", "0"],
@@ -536,7 +523,7 @@ def main() -> None:
             connections.close_all()
         except Exception:
             pass
-        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        dbs.drop(BENCH_URL)
         drop_queue()
 
 

@@ -76,8 +76,8 @@ sys.path.insert(0, str(ROOT))
 
 # bench/engine.py's pieces (its import points DATABASE_URL and CELERY_QUEUE at its own names:
 # they are set again below, before Django reads them).
+from bench import dbs, peer_agent, pgcpu, pgstats, sqlcount
 from bench import engine as engine_bench
-from bench import peer_agent, pgcpu, pgstats, sqlcount
 
 BASE_URL = os.environ["DATABASE_URL"]
 BROKER_URL = os.environ["CELERY_BROKER_URL"]
@@ -85,9 +85,7 @@ BROKER_URL = os.environ["CELERY_BROKER_URL"]
 # Redis; a Redis given by the parent when this process is the RabbitMQ child (run_on_rabbitmq).
 SIGNAL_URL = os.environ.get("BENCH_REDIS_URL") or BROKER_URL
 TAG = f"bench_peers_{os.getpid()}"
-DB_URLS = {
-    kind: engine_bench.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")
-}
+DB_URLS = {kind: dbs.with_database(BASE_URL, f"{TAG}_{kind}") for kind in ("engine", "langgraph", "dbos")}
 ALL_SCENARIOS = [
     "engine-1",
     "engine-1-amqp",
@@ -905,7 +903,7 @@ def main() -> None:
     servers: list[subprocess.Popen] = []
     results: list[Result] = []
     for url in DB_URLS.values():
-        engine_bench.admin(f'CREATE DATABASE "{pgstats.database_name(url)}"')
+        dbs.create(url)
     try:
         subprocess.run(
             [PY, "manage.py", "migrate", "-v", "0"],
@@ -972,7 +970,7 @@ def main() -> None:
 
             connections.close_all()  # DROP DATABASE ... WITH (FORCE) would end them anyway
         for url in DB_URLS.values():
-            engine_bench.admin(f'DROP DATABASE IF EXISTS "{pgstats.database_name(url)}" WITH (FORCE)')
+            dbs.drop(url)
         drop_keys()
 
 

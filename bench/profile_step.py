@@ -22,6 +22,8 @@ database: what partitioning costs the step path.
 call (sys.setprofile), each module change counted as a stop, with the rooms it climbs back up
 (a call from a room into a room above it on scripts/imports.py's ladder), and the rooms (apps,
 with the run's records apart) the modules belong to.
+`--schema-sql FILE`: run FILE's SQL on the benchmark's database after its migrations, to measure a
+schema change (with `--floor 2 --statements`: statement by statement) before writing its migration.
 `--stagger`: cost at length, early and late steps of long runs measured in the same minutes.
 With `--statements`, each side's PostgreSQL CPU is also split by statement (bench/pgstatements.py:
 the backend's own CPU time around each statement and COMMIT, to the microsecond), which moves
@@ -42,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import dbs, peers, pgcpu, sqlcount
 from bench import engine as engine_bench
-from bench import peers, pgcpu, sqlcount
 
 
 def _caller() -> str:
@@ -105,6 +107,12 @@ def main() -> None:
     )
     parser.add_argument("--walk", action="store_true", help="the modules a model step and a tool step visit")
     parser.add_argument(
+        "--schema-sql",
+        metavar="FILE",
+        help="SQL run on the benchmark's database after its migrations: what a schema change (a foreign "
+        "key or an index dropped, a fillfactor) would take off the step, before writing its migration",
+    )
+    parser.add_argument(
         "--partitions",
         type=int,
         default=0,
@@ -130,12 +138,17 @@ def main() -> None:
     import subprocess
 
     url = peers.DB_URLS["engine"]
-    engine_bench.admin(f'CREATE DATABASE "{peers.pgstats.database_name(url)}"')
+    dbs.create(url)
     servers = []
     try:
         subprocess.run(
             [peers.PY, "manage.py", "migrate", "-v", "0"], cwd=ROOT, check=True, env=dict(os.environ)
         )
+        if opts.schema_sql:
+            import psycopg
+
+            with psycopg.connect(url.replace("postgres://", "postgresql://", 1), autocommit=True) as conn:
+                conn.execute(Path(opts.schema_sql).read_text())
         import django
 
         # Pooled, unchecked connections and DEBUG off, as a worker has them (scripts/serve.sh). With
@@ -269,7 +282,7 @@ def main() -> None:
             from django.db import connections
 
             connections.close_all()
-        engine_bench.admin(f'DROP DATABASE IF EXISTS "{peers.pgstats.database_name(url)}" WITH (FORCE)')
+        dbs.drop(url)
 
 
 def _walk(advance, user, agent) -> None:
@@ -317,14 +330,17 @@ def _walk(advance, user, agent) -> None:
                         stops.append((event, current[0], after))
                     current[0] = after
 
-            seq = Step.objects.filter(run_id=run_id).count()
             sys.setprofile(profile)
             try:
                 advance(run_id)
             finally:
                 sys.setprofile(None)
-            step = Step.objects.filter(run_id=run_id).order_by("-seq").first()
-            kind = step.kind if step is not None and step.seq > seq else "no new step"
+            # The step this advance called: the one it finished last (a model step proposes tool
+            # steps after itself, so the newest step is not it).
+            step = (
+                Step.objects.filter(run_id=run_id).exclude(finished_at=None).order_by("-finished_at").first()
+            )
+            kind = f"{step.kind} step" if step is not None else "no step finished"
             visited = sorted({to for _, _, to in stops} | {frm for _, frm, _ in stops})
             climbs = [
                 (frm, to)

@@ -32,10 +32,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import dbs
 
 TAG = f"bench_purge_{os.getpid()}"
 BASE_URL = os.environ.get("DATABASE_URL", "")
@@ -43,20 +44,9 @@ if not BASE_URL.startswith("postgres"):
     sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    import psycopg
-
-    with psycopg.connect(
-        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
-    ) as conn:
-        conn.execute(sql)
-
-
-os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+BENCH_URL = dbs.with_database(BASE_URL, TAG)
+os.environ["DATABASE_URL"] = BENCH_URL
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # the key store beside it: bench/dbs.py drops both
 os.environ["CELERY_BROKER_URL"] = "memory://"  # start_run enqueues; this process drives the runs
 os.environ.pop("DB_POOL_MAX", None)
 os.environ.setdefault("LOG_LEVEL", "ERROR")
@@ -405,8 +395,7 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the database (named in the output)")
     args = parser.parse_args()
-    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-    admin(f'CREATE DATABASE "{TAG}"')
+    dbs.create(BENCH_URL)
     try:
         import datetime as dt
 
@@ -519,7 +508,7 @@ def main() -> None:
         if args.keep:
             print(f"kept database {TAG}")
         else:
-            admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+            dbs.drop(BENCH_URL)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import dbs
 
 RUNS = int(os.environ.get("BENCH_RUNS", 1_000_000))
 REPEATS = int(os.environ.get("BENCH_REPEATS", 200))
@@ -52,20 +53,9 @@ if not BASE_URL.startswith("postgres"):
     sys.exit("DATABASE_URL must point at PostgreSQL (only its server is used; a throwaway database is made)")
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    import psycopg
-
-    with psycopg.connect(
-        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
-    ) as conn:
-        conn.execute(sql)
-
-
-os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+BENCH_URL = dbs.with_database(BASE_URL, TAG)
+os.environ["DATABASE_URL"] = BENCH_URL
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # the key store beside it: bench/dbs.py drops both
 os.environ["CELERY_BROKER_URL"] = "memory://"
 os.environ.pop("DB_POOL_MAX", None)
 os.environ.setdefault("LOG_LEVEL", "ERROR")
@@ -346,8 +336,7 @@ def page_and_count(supervisor, **filters) -> tuple[float, float]:
 
 def main() -> None:
     if not REUSE:
-        admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-        admin(f'CREATE DATABASE "{TAG}"')
+        dbs.create(BENCH_URL)
     try:
         import django
         from django.core.management import call_command
@@ -437,15 +426,13 @@ def main() -> None:
     finally:
         from django.db import connections
 
-        if not KEEP and not REUSE:
-            from vault import store
-
-            store.drop_database()  # the bench database's key store
         connections.close_all()
         if KEEP:
-            print(f"database kept: BENCH_REUSE={TAG} times it again; drop it with DROP DATABASE {TAG}")
+            print(
+                f"database kept: BENCH_REUSE={TAG} times it again; drop it and its key store with DROP DATABASE {TAG}, {TAG}_keys"
+            )
         elif not REUSE:
-            admin(f'DROP DATABASE IF EXISTS "{TAG}"')
+            dbs.drop(BENCH_URL)
 
 
 if __name__ == "__main__":

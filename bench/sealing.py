@@ -27,10 +27,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import dbs
 
 TAG = f"bench_sealing_{os.getpid()}"
 BASE_URL = os.environ.get("DATABASE_URL", "")
@@ -39,22 +40,10 @@ if not BASE_URL.startswith("postgres"):
 IDENTIFIER = "CUST-4471-XK"
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
-
-
-def admin(sql: str) -> None:
-    import psycopg
-
-    with psycopg.connect(
-        with_database(BASE_URL, "postgres").replace("postgres://", "postgresql://", 1), autocommit=True
-    ) as conn:
-        conn.execute(sql)
-
-
-os.environ["DATABASE_URL"] = with_database(BASE_URL, TAG)
+BENCH_URL = dbs.with_database(BASE_URL, TAG)
+os.environ["DATABASE_URL"] = BENCH_URL
 os.environ["CELERY_BROKER_URL"] = "memory://"
-os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # beside the throwaway database: dropped with it
+os.environ.pop("CONTENT_KEYS_DATABASE_URL", None)  # the key store beside it: bench/dbs.py drops both
 os.environ.setdefault("LOG_LEVEL", "ERROR")
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "agentplatform.settings")
 
@@ -167,8 +156,7 @@ def main() -> None:
     parser.add_argument("--artifact-bytes", type=int, default=10_000)
     parser.add_argument("--keys", type=int, default=0, help="time the shredding pass over this many keys")
     args = parser.parse_args()
-    admin(f'DROP DATABASE IF EXISTS "{TAG}"')
-    admin(f'CREATE DATABASE "{TAG}"')
+    dbs.create(BENCH_URL)
     try:
         import django
         from django.core.management import call_command
@@ -189,11 +177,8 @@ def main() -> None:
     finally:
         from django.db import connections
 
-        from vault import store
-
-        store.drop_database()
         connections.close_all()
-        admin(f'DROP DATABASE IF EXISTS "{TAG}" WITH (FORCE)')
+        dbs.drop(BENCH_URL)  # and its key store beside it
 
 
 if __name__ == "__main__":
