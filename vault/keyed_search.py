@@ -113,7 +113,9 @@ def document(tenant, *values) -> str:
     """The values' tsvector text, with the tenant's keyed lexemes: what `search_words` holds."""
     positions, whole = _tokens(*values)
     names = list(positions) + sorted(whole)
-    hashed = dict(zip(names, sealing.search_lexemes(tenant, names), strict=True))
+    lexemes = sealing.search_lexemes(tenant, names)
+    assert lexemes is not None  # made when missing
+    hashed = dict(zip(names, lexemes, strict=True))
     entries = [
         f"'{hashed[token]}':{','.join(str(p) for p in sorted(set(at))[:MAX_POSITIONS])}"
         for token, at in positions.items()
@@ -184,6 +186,8 @@ def tsquery(tenants, query: Query, *, values: bool = True) -> str:
     alternatives = []
     for tenant in tenants:
         hashed = _hashed(tenant, query)
+        if hashed is None:  # no word key: the tenant has no stored words to match
+            continue
         words = [
             " & ".join(_term(negated, phrase, hashed) for negated, phrase in group) for group in query.groups
         ]
@@ -191,9 +195,12 @@ def tsquery(tenants, query: Query, *, values: bool = True) -> str:
     return " | ".join(alternatives) if alternatives else "''"
 
 
-def _hashed(tenant, query: Query) -> dict[str, str]:
+def _hashed(tenant, query: Query) -> dict[str, str] | None:
+    """The query's tokens in the tenant's lexemes; None when the tenant has no word key (a search
+    does not make one)."""
     names = query.lexemes()
-    return dict(zip(names, sealing.search_lexemes(tenant, names), strict=True))
+    lexemes = sealing.search_lexemes(tenant, names, make=False)
+    return None if lexemes is None else dict(zip(names, lexemes, strict=True))
 
 
 def _term(negated: bool, phrase, hashed: dict) -> str:
@@ -208,6 +215,8 @@ def matcher(tenant, query: Query) -> Callable[[str | None], bool]:
     """Whether a stored `document` of the tenant matches the query, as `@@` decides (the demo's
     search, in Python)."""
     hashed = _hashed(tenant, query)
+    if hashed is None:
+        return lambda stored: False  # no word key: nothing of the tenant's holds words
     values = [hashed[v] for v in query.values]
     groups = [
         [

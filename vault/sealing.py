@@ -162,16 +162,30 @@ def keyed_digest(tenant, text: str) -> str:
     return hmac.new(_word_key(tenant), b"text|" + text.encode(), hashlib.sha256).hexdigest()
 
 
-def search_lexemes(tenant, tokens) -> list[str]:
+def search_lexemes(tenant, tokens, *, make: bool = True) -> list[str] | None:
     """Keyed lexemes of search tokens (vault/keyed_search.py), in their order: the first 64 bits of
-    HMAC-SHA256 with the tenant's word key, in hex; a tokens' hash in no other tenant's search."""
-    key = _word_key(tenant)
+    HMAC-SHA256 with the tenant's word key, in hex; a tokens' hash in no other tenant's search.
+
+    `make=False` (a query, not a document): None when the tenant has no word key, so no stored
+    words to match; a search does not make one (an operator's search over every tenant made a
+    key for each tenant without runs)."""
+    key = _word_key(tenant) if make else _existing_word_key(tenant)
+    if key is None:
+        return None
     return [hmac.new(key, b"search|" + t.encode(), hashlib.sha256).hexdigest()[:16] for t in tokens]
 
 
 def _word_key(tenant) -> bytes:
     """The tenant's word key: made, and kept in the key store, like a run's."""
     return _data_key(f"{WORDS_KEY}{tenant}", tenant, make=True)
+
+
+def _existing_word_key(tenant) -> bytes | None:
+    """The tenant's word key if it has one (None: never made, or destroyed with its history)."""
+    try:
+        return _data_key(f"{WORDS_KEY}{tenant}", tenant, make=False)
+    except KeyDestroyed:
+        return None
 
 
 def shred(run_ids) -> int:

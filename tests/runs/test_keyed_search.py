@@ -18,7 +18,7 @@ from history.verify import verify
 from runs.models import Run
 from runs.services import start_run
 from tests import factories
-from vault import keyed_search, sealing
+from vault import keyed_search, sealing, store
 
 pytestmark = pytest.mark.django_db
 
@@ -143,6 +143,32 @@ def test_an_operator_searches_every_tenant_and_a_tenant_only_its_own(run, tenant
     listed = client.get("/admin/runs/run/", {"q": "duplicate charge"}).context["cl"].result_list
     ranked = [r.pk for r in listed if r.pk in (near.pk, far.pk)]
     assert ranked == [near.pk, far.pk]
+
+
+def test_a_search_makes_no_word_key_for_a_tenant_without_one(run, asha, transactional_db):
+    """The query side only reads word keys: an operator's search over every tenant once made a key
+    in the store for each tenant that had none (a write for every read, and keys nothing uses)."""
+    idle = factories.make_tenant("initech")  # no runs: no words, no word key
+    operator = get_user_model().objects.create_superuser("ops", password="pw")
+    client = Client()
+    client.force_login(operator)
+    for q in ("meera", "-meera", '"duplicate charge"'):
+        response = client.get("/admin/runs/run/", {"q": q})
+        assert response.status_code == 200
+    assert {r.pk for r in client.get("/admin/runs/run/", {"q": "meera"}).context["cl"].result_list} == {
+        run.pk
+    }
+    assert store.held(f"{sealing.WORDS_KEY}{idle.pk}") is None
+    assert keyed_search.tsquery([idle.pk], keyed_search.parse("meera")) == "''"
+    assert keyed_search.matcher(idle.pk, keyed_search.parse("meera"))(None) is False
+    assert store.held(f"{sealing.WORDS_KEY}{idle.pk}") is None
+    # Its first run makes the key, and the search finds that run.
+    olga = factories.make_user(idle, "olga", staff=True)
+    factories.make_agent(idle, name="disputes", tools=[], turns=[{"text": "hi"}])
+    theirs, _ = start_run(user=olga, agent="disputes", input={"customer_name": "Meera Iyer"})
+    assert store.held(f"{sealing.WORDS_KEY}{idle.pk}") is not None
+    listed = client.get("/admin/runs/run/", {"q": "meera"}).context["cl"].result_list
+    assert {r.pk for r in listed} == {run.pk, theirs.pk}
 
 
 # Documents and searches whose words PostgreSQL's parser splits as the platform does (letters and
