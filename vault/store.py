@@ -246,12 +246,10 @@ def _run(sql: str, params: tuple, fetch: bool):
 
 
 def put(run_id, tenant, wrapped: bytes) -> bytes:
-    """Store the run's wrapped key unless it has one; the one it has (two writers agree)."""
-    _run(
-        INSERT_ONE,
-        (str(run_id), str(tenant), wrapped),
-        fetch=False,
-    )
+    """Store the run's wrapped key unless it has one; the one it has (two writers agree). One
+    round trip when this one is stored (a new run's), a second to read another writer's."""
+    if _run(f"{INSERT_ONE} RETURNING run_id", (str(run_id), str(tenant), wrapped), fetch=True):
+        return wrapped
     found = get(run_id)
     if found is None:  # destroyed between the two statements: the run's content is being erased
         raise KeyDestroyed(run_id)

@@ -309,6 +309,15 @@ def test_a_new_key_store_reached_by_many_threads_at_once_is_made_once_and_serves
         store.drop_database()
 
 
+def test_two_writers_of_one_runs_key_both_get_the_first_one_stored(transactional_db):
+    run_id = str(uuid.uuid4())
+    assert store.put(run_id, "t", b"first") == b"first"
+    assert store.put(run_id, "t", b"second") == b"first"  # the loser seals with the winner's key
+    assert store.held(run_id) == (b"first", "t")
+    store.destroy([run_id])
+    assert store.put(run_id, "t", b"third") == b"third"  # after an erasure: a new key, not the old one
+
+
 def test_a_file_stored_after_another_process_destroyed_the_runs_key_gets_a_new_one(asha, echo_agent):
     run = finished_run(asha, word="hello")
     first = _statement(run, "x")
