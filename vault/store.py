@@ -132,6 +132,7 @@ class _Pool:
         self.slots = threading.BoundedSemaphore(size)
         self.idle: list[psycopg.Connection] = []
         self.lock = threading.Lock()
+        self.closed = False  # close(): a connection in use then is closed when given back
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
@@ -152,7 +153,11 @@ class _Pool:
                 _close(conn)
                 raise
             with self.lock:
-                self.idle.append(conn)
+                keep = not self.closed
+                if keep:
+                    self.idle.append(conn)
+            if not keep:
+                _close(conn)
         finally:
             self.slots.release()
 
@@ -161,6 +166,12 @@ class _Pool:
             idle, self.idle = self.idle, []
         for conn in idle:
             _close(conn)
+
+    def close(self) -> None:
+        """No connection kept from now on: the idle ones now, those in use when given back."""
+        with self.lock:
+            self.closed = True
+        self.close_idle()
 
 
 class KeyStoreBusy(Exception):
@@ -349,7 +360,7 @@ def close(where: str | None = None) -> None:
     """Close this process's pools (or the one to `where`) and this thread's SQLite connection."""
     with _pools_lock:
         for key in [k for k in _pools if where is None or k[1] == where]:
-            _pools.pop(key).close_idle()
+            _pools.pop(key).close()
     held = getattr(_local, "held", None)
     if held is not None:
         _close(held[1])

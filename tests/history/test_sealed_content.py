@@ -309,6 +309,29 @@ def test_a_new_key_store_reached_by_many_threads_at_once_is_made_once_and_serves
         store.drop_database()
 
 
+def test_a_connection_in_use_when_the_store_is_closed_is_closed_when_given_back(transactional_db):
+    import threading
+
+    where = store.location()
+    store.get("warm")  # the process's pool made
+    taken, release, held = threading.Event(), threading.Event(), []
+
+    def hold():
+        with store._pool(where).connection() as conn:
+            held.append(conn)
+            taken.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert taken.wait(10)
+    store.close(where)
+    release.set()
+    thread.join(10)
+    assert held[0].closed  # not kept in the closed pool's idle list, left to garbage collection
+    assert store.get("warm") is None  # a new pool serves on
+
+
 def test_two_writers_of_one_runs_key_both_get_the_first_one_stored(transactional_db):
     run_id = str(uuid.uuid4())
     assert store.put(run_id, "t", b"first") == b"first"
