@@ -113,9 +113,7 @@ def document(tenant, *values) -> str:
     """The values' tsvector text, with the tenant's keyed lexemes: what `search_words` holds."""
     positions, whole = _tokens(*values)
     names = list(positions) + sorted(whole)
-    lexemes = sealing.search_lexemes(tenant, names)
-    assert lexemes is not None  # made when missing
-    hashed = dict(zip(names, lexemes, strict=True))
+    hashed = dict(zip(names, sealing.search_lexemes(tenant, names), strict=True))
     entries = [
         f"'{hashed[token]}':{','.join(str(p) for p in sorted(set(at))[:MAX_POSITIONS])}"
         for token, at in positions.items()
@@ -199,7 +197,7 @@ def _hashed(tenant, query: Query) -> dict[str, str] | None:
     """The query's tokens in the tenant's lexemes; None when the tenant has no word key (a search
     does not make one)."""
     names = query.lexemes()
-    lexemes = sealing.search_lexemes(tenant, names, make=False)
+    lexemes = sealing.query_lexemes(tenant, names)
     return None if lexemes is None else dict(zip(names, lexemes, strict=True))
 
 

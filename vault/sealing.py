@@ -48,6 +48,7 @@ __all__ = [
     "seal_value",
     "seal_with",
     "make_keys",
+    "query_lexemes",
     "search_lexemes",
     "shred",
     "unseal",
@@ -162,16 +163,22 @@ def keyed_digest(tenant, text: str) -> str:
     return hmac.new(_word_key(tenant), b"text|" + text.encode(), hashlib.sha256).hexdigest()
 
 
-def search_lexemes(tenant, tokens, *, make: bool = True) -> list[str] | None:
-    """Keyed lexemes of search tokens (vault/keyed_search.py), in their order: the first 64 bits of
-    HMAC-SHA256 with the tenant's word key, in hex; a tokens' hash in no other tenant's search.
+def search_lexemes(tenant, tokens) -> list[str]:
+    """Keyed lexemes of a document's tokens (vault/keyed_search.py), in their order: the first 64
+    bits of HMAC-SHA256 with the tenant's word key (made if missing), in hex; a token's hash in no
+    other tenant's search."""
+    return _lexemes(_word_key(tenant), tokens)
 
-    `make=False` (a query, not a document): None when the tenant has no word key, so no stored
-    words to match; a search does not make one (an operator's search over every tenant made a
-    key for each tenant without runs)."""
-    key = _word_key(tenant) if make else _existing_word_key(tenant)
-    if key is None:
-        return None
+
+def query_lexemes(tenant, tokens) -> list[str] | None:
+    """The same for a query's tokens; None when the tenant has no word key, so no stored words to
+    match. A search does not make one (an operator's search over every tenant made a key for each
+    tenant without runs)."""
+    key = _existing_word_key(tenant)
+    return None if key is None else _lexemes(key, tokens)
+
+
+def _lexemes(key: bytes, tokens) -> list[str]:
     return [hmac.new(key, b"search|" + t.encode(), hashlib.sha256).hexdigest()[:16] for t in tokens]
 
 

@@ -1,6 +1,6 @@
 """The content key store's server restarts: the process's pooled connections to it all break, and
-the next key asked for is still served (each connection is checked when taken from the pool, so
-the retry does not take another broken one), not refused with 503."""
+the next key asked for is still served (a connection found lost closes the idle ones with it, so
+the retry makes a new one instead of taking another broken one), not refused with 503."""
 
 from __future__ import annotations
 
